@@ -1,0 +1,58 @@
+"""Broker configuration: one frozen dataclass, units in the field names."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+__all__ = ["BrokerConfig", "default_socket_dir"]
+
+
+def default_socket_dir() -> str:
+    """Where sockets go when no path is given: $XDG_RUNTIME_DIR or the temp dir."""
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Everything ``kvbroker serve`` can set. Defaults suit one host in production."""
+
+    #: TCP address for peers and operators (gRPC). Port 0 picks a free port.
+    listen_address: str = "127.0.0.1:50051"
+    #: Address peers should dial to reach this broker; defaults to the bound
+    #: listen address (set it when listening on 0.0.0.0).
+    advertise_address: str | None = None
+    #: gRPC unix socket for engines on this host (faster than TCP); None: none.
+    engine_socket_path: str | None = None
+    #: Unix socket for fd uploads; None: next to the engine socket, or in
+    #: default_socket_dir() named after the process id.
+    fd_socket_path: str | None = None
+    #: UCX error handling mode of the NIXL backend: "peer" detects dead peers,
+    #: "none" is faster and blind (PERF_NOTES.md).
+    ucx_error_mode: str = "peer"
+    #: Prefix of the NIXL agent name; a random suffix makes it unique per process.
+    agent_name_prefix: str = "kvbroker"
+    #: How long finished and failed rooms stay pollable before eviction.
+    finished_room_ttl_seconds: float = 30.0
+    #: How long transfer infos wait for a BeginSend that never comes.
+    orphan_room_timeout_seconds: float = 300.0
+    #: How long an evicted room id is remembered, so a late message for it
+    #: is refused instead of recreating it.
+    tombstone_ttl_seconds: float = 60.0
+    #: Period of the housekeeping pass (eviction, timeouts).
+    housekeeping_interval_seconds: float = 0.25
+    #: Sleep between progress polls while rooms wait for data and nothing is
+    #: in flight. While transfers are in flight the broker polls without
+    #: sleeping (UCX moves shared-memory bytes inside those calls).
+    idle_poll_interval_millis: float = 1.0
+    #: Deadline of broker-to-broker calls.
+    peer_rpc_timeout_seconds: float = 10.0
+    #: How long UnregisterEngine waits for posted transfers to settle before
+    #: it deregisters anyway.
+    unregister_settle_timeout_seconds: float = 10.0
+    #: Largest gRPC message accepted or sent (page index lists are the bulk).
+    max_message_bytes: int = 64 * 1024 * 1024
+    #: Threads of the gRPC server's executor for sync work (the servicers
+    #: themselves are async).
+    grpc_max_workers: int = 4

@@ -1,0 +1,22 @@
+"""Broker-wide counters reported by ``Admin.GetStats``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Counters"]
+
+
+@dataclass
+class Counters:
+    """Monotonic counters since the broker started."""
+
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_posted: int = 0
+    #: Notifications for rooms this broker no longer (or never) had.
+    late_notices: int = 0
+    #: Notifications that were not a TransferNotice.
+    bad_notices: int = 0

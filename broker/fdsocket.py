@@ -1,0 +1,169 @@
+"""The fd socket: engines upload buffer file descriptors here (SCM_RIGHTS).
+
+A unix ``SOCK_SEQPACKET`` socket beside the gRPC server, created with
+owner/group-only permissions (0660). One connection is one engine session:
+
+1. the engine sends one ``FdUpload`` datagram with its buffers' fds attached;
+2. the broker answers ``FdUploadReply`` with a session token;
+3. the engine calls ``RegisterEngine`` with that token, which claims the fds;
+4. the engine keeps the connection open while it lives. When it closes
+   (clean exit or a killed process: the kernel closes it either way), the
+   broker ends the session: unclaimed fds are closed and a registered engine
+   is unregistered.
+
+Everything runs on the broker's event loop (``add_reader``); nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvbroker.v1 import common_pb2, fdsocket_pb2
+
+__all__ = ["FdSession", "FdSocketServer", "MAX_FDS_PER_UPLOAD"]
+
+#: More fds than this in one upload is refused.
+MAX_FDS_PER_UPLOAD = 256
+_MAX_DATAGRAM = 1 << 20
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class FdSession:
+    """One engine's connection to the fd socket."""
+
+    token: str
+    pid: int
+    uid: int
+    specs: list[common_pb2.BufferSpec] = field(default_factory=list)
+    #: Uploaded fds not yet claimed by RegisterEngine (closed if never claimed).
+    fds: list[int] = field(default_factory=list)
+    #: Set once RegisterEngine claimed the fds (the engine owns them then).
+    engine_id: str | None = None
+    closed: bool = False
+
+
+class FdSocketServer:
+    """Accepts fd uploads; calls ``on_close(session)`` when a session ends."""
+
+    def __init__(self, path: str, on_close: Callable[[FdSession], None]) -> None:
+        self.path = path
+        self._on_close = on_close
+        self._sock: socket.socket | None = None
+        self._conns: dict[int, tuple[socket.socket, FdSession | None]] = {}
+        self.sessions: dict[str, FdSession] = {}
+
+    def start(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old_umask = os.umask(0o117)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o660)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+
+    def claim(self, token: str, engine_id: str) -> tuple[FdSession, list[int]] | None:
+        """Hand the unclaimed fds of session ``token`` to engine ``engine_id``.
+
+        The caller owns the returned fds from then on. None if the token is
+        unknown, its connection closed, or its fds were already claimed.
+        """
+        session = self.sessions.get(token)
+        if session is None or session.closed or session.engine_id is not None or not session.fds:
+            return None
+        fds, session.fds = session.fds, []
+        session.engine_id = engine_id
+        return session, fds
+
+    def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+        for fileno in list(self._conns):
+            self._drop(fileno)
+
+    # -- internals ------------------------------------------------------
+    def _accept(self) -> None:
+        assert self._sock is not None
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(False)
+        self._conns[conn.fileno()] = (conn, None)
+        asyncio.get_running_loop().add_reader(conn.fileno(), self._readable, conn.fileno())
+
+    def _readable(self, fileno: int) -> None:
+        conn, session = self._conns[fileno]
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_DATAGRAM, MAX_FDS_PER_UPLOAD)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("fd_socket_read_failed", error=str(exc))
+            self._drop(fileno)
+            return
+        if not data and not fds:
+            self._drop(fileno)
+            return
+        if session is not None:
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, error="one upload per connection: open a new connection for another engine rank")
+            return
+        try:
+            upload = fdsocket_pb2.FdUpload.FromString(data)
+        except Exception:
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, error="the datagram is not an FdUpload message")
+            return
+        if len(upload.buffers) != len(fds) or not fds:
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, error=f"{len(upload.buffers)} buffers described but {len(fds)} fds attached")
+            return
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        session = FdSession(token=secrets.token_hex(16), pid=pid, uid=uid, specs=list(upload.buffers), fds=list(fds))
+        self.sessions[session.token] = session
+        self._conns[fileno] = (conn, session)
+        self._reply(conn, token=session.token)
+        log.debug("fd_upload", pid=pid, buffers=len(fds))
+
+    def _reply(self, conn: socket.socket, *, token: str = "", error: str = "") -> None:
+        try:
+            conn.send(fdsocket_pb2.FdUploadReply(session_token=token, error=error).SerializeToString())
+        except OSError as exc:
+            log.warning("fd_socket_reply_failed", error=str(exc))
+
+    def _drop(self, fileno: int) -> None:
+        conn, session = self._conns.pop(fileno)
+        asyncio.get_running_loop().remove_reader(fileno)
+        conn.close()
+        if session is None:
+            return
+        session.closed = True
+        for fd in session.fds:
+            os.close(fd)
+        session.fds = []
+        self.sessions.pop(session.token, None)
+        self._on_close(session)

@@ -1,0 +1,116 @@
+"""Importing engine memory from file descriptors (DESIGN.md section 3).
+
+NIXL only registers memory mapped in the agent's own process, so engines hand
+their buffers over as file descriptors and the broker maps them:
+
+- DRAM: a memfd (or shm file). :class:`DramImporter` maps it shared, read and
+  write, into the broker. The memfd must be sealed against shrinking
+  (``F_SEAL_SHRINK``): a buffer its engine could truncate would turn a NIXL
+  access into SIGBUS and take the whole broker down.
+- VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
+  ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter` is the
+  seam for ``cuMemImportFromShareableHandle`` + ``cuMemMap``; it is not
+  implemented in this build (no GPU was available to develop and test it), and
+  says so when used.
+
+An importer owns what it maps; ``ImportedBuffer.release`` unmaps and closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvbroker.errors import InvalidArgument, Unimplemented
+from kvbroker.v1 import common_pb2
+
+__all__ = ["DramImporter", "ImportedBuffer", "MemoryImporter", "VramImporter", "importer_for"]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@dataclass
+class ImportedBuffer:
+    """A buffer mapped into the broker. ``release`` unmaps it; idempotent."""
+
+    address: int
+    size_bytes: int
+    kind: int
+    device_id: int
+    _fd: int = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self.kind == common_pb2.MEMORY_KIND_DRAM:
+            _libc.munmap(self.address, self.size_bytes)
+        os.close(self._fd)
+
+
+class MemoryImporter(Protocol):
+    """Maps an engine's exported buffer into this process."""
+
+    def import_buffer(self, fd: int, spec: common_pb2.BufferSpec) -> ImportedBuffer:
+        """Map ``fd`` (the importer takes ownership of it, also on error)."""
+
+
+class DramImporter:
+    """Maps memfd/shm file descriptors shared, read-write."""
+
+    def import_buffer(self, fd: int, spec: common_pb2.BufferSpec) -> ImportedBuffer:
+        try:
+            if spec.size_bytes == 0:
+                raise InvalidArgument("a DRAM buffer must not be empty")
+            actual = os.fstat(fd).st_size
+            if actual < spec.size_bytes:
+                raise InvalidArgument(f"the fd holds {actual} bytes but the buffer claims {spec.size_bytes}")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise InvalidArgument(
+                    "DRAM buffers must be memfds sealed with F_SEAL_SHRINK (a shrinkable buffer could crash the "
+                    "broker); kvbroker.client.memory allocates them that way"
+                )
+            addr = _libc.mmap(None, spec.size_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, _MAP_FAILED):
+                err = ctypes.get_errno()
+                raise InvalidArgument(f"cannot map the buffer: {os.strerror(err)}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return ImportedBuffer(
+            address=int(addr), size_bytes=spec.size_bytes, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0, _fd=fd
+        )
+
+
+class VramImporter:
+    """The seam for CUDA VMM POSIX-fd imports. Not implemented in this build."""
+
+    def import_buffer(self, fd: int, spec: common_pb2.BufferSpec) -> ImportedBuffer:
+        os.close(fd)
+        raise Unimplemented(
+            "VRAM buffers (CUDA VMM POSIX-fd import) are not implemented in this build; register DRAM buffers"
+        )
+
+
+def importer_for(kind: int) -> MemoryImporter:
+    """The importer for a ``MemoryKind``."""
+    if kind == common_pb2.MEMORY_KIND_DRAM:
+        return DramImporter()
+    if kind == common_pb2.MEMORY_KIND_VRAM:
+        return VramImporter()
+    raise InvalidArgument(f"buffer kind {kind} is not DRAM or VRAM")

@@ -1,0 +1,249 @@
+"""The NIXL seam: a small agent protocol, and the real UCX-backed agent.
+
+This is the only module that imports ``nixl``. The broker talks to an
+:class:`Agent`; tests swap in ``kvbroker.testing.FakeAgent``, which follows
+the same protocol.
+
+Thread-safety: NIXL is not guaranteed thread-safe. An agent has one owner, the
+broker's event-loop thread, and every call below runs there. Progress is
+driven by that thread (``check`` and ``get_notifs``); NIXL's own progress
+thread is off, because on small hosts it costs notification round trips of
+8-24 ms and half the throughput (PERF_NOTES.md).
+
+Ownership: every handle an agent returns has one owner and an explicit
+release (``deregister``, ``release_dlist``, ``release_xfer``,
+``remove_remote``); ``close`` releases what is left, in reverse order.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvbroker.errors import Internal, InvalidArgument, Unavailable
+from kvbroker.indices import IndexArray
+from kvbroker.v1 import common_pb2
+
+__all__ = ["Agent", "AgentConfig", "NixlError", "UcxAgent", "XferState"]
+
+
+class NixlError(Unavailable):
+    """A NIXL call failed (post rejected, remote unreachable, bad descriptors)."""
+
+
+class XferState(enum.Enum):
+    """The state of a posted transfer."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How to create the broker's NIXL agent."""
+
+    #: Agent name; unique per broker process (peers key metadata by it).
+    name: str
+    #: UCX error handling mode: "peer" reports dead peers (notifications go
+    #: over TCP, about 5x slower round trips); "none" is faster and blind to
+    #: peer failure.
+    ucx_error_mode: str = "peer"
+    #: Record per-transfer telemetry (descriptor counts, durations).
+    capture_telemetry: bool = True
+
+
+class Agent(Protocol):
+    """What the broker needs of a NIXL agent. Handles are opaque."""
+
+    @property
+    def name(self) -> str: ...
+
+    def metadata(self) -> bytes:
+        """This agent's metadata, including every current registration."""
+
+    def register(self, address: int, size_bytes: int, kind: int, device_id: int) -> Any:
+        """Register memory; returns a registration handle for ``deregister``."""
+
+    def deregister(self, registration: Any) -> None: ...
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a peer's metadata; returns its agent name."""
+
+    def remove_remote(self, name: str) -> None: ...
+
+    def prep_dlist(self, agent: str | None, descs: np.ndarray, kind: int) -> Any:
+        """Prepare an N x 3 descriptor list: ``agent`` None for local memory,
+        a remote agent's name (or our own, for loopback) for remote memory."""
+
+    def release_dlist(self, dlist: Any) -> None: ...
+
+    def post_write(
+        self,
+        local: Any,
+        local_indices: IndexArray,
+        remote: Any,
+        remote_indices: IndexArray,
+        notif: bytes,
+    ) -> Any:
+        """Make and post a WRITE; ``notif`` reaches the remote after the data.
+        Raises ``NixlError`` if NIXL rejects it (nothing was posted then)."""
+
+    def check(self, xfer: Any) -> XferState:
+        """Progress and report a posted transfer."""
+
+    def release_xfer(self, xfer: Any) -> None:
+        """Release a transfer handle (NIXL tries to cancel one still in flight)."""
+
+    def descriptor_count(self, xfer: Any) -> int | None:
+        """Descriptors NIXL used for a finished transfer, if telemetry is on."""
+
+    def send_notif(self, agent: str, message: bytes) -> None: ...
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Progress and return the notifications that arrived, oldest first."""
+
+    def close(self) -> None: ...
+
+
+_MEM_TYPE = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
+
+
+def _mem_type(kind: int) -> str:
+    try:
+        return _MEM_TYPE[kind]
+    except KeyError:
+        raise InvalidArgument(f"memory kind {kind} is not DRAM or VRAM") from None
+
+
+class UcxAgent:
+    """The real agent: ``nixl`` with the UCX backend, no progress thread."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        # NIXL logs every agent and backend creation at INFO on the root of
+        # its own logger; keep that out of our structured logs.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._config = config
+        conf = nixl_agent_config(
+            enable_prog_thread=False,
+            backends=[],
+            capture_telemetry=config.capture_telemetry,
+        )
+        self._agent = nixl_agent(config.name, conf)
+        try:
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": config.ucx_error_mode})
+        except Exception as exc:  # nixl raises its own exception types
+            raise NixlError(
+                f"cannot create the NIXL UCX backend (error mode {config.ucx_error_mode!r}, "
+                f"UCX_TLS={os.environ.get('UCX_TLS', '<unset>')}): {exc}"
+            ) from exc
+        self._registrations: list[Any] = []
+        self._remotes: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return self._config.name
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def register(self, address: int, size_bytes: int, kind: int, device_id: int) -> Any:
+        try:
+            reg = self._agent.register_memory([(address, size_bytes, device_id, "")], _mem_type(kind))
+        except InvalidArgument:
+            raise
+        except Exception as exc:
+            raise NixlError(f"NIXL could not register {size_bytes} bytes at {address:#x}: {exc}") from exc
+        self._registrations.append(reg)
+        return reg
+
+    def deregister(self, registration: Any) -> None:
+        self._registrations.remove(registration)
+        self._agent.deregister_memory(registration)
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise NixlError(f"NIXL rejected a peer's agent metadata: {exc}") from exc
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            self._agent.remove_remote_agent(name)
+
+    def prep_dlist(self, agent: str | None, descs: np.ndarray, kind: int) -> Any:
+        try:
+            return self._agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, _mem_type(kind))
+        except InvalidArgument:
+            raise
+        except Exception as exc:
+            raise NixlError(f"NIXL could not prepare {len(descs)} descriptors for {agent or 'local'}: {exc}") from exc
+
+    def release_dlist(self, dlist: Any) -> None:
+        self._agent.release_dlist_handle(dlist)
+
+    def post_write(
+        self,
+        local: Any,
+        local_indices: IndexArray,
+        remote: Any,
+        remote_indices: IndexArray,
+        notif: bytes,
+    ) -> Any:
+        try:
+            xfer = self._agent.make_prepped_xfer("WRITE", local, local_indices, remote, remote_indices, notif)
+        except Exception as exc:
+            raise NixlError(f"NIXL could not make the transfer: {exc}") from exc
+        try:
+            state = self._agent.transfer(xfer)
+        except Exception as exc:
+            self._agent.release_xfer_handle(xfer)
+            raise NixlError(f"NIXL could not post the transfer: {exc}") from exc
+        if state == "ERR":
+            self._agent.release_xfer_handle(xfer)
+            raise NixlError("NIXL rejected the transfer when posting it")
+        return xfer
+
+    def check(self, xfer: Any) -> XferState:
+        return XferState(self._agent.check_xfer_state(xfer))
+
+    def release_xfer(self, xfer: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except Exception as exc:
+            raise Internal(f"NIXL could not release a transfer handle: {exc}") from exc
+
+    def descriptor_count(self, xfer: Any) -> int | None:
+        if not self._config.capture_telemetry:
+            return None
+        try:
+            return int(self._agent.get_xfer_telemetry(xfer).descCount)
+        except Exception:
+            return None
+
+    def send_notif(self, agent: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(agent, message)
+        except Exception as exc:
+            raise NixlError(f"NIXL could not notify {agent}: {exc}") from exc
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        notifs = self._agent.get_new_notifs()
+        return [(name, bytes(msg)) for name, msgs in notifs.items() for msg in msgs]
+
+    def close(self) -> None:
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        for reg in reversed(list(self._registrations)):
+            self.deregister(reg)

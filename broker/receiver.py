@@ -1,0 +1,336 @@
+"""The receiver side of rooms: ExpectRoom, bootstrapping, notices, completion.
+
+ExpectRoom validates the destination indices, records the room and returns;
+a background task handshakes with the sender's broker (if our engines changed
+since the last handshake), computes which sources owe this rank what
+(``mapping.plan_sources``), records that plan and only then registers the
+room with the sender's broker, since the sender may start writing the moment
+it has the transfer info.
+
+Completion is explicit (DESIGN.md section 4, lesson 2): each source's notices
+say which chunk and part they carry and, on the last chunk, how many chunks
+the source sent, whether the aux row came and which state components came.
+A source is complete when every part of every chunk landed and what the
+receiver expects from it (aux only if it asked for a row, state only for
+components it listed with indices: lesson 1) is there. The rank is SUCCESS
+when every source it expects, counted by unique (group, tp rank, pp rank), is
+complete. Notices for rooms that are not here are counted and dropped; they
+never create a room (lesson 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+
+from kvbroker.broker.counters import Counters
+from kvbroker.broker.descriptors import check_index, check_indices
+from kvbroker.broker.engines import Engine
+from kvbroker.broker.layout import rank_key
+from kvbroker.broker.mapping import GroupShape, plan_sources
+from kvbroker.broker.peers import PeerTable
+from kvbroker.broker.progress import ProgressLoop
+from kvbroker.broker.rooms import (
+    FAILED,
+    SUCCESS,
+    TRANSFERRING,
+    WAITING_FOR_INPUT,
+    Progress,
+    ReceiverProgress,
+    ReceiverRoom,
+    RoomTables,
+    SourceExpectation,
+    cause,
+    cause_of,
+)
+from kvbroker.broker.tasks import TaskSet
+from kvbroker.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError, from_rpc_error
+from kvbroker.indices import IndexArray, encode_indices
+from kvbroker.v1 import common_pb2, peer_pb2
+
+__all__ = ["ReceiverSide"]
+
+log = structlog.get_logger(__name__)
+
+# A RegisterRoom that failed with one of these may still have reached the
+# sender, so the sender may write: the pages are not settled.
+_MAYBE_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+
+
+class ReceiverSide:
+    """Receiver-side room logic. Event-loop thread only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        peers: PeerTable,
+        rooms: RoomTables,
+        progress: ProgressLoop,
+        counters: Counters,
+        tasks: TaskSet,
+        publish: Callable[[Progress], None],
+    ) -> None:
+        self._id = broker_id
+        self._peers = peers
+        self._rooms = rooms
+        self._progress = progress
+        self._counters = counters
+        self._tasks = tasks
+        self._publish = publish
+        self._open: set[ReceiverProgress] = set()
+
+    def awaiting_data(self) -> bool:
+        """Whether a rank still waits for notices (the progress loop polls then)."""
+        for rank in [r for r in self._open if r.terminal]:
+            self._open.discard(rank)
+        return bool(self._open)
+
+    # -- engine calls ----------------------------------------------------
+    def expect(
+        self,
+        engine: Engine,
+        room_id: int,
+        *,
+        sender_address: str,
+        sender_group: str,
+        pages: IndexArray,
+        aux_row: int | None,
+        state: dict[str, IndexArray],
+    ) -> ReceiverProgress:
+        """Open ``room_id`` for receiving into ``engine`` and start bootstrapping."""
+        layout = engine.layout
+        if not sender_group:
+            raise InvalidArgument("sender.group must name the prefill engine group")
+        if self._rooms.is_tombstoned("receiver", room_id):
+            raise AlreadyExists(f"room {room_id} already ended on this broker; room ids must be unique")
+        check_indices(pages, layout.num_pages, "pages")
+        if aux_row is not None:
+            if not layout.aux_regions:
+                raise InvalidArgument("aux_row given but this engine registered no aux regions")
+            check_index(aux_row, layout.aux_rows, "aux_row")
+        expected_state: dict[str, IndexArray] = {}
+        for name, indices in state.items():
+            if name not in layout.state_components:
+                raise InvalidArgument(f"state component {name!r} is not in this engine's layout")
+            check_indices(indices, layout.state_items[name], f"state {name!r}")
+            if indices.size:
+                expected_state[name] = indices
+        room = self._rooms.receiver.get(room_id)
+        if room is not None and engine.key in room.ranks:
+            raise AlreadyExists(f"engine rank {engine.key} already expects room {room_id}")
+        if room is None:
+            room = self._rooms.receiver[room_id] = ReceiverRoom(room_id)
+        rank = ReceiverProgress(
+            room=room_id,
+            engine=engine,
+            listener=self._publish,
+            sender_address=sender_address,
+            sender_group=sender_group,
+            pages=pages,
+            aux_row=aux_row,
+            state_indices=expected_state,
+        )
+        room.ranks[engine.key] = rank
+        self._open.add(rank)
+        self._tasks.spawn(self._bootstrap(rank), name=f"bootstrap-{room_id}")
+        return rank
+
+    def abort(self, engine: Engine, room_id: int, reason: str) -> ReceiverProgress | None:
+        """Fail the engine's side of the room and tell the sender's broker. Idempotent."""
+        room = self._rooms.receiver.get(room_id)
+        rank = room.ranks.get(engine.key) if room is not None else None
+        if rank is not None:
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_ABORTED, reason or "aborted by the receiving engine", self._id))
+        return rank
+
+    def fail(self, rank: ReceiverProgress, why: common_pb2.FailureCause, *, tell_sender: bool = True) -> None:
+        """Fail ``rank`` (first cause wins); tell the sender's broker unless it told us."""
+        if not rank.fail(why):
+            return
+        self._counters.rooms_failed += 1
+        log.info("receive_failed", room=rank.room, engine=rank.engine.engine_id, cause=why.message)
+        if tell_sender and rank.registered_with_sender and rank.peer_broker_id is not None:
+            self._tasks.spawn(self._abort_sender(rank.peer_broker_id, rank.room, why), name=f"abort-{rank.room}")
+        self._maybe_settled(rank)
+
+    # -- peer calls ------------------------------------------------------
+    def on_notice(self, _agent_name: str, payload: bytes) -> None:
+        """A NIXL notification: one part of one chunk of one source landed."""
+        try:
+            notice = peer_pb2.TransferNotice.FromString(payload)
+        except DecodeError:
+            self._counters.bad_notices += 1
+            log.warning("bad_notification", agent=_agent_name, size=len(payload))
+            return
+        room = self._rooms.receiver.get(notice.room)
+        rank = room.ranks.get(rank_key(notice.receiver)) if room is not None else None
+        if rank is None or (rank.peer_broker_id is not None and notice.sender_broker_id != rank.peer_broker_id):
+            self._counters.late_notices += 1
+            log.debug("late_notification", room=notice.room, receiver=str(rank_key(notice.receiver)))
+            return
+        source_key = rank_key(notice.source)
+        exp = rank.expected.get(source_key) if rank.expected is not None else None
+        if exp is None:
+            self.fail(
+                rank,
+                cause(common_pb2.FAILURE_KIND_MISMATCH, f"an unexpected source {source_key} wrote into the room", self._id),
+            )
+            return
+        parts = exp.parts_received.setdefault(notice.chunk_index, set())
+        if notice.part in parts:
+            return
+        parts.add(notice.part)
+        exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
+        exp.pages_by_chunk[notice.chunk_index] = notice.pages
+        exp.aux_seen |= notice.aux
+        exp.components_seen.update(notice.state_components)
+        if notice.is_last:
+            exp.total_chunks = notice.total_chunks
+        rank.bytes += notice.bytes
+        self._counters.bytes_received += notice.bytes
+        assert rank.expected is not None
+        rank.chunks = sum(e.chunks_landed() for e in rank.expected.values())
+        if rank.terminal:
+            self._maybe_settled(rank)
+            return
+        rank.advance(TRANSFERRING)
+        self._check_source(rank, source_key, exp)
+        if rank.state != FAILED and all(e.complete for e in rank.expected.values()):
+            if rank.advance(SUCCESS):
+                self._counters.rooms_succeeded += 1
+                log.debug("receive_done", room=rank.room, engine=rank.engine.engine_id, bytes=rank.bytes)
+
+    def on_completion_report(self, report: peer_pb2.CompletionReport) -> None:
+        """A source's out-of-band report: it failed, and maybe it settled."""
+        room = self._rooms.receiver.get(report.room)
+        rank = room.ranks.get(rank_key(report.receiver)) if room is not None else None
+        if rank is None or rank.peer_broker_id != report.sender_broker_id:
+            self._counters.late_notices += 1
+            return
+        exp = rank.expected.get(rank_key(report.source)) if rank.expected is not None else None
+        if report.settled and exp is not None:
+            exp.settled = True
+        if report.HasField("failure"):
+            self.fail(rank, report.failure, tell_sender=False)
+        self._maybe_settled(rank)
+
+    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause, from_broker: str) -> int:
+        """The sender's broker aborted the room: fail our ranks that it serves."""
+        room = self._rooms.receiver.get(room_id)
+        if room is None:
+            return 0
+        ranks = [r for r in room.ranks.values() if r.peer_broker_id == from_broker]
+        for rank in ranks:
+            self.fail(rank, why, tell_sender=False)
+        return len(ranks)
+
+    # -- internals ---------------------------------------------------------
+    async def _bootstrap(self, rank: ReceiverProgress) -> None:
+        try:
+            await self._register(rank)
+        except KvBrokerError as exc:
+            self.fail(rank, cause_of(exc, self._id))
+            return
+        if rank.terminal:
+            # Aborted while we registered: the sender has the info now.
+            if rank.peer_broker_id is not None and rank.cause is not None:
+                await self._abort_sender(rank.peer_broker_id, rank.room, rank.cause)
+            return
+        rank.advance(WAITING_FOR_INPUT)
+        self._progress.wake()
+
+    async def _register(self, rank: ReceiverProgress) -> None:
+        peer = await self._peers.connect(rank.sender_address)
+        layouts = peer.group_layouts(rank.sender_group)
+        if not layouts:
+            # The group may have registered after our last handshake.
+            await self._peers.handshake(peer)
+            layouts = peer.group_layouts(rank.sender_group)
+        if not layouts:
+            raise FailedPrecondition(
+                f"no rank of engine group {rank.sender_group!r} is registered at the broker at {peer.address}"
+            )
+        if rank.terminal:
+            return
+        plans = plan_sources(
+            GroupShape.of(layouts[0]),
+            rank.sender_group,
+            GroupShape.of(rank.engine.layout),
+            rank.key.tp_rank,
+            rank.key.pp_rank,
+        )
+        rank.expected = {
+            p.rank: SourceExpectation(
+                plan=p,
+                expects_aux=p.sends_aux and rank.aux_row is not None,
+                expected_components=frozenset(rank.state_indices) if p.sends_state else frozenset(),
+            )
+            for p in plans
+        }
+        rank.peer_broker_id = peer.broker_id
+        request = peer_pb2.RegisterRoomRequest(
+            room=rank.room,
+            receiver_broker_id=self._id,
+            receiver=rank.key.to_proto(),
+            receiver_generation=rank.engine.generation,
+            sender_group=rank.sender_group,
+            pages=encode_indices(rank.pages),
+            state=[common_pb2.StateIndices(component=n, indices=encode_indices(i)) for n, i in rank.state_indices.items()],
+            sources=[p.to_proto() for p in plans],
+        )
+        if rank.aux_row is not None:
+            request.aux_row = rank.aux_row
+        rank.registered_with_sender = True
+        for attempt in (1, 2):
+            try:
+                await self._peers.stub(peer).RegisterRoom(request, timeout=self._peers.timeout)
+                return
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if isinstance(exc, grpc.Call) and exc.code() not in _MAYBE_DELIVERED:
+                    rank.registered_with_sender = False
+                if attempt == 1 and isinstance(err, Aborted):
+                    # The sender's view of our engines is stale.
+                    await self._peers.handshake(peer)
+                    rank.registered_with_sender = True
+                    continue
+                raise type(err)(f"the sender's broker refused room {rank.room}: {err.message}") from exc
+
+    def _check_source(self, rank: ReceiverProgress, key: object, exp: SourceExpectation) -> None:
+        if exp.complete or exp.total_chunks is None:
+            return
+        for chunk in range(exp.total_chunks):
+            if len(exp.parts_received.get(chunk, ())) != exp.parts_expected.get(chunk, -1):
+                return
+        problem = None
+        if exp.expects_aux and not exp.aux_seen:
+            problem = f"source {key} finished without sending aux row {rank.aux_row}"
+        elif missing := exp.expected_components - exp.components_seen:
+            problem = f"source {key} finished without sending state components {sorted(missing)}"
+        elif exp.plan.writes_data and exp.pages_landed() != rank.pages.size:
+            problem = f"source {key} sent {exp.pages_landed()} pages, this rank expects {rank.pages.size}"
+        exp.complete = True
+        if problem:
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+
+    def _maybe_settled(self, rank: ReceiverProgress) -> None:
+        if rank.pages_settled or rank.state != FAILED:
+            return
+        if not rank.registered_with_sender or rank.expected is None:
+            rank.mark_settled()
+            return
+        if all(e.complete or e.settled or not e.plan.writes_data for e in rank.expected.values()):
+            rank.mark_settled()
+
+    async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
+        try:
+            peer = self._peers.get(broker_id)
+            await self._peers.stub(peer).AbortRoom(
+                peer_pb2.PeerAbortRequest(room=room_id, from_broker_id=self._id, cause=why), timeout=self._peers.timeout
+            )
+        except (grpc.RpcError, KvBrokerError) as exc:
+            log.warning("peer_abort_failed", room=room_id, peer=broker_id, error=str(exc))

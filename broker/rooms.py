@@ -1,0 +1,364 @@
+"""Room records and the room state machine.
+
+A room has a sender side (prefill ranks) and a receiver side (decode ranks);
+both may sit on one broker. Each side keeps one record per room id
+(:class:`SenderRoom`, :class:`ReceiverRoom`) holding one progress record per
+local engine rank (:class:`SourceProgress`, :class:`ReceiverProgress`).
+
+State rules (DESIGN.md section 1): states only move forward,
+``FAILED < BOOTSTRAPPING < WAITING_FOR_INPUT < TRANSFERRING < SUCCESS``;
+FAILED is terminal and keeps the first cause; SUCCESS is terminal.
+
+Every per-room table is a field of :class:`RoomTables`, and
+:meth:`RoomTables.sizes` reports each one (``GetStats.per_room_state``): a
+table that does not return to zero when the broker is idle is a leak.
+Removal happens in one place, :meth:`RoomTables.evict`. A message for a
+room id that is not here never creates a record, except the two calls that
+open a side (ExpectRoom, BeginSend) and the transfer info that may precede
+BeginSend; evicted ids are remembered (tombstones) so late messages for
+them are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbroker.broker.layout import RankKey
+from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.nixl_agent import NixlError
+from kvbroker.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvBrokerError,
+    Unavailable,
+    Unimplemented,
+)
+from kvbroker.indices import IndexArray
+from kvbroker.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from kvbroker.broker.engines import Engine
+
+__all__ = [
+    "Chunk",
+    "Destination",
+    "Progress",
+    "ReceiverProgress",
+    "ReceiverRoom",
+    "RoomTables",
+    "SenderRoom",
+    "SourceExpectation",
+    "SourceProgress",
+    "TransferInfo",
+    "cause",
+    "cause_of",
+]
+
+FAILED = common_pb2.ROOM_STATE_FAILED
+BOOTSTRAPPING = common_pb2.ROOM_STATE_BOOTSTRAPPING
+WAITING_FOR_INPUT = common_pb2.ROOM_STATE_WAITING_FOR_INPUT
+TRANSFERRING = common_pb2.ROOM_STATE_TRANSFERRING
+SUCCESS = common_pb2.ROOM_STATE_SUCCESS
+
+
+def cause(kind: int, message: str, origin: str) -> common_pb2.FailureCause:
+    """A ``FailureCause`` message."""
+    return common_pb2.FailureCause(kind=kind, message=message, origin_broker=origin)  # type: ignore[arg-type]
+
+
+def cause_of(error: KvBrokerError, origin: str) -> common_pb2.FailureCause:
+    """The failure cause a room gets when ``error`` ends it."""
+    if isinstance(error, NixlError):
+        kind = common_pb2.FAILURE_KIND_TRANSFER
+    elif isinstance(error, (Unavailable, DeadlineExceeded)):
+        kind = common_pb2.FAILURE_KIND_PEER
+    elif isinstance(error, (FailedPrecondition, Unimplemented, InvalidArgument)):
+        kind = common_pb2.FAILURE_KIND_MISMATCH
+    else:
+        kind = common_pb2.FAILURE_KIND_UNSPECIFIED
+    return cause(kind, error.message, origin)
+
+
+@dataclass(eq=False)
+class Progress:
+    """One engine rank's side of one room: its state and first failure cause."""
+
+    room: int
+    engine: Engine
+    listener: Callable[[Progress], None]
+    state: int = BOOTSTRAPPING
+    cause: common_pb2.FailureCause | None = None
+    opened_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    chunks: int = 0
+    bytes: int = 0
+    #: Whether no posted transfer can still touch this rank's pages.
+    pages_settled: bool = False
+
+    @property
+    def key(self) -> RankKey:
+        return self.engine.key
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (FAILED, SUCCESS)
+
+    def advance(self, state: int) -> bool:
+        """Move forward to ``state``; False (no change) if not forward or terminal."""
+        if self.terminal or state <= self.state or state == FAILED:
+            return False
+        self.state = state
+        if state == SUCCESS:
+            self.finished_at = time.monotonic()
+            self.pages_settled = True
+        self.listener(self)
+        return True
+
+    def fail(self, why: common_pb2.FailureCause) -> bool:
+        """Fail with ``why`` unless already terminal (the first cause is kept)."""
+        if self.terminal:
+            return False
+        self.state = FAILED
+        self.cause = why
+        self.finished_at = time.monotonic()
+        self.listener(self)
+        return True
+
+    def mark_settled(self) -> None:
+        if not self.pages_settled:
+            self.pages_settled = True
+            self.listener(self)
+
+    def status(self) -> common_pb2.RoomStatus:
+        status = common_pb2.RoomStatus(
+            room=self.room,
+            state=self.state,  # type: ignore[arg-type]
+            pages_settled=self.pages_settled,
+            chunks=self.chunks,
+            bytes=self.bytes,
+        )
+        if self.cause is not None:
+            status.cause.CopyFrom(self.cause)
+        return status
+
+
+# -- sender side ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One SendChunk of a source: pages fill the receiver's pages from ``page_offset``."""
+
+    index: int
+    pages: IndexArray
+    page_offset: int
+    is_last: bool
+    aux_row: int | None
+    state: dict[str, IndexArray]
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """A receiver rank's registration of a room with the sender's broker."""
+
+    room: int
+    receiver_broker_id: str
+    receiver: RankKey
+    receiver_generation: int
+    sender_group: str
+    pages: IndexArray
+    aux_row: int | None
+    state: dict[str, IndexArray]
+    sources: tuple[SourcePlan, ...]
+    received_at: float = field(default_factory=time.monotonic)
+
+    def plan_for(self, source: RankKey) -> SourcePlan | None:
+        for plan in self.sources:
+            if plan.rank == source:
+                return plan
+        return None
+
+
+@dataclass(eq=False)
+class Destination:
+    """What one source owes one receiver rank, and how far it got."""
+
+    info: TransferInfo
+    plan: SourcePlan
+    #: Chunks of the source handed to NIXL for this receiver.
+    posted_chunks: int = 0
+    inflight: int = 0
+    #: The last chunk (or the completion-only notice) was posted.
+    last_posted: bool = False
+    #: Every posted transfer finished DONE after the last one was posted.
+    complete: bool = False
+    #: The receiver was told of this source's failure.
+    failure_reported: bool = False
+    #: The receiver was told nothing is in flight any more.
+    settle_reported: bool = False
+
+
+@dataclass(eq=False)
+class SourceProgress(Progress):
+    """A sender engine rank's side of a room."""
+
+    num_pages: int = 0
+    chunk_list: list[Chunk] = field(default_factory=list)
+    #: Pages accepted so far (the next chunk's page offset).
+    cursor: int = 0
+    last_received: bool = False
+    destinations: dict[RankKey, Destination] = field(default_factory=dict)
+    #: How many receiver ranks this source serves (known from the first plan).
+    expected_destinations: int | None = None
+    inflight: int = 0
+
+    def ready(self) -> bool:
+        """All receivers this source serves have registered."""
+        return self.expected_destinations is not None and len(self.destinations) >= self.expected_destinations
+
+
+@dataclass(eq=False)
+class SenderRoom:
+    """The sender side of one room on this broker."""
+
+    room: int
+    sources: dict[RankKey, SourceProgress] = field(default_factory=dict)
+    #: Transfer infos by receiver rank; they may arrive before BeginSend.
+    infos: dict[RankKey, TransferInfo] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.monotonic)
+    #: A source opened this room here once (its infos were for us).
+    had_sources: bool = False
+
+
+# -- receiver side -------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SourceExpectation:
+    """What a receiver rank waits for from one source."""
+
+    plan: SourcePlan
+    expects_aux: bool
+    expected_components: frozenset[str]
+    #: chunk index -> parts received.
+    parts_received: dict[int, set[int]] = field(default_factory=dict)
+    parts_expected: dict[int, int] = field(default_factory=dict)
+    pages_by_chunk: dict[int, int] = field(default_factory=dict)
+    total_chunks: int | None = None
+    aux_seen: bool = False
+    components_seen: set[str] = field(default_factory=set)
+    complete: bool = False
+    #: The source told us nothing of its is in flight (after a failure).
+    settled: bool = False
+
+    def chunks_landed(self) -> int:
+        return sum(1 for c, parts in self.parts_received.items() if len(parts) == self.parts_expected.get(c, -1))
+
+    def pages_landed(self) -> int:
+        return sum(self.pages_by_chunk.values())
+
+
+@dataclass(eq=False)
+class ReceiverProgress(Progress):
+    """A receiver engine rank's side of a room."""
+
+    sender_address: str = ""
+    sender_group: str = ""
+    pages: Any = None
+    aux_row: int | None = None
+    state_indices: dict[str, IndexArray] = field(default_factory=dict)
+    #: Sources this rank waits for; None until the plan is made.
+    expected: dict[RankKey, SourceExpectation] | None = None
+    #: The sender's broker may have the transfer info (so it may write).
+    registered_with_sender: bool = False
+    peer_broker_id: str | None = None
+
+
+@dataclass(eq=False)
+class ReceiverRoom:
+    """The receiver side of one room on this broker."""
+
+    room: int
+    ranks: dict[RankKey, ReceiverProgress] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.monotonic)
+
+
+# -- the tables ------------------------------------------------------------
+
+
+@dataclass
+class RoomTables:
+    """Every per-room table of the broker."""
+
+    sender: dict[int, SenderRoom] = field(default_factory=dict)
+    receiver: dict[int, ReceiverRoom] = field(default_factory=dict)
+    #: (side, room) -> when the tombstone expires.
+    tombstones: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def sizes(self) -> dict[str, int]:
+        """Name -> size of every per-room table (``GetStats.per_room_state``)."""
+        sources = list(self.all_sources())
+        ranks = list(self.all_receivers())
+        return {
+            "sender_rooms": len(self.sender),
+            "sender_sources": len(sources),
+            "sender_chunks": sum(len(s.chunk_list) for s in sources),
+            "sender_destinations": sum(len(s.destinations) for s in sources),
+            "transfer_infos": sum(len(r.infos) for r in self.sender.values()),
+            "inflight_transfers": sum(s.inflight for s in sources),
+            "receiver_rooms": len(self.receiver),
+            "receiver_ranks": len(ranks),
+            "receiver_expected_sources": sum(len(r.expected or {}) for r in ranks),
+            "tombstones": len(self.tombstones),
+        }
+
+    def all_sources(self) -> Iterator[SourceProgress]:
+        for room in self.sender.values():
+            yield from room.sources.values()
+
+    def all_receivers(self) -> Iterator[ReceiverProgress]:
+        for room in self.receiver.values():
+            yield from room.ranks.values()
+
+    def is_tombstoned(self, side: str, room: int) -> bool:
+        return (side, room) in self.tombstones
+
+    def evict(self, now: float, ttl_seconds: float, tombstone_ttl_seconds: float, orphan_seconds: float) -> int:
+        """Drop terminal records older than ``ttl_seconds``, then empty rooms.
+
+        A sender room whose sources all went takes its transfer infos with it;
+        one that only ever held transfer infos (BeginSend never came) goes
+        after ``orphan_seconds``. Returns how many records went.
+        """
+        removed = 0
+        for side, table in (("sender", self.sender), ("receiver", self.receiver)):
+            for room_id in list(table):
+                room = table[room_id]
+                members: dict[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
+                for key in [k for k, p in members.items() if _expired(p, now, ttl_seconds)]:
+                    del members[key]
+                    removed += 1
+                if members:
+                    continue
+                if isinstance(room, SenderRoom) and not room.had_sources and now - room.created_at < orphan_seconds:
+                    # Transfer infos waiting for a BeginSend that may still come.
+                    continue
+                del table[room_id]
+                self.tombstones[(side, room_id)] = now + tombstone_ttl_seconds
+                removed += 1
+        for key in [k for k, expiry in self.tombstones.items() if expiry <= now]:
+            del self.tombstones[key]
+        return removed
+
+
+def _expired(progress: Progress, now: float, ttl_seconds: float) -> bool:
+    if not progress.terminal or progress.finished_at is None:
+        return False
+    if isinstance(progress, SourceProgress) and progress.inflight:
+        return False
+    return now - progress.finished_at >= ttl_seconds
+

@@ -1,0 +1,437 @@
+"""The broker's state and operations, behind the thin gRPC servicers.
+
+One :class:`BrokerRuntime` per broker process. Everything in it runs on the
+event-loop thread, which is also the NIXL agent's owner thread: no locks, and
+every table changes between two awaits or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import structlog
+
+from kvbroker import __version__
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.counters import Counters
+from kvbroker.broker.engines import Engine, EngineTable
+from kvbroker.broker.fdsocket import FdSession, FdSocketServer
+from kvbroker.broker.layout import rank_key
+from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.nixl_agent import Agent
+from kvbroker.broker.peers import PROTOCOL_VERSION, PeerTable
+from kvbroker.broker.progress import ProgressLoop
+from kvbroker.broker.receiver import ReceiverSide
+from kvbroker.broker.rooms import Progress, ReceiverProgress, RoomTables, SourceProgress, TransferInfo, cause
+from kvbroker.broker.sender import SenderSide
+from kvbroker.broker.tasks import TaskSet
+from kvbroker.broker.watch import WatchHub
+from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvbroker.indices import decode_indices
+from kvbroker.v1 import admin_pb2, common_pb2, peer_pb2, transfer_pb2
+
+__all__ = ["BrokerRuntime"]
+
+log = structlog.get_logger(__name__)
+
+
+class BrokerRuntime:
+    """Tables, sides and peers of one broker. See the module docstring."""
+
+    def __init__(self, config: BrokerConfig, agent: Agent, broker_id: str | None = None) -> None:
+        self.config = config
+        self.broker_id = broker_id or uuid.uuid4().hex
+        self.agent = agent
+        self.started_at = time.monotonic()
+        self.address = ""
+        self.engine_socket_path = ""
+        self.fd_server: FdSocketServer | None = None
+        self.engines = EngineTable(agent)
+        self.rooms = RoomTables()
+        self.counters = Counters()
+        self.tasks = TaskSet()
+        self.hub = WatchHub()
+        self.peers = PeerTable(
+            agent=agent,
+            engines=self.engines,
+            broker_id=self.broker_id,
+            rpc_timeout_seconds=config.peer_rpc_timeout_seconds,
+            channel_options=channel_options(config),
+        )
+        self.progress = ProgressLoop(
+            agent,
+            on_notification=self._on_notification,
+            awaiting_data=self._awaiting_data,
+            idle_poll_interval_millis=config.idle_poll_interval_millis,
+        )
+        common = dict(
+            broker_id=self.broker_id,
+            peers=self.peers,
+            rooms=self.rooms,
+            progress=self.progress,
+            counters=self.counters,
+            tasks=self.tasks,
+            publish=self._publish,
+        )
+        self.sender = SenderSide(agent=agent, **common)  # type: ignore[arg-type]
+        self.receiver = ReceiverSide(**common)  # type: ignore[arg-type]
+        self._housekeeping: asyncio.Task[None] | None = None
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self, address: str) -> None:
+        """Start progress and housekeeping; ``address`` is where peers reach us."""
+        self.address = address
+        self.peers.address = address
+        self.progress.start()
+        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep(), name="housekeeping")
+
+    async def stop(self) -> None:
+        """Fail open rooms, let in-flight transfers settle, release everything in reverse order."""
+        why = cause(common_pb2.FAILURE_KIND_SHUTDOWN, "the broker is shutting down", self.broker_id)
+        for source in list(self.rooms.all_sources()):
+            self.sender.fail(source, why)
+        for rank in list(self.rooms.all_receivers()):
+            self.receiver.fail(rank, why)
+        await self._wait_settled(list(self.engines.by_id.values()), self.config.unregister_settle_timeout_seconds)
+        await self.tasks.drain(timeout_seconds=2.0)
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            await asyncio.gather(self._housekeeping, return_exceptions=True)
+        await self.progress.stop()
+        for engine in list(self.engines.by_id.values()):
+            self.hub.close(engine.engine_id)
+            self.engines.release(engine)
+        await self.peers.close()
+        self.agent.close()
+
+    # -- engine API ---------------------------------------------------------
+    def broker_info(self) -> transfer_pb2.BrokerInfo:
+        return transfer_pb2.BrokerInfo(
+            broker_id=self.broker_id,
+            protocol_version=PROTOCOL_VERSION,
+            version=__version__,
+            fd_socket_path=self.fd_server.path if self.fd_server else "",
+            engine_socket_path=self.engine_socket_path,
+            listen_address=self.address,
+            nixl_agent_name=self.agent.name,
+        )
+
+    def register_engine(self, request: transfer_pb2.RegisterEngineRequest) -> Engine:
+        if self.fd_server is None:
+            raise FailedPrecondition("this broker has no fd socket")
+        engine_id_holder = f"pending-{request.session_token[:8]}"
+        claimed = self.fd_server.claim(request.session_token, engine_id_holder)
+        if claimed is None:
+            raise NotFound("unknown or already used session_token: upload the buffers over the fd socket first")
+        session, fds = claimed
+        try:
+            engine = self.engines.register(
+                rank=request.rank,
+                layout_msg=request.layout,
+                specs=session.specs,
+                fds=fds,
+                session_token=session.token,
+                pid=session.pid,
+            )
+        except BaseException:
+            session.engine_id = None
+            raise
+        session.engine_id = engine.engine_id
+        if session.closed:
+            # The engine died while we registered it.
+            self.tasks.spawn(self.unregister_engine(engine.engine_id, lost=True), name=f"lost-{engine.engine_id}")
+        return engine
+
+    async def unregister_engine(self, engine_id: str, *, lost: bool = False) -> int:
+        """Fail the engine's rooms, wait for its transfers to settle, release it."""
+        engine = self.engines.get(engine_id)
+        kind = common_pb2.FAILURE_KIND_ENGINE_LOST
+        why = cause(
+            kind,
+            f"engine rank {engine.key} {'went away (its session closed)' if lost else 'unregistered'}",
+            self.broker_id,
+        )
+        sources, ranks = self._rooms_of(engine)
+        for source in sources:
+            self.sender.fail(source, why)
+        for rank in ranks:
+            self.receiver.fail(rank, why)
+        await self._wait_settled([engine], self.config.unregister_settle_timeout_seconds)
+        if self.engines.by_id.get(engine_id) is not engine:
+            return 0
+        self._forget_rooms(engine)
+        self.hub.close(engine_id)
+        self.engines.release(engine)
+        log.info("engine_unregistered", engine=engine_id, lost=lost, rooms_failed=len(sources) + len(ranks))
+        return sum(1 for p in (*sources, *ranks) if p.cause is why)
+
+    def expect_room(self, request: transfer_pb2.ExpectRoomRequest) -> ReceiverProgress:
+        engine = self.engines.get(request.engine_id)
+        self.engines.check_role(engine, common_pb2.ROLE_DECODE, "expect rooms")
+        rank = self.receiver.expect(
+            engine,
+            request.room,
+            sender_address=request.sender.broker_address,
+            sender_group=request.sender.group,
+            pages=decode_indices(request.pages),
+            aux_row=request.aux_row if request.HasField("aux_row") else None,
+            state=_state(request.state),
+        )
+        self.progress.wake()
+        return rank
+
+    def begin_send(self, request: transfer_pb2.BeginSendRequest) -> SourceProgress:
+        engine = self.engines.get(request.engine_id)
+        self.engines.check_role(engine, common_pb2.ROLE_PREFILL, "send rooms")
+        return self.sender.begin(engine, request.room, request.num_pages)
+
+    def send_chunk(self, request: transfer_pb2.SendChunkRequest) -> tuple[int, SourceProgress]:
+        engine = self.engines.get(request.engine_id)
+        self.engines.check_role(engine, common_pb2.ROLE_PREFILL, "send chunks")
+        return self.sender.send_chunk(
+            engine,
+            request.room,
+            decode_indices(request.pages),
+            is_last=request.is_last,
+            aux_row=request.aux_row if request.HasField("aux_row") else None,
+            state=_state(request.state),
+        )
+
+    def poll(self, request: transfer_pb2.PollRequest) -> list[common_pb2.RoomStatus]:
+        engine = self.engines.get(request.engine_id)
+        return [self._status(engine, room) for room in request.rooms]
+
+    async def watch(self, request: transfer_pb2.WatchRoomsRequest) -> AsyncIterator[common_pb2.RoomStatus]:
+        engine = self.engines.get(request.engine_id)
+        rooms = frozenset(request.rooms) or None
+        sub = self.hub.subscribe(engine.engine_id, rooms)
+        try:
+            for room in sorted(rooms or self._open_rooms(engine)):
+                yield self._status(engine, room)
+            while True:
+                status = await sub.queue.get()
+                if status is None:
+                    return
+                yield status
+        finally:
+            self.hub.unsubscribe(engine.engine_id, sub)
+
+    def abort(self, request: transfer_pb2.AbortRequest) -> common_pb2.RoomStatus:
+        engine = self.engines.get(request.engine_id)
+        if engine.role == common_pb2.ROLE_PREFILL:
+            self.sender.abort(engine, request.room, request.reason)
+        else:
+            self.receiver.abort(engine, request.room, request.reason)
+        return self._status(engine, request.room)
+
+    # -- peer API -------------------------------------------------------------
+    def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
+        return self.peers.on_handshake(request)
+
+    def register_room(self, request: peer_pb2.RegisterRoomRequest) -> None:
+        peer = self.peers.get(request.receiver_broker_id)
+        if not request.sources:
+            raise InvalidArgument("a room registration must list its sources")
+        info = TransferInfo(
+            room=request.room,
+            receiver_broker_id=request.receiver_broker_id,
+            receiver=rank_key(request.receiver),
+            receiver_generation=request.receiver_generation,
+            sender_group=request.sender_group,
+            pages=decode_indices(request.pages),
+            aux_row=request.aux_row if request.HasField("aux_row") else None,
+            state=_state(request.state),
+            sources=tuple(SourcePlan.from_proto(s) for s in request.sources),
+        )
+        self.sender.on_register_room(info, peer)
+
+    def completion_report(self, request: peer_pb2.CompletionReport) -> None:
+        self.receiver.on_completion_report(request)
+
+    def peer_abort(self, request: peer_pb2.PeerAbortRequest) -> None:
+        why = request.cause if request.HasField("cause") else cause(
+            common_pb2.FAILURE_KIND_ABORTED, "aborted by the peer broker", request.from_broker_id
+        )
+        self.sender.on_peer_abort(request.room, why)
+        self.receiver.on_peer_abort(request.room, why, request.from_broker_id)
+
+    # -- admin API --------------------------------------------------------------
+    def stats(self) -> admin_pb2.Stats:
+        c = self.counters
+        return admin_pb2.Stats(
+            broker_id=self.broker_id,
+            per_room_state=self.rooms.sizes(),
+            engines=len(self.engines.by_id),
+            peers=len(self.peers.by_id),
+            rooms_succeeded=c.rooms_succeeded,
+            rooms_failed=c.rooms_failed,
+            bytes_sent=c.bytes_sent,
+            bytes_received=c.bytes_received,
+            transfers_posted=c.transfers_posted,
+            uptime_seconds=int(time.monotonic() - self.started_at),
+        )
+
+    def list_engines(self) -> list[admin_pb2.EngineInfo]:
+        out = []
+        for engine in self.engines.by_id.values():
+            sources, ranks = self._rooms_of(engine)
+            out.append(
+                admin_pb2.EngineInfo(
+                    engine_id=engine.engine_id,
+                    rank=engine.key.to_proto(),
+                    role=engine.role,  # type: ignore[arg-type]
+                    buffers=len(engine.buffers),
+                    registered_bytes=engine.registered_bytes,
+                    regions=len(engine.layout.regions),
+                    open_rooms=sum(1 for p in (*sources, *ranks) if not p.terminal),
+                )
+            )
+        return out
+
+    def list_peers(self) -> list[admin_pb2.PeerInfo]:
+        peers = {id(p): p for p in (*self.peers.by_address.values(), *self.peers.by_id.values())}
+        out = []
+        for peer in peers.values():
+            open_rooms = sum(
+                1 for r in self.rooms.all_receivers() if r.peer_broker_id == peer.broker_id and not r.terminal
+            )
+            out.append(
+                admin_pb2.PeerInfo(
+                    address=peer.address,
+                    broker_id=peer.broker_id or "",
+                    nixl_agent_name=peer.agent_name or "",
+                    handshaken=peer.broker_id is not None,
+                    engines=len(peer.engines),
+                    open_rooms=open_rooms,
+                )
+            )
+        return out
+
+    def list_rooms(self, state: int | None) -> list[admin_pb2.RoomInfo]:
+        now = time.monotonic()
+        out = []
+        records: list[tuple[str, Progress, str]] = [
+            *(("sender", s, ",".join(sorted(d.info.receiver_broker_id for d in s.destinations.values()))) for s in self.rooms.all_sources()),
+            *(("receiver", r, r.peer_broker_id or r.sender_address) for r in self.rooms.all_receivers()),
+        ]
+        for side, p, peer in records:
+            if state is not None and p.state != state:
+                continue
+            info = admin_pb2.RoomInfo(
+                room=p.room,
+                side=side,
+                engine=p.key.to_proto(),
+                state=p.state,  # type: ignore[arg-type]
+                peer=peer,
+                pages=int(p.cursor if isinstance(p, SourceProgress) else p.pages.size),
+                chunks=p.chunks,
+                bytes=p.bytes,
+                age_seconds=now - p.opened_at,
+            )
+            if p.cause is not None:
+                info.cause.CopyFrom(p.cause)
+            out.append(info)
+        return out
+
+    # -- sessions ---------------------------------------------------------------
+    def on_session_closed(self, session: FdSession) -> None:
+        """The engine's fd connection closed: if it never unregistered, it is gone."""
+        engine_id = session.engine_id
+        if engine_id and engine_id in self.engines.by_id:
+            log.warning("engine_session_lost", engine=engine_id, pid=session.pid)
+            self.tasks.spawn(self.unregister_engine(engine_id, lost=True), name=f"lost-{engine_id}")
+
+    # -- internals --------------------------------------------------------------
+    def _publish(self, progress: Progress) -> None:
+        self.hub.publish(progress.engine.engine_id, progress.status())
+
+    def _on_notification(self, agent_name: str, payload: bytes) -> None:
+        self.receiver.on_notice(agent_name, payload)
+
+    def _awaiting_data(self) -> bool:
+        return self.receiver.awaiting_data()
+
+    def _status(self, engine: Engine, room: int) -> common_pb2.RoomStatus:
+        progress: Progress | None
+        if engine.role == common_pb2.ROLE_PREFILL:
+            sroom = self.rooms.sender.get(room)
+            progress = sroom.sources.get(engine.key) if sroom is not None else None
+        else:
+            rroom = self.rooms.receiver.get(room)
+            progress = rroom.ranks.get(engine.key) if rroom is not None else None
+        if progress is None:
+            return common_pb2.RoomStatus(
+                room=room,
+                state=common_pb2.ROOM_STATE_FAILED,
+                cause=cause(
+                    common_pb2.FAILURE_KIND_UNKNOWN_ROOM,
+                    f"engine {engine.engine_id} has no room {room} here (never opened, or evicted)",
+                    self.broker_id,
+                ),
+            )
+        return progress.status()
+
+    def _rooms_of(self, engine: Engine) -> tuple[list[SourceProgress], list[ReceiverProgress]]:
+        sources = [s for s in self.rooms.all_sources() if s.engine is engine]
+        ranks = [r for r in self.rooms.all_receivers() if r.engine is engine]
+        return sources, ranks
+
+    def _open_rooms(self, engine: Engine) -> list[int]:
+        sources, ranks = self._rooms_of(engine)
+        return [p.room for p in (*sources, *ranks) if not p.terminal]
+
+    def _forget_rooms(self, engine: Engine) -> None:
+        for room in self.rooms.sender.values():
+            room.sources.pop(engine.key, None)
+        for rroom in self.rooms.receiver.values():
+            rroom.ranks.pop(engine.key, None)
+
+    async def _wait_settled(self, engines: list[Engine], timeout_seconds: float) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            pending = [p for engine in engines for side in self._rooms_of(engine) for p in side if _unsettled(p)]
+            if not pending:
+                return
+            await asyncio.sleep(0.01)
+        log.warning("settle_timeout", engines=[e.engine_id for e in engines], timeout_seconds=timeout_seconds)
+
+    async def _housekeep(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.housekeeping_interval_seconds)
+            try:
+                self.rooms.evict(
+                    time.monotonic(),
+                    cfg.finished_room_ttl_seconds,
+                    cfg.tombstone_ttl_seconds,
+                    cfg.orphan_room_timeout_seconds,
+                )
+            except Exception:
+                log.exception("housekeeping_failed")
+
+
+def _unsettled(progress: Progress) -> bool:
+    """A source with transfers in flight, or a receiver whose pages may still be written."""
+    if isinstance(progress, SourceProgress):
+        return progress.inflight > 0
+    return not progress.pages_settled
+
+
+def _state(entries: object) -> dict[str, object]:
+    out = {}
+    for entry in entries:  # type: ignore[attr-defined]
+        if entry.component in out:
+            raise InvalidArgument(f"state component {entry.component!r} listed twice")
+        out[entry.component] = decode_indices(entry.indices, what=f"state {entry.component!r}")
+    return out
+
+
+def channel_options(config: BrokerConfig) -> list[tuple[str, int]]:
+    """gRPC options for channels and the server: message size limits."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ]

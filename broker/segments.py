@@ -1,0 +1,115 @@
+"""What one chunk moves: pure functions from layouts, a plan and indices to segments.
+
+A :class:`~kvbroker.broker.descriptors.Segment` pairs items of one source
+region with items of one destination region. For a chunk of whole pages:
+
+- KV: for every layer the source owes (``SourcePlan.layer_begin/end``, paired
+  by layer id) and every KV kind (KEY and VALUE, or MLA), the chunk's source
+  pages go to the matching slice of the receiver's pages;
+- aux (last chunk, when the source sends aux and the receiver asked for a
+  row): the source row of every aux region goes to the receiver's row of the
+  aux region in the same position;
+- state (last chunk, when the source sends state): for every component the
+  receiver listed with non-empty indices, the source's indices of that
+  component go to the receiver's, region by region in listed order. A length
+  mismatch is trimmed to the shorter list for paged components (SWA, NSA) and
+  is an error for position-indexed ones (Mamba).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from kvbroker.broker.descriptors import Segment
+from kvbroker.broker.layout import Layout
+from kvbroker.broker.mapping import SourcePlan
+from kvbroker.errors import FailedPrecondition
+from kvbroker.indices import IndexArray
+from kvbroker.v1 import common_pb2
+
+__all__ = ["ChunkShape", "build_segments", "state_segments"]
+
+log = structlog.get_logger(__name__)
+
+_PAGED_STATE = (common_pb2.STATE_TYPE_SWA, common_pb2.STATE_TYPE_NSA)
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """The indices of one chunk on both sides."""
+
+    src_pages: IndexArray
+    dst_pages: IndexArray
+    #: (source row, destination row) when the chunk carries aux.
+    aux_rows: tuple[int, int] | None
+    #: component -> (source indices, destination indices) when it carries state.
+    state: dict[str, tuple[IndexArray, IndexArray]]
+
+
+def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape) -> list[Segment]:
+    """Every segment of one chunk. Raises ``FailedPrecondition`` on layouts that do not pair."""
+    segments: list[Segment] = []
+    if shape.src_pages.size:
+        for layer in range(plan.layer_begin, plan.layer_end):
+            for kind in src.kv_kinds():
+                s = src.kv_regions.get((kind, layer))
+                d = dst.kv_regions.get((kind, layer))
+                if s is None or d is None:
+                    side = "sender" if s is None else "receiver"
+                    raise FailedPrecondition(
+                        f"the {side} has no {common_pb2.RegionKind.Name(kind)} region for layer {layer}"
+                    )
+                item = _same_item_bytes(src, s, dst, d, f"layer {layer}")
+                segments.append(Segment(s, d, shape.src_pages, shape.dst_pages, item))
+    if shape.aux_rows is not None:
+        if len(src.aux_regions) != len(dst.aux_regions):
+            raise FailedPrecondition(
+                f"the sender has {len(src.aux_regions)} aux regions, the receiver {len(dst.aux_regions)}"
+            )
+        src_row = np.array([shape.aux_rows[0]], dtype=np.int32)
+        dst_row = np.array([shape.aux_rows[1]], dtype=np.int32)
+        for i, (s, d) in enumerate(zip(src.aux_regions, dst.aux_regions)):
+            item = _same_item_bytes(src, s, dst, d, f"aux region {i}")
+            segments.append(Segment(s, d, src_row, dst_row, item))
+    for name, (src_idx, dst_idx) in shape.state.items():
+        segments.extend(state_segments(src, dst, name, src_idx, dst_idx))
+    return segments
+
+
+def state_segments(src: Layout, dst: Layout, name: str, src_idx: IndexArray, dst_idx: IndexArray) -> list[Segment]:
+    """Segments of state component ``name``; trims paged components, never the inputs."""
+    if name not in src.state_components or name not in dst.state_components:
+        side = "sender" if name not in src.state_components else "receiver"
+        raise FailedPrecondition(f"the {side} has no state component {name!r}")
+    src_type, src_regions = src.state_components[name]
+    dst_type, dst_regions = dst.state_components[name]
+    if src_type != dst_type:
+        raise FailedPrecondition(f"state component {name!r} has different types on the two sides")
+    if len(src_regions) != len(dst_regions):
+        raise FailedPrecondition(
+            f"state component {name!r}: {len(src_regions)} sender regions, {len(dst_regions)} receiver regions"
+        )
+    if src_idx.size != dst_idx.size:
+        if src_type not in _PAGED_STATE:
+            raise FailedPrecondition(
+                f"state component {name!r} ({common_pb2.StateType.Name(src_type)}) is position-indexed: the sender "
+                f"sent {src_idx.size} indices, the receiver expects {dst_idx.size}"
+            )
+        n = min(src_idx.size, dst_idx.size)
+        log.warning("state_indices_trimmed", component=name, sender=int(src_idx.size), receiver=int(dst_idx.size), kept=n)
+        src_idx, dst_idx = src_idx[:n], dst_idx[:n]
+    segments = []
+    for i, (s, d) in enumerate(zip(src_regions, dst_regions)):
+        item = _same_item_bytes(src, s, dst, d, f"state {name!r} region {i}")
+        segments.append(Segment(s, d, src_idx, dst_idx, item))
+    return segments
+
+
+def _same_item_bytes(src: Layout, s: int, dst: Layout, d: int, what: str) -> int:
+    a, b = src.regions[s].item_bytes, dst.regions[d].item_bytes
+    if a != b:
+        raise FailedPrecondition(f"{what}: the sender's items are {a} bytes, the receiver's {b}")
+    return a

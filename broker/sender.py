@@ -1,0 +1,427 @@
+"""The sender side of rooms: BeginSend, SendChunk, transfer infos, posting.
+
+A source (one prefill engine rank in one room) accepts chunks from its engine
+and transfer infos from receivers' brokers, in either order, and posts every
+accepted chunk to every known destination in chunk order. Each posted
+transfer carries a ``TransferNotice``; the receiver counts them per source
+(explicit completion, DESIGN.md section 4). The source is SUCCESS when every
+receiver it serves has registered and every transfer, through the last chunk,
+finished DONE.
+
+On failure (abort, NIXL error, mismatch) the source fails with the first
+cause and tells each receiver's broker with a ``CompletionReport``; once no
+transfer of the source is in flight any more it says so (``settled``), so the
+receiver knows its pages are safe to reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import grpc
+import structlog
+
+from kvbroker.broker.counters import Counters
+from kvbroker.broker.descriptors import check_index, check_indices, plan_parts
+from kvbroker.broker.engines import Engine
+from kvbroker.broker.nixl_agent import Agent, XferState
+from kvbroker.broker.peers import Peer, PeerTable
+from kvbroker.broker.progress import InflightTransfer, ProgressLoop
+from kvbroker.broker.rooms import (
+    FAILED,
+    SUCCESS,
+    TRANSFERRING,
+    WAITING_FOR_INPUT,
+    Chunk,
+    Destination,
+    Progress,
+    RoomTables,
+    SenderRoom,
+    SourceProgress,
+    TransferInfo,
+    cause,
+    cause_of,
+)
+from kvbroker.broker.segments import ChunkShape, build_segments
+from kvbroker.broker.tasks import TaskSet
+from kvbroker.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError, NotFound
+from kvbroker.indices import IndexArray
+from kvbroker.v1 import common_pb2, peer_pb2
+
+__all__ = ["SenderSide"]
+
+log = structlog.get_logger(__name__)
+
+
+class SenderSide:
+    """Sender-side room logic. Event-loop thread only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        agent: Agent,
+        peers: PeerTable,
+        rooms: RoomTables,
+        progress: ProgressLoop,
+        counters: Counters,
+        tasks: TaskSet,
+        publish: Callable[[Progress], None],
+    ) -> None:
+        self._id = broker_id
+        self._agent = agent
+        self._peers = peers
+        self._rooms = rooms
+        self._progress = progress
+        self._counters = counters
+        self._tasks = tasks
+        self._publish = publish
+
+    # -- engine calls ----------------------------------------------------
+    def begin(self, engine: Engine, room_id: int, num_pages: int) -> SourceProgress:
+        """Open ``room_id`` for sending from ``engine``."""
+        if self._rooms.is_tombstoned("sender", room_id):
+            raise AlreadyExists(f"room {room_id} already ended on this broker; room ids must be unique")
+        room = self._rooms.sender.get(room_id)
+        if room is not None and engine.key in room.sources:
+            raise AlreadyExists(f"engine rank {engine.key} already opened room {room_id}")
+        if num_pages > engine.layout.num_pages and engine.layout.num_pages:
+            raise InvalidArgument(f"num_pages {num_pages} exceeds the engine's {engine.layout.num_pages} pages")
+        if room is None:
+            room = self._rooms.sender[room_id] = SenderRoom(room_id)
+        room.had_sources = True
+        source = SourceProgress(room=room_id, engine=engine, listener=self._publish, num_pages=num_pages)
+        room.sources[engine.key] = source
+        log.debug("send_opened", room=room_id, engine=engine.engine_id, num_pages=num_pages)
+        for info in list(room.infos.values()):
+            plan = info.plan_for(engine.key)
+            if plan is not None:
+                self._attach(source, info)
+        return source
+
+    def send_chunk(
+        self,
+        engine: Engine,
+        room_id: int,
+        pages: IndexArray,
+        *,
+        is_last: bool,
+        aux_row: int | None,
+        state: dict[str, IndexArray],
+    ) -> tuple[int, SourceProgress]:
+        """Accept one chunk and post it to every known destination.
+
+        Returns the chunk index and the source. A chunk for a FAILED source is
+        accepted and dropped (the status says why); everything is validated
+        before anything is recorded.
+        """
+        room = self._rooms.sender.get(room_id)
+        source = room.sources.get(engine.key) if room is not None else None
+        if source is None:
+            raise NotFound(f"room {room_id} is not open for sending on engine {engine.engine_id}; call BeginSend first")
+        if source.last_received:
+            raise FailedPrecondition(f"room {room_id} already received its last chunk")
+        self._validate_chunk(source, pages, is_last=is_last, aux_row=aux_row, state=state)
+        if source.state == FAILED:
+            return len(source.chunk_list), source
+        chunk = Chunk(
+            index=len(source.chunk_list),
+            pages=pages,
+            page_offset=source.cursor,
+            is_last=is_last,
+            aux_row=aux_row,
+            state=state,
+        )
+        source.chunk_list.append(chunk)
+        source.cursor += int(pages.size)
+        source.chunks += 1
+        source.last_received = is_last
+        for dest in list(source.destinations.values()):
+            self._pump(source, dest)
+        self._update(source)
+        return chunk.index, source
+
+    def abort(self, engine: Engine, room_id: int, reason: str) -> SourceProgress | None:
+        """Fail the engine's side of the room and tell its receivers. Idempotent."""
+        room = self._rooms.sender.get(room_id)
+        source = room.sources.get(engine.key) if room is not None else None
+        if source is not None:
+            why = reason or "aborted by the sending engine"
+            self.fail(source, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
+        return source
+
+    def fail(self, source: SourceProgress, why: common_pb2.FailureCause) -> None:
+        """Fail ``source`` (first cause wins) and report to every receiver."""
+        if not source.fail(why):
+            return
+        self._counters.rooms_failed += 1
+        log.info("send_failed", room=source.room, engine=source.engine.engine_id, cause=why.message)
+        if source.inflight == 0:
+            source.mark_settled()
+        for dest in source.destinations.values():
+            self._report(source, dest)
+
+    # -- peer calls ------------------------------------------------------
+    def on_register_room(self, info: TransferInfo, peer: Peer) -> None:
+        """A receiver rank's transfer info. Idempotent for the same receiver."""
+        if self._rooms.is_tombstoned("sender", info.room):
+            raise FailedPrecondition(f"room {info.room} already ended on this broker")
+        remote = peer.engines.get(info.receiver)
+        if remote is None or remote.generation != info.receiver_generation:
+            raise Aborted(
+                f"receiver {info.receiver} generation {info.receiver_generation} is not in this broker's view of "
+                f"broker {info.receiver_broker_id}; handshake again"
+            )
+        room = self._rooms.sender.get(info.room)
+        if room is None:
+            room = self._rooms.sender[info.room] = SenderRoom(info.room)
+        if info.receiver in room.infos:
+            return
+        room.infos[info.receiver] = info
+        for plan in info.sources:
+            source = room.sources.get(plan.rank)
+            if source is not None:
+                self._attach(source, info)
+
+    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause) -> int:
+        """A receiver's broker aborted the room: fail every local source of it."""
+        room = self._rooms.sender.get(room_id)
+        if room is None:
+            return 0
+        for source in room.sources.values():
+            self.fail(source, why)
+        return len(room.sources)
+
+    # -- internals ---------------------------------------------------------
+    def _validate_chunk(
+        self,
+        source: SourceProgress,
+        pages: IndexArray,
+        *,
+        is_last: bool,
+        aux_row: int | None,
+        state: dict[str, IndexArray],
+    ) -> None:
+        layout = source.engine.layout
+        check_indices(pages, layout.num_pages, "pages")
+        total = source.cursor + int(pages.size)
+        if source.num_pages and total > source.num_pages:
+            raise InvalidArgument(f"this chunk brings the room to {total} pages; BeginSend declared {source.num_pages}")
+        if not is_last:
+            if aux_row is not None or state:
+                raise InvalidArgument("aux_row and state go on the last chunk (is_last)")
+            return
+        if source.num_pages and total != source.num_pages:
+            raise InvalidArgument(f"the last chunk brings the room to {total} pages; BeginSend declared {source.num_pages}")
+        if layout.aux_regions and aux_row is None:
+            raise InvalidArgument("the last chunk must carry aux_row: this engine registered aux regions")
+        if aux_row is not None:
+            if not layout.aux_regions:
+                raise InvalidArgument("aux_row given but this engine registered no aux regions")
+            check_index(aux_row, layout.aux_rows, "aux_row")
+        for name, indices in state.items():
+            if name not in layout.state_components:
+                raise InvalidArgument(f"state component {name!r} is not in this engine's layout")
+            check_indices(indices, layout.state_items[name], f"state {name!r}")
+
+    def _attach(self, source: SourceProgress, info: TransferInfo) -> None:
+        plan = info.plan_for(source.key)
+        if plan is None or info.receiver in source.destinations:
+            return
+        if source.expected_destinations is None:
+            source.expected_destinations = plan.num_destinations
+        dest = Destination(info=info, plan=plan)
+        source.destinations[info.receiver] = dest
+        if source.state == FAILED:
+            self._report(source, dest)
+            return
+        if source.num_pages and plan.writes_data and source.num_pages != info.pages.size:
+            self.fail(
+                source,
+                cause(
+                    common_pb2.FAILURE_KIND_MISMATCH,
+                    f"the sender will send {source.num_pages} pages, receiver {info.receiver} expects {info.pages.size}",
+                    self._id,
+                ),
+            )
+            return
+        self._pump(source, dest)
+        self._update(source)
+
+    def _pump(self, source: SourceProgress, dest: Destination) -> None:
+        """Post every accepted chunk not yet posted to ``dest``, in order."""
+        while dest.posted_chunks < len(source.chunk_list) and source.state != FAILED:
+            chunk = source.chunk_list[dest.posted_chunks]
+            try:
+                self._post(source, dest, chunk)
+            except KvBrokerError as exc:
+                self.fail(source, cause_of(exc, self._id))
+                return
+            dest.posted_chunks += 1
+            dest.last_posted = chunk.is_last
+        self._check_complete(source, dest)
+
+    def _post(self, source: SourceProgress, dest: Destination, chunk: Chunk) -> None:
+        info, plan = dest.info, dest.plan
+        peer = self._peers.get(info.receiver_broker_id)
+        remote = peer.engines.get(info.receiver)
+        if remote is None or remote.generation != info.receiver_generation:
+            raise FailedPrecondition(f"receiver {info.receiver} is gone from broker {info.receiver_broker_id}")
+        if not plan.writes_data:
+            if chunk.is_last:
+                self._notify_only(source, dest, peer, chunk, total_chunks=1)
+            return
+        end = chunk.page_offset + int(chunk.pages.size)
+        if end > info.pages.size or (chunk.is_last and end != info.pages.size):
+            raise FailedPrecondition(
+                f"the sender sent {end} pages{' in all' if chunk.is_last else ' so far'}, "
+                f"receiver {info.receiver} expects {info.pages.size}"
+            )
+        shape = ChunkShape(
+            src_pages=chunk.pages,
+            dst_pages=info.pages[chunk.page_offset : end],
+            aux_rows=self._aux_rows(chunk, dest),
+            state=self._state_pairs(chunk, dest),
+        )
+        segments = build_segments(source.engine.layout, remote.layout, plan, shape)
+        parts = plan_parts(source.engine.table, remote.table, segments)
+        notice = peer_pb2.TransferNotice(
+            room=source.room,
+            sender_broker_id=self._id,
+            source=source.key.to_proto(),
+            receiver=info.receiver.to_proto(),
+            chunk_index=chunk.index,
+            is_last=chunk.is_last,
+            total_chunks=len(source.chunk_list) if chunk.is_last else 0,
+            pages=int(chunk.pages.size),
+            aux=shape.aux_rows is not None,
+            state_components=sorted(shape.state),
+            parts=max(1, len(parts)),
+        )
+        if not parts:
+            self._notify_only(source, dest, peer, chunk, total_chunks=len(source.chunk_list), notice=notice)
+            return
+        for i, part in enumerate(parts):
+            notice.part = i
+            notice.bytes = part.bytes
+            handle = self._agent.post_write(
+                source.engine.dlists[part.local_kind],
+                part.local_indices,
+                self._peers.remote_dlist(peer, remote, part.remote_kind),
+                part.remote_indices,
+                notice.SerializeToString(),
+            )
+            source.inflight += 1
+            dest.inflight += 1
+            self._counters.transfers_posted += 1
+            self._progress.track(
+                InflightTransfer(handle=handle, bytes=part.bytes, on_settled=partial(self._settled, source, dest, part.bytes))
+            )
+
+    def _notify_only(
+        self,
+        source: SourceProgress,
+        dest: Destination,
+        peer: Peer,
+        chunk: Chunk,
+        *,
+        total_chunks: int,
+        notice: peer_pb2.TransferNotice | None = None,
+    ) -> None:
+        if notice is None:
+            notice = peer_pb2.TransferNotice(
+                room=source.room,
+                sender_broker_id=self._id,
+                source=source.key.to_proto(),
+                receiver=dest.info.receiver.to_proto(),
+                chunk_index=0,
+                is_last=True,
+                total_chunks=total_chunks,
+                parts=1,
+            )
+        assert peer.agent_name is not None
+        self._agent.send_notif(peer.agent_name, notice.SerializeToString())
+
+    def _aux_rows(self, chunk: Chunk, dest: Destination) -> tuple[int, int] | None:
+        # Lesson 1: aux goes on every last chunk, whether or not there is
+        # state or KV, whenever the receiver asked for a row.
+        if not (chunk.is_last and dest.plan.sends_aux and dest.info.aux_row is not None):
+            return None
+        if chunk.aux_row is None:
+            raise FailedPrecondition(
+                f"receiver {dest.info.receiver} expects aux row {dest.info.aux_row} but the sender has no aux regions"
+            )
+        return chunk.aux_row, dest.info.aux_row
+
+    def _state_pairs(self, chunk: Chunk, dest: Destination) -> dict[str, tuple[IndexArray, IndexArray]]:
+        if not (chunk.is_last and dest.plan.sends_state):
+            return {}
+        pairs = {}
+        for name, dst in dest.info.state.items():
+            src = chunk.state.get(name)
+            if src is None or src.size == 0:
+                raise FailedPrecondition(
+                    f"receiver {dest.info.receiver} expects state component {name!r} but the sender sent none"
+                )
+            pairs[name] = (src, dst)
+        return pairs
+
+    def _settled(self, source: SourceProgress, dest: Destination, nbytes: int, state: XferState, _descs: int | None) -> None:
+        source.inflight -= 1
+        dest.inflight -= 1
+        if state is XferState.DONE:
+            source.bytes += nbytes
+            self._counters.bytes_sent += nbytes
+        else:
+            self.fail(
+                source,
+                cause(common_pb2.FAILURE_KIND_TRANSFER, f"a NIXL write to receiver {dest.info.receiver} failed", self._id),
+            )
+        if source.state == FAILED:
+            if source.inflight == 0:
+                source.mark_settled()
+            if dest.inflight == 0 and dest.failure_reported and not dest.settle_reported:
+                self._report(source, dest)
+            return
+        self._check_complete(source, dest)
+        self._update(source)
+
+    def _check_complete(self, source: SourceProgress, dest: Destination) -> None:
+        if not dest.complete and dest.last_posted and dest.inflight == 0 and source.state != FAILED:
+            dest.complete = True
+
+    def _update(self, source: SourceProgress) -> None:
+        if source.terminal or not source.ready():
+            return
+        if source.last_received and all(d.complete for d in source.destinations.values()):
+            if source.advance(SUCCESS):
+                self._counters.rooms_succeeded += 1
+                log.debug("send_done", room=source.room, engine=source.engine.engine_id, bytes=source.bytes)
+        elif source.chunk_list:
+            source.advance(TRANSFERRING)
+        else:
+            source.advance(WAITING_FOR_INPUT)
+
+    def _report(self, source: SourceProgress, dest: Destination) -> None:
+        """Tell the receiver's broker this source failed, and whether it settled."""
+        settled = dest.inflight == 0
+        dest.failure_reported = True
+        dest.settle_reported = settled
+        assert source.cause is not None
+        report = peer_pb2.CompletionReport(
+            room=source.room,
+            sender_broker_id=self._id,
+            source=source.key.to_proto(),
+            receiver=dest.info.receiver.to_proto(),
+            failure=source.cause,
+            settled=settled,
+        )
+        self._tasks.spawn(self._send_report(dest.info.receiver_broker_id, report), name=f"report-{source.room}")
+
+    async def _send_report(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
+        try:
+            peer = self._peers.get(broker_id)
+            await self._peers.stub(peer).ReportCompletion(report, timeout=self._peers.timeout)
+        except (grpc.RpcError, KvBrokerError) as exc:
+            log.warning("completion_report_failed", room=report.room, peer=broker_id, error=str(exc))

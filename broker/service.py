@@ -1,0 +1,156 @@
+"""The gRPC servicers: thin. Validate, call the runtime, map errors.
+
+Errors map to statuses here and only here: a ``KvBrokerError`` becomes its
+own status code and message; anything else is logged with its traceback and
+becomes INTERNAL, so a bug never leaks a Python trace to the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from kvbroker.broker.runtime import BrokerRuntime
+from kvbroker.errors import KvBrokerError
+from kvbroker.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    peer_pb2,
+    peer_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
+
+__all__ = ["AdminService", "PeerService", "TransferService"]
+
+log = structlog.get_logger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _unary(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception:
+            log.exception("rpc_failed", rpc=fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the broker; see its log")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
+    """``kvbroker.v1.TransferBroker``: engines on this host."""
+
+    def __init__(self, runtime: BrokerRuntime) -> None:
+        self._rt = runtime
+
+    @_unary
+    async def GetBrokerInfo(self, request: transfer_pb2.GetBrokerInfoRequest, context: Any) -> transfer_pb2.BrokerInfo:
+        return self._rt.broker_info()
+
+    @_unary
+    async def RegisterEngine(
+        self, request: transfer_pb2.RegisterEngineRequest, context: Any
+    ) -> transfer_pb2.RegisterEngineResponse:
+        engine = self._rt.register_engine(request)
+        return transfer_pb2.RegisterEngineResponse(engine_id=engine.engine_id)
+
+    @_unary
+    async def UnregisterEngine(
+        self, request: transfer_pb2.UnregisterEngineRequest, context: Any
+    ) -> transfer_pb2.UnregisterEngineResponse:
+        failed = await self._rt.unregister_engine(request.engine_id)
+        return transfer_pb2.UnregisterEngineResponse(rooms_failed=failed)
+
+    @_unary
+    async def ExpectRoom(self, request: transfer_pb2.ExpectRoomRequest, context: Any) -> transfer_pb2.ExpectRoomResponse:
+        return transfer_pb2.ExpectRoomResponse(status=self._rt.expect_room(request).status())
+
+    @_unary
+    async def BeginSend(self, request: transfer_pb2.BeginSendRequest, context: Any) -> transfer_pb2.BeginSendResponse:
+        return transfer_pb2.BeginSendResponse(status=self._rt.begin_send(request).status())
+
+    @_unary
+    async def SendChunk(self, request: transfer_pb2.SendChunkRequest, context: Any) -> transfer_pb2.SendChunkResponse:
+        index, source = self._rt.send_chunk(request)
+        return transfer_pb2.SendChunkResponse(chunk_index=index, status=source.status())
+
+    @_unary
+    async def Poll(self, request: transfer_pb2.PollRequest, context: Any) -> transfer_pb2.PollResponse:
+        return transfer_pb2.PollResponse(statuses=self._rt.poll(request))
+
+    async def WatchRooms(
+        self, request: transfer_pb2.WatchRoomsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.RoomStatus]:
+        try:
+            async for status in self._rt.watch(request):
+                yield status
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+
+    @_unary
+    async def Abort(self, request: transfer_pb2.AbortRequest, context: Any) -> transfer_pb2.AbortResponse:
+        return transfer_pb2.AbortResponse(status=self._rt.abort(request))
+
+
+class PeerService(peer_pb2_grpc.PeerBrokerServicer):
+    """``kvbroker.v1.PeerBroker``: other brokers."""
+
+    def __init__(self, runtime: BrokerRuntime) -> None:
+        self._rt = runtime
+
+    @_unary
+    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
+        return self._rt.handshake(request)
+
+    @_unary
+    async def RegisterRoom(self, request: peer_pb2.RegisterRoomRequest, context: Any) -> peer_pb2.RegisterRoomResponse:
+        self._rt.register_room(request)
+        return peer_pb2.RegisterRoomResponse()
+
+    @_unary
+    async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
+        self._rt.completion_report(request)
+        return peer_pb2.CompletionAck()
+
+    @_unary
+    async def AbortRoom(self, request: peer_pb2.PeerAbortRequest, context: Any) -> peer_pb2.PeerAbortResponse:
+        self._rt.peer_abort(request)
+        return peer_pb2.PeerAbortResponse()
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    """``kvbroker.v1.Admin``: operators."""
+
+    def __init__(self, runtime: BrokerRuntime) -> None:
+        self._rt = runtime
+
+    @_unary
+    async def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.Stats:
+        return self._rt.stats()
+
+    @_unary
+    async def ListEngines(self, request: admin_pb2.ListEnginesRequest, context: Any) -> admin_pb2.ListEnginesResponse:
+        return admin_pb2.ListEnginesResponse(engines=self._rt.list_engines())
+
+    @_unary
+    async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Any) -> admin_pb2.ListPeersResponse:
+        return admin_pb2.ListPeersResponse(peers=self._rt.list_peers())
+
+    @_unary
+    async def ListRooms(self, request: admin_pb2.ListRoomsRequest, context: Any) -> admin_pb2.ListRoomsResponse:
+        state = request.state if request.HasField("state") else None
+        return admin_pb2.ListRoomsResponse(rooms=self._rt.list_rooms(state))

@@ -1,0 +1,106 @@
+"""The connection from an engine rank to the broker on its host."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from kvbroker.client.engine import EngineHandle
+from kvbroker.client.memory import EngineMemory, RankSpec
+from kvbroker.errors import InvalidArgument, Unavailable, from_rpc_error
+from kvbroker.v1 import fdsocket_pb2, transfer_pb2, transfer_pb2_grpc
+
+__all__ = ["BrokerClient"]
+
+T = TypeVar("T")
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+]
+
+
+class BrokerClient:
+    """A connection to the local broker.
+
+    ``BrokerClient("127.0.0.1:50051")`` asks the broker (GetBrokerInfo) where
+    its engine unix socket and fd socket are, and switches to the unix socket
+    when it can reach it. Thread-safety: one client may be shared by threads
+    (gRPC channels are thread-safe); each engine rank registers once.
+    """
+
+    def __init__(self, address: str, *, prefer_unix_socket: bool = True, timeout_seconds: float = 30.0) -> None:
+        self.address = address
+        self.timeout_seconds = timeout_seconds
+        channel = grpc.insecure_channel(address, options=_OPTIONS)
+        try:
+            stub = transfer_pb2_grpc.TransferBrokerStub(channel)
+            self.info: transfer_pb2.BrokerInfo = self.call(
+                stub.GetBrokerInfo, transfer_pb2.GetBrokerInfoRequest(), wait_for_ready=True
+            )
+        except BaseException:
+            channel.close()
+            raise
+        path = self.info.engine_socket_path
+        if prefer_unix_socket and path and os.access(path, os.R_OK | os.W_OK):
+            channel.close()
+            channel = grpc.insecure_channel(f"unix:{path}", options=_OPTIONS)
+            stub = transfer_pb2_grpc.TransferBrokerStub(channel)
+        self._channel = channel
+        self.stub = stub
+
+    def call(self, method: Callable[..., T], request: object, *, wait_for_ready: bool = False) -> T:
+        """Call ``method``; a failure raises the matching ``kvbroker.errors`` class."""
+        try:
+            return method(request, timeout=self.timeout_seconds, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def register_engine(self, rank: RankSpec, memory: EngineMemory) -> EngineHandle:
+        """Register an engine rank and its memory with the broker.
+
+        Uploads the buffers' fds over the broker's fd socket, then calls
+        RegisterEngine. The returned handle keeps the fd connection open: it
+        is the engine's session, and the broker releases everything the engine
+        registered when it closes (``EngineHandle.close`` or process exit).
+        """
+        fd_sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                fd_sock.connect(self.info.fd_socket_path)
+            except OSError as exc:
+                raise Unavailable(f"cannot reach the broker's fd socket {self.info.fd_socket_path}: {exc}") from exc
+            buffers = memory.take_fds()
+            try:
+                upload = fdsocket_pb2.FdUpload(buffers=[spec for _, spec in buffers])
+                socket.send_fds(fd_sock, [upload.SerializeToString()], [fd for fd, _ in buffers])
+            finally:
+                for fd, _ in buffers:
+                    os.close(fd)
+            reply = fdsocket_pb2.FdUploadReply.FromString(fd_sock.recv(1 << 16))
+            if reply.error:
+                raise InvalidArgument(f"the broker refused the buffers: {reply.error}")
+            response = self.call(
+                self.stub.RegisterEngine,
+                transfer_pb2.RegisterEngineRequest(
+                    session_token=reply.session_token, rank=rank.to_proto(), layout=memory.layout
+                ),
+            )
+        except BaseException:
+            fd_sock.close()
+            raise
+        return EngineHandle(self, response.engine_id, rank, memory, fd_sock)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

@@ -1,0 +1,274 @@
+"""Exportable engine memory, with torch tensors over it.
+
+The broker can only move memory it has mapped, so an engine allocates its KV
+pool, aux rows and state buffers here: one sealed memfd per engine rank,
+mapped shared, and torch tensors that are views of it. The engine computes
+into the tensors as usual; the broker maps the same pages from the fd the
+client hands it at registration.
+
+Layout of the buffer (each region starts on a 4 KiB boundary):
+
+- KV, for every layer this rank holds: ``k[layer]`` and ``v[layer]``, each
+  ``[num_pages, page_size, kv_heads_per_rank, head_dim]`` of ``dtype``
+  ("NHD" pages), or ``mla[layer]`` ``[num_pages, page_size, 1, head_dim]``;
+- aux: ``aux[i]``, ``[aux_rows, row_bytes_i]`` uint8, one row per request;
+- state: ``state[name][j]``, ``[num_items, item_bytes]`` uint8.
+
+Only host memory (DRAM) is implemented: a GPU KV pool needs CUDA VMM
+allocation with POSIX-fd export, which this build does not have yet.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvbroker.errors import InvalidArgument, Unimplemented
+from kvbroker.v1 import common_pb2
+
+__all__ = ["EngineMemory", "ModelSpec", "RankSpec", "StateSpec", "even_pp_layer_begins"]
+
+_ALIGN = 4096
+_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+_STATE_TYPES = {"mamba": common_pb2.STATE_TYPE_MAMBA, "swa": common_pb2.STATE_TYPE_SWA, "nsa": common_pb2.STATE_TYPE_NSA}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the KV cache of the whole model looks like."""
+
+    num_layers: int
+    #: KV heads of the whole model (1 for MLA).
+    total_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    #: Tokens per page.
+    page_size: int
+    mla: bool = False
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def heads_per_rank(self, tp_size: int) -> int:
+        return 1 if self.mla else max(1, self.total_kv_heads // tp_size)
+
+
+def even_pp_layer_begins(num_layers: int, pp_size: int) -> tuple[int, ...]:
+    """First layer of each pp rank when layers split as evenly as possible."""
+    base, extra = divmod(num_layers, pp_size)
+    begins, layer = [], 0
+    for rank in range(pp_size):
+        begins.append(layer)
+        layer += base + (1 if rank < extra else 0)
+    return tuple(begins)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Who this engine rank is."""
+
+    group: str
+    role: Literal["prefill", "decode"]
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    #: First layer of each pp rank; None splits the layers evenly.
+    pp_layer_begins: tuple[int, ...] | None = None
+
+    def layer_begins(self, model: ModelSpec) -> tuple[int, ...]:
+        return self.pp_layer_begins or even_pp_layer_begins(model.num_layers, self.pp_size)
+
+    def layer_range(self, model: ModelSpec) -> tuple[int, int]:
+        begins = self.layer_begins(model)
+        end = begins[self.pp_rank + 1] if self.pp_rank + 1 < self.pp_size else model.num_layers
+        return begins[self.pp_rank], end
+
+    def to_proto(self) -> common_pb2.EngineRankId:
+        return common_pb2.EngineRankId(group=self.group, tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One hybrid-model state component."""
+
+    name: str
+    type: Literal["mamba", "swa", "nsa"]
+    #: Bytes of one item in each region of the component.
+    item_bytes: int
+    num_items: int
+    #: Buffers of the component (e.g. 2 for Mamba conv + ssm state).
+    num_regions: int = 1
+
+
+@dataclass(eq=False)
+class EngineMemory:
+    """One engine rank's exportable memory. Build it with :meth:`allocate`."""
+
+    layout: common_pb2.EngineLayout
+    #: (fd, spec) per buffer, handed to the broker at registration.
+    buffers: list[tuple[int, common_pb2.BufferSpec]]
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+    mla: dict[int, torch.Tensor] = field(default_factory=dict)
+    aux: list[torch.Tensor] = field(default_factory=list)
+    state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: The whole buffer as uint8 (for tests that check bytes around regions).
+    raw: torch.Tensor | None = None
+    _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def allocate(
+        cls,
+        rank: RankSpec,
+        model: ModelSpec,
+        *,
+        num_pages: int,
+        aux_rows: int = 0,
+        aux_row_bytes: Sequence[int] = (),
+        state: Sequence[StateSpec] = (),
+        device: str = "cpu",
+    ) -> EngineMemory:
+        """Allocate and map the memory; every byte starts as zero."""
+        if device != "cpu":
+            raise Unimplemented(
+                f"device {device!r}: only host memory can be exported in this build (CUDA VMM export is not implemented)"
+            )
+        if rank.role not in _ROLES:
+            raise InvalidArgument(f"role must be 'prefill' or 'decode', got {rank.role!r}")
+        if num_pages < 1:
+            raise InvalidArgument("num_pages must be at least 1")
+        if aux_row_bytes and aux_rows < 1:
+            raise InvalidArgument("aux_rows must be at least 1 when aux_row_bytes is given")
+        begin, end = rank.layer_range(model)
+        heads = model.heads_per_rank(rank.tp_size)
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        page_bytes = model.page_size * heads * model.head_dim * itemsize
+        kinds = (common_pb2.REGION_KIND_MLA,) if model.mla else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+
+        regions: list[common_pb2.Region] = []
+        offset = 0
+
+        def place(kind: int, length: int, item: int, layer: int = 0, component: str = "") -> common_pb2.Region:
+            nonlocal offset
+            region = common_pb2.Region(
+                kind=kind,  # type: ignore[arg-type]
+                buffer=0,
+                offset_bytes=offset,
+                length_bytes=length,
+                item_bytes=item,
+                layer_id=layer,
+                component=component,
+            )
+            regions.append(region)
+            offset = _align(offset + length)
+            return region
+
+        for layer in range(begin, end):
+            for kind in kinds:
+                place(kind, num_pages * page_bytes, page_bytes, layer)
+        for row_bytes in aux_row_bytes:
+            place(common_pb2.REGION_KIND_AUX, aux_rows * row_bytes, row_bytes)
+        for spec in state:
+            if spec.type not in _STATE_TYPES:
+                raise InvalidArgument(f"state type must be one of {sorted(_STATE_TYPES)}, got {spec.type!r}")
+            for _ in range(spec.num_regions):
+                place(common_pb2.REGION_KIND_STATE, spec.num_items * spec.item_bytes, spec.item_bytes, component=spec.name)
+        total = max(offset, _ALIGN)
+
+        fd = os.memfd_create(f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, total)
+            # The broker refuses buffers that could shrink under it (SIGBUS).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)
+        layout = common_pb2.EngineLayout(
+            role=_ROLES[rank.role],  # type: ignore[arg-type]
+            tp_size=rank.tp_size,
+            pp_size=rank.pp_size,
+            num_layers=model.num_layers,
+            layer_begin=begin,
+            layer_end=end,
+            page_size_tokens=model.page_size,
+            total_kv_heads=model.total_kv_heads,
+            kv_heads_per_rank=heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype_name,
+            mla=model.mla,
+            regions=regions,
+            state_components=[
+                common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type])  # type: ignore[arg-type]
+                for s in state
+            ],
+            pp_layer_begins=list(rank.layer_begins(model)),
+        )
+        memory = cls(
+            layout=layout,
+            buffers=[(fd, common_pb2.BufferSpec(size_bytes=total, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0))],
+            raw=raw,
+            _maps=[mapping],
+        )
+
+        def view(region: common_pb2.Region) -> torch.Tensor:
+            return raw[region.offset_bytes : region.offset_bytes + region.length_bytes]
+
+        for region in regions:
+            if region.kind in (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA):
+                tensor = view(region).view(model.dtype).view(num_pages, model.page_size, heads, model.head_dim)
+                target = {
+                    common_pb2.REGION_KIND_KEY: memory.k,
+                    common_pb2.REGION_KIND_VALUE: memory.v,
+                    common_pb2.REGION_KIND_MLA: memory.mla,
+                }[region.kind]
+                target[region.layer_id] = tensor
+            elif region.kind == common_pb2.REGION_KIND_AUX:
+                memory.aux.append(view(region).view(aux_rows, region.item_bytes))
+            else:
+                memory.state.setdefault(region.component, []).append(
+                    view(region).view(region.length_bytes // region.item_bytes, region.item_bytes)
+                )
+        return memory
+
+    def kv_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The KV tensors of ``layer``: [k, v], or [mla]."""
+        if layer in self.mla:
+            return [self.mla[layer]]
+        return [self.k[layer], self.v[layer]]
+
+    def take_fds(self) -> list[tuple[int, common_pb2.BufferSpec]]:
+        """Hand the buffers' fds to the caller (the client closes them after upload)."""
+        buffers, self.buffers = self.buffers, []
+        return buffers
+
+    def close(self) -> None:
+        """Close fds and, once no tensor views remain, the mapping."""
+        for fd, _ in self.take_fds():
+            os.close(fd)
+        self.k.clear()
+        self.v.clear()
+        self.mla.clear()
+        self.aux.clear()
+        self.state.clear()
+        self.raw = None
+        for mapping in self._maps:
+            try:
+                mapping.close()
+            except BufferError:
+                # A caller still holds a tensor view; the mapping goes with it.
+                pass
+        self._maps.clear()
+
+
+def _align(value: int) -> int:
+    return (value + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -1,0 +1,227 @@
+"""A scripted fake NIXL agent: the one fake, shipped for tests.
+
+``FakeAgent`` follows ``kvbroker.broker.nixl_agent.Agent``. Agents that share
+a :class:`FakeFabric` reach each other by name, in one process, and really
+copy bytes (``ctypes.memmove``) between registered memory when a transfer
+completes, so a test sees byte-exact results or the lack of them.
+
+Each posted transfer follows an :class:`XferScript`: ``check`` answers PROC
+``proc_polls`` times, then DONE (copy the bytes, deliver the notification),
+ERR, or nothing ever (HANG). Scripts queue per agent (``agent.script(...)``);
+with none queued, transfers complete on the first check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from kvbroker.broker.nixl_agent import NixlError, XferState
+from kvbroker.indices import IndexArray
+
+__all__ = ["FakeAgent", "FakeFabric", "XferScript"]
+
+
+@dataclass(frozen=True)
+class XferScript:
+    """How one posted transfer behaves."""
+
+    #: ``check`` reports PROC this many times before the outcome.
+    proc_polls: int = 0
+    #: DONE copies the bytes and delivers the notification; ERR reports an
+    #: error (after copying ``partial_fraction`` of the descriptors); HANG
+    #: stays PROC forever.
+    outcome: Literal["DONE", "ERR", "HANG"] = "DONE"
+    #: Reject the post itself (``post_write`` raises ``NixlError``).
+    fail_post: bool = False
+    #: With ERR: the share of descriptors written before the error.
+    partial_fraction: float = 0.0
+
+
+@dataclass
+class FakeFabric:
+    """The agents that can reach each other."""
+
+    agents: dict[str, FakeAgent] = field(default_factory=dict)
+
+
+_DEFAULT_FABRIC = FakeFabric()
+
+
+@dataclass
+class _Dlist:
+    agent: str
+    descs: np.ndarray
+
+
+@dataclass
+class _Xfer:
+    pairs: list[tuple[int, int, int]]
+    target: str
+    notif: bytes
+    script: XferScript
+    polls: int = 0
+    finished: XferState | None = None
+
+
+class FakeAgent:
+    """A fake NIXL agent. See the module docstring."""
+
+    def __init__(self, name: str, fabric: FakeFabric | None = None) -> None:
+        self._name = name
+        self._fabric = fabric if fabric is not None else _DEFAULT_FABRIC
+        self._fabric.agents[name] = self
+        self._regs: dict[int, tuple[int, int]] = {}
+        self._next_reg = 0
+        self._remotes: dict[str, list[tuple[int, int]]] = {}
+        self._inbox: deque[tuple[str, bytes]] = deque()
+        self._scripts: deque[XferScript] = deque()
+        self.live_dlists: set[int] = set()
+        self.live_xfers: set[int] = set()
+        self.posted = 0
+
+    # -- test controls -------------------------------------------------
+    def script(self, *scripts: XferScript) -> None:
+        """Queue scripts for the next posted transfers, in order."""
+        self._scripts.extend(scripts)
+
+    @property
+    def registrations(self) -> int:
+        return len(self._regs)
+
+    # -- Agent protocol -------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def metadata(self) -> bytes:
+        return json.dumps({"name": self._name, "regs": list(self._regs.values())}).encode()
+
+    def register(self, address: int, size_bytes: int, kind: int, device_id: int) -> int:
+        handle = self._next_reg
+        self._next_reg += 1
+        self._regs[handle] = (address, size_bytes)
+        return handle
+
+    def deregister(self, registration: int) -> None:
+        del self._regs[registration]
+
+    def add_remote(self, metadata: bytes) -> str:
+        meta = json.loads(metadata)
+        if meta["name"] not in self._fabric.agents:
+            raise NixlError(f"fake agent {meta['name']} is not on this fabric")
+        self._remotes[meta["name"]] = [tuple(r) for r in meta["regs"]]  # type: ignore[misc]
+        return str(meta["name"])
+
+    def remove_remote(self, name: str) -> None:
+        self._remotes.pop(name, None)
+
+    def prep_dlist(self, agent: str | None, descs: np.ndarray, kind: int) -> _Dlist:
+        if agent is None or agent == self._name:
+            regions = list(self._regs.values())
+        elif agent in self._remotes:
+            regions = self._remotes[agent]
+        else:
+            raise NixlError(f"fake agent {self._name} has no metadata for {agent}")
+        for addr, length, _dev in descs.tolist():
+            if not any(start <= addr and addr + length <= start + size for start, size in regions):
+                raise NixlError(f"descriptor {addr:#x}+{length} is not inside memory registered by {agent or self._name}")
+        dlist = _Dlist(agent or "", np.array(descs, dtype=np.uint64, copy=True))
+        self.live_dlists.add(id(dlist))
+        return dlist
+
+    def release_dlist(self, dlist: _Dlist) -> None:
+        self.live_dlists.discard(id(dlist))
+
+    def post_write(
+        self,
+        local: _Dlist,
+        local_indices: IndexArray,
+        remote: _Dlist,
+        remote_indices: IndexArray,
+        notif: bytes,
+    ) -> _Xfer:
+        if local.agent:
+            raise NixlError("the local side of a transfer must be a local descriptor list")
+        if len(local_indices) != len(remote_indices):
+            raise NixlError("local and remote index lists differ in length")
+        for idx, dl in ((local_indices, local), (remote_indices, remote)):
+            if len(idx) and (int(np.min(idx)) < 0 or int(np.max(idx)) >= len(dl.descs)):
+                raise NixlError("index out of range of the prepared list")
+        script = self._scripts.popleft() if self._scripts else XferScript()
+        if script.fail_post:
+            raise NixlError("fake: post rejected by script")
+        pairs = []
+        for li, ri in zip(local_indices.tolist(), remote_indices.tolist()):
+            src, slen, _ = local.descs[li].tolist()
+            dst, dlen, _ = remote.descs[ri].tolist()
+            if slen != dlen:
+                raise NixlError("local and remote descriptors differ in length")
+            pairs.append((src, dst, slen))
+        target = remote.agent or self._name
+        xfer = _Xfer(pairs=pairs, target=target, notif=notif, script=script)
+        self.live_xfers.add(id(xfer))
+        self.posted += 1
+        return xfer
+
+    def check(self, xfer: _Xfer) -> XferState:
+        if xfer.finished is not None:
+            return xfer.finished
+        if xfer.polls < xfer.script.proc_polls or xfer.script.outcome == "HANG":
+            xfer.polls += 1
+            return XferState.PROC
+        if xfer.script.outcome == "ERR":
+            cut = int(len(xfer.pairs) * xfer.script.partial_fraction)
+            self._copy(xfer.pairs[:cut])
+            xfer.finished = XferState.ERR
+            return xfer.finished
+        self._copy(xfer.pairs)
+        if xfer.notif:
+            self._deliver(xfer.target, xfer.notif)
+        xfer.finished = XferState.DONE
+        return xfer.finished
+
+    def release_xfer(self, xfer: _Xfer) -> None:
+        self.live_xfers.discard(id(xfer))
+
+    def descriptor_count(self, xfer: _Xfer) -> int | None:
+        merged = 0
+        prev: tuple[int, int, int] | None = None
+        for src, dst, length in xfer.pairs:
+            if prev is None or prev[0] + prev[2] != src or prev[1] + prev[2] != dst:
+                merged += 1
+            prev = (src, dst, length)
+        return merged
+
+    def send_notif(self, agent: str, message: bytes) -> None:
+        if agent != self._name and agent not in self._remotes:
+            raise NixlError(f"fake agent {self._name} has no metadata for {agent}")
+        self._deliver(agent, message)
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        out = list(self._inbox)
+        self._inbox.clear()
+        return out
+
+    def close(self) -> None:
+        self._regs.clear()
+        self._remotes.clear()
+        if self._fabric.agents.get(self._name) is self:
+            del self._fabric.agents[self._name]
+
+    # -- internals ------------------------------------------------------
+    def _deliver(self, target: str, message: bytes) -> None:
+        agent = self._fabric.agents.get(target)
+        if agent is None:
+            raise NixlError(f"fake agent {target} is gone")
+        agent._inbox.append((self._name, message))
+
+    @staticmethod
+    def _copy(pairs: list[tuple[int, int, int]]) -> None:
+        for src, dst, length in pairs:
+            ctypes.memmove(dst, src, length)

@@ -1,0 +1,133 @@
+from kvbroker.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds")
+    class PerRoomStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PER_ROOM_STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_POSTED_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    per_room_state: _containers.ScalarMap[str, int]
+    engines: int
+    peers: int
+    rooms_succeeded: int
+    rooms_failed: int
+    bytes_sent: int
+    bytes_received: int
+    transfers_posted: int
+    uptime_seconds: int
+    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ...) -> None: ...
+
+class ListEnginesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("engine_id", "rank", "role", "buffers", "registered_bytes", "regions", "open_rooms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rank: _common_pb2.EngineRankId
+    role: _common_pb2.Role
+    buffers: int
+    registered_bytes: int
+    regions: int
+    open_rooms: int
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., open_rooms: _Optional[int] = ...) -> None: ...
+
+class ListEnginesResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+
+class ListPeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    broker_id: str
+    nixl_agent_name: str
+    handshaken: bool
+    engines: int
+    open_rooms: int
+    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ...) -> None: ...
+
+class ListPeersResponse(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class ListRoomsRequest(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.RoomState
+    def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ...) -> None: ...
+
+class RoomInfo(_message.Message):
+    __slots__ = ("room", "side", "engine", "state", "cause", "peer", "pages", "chunks", "bytes", "age_seconds")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    side: str
+    engine: _common_pb2.EngineRankId
+    state: _common_pb2.RoomState
+    cause: _common_pb2.FailureCause
+    peer: str
+    pages: int
+    chunks: int
+    bytes: int
+    age_seconds: float
+    def __init__(self, room: _Optional[int] = ..., side: _Optional[str] = ..., engine: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., cause: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ..., peer: _Optional[str] = ..., pages: _Optional[int] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class ListRoomsResponse(_message.Message):
+    __slots__ = ("rooms",)
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    rooms: _containers.RepeatedCompositeFieldContainer[RoomInfo]
+    def __init__(self, rooms: _Optional[_Iterable[_Union[RoomInfo, _Mapping]]] = ...) -> None: ...

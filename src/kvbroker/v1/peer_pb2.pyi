@@ -1,0 +1,184 @@
+from kvbroker.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SourceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SOURCE_MODE_UNSPECIFIED: _ClassVar[SourceMode]
+    SOURCE_MODE_FULL_PAGES: _ClassVar[SourceMode]
+    SOURCE_MODE_COMPLETION_ONLY: _ClassVar[SourceMode]
+SOURCE_MODE_UNSPECIFIED: SourceMode
+SOURCE_MODE_FULL_PAGES: SourceMode
+SOURCE_MODE_COMPLETION_ONLY: SourceMode
+
+class BrokerIdentity(_message.Message):
+    __slots__ = ("broker_id", "nixl_agent_name", "address")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    nixl_agent_name: str
+    address: str
+    def __init__(self, broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RemoteBuffer(_message.Message):
+    __slots__ = ("address", "size_bytes", "kind", "device_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    size_bytes: int
+    kind: _common_pb2.MemoryKind
+    device_id: int
+    def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class EngineDescriptor(_message.Message):
+    __slots__ = ("rank", "layout", "buffers", "generation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    rank: _common_pb2.EngineRankId
+    layout: _common_pb2.EngineLayout
+    buffers: _containers.RepeatedCompositeFieldContainer[RemoteBuffer]
+    generation: int
+    def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.EngineLayout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[RemoteBuffer, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("protocol_version", "caller", "nixl_agent_metadata", "engines")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    caller: BrokerIdentity
+    nixl_agent_metadata: bytes
+    engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
+    def __init__(self, protocol_version: _Optional[int] = ..., caller: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("protocol_version", "callee", "nixl_agent_metadata", "engines")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CALLEE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    callee: BrokerIdentity
+    nixl_agent_metadata: bytes
+    engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
+    def __init__(self, protocol_version: _Optional[int] = ..., callee: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
+
+class SourcePlan(_message.Message):
+    __slots__ = ("rank", "mode", "num_destinations", "layer_begin", "layer_end", "sends_aux", "sends_state")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SENDS_AUX_FIELD_NUMBER: _ClassVar[int]
+    SENDS_STATE_FIELD_NUMBER: _ClassVar[int]
+    rank: _common_pb2.EngineRankId
+    mode: SourceMode
+    num_destinations: int
+    layer_begin: int
+    layer_end: int
+    sends_aux: bool
+    sends_state: bool
+    def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ...) -> None: ...
+
+class RegisterRoomRequest(_message.Message):
+    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    AUX_ROW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    receiver_broker_id: str
+    receiver: _common_pb2.EngineRankId
+    receiver_generation: int
+    sender_group: str
+    pages: _common_pb2.PageIndices
+    aux_row: int
+    state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
+    sources: _containers.RepeatedCompositeFieldContainer[SourcePlan]
+    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ...) -> None: ...
+
+class RegisterRoomResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CompletionReport(_message.Message):
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "failure", "settled")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    sender_broker_id: str
+    source: _common_pb2.EngineRankId
+    receiver: _common_pb2.EngineRankId
+    failure: _common_pb2.FailureCause
+    settled: bool
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., failure: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ..., settled: _Optional[bool] = ...) -> None: ...
+
+class CompletionAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerAbortRequest(_message.Message):
+    __slots__ = ("room", "from_broker_id", "cause")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    FROM_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    from_broker_id: str
+    cause: _common_pb2.FailureCause
+    def __init__(self, room: _Optional[int] = ..., from_broker_id: _Optional[str] = ..., cause: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ...) -> None: ...
+
+class PeerAbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TransferNotice(_message.Message):
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
+    STATE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    sender_broker_id: str
+    source: _common_pb2.EngineRankId
+    receiver: _common_pb2.EngineRankId
+    chunk_index: int
+    is_last: bool
+    total_chunks: int
+    pages: int
+    bytes: int
+    aux: bool
+    state_components: _containers.RepeatedScalarFieldContainer[str]
+    part: int
+    parts: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,166 @@
+from kvbroker.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetBrokerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BrokerInfo(_message.Message):
+    __slots__ = ("broker_id", "protocol_version", "version", "fd_socket_path", "engine_socket_path", "listen_address", "nixl_agent_name")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    protocol_version: int
+    version: str
+    fd_socket_path: str
+    engine_socket_path: str
+    listen_address: str
+    nixl_agent_name: str
+    def __init__(self, broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ..., fd_socket_path: _Optional[str] = ..., engine_socket_path: _Optional[str] = ..., listen_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("session_token", "rank", "layout")
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    session_token: str
+    rank: _common_pb2.EngineRankId
+    layout: _common_pb2.EngineLayout
+    def __init__(self, session_token: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.EngineLayout, _Mapping]] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterEngineResponse(_message.Message):
+    __slots__ = ("rooms_failed",)
+    ROOMS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    rooms_failed: int
+    def __init__(self, rooms_failed: _Optional[int] = ...) -> None: ...
+
+class SenderRef(_message.Message):
+    __slots__ = ("broker_address", "group")
+    BROKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    broker_address: str
+    group: str
+    def __init__(self, broker_address: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
+
+class ExpectRoomRequest(_message.Message):
+    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    AUX_ROW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    room: int
+    sender: SenderRef
+    pages: _common_pb2.PageIndices
+    aux_row: int
+    state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ...) -> None: ...
+
+class ExpectRoomResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.RoomStatus
+    def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
+
+class BeginSendRequest(_message.Message):
+    __slots__ = ("engine_id", "room", "num_pages")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    room: int
+    num_pages: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class BeginSendResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.RoomStatus
+    def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
+
+class SendChunkRequest(_message.Message):
+    __slots__ = ("engine_id", "room", "pages", "is_last", "aux_row", "state")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    AUX_ROW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    room: int
+    pages: _common_pb2.PageIndices
+    is_last: bool
+    aux_row: int
+    state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., is_last: _Optional[bool] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ...) -> None: ...
+
+class SendChunkResponse(_message.Message):
+    __slots__ = ("chunk_index", "status")
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    chunk_index: int
+    status: _common_pb2.RoomStatus
+    def __init__(self, chunk_index: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
+
+class PollRequest(_message.Message):
+    __slots__ = ("engine_id", "rooms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rooms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., rooms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PollResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[_common_pb2.RoomStatus, _Mapping]]] = ...) -> None: ...
+
+class WatchRoomsRequest(_message.Message):
+    __slots__ = ("engine_id", "rooms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rooms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., rooms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("engine_id", "room", "reason")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    room: int
+    reason: str
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.RoomStatus
+    def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
