@@ -46,6 +46,9 @@ class BrokerConfig:
     #: in flight. While transfers are in flight the broker polls without
     #: sleeping (UCX moves shared-memory bytes inside those calls).
     idle_poll_interval_millis: float = 1.0
+    #: How long a receiving room retries reaching the sender's broker and
+    #: finding its engine group before it fails (the handshake timeout).
+    bootstrap_timeout_seconds: float = 30.0
     #: Deadline of broker-to-broker calls.
     peer_rpc_timeout_seconds: float = 10.0
     #: How long UnregisterEngine waits for posted transfers to settle before

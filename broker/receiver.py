@@ -20,6 +20,8 @@ never create a room (lesson 6).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 import grpc
@@ -29,9 +31,9 @@ from google.protobuf.message import DecodeError
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.descriptors import check_index, check_indices
 from kvbroker.broker.engines import Engine
-from kvbroker.broker.layout import rank_key
+from kvbroker.broker.layout import Layout, rank_key
 from kvbroker.broker.mapping import GroupShape, plan_sources
-from kvbroker.broker.peers import PeerTable
+from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
 from kvbroker.broker.rooms import (
     FAILED,
@@ -47,7 +49,15 @@ from kvbroker.broker.rooms import (
     cause_of,
 )
 from kvbroker.broker.tasks import TaskSet
-from kvbroker.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError, from_rpc_error
+from kvbroker.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvBrokerError,
+    Unavailable,
+    from_rpc_error,
+)
 from kvbroker.indices import IndexArray, encode_indices
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -73,8 +83,10 @@ class ReceiverSide:
         counters: Counters,
         tasks: TaskSet,
         publish: Callable[[Progress], None],
+        bootstrap_timeout_seconds: float,
     ) -> None:
         self._id = broker_id
+        self._bootstrap_timeout = bootstrap_timeout_seconds
         self._peers = peers
         self._rooms = rooms
         self._progress = progress
@@ -243,17 +255,34 @@ class ReceiverSide:
         rank.advance(WAITING_FOR_INPUT)
         self._progress.wake()
 
+    async def _find_sender(self, rank: ReceiverProgress) -> tuple[Peer, list[Layout]]:
+        """Handshake with the sender's broker and find the sender group there,
+        retrying with backoff for up to the bootstrap timeout (the sender's
+        broker or engines may still be starting)."""
+        deadline = time.monotonic() + self._bootstrap_timeout
+        delay = 0.01
+        while True:
+            try:
+                peer = await self._peers.connect(rank.sender_address)
+                layouts = peer.group_layouts(rank.sender_group)
+                if not layouts:
+                    # The group may have registered after our last handshake.
+                    await self._peers.handshake(peer)
+                    layouts = peer.group_layouts(rank.sender_group)
+                if layouts:
+                    return peer, layouts
+                error: KvBrokerError = FailedPrecondition(
+                    f"no rank of engine group {rank.sender_group!r} is registered at the broker at {peer.address}"
+                )
+            except Unavailable as exc:
+                error = exc
+            if rank.terminal or time.monotonic() + delay > deadline:
+                raise type(error)(f"{error.message} (gave up after {self._bootstrap_timeout:g} s)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
     async def _register(self, rank: ReceiverProgress) -> None:
-        peer = await self._peers.connect(rank.sender_address)
-        layouts = peer.group_layouts(rank.sender_group)
-        if not layouts:
-            # The group may have registered after our last handshake.
-            await self._peers.handshake(peer)
-            layouts = peer.group_layouts(rank.sender_group)
-        if not layouts:
-            raise FailedPrecondition(
-                f"no rank of engine group {rank.sender_group!r} is registered at the broker at {peer.address}"
-            )
+        peer, layouts = await self._find_sender(rank)
         if rank.terminal:
             return
         plans = plan_sources(

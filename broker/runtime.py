@@ -77,7 +77,7 @@ class BrokerRuntime:
             publish=self._publish,
         )
         self.sender = SenderSide(agent=agent, **common)  # type: ignore[arg-type]
-        self.receiver = ReceiverSide(**common)  # type: ignore[arg-type]
+        self.receiver = ReceiverSide(bootstrap_timeout_seconds=config.bootstrap_timeout_seconds, **common)  # type: ignore[arg-type]
         self._housekeeping: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -11,7 +10,7 @@ import grpc
 
 from kvbroker.client.memory import EngineMemory, RankSpec
 from kvbroker.client.rooms import KVReceiver, KVSender, RoomState, SenderRef
-from kvbroker.errors import DeadlineExceeded, from_rpc_error
+from kvbroker.errors import DeadlineExceeded, FailedPrecondition, from_rpc_error
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:
@@ -76,23 +75,37 @@ class EngineHandle:
         finally:
             call.cancel()
 
-    def wait(self, rooms: Sequence[int], *, timeout_seconds: float, poll_interval_seconds: float = 0.002) -> dict[int, common_pb2.RoomStatus]:
-        """Poll until every room is SUCCESS or FAILED; ``DeadlineExceeded`` after the timeout."""
-        deadline = time.monotonic() + timeout_seconds
-        pending = list(rooms)
+    def wait(self, rooms: Sequence[int], *, timeout_seconds: float) -> dict[int, common_pb2.RoomStatus]:
+        """Block until every room is SUCCESS or FAILED; their final statuses.
+
+        Uses the WatchRooms stream, so it wakes when the broker changes a
+        room's state rather than on a polling interval. Raises
+        ``DeadlineExceeded`` after ``timeout_seconds``.
+        """
+        pending = set(rooms)
         done: dict[int, common_pb2.RoomStatus] = {}
-        interval = poll_interval_seconds
-        while pending:
-            for room, status in self.poll(pending).items():
-                if status.state in (RoomState.SUCCESS, RoomState.FAILED):
-                    done[room] = status
-            pending = [r for r in pending if r not in done]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{len(pending)} rooms did not finish in {timeout_seconds} s: {pending[:8]}")
-            time.sleep(interval)
-            interval = min(interval * 2, 0.05)
+        if not pending:
+            return done
+        call = self.client.stub.WatchRooms(
+            transfer_pb2.WatchRoomsRequest(engine_id=self.engine_id, rooms=sorted(pending)), timeout=timeout_seconds
+        )
+        try:
+            for status in call:
+                if status.state in (RoomState.SUCCESS, RoomState.FAILED) and status.room in pending:
+                    pending.discard(status.room)
+                    done[status.room] = status
+                    if not pending:
+                        break
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                raise DeadlineExceeded(
+                    f"{len(pending)} rooms did not finish in {timeout_seconds} s: {sorted(pending)[:8]}"
+                ) from None
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+        if pending:
+            raise FailedPrecondition(f"the broker ended the watch with rooms unfinished: {sorted(pending)[:8]}")
         return done
 
     # -- lifecycle -------------------------------------------------------------

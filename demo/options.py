@@ -1,0 +1,32 @@
+"""Command-line options of ``kvbroker demo``."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_demo_arguments"]
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--rooms", type=int, default=16, help="requests (rooms) to move")
+    g.add_argument("--layers", type=int, default=8, help="model layers")
+    g.add_argument("--pages", type=int, default=24, help="KV pages per room")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    g.add_argument("--kv-heads", type=int, default=None, help="total KV heads of the model (default 8; 1 with --mla)")
+    g.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; 576 with --mla)")
+    g.add_argument("--dtype", default="bfloat16", help="KV dtype (torch name)")
+    g.add_argument("--mla", action="store_true", help="MLA layout: one latent KV region per layer")
+    g.add_argument("--chunks", type=int, default=3, help="chunks per room (chunked prefill)")
+    g.add_argument("--window", type=int, default=8, help="rooms in flight at once")
+    g.add_argument("--aux-bytes", type=int, default=64, help="bytes of the aux row of each request (0: no aux)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the page choice")
+    b = p.add_argument_group("brokers")
+    b.add_argument("--prefill-broker", default=None, metavar="ADDR", help="use this running broker for prefill (its serve --listen address)")
+    b.add_argument("--decode-broker", default=None, metavar="ADDR", help="use this running broker for decode")
+    b.add_argument("--single-broker", action="store_true", help="one broker holds both ends of every room (one host, two GPUs)")
+    b.add_argument("--ucx-error-mode", choices=("peer", "none"), default="peer", help="UCX error mode of the brokers the demo starts")
+    o = p.add_argument_group("output")
+    o.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--json", action="store_true", help="print the summary as one JSON line")

@@ -1,0 +1,341 @@
+"""``kvbroker demo``: brokers, engine processes, progress, verification, summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvbroker.demo.engine import EngineConfig, run_engine
+from kvbroker.v1 import admin_pb2, admin_pb2_grpc
+
+__all__ = ["run_demo"]
+
+PREFILL_GROUP = "demo-prefill"
+DECODE_GROUP = "demo-decode"
+
+
+@dataclass
+class _Broker:
+    name: str
+    address: str
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+@dataclass
+class _Tally:
+    rooms_verified: int = 0
+    bytes: int = 0
+    transfer_seconds: float = 0.0
+    failed: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str) -> list[_Broker]:
+    """Start ``kvbroker serve`` processes in parallel; wait until each serves."""
+    launched = [_launch_broker(name, workdir, ucx_error_mode) for name in names]
+    return [_await_broker(*item) for item in launched]
+
+
+def _launch_broker(name: str, workdir: Path, ucx_error_mode: str) -> tuple[str, subprocess.Popen[bytes], Path, Path]:
+    ready = workdir / f"{name}.json"
+    log_path = workdir / f"{name}.log"
+    env = dict(os.environ)
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvbroker",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--uds",
+        str(workdir / f"{name}.sock"),
+        "--ready-file",
+        str(ready),
+        "--finished-room-ttl",
+        "0.5",
+        "--tombstone-ttl",
+        "1",
+        "--ucx-error-mode",
+        ucx_error_mode,
+        "--log-format",
+        "json",
+        "--log-level",
+        "warning",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return name, process, ready, log_path
+
+
+def _await_broker(name: str, process: subprocess.Popen[bytes], ready: Path, log_path: Path) -> _Broker:
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"broker {name} did not start; its log:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.05)
+    address = json.loads(ready.read_text())["address"]
+    return _Broker(name=name, address=address, process=process, log_path=log_path)
+
+
+def _stop_broker(broker: _Broker) -> None:
+    if broker.process is None:
+        return
+    broker.process.terminate()
+    try:
+        broker.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        broker.process.kill()
+        broker.process.wait()
+
+
+def _stats(address: str) -> admin_pb2.Stats:
+    with grpc.insecure_channel(address) as channel:
+        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+
+
+def _wait_for_empty_tables(brokers: list[_Broker], timeout_seconds: float) -> dict[str, dict[str, int]]:
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        tables = {b.name: dict(_stats(b.address).per_room_state) for b in brokers}
+        if all(not any(t.values()) for t in tables.values()) or time.monotonic() > deadline:
+            return tables
+        time.sleep(0.2)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.tty = enabled and sys.stderr.isatty()
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self._last_decile = -1
+
+    def update(self, done: int, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        line = f"{done}/{self.total} rooms verified  {nbytes / 2**20:8.1f} MiB"
+        if self.tty:
+            width = 30
+            filled = int(width * done / max(self.total, 1))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {line}")
+            sys.stderr.flush()
+        else:
+            decile = 10 * done // max(self.total, 1)
+            if decile != self._last_decile:
+                self._last_decile = decile
+                print(f"progress: {line}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_base: int) -> list[EngineConfig]:
+    mla = args.mla
+    base = EngineConfig(
+        role="prefill",
+        broker=prefill,
+        group=PREFILL_GROUP,
+        tp_size=1,
+        tp_rank=0,
+        pp_size=1,
+        pp_rank=0,
+        sender_broker=prefill,
+        sender_group=PREFILL_GROUP,
+        layers=args.layers,
+        page_size=args.page_size,
+        kv_heads=args.kv_heads if args.kv_heads is not None else (1 if mla else 8),
+        head_dim=args.head_dim if args.head_dim is not None else (576 if mla else 64),
+        dtype=args.dtype,
+        mla=mla,
+        rooms=args.rooms,
+        pages=args.pages,
+        chunks=args.chunks,
+        window=max(1, min(args.window, args.rooms)),
+        aux_bytes=args.aux_bytes,
+        seed=args.seed,
+        room_base=room_base,
+        timeout_seconds=args.timeout,
+    )
+    return [base, replace(base, role="decode", broker=decode, group=DECODE_GROUP)]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when every room arrived byte-exact and nothing leaked."""
+    if (args.prefill_broker is None) != (args.decode_broker is None):
+        print("kvbroker demo: give both --prefill-broker and --decode-broker, or neither", file=sys.stderr)
+        return 2
+    if args.rooms < 1 or args.pages < 0 or args.layers < 1:
+        print("kvbroker demo: --rooms and --layers must be at least 1", file=sys.stderr)
+        return 2
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    workdir = Path(tempfile.mkdtemp(prefix="kvbroker-demo-"))
+    owned: list[_Broker] = []
+    processes: list[multiprocessing.process.BaseProcess] = []
+    tally = _Tally()
+    tables: dict[str, dict[str, int]] = {}
+    wall = 0.0
+    try:
+        if args.prefill_broker:
+            prefill = _Broker("prefill", args.prefill_broker)
+            decode = _Broker("decode", args.decode_broker)
+            brokers = [prefill, decode]
+        else:
+            names = ["host"] if args.single_broker else ["prefill", "decode"]
+            owned.extend(_start_brokers(names, workdir, args.ucx_error_mode))
+            prefill, decode = owned[0], owned[-1]
+            brokers = list(owned)
+        room_base = secrets.randbits(40) << 20
+        configs = _engine_configs(args, prefill.address, decode.address, room_base)
+        ctx = multiprocessing.get_context("spawn")
+        events: Any = ctx.Queue()
+        go = ctx.Event()
+        progress = _Progress(args.rooms, not args.no_progress and not args.json)
+        start = time.perf_counter()
+        # All ranks start at once: a receiving room waits (bootstrap timeout)
+        # for the sender group to register.
+        for cfg in configs:
+            p = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}", daemon=True)
+            p.start()
+            processes.append(p)
+        _await(events, "ready", len(configs), processes, tally, args.timeout)
+        go.set()
+        if not tally.errors:
+            _collect(events, configs, processes, tally, progress, args.timeout)
+        progress.close()
+        wall = time.perf_counter() - start
+        for p in processes:
+            p.join(timeout=30)
+        if owned and not tally.errors:
+            tables = _wait_for_empty_tables(brokers, timeout_seconds=15)
+        else:
+            tables = {b.name: dict(_stats(b.address).per_room_state) for b in brokers}
+    except Exception as exc:  # report, then clean up
+        tally.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        for broker in owned:
+            _stop_broker(broker)
+    leaked = {name: {k: v for k, v in t.items() if v} for name, t in tables.items()} if owned else {}
+    ok = not (tally.failed or tally.mismatched or tally.errors or any(leaked.values())) and tally.rooms_verified == args.rooms
+    _summary(args, tally, tables, leaked, wall, ok, workdir, owned)
+    return 0 if ok else 1
+
+
+def _await(events: Any, kind: str, count: int, processes: list[Any], tally: _Tally, timeout: float) -> None:
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while seen < count and not tally.errors:
+        try:
+            event, name, payload = events.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                tally.errors.append(f"engines not {kind} after {timeout} s")
+            elif any(p.exitcode not in (None, 0) for p in processes):
+                tally.errors.append("an engine process died: " + ", ".join(f"{p.name} exit {p.exitcode}" for p in processes if p.exitcode))
+            continue
+        if event == "error":
+            tally.errors.append(f"{name}: {payload}")
+        elif event == kind:
+            seen += 1
+
+
+def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tally: _Tally, progress: _Progress, timeout: float) -> None:
+    done = 0
+    deadline = time.monotonic() + timeout
+    decode_ranks = sum(1 for c in configs if c.role == "decode")
+    while done < len(configs):
+        try:
+            event, name, payload = events.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                tally.errors.append(f"the demo did not finish in {timeout} s")
+                return
+            dead = [p for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                tally.errors.append("an engine process died: " + ", ".join(f"{p.name} exit {p.exitcode}" for p in dead))
+                return
+            continue
+        if event == "verified":
+            room, nbytes, problems = payload
+            tally.bytes += nbytes
+            if problems:
+                tally.mismatched.append(f"room {room} ({name}): {'; '.join(problems[:4])}")
+            tally.rooms_verified += 1
+            progress.update(tally.rooms_verified // decode_ranks, tally.bytes)
+        elif event == "batch_time":
+            elapsed, _nbytes = payload
+            tally.transfer_seconds += elapsed / decode_ranks
+        elif event == "room_failed":
+            room, why = payload
+            tally.failed.append(f"room {room} ({name}): {why}")
+        elif event == "error":
+            tally.errors.append(f"{name}: {payload}")
+            return
+        elif event == "done":
+            done += 1
+    tally.rooms_verified //= max(decode_ranks, 1)
+
+
+def _summary(
+    args: argparse.Namespace,
+    tally: _Tally,
+    tables: dict[str, dict[str, int]],
+    leaked: dict[str, dict[str, int]],
+    wall: float,
+    ok: bool,
+    workdir: Path,
+    owned: list[_Broker],
+) -> None:
+    gbps = tally.bytes / tally.transfer_seconds / 1e9 if tally.transfer_seconds else 0.0
+    summary = {
+        "ok": ok,
+        "rooms": args.rooms,
+        "rooms_verified": tally.rooms_verified,
+        "rooms_failed": len(tally.failed),
+        "rooms_mismatched": len(tally.mismatched),
+        "bytes": tally.bytes,
+        "gb_per_s": round(gbps, 3),
+        "wall_seconds": round(wall, 3),
+        "layout": "MLA" if args.mla else "MHA/GQA",
+        "brokers": "single" if args.single_broker else ("external" if args.prefill_broker else "two"),
+        "per_room_state": tables,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"kvbroker demo: {'OK' if ok else 'FAILED'}")
+        print(f"  layout        {summary['layout']}, {args.layers} layers, {args.pages} pages/room of {args.page_size} tokens, {args.chunks} chunks/room")
+        print(f"  brokers       {summary['brokers']}")
+        print(f"  rooms         {tally.rooms_verified}/{args.rooms} verified byte-exact, {len(tally.failed)} failed, {len(tally.mismatched)} mismatched")
+        print(f"  bytes         {tally.bytes} ({tally.bytes / 2**20:.1f} MiB)")
+        print(f"  throughput    {gbps:.2f} GB/s (decode side, ExpectRoom to SUCCESS)")
+        for name, table in tables.items():
+            state = "all zero" if not any(table.values()) else ", ".join(f"{k}={v}" for k, v in table.items() if v)
+            print(f"  {name:13} per-room tables: {state}")
+    for line in (*tally.failed[:10], *tally.mismatched[:10], *tally.errors[:5]):
+        print(f"  ! {line}", file=sys.stderr)
+    for name, table in leaked.items():
+        if table:
+            print(f"  ! broker {name} kept per-room records after eviction: {table}", file=sys.stderr)
+    if not ok and owned:
+        print(f"  broker logs: {workdir}", file=sys.stderr)

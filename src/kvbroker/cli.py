@@ -1,0 +1,125 @@
+"""The ``kvbroker`` command: ``serve`` runs a broker, ``demo`` shows one working."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from kvbroker import __version__
+
+__all__ = ["main"]
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvbroker.broker.config import BrokerConfig
+
+    d = BrokerConfig()
+    p = sub.add_parser(
+        "serve",
+        help="run one broker (one per GPU host)",
+        description="Run one kvbroker: gRPC for engines, peers and operators; NIXL for the bytes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--listen", default=d.listen_address, metavar="HOST:PORT", help="TCP address for peers and operators (port 0: any free port)")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT", help="address peers should dial (default: the bound --listen address)")
+    p.add_argument("--uds", default=None, metavar="PATH", help="gRPC unix socket for engines (default: $XDG_RUNTIME_DIR or /tmp, kvbroker-PORT.sock)")
+    p.add_argument("--fd-socket", default=None, metavar="PATH", help="unix socket for buffer fd uploads (default: next to --uds, .fds)")
+    p.add_argument("--ucx-error-mode", choices=("peer", "none"), default=d.ucx_error_mode, help="UCX error handling: 'peer' detects dead peers, 'none' is faster and blind")
+    p.add_argument("--finished-room-ttl", type=float, default=d.finished_room_ttl_seconds, metavar="SECONDS", help="how long finished rooms stay pollable")
+    p.add_argument("--tombstone-ttl", type=float, default=d.tombstone_ttl_seconds, metavar="SECONDS", help="how long evicted room ids are remembered")
+    p.add_argument("--orphan-timeout", type=float, default=d.orphan_room_timeout_seconds, metavar="SECONDS", help="how long transfer infos wait for a BeginSend")
+    p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_seconds, metavar="SECONDS", help="how long a receiving room retries reaching the sender's broker and group")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_rpc_timeout_seconds, metavar="SECONDS", help="deadline of broker-to-broker calls")
+    p.add_argument("--agent-name-prefix", default=d.agent_name_prefix, help="prefix of the NIXL agent name")
+    p.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line with the broker's addresses here once it serves")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help="auto: console on a terminal, JSON otherwise")
+    p.add_argument("--log-level", default="info")
+
+
+def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvbroker.demo.options import add_demo_arguments
+
+    p = sub.add_parser(
+        "demo",
+        help="move and verify real KV bytes between two brokers",
+        description=(
+            "Start two brokers on loopback (a prefill host and a decode host) and one engine process per rank, "
+            "move rooms of KV through NIXL, verify every byte on the decode side, and print a summary. "
+            "Exit status 1 on any mismatch, failed room or leaked broker record."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_demo_arguments(p)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvbroker", description="A per-host KV-cache transfer broker (NIXL + gRPC).")
+    parser.add_argument("--version", action="version", version=f"kvbroker {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _demo_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    from kvbroker.demo.orchestrator import run_demo
+
+    return run_demo(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvbroker.broker import BrokerConfig, BrokerServer
+    from kvbroker.logconfig import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    config = BrokerConfig(
+        listen_address=args.listen,
+        advertise_address=args.advertise,
+        engine_socket_path=args.uds,
+        fd_socket_path=args.fd_socket,
+        ucx_error_mode=args.ucx_error_mode,
+        agent_name_prefix=args.agent_name_prefix,
+        finished_room_ttl_seconds=args.finished_room_ttl,
+        tombstone_ttl_seconds=args.tombstone_ttl,
+        orphan_room_timeout_seconds=args.orphan_timeout,
+        bootstrap_timeout_seconds=args.bootstrap_timeout,
+        peer_rpc_timeout_seconds=args.peer_timeout,
+    )
+    return asyncio.run(_serve_async(config, args.ready_file))
+
+
+async def _serve_async(config: object, ready_file: str | None) -> int:
+    from kvbroker.broker import BrokerServer
+
+    server = BrokerServer(config)  # type: ignore[arg-type]
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_file:
+        info = server.runtime.broker_info()
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(
+                {
+                    "address": info.listen_address,
+                    "engine_socket": info.engine_socket_path,
+                    "fd_socket": info.fd_socket_path,
+                    "broker_id": info.broker_id,
+                    "pid": os.getpid(),
+                },
+                fh,
+            )
+        os.replace(tmp, ready_file)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
