@@ -16,6 +16,8 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_posted: int = 0
+    #: Descriptors NIXL used for finished transfers (telemetry).
+    descriptors_transferred: int = 0
     #: Notifications for rooms this broker no longer (or never) had.
     late_notices: int = 0
     #: Notifications that were not a TransferNotice.

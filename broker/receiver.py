@@ -161,13 +161,12 @@ class ReceiverSide:
 
     def fail(self, rank: ReceiverProgress, why: common_pb2.FailureCause, *, tell_sender: bool = True) -> None:
         """Fail ``rank`` (first cause wins); tell the sender's broker unless it told us."""
-        if not rank.fail(why):
+        if not rank.fail(why, settled=_nothing_in_flight(rank)):
             return
         self._counters.rooms_failed += 1
         log.info("receive_failed", room=rank.room, engine=rank.engine.engine_id, cause=why.message)
         if tell_sender and rank.registered_with_sender and rank.peer_broker_id is not None:
             self._tasks.spawn(self._abort_sender(rank.peer_broker_id, rank.room, why), name=f"abort-{rank.room}")
-        self._maybe_settled(rank)
 
     # -- peer calls ------------------------------------------------------
     def on_notice(self, _agent_name: str, payload: bytes) -> None:
@@ -347,12 +346,7 @@ class ReceiverSide:
             self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
 
     def _maybe_settled(self, rank: ReceiverProgress) -> None:
-        if rank.pages_settled or rank.state != FAILED:
-            return
-        if not rank.registered_with_sender or rank.expected is None:
-            rank.mark_settled()
-            return
-        if all(e.complete or e.settled or not e.plan.writes_data for e in rank.expected.values()):
+        if not rank.pages_settled and rank.state == FAILED and _nothing_in_flight(rank):
             rank.mark_settled()
 
     async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
@@ -363,3 +357,11 @@ class ReceiverSide:
             )
         except (grpc.RpcError, KvBrokerError) as exc:
             log.warning("peer_abort_failed", room=room_id, peer=broker_id, error=str(exc))
+
+
+def _nothing_in_flight(rank: ReceiverProgress) -> bool:
+    """No source can still write into the rank's pages: the sender never had
+    the room, or every source completed, settled, or owes no data."""
+    if not rank.registered_with_sender or rank.expected is None:
+        return True
+    return all(e.complete or e.settled or not e.plan.writes_data for e in rank.expected.values())

@@ -118,13 +118,18 @@ class Progress:
         self.listener(self)
         return True
 
-    def fail(self, why: common_pb2.FailureCause) -> bool:
-        """Fail with ``why`` unless already terminal (the first cause is kept)."""
+    def fail(self, why: common_pb2.FailureCause, *, settled: bool = False) -> bool:
+        """Fail with ``why`` unless already terminal (the first cause is kept).
+
+        ``settled``: nothing posted can touch the pages any more (reported in
+        the same status change, so a waiter sees it with the failure).
+        """
         if self.terminal:
             return False
         self.state = FAILED
         self.cause = why
         self.finished_at = time.monotonic()
+        self.pages_settled = settled
         self.listener(self)
         return True
 

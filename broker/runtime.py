@@ -162,7 +162,8 @@ class BrokerRuntime:
         await self._wait_settled([engine], self.config.unregister_settle_timeout_seconds)
         if self.engines.by_id.get(engine_id) is not engine:
             return 0
-        self._forget_rooms(engine)
+        # The failed records stay until eviction: a transfer info that arrives
+        # later for one of them is answered with the failure, not left waiting.
         self.hub.close(engine_id)
         self.engines.release(engine)
         log.info("engine_unregistered", engine=engine_id, lost=lost, rooms_failed=len(sources) + len(ranks))
@@ -271,6 +272,9 @@ class BrokerRuntime:
             bytes_sent=c.bytes_sent,
             bytes_received=c.bytes_received,
             transfers_posted=c.transfers_posted,
+            descriptors_transferred=c.descriptors_transferred,
+            late_notices=c.late_notices,
+            bad_notices=c.bad_notices,
             uptime_seconds=int(time.monotonic() - self.started_at),
         )
 
@@ -382,12 +386,6 @@ class BrokerRuntime:
     def _open_rooms(self, engine: Engine) -> list[int]:
         sources, ranks = self._rooms_of(engine)
         return [p.room for p in (*sources, *ranks) if not p.terminal]
-
-    def _forget_rooms(self, engine: Engine) -> None:
-        for room in self.rooms.sender.values():
-            room.sources.pop(engine.key, None)
-        for rroom in self.rooms.receiver.values():
-            rroom.ranks.pop(engine.key, None)
 
     async def _wait_settled(self, engines: list[Engine], timeout_seconds: float) -> None:
         deadline = time.monotonic() + timeout_seconds

@@ -153,12 +153,10 @@ class SenderSide:
 
     def fail(self, source: SourceProgress, why: common_pb2.FailureCause) -> None:
         """Fail ``source`` (first cause wins) and report to every receiver."""
-        if not source.fail(why):
+        if not source.fail(why, settled=source.inflight == 0):
             return
         self._counters.rooms_failed += 1
         log.info("send_failed", room=source.room, engine=source.engine.engine_id, cause=why.message)
-        if source.inflight == 0:
-            source.mark_settled()
         for dest in source.destinations.values():
             self._report(source, dest)
 
@@ -367,9 +365,10 @@ class SenderSide:
             pairs[name] = (src, dst)
         return pairs
 
-    def _settled(self, source: SourceProgress, dest: Destination, nbytes: int, state: XferState, _descs: int | None) -> None:
+    def _settled(self, source: SourceProgress, dest: Destination, nbytes: int, state: XferState, descs: int | None) -> None:
         source.inflight -= 1
         dest.inflight -= 1
+        self._counters.descriptors_transferred += descs or 0
         if state is XferState.DONE:
             source.bytes += nbytes
             self._counters.bytes_sent += nbytes

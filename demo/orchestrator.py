@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import queue
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from kvbroker.brokerproc import BrokerProcess
 from kvbroker.demo.engine import EngineConfig, run_engine
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
@@ -29,10 +29,15 @@ DECODE_GROUP = "demo-decode"
 
 @dataclass
 class _Broker:
+    """A broker the demo uses: one it started (``process``) or one given to it."""
+
     name: str
     address: str
-    process: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
+    process: BrokerProcess | None = None
+
+    def stats(self) -> admin_pb2.Stats:
+        with grpc.insecure_channel(self.address) as channel:
+            return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
 
 
 @dataclass
@@ -46,74 +51,15 @@ class _Tally:
 
 
 def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str) -> list[_Broker]:
-    """Start ``kvbroker serve`` processes in parallel; wait until each serves."""
-    launched = [_launch_broker(name, workdir, ucx_error_mode) for name in names]
-    return [_await_broker(*item) for item in launched]
-
-
-def _launch_broker(name: str, workdir: Path, ucx_error_mode: str) -> tuple[str, subprocess.Popen[bytes], Path, Path]:
-    ready = workdir / f"{name}.json"
-    log_path = workdir / f"{name}.log"
-    env = dict(os.environ)
-    env.setdefault("UCX_NET_DEVICES", "lo")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvbroker",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--uds",
-        str(workdir / f"{name}.sock"),
-        "--ready-file",
-        str(ready),
-        "--finished-room-ttl",
-        "0.5",
-        "--tombstone-ttl",
-        "1",
-        "--ucx-error-mode",
-        ucx_error_mode,
-        "--log-format",
-        "json",
-        "--log-level",
-        "warning",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return name, process, ready, log_path
-
-
-def _await_broker(name: str, process: subprocess.Popen[bytes], ready: Path, log_path: Path) -> _Broker:
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"broker {name} did not start; its log:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.05)
-    address = json.loads(ready.read_text())["address"]
-    return _Broker(name=name, address=address, process=process, log_path=log_path)
-
-
-def _stop_broker(broker: _Broker) -> None:
-    if broker.process is None:
-        return
-    broker.process.terminate()
-    try:
-        broker.process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        broker.process.kill()
-        broker.process.wait()
-
-
-def _stats(address: str) -> admin_pb2.Stats:
-    with grpc.insecure_channel(address) as channel:
-        return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    # Short TTLs, so the demo can show every per-room table back at zero.
+    extra = ["--finished-room-ttl", "0.5", "--tombstone-ttl", "1", "--ucx-error-mode", ucx_error_mode, "--log-level", "warning"]
+    return [_Broker(p.name, p.address, p) for p in BrokerProcess.start_many(names, workdir, extra)]
 
 
 def _wait_for_empty_tables(brokers: list[_Broker], timeout_seconds: float) -> dict[str, dict[str, int]]:
     deadline = time.monotonic() + timeout_seconds
     while True:
-        tables = {b.name: dict(_stats(b.address).per_room_state) for b in brokers}
+        tables = {b.name: dict(b.stats().per_room_state) for b in brokers}
         if all(not any(t.values()) for t in tables.values()) or time.monotonic() > deadline:
             return tables
         time.sleep(0.2)
@@ -226,7 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if owned and not tally.errors:
             tables = _wait_for_empty_tables(brokers, timeout_seconds=15)
         else:
-            tables = {b.name: dict(_stats(b.address).per_room_state) for b in brokers}
+            tables = {b.name: dict(b.stats().per_room_state) for b in brokers}
     except Exception as exc:  # report, then clean up
         tally.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -234,7 +180,8 @@ def run_demo(args: argparse.Namespace) -> int:
             if p.is_alive():
                 p.kill()
         for broker in owned:
-            _stop_broker(broker)
+            if broker.process is not None:
+                broker.process.stop()
     leaked = {name: {k: v for k, v in t.items() if v} for name, t in tables.items()} if owned else {}
     ok = not (tally.failed or tally.mismatched or tally.errors or any(leaked.values())) and tally.rooms_verified == args.rooms
     _summary(args, tally, tables, leaked, wall, ok, workdir, owned)

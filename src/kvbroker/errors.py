@@ -150,10 +150,16 @@ _BY_CODE: dict[grpc.StatusCode, type[KvBrokerError]] = {
 }
 
 
+def code_name(code: grpc.StatusCode) -> str:
+    return str(code.name)
+
+
 def from_rpc_error(error: grpc.RpcError) -> KvBrokerError:
     """The typed error for a failed gRPC call (``Internal`` for unmapped codes)."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    if isinstance(error, (grpc.Call, grpc.aio.AioRpcError)):
+        code, details = error.code(), error.details() or code_name(error.code())
+    else:
+        code, details = grpc.StatusCode.UNKNOWN, str(error)
     cls = _BY_CODE.get(code, Internal)
     exc = cls(details)
     exc.__cause__ = error

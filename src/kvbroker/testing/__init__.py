@@ -1,7 +1,14 @@
-"""Test helpers that ship with kvbroker: the scripted fake NIXL agent."""
+"""Test helpers that ship with kvbroker.
+
+- :class:`FakeAgent` — the scripted fake NIXL agent (one fake, in one place);
+- :class:`LoopThread` — an event loop on a thread, for in-process brokers;
+- :class:`~kvbroker.brokerproc.BrokerProcess` — ``kvbroker serve`` as a child.
+"""
 
 from __future__ import annotations
 
+from kvbroker.brokerproc import BrokerProcess
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
+from kvbroker.testing.loop import LoopThread
 
-__all__ = ["FakeAgent", "FakeFabric", "XferScript"]
+__all__ = ["BrokerProcess", "FakeAgent", "FakeFabric", "LoopThread", "XferScript"]

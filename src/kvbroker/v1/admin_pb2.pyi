@@ -12,7 +12,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds")
+    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices")
     class PerRoomStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,9 @@ class Stats(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_POSTED_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    LATE_NOTICES_FIELD_NUMBER: _ClassVar[int]
+    BAD_NOTICES_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     per_room_state: _containers.ScalarMap[str, int]
     engines: int
@@ -40,7 +43,10 @@ class Stats(_message.Message):
     bytes_received: int
     transfers_posted: int
     uptime_seconds: int
-    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ...) -> None: ...
+    descriptors_transferred: int
+    late_notices: int
+    bad_notices: int
+    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,171 @@
+"""Shared fixtures. Tiers (markers): unit tests need nothing; service tests run
+in-process brokers with the scripted fake NIXL agent; ``nixl`` tests run
+``kvbroker serve`` processes and move real bytes over loopback; ``gpu`` tests
+need CUDA and skip without it."""
+
+from __future__ import annotations
+
+import os
+
+# Every NIXL process these tests start stays on loopback.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbroker.broker import BrokerConfig, BrokerServer
+from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec
+from kvbroker.testing import FakeAgent, FakeFabric, LoopThread
+
+_ids = itertools.count()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA devices")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temp dir (unix socket paths must stay under 108 bytes)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvb-") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@dataclass
+class FakeBroker:
+    """An in-process broker with a fake NIXL agent."""
+
+    server: BrokerServer
+    agent: FakeAgent
+    loop: LoopThread
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def runtime(self):  # type: ignore[no-untyped-def]
+        return self.server.runtime
+
+    def tables(self) -> dict[str, int]:
+        return dict(self.loop.call(self.runtime.rooms.sizes))
+
+    def evict_now(self) -> None:
+        """Evict every finished room and tombstone at once."""
+        import time
+
+        self.loop.call(self.runtime.rooms.evict, time.monotonic() + 3600, 0.0, 0.0, 0.0)
+        self.loop.call(self.runtime.rooms.evict, time.monotonic() + 7200, 0.0, 0.0, 0.0)
+
+
+@pytest.fixture
+def fake_brokers(loop_thread: LoopThread, short_tmp: Path) -> Iterator[Callable[..., FakeBroker]]:
+    """Factory of in-process brokers sharing one fake fabric."""
+    fabric = FakeFabric()
+    started: list[FakeBroker] = []
+
+    def start(name: str = "", **config: object) -> FakeBroker:
+        name = name or f"b{next(_ids)}"
+        agent = FakeAgent(f"fake_{name}_agent", fabric)
+        cfg = BrokerConfig(
+            listen_address="127.0.0.1:0",
+            engine_socket_path=str(short_tmp / f"{name}.sock"),
+            **config,  # type: ignore[arg-type]
+        )
+        server = BrokerServer(cfg, agent=agent)
+        loop_thread.run(server.start())
+        broker = FakeBroker(server=server, agent=agent, loop=loop_thread)
+        started.append(broker)
+        return broker
+
+    yield start
+    for broker in reversed(started):
+        loop_thread.run(broker.server.stop(grace_seconds=0.1))
+
+
+SMALL_MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+
+
+@dataclass
+class Engine:
+    client: BrokerClient
+    handle: EngineHandle
+    memory: EngineMemory
+
+    def close(self) -> None:
+        self.handle.close()
+        self.client.close()
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    """Register an engine rank with a broker; filled with random bytes for prefill."""
+    engines: list[Engine] = []
+
+    def make(
+        address: str,
+        role: str,
+        group: str | None = None,
+        *,
+        model: ModelSpec = SMALL_MODEL,
+        num_pages: int = 32,
+        aux_rows: int = 4,
+        aux_row_bytes: tuple[int, ...] = (16,),
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        pp_size: int = 1,
+        pp_rank: int = 0,
+        state: tuple = (),
+        seed: int = 0,
+    ) -> Engine:
+        rank = RankSpec(
+            group=group or f"{role}-group",
+            role=role,  # type: ignore[arg-type]
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+        )
+        memory = EngineMemory.allocate(
+            rank, model, num_pages=num_pages, aux_rows=aux_rows, aux_row_bytes=aux_row_bytes, state=state
+        )
+        if role == "prefill":
+            gen = torch.Generator().manual_seed(seed)
+            assert memory.raw is not None
+            memory.raw.copy_(torch.randint(0, 256, memory.raw.shape, dtype=torch.uint8, generator=gen))
+        client = BrokerClient(address)
+        engine = Engine(client, client.register_engine(rank, memory), memory)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
+def page_bytes(memory: EngineMemory, layer: int, pages) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The bytes of ``pages`` of every KV tensor of ``layer`` (for comparisons)."""
+    index = torch.as_tensor(pages, dtype=torch.int64)
+    return [t.view(torch.uint8)[index] for t in memory.kv_tensors(layer)]

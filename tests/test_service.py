@@ -1,0 +1,513 @@
+"""Service tests: real gRPC servers on port 0, in-process, with the scripted fake NIXL agent.
+
+The fake copies bytes between registered memory for real, so these tests check
+byte-exact results as well as states, causes and table sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvbroker import errors
+from kvbroker.client import RoomState, SenderRef, StateSpec
+from kvbroker.testing import XferScript
+from kvbroker.v1 import common_pb2, peer_pb2, transfer_pb2
+
+from .conftest import SMALL_MODEL, Engine, FakeBroker, page_bytes
+
+SRC = np.array([3, 4, 5, 9, 10, 20], dtype=np.int32)
+DST = np.array([0, 1, 2, 7, 8, 30], dtype=np.int32)
+
+
+def _pair(fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Engine], **kw: object) -> tuple[FakeBroker, FakeBroker, Engine, Engine]:
+    p, d = fake_brokers("p"), fake_brokers("d")
+    return p, d, make_engine(p.address, "prefill", **kw), make_engine(d.address, "decode", **kw)
+
+
+def _assert_moved(pe: Engine, de: Engine, src: np.ndarray, dst: np.ndarray, src_row: int | None = 1, dst_row: int | None = 2) -> None:
+    for layer in range(SMALL_MODEL.num_layers):
+        for a, b in zip(page_bytes(pe.memory, layer, src), page_bytes(de.memory, layer, dst)):
+            assert torch.equal(a, b), f"layer {layer} differs"
+    if src_row is not None and dst_row is not None:
+        for a, b in zip(pe.memory.aux, de.memory.aux):
+            assert torch.equal(a[src_row], b[dst_row])
+
+
+def _wait_tables_empty(*brokers: FakeBroker) -> None:
+    for broker in brokers:
+        broker.evict_now()
+        assert not any(broker.tables().values()), broker.tables()
+
+
+def test_room_moves_bytes_between_two_brokers(fake_brokers, make_engine) -> None:
+    """A chunked room with non-contiguous pages arrives byte-exact and both sides end SUCCESS."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(7, SenderRef(p.address, "prefill-group"))
+    assert receiver.init(DST, aux_row=2).state == common_pb2.ROOM_STATE_BOOTSTRAPPING
+    sender = pe.handle.sender(7)
+    sender.init(num_pages=len(SRC), aux_row=1)
+    sender.send(SRC[:2])
+    sender.send(SRC[2:5])
+    sender.send(SRC[5:])
+    rstat = receiver.wait(10)
+    sstat = sender.wait(10)
+    assert (rstat.state, sstat.state) == (RoomState.SUCCESS, RoomState.SUCCESS)
+    assert rstat.pages_settled and sstat.pages_settled
+    assert rstat.chunks == 3 and rstat.bytes == sstat.bytes > 0
+    _assert_moved(pe, de, SRC, DST)
+    _wait_tables_empty(p, d)
+
+
+def test_chunks_before_the_receiver_registers(fake_brokers, make_engine) -> None:
+    """SendChunk may come before ExpectRoom: chunks wait for the transfer info, then go."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    sender = pe.handle.sender(8)
+    sender.init(num_pages=len(SRC), aux_row=1)
+    sender.send(SRC[:3])
+    sender.send(SRC[3:])
+    assert sender.poll() == RoomState.BOOTSTRAPPING
+    receiver = de.handle.receiver(8, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert sender.wait(10).state == RoomState.SUCCESS
+    _assert_moved(pe, de, SRC, DST)
+
+
+def test_both_ends_on_one_broker(fake_brokers, make_engine) -> None:
+    """A single broker serves both ends of a room (one host, two GPUs): loopback writes."""
+    b = fake_brokers("one")
+    pe = make_engine(b.address, "prefill")
+    de = make_engine(b.address, "decode")
+    receiver = de.handle.receiver(9, SenderRef("", "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(9)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert sender.wait(10).state == RoomState.SUCCESS
+    _assert_moved(pe, de, SRC, DST)
+    _wait_tables_empty(b)
+
+
+def test_lesson1_aux_goes_on_a_last_chunk_without_kv_or_state(fake_brokers, make_engine) -> None:
+    """Lesson 1: a dense model's room whose last chunk has no pages still sends aux and completes."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(10, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:3], aux_row=3)
+    sender = pe.handle.sender(10)
+    sender.init(num_pages=3, aux_row=0)
+    sender.send(SRC[:3], is_last=False)
+    sender.send(np.array([], dtype=np.int32), is_last=True)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert torch.equal(pe.memory.aux[0][0], de.memory.aux[0][3])
+    # An aux-only room (no KV at all) completes too.
+    receiver = de.handle.receiver(11, SenderRef(p.address, "prefill-group"))
+    receiver.init([], aux_row=1)
+    sender = pe.handle.sender(11)
+    sender.init(num_pages=0, aux_row=2)
+    sender.send([], is_last=True)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert torch.equal(pe.memory.aux[0][2], de.memory.aux[0][1])
+
+
+def test_lesson1_empty_state_list_is_not_expected(fake_brokers, make_engine) -> None:
+    """Lesson 1: a receiver listing a state component with no indices does not wait for it."""
+    spec = (StateSpec(name="swa", type="swa", item_bytes=32, num_items=8),)
+    p, d, pe, de = _pair(fake_brokers, make_engine, state=spec)
+    receiver = de.handle.receiver(12, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"swa": []})
+    sender = pe.handle.sender(12)
+    sender.init(2, aux_row=0)
+    sender.send(SRC[:2])
+    assert receiver.wait(10).state == RoomState.SUCCESS
+
+
+def test_state_component_travels_on_the_last_chunk(fake_brokers, make_engine) -> None:
+    """A listed state component is sent on the last chunk and the room waits for it."""
+    spec = (StateSpec(name="mamba", type="mamba", item_bytes=48, num_items=6, num_regions=2),)
+    p, d, pe, de = _pair(fake_brokers, make_engine, state=spec)
+    receiver = de.handle.receiver(13, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"mamba": [4]})
+    sender = pe.handle.sender(13)
+    sender.init(2, aux_row=0)
+    sender.send(SRC[:2], state={"mamba": [1]})
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    for a, b in zip(pe.memory.state["mamba"], de.memory.state["mamba"]):
+        assert torch.equal(a[1], b[4])
+
+
+def test_missing_state_fails_with_a_cause_instead_of_hanging(fake_brokers, make_engine) -> None:
+    """A receiver expecting a component the sender does not send fails fast, naming it."""
+    spec = (StateSpec(name="mamba", type="mamba", item_bytes=48, num_items=6),)
+    p, d, pe, de = _pair(fake_brokers, make_engine, state=spec)
+    receiver = de.handle.receiver(14, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"mamba": [4]})
+    sender = pe.handle.sender(14)
+    sender.init(2, aux_row=0)
+    sender.send(SRC[:2])
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED
+    assert "mamba" in status.cause.message
+    assert sender.wait(10).state == RoomState.FAILED
+
+
+def test_lesson2_completion_counts_unique_sources_with_pp1(fake_brokers, make_engine) -> None:
+    """Lesson 2: MLA prefill tp 2 -> decode tp 1 (pp 1): the decode rank waits for both
+    tp ranks (one writes, one only completes), keyed by (group, tp, pp), and finishes."""
+    from kvbroker.client import ModelSpec
+
+    mla = ModelSpec(num_layers=2, total_kv_heads=1, head_dim=16, dtype=torch.float16, page_size=4, mla=True)
+    p, d = fake_brokers("p"), fake_brokers("d")
+    prefill = [make_engine(p.address, "prefill", model=mla, tp_size=2, tp_rank=r, seed=r) for r in range(2)]
+    de = make_engine(d.address, "decode", model=mla)
+    receiver = de.handle.receiver(15, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    senders = []
+    for pe in prefill:
+        s = pe.handle.sender(15)
+        s.init(len(SRC), aux_row=1)
+        s.send(SRC)
+        senders.append(s)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert [s.wait(10).state for s in senders] == [RoomState.SUCCESS, RoomState.SUCCESS]
+    for layer in range(2):
+        assert torch.equal(page_bytes(prefill[0].memory, layer, SRC)[0], page_bytes(de.memory, layer, DST)[0])
+
+
+def test_equal_tp2_each_rank_gets_its_own_rank(fake_brokers, make_engine) -> None:
+    """Equal TP 2 -> 2: decode rank r receives prefill rank r's pages, nothing else."""
+    model = SMALL_MODEL
+    p, d = fake_brokers("p"), fake_brokers("d")
+    prefill = [make_engine(p.address, "prefill", tp_size=2, tp_rank=r, seed=10 + r) for r in range(2)]
+    decode = [make_engine(d.address, "decode", tp_size=2, tp_rank=r) for r in range(2)]
+    receivers = []
+    for de in decode:
+        r = de.handle.receiver(16, SenderRef(p.address, "prefill-group"))
+        r.init(DST, aux_row=2)
+        receivers.append(r)
+    for pe in prefill:
+        s = pe.handle.sender(16)
+        s.init(len(SRC), aux_row=1)
+        s.send(SRC)
+    for r in receivers:
+        assert r.wait(10).state == RoomState.SUCCESS
+    for pe, de in zip(prefill, decode):
+        for layer in range(model.num_layers):
+            for a, b in zip(page_bytes(pe.memory, layer, SRC), page_bytes(de.memory, layer, DST)):
+                assert torch.equal(a, b)
+
+
+def test_lesson9_underscored_agent_names_and_protobuf_notices(fake_brokers, make_engine) -> None:
+    """Lesson 9: agent names with '_' (the fakes are named fake_<x>_agent) and false booleans
+    survive the notice encoding, which is protobuf, not '_'-joined strings."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    assert "_" in p.agent.name and "_" in d.agent.name
+    notice = peer_pb2.TransferNotice(room=5, sender_broker_id="a_b_c", is_last=False, aux=False, parts=1)
+    decoded = peer_pb2.TransferNotice.FromString(notice.SerializeToString())
+    assert decoded.is_last is False and decoded.aux is False and decoded.sender_broker_id == "a_b_c"
+    receiver = de.handle.receiver(17, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(17)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC[:3], is_last=False)
+    sender.send(SRC[3:], is_last=True)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+
+
+@pytest.mark.parametrize(
+    ("pages", "aux_row", "fragment"),
+    [
+        ([0, -1], 2, "negative"),
+        ([0, 32], 2, "out of range"),
+        ([0, 1], 4, "aux_row"),
+        ([0, 1], -1, "negative"),
+    ],
+)
+def test_bad_indices_are_refused_and_change_nothing(fake_brokers, make_engine, pages, aux_row, fragment) -> None:
+    """Out-of-range or negative indices are INVALID_ARGUMENT before any record or descriptor exists."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    before = d.tables()
+    with pytest.raises(errors.InvalidArgument, match=fragment):
+        de.handle.receiver(18, SenderRef(p.address, "prefill-group")).init(pages, aux_row=aux_row)
+    assert d.tables() == before
+    sender = pe.handle.sender(18)
+    sender.init(2, aux_row=0)
+    with pytest.raises(errors.InvalidArgument, match=fragment):
+        sender.send(pages, is_last=False) if aux_row == 2 else pe.handle.client.call(
+            pe.handle.client.stub.SendChunk,
+            transfer_pb2.SendChunkRequest(
+                engine_id=pe.handle.engine_id,
+                room=18,
+                pages=transfer_pb2.SendChunkRequest().pages.__class__(values=pages),
+                is_last=True,
+                aux_row=aux_row,
+            ),
+        )
+    assert d.agent.posted == 0 and p.agent.posted == 0
+
+
+def test_more_pages_than_declared_are_refused(fake_brokers, make_engine) -> None:
+    """A chunk that takes the room past its declared page count is refused."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    sender = pe.handle.sender(19)
+    sender.init(2, aux_row=0)
+    with pytest.raises(errors.InvalidArgument, match="declared"):
+        sender.send(SRC[:3], is_last=False)
+
+
+def test_sender_and_receiver_disagree_on_pages(fake_brokers, make_engine) -> None:
+    """More pages sent than the receiver expects: both sides FAILED with a MISMATCH cause."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(20, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=2)
+    sender = pe.handle.sender(20)
+    sender.init(0, aux_row=1)
+    sender.send(SRC[:4], is_last=True)
+    rstat, sstat = receiver.wait(10), sender.wait(10)
+    assert rstat.state == sstat.state == RoomState.FAILED
+    assert sstat.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
+    assert "expects 2" in sstat.cause.message
+
+
+def test_duplicate_room_unknown_engine_and_wrong_role(fake_brokers, make_engine) -> None:
+    """Duplicate rooms are ALREADY_EXISTS, unknown engines NOT_FOUND, wrong roles FAILED_PRECONDITION."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    ref = SenderRef(p.address, "prefill-group")
+    de.handle.receiver(21, ref).init(DST)
+    with pytest.raises(errors.AlreadyExists):
+        de.handle.receiver(21, ref).init(DST)
+    pe.handle.sender(21).init(2)
+    with pytest.raises(errors.AlreadyExists):
+        pe.handle.sender(21).init(2)
+    with pytest.raises(errors.FailedPrecondition, match="ROLE_DECODE"):
+        pe.handle.receiver(22, ref).init(DST)
+    with pytest.raises(errors.FailedPrecondition, match="ROLE_PREFILL"):
+        de.handle.sender(22).init(2)
+    stub = pe.handle.client.stub
+    with pytest.raises(errors.NotFound):
+        pe.handle.client.call(stub.Poll, transfer_pb2.PollRequest(engine_id="eng-nope", rooms=[1]))
+    with pytest.raises(errors.NotFound, match="BeginSend"):
+        pe.handle.sender(23).send([1], is_last=False)
+
+
+def test_poll_of_an_unknown_room_reports_failed_not_an_error(fake_brokers, make_engine) -> None:
+    """Polling a room the engine never opened reports FAILED / UNKNOWN_ROOM for that room only."""
+    p = fake_brokers("p")
+    pe = make_engine(p.address, "prefill")
+    statuses = pe.handle.poll([99])
+    assert statuses[99].state == RoomState.FAILED
+    assert statuses[99].cause.kind == common_pb2.FAILURE_KIND_UNKNOWN_ROOM
+
+
+def test_receiver_abort_reaches_the_sender_and_settles(fake_brokers, make_engine) -> None:
+    """A decode-side abort fails both sides with ABORTED; the receiver's pages settle."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    p.agent.script(XferScript(proc_polls=50))
+    receiver = de.handle.receiver(24, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(24)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC[:2], is_last=False)
+    time.sleep(0.05)
+    status = receiver.abort("client went away")
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ABORTED
+    sstat = sender.wait(10)
+    assert sstat.state == RoomState.FAILED and "client went away" in sstat.cause.message
+    _eventually(lambda: receiver.status().pages_settled)
+    assert receiver.status().cause.message == "client went away"
+
+
+def test_sender_abort_reaches_the_receiver(fake_brokers, make_engine) -> None:
+    """A prefill-side abort fails the decode side with the sender's cause."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(25, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(25)
+    sender.init(len(SRC), aux_row=1)
+    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    sender.abort("prefill OOM")
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.message == "prefill OOM"
+    assert status.cause.origin_broker == p.runtime.broker_id
+    _eventually(lambda: receiver.status().pages_settled)
+
+
+def test_nixl_error_fails_both_sides_promptly(fake_brokers, make_engine) -> None:
+    """A transfer ending in ERR fails the sender with TRANSFER and the receiver hears of it."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    p.agent.script(XferScript(proc_polls=2, outcome="ERR", partial_fraction=0.5))
+    receiver = de.handle.receiver(26, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(26)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    sstat, rstat = sender.wait(10), receiver.wait(10)
+    assert sstat.state == rstat.state == RoomState.FAILED
+    assert sstat.cause.kind == rstat.cause.kind == common_pb2.FAILURE_KIND_TRANSFER
+    _eventually(lambda: receiver.status().pages_settled)
+    _wait_tables_empty(p, d)
+
+
+def test_failed_post_fails_both_sides(fake_brokers, make_engine) -> None:
+    """NIXL refusing the post fails the room on both sides with the transfer cause."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    p.agent.script(XferScript(fail_post=True))
+    receiver = de.handle.receiver(27, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(27)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert sender.wait(10).cause.kind == common_pb2.FAILURE_KIND_TRANSFER
+    rstat = receiver.wait(10)
+    assert rstat.state == RoomState.FAILED and rstat.cause.kind == common_pb2.FAILURE_KIND_TRANSFER
+    assert receiver.status().pages_settled
+
+
+def test_unreachable_sender_broker_fails_after_the_bootstrap_timeout(fake_brokers, make_engine) -> None:
+    """A receiver whose sender broker never answers fails with a PEER cause naming it."""
+    d = fake_brokers("d", bootstrap_timeout_seconds=0.3, peer_rpc_timeout_seconds=0.2)
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(28, SenderRef("127.0.0.1:1", "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED
+    assert status.cause.kind == common_pb2.FAILURE_KIND_PEER and "127.0.0.1:1" in status.cause.message
+    assert status.pages_settled
+
+
+def test_stats_tables_return_to_zero_after_eviction(fake_brokers, make_engine) -> None:
+    """GetStats per_room_state lists every table and returns to zero once rooms are evicted."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    for room in range(30, 34):
+        de.handle.receiver(room, SenderRef(p.address, "prefill-group")).init(DST, aux_row=2)
+        s = pe.handle.sender(room)
+        s.init(len(SRC), aux_row=1)
+        s.send(SRC)
+    de.handle.wait(list(range(30, 34)), timeout_seconds=10)
+    pe.handle.wait(list(range(30, 34)), timeout_seconds=10)
+    tables = d.tables()
+    assert tables["receiver_rooms"] == 4 and p.tables()["sender_sources"] == 4
+    _wait_tables_empty(p, d)
+    assert set(tables) >= {"sender_rooms", "transfer_infos", "inflight_transfers", "receiver_rooms", "tombstones"}
+
+
+def test_finished_rooms_are_evicted_by_ttl_and_late_ids_refused(fake_brokers, make_engine) -> None:
+    """The housekeeping pass evicts finished rooms after their TTL; a reused id is refused."""
+    p = fake_brokers("p", finished_room_ttl_seconds=0.1, housekeeping_interval_seconds=0.05)
+    d = fake_brokers("d", finished_room_ttl_seconds=0.1, housekeeping_interval_seconds=0.05)
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    de.handle.receiver(40, SenderRef(p.address, "prefill-group")).init(DST, aux_row=2)
+    s = pe.handle.sender(40)
+    s.init(len(SRC), aux_row=1)
+    s.send(SRC)
+    de.handle.wait([40], timeout_seconds=10)
+    _eventually(lambda: d.tables()["receiver_rooms"] == 0 and p.tables()["sender_rooms"] == 0)
+    assert de.handle.poll([40])[40].cause.kind == common_pb2.FAILURE_KIND_UNKNOWN_ROOM
+    with pytest.raises(errors.AlreadyExists, match="unique"):
+        de.handle.receiver(40, SenderRef(p.address, "prefill-group")).init(DST)
+
+
+def test_late_notice_never_recreates_a_room(fake_brokers, make_engine) -> None:
+    """Lesson 6: a notice for a room that is gone is counted and dropped."""
+    d = fake_brokers("d")
+    notice = peer_pb2.TransferNotice(room=4242, receiver=common_pb2.EngineRankId(group="decode-group"), parts=1)
+    d.loop.call(d.runtime.receiver.on_notice, "someone", notice.SerializeToString())
+    d.loop.call(d.runtime.receiver.on_notice, "someone", b"\xff\xffnot a notice")
+    assert d.tables()["receiver_rooms"] == 0
+    assert d.runtime.counters.late_notices == 1 and d.runtime.counters.bad_notices == 1
+
+
+def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_engine) -> None:
+    """An engine whose session closes without unregistering loses its rooms and registrations."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(50, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(50)
+    sender.init(len(SRC), aux_row=1)
+    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    assert p.agent.registrations == 1
+    pe.handle._session.close()  # what the kernel does when the process dies
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
+    _eventually(lambda: p.agent.registrations == 0 and not p.runtime.engines.by_id)
+    assert not p.agent.live_dlists
+
+
+def test_unregister_releases_everything(fake_brokers, make_engine) -> None:
+    """UnregisterEngine deregisters memory and releases descriptor lists; the id is then unknown."""
+    p = fake_brokers("p")
+    pe = make_engine(p.address, "prefill")
+    assert p.agent.registrations == 1 and p.agent.live_dlists
+    pe.handle.close()
+    assert p.agent.registrations == 0 and not p.agent.live_dlists
+    with pytest.raises(errors.NotFound):
+        pe.client.call(pe.client.stub.Poll, transfer_pb2.PollRequest(engine_id=pe.handle.engine_id, rooms=[1]))
+
+
+def test_contiguous_runs_become_one_descriptor(fake_brokers, make_engine) -> None:
+    """Contiguous page runs on both sides cost one descriptor per run and region."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    de.handle.receiver(60, SenderRef(p.address, "prefill-group")).init([10, 11, 12, 13, 20, 21], aux_row=2)
+    s = pe.handle.sender(60)
+    s.init(6, aux_row=1)
+    s.send([0, 1, 2, 3, 8, 9])
+    de.handle.wait([60], timeout_seconds=10)
+    # 2 runs x 4 KV regions (K, V of 2 layers) + 1 aux row.
+    assert p.runtime.counters.descriptors_transferred == 9
+
+
+def test_watch_streams_state_changes(fake_brokers, make_engine) -> None:
+    """WatchRooms yields the current state, then each change up to SUCCESS."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(70, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    stream = de.handle.watch([70])
+    first = next(stream)
+    assert first.room == 70
+    s = pe.handle.sender(70)
+    s.init(len(SRC), aux_row=1)
+    s.send(SRC)
+    states = [first.state]
+    for status in stream:
+        states.append(status.state)
+        if status.state == RoomState.SUCCESS:
+            break
+    stream.close()
+    assert states == sorted(states) and states[-1] == RoomState.SUCCESS
+
+
+def test_health_and_reflection_are_served(fake_brokers) -> None:
+    """The standard health service answers SERVING for the broker and each kvbroker service."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    b = fake_brokers("h")
+    with grpc.insecure_channel(b.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "kvbroker.v1.TransferBroker", "kvbroker.v1.PeerBroker", "kvbroker.v1.Admin"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_handshake_refuses_another_protocol_version(fake_brokers) -> None:
+    """A peer speaking another protocol version gets FAILED_PRECONDITION."""
+    from kvbroker.v1 import peer_pb2_grpc
+
+    b = fake_brokers("v")
+    with grpc.insecure_channel(b.address) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            peer_pb2_grpc.PeerBrokerStub(ch).Handshake(peer_pb2.HandshakeRequest(protocol_version=99))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version 99" in info.value.details()
+
+
+def _eventually(predicate: Callable[[], bool], timeout_seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)

@@ -1,0 +1,372 @@
+"""Which sender ranks a receiver rank waits for: ``kvbroker.broker.mapping``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbroker.broker.layout import RankKey
+from kvbroker.broker.mapping import GroupShape, SourcePlan, plan_sources
+from kvbroker.errors import FailedPrecondition, Unimplemented
+from kvbroker.v1 import common_pb2, peer_pb2
+
+FULL = peer_pb2.SOURCE_MODE_FULL_PAGES
+COMPLETION = peer_pb2.SOURCE_MODE_COMPLETION_ONLY
+SENDER = "prefill"
+
+
+def shape(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    num_layers: int = 4,
+    begins: tuple[int, ...] | None = None,
+    mla: bool = False,
+    total_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: str = "bfloat16",
+    page_size: int = 16,
+) -> GroupShape:
+    if begins is None:
+        begins = tuple(i * (num_layers // pp) for i in range(pp))
+    return GroupShape(
+        tp_size=tp,
+        pp_size=pp,
+        num_layers=num_layers,
+        pp_layer_begins=begins,
+        mla=mla,
+        total_kv_heads=1 if mla else total_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        page_size_tokens=page_size,
+    )
+
+
+def plans(sender: GroupShape, receiver: GroupShape, tp: int, pp: int) -> list[SourcePlan]:
+    return plan_sources(sender, SENDER, receiver, tp, pp)
+
+
+def all_plans(sender: GroupShape, receiver: GroupShape) -> dict[tuple[int, int], list[SourcePlan]]:
+    """Plans of every receiver rank of the group, by (tp, pp)."""
+    return {
+        (tp, pp): plans(sender, receiver, tp, pp)
+        for tp in range(receiver.tp_size)
+        for pp in range(receiver.pp_size)
+    }
+
+
+# -- equal tensor parallelism -------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_equal_tp(tp: int) -> None:
+    """Equal tp: rank r hears from exactly tp rank r, whole pages, aux and state, one destination."""
+    group = shape(tp=tp)
+    for r in range(tp):
+        (plan,) = plans(group, group, r, 0)
+        assert plan == SourcePlan(
+            rank=RankKey(SENDER, r, 0),
+            mode=FULL,
+            num_destinations=1,
+            layer_begin=0,
+            layer_end=4,
+            sends_aux=True,
+            sends_state=True,
+        )
+        assert plan.writes_data
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_equal_tp_mla(tp: int) -> None:
+    """MLA with equal tp behaves like MHA: one full source per rank."""
+    group = shape(tp=tp, mla=True)
+    for r in range(tp):
+        (plan,) = plans(group, group, r, 0)
+        assert (plan.rank, plan.mode, plan.num_destinations, plan.sends_aux) == (RankKey(SENDER, r, 0), FULL, 1, True)
+
+
+# -- pipeline parallelism -----------------------------------------------------
+
+
+def test_prefill_pp2_to_decode_pp1() -> None:
+    """A pp 1 receiver hears from both sender pp ranks; only the last sends aux and state."""
+    sender = shape(pp=2, begins=(0, 2))
+    receiver = shape()
+    got = plans(sender, receiver, 0, 0)
+    assert [(p.rank, p.layer_begin, p.layer_end, p.sends_aux, p.sends_state) for p in got] == [
+        (RankKey(SENDER, 0, 0), 0, 2, False, False),
+        (RankKey(SENDER, 0, 1), 2, 4, True, True),
+    ]
+    assert all(p.mode == FULL and p.num_destinations == 1 for p in got)
+
+
+def test_prefill_pp1_to_decode_pp2() -> None:
+    """Each receiver pp rank hears from the one sender rank for its own layers; it serves two."""
+    sender = shape()
+    receiver = shape(pp=2, begins=(0, 2))
+    (first,) = plans(sender, receiver, 0, 0)
+    (second,) = plans(sender, receiver, 0, 1)
+    assert (first.rank, first.layer_begin, first.layer_end) == (RankKey(SENDER, 0, 0), 0, 2)
+    assert (second.rank, second.layer_begin, second.layer_end) == (RankKey(SENDER, 0, 0), 2, 4)
+    assert first.num_destinations == second.num_destinations == 2
+    # The sender's only pp rank is its last: it carries aux and state to both.
+    assert first.sends_aux and second.sends_aux
+
+
+def test_uneven_pp_split() -> None:
+    """Prefill (0,3) vs decode (0,2,4) over 5 layers pairs layers by id."""
+    sender = shape(pp=2, num_layers=5, begins=(0, 3))
+    receiver = shape(pp=3, num_layers=5, begins=(0, 2, 4))
+    by_rank = {pp: {p.rank.pp_rank: (p.layer_begin, p.layer_end, p.sends_aux) for p in plans(sender, receiver, 0, pp)} for pp in range(3)}
+    assert by_rank[0] == {0: (0, 2, False), 1: (0, 0, True)}  # pp1 owes only aux/state here
+    assert by_rank[1] == {0: (2, 3, False), 1: (3, 4, True)}
+    assert by_rank[2] == {1: (4, 5, True)}
+    counts = {p.rank: p.num_destinations for pp in range(3) for p in plans(sender, receiver, 0, pp)}
+    assert counts == {RankKey(SENDER, 0, 0): 2, RankKey(SENDER, 0, 1): 3}
+
+
+def _check_plan_invariants(sender: GroupShape, receiver: GroupShape) -> None:
+    """Layer coverage, aux uniqueness and destination counts for every receiver rank."""
+    everything = all_plans(sender, receiver)
+    served: Counter[RankKey] = Counter()
+    for (tp, pp), got in everything.items():
+        r_begin, r_end = receiver.layer_range(pp)
+        writing = [p for p in got if p.mode == FULL]
+        ranges = sorted((p.layer_begin, p.layer_end) for p in writing if p.layer_begin < p.layer_end)
+        # The union of the writing sources' layers is exactly the receiver's, without overlap.
+        covered = [layer for b, e in ranges for layer in range(b, e)]
+        assert covered == list(range(r_begin, r_end)), (tp, pp, ranges)
+        for p in writing:
+            if p.layer_begin < p.layer_end:
+                s_begin, s_end = sender.layer_range(p.rank.pp_rank)
+                assert s_begin <= p.layer_begin and p.layer_end <= s_end
+        # Exactly one source sends aux and state, and it is the sender's last pp rank.
+        extras = [p for p in got if p.sends_aux]
+        assert len(extras) == 1
+        assert extras[0].rank.pp_rank == sender.pp_size - 1
+        assert [p for p in got if p.sends_state] == extras
+        # Sources are distinct ranks.
+        assert len({p.rank for p in got}) == len(got)
+        served.update(p.rank for p in got)
+    for got in everything.values():
+        for p in got:
+            assert p.num_destinations == served[p.rank]
+
+
+@pytest.mark.parametrize(
+    "sender,receiver",
+    [
+        (shape(pp=2, num_layers=5, begins=(0, 3)), shape(pp=3, num_layers=5, begins=(0, 2, 4))),
+        (shape(pp=3, num_layers=5, begins=(0, 2, 4)), shape(pp=2, num_layers=5, begins=(0, 3))),
+        (shape(pp=4, num_layers=8), shape(pp=2, num_layers=8, begins=(0, 5))),
+        (shape(pp=1, num_layers=7), shape(pp=4, num_layers=7, begins=(0, 1, 2, 6))),
+        (shape(pp=4, num_layers=7, begins=(0, 1, 2, 6)), shape(pp=1, num_layers=7)),
+        (shape(tp=2, pp=2, num_layers=6, begins=(0, 4)), shape(tp=2, pp=3, num_layers=6)),
+        (shape(tp=4, pp=2, mla=True, num_layers=6, begins=(0, 1)), shape(tp=2, pp=3, mla=True, num_layers=6)),
+        (shape(tp=1, pp=3, mla=True, num_layers=6), shape(tp=4, pp=2, mla=True, num_layers=6, begins=(0, 5))),
+    ],
+)
+def test_layer_coverage_over_shapes(sender: GroupShape, receiver: GroupShape) -> None:
+    """For every receiver rank, writing sources' layer ranges partition its own range."""
+    _check_plan_invariants(sender, receiver)
+
+
+@st.composite
+def _begins(draw: Any, num_layers: int) -> tuple[int, ...]:
+    if num_layers == 1:
+        return (0,)
+    starts = draw(st.sets(st.integers(min_value=1, max_value=num_layers - 1), max_size=min(4, num_layers - 1)))
+    return (0, *sorted(starts))
+
+
+@st.composite
+def _group_pair(draw: Any) -> tuple[GroupShape, GroupShape]:
+    num_layers = draw(st.integers(min_value=1, max_value=12))
+    mla = draw(st.booleans())
+    s_begins = draw(_begins(num_layers))
+    r_begins = draw(_begins(num_layers))
+    if mla:
+        s_tp, r_tp = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (1, 4), (2, 4), (8, 2)]))
+    else:
+        s_tp = r_tp = draw(st.sampled_from([1, 2, 4]))
+    sender = shape(tp=s_tp, pp=len(s_begins), num_layers=num_layers, begins=s_begins, mla=mla)
+    receiver = shape(tp=r_tp, pp=len(r_begins), num_layers=num_layers, begins=r_begins, mla=mla)
+    return sender, receiver
+
+
+@given(_group_pair())
+def test_layer_coverage_property(pair: tuple[GroupShape, GroupShape]) -> None:
+    """Any pp splits (and MLA tp ratios): layers are covered once, aux once, counts agree."""
+    _check_plan_invariants(*pair)
+
+
+# -- MLA with different tp sizes -----------------------------------------------
+
+
+def test_mla_tp4_to_tp2() -> None:
+    """MLA tp 4 -> 2: decode rank d hears from 2d (writes) and 2d+1 (completion only)."""
+    sender, receiver = shape(tp=4, mla=True), shape(tp=2, mla=True)
+    got0 = plans(sender, receiver, 0, 0)
+    got1 = plans(sender, receiver, 1, 0)
+    assert [(p.rank.tp_rank, p.mode) for p in got0] == [(0, FULL), (1, COMPLETION)]
+    assert [(p.rank.tp_rank, p.mode) for p in got1] == [(2, FULL), (3, COMPLETION)]
+    for p in got0 + got1:
+        assert p.num_destinations == 1
+        if p.mode == COMPLETION:
+            assert not p.writes_data
+            assert (p.layer_begin, p.layer_end, p.sends_aux, p.sends_state) == (0, 0, False, False)
+        else:
+            assert (p.layer_begin, p.layer_end, p.sends_aux, p.sends_state) == (0, 4, True, True)
+    every = Counter(p.rank for p in got0 + got1)
+    assert set(every) == {RankKey(SENDER, t, 0) for t in range(4)}
+    assert set(every.values()) == {1}
+
+
+def test_mla_tp1_to_tp4() -> None:
+    """MLA tp 1 -> 4: every decode rank's only writing source is tp 0, which serves four."""
+    sender, receiver = shape(tp=1, mla=True), shape(tp=4, mla=True)
+    for d in range(4):
+        (plan,) = plans(sender, receiver, d, 0)
+        assert (plan.rank, plan.mode, plan.num_destinations) == (RankKey(SENDER, 0, 0), FULL, 4)
+        assert plan.sends_aux
+
+
+def test_mla_tp2_to_tp4() -> None:
+    """MLA tp 2 -> 4: decode ranks 0,1 hear from tp 0 and ranks 2,3 from tp 1."""
+    sender, receiver = shape(tp=2, mla=True), shape(tp=4, mla=True)
+    sources = [plans(sender, receiver, d, 0) for d in range(4)]
+    assert [[p.rank.tp_rank for p in s] for s in sources] == [[0], [0], [1], [1]]
+    assert all(p.num_destinations == 2 for s in sources for p in s)
+
+
+@pytest.mark.parametrize("s_tp,r_tp", [(3, 2), (2, 3), (4, 3)])
+def test_mla_tp_not_multiple(s_tp: int, r_tp: int) -> None:
+    """MLA tp sizes that are not multiples of one another are Unimplemented."""
+    with pytest.raises(Unimplemented, match="multiple of the smaller"):
+        plans(shape(tp=s_tp, mla=True), shape(tp=r_tp, mla=True), 0, 0)
+
+
+@pytest.mark.parametrize("s_tp,r_tp", [(2, 1), (1, 2), (4, 2), (8, 4)])
+def test_non_mla_different_tp_unimplemented(s_tp: int, r_tp: int) -> None:
+    """Non-MLA with different tp sizes (head slicing) raises Unimplemented."""
+    with pytest.raises(Unimplemented, match=f"head-sliced transfer between tp {s_tp} and tp {r_tp}"):
+        plans(shape(tp=s_tp), shape(tp=r_tp), 0, 0)
+
+
+# -- compatibility ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_layers", 6),
+        ("page_size_tokens", 32),
+        ("dtype", "float16"),
+        ("head_dim", 64),
+        ("total_kv_heads", 4),
+    ],
+)
+def test_incompatible_groups(field: str, value: object) -> None:
+    """Groups differing in a model field raise FailedPrecondition naming the field."""
+    sender = shape()
+    receiver = replace(sender, **{field: value})
+    with pytest.raises(FailedPrecondition, match=rf"{field} {getattr(sender, field)} vs {value}"):
+        plans(sender, receiver, 0, 0)
+
+
+def test_incompatible_mla_flag() -> None:
+    """An MLA group and an MHA group cannot exchange KV."""
+    sender = shape(mla=True)
+    receiver = replace(sender, mla=False)
+    with pytest.raises(FailedPrecondition, match="mla True vs False"):
+        plans(sender, receiver, 0, 0)
+
+
+def test_incompatible_lists_every_problem() -> None:
+    """Several differences are all named in one error."""
+    sender = shape()
+    receiver = replace(sender, head_dim=64, dtype="float32")
+    with pytest.raises(FailedPrecondition, match="dtype bfloat16 vs float32; head_dim 128 vs 64"):
+        plans(sender, receiver, 0, 0)
+
+
+def test_compatibility_checked_before_mapping() -> None:
+    """An incompatible non-MLA pair with different tp is FailedPrecondition, not Unimplemented."""
+    with pytest.raises(FailedPrecondition):
+        plans(shape(tp=2), shape(tp=1, head_dim=64), 0, 0)
+
+
+# -- keys and the wire ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sender,receiver",
+    [(shape(tp=4, mla=True), shape(tp=2, mla=True)), (shape(tp=8, mla=True), shape(tp=1, mla=True))],
+)
+def test_sources_keyed_by_tp_and_pp(sender: GroupShape, receiver: GroupShape) -> None:
+    """With pp 1 and several tp sources, each source has its own RankKey (lesson 2)."""
+    for d in range(receiver.tp_size):
+        got = plans(sender, receiver, d, 0)
+        assert len(got) == sender.tp_size // receiver.tp_size > 1
+        keys = {p.rank for p in got}
+        assert len(keys) == len(got)
+        assert {k.pp_rank for k in keys} == {0}
+        assert all(k.group == SENDER for k in keys)
+
+
+def test_sources_keyed_by_group() -> None:
+    """The sender group name is part of every source key."""
+    group = shape()
+    (plan,) = plan_sources(group, "other-prefill", group, 0, 0)
+    assert plan.rank == RankKey("other-prefill", 0, 0)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        SourcePlan(RankKey("p", 3, 1), FULL, 2, 4, 8, True, False),
+        SourcePlan(RankKey("p", 0, 0), COMPLETION, 1, 0, 0, False, False),
+        SourcePlan(RankKey("p", 1, 2), FULL, 4, 0, 0, True, True),
+    ],
+)
+def test_source_plan_proto_round_trip(plan: SourcePlan) -> None:
+    """SourcePlan survives to_proto / serialize / from_proto unchanged."""
+    msg = plan.to_proto()
+    assert msg.rank == common_pb2.EngineRankId(group=plan.rank.group, tp_rank=plan.rank.tp_rank, pp_rank=plan.rank.pp_rank)
+    parsed = peer_pb2.SourcePlan.FromString(msg.SerializeToString())
+    back = SourcePlan.from_proto(parsed)
+    assert back == plan
+    assert isinstance(back.rank, RankKey)
+
+
+def test_plans_round_trip_through_proto() -> None:
+    """Every plan of a real mapping round-trips through the wire form."""
+    sender = shape(tp=4, pp=2, mla=True, begins=(0, 1))
+    receiver = shape(tp=2, pp=1, mla=True)
+    for d in range(2):
+        for plan in plans(sender, receiver, d, 0):
+            assert SourcePlan.from_proto(plan.to_proto()) == plan
+
+
+def test_group_shape_of_layout(make_layout: Callable[..., Any]) -> None:
+    """GroupShape.of copies the group fields of a validated layout."""
+    layout = make_layout(tp_size=2, total_kv_heads=8, num_layers=6, pp_size=3, pp_rank=1, pp_layer_begins=(0, 2, 3))
+    got = GroupShape.of(layout)
+    assert got == GroupShape(
+        tp_size=2,
+        pp_size=3,
+        num_layers=6,
+        pp_layer_begins=(0, 2, 3),
+        mla=False,
+        total_kv_heads=8,
+        head_dim=8,
+        dtype="float16",
+        page_size_tokens=4,
+    )
+    assert [got.layer_range(p) for p in range(3)] == [(0, 2), (2, 3), (3, 6)]
