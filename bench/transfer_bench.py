@@ -1,0 +1,842 @@
+"""The same KV transfer measured three ways: through kvbroker, with raw NIXL, with memcpy.
+
+What is moved: ``--rooms`` rooms, each sending ``--pages-per-room`` pages of
+every layer's K and V (``--layers`` layers, ``--page-kib`` KiB per page of one
+layer) from a prefill KV pool to a decode KV pool, in ``--chunks`` chunks per
+room. Page lists are non-contiguous but made of contiguous runs (mean length
+``--run-pages``) placed in shuffled order with gaps, independently on the two
+sides; each run coalesces into one descriptor per layer region. The warm-up
+room (excluded from timing) uses its own pages.
+
+(a) broker   two ``kvbroker serve`` processes on 127.0.0.1 (a prefill and a
+             decode broker), a prefill and a decode engine registered from
+             this process through the client API (each EngineMemory is its own
+             memfd; the brokers map them). Timed from the first ExpectRoom to
+             the last room SUCCESS seen on the decode engine's WatchRooms
+             stream (``EngineHandle.wait``); all control calls (ExpectRoom,
+             BeginSend, SendChunk) are issued one after another from this
+             process, so their round trips are part of the time, as they would
+             be for one engine.
+(b) raw NIXL two bare NIXL agents (this process initiates, a spawned child is
+             the target), no progress thread, both polled, same UCX backend
+             params as the brokers, same buffers (the source is the prefill
+             engine's memfd, the target a memfd of the same size) and the same
+             (src page, dst page) runs coalesced with ``coalesce_runs`` into
+             one descriptor per run and layer region. Variants:
+             ``chunked``  one initialize_xfer + transfer per chunk per room,
+                          like the broker (notification on the last one);
+             ``single``   one transfer for everything;
+             ``prepped``  the broker's own call pattern: per-page prepared
+                          lists (``build_descriptor_table``) and one
+                          make_prepped_xfer per chunk with per-page indices.
+             Timed from the first post until every transfer is DONE at the
+             initiator and the notification reached the target (the target
+             polls every 100 us; CLOCK_MONOTONIC is shared across processes).
+(c) memcpy   one thread, numpy slice assignment of the same runs between two
+             buffers of this process: what one core can do.
+
+Also: the round trip of SendChunk for a 1-page chunk on rooms whose receiver
+has registered (the broker posts a NIXL transfer inside the call), the same on
+rooms with no receiver yet (nothing is posted), and of Poll for one room.
+
+Every method's destination is zeroed before and checked after each
+measurement: the chosen pages must equal the source pages byte for byte
+(compared as uint8, never as floats) and every other page must still be zero.
+Any difference aborts the run with exit status 1.
+
+How to read it: compare numbers within one run, as ratios (broker/raw NIXL,
+broker/memcpy); this 2-core VM varies by +-15-30% between runs. ``--repeat``
+runs every measurement N times (interleaved) and prints the best and the
+median. The broker path shares 2 cores between 2 broker processes and this
+one; the raw NIXL path between 2 processes. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import mmap
+import multiprocessing
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PREFILL_GROUP = "bench-prefill"
+DECODE_GROUP = "bench-decode"
+KV_HEADS = 8
+HEAD_DIM = 64  # bfloat16: 1 KiB per token, so page_kib tokens per page
+TARGET_POLL_SECONDS = 100e-6
+
+
+class BenchError(RuntimeError):
+    """A failed room, a byte mismatch or a failed transfer: the run is invalid."""
+
+
+# -- page plans ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    src: np.ndarray  # int32 page indices, in room order
+    dst: np.ndarray
+    #: [start, end) of each chunk over the room's pages.
+    chunks: tuple[tuple[int, int], ...]
+
+
+def _place(rng: np.random.Generator, lengths: np.ndarray, base: int) -> tuple[np.ndarray, int]:
+    """Pages of runs of ``lengths`` (room order) laid out in shuffled order with gaps of 1-3 pages."""
+    n = len(lengths)
+    order = rng.permutation(n)
+    gaps = rng.integers(1, 4, size=n)
+    starts = np.empty(n, dtype=np.int64)
+    pos = 0
+    for i, run in enumerate(order):
+        pos += int(gaps[i])
+        starts[run] = pos
+        pos += int(lengths[run])
+    pages = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in range(n)]) + base
+    return pages.astype(np.int32), pos + 1
+
+
+def make_plans(n: int, pages: int, chunks: int, mean_run: int, seed: int) -> tuple[list[RoomPlan], int]:
+    """``n`` rooms on disjoint pages of each side; the pool size (pages) both sides need."""
+    rng = np.random.default_rng(seed)
+    plans = []
+    src_base = dst_base = 0
+    for _ in range(n):
+        lengths = []
+        left = pages
+        while left > 0:
+            run = int(min(left, rng.integers(1, 2 * mean_run)))
+            lengths.append(run)
+            left -= run
+        arr = np.array(lengths, dtype=np.int64)
+        src, src_extent = _place(rng, arr, src_base)
+        dst, dst_extent = _place(rng, arr, dst_base)
+        src_base += src_extent
+        dst_base += dst_extent
+        k = max(1, min(chunks, pages))
+        bounds = np.linspace(0, pages, k + 1).astype(int)
+        plans.append(RoomPlan(src, dst, tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))))
+    return plans, max(src_base, dst_base, pages)
+
+
+# -- descriptors --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The K/V layer regions of the pool (identical on both sides)."""
+
+    offsets: np.ndarray  # uint64 byte offsets of each region in the buffer
+    item_bytes: int
+
+
+def chunk_descs(regions: Regions, src_addr: int, dst_addr: int, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One descriptor per (region, coalesced run): local and remote N x 3 uint64 arrays."""
+    from kvbroker.broker.descriptors import coalesce_runs
+
+    runs = coalesce_runs(src, dst).astype(np.uint64)  # (src start, dst start, length)
+    item = np.uint64(regions.item_bytes)
+    offs = regions.offsets[:, None]
+    n = len(regions.offsets) * len(runs)
+    local = np.empty((n, 3), dtype=np.uint64)
+    remote = np.empty((n, 3), dtype=np.uint64)
+    local[:, 0] = (np.uint64(src_addr) + offs + runs[None, :, 0] * item).ravel()
+    remote[:, 0] = (np.uint64(dst_addr) + offs + runs[None, :, 1] * item).ravel()
+    local[:, 1] = remote[:, 1] = np.broadcast_to(runs[None, :, 2] * item, (len(regions.offsets), len(runs))).ravel()
+    local[:, 2] = remote[:, 2] = 0
+    return local, remote
+
+
+def copy_list(regions: Regions, plans: Sequence[RoomPlan]) -> list[tuple[int, int, int]]:
+    """(src byte offset, dst byte offset, bytes) per run, chunk by chunk, region by region."""
+    from kvbroker.broker.descriptors import coalesce_runs
+
+    out = []
+    item = regions.item_bytes
+    for plan in plans:
+        for a, b in plan.chunks:
+            runs = coalesce_runs(plan.src[a:b], plan.dst[a:b])
+            for off in regions.offsets.tolist():
+                for s, d, n in runs.tolist():
+                    out.append((off + s * item, off + d * item, n * item))
+    return out
+
+
+def fill_pattern(buf: np.ndarray, seed: int) -> None:
+    """Distinct bytes in every 8-byte word (so every page differs), fast."""
+    words = buf.view(np.uint64)
+    step = 1 << 22
+    for i in range(0, words.size, step):
+        x = np.arange(i, min(i + step, words.size), dtype=np.uint64) + np.uint64(seed)
+        x *= np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(29)
+        words[i : i + x.size] = x
+
+
+def verify(
+    what: str,
+    src: np.ndarray,
+    dst: np.ndarray,
+    regions: Regions,
+    num_pages: int,
+    plans: Sequence[RoomPlan],
+) -> None:
+    """The chosen dst pages equal the src pages, byte for byte; every other dst page is zero."""
+    item = regions.item_bytes
+    s_idx = np.concatenate([p.src for p in plans]).astype(np.int64)
+    d_idx = np.concatenate([p.dst for p in plans]).astype(np.int64)
+    untouched = np.ones(num_pages, dtype=bool)
+    untouched[d_idx] = False
+    for r, off in enumerate(regions.offsets.tolist()):
+        sv = src[off : off + num_pages * item].reshape(num_pages, item)
+        dv = dst[off : off + num_pages * item].reshape(num_pages, item)
+        got, want = dv[d_idx], sv[s_idx]
+        if not np.array_equal(got, want):
+            bad = int(np.count_nonzero(np.any(got != want, axis=1)))
+            raise BenchError(f"{what}: region {r}: {bad} of {len(d_idx)} destination pages differ from their source pages")
+        if np.any(dv[untouched]):
+            bad = int(np.count_nonzero(np.any(dv[untouched] != 0, axis=1)))
+            raise BenchError(f"{what}: region {r}: {bad} pages outside the rooms were written")
+
+
+# -- NIXL agents ---------------------------------------------------------------
+
+
+def make_agent(name: str, ucx_error_mode: str) -> Any:
+    """An agent made like the broker's (broker/nixl_agent.py): no progress thread, UCX backend."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    # After the import: NIXL's logging setup (dictConfig, on first import) sets
+    # its logger to INFO on stdout, which would break --json.
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+    conf = nixl_agent_config(enable_prog_thread=False, backends=[], capture_telemetry=True)
+    agent = nixl_agent(name, conf)
+    agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_mode})
+    return agent
+
+
+def _target_main(conn: Any, name: str, ucx_error_mode: str, fd_path: str, size: int) -> None:
+    """The raw-NIXL target process: maps the destination memfd, registers it, reports notifications."""
+    agent = make_agent(name, ucx_error_mode)
+    fd = os.open(fd_path, os.O_RDWR)
+    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    addr = int(view.ctypes.data)
+    reg = agent.register_memory([(addr, size, 0, "")], "DRAM")
+    conn.send(("ready", bytes(agent.get_agent_metadata()), addr))
+    peer = agent.add_remote_agent(conn.recv())
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "exit":
+                break
+            if msg[0] == "arm":
+                tag, timeout = msg[1], msg[2]
+                conn.send(("armed",))
+                deadline = time.monotonic() + timeout
+                got = None
+                while got is None:
+                    for msgs in agent.get_new_notifs().values():
+                        if tag in msgs:
+                            got = time.perf_counter()
+                    if got is None:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(TARGET_POLL_SECONDS)
+                conn.send(("notif", got))
+    finally:
+        agent.remove_remote_agent(peer)
+        agent.deregister_memory(reg)
+        del view
+        mapping.close()
+        os.close(fd)
+
+
+class RawNixl:
+    """This process as initiator, a spawned child as target; buffers like the engines'."""
+
+    def __init__(self, ucx_error_mode: str, src: np.ndarray, layout: Any, num_pages: int) -> None:
+        from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
+        from kvbroker.broker.layout import Layout, RankKey
+        from kvbroker.v1 import common_pb2
+
+        self.size = src.size
+        self.fd = os.memfd_create("kvbroker-bench-raw-dst", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        self.mapping = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.dst = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.dst[:] = 0  # touch every page before anything is timed
+        self.src = src
+        self.src_addr = int(src.ctypes.data)
+        tag = secrets.token_hex(4)
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_target_main,
+            args=(child_conn, f"bench-target-{tag}", ucx_error_mode, f"/proc/{os.getpid()}/fd/{self.fd}", self.size),
+            name="raw-nixl-target",
+            daemon=True,
+        )
+        self.proc.start()
+        self.agent = make_agent(f"bench-initiator-{tag}", ucx_error_mode)
+        self.reg = self.agent.register_memory([(self.src_addr, self.size, 0, "")], "DRAM")
+        kind, metadata, self.dst_addr = self._recv(120.0)
+        if kind != "ready":
+            raise BenchError(f"raw NIXL target: unexpected {kind!r}")
+        self.target = self.agent.add_remote_agent(metadata)
+        if isinstance(self.target, bytes):
+            self.target = self.target.decode()
+        self.conn.send(bytes(self.agent.get_agent_metadata()))
+        # Per-page prepared lists, as the broker prepares them at registration.
+        lay = Layout.from_proto(layout, rank=RankKey("raw", 0, 0), buffer_sizes=[self.size])
+        dram = common_pb2.MEMORY_KIND_DRAM
+        src_table = build_descriptor_table(lay, [BufferPlacement(self.src_addr, self.size, dram, 0)])
+        dst_table = build_descriptor_table(lay, [BufferPlacement(self.dst_addr, self.size, dram, 0)])
+        self.region_base = np.array(
+            [src_table.region_base[lay.kv_regions[(k, layer)]] for layer in range(lay.layer_begin, lay.layer_end) for k in lay.kv_kinds()],
+            dtype=np.int32,
+        )
+        self.local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", src_table.descs[dram], "DRAM")
+        self.remote_dlist = self.agent.prep_xfer_dlist(self.target, dst_table.descs[dram], "DRAM")
+        self.num_pages = num_pages
+        self._seq = 0
+
+    def _recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise BenchError(f"raw NIXL target did not answer in {timeout} s (alive: {self.proc.is_alive()})")
+        return self.conn.recv()
+
+    def prepare(self, regions: Regions, plans: Sequence[RoomPlan]) -> dict[str, list[tuple[Any, Any]]]:
+        """Everything built before the clock starts: numpy descriptor arrays and index arrays."""
+        chunked = [chunk_descs(regions, self.src_addr, self.dst_addr, p.src[a:b], p.dst[a:b]) for p in plans for a, b in p.chunks]
+        single = [(np.concatenate([l for l, _ in chunked]), np.concatenate([r for _, r in chunked]))]
+        prepped = []
+        for p in plans:
+            for a, b in p.chunks:
+                li = (self.region_base[:, None] + p.src[a:b][None, :]).ravel().astype(np.int32)
+                ri = (self.region_base[:, None] + p.dst[a:b][None, :]).ravel().astype(np.int32)
+                prepped.append((li, ri))
+        return {"chunked": chunked, "single": single, "prepped": prepped}
+
+    def run(self, variant: str, work: list[tuple[Any, Any]], timeout: float = 60.0) -> tuple[float, dict[str, float]]:
+        """Post ``work`` (one transfer per entry, notification on the last); seconds and details."""
+        self._seq += 1
+        tag = f"bench-{self._seq}".encode()
+        self.conn.send(("arm", tag, timeout))
+        if self._recv(30.0)[0] != "armed":
+            raise BenchError("raw NIXL target did not arm")
+        agent = self.agent
+        handles = []
+        t0 = time.perf_counter()
+        for i, (l, r) in enumerate(work):
+            notif = tag if i == len(work) - 1 else b""
+            if variant == "prepped":
+                h = agent.make_prepped_xfer("WRITE", self.local_dlist, l, self.remote_dlist, r, notif)
+            else:
+                h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(l, "DRAM"), agent.get_xfer_descs(r, "DRAM"), self.target, notif)
+            if agent.transfer(h) == "ERR":
+                raise BenchError(f"raw NIXL ({variant}): transfer {i} rejected")
+            handles.append(h)
+        t_posted = time.perf_counter()
+        pending = list(handles)
+        deadline = time.monotonic() + timeout
+        while pending:
+            still = []
+            for h in pending:
+                state = agent.check_xfer_state(h)
+                if state == "ERR":
+                    raise BenchError(f"raw NIXL ({variant}): a transfer failed")
+                if state == "PROC":
+                    still.append(h)
+            pending = still
+            if pending and time.monotonic() > deadline:
+                raise BenchError(f"raw NIXL ({variant}): transfers not done after {timeout} s")
+        t_done = time.perf_counter()
+        kind, t_notif = self._recv(timeout + 10)
+        if kind != "notif" or t_notif is None:
+            raise BenchError(f"raw NIXL ({variant}): the target never saw the notification")
+        descs = 0
+        for h in handles:
+            try:
+                descs += int(agent.get_xfer_telemetry(h).descCount)
+            except Exception:
+                pass
+            agent.release_xfer_handle(h)
+        end = max(t_done, t_notif)
+        return end - t0, {
+            "post_ms": (t_posted - t0) * 1e3,
+            "done_ms": (t_done - t0) * 1e3,
+            "notif_ms": (t_notif - t0) * 1e3,
+            "transfers": len(work),
+            "descriptors": descs,
+        }
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("exit",))
+                self.proc.join(timeout=10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+            try:
+                self.agent.release_dlist_handle(self.local_dlist)
+                self.agent.release_dlist_handle(self.remote_dlist)
+                self.agent.remove_remote_agent(self.target)
+                self.agent.deregister_memory(self.reg)
+            except Exception:
+                pass
+            del self.dst
+            try:
+                self.mapping.close()
+            except BufferError:
+                pass  # a numpy view is still alive; the mapping goes with it
+            os.close(self.fd)
+
+
+# -- statistics ------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    seconds: list[float] = field(default_factory=list)
+    details: list[dict[str, float]] = field(default_factory=list)
+
+    def best(self) -> float:
+        return min(self.seconds)
+
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def rtt_stats(values: Sequence[float]) -> dict[str, float]:
+    us = [v * 1e6 for v in values]
+    return {"n": len(us), "median_us": statistics.median(us), "p90_us": pct(us, 0.9), "min_us": min(us)}
+
+
+# -- the broker path ----------------------------------------------------------
+
+
+class BrokerBench:
+    def __init__(self, args: argparse.Namespace, workdir: Any, num_pages: int) -> None:
+        import torch
+
+        from kvbroker.brokerproc import BrokerProcess
+        from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec
+
+        extra = ["--ucx-error-mode", args.ucx_error_mode, "--log-level", "warning"]
+        self.brokers = BrokerProcess.start_many(["prefill", "decode"], workdir, extra)
+        self.prefill_broker, self.decode_broker = self.brokers
+        model = ModelSpec(
+            num_layers=args.layers,
+            total_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.bfloat16,
+            page_size=args.page_kib,
+        )
+        self.model = model
+        self.clients = [BrokerClient(self.prefill_broker.address), BrokerClient(self.decode_broker.address)]
+        self.prefill_mem = EngineMemory.allocate(RankSpec(PREFILL_GROUP, "prefill"), model, num_pages=num_pages)
+        self.decode_mem = EngineMemory.allocate(RankSpec(DECODE_GROUP, "decode"), model, num_pages=num_pages)
+        assert self.prefill_mem.raw is not None and self.decode_mem.raw is not None
+        fill_pattern(self.prefill_mem.raw.numpy(), args.seed)
+        self.decode_mem.raw.zero_()
+        self.prefill = self.clients[0].register_engine(RankSpec(PREFILL_GROUP, "prefill"), self.prefill_mem)
+        self.decode = self.clients[1].register_engine(RankSpec(DECODE_GROUP, "decode"), self.decode_mem)
+        self.room_base = secrets.randbits(40) << 20
+        self.next_room = 0
+        self.timeout = args.timeout
+
+    def rooms(self, n: int) -> list[int]:
+        ids = [self.room_base + self.next_room + i for i in range(n)]
+        self.next_room += n
+        return ids
+
+    def run(self, plans: Sequence[RoomPlan]) -> tuple[float, dict[str, Any]]:
+        """Move ``plans``; seconds from the first ExpectRoom to the last SUCCESS."""
+        from kvbroker.client import RoomState, SenderRef
+
+        ids = self.rooms(len(plans))
+        ref = SenderRef(self.prefill_broker.address, PREFILL_GROUP)
+        send_rtts = []
+        t0 = time.perf_counter()
+        for rid, plan in zip(ids, plans):
+            self.decode.receiver(rid, ref).init(plan.dst)
+        t_expect = time.perf_counter()
+        for rid, plan in zip(ids, plans):
+            sender = self.prefill.sender(rid)
+            sender.init(num_pages=len(plan.src))
+            for a, b in plan.chunks:
+                t = time.perf_counter()
+                sender.send(plan.src[a:b])
+                send_rtts.append(time.perf_counter() - t)
+        t_sent = time.perf_counter()
+        statuses = self.decode.wait(ids, timeout_seconds=self.timeout)
+        t_end = time.perf_counter()
+        bad = [(r, s.cause.message) for r, s in statuses.items() if s.state != RoomState.SUCCESS]
+        if bad:
+            raise BenchError(f"broker: {len(bad)} rooms did not succeed, e.g. {bad[0]}")
+        return t_end - t0, {
+            "expect_ms": (t_expect - t0) * 1e3,
+            "sent_ms": (t_sent - t0) * 1e3,
+            "end_ms": (t_end - t0) * 1e3,
+            "send_chunk_median_us": statistics.median(send_rtts) * 1e6,
+            "bytes_reported": sum(s.bytes for s in statuses.values()),
+        }
+
+    def control_rtts(self, calls: int, pages_per_room: int) -> dict[str, dict[str, float]]:
+        """Round trips of SendChunk (1 page) with and without a registered receiver, and of Poll."""
+        from kvbroker.client import RoomState, SenderRef
+
+        per_room = max(1, pages_per_room)
+        n_rooms = math.ceil(calls / per_room)
+        pages = np.arange(per_room, dtype=np.int32)
+        ref = SenderRef(self.prefill_broker.address, PREFILL_GROUP)
+
+        # Receiver registered: every SendChunk posts a NIXL WRITE inside the call.
+        ids = self.rooms(n_rooms)
+        for rid in ids:
+            self.decode.receiver(rid, ref).init(pages)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            states = self.decode.poll(ids)
+            if all(s.state >= RoomState.WAITING_FOR_INPUT for s in states.values()):
+                break
+            if any(s.state == RoomState.FAILED for s in states.values()) or time.monotonic() > deadline:
+                raise BenchError(f"RTT rooms did not bootstrap: {[s.cause.message for s in states.values()][:2]}")
+            time.sleep(0.005)
+        senders = []
+        for rid in ids:
+            sender = self.prefill.sender(rid)
+            sender.init(num_pages=per_room)
+            senders.append(sender)
+        posting = []
+        for sender in senders:
+            for p in range(per_room):
+                t = time.perf_counter()
+                sender.send(pages[p : p + 1])
+                posting.append(time.perf_counter() - t)
+        statuses = self.decode.wait(ids, timeout_seconds=self.timeout)
+        if any(s.state != RoomState.SUCCESS for s in statuses.values()):
+            raise BenchError("RTT rooms did not succeed")
+
+        # No receiver: the chunk is validated and queued, nothing is posted.
+        ids = self.rooms(n_rooms)
+        queued = []
+        for rid in ids:
+            sender = self.prefill.sender(rid)
+            sender.init(num_pages=per_room)
+            for p in range(per_room):
+                t = time.perf_counter()
+                sender.send(pages[p : p + 1])
+                queued.append(time.perf_counter() - t)
+            sender.abort("benchmark: RTT room without a receiver")
+
+        poll = []
+        one = [ids[0]]
+        for _ in range(calls):
+            t = time.perf_counter()
+            self.prefill.poll(one)
+            poll.append(time.perf_counter() - t)
+        return {"send_chunk": rtt_stats(posting), "send_chunk_no_receiver": rtt_stats(queued), "poll": rtt_stats(poll)}
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for b in self.brokers:
+            s = b.stats()
+            out[b.name] = {
+                "transfers_posted": s.transfers_posted,
+                "descriptors_transferred": s.descriptors_transferred,
+                "bytes_sent": s.bytes_sent,
+                "bytes_received": s.bytes_received,
+                "rooms_succeeded": s.rooms_succeeded,
+                "rooms_failed": s.rooms_failed,
+            }
+        return out
+
+    def close(self) -> None:
+        for engine in (getattr(self, "prefill", None), getattr(self, "decode", None)):
+            if engine is not None:
+                try:
+                    engine.close()
+                except Exception:
+                    pass
+        for client in getattr(self, "clients", []):
+            client.close()
+        for broker in getattr(self, "brokers", []):
+            broker.stop()
+
+
+# -- main -----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Measure one KV transfer through kvbroker, raw NIXL and memcpy (see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--page-kib", type=int, default=16, help="bytes of one page of one layer's K (or V), in KiB (4-64)")
+    p.add_argument("--pages-per-room", type=int, default=32)
+    p.add_argument("--rooms", type=int, default=8)
+    p.add_argument("--chunks", type=int, default=4, help="SendChunk calls (and NIXL transfers) per room")
+    p.add_argument("--run-pages", type=int, default=4, help="mean length of the contiguous page runs")
+    p.add_argument("--ucx-error-mode", choices=("peer", "none"), default="peer")
+    p.add_argument("--ucx-tls", default=None, help="set UCX_TLS for every process (default: leave the environment alone)")
+    p.add_argument("--repeat", type=int, default=3, help="run every measurement N times; print the best and the median")
+    p.add_argument("--rtt-calls", type=int, default=300, help="calls per round-trip measurement (0: skip them)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one measurement's rooms")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    args = p.parse_args(argv)
+    if not 1 <= args.page_kib <= 1024:
+        p.error("--page-kib must be between 1 and 1024")
+    for name in ("layers", "pages_per_room", "rooms", "chunks", "run_pages", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls
+    try:
+        result = run(args)
+    except BenchError as exc:
+        print(f"transfer_bench: FAILED: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    page_bytes = args.page_kib * 1024
+    plans, num_pages = make_plans(args.rooms + 1, args.pages_per_room, args.chunks, args.run_pages, args.seed)
+    num_pages = max(num_pages, args.pages_per_room)
+    warm, timed = plans[-1:], plans[:-1]
+    total_bytes = args.rooms * args.pages_per_room * args.layers * 2 * page_bytes
+    workdir = tempfile.mkdtemp(prefix="kvb-bench-")
+    from pathlib import Path
+
+    broker: BrokerBench | None = None
+    raw: RawNixl | None = None
+    results: dict[str, Samples] = {k: Samples() for k in ("broker", "raw_chunked", "raw_single", "raw_prepped", "memcpy")}
+    rtts: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    try:
+        broker = BrokerBench(args, Path(workdir), num_pages)
+        layout = broker.prefill_mem.layout
+        from kvbroker.v1 import common_pb2
+
+        kv_kinds = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+        kv = [r for r in layout.regions if r.kind in kv_kinds]
+        if any(r.item_bytes != page_bytes or r.length_bytes != num_pages * page_bytes for r in kv):
+            raise BenchError("unexpected engine layout: KV regions are not num_pages x page_bytes")
+        regions = Regions(np.array([r.offset_bytes for r in kv], dtype=np.uint64), page_bytes)
+        assert len(kv) == 2 * args.layers, (len(kv), args.layers)
+        src = broker.prefill_mem.raw.numpy()
+        decode_np = broker.decode_mem.raw.numpy()
+
+        # Descriptor counts: what the broker should post if runs coalesce.
+        from kvbroker.broker.descriptors import count_runs
+
+        coalesced = sum(len(regions.offsets) * count_runs(p.src[a:b], p.dst[a:b]) for p in timed for a, b in p.chunks)
+
+        # (a) warm-up room: handshake, NIXL connection, first-touch.
+        broker.run(warm)
+        verify("broker warm-up", src, decode_np, regions, num_pages, warm)
+        raw = RawNixl(args.ucx_error_mode, src, layout, num_pages)
+        work = raw.prepare(regions, timed)
+        warm_work = raw.prepare(regions, warm)
+        for variant in ("chunked", "prepped"):
+            raw.dst[:] = 0
+            raw.run(variant, warm_work[variant])
+            verify(f"raw NIXL {variant} warm-up", src, raw.dst, regions, num_pages, warm)
+        copies = copy_list(regions, timed)
+        stats_before = broker.stats()
+
+        for _ in range(args.repeat):
+            decode_np[:] = 0
+            seconds, detail = broker.run(timed)
+            verify("broker", src, decode_np, regions, num_pages, timed)
+            if detail["bytes_reported"] != total_bytes:
+                raise BenchError(f"broker: rooms report {detail['bytes_reported']} bytes, expected {total_bytes}")
+            results["broker"].seconds.append(seconds)
+            results["broker"].details.append(detail)
+            for variant in ("chunked", "single", "prepped"):
+                raw.dst[:] = 0
+                seconds, detail = raw.run(variant, work[variant])
+                verify(f"raw NIXL {variant}", src, raw.dst, regions, num_pages, timed)
+                results[f"raw_{variant}"].seconds.append(seconds)
+                results[f"raw_{variant}"].details.append(detail)
+            raw.dst[:] = 0
+            dst = raw.dst
+            t0 = time.perf_counter()
+            for so, do, n in copies:
+                dst[do : do + n] = src[so : so + n]
+            results["memcpy"].seconds.append(time.perf_counter() - t0)
+            verify("memcpy", src, dst, regions, num_pages, timed)
+
+        stats_after = broker.stats()
+        if args.rtt_calls > 0:
+            rtts = broker.control_rtts(args.rtt_calls, args.pages_per_room)
+    finally:
+        if raw is not None:
+            raw.close()
+        if broker is not None:
+            broker.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    delta = {
+        name: {k: stats_after[name][k] - stats_before[name][k] for k in stats_after[name]} for name in stats_after
+    }
+    timed_descs = sum(len(d) for d in (l for l, _ in work["chunked"]))
+    out: dict[str, Any] = {
+        "config": {
+            "layers": args.layers,
+            "page_bytes": page_bytes,
+            "pages_per_room": args.pages_per_room,
+            "rooms": args.rooms,
+            "chunks_per_room": len(timed[0].chunks),
+            "mean_run_pages": args.run_pages,
+            "pool_pages": num_pages,
+            "ucx_error_mode": args.ucx_error_mode,
+            "UCX_TLS": os.environ.get("UCX_TLS", "<unset>"),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "<unset>"),
+            "repeat": args.repeat,
+            "cpus": os.cpu_count(),
+        },
+        "bytes": total_bytes,
+        "descriptors_coalesced": coalesced,
+        "descriptors_per_page": args.rooms * args.pages_per_room * args.layers * 2,
+        "raw_chunked_descriptors": timed_descs,
+        "wall_seconds": round(time.perf_counter() - t_start, 1),
+        "results": {},
+        "broker_stats_delta": delta,
+        "rtt": rtts,
+    }
+    for name, s in results.items():
+        out["results"][name] = {
+            "best_s": s.best(),
+            "median_s": s.median(),
+            "best_gbps": total_bytes / s.best() / 1e9,
+            "median_gbps": total_bytes / s.median() / 1e9,
+            "samples_s": s.seconds,
+            "details": s.details,
+        }
+    r = out["results"]
+    out["ratios"] = {
+        "broker_over_raw_nixl": {
+            "best": r["broker"]["best_gbps"] / r["raw_chunked"]["best_gbps"],
+            "median": r["broker"]["median_gbps"] / r["raw_chunked"]["median_gbps"],
+        },
+        "broker_over_memcpy": {
+            "best": r["broker"]["best_gbps"] / r["memcpy"]["best_gbps"],
+            "median": r["broker"]["median_gbps"] / r["memcpy"]["median_gbps"],
+        },
+        "raw_nixl_over_memcpy": {
+            "best": r["raw_chunked"]["best_gbps"] / r["memcpy"]["best_gbps"],
+            "median": r["raw_chunked"]["median_gbps"] / r["memcpy"]["median_gbps"],
+        },
+    }
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    c = res["config"]
+    r = res["results"]
+    print("kvbroker transfer benchmark (compare within this run; this VM varies +-15-30% between runs)")
+    print(
+        f"config: layers={c['layers']} page={c['page_bytes'] // 1024} KiB pages/room={c['pages_per_room']} "
+        f"rooms={c['rooms']} chunks/room={c['chunks_per_room']} mean-run={c['mean_run_pages']} pages "
+        f"ucx-error-mode={c['ucx_error_mode']} UCX_TLS={c['UCX_TLS']} UCX_NET_DEVICES={c['UCX_NET_DEVICES']} "
+        f"repeat={c['repeat']} cpus={c['cpus']}"
+    )
+    print(
+        f"moved per measurement: {res['bytes']} bytes ({res['bytes'] / 2**20:.1f} MiB) in "
+        f"{c['rooms'] * c['chunks_per_room']} chunks; descriptors: {res['descriptors_coalesced']} coalesced runs "
+        f"x region ({res['descriptors_per_page']} pages x region)"
+    )
+    print()
+    print(f"{'method':48} {'best GB/s':>9} {'median GB/s':>11} {'best ms':>8} {'median ms':>9}")
+    names = {
+        "broker": "(a) broker: 2 kvbroker serve, gRPC + NIXL",
+        "raw_chunked": "(b) raw NIXL, 1 transfer per chunk",
+        "raw_single": "    raw NIXL, 1 transfer for everything",
+        "raw_prepped": "    raw NIXL, per-page prepped (broker's calls)",
+        "memcpy": "(c) memcpy, 1 thread (numpy slices)",
+    }
+    for key, label in names.items():
+        x = r[key]
+        print(f"{label:48} {x['best_gbps']:9.2f} {x['median_gbps']:11.2f} {x['best_s'] * 1e3:8.1f} {x['median_s'] * 1e3:9.1f}")
+    print()
+    ra = res["ratios"]
+    print(
+        f"ratios (GB/s, best/best; median/median): broker/raw-NIXL = {ra['broker_over_raw_nixl']['best']:.2f} "
+        f"({ra['broker_over_raw_nixl']['median']:.2f}); broker/memcpy = {ra['broker_over_memcpy']['best']:.2f} "
+        f"({ra['broker_over_memcpy']['median']:.2f}); raw-NIXL/memcpy = {ra['raw_nixl_over_memcpy']['best']:.2f} "
+        f"({ra['raw_nixl_over_memcpy']['median']:.2f})"
+    )
+    if res["rtt"]:
+        t = res["rtt"]
+        s, q, p = t["send_chunk"], t["send_chunk_no_receiver"], t["poll"]
+        print(
+            f"SendChunk RTT, 1 page, receiver registered (posts a NIXL WRITE): median {s['median_us']:.0f} us, "
+            f"p90 {s['p90_us']:.0f} us (n={s['n']})"
+        )
+        print(
+            f"SendChunk RTT, 1 page, no receiver (nothing posted):            median {q['median_us']:.0f} us, "
+            f"p90 {q['p90_us']:.0f} us (n={q['n']})"
+        )
+        print(f"Poll RTT, 1 room:                                                median {p['median_us']:.0f} us, p90 {p['p90_us']:.0f} us (n={p['n']})")
+    med = lambda key, field: statistics.median(d[field] for d in r[key]["details"])  # noqa: E731
+    print()
+    print(
+        "broker timeline (median ms from the first ExpectRoom): "
+        f"all ExpectRoom returned {med('broker', 'expect_ms'):.1f}, last SendChunk returned {med('broker', 'sent_ms'):.1f}, "
+        f"last SUCCESS {med('broker', 'end_ms'):.1f}; SendChunk under load median {med('broker', 'send_chunk_median_us'):.0f} us"
+    )
+    for key in ("raw_chunked", "raw_single", "raw_prepped"):
+        print(
+            f"{key:11} timeline (median ms): posted {med(key, 'post_ms'):.1f}, all DONE {med(key, 'done_ms'):.1f}, "
+            f"notification at target {med(key, 'notif_ms'):.1f}; NIXL descriptors per measurement {int(med(key, 'descriptors'))}"
+        )
+    pre = res["broker_stats_delta"]["prefill"]
+    reps = c["repeat"]
+    print(
+        f"prefill broker per measurement: {pre['transfers_posted'] // reps} transfers, "
+        f"{pre['descriptors_transferred'] // reps} NIXL descriptors (coalesced runs would be {res['descriptors_coalesced']})"
+    )
+    print(f"wall time {res['wall_seconds']} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
