@@ -270,10 +270,6 @@ class RawNixl:
     """This process as initiator, a spawned child as target; buffers like the engines'."""
 
     def __init__(self, ucx_error_mode: str, src: np.ndarray, layout: Any, num_pages: int) -> None:
-        from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
-        from kvbroker.broker.layout import Layout, RankKey
-        from kvbroker.v1 import common_pb2
-
         self.size = src.size
         self.fd = os.memfd_create("kvbroker-bench-raw-dst", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.size)
@@ -292,6 +288,19 @@ class RawNixl:
             daemon=True,
         )
         self.proc.start()
+        try:
+            self._setup(ucx_error_mode, tag, layout, num_pages)
+        except BaseException:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+            raise
+
+    def _setup(self, ucx_error_mode: str, tag: str, layout: Any, num_pages: int) -> None:
+        from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
+        from kvbroker.broker.layout import Layout, RankKey
+        from kvbroker.v1 import common_pb2
+
         self.agent = make_agent(f"bench-initiator-{tag}", ucx_error_mode)
         self.reg = self.agent.register_memory([(self.src_addr, self.size, 0, "")], "DRAM")
         kind, metadata, self.dst_addr = self._recv(120.0)
@@ -439,14 +448,22 @@ def rtt_stats(values: Sequence[float]) -> dict[str, float]:
 
 class BrokerBench:
     def __init__(self, args: argparse.Namespace, workdir: Any, num_pages: int) -> None:
-        import torch
-
         from kvbroker.brokerproc import BrokerProcess
-        from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec
 
         extra = ["--ucx-error-mode", args.ucx_error_mode, "--log-level", "warning"]
         self.brokers = BrokerProcess.start_many(["prefill", "decode"], workdir, extra)
         self.prefill_broker, self.decode_broker = self.brokers
+        try:
+            self._setup(args, num_pages)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, args: argparse.Namespace, num_pages: int) -> None:
+        import torch
+
+        from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec
+
         model = ModelSpec(
             num_layers=args.layers,
             total_kv_heads=KV_HEADS,
@@ -584,7 +601,10 @@ class BrokerBench:
         for client in getattr(self, "clients", []):
             client.close()
         for broker in getattr(self, "brokers", []):
-            broker.stop()
+            try:
+                broker.stop()
+            except Exception:
+                broker.kill()
 
 
 # -- main -----------------------------------------------------------------------
@@ -604,6 +624,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ucx-error-mode", choices=("peer", "none"), default="peer")
     p.add_argument("--ucx-tls", default=None, help="set UCX_TLS for every process (default: leave the environment alone)")
     p.add_argument("--repeat", type=int, default=3, help="run every measurement N times; print the best and the median")
+    p.add_argument(
+        "--no-warm-pass",
+        dest="warm_pass",
+        action="store_false",
+        help="skip the untimed full pass before the timed ones (then the first sample pays first-touch page faults)",
+    )
     p.add_argument("--rtt-calls", type=int, default=300, help="calls per round-trip measurement (0: skip them)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one measurement's rooms")
     p.add_argument("--seed", type=int, default=1)
@@ -683,36 +709,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         copies = copy_list(regions, timed)
         stats_before = broker.stats()
 
-        for _ in range(args.repeat):
+        # Round -1 is the warm pass (not recorded): every page of the pattern
+        # is touched once through every mapping involved, as in steady state.
+        for rep in range(-1 if args.warm_pass else 0, args.repeat):
+            record = rep >= 0
             decode_np[:] = 0
             seconds, detail = broker.run(timed)
             verify("broker", src, decode_np, regions, num_pages, timed)
             if detail["bytes_reported"] != total_bytes:
                 raise BenchError(f"broker: rooms report {detail['bytes_reported']} bytes, expected {total_bytes}")
-            results["broker"].seconds.append(seconds)
-            results["broker"].details.append(detail)
+            if record:
+                results["broker"].seconds.append(seconds)
+                results["broker"].details.append(detail)
+            if rep == -1:
+                stats_before = broker.stats()
             for variant in ("chunked", "single", "prepped"):
                 raw.dst[:] = 0
                 seconds, detail = raw.run(variant, work[variant])
                 verify(f"raw NIXL {variant}", src, raw.dst, regions, num_pages, timed)
-                results[f"raw_{variant}"].seconds.append(seconds)
-                results[f"raw_{variant}"].details.append(detail)
+                if record:
+                    results[f"raw_{variant}"].seconds.append(seconds)
+                    results[f"raw_{variant}"].details.append(detail)
             raw.dst[:] = 0
             dst = raw.dst
             t0 = time.perf_counter()
             for so, do, n in copies:
                 dst[do : do + n] = src[so : so + n]
-            results["memcpy"].seconds.append(time.perf_counter() - t0)
+            if record:
+                results["memcpy"].seconds.append(time.perf_counter() - t0)
             verify("memcpy", src, dst, regions, num_pages, timed)
 
         stats_after = broker.stats()
         if args.rtt_calls > 0:
             rtts = broker.control_rtts(args.rtt_calls, args.pages_per_room)
     finally:
-        if raw is not None:
-            raw.close()
-        if broker is not None:
-            broker.close()
+        # Every step runs even if an earlier one fails: no broker or target
+        # process may outlive the benchmark.
+        for what, close in (("raw NIXL", raw.close if raw else None), ("brokers", broker.close if broker else None)):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as exc:
+                print(f"transfer_bench: cleanup of {what} failed: {exc!r}", file=sys.stderr)
         shutil.rmtree(workdir, ignore_errors=True)
 
     delta = {

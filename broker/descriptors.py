@@ -179,6 +179,8 @@ def coalesce_runs(src: IndexArray, dst: IndexArray) -> npt.NDArray[np.int64]:
 
 def count_runs(src: IndexArray, dst: IndexArray) -> int:
     """How many descriptors :func:`coalesce_runs` would make."""
+    if src.shape != dst.shape:
+        raise InvalidArgument(f"{src.size} source items but {dst.size} destination items")
     if src.size == 0:
         return 0
     return 1 + int(np.count_nonzero((np.diff(src.astype(np.int64)) != 1) | (np.diff(dst.astype(np.int64)) != 1)))

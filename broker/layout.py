@@ -175,6 +175,7 @@ class Layout:
         _check_heads(msg)
 
         regions = tuple(_region_view(i, r, buffer_sizes) for i, r in enumerate(msg.regions))
+        _check_no_overlap(regions)
         kv_regions, num_pages = _index_kv(msg, regions)
         aux_regions, aux_rows = _index_aux(regions)
         state_components, state_items = _index_state(msg, regions)
@@ -223,8 +224,8 @@ def _check_heads(msg: common_pb2.EngineLayout) -> None:
 
 def _region_view(index: int, r: common_pb2.Region, buffer_sizes: Sequence[int]) -> RegionView:
     where = f"region {index}"
-    if r.kind == common_pb2.REGION_KIND_UNSPECIFIED:
-        raise InvalidArgument(f"{where}: kind is unspecified")
+    if r.kind == common_pb2.REGION_KIND_UNSPECIFIED or r.kind not in common_pb2.RegionKind.values():
+        raise InvalidArgument(f"{where}: kind {r.kind} is unspecified or unknown")
     if r.buffer >= len(buffer_sizes):
         raise InvalidArgument(f"{where}: buffer {r.buffer} does not exist (engine uploaded {len(buffer_sizes)})")
     if r.item_bytes == 0 or r.length_bytes == 0:
@@ -246,6 +247,14 @@ def _region_view(index: int, r: common_pb2.Region, buffer_sizes: Sequence[int]) 
         layer_id=r.layer_id,
         component=r.component,
     )
+
+
+def _check_no_overlap(regions: tuple[RegionView, ...]) -> None:
+    """Two regions sharing bytes would let a write to one corrupt the other."""
+    spans = sorted((r.buffer, r.offset_bytes, r.offset_bytes + r.length_bytes, r.index) for r in regions)
+    for (buf_a, _, end_a, a), (buf_b, start_b, _, b) in zip(spans, spans[1:]):
+        if buf_a == buf_b and start_b < end_a:
+            raise InvalidArgument(f"regions {a} and {b} overlap in buffer {buf_a}")
 
 
 def _index_kv(msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...]) -> tuple[dict[tuple[int, int], int], int]:

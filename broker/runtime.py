@@ -25,7 +25,14 @@ from kvbroker.broker.nixl_agent import Agent
 from kvbroker.broker.peers import PROTOCOL_VERSION, PeerTable
 from kvbroker.broker.progress import ProgressLoop
 from kvbroker.broker.receiver import ReceiverSide
-from kvbroker.broker.rooms import Progress, ReceiverProgress, RoomTables, SourceProgress, TransferInfo, cause
+from kvbroker.broker.rooms import (
+    Progress,
+    ReceiverProgress,
+    RoomTables,
+    SourceProgress,
+    TransferInfo,
+    cause,
+)
 from kvbroker.broker.sender import SenderSide
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.watch import WatchHub

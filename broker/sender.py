@@ -45,7 +45,14 @@ from kvbroker.broker.rooms import (
 )
 from kvbroker.broker.segments import ChunkShape, build_segments
 from kvbroker.broker.tasks import TaskSet
-from kvbroker.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError, NotFound
+from kvbroker.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvBrokerError,
+    NotFound,
+)
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
 

@@ -24,7 +24,14 @@ from kvbroker.broker.fdsocket import FdSocketServer
 from kvbroker.broker.nixl_agent import Agent, AgentConfig, UcxAgent
 from kvbroker.broker.runtime import BrokerRuntime, channel_options
 from kvbroker.broker.service import AdminService, PeerService, TransferService
-from kvbroker.v1 import admin_pb2, admin_pb2_grpc, peer_pb2, peer_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvbroker.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    peer_pb2,
+    peer_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
 
 __all__ = ["BrokerServer"]
 

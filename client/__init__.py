@@ -21,7 +21,13 @@ from __future__ import annotations
 
 from kvbroker.client.connection import BrokerClient
 from kvbroker.client.engine import EngineHandle
-from kvbroker.client.memory import EngineMemory, ModelSpec, RankSpec, StateSpec, even_pp_layer_begins
+from kvbroker.client.memory import (
+    EngineMemory,
+    ModelSpec,
+    RankSpec,
+    StateSpec,
+    even_pp_layer_begins,
+)
 from kvbroker.client.rooms import KVReceiver, KVSender, RoomState, SenderRef
 
 __all__ = [

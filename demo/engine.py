@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
+from kvbroker.client import (
+    BrokerClient,
+    EngineHandle,
+    EngineMemory,
+    ModelSpec,
+    RankSpec,
+    RoomState,
+    SenderRef,
+)
 from kvbroker.demo.pattern import aux_bytes, kv_bytes, rank_heads
 from kvbroker.demo.plan import RoomPlan, plan_room, pool_pages
 

@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvbroker.broker import BrokerConfig, BrokerServer
+    from kvbroker.broker import BrokerConfig
     from kvbroker.logconfig import configure_logging
 
     configure_logging(args.log_format, args.log_level)

@@ -77,7 +77,9 @@ def _layout_proto(
     layer_end = begins[pp_rank + 1] if pp_rank + 1 < pp_size else num_layers
     page_bytes = page_size * kv_heads_per_rank * head_dim * DTYPE_BYTES[dtype]
     kinds = (
-        (common_pb2.REGION_KIND_MLA,) if mla else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+        (common_pb2.REGION_KIND_MLA,)
+        if mla
+        else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
     )
     regions: list[common_pb2.Region] = []
     offset = 0
@@ -144,7 +146,12 @@ def _layout_proto(
         state_components=components,
         pp_layer_begins=begins if (pp_layer_begins or pp_size > 1) else [],
     )
-    return BuiltLayout(proto=proto, buffer_sizes=sizes, rank=RankKey(group, tp_rank, pp_rank), page_bytes=page_bytes)
+    return BuiltLayout(
+        proto=proto,
+        buffer_sizes=sizes,
+        rank=RankKey(group, tp_rank, pp_rank),
+        page_bytes=page_bytes,
+    )
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,9 @@ def test_check_indices_negative() -> None:
 
 def test_check_indices_equal_to_count() -> None:
     """An index equal to the region's count is out of range."""
-    with pytest.raises(InvalidArgument, match=r"dst pages: index 10 is out of range \(the region holds 10\)"):
+    with pytest.raises(
+        InvalidArgument, match=r"dst pages: index 10 is out of range \(the region holds 10\)"
+    ):
         check_indices(i32([0, 10]), 10, "dst pages")
 
 
@@ -96,7 +99,9 @@ def mixed_layout(layout_proto: Builder, state_spec: Any) -> Layout:
         num_pages=5,
         aux_rows=3,
         aux_row_bytes=(16, 8),
-        state=(state_spec("mamba", common_pb2.STATE_TYPE_MAMBA, items=2, item_bytes=64, regions=1),),
+        state=(
+            state_spec("mamba", common_pb2.STATE_TYPE_MAMBA, items=2, item_bytes=64, regions=1),
+        ),
     )
     layout: Layout = built.build()
     return layout
@@ -124,7 +129,11 @@ def test_descriptor_table_addresses(mixed_layout: Layout) -> None:
         rows = table.descs[kind][base : base + region.items]
         assert rows.dtype == np.uint64
         expected = [
-            (buf.address + region.offset_bytes + j * region.item_bytes, region.item_bytes, buf.device_id)
+            (
+                buf.address + region.offset_bytes + j * region.item_bytes,
+                region.item_bytes,
+                buf.device_id,
+            )
             for j in range(region.items)
         ]
         assert [tuple(int(x) for x in row) for row in rows] == expected
@@ -170,10 +179,10 @@ def test_plan_parts_groups_by_kind_pair() -> None:
     src = _table([VRAM, VRAM, DRAM], [10, 10, 4])
     dst = _table([VRAM, DRAM, DRAM], [20, 6, 6])
     segments = [
-        Segment(0, 0, i32([1, 2]), i32([5, 6]), 100),   # VRAM -> VRAM
-        Segment(2, 1, i32([3]), i32([0]), 16),          # DRAM -> DRAM
-        Segment(1, 0, i32([9, 0]), i32([7, 8]), 100),   # VRAM -> VRAM (src base 10)
-        Segment(0, 2, i32([4]), i32([5]), 100),         # VRAM -> DRAM (dst base 6)
+        Segment(0, 0, i32([1, 2]), i32([5, 6]), 100),  # VRAM -> VRAM
+        Segment(2, 1, i32([3]), i32([0]), 16),  # DRAM -> DRAM
+        Segment(1, 0, i32([9, 0]), i32([7, 8]), 100),  # VRAM -> VRAM (src base 10)
+        Segment(0, 2, i32([4]), i32([5]), 100),  # VRAM -> DRAM (dst base 6)
     ]
     parts = plan_parts(src, dst, segments)
     by_key = {(p.local_kind, p.remote_kind): p for p in parts}
@@ -196,7 +205,9 @@ def test_plan_parts_bytes_sum_items_times_item_bytes() -> None:
     src = _table([DRAM, DRAM], [8, 8])
     dst = _table([DRAM, DRAM], [8, 8])
     parts = plan_parts(
-        src, dst, [Segment(0, 0, i32(range(3)), i32(range(3)), 64), Segment(1, 1, i32([7]), i32([0]), 24)]
+        src,
+        dst,
+        [Segment(0, 0, i32(range(3)), i32(range(3)), 64), Segment(1, 1, i32([7]), i32([0]), 24)],
     )
     assert len(parts) == 1
     assert parts[0].bytes == 3 * 64 + 24
@@ -206,7 +217,9 @@ def test_plan_parts_skips_empty_segments() -> None:
     """Empty segments make no part and add no bytes."""
     src = _table([DRAM, VRAM], [4, 4])
     dst = _table([DRAM, VRAM], [4, 4])
-    parts = plan_parts(src, dst, [Segment(0, 0, i32([]), i32([]), 8), Segment(1, 1, i32([2]), i32([3]), 8)])
+    parts = plan_parts(
+        src, dst, [Segment(0, 0, i32([]), i32([]), 8), Segment(1, 1, i32([2]), i32([3]), 8)]
+    )
     assert [(p.local_kind, p.remote_kind) for p in parts] == [(VRAM, VRAM)]
     assert parts[0].local_indices.tolist() == [2]
     assert plan_parts(src, dst, [Segment(0, 0, i32([]), i32([]), 8)]) == []
@@ -217,7 +230,9 @@ def test_plan_parts_mismatched_lengths() -> None:
     """Source and destination item lists of different lengths are InvalidArgument."""
     src = _table([DRAM], [4])
     dst = _table([DRAM], [4])
-    with pytest.raises(InvalidArgument, match="segment 0->0: 2 source items but 1 destination items"):
+    with pytest.raises(
+        InvalidArgument, match="segment 0->0: 2 source items but 1 destination items"
+    ):
         plan_parts(src, dst, [Segment(0, 0, i32([0, 1]), i32([0]), 8)])
 
 
@@ -262,13 +277,15 @@ def test_coalesce_dst_contiguous_src_not() -> None:
     "src,dst,runs",
     [
         ([3, 2, 1], [3, 2, 1], [[3, 3, 1], [2, 2, 1], [1, 1, 1]]),  # both go backwards
-        ([5, 5], [1, 2], [[5, 1, 1], [5, 2, 1]]),                   # repeated source
-        ([1, 3], [1, 3], [[1, 1, 1], [3, 3, 1]]),                   # both step by two
-        ([9], [0], [[9, 0, 1]]),                                    # one pair
+        ([5, 5], [1, 2], [[5, 1, 1], [5, 2, 1]]),  # repeated source
+        ([1, 3], [1, 3], [[1, 1, 1], [3, 3, 1]]),  # both step by two
+        ([9], [0], [[9, 0, 1]]),  # one pair
     ],
     ids=["backwards", "repeat", "stride-2", "single"],
 )
-def test_coalesce_both_sides_must_advance_by_one(src: list[int], dst: list[int], runs: list[list[int]]) -> None:
+def test_coalesce_both_sides_must_advance_by_one(
+    src: list[int], dst: list[int], runs: list[list[int]]
+) -> None:
     """A run continues only while both sides advance by exactly one."""
     assert coalesce_runs(i32(src), i32(dst)).tolist() == runs
     assert count_runs(i32(src), i32(dst)) == len(runs)
@@ -287,6 +304,15 @@ def test_coalesce_mismatched_lengths() -> None:
         coalesce_runs(i32([0, 1, 2]), i32([0, 1]))
 
 
+@pytest.mark.parametrize(
+    "src,dst", [([0, 1, 2], [5, 6]), ([0, 1, 2, 3], [5, 6, 7])], ids=["broadcasts", "value-error"]
+)
+def test_count_runs_mismatched_lengths(src: list[int], dst: list[int]) -> None:
+    """count_runs rejects lists of different lengths with InvalidArgument, like coalesce_runs."""
+    with pytest.raises(InvalidArgument, match="source items but"):
+        count_runs(i32(src), i32(dst))
+
+
 def test_coalesce_int32_extremes_do_not_overflow() -> None:
     """Differences between int32 extremes are computed without wrapping."""
     src = i32([2**31 - 1, -(2**31)])
@@ -296,7 +322,8 @@ def test_coalesce_int32_extremes_do_not_overflow() -> None:
 
 
 _pairs = st.lists(
-    st.tuples(st.integers(min_value=0, max_value=40), st.integers(min_value=0, max_value=40)), max_size=60
+    st.tuples(st.integers(min_value=0, max_value=40), st.integers(min_value=0, max_value=40)),
+    max_size=60,
 )
 
 
@@ -318,6 +345,6 @@ def test_coalesce_runs_are_maximal(blocks: list[tuple[int, int, int]]) -> None:
     src = i32([s + k for s, _, n in blocks for k in range(n)])
     dst = i32([d + k for _, d, n in blocks for k in range(n)])
     runs = coalesce_runs(src, dst).tolist()
-    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:]):
+    for (s1, d1, n1), (s2, d2, _) in itertools.pairwise(runs):
         assert not (s2 == s1 + n1 and d2 == d1 + n1)
     assert len(runs) <= len(blocks)

@@ -27,7 +27,16 @@ INT32_MAX = int(np.iinfo(np.int32).max)
         [],
         np.array([], dtype=np.int64),
     ],
-    ids=["int32", "int64", "uint16", "big-endian-int32", "list", "tuple-extremes", "empty-list", "empty-int64"],
+    ids=[
+        "int32",
+        "int64",
+        "uint16",
+        "big-endian-int32",
+        "list",
+        "tuple-extremes",
+        "empty-list",
+        "empty-int64",
+    ],
 )
 def test_round_trip(indices: object) -> None:
     """encode then decode gives back the same values as a native int32 array."""
@@ -100,7 +109,12 @@ def test_out_of_int32_range_rejected(indices: object) -> None:
 
 @pytest.mark.parametrize(
     "indices",
-    [np.zeros((2, 3), dtype=np.int32), [[1, 2], [3, 4]], np.zeros((0, 2), dtype=np.int32), np.int32(5)],
+    [
+        np.zeros((2, 3), dtype=np.int32),
+        [[1, 2], [3, 4]],
+        np.zeros((0, 2), dtype=np.int32),
+        np.int32(5),
+    ],
     ids=["2d", "nested-list", "2d-empty", "scalar"],
 )
 def test_not_one_dimensional_rejected(indices: object) -> None:

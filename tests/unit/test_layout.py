@@ -34,7 +34,9 @@ def _first(proto: common_pb2.EngineLayout, kind: int) -> common_pb2.Region:
 
 def test_valid_mha_layout(layout_proto: Builder) -> None:
     """A valid MHA layout reports pages, aux rows, KV region map and page bytes."""
-    built = layout_proto(num_layers=4, num_pages=16, aux_rows=4, aux_row_bytes=(16, 32), page_size=4, head_dim=8)
+    built = layout_proto(
+        num_layers=4, num_pages=16, aux_rows=4, aux_row_bytes=(16, 32), page_size=4, head_dim=8
+    )
     layout = built.build()
     assert layout.num_pages == 16
     assert layout.aux_rows == 4
@@ -42,7 +44,14 @@ def test_valid_mha_layout(layout_proto: Builder) -> None:
     assert layout.kv_page_bytes == 4 * 8 * 8 * 2 == built.page_bytes
     assert layout.kv_kinds() == (K, V)
     assert layout.kv_regions == {
-        (K, 0): 0, (V, 0): 1, (K, 1): 2, (V, 1): 3, (K, 2): 4, (V, 2): 5, (K, 3): 6, (V, 3): 7,
+        (K, 0): 0,
+        (V, 0): 1,
+        (K, 1): 2,
+        (V, 1): 3,
+        (K, 2): 4,
+        (V, 2): 5,
+        (K, 3): 6,
+        (V, 3): 7,
     }
     assert layout.aux_regions == (8, 9)
     assert [layout.regions[i].items for i in layout.aux_regions] == [4, 4]
@@ -57,7 +66,9 @@ def test_valid_mha_layout(layout_proto: Builder) -> None:
 
 def test_valid_mla_layout(layout_proto: Builder) -> None:
     """A valid MLA layout has one MLA region per layer and one latent head."""
-    built = layout_proto(mla=True, num_layers=3, num_pages=10, head_dim=576, dtype="bfloat16", page_size=2)
+    built = layout_proto(
+        mla=True, num_layers=3, num_pages=10, head_dim=576, dtype="bfloat16", page_size=2
+    )
     layout = built.build()
     assert layout.mla
     assert layout.kv_kinds() == (MLA,)
@@ -87,7 +98,12 @@ def test_layout_without_kv_or_aux(layout_proto: Builder) -> None:
     built = layout_proto(aux_row_bytes=())
     del built.proto.regions[:]
     layout = built.build()
-    assert (layout.num_pages, layout.aux_rows, layout.kv_regions, layout.aux_regions) == (0, 0, {}, ())
+    assert (layout.num_pages, layout.aux_rows, layout.kv_regions, layout.aux_regions) == (
+        0,
+        0,
+        {},
+        (),
+    )
 
 
 def test_valid_state_components(layout_proto: Builder, state_spec: Any) -> None:
@@ -107,7 +123,9 @@ def test_valid_state_components(layout_proto: Builder, state_spec: Any) -> None:
     assert layout.state_items == {"mamba": 3, "swa": 7}
 
 
-@pytest.mark.parametrize("dtype,size", [("float32", 4), ("bfloat16", 2), ("float8_e4m3fn", 1), ("uint8", 1)])
+@pytest.mark.parametrize(
+    "dtype,size", [("float32", 4), ("bfloat16", 2), ("float8_e4m3fn", 1), ("uint8", 1)]
+)
 def test_dtype_bytes(layout_proto: Builder, dtype: str, size: int) -> None:
     """kv_page_bytes uses the declared dtype's element size."""
     layout = layout_proto(dtype=dtype).build()
@@ -160,7 +178,14 @@ def test_unspecified_region_kind(layout_proto: Builder) -> None:
     """A region without a kind is rejected."""
     built = layout_proto()
     built.proto.regions[2].kind = common_pb2.REGION_KIND_UNSPECIFIED
-    _reject(built, "region 2: kind is unspecified")
+    _reject(built, "region 2: kind 0 is unspecified")
+
+
+def test_unknown_region_kind(layout_proto: Builder) -> None:
+    """A region whose kind is not a known RegionKind value is rejected."""
+    built = layout_proto()
+    built.proto.regions[8].kind = 9  # type: ignore[assignment]
+    _reject(built, "region 8")
 
 
 # -- KV regions ---------------------------------------------------------------
@@ -202,17 +227,21 @@ def test_item_bytes_not_one_page(layout_proto: Builder) -> None:
     region = built.proto.regions[1]
     region.item_bytes = built.page_bytes * 2
     region.length_bytes = built.page_bytes * 16
-    _reject(built, rf"region 1: item_bytes {built.page_bytes * 2} is not one page .*= {built.page_bytes}\)")
+    _reject(
+        built,
+        rf"region 1: item_bytes {built.page_bytes * 2} is not one page .*= {built.page_bytes}\)",
+    )
 
 
 def test_item_bytes_uses_heads_per_rank(layout_proto: Builder) -> None:
     """Pages sized with the model's total heads (not per rank) are rejected (lesson 3)."""
     built = layout_proto(total_kv_heads=8, tp_size=2)
     wrong = 4 * 8 * 8 * 2  # all 8 heads instead of 4
-    for region in built.proto.regions:
-        if region.kind in (K, V):
-            region.item_bytes = wrong
-            region.length_bytes = wrong * 16
+    kv = [region for region in built.proto.regions if region.kind in (K, V)]
+    for i, region in enumerate(kv):
+        region.item_bytes = wrong
+        region.length_bytes = wrong * 16
+        region.offset_bytes = i * wrong * 16
     built.buffer_sizes[0] = wrong * 16 * 8
     _reject(built, "is not one page")
 
@@ -258,18 +287,33 @@ def test_unknown_dtype(layout_proto: Builder) -> None:
 @pytest.mark.parametrize(
     "total,tp,declared,expected",
     [(8, 2, 8, 4), (8, 2, 2, 4), (2, 4, 2, 1), (2, 4, 0, 1), (1, 8, 2, 1)],
-    ids=["total-8-tp-2-gave-total", "total-8-tp-2-gave-2", "gqa-2-tp-4-gave-2", "gqa-2-tp-4-gave-0", "1-head-tp-8"],
+    ids=[
+        "total-8-tp-2-gave-total",
+        "total-8-tp-2-gave-2",
+        "gqa-2-tp-4-gave-2",
+        "gqa-2-tp-4-gave-0",
+        "1-head-tp-8",
+    ],
 )
-def test_kv_heads_per_rank_inconsistent(layout_proto: Builder, total: int, tp: int, declared: int, expected: int) -> None:
+def test_kv_heads_per_rank_inconsistent(
+    layout_proto: Builder, total: int, tp: int, declared: int, expected: int
+) -> None:
     """kv_heads_per_rank must be max(1, total_kv_heads // tp_size)."""
     built = layout_proto(total_kv_heads=total, tp_size=tp)
     built.proto.kv_heads_per_rank = declared
-    _reject(built, rf"kv_heads_per_rank is {declared}, but total_kv_heads {total} over tp_size {tp} gives {expected}")
+    _reject(
+        built,
+        rf"kv_heads_per_rank is {declared}, but total_kv_heads {total} over tp_size {tp} gives {expected}",
+    )
 
 
 @pytest.mark.parametrize(
     "total,tp,match",
-    [(8, 3, "must divide evenly over tp_size 3"), (2, 3, "must be a multiple of total_kv_heads 2"), (0, 1, "at least 1")],
+    [
+        (8, 3, "must divide evenly over tp_size 3"),
+        (2, 3, "must be a multiple of total_kv_heads 2"),
+        (0, 1, "at least 1"),
+    ],
 )
 def test_heads_not_dividing_tp(layout_proto: Builder, total: int, tp: int, match: str) -> None:
     """Head counts that do not split or replicate evenly over tp are rejected."""
@@ -424,7 +468,9 @@ def test_state_component_without_name(layout_proto: Builder) -> None:
 
 def test_state_component_uneven_items(layout_proto: Builder, state_spec: Any) -> None:
     """Regions of one component must hold the same number of items."""
-    built = layout_proto(state=(state_spec("mamba", common_pb2.STATE_TYPE_MAMBA, items=4, item_bytes=16),))
+    built = layout_proto(
+        state=(state_spec("mamba", common_pb2.STATE_TYPE_MAMBA, items=4, item_bytes=16),)
+    )
     _first(built.proto, STATE).length_bytes = 16 * 3
     _reject(built, "state component 'mamba': every region must hold the same number of items")
 
@@ -457,3 +503,10 @@ def test_layout_is_frozen(make_layout: Builder) -> None:
     layout: Layout = make_layout()
     with pytest.raises(AttributeError):
         layout.num_pages = 3  # type: ignore[misc]
+
+
+def test_overlapping_regions_are_rejected(layout_proto: Builder) -> None:
+    """Two regions sharing bytes of one buffer are rejected (a write to one would corrupt the other)."""
+    built = layout_proto()
+    built.proto.regions[1].offset_bytes = built.proto.regions[0].offset_bytes
+    _reject(built, "overlap")

@@ -88,7 +88,12 @@ def test_equal_tp_mla(tp: int) -> None:
     group = shape(tp=tp, mla=True)
     for r in range(tp):
         (plan,) = plans(group, group, r, 0)
-        assert (plan.rank, plan.mode, plan.num_destinations, plan.sends_aux) == (RankKey(SENDER, r, 0), FULL, 1, True)
+        assert (plan.rank, plan.mode, plan.num_destinations, plan.sends_aux) == (
+            RankKey(SENDER, r, 0),
+            FULL,
+            1,
+            True,
+        )
 
 
 # -- pipeline parallelism -----------------------------------------------------
@@ -123,7 +128,13 @@ def test_uneven_pp_split() -> None:
     """Prefill (0,3) vs decode (0,2,4) over 5 layers pairs layers by id."""
     sender = shape(pp=2, num_layers=5, begins=(0, 3))
     receiver = shape(pp=3, num_layers=5, begins=(0, 2, 4))
-    by_rank = {pp: {p.rank.pp_rank: (p.layer_begin, p.layer_end, p.sends_aux) for p in plans(sender, receiver, 0, pp)} for pp in range(3)}
+    by_rank = {
+        pp: {
+            p.rank.pp_rank: (p.layer_begin, p.layer_end, p.sends_aux)
+            for p in plans(sender, receiver, 0, pp)
+        }
+        for pp in range(3)
+    }
     assert by_rank[0] == {0: (0, 2, False), 1: (0, 0, True)}  # pp1 owes only aux/state here
     assert by_rank[1] == {0: (2, 3, False), 1: (3, 4, True)}
     assert by_rank[2] == {1: (4, 5, True)}
@@ -138,7 +149,9 @@ def _check_plan_invariants(sender: GroupShape, receiver: GroupShape) -> None:
     for (tp, pp), got in everything.items():
         r_begin, r_end = receiver.layer_range(pp)
         writing = [p for p in got if p.mode == FULL]
-        ranges = sorted((p.layer_begin, p.layer_end) for p in writing if p.layer_begin < p.layer_end)
+        ranges = sorted(
+            (p.layer_begin, p.layer_end) for p in writing if p.layer_begin < p.layer_end
+        )
         # The union of the writing sources' layers is exactly the receiver's, without overlap.
         covered = [layer for b, e in ranges for layer in range(b, e)]
         assert covered == list(range(r_begin, r_end)), (tp, pp, ranges)
@@ -168,8 +181,14 @@ def _check_plan_invariants(sender: GroupShape, receiver: GroupShape) -> None:
         (shape(pp=1, num_layers=7), shape(pp=4, num_layers=7, begins=(0, 1, 2, 6))),
         (shape(pp=4, num_layers=7, begins=(0, 1, 2, 6)), shape(pp=1, num_layers=7)),
         (shape(tp=2, pp=2, num_layers=6, begins=(0, 4)), shape(tp=2, pp=3, num_layers=6)),
-        (shape(tp=4, pp=2, mla=True, num_layers=6, begins=(0, 1)), shape(tp=2, pp=3, mla=True, num_layers=6)),
-        (shape(tp=1, pp=3, mla=True, num_layers=6), shape(tp=4, pp=2, mla=True, num_layers=6, begins=(0, 5))),
+        (
+            shape(tp=4, pp=2, mla=True, num_layers=6, begins=(0, 1)),
+            shape(tp=2, pp=3, mla=True, num_layers=6),
+        ),
+        (
+            shape(tp=1, pp=3, mla=True, num_layers=6),
+            shape(tp=4, pp=2, mla=True, num_layers=6, begins=(0, 5)),
+        ),
     ],
 )
 def test_layer_coverage_over_shapes(sender: GroupShape, receiver: GroupShape) -> None:
@@ -181,7 +200,9 @@ def test_layer_coverage_over_shapes(sender: GroupShape, receiver: GroupShape) ->
 def _begins(draw: Any, num_layers: int) -> tuple[int, ...]:
     if num_layers == 1:
         return (0,)
-    starts = draw(st.sets(st.integers(min_value=1, max_value=num_layers - 1), max_size=min(4, num_layers - 1)))
+    starts = draw(
+        st.sets(st.integers(min_value=1, max_value=num_layers - 1), max_size=min(4, num_layers - 1))
+    )
     return (0, *sorted(starts))
 
 
@@ -255,7 +276,9 @@ def test_mla_tp_not_multiple(s_tp: int, r_tp: int) -> None:
 @pytest.mark.parametrize("s_tp,r_tp", [(2, 1), (1, 2), (4, 2), (8, 4)])
 def test_non_mla_different_tp_unimplemented(s_tp: int, r_tp: int) -> None:
     """Non-MLA with different tp sizes (head slicing) raises Unimplemented."""
-    with pytest.raises(Unimplemented, match=f"head-sliced transfer between tp {s_tp} and tp {r_tp}"):
+    with pytest.raises(
+        Unimplemented, match=f"head-sliced transfer between tp {s_tp} and tp {r_tp}"
+    ):
         plans(shape(tp=s_tp), shape(tp=r_tp), 0, 0)
 
 
@@ -307,7 +330,10 @@ def test_compatibility_checked_before_mapping() -> None:
 
 @pytest.mark.parametrize(
     "sender,receiver",
-    [(shape(tp=4, mla=True), shape(tp=2, mla=True)), (shape(tp=8, mla=True), shape(tp=1, mla=True))],
+    [
+        (shape(tp=4, mla=True), shape(tp=2, mla=True)),
+        (shape(tp=8, mla=True), shape(tp=1, mla=True)),
+    ],
 )
 def test_sources_keyed_by_tp_and_pp(sender: GroupShape, receiver: GroupShape) -> None:
     """With pp 1 and several tp sources, each source has its own RankKey (lesson 2)."""
@@ -338,7 +364,9 @@ def test_sources_keyed_by_group() -> None:
 def test_source_plan_proto_round_trip(plan: SourcePlan) -> None:
     """SourcePlan survives to_proto / serialize / from_proto unchanged."""
     msg = plan.to_proto()
-    assert msg.rank == common_pb2.EngineRankId(group=plan.rank.group, tp_rank=plan.rank.tp_rank, pp_rank=plan.rank.pp_rank)
+    assert msg.rank == common_pb2.EngineRankId(
+        group=plan.rank.group, tp_rank=plan.rank.tp_rank, pp_rank=plan.rank.pp_rank
+    )
     parsed = peer_pb2.SourcePlan.FromString(msg.SerializeToString())
     back = SourcePlan.from_proto(parsed)
     assert back == plan
@@ -356,7 +384,9 @@ def test_plans_round_trip_through_proto() -> None:
 
 def test_group_shape_of_layout(make_layout: Callable[..., Any]) -> None:
     """GroupShape.of copies the group fields of a validated layout."""
-    layout = make_layout(tp_size=2, total_kv_heads=8, num_layers=6, pp_size=3, pp_rank=1, pp_layer_begins=(0, 2, 3))
+    layout = make_layout(
+        tp_size=2, total_kv_heads=8, num_layers=6, pp_size=3, pp_rank=1, pp_layer_begins=(0, 2, 3)
+    )
     got = GroupShape.of(layout)
     assert got == GroupShape(
         tp_size=2,

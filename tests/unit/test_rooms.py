@@ -63,7 +63,9 @@ def engine(group: str = "g", tp: int = 0, pp: int = 0) -> Any:
     return SimpleNamespace(key=RankKey(group, tp, pp), engine_id=f"e-{group}-{tp}-{pp}")
 
 
-def failure(message: str = "boom", kind: int = common_pb2.FAILURE_KIND_ABORTED) -> common_pb2.FailureCause:
+def failure(
+    message: str = "boom", kind: int = common_pb2.FAILURE_KIND_ABORTED
+) -> common_pb2.FailureCause:
     return cause(kind, message, "broker-a")
 
 
@@ -92,7 +94,13 @@ def test_new_progress(cls: type[Progress]) -> None:
     """A new record is BOOTSTRAPPING, without cause, unsettled, keyed by its engine."""
     listener = Recorder()
     p = cls(room=7, engine=engine("d", 2, 1), listener=listener)
-    assert (p.state, p.cause, p.finished_at, p.pages_settled, p.terminal) == (BOOTSTRAPPING, None, None, False, False)
+    assert (p.state, p.cause, p.finished_at, p.pages_settled, p.terminal) == (
+        BOOTSTRAPPING,
+        None,
+        None,
+        False,
+        False,
+    )
     assert p.key == RankKey("d", 2, 1)
     assert listener.calls == []
 
@@ -109,7 +117,15 @@ def test_advance_forward(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-@pytest.mark.parametrize("start,target", [(WAITING, WAITING), (TRANSFERRING, WAITING), (TRANSFERRING, BOOTSTRAPPING), (BOOTSTRAPPING, BOOTSTRAPPING)])
+@pytest.mark.parametrize(
+    "start,target",
+    [
+        (WAITING, WAITING),
+        (TRANSFERRING, WAITING),
+        (TRANSFERRING, BOOTSTRAPPING),
+        (BOOTSTRAPPING, BOOTSTRAPPING),
+    ],
+)
 def test_advance_backward_or_same_refused(cls: type[Progress], start: int, target: int) -> None:
     """Advancing to a lower or equal state returns False and does not call the listener."""
     listener = Recorder()
@@ -137,7 +153,10 @@ def test_fail_keeps_first_cause(cls: type[Progress]) -> None:
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
     p.advance(TRANSFERRING)
-    first, second = failure("first", common_pb2.FAILURE_KIND_PEER), failure("second", common_pb2.FAILURE_KIND_TIMEOUT)
+    first, second = (
+        failure("first", common_pb2.FAILURE_KIND_PEER),
+        failure("second", common_pb2.FAILURE_KIND_TIMEOUT),
+    )
     assert p.fail(first)
     assert (p.state, p.cause, p.terminal) == (FAILED, first, True)
     assert p.finished_at is not None
@@ -192,7 +211,11 @@ def test_status(cls: type[Progress]) -> None:
     p.chunks, p.bytes = 3, 12345
     status = p.status()
     assert (status.room, status.state, status.chunks, status.bytes, status.pages_settled) == (
-        2**63 + 5, TRANSFERRING, 3, 12345, False,
+        2**63 + 5,
+        TRANSFERRING,
+        3,
+        12345,
+        False,
     )
     assert not status.HasField("cause")
     why = failure("peer gone", common_pb2.FAILURE_KIND_PEER)
@@ -211,7 +234,11 @@ def test_status(cls: type[Progress]) -> None:
 def test_cause_builder() -> None:
     """cause() fills kind, message and origin broker."""
     c = cause(common_pb2.FAILURE_KIND_TIMEOUT, "waited 30 s for chunks", "b1")
-    assert (c.kind, c.message, c.origin_broker) == (common_pb2.FAILURE_KIND_TIMEOUT, "waited 30 s for chunks", "b1")
+    assert (c.kind, c.message, c.origin_broker) == (
+        common_pb2.FAILURE_KIND_TIMEOUT,
+        "waited 30 s for chunks",
+        "b1",
+    )
 
 
 @pytest.mark.parametrize(
@@ -296,17 +323,30 @@ def test_sizes_counts_everything() -> None:
     tables = RoomTables()
     src = source(room=1)
     src.chunk_list.extend(
-        Chunk(index=i, pages=np.arange(2, dtype=np.int32), page_offset=2 * i, is_last=i == 2, aux_row=None, state={})
+        Chunk(
+            index=i,
+            pages=np.arange(2, dtype=np.int32),
+            page_offset=2 * i,
+            is_last=i == 2,
+            aux_row=None,
+            state={},
+        )
         for i in range(3)
     )
     info = _info(1)
     src.destinations[info.receiver] = Destination(info=info, plan=_plan())
     src.inflight = 2
-    tables.sender[1] = SenderRoom(room=1, sources={src.key: src}, infos={info.receiver: info, RankKey("d", 1, 0): _info(1, 1)})
+    tables.sender[1] = SenderRoom(
+        room=1, sources={src.key: src}, infos={info.receiver: info, RankKey("d", 1, 0): _info(1, 1)}
+    )
     rcv = receiver(room=1, group="d")
     rcv.expected = {
-        RankKey("p", 0, 0): SourceExpectation(plan=_plan(0), expects_aux=True, expected_components=frozenset()),
-        RankKey("p", 1, 0): SourceExpectation(plan=_plan(1), expects_aux=False, expected_components=frozenset()),
+        RankKey("p", 0, 0): SourceExpectation(
+            plan=_plan(0), expects_aux=True, expected_components=frozenset()
+        ),
+        RankKey("p", 1, 0): SourceExpectation(
+            plan=_plan(1), expects_aux=False, expected_components=frozenset()
+        ),
     }
     rcv2 = receiver(room=2, group="d", tp=1)  # expected is None: counts 0
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv})
@@ -391,7 +431,13 @@ def test_evict_sender_room_takes_its_infos() -> None:
     src = source(room=6)
     _finish(src, at=0.0)
     info = _info(6)
-    tables.sender[6] = SenderRoom(room=6, sources={src.key: src}, infos={info.receiver: info}, created_at=0.0, had_sources=True)
+    tables.sender[6] = SenderRoom(
+        room=6,
+        sources={src.key: src},
+        infos={info.receiver: info},
+        created_at=0.0,
+        had_sources=True,
+    )
     tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.sender == {}
     assert tables.sizes()["transfer_infos"] == 0
@@ -437,7 +483,9 @@ def test_sender_room_that_had_sources_goes_at_once() -> None:
     tables = RoomTables()
     src = source(room=12)
     _finish(src, at=100.0)
-    tables.sender[12] = SenderRoom(room=12, sources={src.key: src}, created_at=100.0, had_sources=True)
+    tables.sender[12] = SenderRoom(
+        room=12, sources={src.key: src}, created_at=100.0, had_sources=True
+    )
     tables.evict(100.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.sender == {}
 
@@ -449,7 +497,13 @@ def test_evict_idle_tables_return_to_zero() -> None:
         src, rcv = source(room=room), receiver(room=room)
         _finish(src, at=0.0)
         _finish(rcv, at=0.0, ok=room != 1)
-        tables.sender[room] = SenderRoom(room=room, sources={src.key: src}, infos={RankKey("d", 0, 0): _info(room)}, created_at=0.0, had_sources=True)
+        tables.sender[room] = SenderRoom(
+            room=room,
+            sources={src.key: src},
+            infos={RankKey("d", 0, 0): _info(room)},
+            created_at=0.0,
+            had_sources=True,
+        )
         tables.receiver[room] = ReceiverRoom(room=room, ranks={rcv.key: rcv}, created_at=0.0)
     tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.sizes()["tombstones"] == 6

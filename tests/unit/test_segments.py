@@ -31,7 +31,9 @@ def i32(values: list[int] | range) -> np.ndarray:
 
 
 def plan(begin: int, end: int, *, aux: bool = True, state: bool = True) -> SourcePlan:
-    return SourcePlan(RankKey("p", 0, 0), peer_pb2.SOURCE_MODE_FULL_PAGES, 1, begin, end, aux, state)
+    return SourcePlan(
+        RankKey("p", 0, 0), peer_pb2.SOURCE_MODE_FULL_PAGES, 1, begin, end, aux, state
+    )
 
 
 def chunk(
@@ -48,7 +50,12 @@ def pair(make_layout: Builder) -> tuple[Layout, Layout]:
     """A sender holding layers [0, 4) and a receiver pp rank holding layers [2, 4)."""
     sender = make_layout(role=common_pb2.ROLE_PREFILL, num_layers=4, num_pages=16)
     receiver = make_layout(
-        role=common_pb2.ROLE_DECODE, num_layers=4, num_pages=32, pp_size=2, pp_rank=1, pp_layer_begins=(0, 2)
+        role=common_pb2.ROLE_DECODE,
+        num_layers=4,
+        num_pages=32,
+        pp_size=2,
+        pp_rank=1,
+        pp_layer_begins=(0, 2),
     )
     return sender, receiver
 
@@ -97,9 +104,13 @@ def test_kv_segments_only_plan_layers(pair: tuple[Layout, Layout]) -> None:
 def test_kv_segments_mla(make_layout: Builder) -> None:
     """MLA layouts pair one MLA region per layer."""
     sender = make_layout(mla=True, num_layers=3)
-    receiver = make_layout(mla=True, num_layers=3, role=common_pb2.ROLE_DECODE, tp_size=2, tp_rank=1)
+    receiver = make_layout(
+        mla=True, num_layers=3, role=common_pb2.ROLE_DECODE, tp_size=2, tp_rank=1
+    )
     segments = build_segments(sender, receiver, plan(0, 3, aux=False), chunk([1, 2], [5, 6]))
-    assert [(sender.regions[s.src_region].kind, sender.regions[s.src_region].layer_id) for s in segments] == [
+    assert [
+        (sender.regions[s.src_region].kind, sender.regions[s.src_region].layer_id) for s in segments
+    ] == [
         (MLA, 0),
         (MLA, 1),
         (MLA, 2),
@@ -123,14 +134,18 @@ def test_empty_plan_range_no_kv_segments(pair: tuple[Layout, Layout]) -> None:
 def test_kv_layer_missing_on_receiver(pair: tuple[Layout, Layout]) -> None:
     """A plan layer the receiver does not hold is FailedPrecondition naming the side."""
     sender, receiver = pair
-    with pytest.raises(FailedPrecondition, match="the receiver has no REGION_KIND_KEY region for layer 1"):
+    with pytest.raises(
+        FailedPrecondition, match="the receiver has no REGION_KIND_KEY region for layer 1"
+    ):
         build_segments(sender, receiver, plan(1, 4), chunk([0], [0]))
 
 
 def test_kv_layer_missing_on_sender(pair: tuple[Layout, Layout]) -> None:
     """A plan layer the sender does not hold is FailedPrecondition naming the side."""
     receiver, sender = pair  # the [2, 4) rank sends
-    with pytest.raises(FailedPrecondition, match="the sender has no REGION_KIND_KEY region for layer 0"):
+    with pytest.raises(
+        FailedPrecondition, match="the sender has no REGION_KIND_KEY region for layer 0"
+    ):
         build_segments(sender, receiver, plan(0, 2), chunk([0], [0]))
 
 
@@ -138,7 +153,9 @@ def test_kv_item_size_mismatch(make_layout: Builder) -> None:
     """KV pages of different sizes on the two sides are FailedPrecondition."""
     sender = make_layout(dtype="float16")
     receiver = make_layout(dtype="bfloat16", page_size=8, role=common_pb2.ROLE_DECODE)
-    with pytest.raises(FailedPrecondition, match=r"layer 0: the sender's items are 512 bytes, the receiver's 1024"):
+    with pytest.raises(
+        FailedPrecondition, match=r"layer 0: the sender's items are 512 bytes, the receiver's 1024"
+    ):
         build_segments(sender, receiver, plan(0, 4), chunk([0], [0]))
 
 
@@ -150,7 +167,9 @@ def test_aux_segments_pair_by_position(pair: tuple[Layout, Layout]) -> None:
     sender, receiver = pair
     segments = build_segments(sender, receiver, plan(2, 4), chunk([0], [0], aux=(2, 3)))
     aux = segments[4:]
-    assert [(s.src_region, s.dst_region) for s in aux] == list(zip(sender.aux_regions, receiver.aux_regions))
+    assert [(s.src_region, s.dst_region) for s in aux] == list(
+        zip(sender.aux_regions, receiver.aux_regions)
+    )
     assert [s.item_bytes for s in aux] == [16, 32]
     for s in aux:
         assert s.src_items.tolist() == [2]
@@ -177,7 +196,9 @@ def test_aux_item_size_mismatch(make_layout: Builder) -> None:
     """Aux rows of different sizes are FailedPrecondition naming the aux region."""
     sender = make_layout(aux_row_bytes=(16, 32))
     receiver = make_layout(aux_row_bytes=(16, 64), role=common_pb2.ROLE_DECODE)
-    with pytest.raises(FailedPrecondition, match="aux region 1: the sender's items are 32 bytes, the receiver's 64"):
+    with pytest.raises(
+        FailedPrecondition, match="aux region 1: the sender's items are 32 bytes, the receiver's 64"
+    ):
         build_segments(sender, receiver, plan(0, 4), chunk(aux=(0, 0)))
 
 
@@ -192,13 +213,18 @@ def test_state_segments_per_region(state_pair: tuple[Layout, Layout]) -> None:
     assert [(s.src_region, s.dst_region) for s in segments] == list(
         zip(sender.state_components["swa"][1], receiver.state_components["swa"][1])
     )
-    assert all(s.item_bytes == 32 and s.src_items.tolist() == [1, 2] and s.dst_items.tolist() == [5, 6] for s in segments)
+    assert all(
+        s.item_bytes == 32 and s.src_items.tolist() == [1, 2] and s.dst_items.tolist() == [5, 6]
+        for s in segments
+    )
 
 
 def test_only_listed_components(state_pair: tuple[Layout, Layout]) -> None:
     """Components the chunk does not name make no segments."""
     sender, receiver = state_pair
-    segments = build_segments(sender, receiver, plan(0, 4), chunk(state={"mamba": (i32([0]), i32([3]))}))
+    segments = build_segments(
+        sender, receiver, plan(0, 4), chunk(state={"mamba": (i32([0]), i32([3]))})
+    )
     mamba_regions = set(sender.state_components["mamba"][1])
     assert {s.src_region for s in segments} == mamba_regions
     assert len(segments) == 2
@@ -225,7 +251,9 @@ def test_paged_state_trimmed_without_mutating_inputs(
     np.testing.assert_array_equal(src, src_before)
     np.testing.assert_array_equal(dst, dst_before)
     assert (src.shape, dst.shape) == ((src_len,), (dst_len,))
-    assert [(e["event"], e["log_level"], e["kept"]) for e in logs] == [("state_indices_trimmed", "warning", n)]
+    assert [(e["event"], e["log_level"], e["kept"]) for e in logs] == [
+        ("state_indices_trimmed", "warning", n)
+    ]
 
 
 def test_paged_state_trim_to_empty(state_pair: tuple[Layout, Layout]) -> None:
@@ -238,12 +266,19 @@ def test_paged_state_trim_to_empty(state_pair: tuple[Layout, Layout]) -> None:
 def test_mamba_length_mismatch(state_pair: tuple[Layout, Layout]) -> None:
     """Position-indexed state (mamba) with different lengths is FailedPrecondition."""
     sender, receiver = state_pair
-    with pytest.raises(FailedPrecondition, match=r"'mamba' \(STATE_TYPE_MAMBA\) is position-indexed: the sender sent 2 indices, the receiver expects 1"):
-        build_segments(sender, receiver, plan(0, 4), chunk(state={"mamba": (i32([0, 1]), i32([3]))}))
+    with pytest.raises(
+        FailedPrecondition,
+        match=r"'mamba' \(STATE_TYPE_MAMBA\) is position-indexed: the sender sent 2 indices, the receiver expects 1",
+    ):
+        build_segments(
+            sender, receiver, plan(0, 4), chunk(state={"mamba": (i32([0, 1]), i32([3]))})
+        )
 
 
 @pytest.mark.parametrize("missing_on", ["sender", "receiver"])
-def test_component_missing_on_one_side(make_layout: Builder, state_spec: Any, missing_on: str) -> None:
+def test_component_missing_on_one_side(
+    make_layout: Builder, state_spec: Any, missing_on: str
+) -> None:
     """A component one side does not carry is FailedPrecondition naming that side."""
     with_state = make_layout(state=(state_spec("swa", SWA),))
     without = make_layout()
@@ -272,7 +307,9 @@ def test_component_item_size_mismatch(make_layout: Builder, state_spec: Any) -> 
     """State items of different sizes are FailedPrecondition naming the component region."""
     sender = make_layout(state=(state_spec("swa", SWA, item_bytes=32),))
     receiver = make_layout(state=(state_spec("swa", SWA, item_bytes=64),))
-    with pytest.raises(FailedPrecondition, match="state 'swa' region 0: the sender's items are 32 bytes"):
+    with pytest.raises(
+        FailedPrecondition, match="state 'swa' region 0: the sender's items are 32 bytes"
+    ):
         state_segments(sender, receiver, "swa", i32([0]), i32([0]))
 
 
@@ -283,8 +320,15 @@ def test_full_last_chunk(state_pair: tuple[Layout, Layout]) -> None:
         sender,
         receiver,
         plan(0, 4),
-        chunk([0, 1], [2, 3], aux=(0, 1), state={"swa": (i32([1]), i32([2])), "mamba": (i32([0]), i32([0]))}),
+        chunk(
+            [0, 1],
+            [2, 3],
+            aux=(0, 1),
+            state={"swa": (i32([1]), i32([2])), "mamba": (i32([0]), i32([0]))},
+        ),
     )
     kinds = [sender.regions[s.src_region].kind for s in segments]
-    assert kinds == [K, V] * 4 + [common_pb2.REGION_KIND_AUX] * 2 + [common_pb2.REGION_KIND_STATE] * 4
+    assert (
+        kinds == [K, V] * 4 + [common_pb2.REGION_KIND_AUX] * 2 + [common_pb2.REGION_KIND_STATE] * 4
+    )
     assert all(isinstance(s, Segment) for s in segments)
