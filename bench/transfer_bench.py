@@ -66,7 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +109,9 @@ def _place(rng: np.random.Generator, lengths: np.ndarray, base: int) -> tuple[np
     return pages.astype(np.int32), pos + 1
 
 
-def make_plans(n: int, pages: int, chunks: int, mean_run: int, seed: int) -> tuple[list[RoomPlan], int]:
+def make_plans(
+    n: int, pages: int, chunks: int, mean_run: int, seed: int
+) -> tuple[list[RoomPlan], int]:
     """``n`` rooms on disjoint pages of each side; the pool size (pages) both sides need."""
     rng = np.random.default_rng(seed)
     plans = []
@@ -118,7 +120,7 @@ def make_plans(n: int, pages: int, chunks: int, mean_run: int, seed: int) -> tup
         lengths = []
         left = pages
         while left > 0:
-            run = int(min(left, rng.integers(1, 2 * mean_run)))
+            run = min(left, int(rng.integers(1, 2 * mean_run)))
             lengths.append(run)
             left -= run
         arr = np.array(lengths, dtype=np.int64)
@@ -128,7 +130,9 @@ def make_plans(n: int, pages: int, chunks: int, mean_run: int, seed: int) -> tup
         dst_base += dst_extent
         k = max(1, min(chunks, pages))
         bounds = np.linspace(0, pages, k + 1).astype(int)
-        plans.append(RoomPlan(src, dst, tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))))
+        plans.append(
+            RoomPlan(src, dst, tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])))
+        )
     return plans, max(src_base, dst_base, pages)
 
 
@@ -143,7 +147,9 @@ class Regions:
     item_bytes: int
 
 
-def chunk_descs(regions: Regions, src_addr: int, dst_addr: int, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def chunk_descs(
+    regions: Regions, src_addr: int, dst_addr: int, src: np.ndarray, dst: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """One descriptor per (region, coalesced run): local and remote N x 3 uint64 arrays."""
     from kvbroker.broker.descriptors import coalesce_runs
 
@@ -155,7 +161,9 @@ def chunk_descs(regions: Regions, src_addr: int, dst_addr: int, src: np.ndarray,
     remote = np.empty((n, 3), dtype=np.uint64)
     local[:, 0] = (np.uint64(src_addr) + offs + runs[None, :, 0] * item).ravel()
     remote[:, 0] = (np.uint64(dst_addr) + offs + runs[None, :, 1] * item).ravel()
-    local[:, 1] = remote[:, 1] = np.broadcast_to(runs[None, :, 2] * item, (len(regions.offsets), len(runs))).ravel()
+    local[:, 1] = remote[:, 1] = np.broadcast_to(
+        runs[None, :, 2] * item, (len(regions.offsets), len(runs))
+    ).ravel()
     local[:, 2] = remote[:, 2] = 0
     return local, remote
 
@@ -206,10 +214,29 @@ def verify(
         got, want = dv[d_idx], sv[s_idx]
         if not np.array_equal(got, want):
             bad = int(np.count_nonzero(np.any(got != want, axis=1)))
-            raise BenchError(f"{what}: region {r}: {bad} of {len(d_idx)} destination pages differ from their source pages")
+            raise BenchError(
+                f"{what}: region {r}: {bad} of {len(d_idx)} destination pages differ from their source pages"
+            )
         if np.any(dv[untouched]):
             bad = int(np.count_nonzero(np.any(dv[untouched] != 0, axis=1)))
             raise BenchError(f"{what}: region {r}: {bad} pages outside the rooms were written")
+
+
+def verify_tensors(what: str, prefill: Any, decode: Any, plans: Sequence[RoomPlan]) -> None:
+    """The engines' own K/V tensors, as bytes: decode[dst pages] == prefill[src pages] for every layer."""
+    import torch
+
+    s_idx = torch.from_numpy(np.concatenate([p.src for p in plans]).astype(np.int64))
+    d_idx = torch.from_numpy(np.concatenate([p.dst for p in plans]).astype(np.int64))
+    for layer in sorted(prefill.k):
+        for kind, a, b in (
+            ("K", prefill.k[layer], decode.k[layer]),
+            ("V", prefill.v[layer], decode.v[layer]),
+        ):
+            if not torch.equal(b[d_idx].view(torch.uint8), a[s_idx].view(torch.uint8)):
+                raise BenchError(
+                    f"{what}: layer {layer} {kind}: the decode pages differ from the prefill pages"
+                )
 
 
 # -- NIXL agents ---------------------------------------------------------------
@@ -273,7 +300,9 @@ class RawNixl:
         self.size = src.size
         self.fd = os.memfd_create("kvbroker-bench-raw-dst", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.size)
-        self.mapping = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mapping = mmap.mmap(
+            self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+        )
         self.dst = np.frombuffer(self.mapping, dtype=np.uint8)
         self.dst[:] = 0  # touch every page before anything is timed
         self.src = src
@@ -283,7 +312,13 @@ class RawNixl:
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
             target=_target_main,
-            args=(child_conn, f"bench-target-{tag}", ucx_error_mode, f"/proc/{os.getpid()}/fd/{self.fd}", self.size),
+            args=(
+                child_conn,
+                f"bench-target-{tag}",
+                ucx_error_mode,
+                f"/proc/{os.getpid()}/fd/{self.fd}",
+                self.size,
+            ),
             name="raw-nixl-target",
             daemon=True,
         )
@@ -313,26 +348,46 @@ class RawNixl:
         # Per-page prepared lists, as the broker prepares them at registration.
         lay = Layout.from_proto(layout, rank=RankKey("raw", 0, 0), buffer_sizes=[self.size])
         dram = common_pb2.MEMORY_KIND_DRAM
-        src_table = build_descriptor_table(lay, [BufferPlacement(self.src_addr, self.size, dram, 0)])
-        dst_table = build_descriptor_table(lay, [BufferPlacement(self.dst_addr, self.size, dram, 0)])
+        src_table = build_descriptor_table(
+            lay, [BufferPlacement(self.src_addr, self.size, dram, 0)]
+        )
+        dst_table = build_descriptor_table(
+            lay, [BufferPlacement(self.dst_addr, self.size, dram, 0)]
+        )
         self.region_base = np.array(
-            [src_table.region_base[lay.kv_regions[(k, layer)]] for layer in range(lay.layer_begin, lay.layer_end) for k in lay.kv_kinds()],
+            [
+                src_table.region_base[lay.kv_regions[(k, layer)]]
+                for layer in range(lay.layer_begin, lay.layer_end)
+                for k in lay.kv_kinds()
+            ],
             dtype=np.int32,
         )
-        self.local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", src_table.descs[dram], "DRAM")
+        self.local_dlist = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", src_table.descs[dram], "DRAM"
+        )
         self.remote_dlist = self.agent.prep_xfer_dlist(self.target, dst_table.descs[dram], "DRAM")
         self.num_pages = num_pages
         self._seq = 0
 
     def _recv(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
-            raise BenchError(f"raw NIXL target did not answer in {timeout} s (alive: {self.proc.is_alive()})")
+            raise BenchError(
+                f"raw NIXL target did not answer in {timeout} s (alive: {self.proc.is_alive()})"
+            )
         return self.conn.recv()
 
-    def prepare(self, regions: Regions, plans: Sequence[RoomPlan]) -> dict[str, list[tuple[Any, Any]]]:
+    def prepare(
+        self, regions: Regions, plans: Sequence[RoomPlan]
+    ) -> dict[str, list[tuple[Any, Any]]]:
         """Everything built before the clock starts: numpy descriptor arrays and index arrays."""
-        chunked = [chunk_descs(regions, self.src_addr, self.dst_addr, p.src[a:b], p.dst[a:b]) for p in plans for a, b in p.chunks]
-        single = [(np.concatenate([l for l, _ in chunked]), np.concatenate([r for _, r in chunked]))]
+        chunked = [
+            chunk_descs(regions, self.src_addr, self.dst_addr, p.src[a:b], p.dst[a:b])
+            for p in plans
+            for a, b in p.chunks
+        ]
+        single = [
+            (np.concatenate([lo for lo, _ in chunked]), np.concatenate([re for _, re in chunked]))
+        ]
         prepped = []
         for p in plans:
             for a, b in p.chunks:
@@ -341,7 +396,9 @@ class RawNixl:
                 prepped.append((li, ri))
         return {"chunked": chunked, "single": single, "prepped": prepped}
 
-    def run(self, variant: str, work: list[tuple[Any, Any]], timeout: float = 60.0) -> tuple[float, dict[str, float]]:
+    def run(
+        self, variant: str, work: list[tuple[Any, Any]], timeout: float = 60.0
+    ) -> tuple[float, dict[str, float]]:
         """Post ``work`` (one transfer per entry, notification on the last); seconds and details."""
         self._seq += 1
         tag = f"bench-{self._seq}".encode()
@@ -351,12 +408,20 @@ class RawNixl:
         agent = self.agent
         handles = []
         t0 = time.perf_counter()
-        for i, (l, r) in enumerate(work):
+        for i, (local, remote) in enumerate(work):
             notif = tag if i == len(work) - 1 else b""
             if variant == "prepped":
-                h = agent.make_prepped_xfer("WRITE", self.local_dlist, l, self.remote_dlist, r, notif)
+                h = agent.make_prepped_xfer(
+                    "WRITE", self.local_dlist, local, self.remote_dlist, remote, notif
+                )
             else:
-                h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(l, "DRAM"), agent.get_xfer_descs(r, "DRAM"), self.target, notif)
+                h = agent.initialize_xfer(
+                    "WRITE",
+                    agent.get_xfer_descs(local, "DRAM"),
+                    agent.get_xfer_descs(remote, "DRAM"),
+                    self.target,
+                    notif,
+                )
             if agent.transfer(h) == "ERR":
                 raise BenchError(f"raw NIXL ({variant}): transfer {i} rejected")
             handles.append(h)
@@ -440,7 +505,12 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def rtt_stats(values: Sequence[float]) -> dict[str, float]:
     us = [v * 1e6 for v in values]
-    return {"n": len(us), "median_us": statistics.median(us), "p90_us": pct(us, 0.9), "min_us": min(us)}
+    return {
+        "n": len(us),
+        "median_us": statistics.median(us),
+        "p90_us": pct(us, 0.9),
+        "min_us": min(us),
+    }
 
 
 # -- the broker path ----------------------------------------------------------
@@ -472,14 +542,25 @@ class BrokerBench:
             page_size=args.page_kib,
         )
         self.model = model
-        self.clients = [BrokerClient(self.prefill_broker.address), BrokerClient(self.decode_broker.address)]
-        self.prefill_mem = EngineMemory.allocate(RankSpec(PREFILL_GROUP, "prefill"), model, num_pages=num_pages)
-        self.decode_mem = EngineMemory.allocate(RankSpec(DECODE_GROUP, "decode"), model, num_pages=num_pages)
+        self.clients = [
+            BrokerClient(self.prefill_broker.address),
+            BrokerClient(self.decode_broker.address),
+        ]
+        self.prefill_mem = EngineMemory.allocate(
+            RankSpec(PREFILL_GROUP, "prefill"), model, num_pages=num_pages
+        )
+        self.decode_mem = EngineMemory.allocate(
+            RankSpec(DECODE_GROUP, "decode"), model, num_pages=num_pages
+        )
         assert self.prefill_mem.raw is not None and self.decode_mem.raw is not None
         fill_pattern(self.prefill_mem.raw.numpy(), args.seed)
         self.decode_mem.raw.zero_()
-        self.prefill = self.clients[0].register_engine(RankSpec(PREFILL_GROUP, "prefill"), self.prefill_mem)
-        self.decode = self.clients[1].register_engine(RankSpec(DECODE_GROUP, "decode"), self.decode_mem)
+        self.prefill = self.clients[0].register_engine(
+            RankSpec(PREFILL_GROUP, "prefill"), self.prefill_mem
+        )
+        self.decode = self.clients[1].register_engine(
+            RankSpec(DECODE_GROUP, "decode"), self.decode_mem
+        )
         self.room_base = secrets.randbits(40) << 20
         self.next_room = 0
         self.timeout = args.timeout
@@ -539,8 +620,13 @@ class BrokerBench:
             states = self.decode.poll(ids)
             if all(s.state >= RoomState.WAITING_FOR_INPUT for s in states.values()):
                 break
-            if any(s.state == RoomState.FAILED for s in states.values()) or time.monotonic() > deadline:
-                raise BenchError(f"RTT rooms did not bootstrap: {[s.cause.message for s in states.values()][:2]}")
+            if (
+                any(s.state == RoomState.FAILED for s in states.values())
+                or time.monotonic() > deadline
+            ):
+                raise BenchError(
+                    f"RTT rooms did not bootstrap: {[s.cause.message for s in states.values()][:2]}"
+                )
             time.sleep(0.005)
         senders = []
         for rid in ids:
@@ -575,7 +661,11 @@ class BrokerBench:
             t = time.perf_counter()
             self.prefill.poll(one)
             poll.append(time.perf_counter() - t)
-        return {"send_chunk": rtt_stats(posting), "send_chunk_no_receiver": rtt_stats(queued), "poll": rtt_stats(poll)}
+        return {
+            "send_chunk": rtt_stats(posting),
+            "send_chunk_no_receiver": rtt_stats(queued),
+            "poll": rtt_stats(poll),
+        }
 
     def stats(self) -> dict[str, dict[str, int]]:
         out = {}
@@ -616,22 +706,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--page-kib", type=int, default=16, help="bytes of one page of one layer's K (or V), in KiB (4-64)")
+    p.add_argument(
+        "--page-kib",
+        type=int,
+        default=16,
+        help="bytes of one page of one layer's K (or V), in KiB (4-64)",
+    )
     p.add_argument("--pages-per-room", type=int, default=32)
     p.add_argument("--rooms", type=int, default=8)
-    p.add_argument("--chunks", type=int, default=4, help="SendChunk calls (and NIXL transfers) per room")
-    p.add_argument("--run-pages", type=int, default=4, help="mean length of the contiguous page runs")
+    p.add_argument(
+        "--chunks", type=int, default=4, help="SendChunk calls (and NIXL transfers) per room"
+    )
+    p.add_argument(
+        "--run-pages", type=int, default=4, help="mean length of the contiguous page runs"
+    )
     p.add_argument("--ucx-error-mode", choices=("peer", "none"), default="peer")
-    p.add_argument("--ucx-tls", default=None, help="set UCX_TLS for every process (default: leave the environment alone)")
-    p.add_argument("--repeat", type=int, default=3, help="run every measurement N times; print the best and the median")
+    p.add_argument(
+        "--ucx-tls",
+        default=None,
+        help="set UCX_TLS for every process (default: leave the environment alone)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="run every measurement N times; print the best and the median",
+    )
     p.add_argument(
         "--no-warm-pass",
         dest="warm_pass",
         action="store_false",
         help="skip the untimed full pass before the timed ones (then the first sample pays first-touch page faults)",
     )
-    p.add_argument("--rtt-calls", type=int, default=300, help="calls per round-trip measurement (0: skip them)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one measurement's rooms")
+    p.add_argument(
+        "--rtt-calls", type=int, default=300, help="calls per round-trip measurement (0: skip them)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for one measurement's rooms"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args(argv)
@@ -665,7 +777,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     page_bytes = args.page_kib * 1024
-    plans, num_pages = make_plans(args.rooms + 1, args.pages_per_room, args.chunks, args.run_pages, args.seed)
+    plans, num_pages = make_plans(
+        args.rooms + 1, args.pages_per_room, args.chunks, args.run_pages, args.seed
+    )
     num_pages = max(num_pages, args.pages_per_room)
     warm, timed = plans[-1:], plans[:-1]
     total_bytes = args.rooms * args.pages_per_room * args.layers * 2 * page_bytes
@@ -674,7 +788,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     broker: BrokerBench | None = None
     raw: RawNixl | None = None
-    results: dict[str, Samples] = {k: Samples() for k in ("broker", "raw_chunked", "raw_single", "raw_prepped", "memcpy")}
+    results: dict[str, Samples] = {
+        k: Samples() for k in ("broker", "raw_chunked", "raw_single", "raw_prepped", "memcpy")
+    }
     rtts: dict[str, Any] = {}
     t_start = time.perf_counter()
     try:
@@ -694,7 +810,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Descriptor counts: what the broker should post if runs coalesce.
         from kvbroker.broker.descriptors import count_runs
 
-        coalesced = sum(len(regions.offsets) * count_runs(p.src[a:b], p.dst[a:b]) for p in timed for a, b in p.chunks)
+        coalesced = sum(
+            len(regions.offsets) * count_runs(p.src[a:b], p.dst[a:b])
+            for p in timed
+            for a, b in p.chunks
+        )
 
         # (a) warm-up room: handshake, NIXL connection, first-touch.
         broker.run(warm)
@@ -715,9 +835,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record = rep >= 0
             decode_np[:] = 0
             seconds, detail = broker.run(timed)
+            verify_tensors("broker", broker.prefill_mem, broker.decode_mem, timed)
             verify("broker", src, decode_np, regions, num_pages, timed)
             if detail["bytes_reported"] != total_bytes:
-                raise BenchError(f"broker: rooms report {detail['bytes_reported']} bytes, expected {total_bytes}")
+                raise BenchError(
+                    f"broker: rooms report {detail['bytes_reported']} bytes, expected {total_bytes}"
+                )
             if record:
                 results["broker"].seconds.append(seconds)
                 results["broker"].details.append(detail)
@@ -745,7 +868,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         # Every step runs even if an earlier one fails: no broker or target
         # process may outlive the benchmark.
-        for what, close in (("raw NIXL", raw.close if raw else None), ("brokers", broker.close if broker else None)):
+        for what, close in (
+            ("raw NIXL", raw.close if raw else None),
+            ("brokers", broker.close if broker else None),
+        ):
             if close is None:
                 continue
             try:
@@ -755,9 +881,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(workdir, ignore_errors=True)
 
     delta = {
-        name: {k: stats_after[name][k] - stats_before[name][k] for k in stats_after[name]} for name in stats_after
+        name: {k: stats_after[name][k] - stats_before[name][k] for k in stats_after[name]}
+        for name in stats_after
     }
-    timed_descs = sum(len(d) for d in (l for l, _ in work["chunked"]))
+    timed_descs = sum(len(local) for local, _ in work["chunked"])
     out: dict[str, Any] = {
         "config": {
             "layers": args.layers,
@@ -812,9 +939,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(res: dict[str, Any]) -> None:
     c = res["config"]
     r = res["results"]
-    print("kvbroker transfer benchmark (compare within this run; this VM varies +-15-30% between runs)")
     print(
-        f"config: layers={c['layers']} page={c['page_bytes'] // 1024} KiB pages/room={c['pages_per_room']} "
+        "kvbroker transfer benchmark (compare within this run; this VM varies +-15-30% between runs)"
+    )
+    print(
+        f"config: layers={c['layers']} page={c['page_bytes']} B ({c['page_bytes'] // 1024} KiB) per layer, K and V; pages/room={c['pages_per_room']} "
         f"rooms={c['rooms']} chunks/room={c['chunks_per_room']} mean-run={c['mean_run_pages']} pages "
         f"ucx-error-mode={c['ucx_error_mode']} UCX_TLS={c['UCX_TLS']} UCX_NET_DEVICES={c['UCX_NET_DEVICES']} "
         f"repeat={c['repeat']} cpus={c['cpus']}"
@@ -835,7 +964,9 @@ def print_table(res: dict[str, Any]) -> None:
     }
     for key, label in names.items():
         x = r[key]
-        print(f"{label:48} {x['best_gbps']:9.2f} {x['median_gbps']:11.2f} {x['best_s'] * 1e3:8.1f} {x['median_s'] * 1e3:9.1f}")
+        print(
+            f"{label:48} {x['best_gbps']:9.2f} {x['median_gbps']:11.2f} {x['best_s'] * 1e3:8.1f} {x['median_s'] * 1e3:9.1f}"
+        )
     print()
     ra = res["ratios"]
     print(
@@ -843,6 +974,12 @@ def print_table(res: dict[str, Any]) -> None:
         f"({ra['broker_over_raw_nixl']['median']:.2f}); broker/memcpy = {ra['broker_over_memcpy']['best']:.2f} "
         f"({ra['broker_over_memcpy']['median']:.2f}); raw-NIXL/memcpy = {ra['raw_nixl_over_memcpy']['best']:.2f} "
         f"({ra['raw_nixl_over_memcpy']['median']:.2f})"
+    )
+    chunks = c["rooms"] * c["chunks_per_room"]
+    extra = (r["broker"]["median_s"] - r["raw_chunked"]["median_s"]) * 1e3
+    print(
+        f"broker minus raw NIXL (medians): {extra:.1f} ms over {chunks} chunks = {extra * 1e3 / chunks:.0f} us per chunk "
+        f"(+ {c['rooms']} ExpectRoom/BeginSend pairs)"
     )
     if res["rtt"]:
         t = res["rtt"]
@@ -855,8 +992,13 @@ def print_table(res: dict[str, Any]) -> None:
             f"SendChunk RTT, 1 page, no receiver (nothing posted):            median {q['median_us']:.0f} us, "
             f"p90 {q['p90_us']:.0f} us (n={q['n']})"
         )
-        print(f"Poll RTT, 1 room:                                                median {p['median_us']:.0f} us, p90 {p['p90_us']:.0f} us (n={p['n']})")
-    med = lambda key, field: statistics.median(d[field] for d in r[key]["details"])  # noqa: E731
+        print(
+            f"Poll RTT, 1 room:                                                median {p['median_us']:.0f} us, p90 {p['p90_us']:.0f} us (n={p['n']})"
+        )
+
+    def med(key: str, name: str) -> float:
+        return float(statistics.median(d[name] for d in r[key]["details"]))
+
     print()
     print(
         "broker timeline (median ms from the first ExpectRoom): "
