@@ -125,10 +125,12 @@ class UcxAgent:
     """The real agent: ``nixl`` with the UCX backend, no progress thread."""
 
     def __init__(self, config: AgentConfig) -> None:
-        # NIXL logs every agent and backend creation at INFO on the root of
-        # its own logger; keep that out of our structured logs.
-        logging.getLogger("nixl").setLevel(logging.WARNING)
         from nixl._api import nixl_agent, nixl_agent_config
+
+        # NIXL configures its own logger at import (INFO, plain text, stdout)
+        # and logs every agent and backend creation; keep that out of our
+        # structured logs. This must come after the import.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
 
         self._config = config
         conf = nixl_agent_config(

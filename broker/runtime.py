@@ -347,6 +347,10 @@ class BrokerRuntime:
             out.append(info)
         return out
 
+    def after_rpc(self, _context: object) -> None:
+        """An RPC finished: post the chunks it scheduled (``SenderSide.flush``)."""
+        self.sender.flush()
+
     # -- sessions ---------------------------------------------------------------
     def on_session_closed(self, session: FdSession) -> None:
         """The engine's fd connection closed: if it never unregistered, it is gone."""

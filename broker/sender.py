@@ -16,6 +16,7 @@ receiver knows its pages are safe to reuse.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from functools import partial
 
@@ -58,6 +59,8 @@ from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = ["SenderSide"]
 
+_FLUSH_FALLBACK_SECONDS = 0.002
+
 log = structlog.get_logger(__name__)
 
 
@@ -84,6 +87,8 @@ class SenderSide:
         self._counters = counters
         self._tasks = tasks
         self._publish = publish
+        #: Sources with chunks to post after the current call (insertion-ordered set).
+        self._scheduled: dict[SourceProgress, None] = {}
 
     # -- engine calls ----------------------------------------------------
     def begin(self, engine: Engine, room_id: int, num_pages: int) -> SourceProgress:
@@ -144,8 +149,7 @@ class SenderSide:
         source.cursor += int(pages.size)
         source.chunks += 1
         source.last_received = is_last
-        for dest in list(source.destinations.values()):
-            self._pump(source, dest)
+        self._schedule(source)
         self._update(source)
         return chunk.index, source
 
@@ -251,8 +255,31 @@ class SenderSide:
                 ),
             )
             return
-        self._pump(source, dest)
+        self._schedule(source)
         self._update(source)
+
+    def _schedule(self, source: SourceProgress) -> None:
+        """Post the source's pending chunks once the current RPC has answered.
+
+        Posting may copy the bytes synchronously (UCX's cma transport copies
+        inside the post), so the RPC that accepted a chunk answers first
+        (the servicers call :meth:`flush` when their RPC is done) and the
+        engine prepares its next chunk while this broker copies. A short
+        timer flushes anyway, for calls that do not come through an RPC.
+        """
+        if not self._scheduled:
+            asyncio.get_running_loop().call_later(_FLUSH_FALLBACK_SECONDS, self.flush)
+        self._scheduled[source] = None
+
+    def flush(self) -> None:
+        """Post every scheduled source's pending chunks now."""
+        if not self._scheduled:
+            return
+        scheduled, self._scheduled = self._scheduled, {}
+        for source in scheduled:
+            for dest in list(source.destinations.values()):
+                self._pump(source, dest)
+            self._update(source)
 
     def _pump(self, source: SourceProgress, dest: Destination) -> None:
         """Post every accepted chunk not yet posted to ``dest``, in order."""

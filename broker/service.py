@@ -39,6 +39,8 @@ def _unary(
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        # Transfers an RPC scheduled are posted once its answer is on its way.
+        context.add_done_callback(self._rt.after_rpc)
         try:
             return await fn(self, request, context)
         except KvBrokerError as exc:
