@@ -111,7 +111,7 @@ class Agent(Protocol):
     def close(self) -> None: ...
 
 
-_MEM_TYPE = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
+_MEM_TYPE: dict[int, str] = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
 
 def _mem_type(kind: int) -> str:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.nixl_agent import NixlError
@@ -273,7 +275,7 @@ class ReceiverProgress(Progress):
 
     sender_address: str = ""
     sender_group: str = ""
-    pages: Any = None
+    pages: IndexArray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     aux_row: int | None = None
     state_indices: dict[str, IndexArray] = field(default_factory=dict)
     #: Sources this rank waits for; None until the plan is made.
@@ -344,8 +346,8 @@ class RoomTables:
             for room_id in list(table):
                 room = table[room_id]
                 members: dict[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
-                for key in [k for k, p in members.items() if _expired(p, now, ttl_seconds)]:
-                    del members[key]
+                for member in [k for k, p in members.items() if _expired(p, now, ttl_seconds)]:
+                    del members[member]
                     removed += 1
                 if members:
                     continue
@@ -355,8 +357,8 @@ class RoomTables:
                 del table[room_id]
                 self.tombstones[(side, room_id)] = now + tombstone_ttl_seconds
                 removed += 1
-        for key in [k for k, expiry in self.tombstones.items() if expiry <= now]:
-            del self.tombstones[key]
+        for tomb in [k for k, expiry in self.tombstones.items() if expiry <= now]:
+            del self.tombstones[tomb]
         return removed
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import structlog
 
@@ -37,7 +37,7 @@ from kvbroker.broker.sender import SenderSide
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.watch import WatchHub
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvbroker.indices import decode_indices
+from kvbroker.indices import IndexArray, decode_indices
 from kvbroker.v1 import admin_pb2, common_pb2, peer_pb2, transfer_pb2
 
 __all__ = ["BrokerRuntime"]
@@ -324,11 +324,14 @@ class BrokerRuntime:
     def list_rooms(self, state: int | None) -> list[admin_pb2.RoomInfo]:
         now = time.monotonic()
         out = []
-        records: list[tuple[str, Progress, str]] = [
-            *(("sender", s, ",".join(sorted(d.info.receiver_broker_id for d in s.destinations.values()))) for s in self.rooms.all_sources()),
-            *(("receiver", r, r.peer_broker_id or r.sender_address) for r in self.rooms.all_receivers()),
+        records: list[tuple[str, Progress, str, int]] = [
+            *(
+                ("sender", s, ",".join(sorted(d.info.receiver_broker_id for d in s.destinations.values())), s.cursor)
+                for s in self.rooms.all_sources()
+            ),
+            *(("receiver", r, r.peer_broker_id or r.sender_address, int(r.pages.size)) for r in self.rooms.all_receivers()),
         ]
-        for side, p, peer in records:
+        for side, p, peer, pages in records:
             if state is not None and p.state != state:
                 continue
             info = admin_pb2.RoomInfo(
@@ -337,7 +340,7 @@ class BrokerRuntime:
                 engine=p.key.to_proto(),
                 state=p.state,  # type: ignore[arg-type]
                 peer=peer,
-                pages=int(p.cursor if isinstance(p, SourceProgress) else p.pages.size),
+                pages=pages,
                 chunks=p.chunks,
                 bytes=p.bytes,
                 age_seconds=now - p.opened_at,
@@ -429,9 +432,9 @@ def _unsettled(progress: Progress) -> bool:
     return not progress.pages_settled
 
 
-def _state(entries: object) -> dict[str, object]:
-    out = {}
-    for entry in entries:  # type: ignore[attr-defined]
+def _state(entries: Iterable[common_pb2.StateIndices]) -> dict[str, IndexArray]:
+    out: dict[str, IndexArray] = {}
+    for entry in entries:
         if entry.component in out:
             raise InvalidArgument(f"state component {entry.component!r} listed twice")
         out[entry.component] = decode_indices(entry.indices, what=f"state {entry.component!r}")

@@ -35,10 +35,10 @@ Resp = TypeVar("Resp")
 
 
 def _unary(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         # Transfers an RPC scheduled are posted once its answer is on its way.
         context.add_done_callback(self._rt.after_rpc)
         try:
@@ -95,7 +95,7 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
         return transfer_pb2.PollResponse(statuses=self._rt.poll(request))
 
     async def WatchRooms(
-        self, request: transfer_pb2.WatchRoomsRequest, context: grpc.aio.ServicerContext
+        self, request: transfer_pb2.WatchRoomsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.RoomStatus]:
         try:
             async for status in self._rt.watch(request):

@@ -55,7 +55,7 @@ class EngineHandle:
 
     def poll(self, rooms: Sequence[int]) -> dict[int, common_pb2.RoomStatus]:
         """The status of many rooms in one call."""
-        response = self.client.call(
+        response: transfer_pb2.PollResponse = self.client.call(
             self.client.stub.Poll, transfer_pb2.PollRequest(engine_id=self.engine_id, rooms=list(rooms))
         )
         return {s.room: s for s in response.statuses}
@@ -70,7 +70,7 @@ class EngineHandle:
         try:
             yield from call
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            if isinstance(exc, grpc.Call) and exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None
         finally:
             call.cancel()
@@ -97,7 +97,7 @@ class EngineHandle:
                     if not pending:
                         break
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(
                     f"{len(pending)} rooms did not finish in {timeout_seconds} s: {sorted(pending)[:8]}"
                 ) from None

@@ -194,7 +194,7 @@ class EngineMemory:
             raise
         raw = torch.frombuffer(mapping, dtype=torch.uint8)
         layout = common_pb2.EngineLayout(
-            role=_ROLES[rank.role],  # type: ignore[arg-type]
+            role=_ROLES[rank.role],
             tp_size=rank.tp_size,
             pp_size=rank.pp_size,
             num_layers=model.num_layers,
@@ -208,7 +208,7 @@ class EngineMemory:
             mla=model.mla,
             regions=regions,
             state_components=[
-                common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type])  # type: ignore[arg-type]
+                common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type])
                 for s in state
             ],
             pp_layer_begins=list(rank.layer_begins(model)),

@@ -68,7 +68,7 @@ class _Room:
     def failure_exception(self) -> None:
         """Raise ``RoomFailed`` with the broker's first cause if the room failed."""
         status = self.status()
-        if status.state == RoomState.FAILED:
+        if RoomState(status.state) is RoomState.FAILED:
             raise RoomFailed(self.room, status.cause)
 
     def abort(self, reason: str = "") -> common_pb2.RoomStatus:
@@ -76,7 +76,7 @@ class _Room:
 
         On a receiver, the pages may be reused once ``status().pages_settled``.
         """
-        response = self.engine.client.call(
+        response: transfer_pb2.AbortResponse = self.engine.client.call(
             self.engine.client.stub.Abort,
             transfer_pb2.AbortRequest(engine_id=self.engine.engine_id, room=self.room, reason=reason),
         )
@@ -100,7 +100,7 @@ class KVSender(_Room):
     def init(self, num_pages: int, aux_row: int | None = None) -> common_pb2.RoomStatus:
         """Open the room (BeginSend): ``num_pages`` over all chunks, and the aux
         row sent with the last chunk. ALREADY_EXISTS if the room is open here."""
-        response = self.engine.client.call(
+        response: transfer_pb2.BeginSendResponse = self.engine.client.call(
             self.engine.client.stub.BeginSend,
             transfer_pb2.BeginSendRequest(engine_id=self.engine.engine_id, room=self.room, num_pages=num_pages),
         )
@@ -134,7 +134,7 @@ class KVSender(_Room):
                 request.aux_row = self.aux_row
             for name, indices in (state or {}).items():
                 request.state.add(component=name, indices=encode_indices(np.asarray(indices, dtype=np.int32)))
-        response = self.engine.client.call(self.engine.client.stub.SendChunk, request)
+        response: transfer_pb2.SendChunkResponse = self.engine.client.call(self.engine.client.stub.SendChunk, request)
         self._sent += array.size
         self._last_sent = last
         return response.chunk_index
@@ -167,4 +167,5 @@ class KVReceiver(_Room):
             request.aux_row = aux_row
         for name, indices in (state or {}).items():
             request.state.add(component=name, indices=encode_indices(np.asarray(indices, dtype=np.int32)))
-        return self.engine.client.call(self.engine.client.stub.ExpectRoom, request).status
+        response: transfer_pb2.ExpectRoomResponse = self.engine.client.call(self.engine.client.stub.ExpectRoom, request)
+        return response.status

@@ -153,7 +153,7 @@ def _run_prefill(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
             statuses = engine.wait([p.room for p in batch], timeout_seconds=cfg.timeout_seconds)
             for plan in batch:
                 status = statuses[plan.room]
-                if status.state != RoomState.SUCCESS:
+                if RoomState(status.state) is not RoomState.SUCCESS:
                     events.put(("room_failed", name, (plan.room, status.cause.message)))
             events.put(("sent", name, len(batch)))
     finally:
@@ -179,7 +179,7 @@ def _run_decode(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
             elapsed = time.perf_counter() - start
             for plan in batch:
                 status = statuses[plan.room]
-                if status.state != RoomState.SUCCESS:
+                if RoomState(status.state) is not RoomState.SUCCESS:
                     events.put(("room_failed", name, (plan.room, status.cause.message)))
                     continue
                 bad = _verify(cfg, model, memory, plan, heads, itemsize, begin, end)

@@ -37,7 +37,8 @@ class _Broker:
 
     def stats(self) -> admin_pb2.Stats:
         with grpc.insecure_channel(self.address) as channel:
-            return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+            stats: admin_pb2.Stats = admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+            return stats
 
 
 @dataclass
@@ -158,9 +159,9 @@ def run_demo(args: argparse.Namespace) -> int:
         # All ranks start at once: a receiving room waits (bootstrap timeout)
         # for the sender group to register.
         for cfg in configs:
-            p = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}", daemon=True)
-            p.start()
-            processes.append(p)
+            proc = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}", daemon=True)
+            proc.start()
+            processes.append(proc)
         _await(events, "ready", len(configs), processes, tally, args.timeout)
         go.set()
         if not tally.errors:

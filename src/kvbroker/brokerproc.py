@@ -113,7 +113,10 @@ class BrokerProcess:
     def stats(self, timeout_seconds: float = 10.0) -> admin_pb2.Stats:
         """``Admin.GetStats`` of this broker."""
         with grpc.insecure_channel(self.address) as channel:
-            return admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=timeout_seconds)
+            stats: admin_pb2.Stats = admin_pb2_grpc.AdminStub(channel).GetStats(
+                admin_pb2.GetStatsRequest(), timeout=timeout_seconds
+            )
+            return stats
 
     def stop(self, timeout_seconds: float = 20.0) -> int:
         """SIGTERM, then SIGKILL after the timeout; the exit status."""

@@ -115,7 +115,7 @@ class FakeAgent:
         meta = json.loads(metadata)
         if meta["name"] not in self._fabric.agents:
             raise NixlError(f"fake agent {meta['name']} is not on this fabric")
-        self._remotes[meta["name"]] = [tuple(r) for r in meta["regs"]]  # type: ignore[misc]
+        self._remotes[meta["name"]] = [(int(start), int(size)) for start, size in meta["regs"]]
         return str(meta["name"])
 
     def remove_remote(self, name: str) -> None:
