@@ -54,6 +54,15 @@ class BrokerConfig:
     #: How long UnregisterEngine waits for posted transfers to settle before
     #: it deregisters anyway.
     unregister_settle_timeout_seconds: float = 10.0
+    #: Staging buffers for head-sliced transfers (different tp sizes): the
+    #: bytes this broker reserves to gather what it sends, and to receive
+    #: what peers send. 0 for either turns staging off (the per-token
+    #: descriptor path is used then). A chunk whose packed heads exceed a
+    #: buffer falls back to per-token descriptors.
+    staging_send_bytes: int = 64 * 1024 * 1024
+    staging_receive_bytes: int = 64 * 1024 * 1024
+    #: How long a staged part waits for room in a full staging buffer.
+    staging_wait_seconds: float = 30.0
     #: Largest gRPC message accepted or sent (page index lists are the bulk).
     max_message_bytes: int = 64 * 1024 * 1024
     #: Threads of the gRPC server's executor for sync work (the servicers

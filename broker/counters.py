@@ -16,6 +16,9 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_posted: int = 0
+    #: Head-sliced parts written through staging, and with per-token descriptors.
+    transfers_staged: int = 0
+    transfers_per_token: int = 0
     #: Descriptors NIXL used for finished transfers (telemetry).
     descriptors_transferred: int = 0
     #: Notifications for rooms this broker no longer (or never) had.

@@ -15,13 +15,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 
 from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_descriptor_table
 from kvbroker.broker.layout import Layout, RankKey, rank_key
-from kvbroker.broker.memory import ImportedBuffer, importer_for
+from kvbroker.broker.memory import ImportedBuffer, array_at, importer_for
 from kvbroker.broker.nixl_agent import Agent
-from kvbroker.errors import AlreadyExists, FailedPrecondition, KvBrokerError, NotFound
+from kvbroker.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    KvBrokerError,
+    NotFound,
+    Unimplemented,
+)
 from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = ["Engine", "EngineTable"]
@@ -54,6 +62,17 @@ class Engine:
     @property
     def registered_bytes(self) -> int:
         return sum(b.size_bytes for b in self.buffers)
+
+    def region_array(self, index: int) -> npt.NDArray[np.uint8]:
+        """Region ``index`` as a ``[items, item_bytes]`` uint8 view of the broker's mapping.
+
+        For the broker's own copies (staging gather/scatter). Host memory only.
+        """
+        region = self.layout.regions[index]
+        buf = self.buffers[region.buffer]
+        if buf.kind != common_pb2.MEMORY_KIND_DRAM:
+            raise Unimplemented("staging copies of VRAM regions need a CUDA copy path, which this build lacks")
+        return array_at(buf.address + region.offset_bytes, region.length_bytes).reshape(region.items, region.item_bytes)
 
     def descriptor(self) -> peer_pb2.EngineDescriptor:
         """How peers see this rank (handshake)."""

@@ -324,6 +324,11 @@ def _index_state(
             continue
         if region.component not in declared:
             raise InvalidArgument(f"region {region.index}: state component {region.component!r} is not declared")
+        if not msg.layer_begin <= region.layer_id < msg.layer_end:
+            raise InvalidArgument(
+                f"region {region.index}: state of layer {region.layer_id} is outside this rank's layers "
+                f"[{msg.layer_begin}, {msg.layer_end})"
+            )
         members[region.component].append(region.index)
     components: dict[str, tuple[int, tuple[int, ...]]] = {}
     items: dict[str, int] = {}

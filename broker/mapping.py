@@ -5,21 +5,30 @@ the sender's in the handshake) and sends it with the room registration; the
 sender's broker executes it. One place computes it, so the two sides cannot
 disagree.
 
-Supported here:
+Let T be the model's total KV heads, Ps and Pd the sender and receiver tp
+sizes. A tp rank r of a group of tp size P holds heads
+``[r * T/P, (r + 1) * T/P)`` when T >= P, else the single head
+``r // (P / T)`` (heads replicated over P / T ranks). Head counts always come
+from T, never from per-rank counts (lesson 3 of DESIGN.md).
 
-- equal tensor-parallel sizes (MHA, GQA and MLA): tp rank r sends whole pages
-  to tp rank r;
+- Equal tp sizes (MHA, GQA, MLA): tp rank r sends whole pages to tp rank r.
 - MLA with different tp sizes: the KV is identical on every rank, so exactly
-  one sender rank writes each receiver rank and the others only report
-  completion (``SOURCE_MODE_COMPLETION_ONLY``) so nobody waits forever;
-- pipeline parallel on either side: layers pair by layer id; a sender pp rank
-  is a source of a receiver rank when their layer ranges overlap.
+  one sender rank writes each receiver rank; the others only report
+  completion (``SOURCE_MODE_COMPLETION_ONLY``) so nobody waits forever.
+- Non-MLA with different tp sizes: every sender rank holding some of the
+  receiver's heads is a source. Among ranks holding the same heads
+  (replicas) the lowest writes (``SOURCE_MODE_HEAD_SLICE``: ``num_heads``
+  heads from ``src_head_start`` of its pages to ``dst_head_start`` of the
+  receiver's; ``SOURCE_MODE_FULL_PAGES`` when that is the whole page on both
+  sides) and the others only report completion.
+- Pipeline parallel on either side: a sender pp rank is a source of a
+  receiver rank when their layer ranges overlap; layers pair by layer id.
 
-Aux rows and state come from the sender's last pp rank (the one that produced
-the output), in the tp position that serves the receiver.
-
-Head-sliced transfers (non-MLA with different tp sizes) are not built yet and
-raise ``Unimplemented``.
+Aux rows come from one writing source per receiver rank: the lowest writing
+tp rank at the sender's last pp rank (which produced the output). State
+regions travel with the KV of their layer, from writing sources; they cannot
+be head-sliced, so state between different tp sizes of a non-MLA model is
+refused (:func:`check_state_supported`).
 """
 
 from __future__ import annotations
@@ -30,7 +39,11 @@ from kvbroker.broker.layout import Layout, RankKey
 from kvbroker.errors import FailedPrecondition, Unimplemented
 from kvbroker.v1 import peer_pb2
 
-__all__ = ["GroupShape", "SourcePlan", "plan_sources"]
+__all__ = ["GroupShape", "SourcePlan", "check_compatible", "check_state_supported", "rank_heads", "plan_sources"]
+
+FULL_PAGES = peer_pb2.SOURCE_MODE_FULL_PAGES
+HEAD_SLICE = peer_pb2.SOURCE_MODE_HEAD_SLICE
+COMPLETION_ONLY = peer_pb2.SOURCE_MODE_COMPLETION_ONLY
 
 
 @dataclass(frozen=True)
@@ -78,10 +91,17 @@ class SourcePlan:
     layer_end: int
     sends_aux: bool
     sends_state: bool
+    src_head_start: int = 0
+    dst_head_start: int = 0
+    num_heads: int = 0
 
     @property
     def writes_data(self) -> bool:
-        return self.mode == peer_pb2.SOURCE_MODE_FULL_PAGES
+        return self.mode in (FULL_PAGES, HEAD_SLICE)
+
+    @property
+    def head_sliced(self) -> bool:
+        return self.mode == HEAD_SLICE
 
     def to_proto(self) -> peer_pb2.SourcePlan:
         return peer_pb2.SourcePlan(
@@ -92,6 +112,9 @@ class SourcePlan:
             layer_end=self.layer_end,
             sends_aux=self.sends_aux,
             sends_state=self.sends_state,
+            src_head_start=self.src_head_start,
+            dst_head_start=self.dst_head_start,
+            num_heads=self.num_heads,
         )
 
     @classmethod
@@ -104,7 +127,19 @@ class SourcePlan:
             layer_end=msg.layer_end,
             sends_aux=msg.sends_aux,
             sends_state=msg.sends_state,
+            src_head_start=msg.src_head_start,
+            dst_head_start=msg.dst_head_start,
+            num_heads=msg.num_heads,
         )
+
+
+def rank_heads(total_heads: int, tp_size: int, tp_rank: int) -> range:
+    """Global KV heads tp rank ``tp_rank`` of a group of ``tp_size`` holds."""
+    if total_heads >= tp_size:
+        per = total_heads // tp_size
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    head = tp_rank // (tp_size // total_heads)
+    return range(head, head + 1)
 
 
 def check_compatible(sender: GroupShape, receiver: GroupShape) -> None:
@@ -120,27 +155,65 @@ def check_compatible(sender: GroupShape, receiver: GroupShape) -> None:
         raise FailedPrecondition(f"sender and receiver layouts differ: {'; '.join(problems)}")
 
 
-def _tp_sources(sender: GroupShape, receiver: GroupShape, receiver_tp: int) -> list[tuple[int, bool]]:
-    """(sender tp rank, writes data) for every sender tp rank the receiver tp rank hears from."""
+def check_state_supported(sender: GroupShape, receiver: GroupShape) -> None:
+    """Refuse state between different tp sizes of a non-MLA model.
+
+    Hybrid-model state (Mamba conv/ssm, SWA KV, NSA indexer KV) is sharded
+    over tp ranks in ways this broker cannot slice; MLA models replicate it
+    like their latent KV, so whole items move.
+    """
+    if sender.tp_size != receiver.tp_size and not sender.mla:
+        raise Unimplemented(
+            f"hybrid-model state cannot be moved between tp {sender.tp_size} and tp {receiver.tp_size} "
+            "(non-MLA state is sharded by heads); use equal tp sizes for hybrid models"
+        )
+
+
+@dataclass(frozen=True)
+class _TpSource:
+    tp_rank: int
+    mode: int
+    src_head_start: int = 0
+    dst_head_start: int = 0
+    num_heads: int = 0
+
+
+def _tp_sources(sender: GroupShape, receiver: GroupShape, receiver_tp: int) -> list[_TpSource]:
+    """Every sender tp rank the receiver tp rank hears from, and what it owes."""
     ps, pd = sender.tp_size, receiver.tp_size
     if ps == pd:
-        return [(receiver_tp, True)]
-    if not sender.mla:
-        raise Unimplemented(
-            f"head-sliced transfer between tp {ps} and tp {pd} (non-MLA) is not supported by this broker yet"
-        )
-    if ps > pd:
-        # Several sender ranks hold the same latent KV; the first writes, the
-        # others only complete.
-        ratio = ps // pd if ps % pd == 0 else 0
-        if not ratio:
+        return [_TpSource(receiver_tp, FULL_PAGES)]
+    if sender.mla:
+        if ps > pd:
+            if ps % pd:
+                raise Unimplemented(f"MLA tp {ps} -> {pd}: the larger tp size must be a multiple of the smaller")
+            ratio = ps // pd
+            first = receiver_tp * ratio
+            return [_TpSource(first + i, FULL_PAGES if i == 0 else COMPLETION_ONLY) for i in range(ratio)]
+        if pd % ps:
             raise Unimplemented(f"MLA tp {ps} -> {pd}: the larger tp size must be a multiple of the smaller")
-        first = receiver_tp * ratio
-        return [(first + i, i == 0) for i in range(ratio)]
-    ratio = pd // ps if pd % ps == 0 else 0
-    if not ratio:
-        raise Unimplemented(f"MLA tp {ps} -> {pd}: the larger tp size must be a multiple of the smaller")
-    return [(receiver_tp // ratio, True)]
+        return [_TpSource(receiver_tp // (pd // ps), FULL_PAGES)]
+    total = sender.total_kv_heads
+    for p in (ps, pd):
+        if (total >= p and total % p) or (total < p and p % total):
+            raise Unimplemented(f"{total} KV heads do not divide evenly over tp {p}")
+    need = rank_heads(total, pd, receiver_tp)
+    sources = []
+    for rp in range(ps):
+        have = rank_heads(total, ps, rp)
+        start, stop = max(need.start, have.start), min(need.stop, have.stop)
+        if start >= stop:
+            continue
+        # Replicas hold identical heads: the lowest rank writes them.
+        if rp != min(r for r in range(ps) if rank_heads(total, ps, r) == have):
+            sources.append(_TpSource(rp, COMPLETION_ONLY))
+            continue
+        n = stop - start
+        if n == len(have) == len(need):
+            sources.append(_TpSource(rp, FULL_PAGES))
+        else:
+            sources.append(_TpSource(rp, HEAD_SLICE, start - have.start, start - need.start, n))
+    return sources
 
 
 def _sources_without_counts(
@@ -148,39 +221,30 @@ def _sources_without_counts(
 ) -> list[SourcePlan]:
     r_begin, r_end = receiver.layer_range(receiver_pp)
     last_pp = sender.pp_size - 1
+    tp_sources = _tp_sources(sender, receiver, receiver_tp)
+    aux_tp = min((s.tp_rank for s in tp_sources if s.mode != COMPLETION_ONLY), default=None)
     plans = []
-    for tp, writes in _tp_sources(sender, receiver, receiver_tp):
+    for src in tp_sources:
         for pp in range(sender.pp_size):
             s_begin, s_end = sender.layer_range(pp)
             begin, end = max(r_begin, s_begin), min(r_end, s_end)
             has_layers = begin < end
-            extras = pp == last_pp
-            if not has_layers and not extras:
+            sends_aux = src.tp_rank == aux_tp and pp == last_pp
+            if not has_layers and not sends_aux:
                 continue
-            if not writes:
-                # Holds the same latent KV as a rank that writes it: owes only
-                # its completion, so it finishes and nobody waits for it.
-                plans.append(
-                    SourcePlan(
-                        rank=RankKey(sender_group, tp, pp),
-                        mode=peer_pb2.SOURCE_MODE_COMPLETION_ONLY,
-                        num_destinations=0,
-                        layer_begin=0,
-                        layer_end=0,
-                        sends_aux=False,
-                        sends_state=False,
-                    )
-                )
-                continue
+            writes = src.mode != COMPLETION_ONLY
             plans.append(
                 SourcePlan(
-                    rank=RankKey(sender_group, tp, pp),
-                    mode=peer_pb2.SOURCE_MODE_FULL_PAGES,
+                    rank=RankKey(sender_group, src.tp_rank, pp),
+                    mode=src.mode,
                     num_destinations=0,
-                    layer_begin=begin if has_layers else 0,
-                    layer_end=end if has_layers else 0,
-                    sends_aux=extras,
-                    sends_state=extras,
+                    layer_begin=begin if (writes and has_layers) else 0,
+                    layer_end=end if (writes and has_layers) else 0,
+                    sends_aux=sends_aux,
+                    sends_state=writes and has_layers,
+                    src_head_start=src.src_head_start,
+                    dst_head_start=src.dst_head_start,
+                    num_heads=src.num_heads,
                 )
             )
     return plans
@@ -195,9 +259,10 @@ def plan_sources(
 ) -> list[SourcePlan]:
     """Every source receiver rank (tp ``receiver_tp``, pp ``receiver_pp``) waits for.
 
+    Sources are unique by (group, tp rank, pp rank) (lesson 2 of DESIGN.md).
     ``num_destinations`` of each plan counts the receiver ranks of the whole
-    receiver group that the source serves, so the sender knows when it is done.
-    Raises ``FailedPrecondition`` for incompatible groups and
+    receiver group that the source serves, so the sender knows when it is
+    done. Raises ``FailedPrecondition`` for incompatible groups and
     ``Unimplemented`` for mappings this broker cannot do.
     """
     check_compatible(sender, receiver)
@@ -216,6 +281,9 @@ def plan_sources(
             layer_end=p.layer_end,
             sends_aux=p.sends_aux,
             sends_state=p.sends_state,
+            src_head_start=p.src_head_start,
+            dst_head_start=p.dst_head_start,
+            num_heads=p.num_heads,
         )
         for p in plans
     ]

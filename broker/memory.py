@@ -26,10 +26,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from kvbroker.errors import InvalidArgument, Unimplemented
 from kvbroker.v1 import common_pb2
 
-__all__ = ["DramImporter", "ImportedBuffer", "MemoryImporter", "VramImporter", "importer_for"]
+__all__ = [
+    "DramImporter",
+    "ImportedBuffer",
+    "MemoryImporter",
+    "VramImporter",
+    "array_at",
+    "importer_for",
+    "map_anonymous",
+    "unmap",
+]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -117,3 +129,21 @@ def importer_for(kind: int) -> MemoryImporter:
     if kind == common_pb2.MEMORY_KIND_VRAM:
         return VramImporter()
     raise InvalidArgument(f"buffer kind {kind} is not DRAM or VRAM")
+
+
+def map_anonymous(size_bytes: int) -> int:
+    """Map ``size_bytes`` of zeroed, populated, shared memory for the broker's own use."""
+    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    addr = _libc.mmap(None, size_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if addr in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"cannot map {size_bytes} bytes: {os.strerror(ctypes.get_errno())}")
+    return int(addr)
+
+
+def unmap(address: int, size_bytes: int) -> None:
+    _libc.munmap(address, size_bytes)
+
+
+def array_at(address: int, size_bytes: int) -> npt.NDArray[np.uint8]:
+    """A numpy uint8 view of mapped host memory (no copy; valid while mapped)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * size_bytes).from_address(address))

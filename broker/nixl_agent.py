@@ -94,6 +94,18 @@ class Agent(Protocol):
         """Make and post a WRITE; ``notif`` reaches the remote after the data.
         Raises ``NixlError`` if NIXL rejects it (nothing was posted then)."""
 
+    def post_write_descs(
+        self,
+        local_descs: np.ndarray,
+        local_kind: int,
+        remote_descs: np.ndarray,
+        remote_kind: int,
+        remote_agent: str,
+        notif: bytes,
+    ) -> Any:
+        """Post a WRITE of transient N x 3 descriptor lists (no prepared lists):
+        for per-token head slices and staged blocks. Raises ``NixlError``."""
+
     def check(self, xfer: Any) -> XferState:
         """Progress and report a posted transfer."""
 
@@ -207,6 +219,9 @@ class UcxAgent:
             xfer = self._agent.make_prepped_xfer("WRITE", local, local_indices, remote, remote_indices, notif)
         except Exception as exc:
             raise NixlError(f"NIXL could not make the transfer: {exc}") from exc
+        return self._post(xfer)
+
+    def _post(self, xfer: Any) -> Any:
         try:
             state = self._agent.transfer(xfer)
         except Exception as exc:
@@ -216,6 +231,29 @@ class UcxAgent:
             self._agent.release_xfer_handle(xfer)
             raise NixlError("NIXL rejected the transfer when posting it")
         return xfer
+
+    def post_write_descs(
+        self,
+        local_descs: np.ndarray,
+        local_kind: int,
+        remote_descs: np.ndarray,
+        remote_kind: int,
+        remote_agent: str,
+        notif: bytes,
+    ) -> Any:
+        try:
+            xfer = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local_descs, _mem_type(local_kind)),
+                self._agent.get_xfer_descs(remote_descs, _mem_type(remote_kind)),
+                remote_agent,
+                notif,
+            )
+        except InvalidArgument:
+            raise
+        except Exception as exc:
+            raise NixlError(f"NIXL could not make a transfer of {len(local_descs)} descriptors: {exc}") from exc
+        return self._post(xfer)
 
     def check(self, xfer: Any) -> XferState:
         return XferState(self._agent.check_xfer_state(xfer))

@@ -58,6 +58,8 @@ class Peer:
     engines: dict[RankKey, RemoteEngine] = field(default_factory=dict)
     #: Our EngineTable.epoch when this peer last received our handshake.
     announced_epoch: int = -1
+    #: The peer's staging buffer, if it stages.
+    staging: peer_pb2.RemoteBuffer | None = None
     channel: grpc.aio.Channel | None = None
     stub: peer_pb2_grpc.PeerBrokerStub | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -77,8 +79,10 @@ class PeerTable:
         broker_id: str,
         rpc_timeout_seconds: float,
         channel_options: list[tuple[str, Any]],
+        staging: peer_pb2.RemoteBuffer | None = None,
     ) -> None:
         self._agent = agent
+        self._staging = staging
         self._engines = engines
         self.broker_id = broker_id
         self.address = ""
@@ -115,6 +119,7 @@ class PeerTable:
                 caller=self.identity(),
                 nixl_agent_metadata=metadata,
                 engines=engines,
+                staging=self._staging,
             )
             try:
                 response = await self._stub(peer).Handshake(request, timeout=self._timeout)
@@ -125,7 +130,7 @@ class PeerTable:
                 raise FailedPrecondition(
                     f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
                 )
-            self._apply(peer, response.callee, response.nixl_agent_metadata, response.engines)
+            self._apply(peer, response.callee, response.nixl_agent_metadata, response.engines, response.staging)
             peer.announced_epoch = epoch
 
     def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
@@ -149,10 +154,14 @@ class PeerTable:
             peer = Peer(address=caller.address)
             if caller.address:
                 self.by_address.setdefault(caller.address, peer)
-        self._apply(peer, caller, request.nixl_agent_metadata, request.engines)
+        self._apply(peer, caller, request.nixl_agent_metadata, request.engines, request.staging)
         metadata, engines = self._handshake_message()
         return peer_pb2.HandshakeResponse(
-            protocol_version=PROTOCOL_VERSION, callee=self.identity(), nixl_agent_metadata=metadata, engines=engines
+            protocol_version=PROTOCOL_VERSION,
+            callee=self.identity(),
+            nixl_agent_metadata=metadata,
+            engines=engines,
+            staging=self._staging,
         )
 
     def get(self, broker_id: str) -> Peer:
@@ -209,6 +218,7 @@ class PeerTable:
         identity: peer_pb2.BrokerIdentity,
         metadata: bytes,
         descriptors: Any,
+        staging: peer_pb2.RemoteBuffer,
     ) -> None:
         if peer.broker_id is not None and peer.broker_id != identity.broker_id:
             log.warning("peer_restarted", peer=peer.address, old=peer.broker_id, new=identity.broker_id)
@@ -226,6 +236,7 @@ class PeerTable:
         peer.broker_id = identity.broker_id
         peer.agent_name = agent_name
         peer.is_self = is_self
+        peer.staging = staging if staging.size_bytes else None
         if identity.address:
             peer.address = peer.address or identity.address
         self.by_id[identity.broker_id] = peer

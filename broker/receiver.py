@@ -31,8 +31,8 @@ from google.protobuf.message import DecodeError
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.descriptors import check_index, check_indices
 from kvbroker.broker.engines import Engine
-from kvbroker.broker.layout import Layout, rank_key
-from kvbroker.broker.mapping import GroupShape, plan_sources
+from kvbroker.broker.layout import Layout, RankKey, rank_key
+from kvbroker.broker.mapping import GroupShape, check_state_supported, plan_sources
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
 from kvbroker.broker.rooms import (
@@ -48,6 +48,9 @@ from kvbroker.broker.rooms import (
     cause,
     cause_of,
 )
+from kvbroker.broker.segments import state_regions
+from kvbroker.broker.slicing import kv_regions, scatter, slice_side, staged_bytes
+from kvbroker.broker.staging import Reservation, StagingPool
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.errors import (
     Aborted,
@@ -55,6 +58,7 @@ from kvbroker.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvBrokerError,
+    NotFound,
     Unavailable,
     from_rpc_error,
 )
@@ -84,8 +88,12 @@ class ReceiverSide:
         tasks: TaskSet,
         publish: Callable[[Progress], None],
         bootstrap_timeout_seconds: float,
+        staging: StagingPool | None,
+        staging_wait_seconds: float,
     ) -> None:
         self._id = broker_id
+        self._staging = staging
+        self._staging_wait = staging_wait_seconds
         self._bootstrap_timeout = bootstrap_timeout_seconds
         self._peers = peers
         self._rooms = rooms
@@ -163,9 +171,13 @@ class ReceiverSide:
         """Fail ``rank`` (first cause wins); tell the sender's broker unless it told us."""
         if not rank.fail(why, settled=_nothing_in_flight(rank)):
             return
+        if rank.pages_settled:
+            self._release_staging(rank)
         self._counters.rooms_failed += 1
         log.info("receive_failed", room=rank.room, engine=rank.engine.engine_id, cause=why.message)
-        if tell_sender and rank.registered_with_sender and rank.peer_broker_id is not None:
+        if tell_sender and rank.peer_broker_id is not None:
+            # Also when the room never reached the sender's broker (a plan it
+            # cannot do): its engine must not wait for a transfer info.
             self._tasks.spawn(self._abort_sender(rank.peer_broker_id, rank.room, why), name=f"abort-{rank.room}")
 
     # -- peer calls ------------------------------------------------------
@@ -194,6 +206,12 @@ class ReceiverSide:
         parts = exp.parts_received.setdefault(notice.chunk_index, set())
         if notice.part in parts:
             return
+        if notice.staged and not rank.terminal:
+            try:
+                self._unstage(rank, source_key, exp, notice)
+            except KvBrokerError as exc:
+                self.fail(rank, cause_of(exc, self._id))
+                return
         parts.add(notice.part)
         exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
         exp.pages_by_chunk[notice.chunk_index] = notice.pages
@@ -213,6 +231,7 @@ class ReceiverSide:
         if rank.state != FAILED and all(e.complete for e in rank.expected.values()):
             if rank.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
+                self._release_staging(rank)
                 log.debug("receive_done", room=rank.room, engine=rank.engine.engine_id, bytes=rank.bytes)
 
     def on_completion_report(self, report: peer_pb2.CompletionReport) -> None:
@@ -282,20 +301,22 @@ class ReceiverSide:
 
     async def _register(self, rank: ReceiverProgress) -> None:
         peer, layouts = await self._find_sender(rank)
+        rank.peer_broker_id = peer.broker_id
         if rank.terminal:
             return
-        plans = plan_sources(
-            GroupShape.of(layouts[0]),
-            rank.sender_group,
-            GroupShape.of(rank.engine.layout),
-            rank.key.tp_rank,
-            rank.key.pp_rank,
-        )
+        sender_shape, receiver_shape = GroupShape.of(layouts[0]), GroupShape.of(rank.engine.layout)
+        if rank.state_indices:
+            check_state_supported(sender_shape, receiver_shape)
+        plans = plan_sources(sender_shape, rank.sender_group, receiver_shape, rank.key.tp_rank, rank.key.pp_rank)
         rank.expected = {
             p.rank: SourceExpectation(
                 plan=p,
                 expects_aux=p.sends_aux and rank.aux_row is not None,
-                expected_components=frozenset(rank.state_indices) if p.sends_state else frozenset(),
+                expected_components=frozenset(
+                    name
+                    for name in rank.state_indices
+                    if p.sends_state and state_regions(rank.engine.layout, name, p.layer_begin, p.layer_end)
+                ),
             )
             for p in plans
         }
@@ -348,6 +369,67 @@ class ReceiverSide:
     def _maybe_settled(self, rank: ReceiverProgress) -> None:
         if not rank.pages_settled and rank.state == FAILED and _nothing_in_flight(rank):
             rank.mark_settled()
+        if rank.pages_settled:
+            self._release_staging(rank)
+
+    # -- staging ------------------------------------------------------------
+    async def reserve_staging(self, request: peer_pb2.ReserveStagingRequest) -> Reservation:
+        """Reserve room in the staging buffer for one staged part (the prefetch).
+
+        Recorded per (room, receiver rank, source, chunk, part); released when
+        the part is scattered, or by :meth:`_release_staging` when the rank
+        ends and no write can still land. Idempotent.
+        """
+        if self._staging is None:
+            raise FailedPrecondition("this broker has no staging buffer (started with --no-staging)")
+        room = self._rooms.receiver.get(request.room)
+        rank = room.ranks.get(rank_key(request.receiver)) if room is not None else None
+        if rank is None or rank.peer_broker_id != request.sender_broker_id:
+            raise NotFound(f"room {request.room} has no receiver {rank_key(request.receiver)} expecting this broker")
+        key = (rank_key(request.source), request.chunk_index, request.part)
+        if key in rank.staging:
+            return rank.staging[key]
+        if rank.terminal:
+            raise FailedPrecondition(f"room {request.room} already ended on the receiver")
+        reservation = await self._staging.reserve(request.bytes, self._staging_wait)
+        if rank.terminal or key in rank.staging:
+            self._staging.release(reservation)
+            if key in rank.staging:
+                return rank.staging[key]
+            raise FailedPrecondition(f"room {request.room} ended while it waited for staging")
+        rank.staging[key] = reservation
+        return reservation
+
+    def _unstage(self, rank: ReceiverProgress, source: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
+        """Scatter a staged part into the rank's pages and release its reservation."""
+        assert self._staging is not None
+        key = (source, notice.chunk_index, notice.part)
+        reservation = rank.staging.get(key)
+        if reservation is None or reservation.offset != notice.staging_offset or notice.staging_bytes > reservation.nbytes:
+            raise FailedPrecondition(f"source {source} wrote a staged part this broker did not reserve")
+        plan = exp.plan
+        layout = rank.engine.layout
+        side = slice_side(layout, plan.dst_head_start, plan.num_heads, "receiver")
+        regions = kv_regions(layout, plan.layer_begin, plan.layer_end, "receiver")
+        pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
+        if pages.size != notice.pages or staged_bytes(len(regions), notice.pages, side) != notice.staging_bytes:
+            raise FailedPrecondition(f"source {source}'s staged part does not match this rank's pages and heads")
+        scatter(
+            self._staging.view(reservation, notice.staging_bytes),
+            [rank.engine.region_array(r) for r in regions],
+            pages,
+            side,
+        )
+        del rank.staging[key]
+        self._staging.release(reservation)
+
+    def _release_staging(self, rank: ReceiverProgress) -> None:
+        """The one release routine for a rank's staging reservations (room ended, settled)."""
+        if self._staging is None:
+            return
+        for reservation in rank.staging.values():
+            self._staging.release(reservation)
+        rank.staging.clear()
 
     async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
         try:

@@ -31,6 +31,7 @@ import numpy as np
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.nixl_agent import NixlError
+from kvbroker.broker.staging import Reservation
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -207,6 +208,9 @@ class Destination:
     failure_reported: bool = False
     #: The receiver was told nothing is in flight any more.
     settle_reported: bool = False
+    #: Prefetch requests made for staged parts: (chunk, part) -> offset in
+    #: the receiver's staging buffer. Dropped when the part's write settles.
+    prefetch: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -239,6 +243,9 @@ class SenderRoom:
     created_at: float = field(default_factory=time.monotonic)
     #: A source opened this room here once (its infos were for us).
     had_sources: bool = False
+    #: A receiver's broker aborted the room (first cause); sources that open
+    #: it later fail at once.
+    aborted: common_pb2.FailureCause | None = None
 
 
 # -- receiver side -------------------------------------------------------
@@ -283,6 +290,10 @@ class ReceiverProgress(Progress):
     #: The sender's broker may have the transfer info (so it may write).
     registered_with_sender: bool = False
     peer_broker_id: str | None = None
+    #: Staging reservations made for senders' parts: (source, chunk, part) ->
+    #: reservation in this broker's staging buffer. Released after the
+    #: part is scattered, or when the rank ends and its pages are settled.
+    staging: dict[tuple[RankKey, int, int], Reservation] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -317,9 +328,11 @@ class RoomTables:
             "sender_destinations": sum(len(s.destinations) for s in sources),
             "transfer_infos": sum(len(r.infos) for r in self.sender.values()),
             "inflight_transfers": sum(s.inflight for s in sources),
+            "prefetch_requests": sum(len(d.prefetch) for s in sources for d in s.destinations.values()),
             "receiver_rooms": len(self.receiver),
             "receiver_ranks": len(ranks),
             "receiver_expected_sources": sum(len(r.expected or {}) for r in ranks),
+            "staging_reservations": sum(len(r.staging) for r in ranks),
             "tombstones": len(self.tombstones),
         }
 
@@ -351,9 +364,11 @@ class RoomTables:
                     removed += 1
                 if members:
                     continue
-                if isinstance(room, SenderRoom) and not room.had_sources and now - room.created_at < orphan_seconds:
-                    # Transfer infos waiting for a BeginSend that may still come.
-                    continue
+                if isinstance(room, SenderRoom) and not room.had_sources:
+                    # Transfer infos (or an abort) waiting for a BeginSend that may still come.
+                    wait = ttl_seconds if room.aborted is not None else orphan_seconds
+                    if now - room.created_at < wait:
+                        continue
                 del table[room_id]
                 self.tombstones[(side, room_id)] = now + tombstone_ttl_seconds
                 removed += 1
@@ -366,6 +381,9 @@ def _expired(progress: Progress, now: float, ttl_seconds: float) -> bool:
     if not progress.terminal or progress.finished_at is None:
         return False
     if isinstance(progress, SourceProgress) and progress.inflight:
+        return False
+    if isinstance(progress, ReceiverProgress) and progress.staging:
+        # Its reservations go first, once no write can still land in them.
         return False
     return now - progress.finished_at >= ttl_seconds
 

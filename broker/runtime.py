@@ -34,6 +34,7 @@ from kvbroker.broker.rooms import (
     cause,
 )
 from kvbroker.broker.sender import SenderSide
+from kvbroker.broker.staging import StagingPool
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.watch import WatchHub
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -57,6 +58,9 @@ class BrokerRuntime:
         self.engine_socket_path = ""
         self.fd_server: FdSocketServer | None = None
         self.engines = EngineTable(agent)
+        staged = config.staging_send_bytes > 0 and config.staging_receive_bytes > 0
+        self.send_staging = StagingPool(agent, config.staging_send_bytes) if staged else None
+        self.receive_staging = StagingPool(agent, config.staging_receive_bytes) if staged else None
         self.rooms = RoomTables()
         self.counters = Counters()
         self.tasks = TaskSet()
@@ -67,6 +71,7 @@ class BrokerRuntime:
             broker_id=self.broker_id,
             rpc_timeout_seconds=config.peer_rpc_timeout_seconds,
             channel_options=channel_options(config),
+            staging=self.receive_staging.descriptor() if self.receive_staging else None,
         )
         self.progress = ProgressLoop(
             agent,
@@ -83,8 +88,18 @@ class BrokerRuntime:
             tasks=self.tasks,
             publish=self._publish,
         )
-        self.sender = SenderSide(agent=agent, **common)  # type: ignore[arg-type]
-        self.receiver = ReceiverSide(bootstrap_timeout_seconds=config.bootstrap_timeout_seconds, **common)  # type: ignore[arg-type]
+        self.sender = SenderSide(
+            agent=agent,
+            staging=self.send_staging,
+            staging_wait_seconds=config.staging_wait_seconds,
+            **common,  # type: ignore[arg-type]
+        )
+        self.receiver = ReceiverSide(
+            bootstrap_timeout_seconds=config.bootstrap_timeout_seconds,
+            staging=self.receive_staging,
+            staging_wait_seconds=config.staging_wait_seconds,
+            **common,  # type: ignore[arg-type]
+        )
         self._housekeeping: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------
@@ -111,6 +126,9 @@ class BrokerRuntime:
         for engine in list(self.engines.by_id.values()):
             self.hub.close(engine.engine_id)
             self.engines.release(engine)
+        for pool in (self.send_staging, self.receive_staging):
+            if pool is not None:
+                pool.close()
         await self.peers.close()
         self.agent.close()
 
@@ -256,6 +274,10 @@ class BrokerRuntime:
         )
         self.sender.on_register_room(info, peer)
 
+    async def reserve_staging(self, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
+        reservation = await self.receiver.reserve_staging(request)
+        return peer_pb2.ReserveStagingResponse(offset=reservation.offset, bytes=reservation.nbytes)
+
     def completion_report(self, request: peer_pb2.CompletionReport) -> None:
         self.receiver.on_completion_report(request)
 
@@ -280,6 +302,10 @@ class BrokerRuntime:
             bytes_received=c.bytes_received,
             transfers_posted=c.transfers_posted,
             descriptors_transferred=c.descriptors_transferred,
+            transfers_staged=c.transfers_staged,
+            transfers_per_token=c.transfers_per_token,
+            staging_send_bytes_in_use=self.send_staging.in_use_bytes if self.send_staging else 0,
+            staging_receive_bytes_in_use=self.receive_staging.in_use_bytes if self.receive_staging else 0,
             late_notices=c.late_notices,
             bad_notices=c.bad_notices,
             uptime_seconds=int(time.monotonic() - self.started_at),

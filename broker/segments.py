@@ -3,17 +3,19 @@
 A :class:`~kvbroker.broker.descriptors.Segment` pairs items of one source
 region with items of one destination region. For a chunk of whole pages:
 
-- KV: for every layer the source owes (``SourcePlan.layer_begin/end``, paired
-  by layer id) and every KV kind (KEY and VALUE, or MLA), the chunk's source
-  pages go to the matching slice of the receiver's pages;
+- KV (whole pages, ``SOURCE_MODE_FULL_PAGES``): for every layer the source
+  owes (``SourcePlan.layer_begin/end``, paired by layer id) and every KV kind
+  (KEY and VALUE, or MLA), the chunk's source pages go to the matching slice
+  of the receiver's pages (head-sliced KV is ``slicing``'s business);
 - aux (last chunk, when the source sends aux and the receiver asked for a
   row): the source row of every aux region goes to the receiver's row of the
   aux region in the same position;
 - state (last chunk, when the source sends state): for every component the
   receiver listed with non-empty indices, the source's indices of that
-  component go to the receiver's, region by region in listed order. A length
-  mismatch is trimmed to the shorter list for paged components (SWA, NSA) and
-  is an error for position-indexed ones (Mamba).
+  component go to the receiver's, for the regions of the source's layers,
+  paired by layer id. A length mismatch is trimmed to the shorter list for
+  paged components (SWA, NSA) and is an error for position-indexed ones
+  (Mamba).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import structlog
 from kvbroker.broker.descriptors import Segment
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.slicing import kv_region_pairs
 from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
-from kvbroker.v1 import common_pb2
+from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["ChunkShape", "build_segments", "state_segments"]
+__all__ = ["ChunkShape", "build_segments", "state_regions", "state_segments"]
 
 log = structlog.get_logger(__name__)
 
@@ -50,20 +53,14 @@ class ChunkShape:
 
 
 def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape) -> list[Segment]:
-    """Every segment of one chunk. Raises ``FailedPrecondition`` on layouts that do not pair."""
+    """The segments of one chunk that move whole items: KV pages (unless the
+    plan slices heads: see ``slicing``), aux rows and state items. Raises
+    ``FailedPrecondition`` on layouts that do not pair."""
     segments: list[Segment] = []
-    if shape.src_pages.size:
-        for layer in range(plan.layer_begin, plan.layer_end):
-            for kind in src.kv_kinds():
-                s = src.kv_regions.get((kind, layer))
-                d = dst.kv_regions.get((kind, layer))
-                if s is None or d is None:
-                    side = "sender" if s is None else "receiver"
-                    raise FailedPrecondition(
-                        f"the {side} has no {common_pb2.RegionKind.Name(kind)} region for layer {layer}"
-                    )
-                item = _same_item_bytes(src, s, dst, d, f"layer {layer}")
-                segments.append(Segment(s, d, shape.src_pages, shape.dst_pages, item))
+    if shape.src_pages.size and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
+        for s, d in kv_region_pairs(src, dst, plan.layer_begin, plan.layer_end):
+            item = _same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
+            segments.append(Segment(s, d, shape.src_pages, shape.dst_pages, item))
     if shape.aux_rows is not None:
         if len(src.aux_regions) != len(dst.aux_regions):
             raise FailedPrecondition(
@@ -75,22 +72,43 @@ def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape
             item = _same_item_bytes(src, s, dst, d, f"aux region {i}")
             segments.append(Segment(s, d, src_row, dst_row, item))
     for name, (src_idx, dst_idx) in shape.state.items():
-        segments.extend(state_segments(src, dst, name, src_idx, dst_idx))
+        segments.extend(state_segments(src, dst, name, src_idx, dst_idx, plan.layer_begin, plan.layer_end))
     return segments
 
 
-def state_segments(src: Layout, dst: Layout, name: str, src_idx: IndexArray, dst_idx: IndexArray) -> list[Segment]:
-    """Segments of state component ``name``; trims paged components, never the inputs."""
+def state_regions(layout: Layout, name: str, layer_begin: int, layer_end: int) -> list[int]:
+    """Regions of component ``name`` whose layer is in [layer_begin, layer_end), in listed order."""
+    return [r for r in layout.state_components[name][1] if layer_begin <= layout.regions[r].layer_id < layer_end]
+
+
+def state_segments(
+    src: Layout,
+    dst: Layout,
+    name: str,
+    src_idx: IndexArray,
+    dst_idx: IndexArray,
+    layer_begin: int,
+    layer_end: int,
+) -> list[Segment]:
+    """Segments of state component ``name`` for the layers [layer_begin, layer_end).
+
+    Regions pair by (layer id, position among that layer's regions). A length
+    mismatch is trimmed for paged components (on local copies, never the
+    inputs: lesson 4) and is an error for position-indexed ones.
+    """
     if name not in src.state_components or name not in dst.state_components:
         side = "sender" if name not in src.state_components else "receiver"
         raise FailedPrecondition(f"the {side} has no state component {name!r}")
-    src_type, src_regions = src.state_components[name]
-    dst_type, dst_regions = dst.state_components[name]
-    if src_type != dst_type:
+    src_type = src.state_components[name][0]
+    if src_type != dst.state_components[name][0]:
         raise FailedPrecondition(f"state component {name!r} has different types on the two sides")
-    if len(src_regions) != len(dst_regions):
+    src_regions = state_regions(src, name, layer_begin, layer_end)
+    dst_regions = state_regions(dst, name, layer_begin, layer_end)
+    src_layers = [src.regions[r].layer_id for r in src_regions]
+    dst_layers = [dst.regions[r].layer_id for r in dst_regions]
+    if src_layers != dst_layers:
         raise FailedPrecondition(
-            f"state component {name!r}: {len(src_regions)} sender regions, {len(dst_regions)} receiver regions"
+            f"state component {name!r}: the sender's regions are at layers {src_layers}, the receiver's at {dst_layers}"
         )
     if src_idx.size != dst_idx.size:
         if src_type not in _PAGED_STATE:

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from functools import partial
 
 import grpc
 import structlog
 
 from kvbroker.broker.counters import Counters
-from kvbroker.broker.descriptors import check_index, check_indices, plan_parts
+from kvbroker.broker.descriptors import check_index, check_indices
 from kvbroker.broker.engines import Engine
 from kvbroker.broker.nixl_agent import Agent, XferState
 from kvbroker.broker.peers import Peer, PeerTable
-from kvbroker.broker.progress import InflightTransfer, ProgressLoop
+from kvbroker.broker.progress import ProgressLoop
 from kvbroker.broker.rooms import (
     FAILED,
     SUCCESS,
@@ -44,8 +43,9 @@ from kvbroker.broker.rooms import (
     cause,
     cause_of,
 )
-from kvbroker.broker.segments import ChunkShape, build_segments
+from kvbroker.broker.staging import StagingPool
 from kvbroker.broker.tasks import TaskSet
+from kvbroker.broker.transfers import ChunkPoster
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -78,12 +78,23 @@ class SenderSide:
         counters: Counters,
         tasks: TaskSet,
         publish: Callable[[Progress], None],
+        staging: StagingPool | None,
+        staging_wait_seconds: float,
     ) -> None:
         self._id = broker_id
-        self._agent = agent
         self._peers = peers
+        self._poster = ChunkPoster(
+            broker_id=broker_id,
+            agent=agent,
+            peers=peers,
+            progress=progress,
+            counters=counters,
+            tasks=tasks,
+            staging=staging,
+            staging_wait_seconds=staging_wait_seconds,
+            on_settled=self._settled,
+        )
         self._rooms = rooms
-        self._progress = progress
         self._counters = counters
         self._tasks = tasks
         self._publish = publish
@@ -106,6 +117,9 @@ class SenderSide:
         source = SourceProgress(room=room_id, engine=engine, listener=self._publish, num_pages=num_pages)
         room.sources[engine.key] = source
         log.debug("send_opened", room=room_id, engine=engine.engine_id, num_pages=num_pages)
+        if room.aborted is not None:
+            self.fail(source, room.aborted)
+            return source
         for info in list(room.infos.values()):
             plan = info.plan_for(engine.key)
             if plan is not None:
@@ -136,7 +150,12 @@ class SenderSide:
             raise FailedPrecondition(f"room {room_id} already received its last chunk")
         self._validate_chunk(source, pages, is_last=is_last, aux_row=aux_row, state=state)
         if source.state == FAILED:
-            return len(source.chunk_list), source
+            # Accepted and dropped: keep counting, so the engine's later
+            # chunks validate as they would have.
+            source.cursor += int(pages.size)
+            source.chunks += 1
+            source.last_received = is_last
+            return source.chunks - 1, source
         chunk = Chunk(
             index=len(source.chunk_list),
             pages=pages,
@@ -194,10 +213,19 @@ class SenderSide:
                 self._attach(source, info)
 
     def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause) -> int:
-        """A receiver's broker aborted the room: fail every local source of it."""
+        """A receiver's broker aborted the room: fail every local source of it.
+
+        The room is remembered as aborted (until evicted), so a source that
+        opens it afterwards fails at once with the same cause instead of
+        waiting for a transfer info that will never come.
+        """
+        if self._rooms.is_tombstoned("sender", room_id):
+            return 0
         room = self._rooms.sender.get(room_id)
         if room is None:
-            return 0
+            room = self._rooms.sender[room_id] = SenderRoom(room_id)
+        if room.aborted is None:
+            room.aborted = why
         for source in room.sources.values():
             self.fail(source, why)
         return len(room.sources)
@@ -286,7 +314,7 @@ class SenderSide:
         while dest.posted_chunks < len(source.chunk_list) and source.state != FAILED:
             chunk = source.chunk_list[dest.posted_chunks]
             try:
-                self._post(source, dest, chunk)
+                self._poster.post(source, dest, chunk)
             except KvBrokerError as exc:
                 self.fail(source, cause_of(exc, self._id))
                 return
@@ -294,118 +322,24 @@ class SenderSide:
             dest.last_posted = chunk.is_last
         self._check_complete(source, dest)
 
-    def _post(self, source: SourceProgress, dest: Destination, chunk: Chunk) -> None:
-        info, plan = dest.info, dest.plan
-        peer = self._peers.get(info.receiver_broker_id)
-        remote = peer.engines.get(info.receiver)
-        if remote is None or remote.generation != info.receiver_generation:
-            raise FailedPrecondition(f"receiver {info.receiver} is gone from broker {info.receiver_broker_id}")
-        if not plan.writes_data:
-            if chunk.is_last:
-                self._notify_only(source, dest, peer, chunk, total_chunks=1)
-            return
-        end = chunk.page_offset + int(chunk.pages.size)
-        if end > info.pages.size or (chunk.is_last and end != info.pages.size):
-            raise FailedPrecondition(
-                f"the sender sent {end} pages{' in all' if chunk.is_last else ' so far'}, "
-                f"receiver {info.receiver} expects {info.pages.size}"
-            )
-        shape = ChunkShape(
-            src_pages=chunk.pages,
-            dst_pages=info.pages[chunk.page_offset : end],
-            aux_rows=self._aux_rows(chunk, dest),
-            state=self._state_pairs(chunk, dest),
-        )
-        segments = build_segments(source.engine.layout, remote.layout, plan, shape)
-        parts = plan_parts(source.engine.table, remote.table, segments)
-        notice = peer_pb2.TransferNotice(
-            room=source.room,
-            sender_broker_id=self._id,
-            source=source.key.to_proto(),
-            receiver=info.receiver.to_proto(),
-            chunk_index=chunk.index,
-            is_last=chunk.is_last,
-            total_chunks=len(source.chunk_list) if chunk.is_last else 0,
-            pages=int(chunk.pages.size),
-            aux=shape.aux_rows is not None,
-            state_components=sorted(shape.state),
-            parts=max(1, len(parts)),
-        )
-        if not parts:
-            self._notify_only(source, dest, peer, chunk, total_chunks=len(source.chunk_list), notice=notice)
-            return
-        for i, part in enumerate(parts):
-            notice.part = i
-            notice.bytes = part.bytes
-            handle = self._agent.post_write(
-                source.engine.dlists[part.local_kind],
-                part.local_indices,
-                self._peers.remote_dlist(peer, remote, part.remote_kind),
-                part.remote_indices,
-                notice.SerializeToString(),
-            )
-            source.inflight += 1
-            dest.inflight += 1
-            self._counters.transfers_posted += 1
-            self._progress.track(
-                InflightTransfer(handle=handle, bytes=part.bytes, on_settled=partial(self._settled, source, dest, part.bytes))
-            )
-
-    def _notify_only(
+    def _settled(
         self,
         source: SourceProgress,
         dest: Destination,
-        peer: Peer,
-        chunk: Chunk,
-        *,
-        total_chunks: int,
-        notice: peer_pb2.TransferNotice | None = None,
+        nbytes: int,
+        state: XferState,
+        descs: int | None,
+        error: KvBrokerError | None,
     ) -> None:
-        if notice is None:
-            notice = peer_pb2.TransferNotice(
-                room=source.room,
-                sender_broker_id=self._id,
-                source=source.key.to_proto(),
-                receiver=dest.info.receiver.to_proto(),
-                chunk_index=0,
-                is_last=True,
-                total_chunks=total_chunks,
-                parts=1,
-            )
-        assert peer.agent_name is not None
-        self._agent.send_notif(peer.agent_name, notice.SerializeToString())
-
-    def _aux_rows(self, chunk: Chunk, dest: Destination) -> tuple[int, int] | None:
-        # Lesson 1: aux goes on every last chunk, whether or not there is
-        # state or KV, whenever the receiver asked for a row.
-        if not (chunk.is_last and dest.plan.sends_aux and dest.info.aux_row is not None):
-            return None
-        if chunk.aux_row is None:
-            raise FailedPrecondition(
-                f"receiver {dest.info.receiver} expects aux row {dest.info.aux_row} but the sender has no aux regions"
-            )
-        return chunk.aux_row, dest.info.aux_row
-
-    def _state_pairs(self, chunk: Chunk, dest: Destination) -> dict[str, tuple[IndexArray, IndexArray]]:
-        if not (chunk.is_last and dest.plan.sends_state):
-            return {}
-        pairs = {}
-        for name, dst in dest.info.state.items():
-            src = chunk.state.get(name)
-            if src is None or src.size == 0:
-                raise FailedPrecondition(
-                    f"receiver {dest.info.receiver} expects state component {name!r} but the sender sent none"
-                )
-            pairs[name] = (src, dst)
-        return pairs
-
-    def _settled(self, source: SourceProgress, dest: Destination, nbytes: int, state: XferState, descs: int | None) -> None:
+        """A posted part finished (DONE or ERR), or could not be posted (``error``)."""
         source.inflight -= 1
         dest.inflight -= 1
         self._counters.descriptors_transferred += descs or 0
         if state is XferState.DONE:
             source.bytes += nbytes
             self._counters.bytes_sent += nbytes
+        elif error is not None:
+            self.fail(source, cause_of(error, self._id))
         else:
             self.fail(
                 source,

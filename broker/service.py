@@ -124,6 +124,12 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         return peer_pb2.RegisterRoomResponse()
 
     @_unary
+    async def ReserveStaging(
+        self, request: peer_pb2.ReserveStagingRequest, context: Any
+    ) -> peer_pb2.ReserveStagingResponse:
+        return await self._rt.reserve_staging(request)
+
+    @_unary
     async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
         self._rt.completion_report(request)
         return peer_pb2.CompletionAck()

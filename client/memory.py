@@ -12,7 +12,8 @@ Layout of the buffer (each region starts on a 4 KiB boundary):
   ``[num_pages, page_size, kv_heads_per_rank, head_dim]`` of ``dtype``
   ("NHD" pages), or ``mla[layer]`` ``[num_pages, page_size, 1, head_dim]``;
 - aux: ``aux[i]``, ``[aux_rows, row_bytes_i]`` uint8, one row per request;
-- state: ``state[name][j]``, ``[num_items, item_bytes]`` uint8.
+- state: ``state[name][j]``, ``[num_items, item_bytes]`` uint8, for each
+  layer of the component on this rank (ascending), ``num_regions`` buffers.
 
 Only host memory (DRAM) is implemented: a GPU KV pool needs CUDA VMM
 allocation with POSIX-fd export, which this build does not have yet.
@@ -104,8 +105,18 @@ class StateSpec:
     #: Bytes of one item in each region of the component.
     item_bytes: int
     num_items: int
-    #: Buffers of the component (e.g. 2 for Mamba conv + ssm state).
+    #: Buffers of the component per layer (e.g. 2 for Mamba conv + ssm state).
     num_regions: int = 1
+    #: Model layers that carry this component; the rank allocates those in
+    #: its layer range. None: one set of buffers for the whole rank, filed
+    #: under its first layer (then both sides need the same pp split).
+    layers: tuple[int, ...] | None = None
+
+    def layers_on(self, begin: int, end: int) -> list[int]:
+        """The layers of this component a rank holding [begin, end) allocates."""
+        if self.layers is None:
+            return [begin]
+        return [layer for layer in self.layers if begin <= layer < end]
 
 
 @dataclass(eq=False)
@@ -179,8 +190,15 @@ class EngineMemory:
         for spec in state:
             if spec.type not in _STATE_TYPES:
                 raise InvalidArgument(f"state type must be one of {sorted(_STATE_TYPES)}, got {spec.type!r}")
-            for _ in range(spec.num_regions):
-                place(common_pb2.REGION_KIND_STATE, spec.num_items * spec.item_bytes, spec.item_bytes, component=spec.name)
+            for layer in spec.layers_on(begin, end):
+                for _ in range(spec.num_regions):
+                    place(
+                        common_pb2.REGION_KIND_STATE,
+                        spec.num_items * spec.item_bytes,
+                        spec.item_bytes,
+                        layer=layer,
+                        component=spec.name,
+                    )
         total = max(offset, _ALIGN)
 
         fd = os.memfd_create(f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -210,6 +228,7 @@ class EngineMemory:
             state_components=[
                 common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type])
                 for s in state
+                if s.layers_on(begin, end)
             ],
             pp_layer_begins=list(rank.layer_begins(model)),
         )

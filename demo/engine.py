@@ -28,8 +28,8 @@ from kvbroker.client import (
     RoomState,
     SenderRef,
 )
-from kvbroker.demo.pattern import aux_bytes, kv_bytes, rank_heads
-from kvbroker.demo.plan import RoomPlan, plan_room, pool_pages
+from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
+from kvbroker.demo.plan import RoomPlan, plan_room, pool_pages, state_indices, state_specs
 
 __all__ = ["EngineConfig", "run_engine"]
 
@@ -59,6 +59,8 @@ class EngineConfig:
     chunks: int
     window: int
     aux_bytes: int
+    #: State component types ("mamba", "swa", "nsa") the model carries.
+    state: tuple[str, ...]
     seed: int
     room_base: int
     timeout_seconds: float
@@ -75,12 +77,6 @@ def _model(cfg: EngineConfig) -> ModelSpec:
     )
 
 
-def _kinds(model: ModelSpec, memory: EngineMemory, layer: int) -> list[tuple[int, torch.Tensor]]:
-    """(pattern kind, tensor viewed as bytes [pages, page_size, heads, head_dim*dtype_bytes])."""
-    tensors = [(2, memory.mla[layer])] if model.mla else [(0, memory.k[layer]), (1, memory.v[layer])]
-    return [(kind, t.view(torch.uint8)) for kind, t in tensors]
-
-
 def run_engine(cfg: EngineConfig, events: Any, go: Any) -> None:
     """Process entry point. Reports ("ready", ...) once registered, then waits
     for ``go`` (an Event) so that no rank's start-up counts as transfer
@@ -95,7 +91,7 @@ def run_engine(cfg: EngineConfig, events: Any, go: Any) -> None:
         raise
 
 
-def _register(cfg: EngineConfig) -> tuple[BrokerClient, EngineHandle, ModelSpec, EngineMemory]:
+def _register(cfg: EngineConfig) -> tuple[BrokerClient, EngineHandle, ModelSpec, EngineMemory, RankSpec]:
     model = _model(cfg)
     rank = RankSpec(
         group=cfg.group,
@@ -111,10 +107,11 @@ def _register(cfg: EngineConfig) -> tuple[BrokerClient, EngineHandle, ModelSpec,
         num_pages=pool_pages(cfg.pages, cfg.window),
         aux_rows=cfg.window if cfg.aux_bytes else 0,
         aux_row_bytes=[cfg.aux_bytes] if cfg.aux_bytes else [],
+        state=state_specs(cfg.state, cfg.layers, cfg.window),
     )
     client = BrokerClient(cfg.broker)
     engine = client.register_engine(rank, memory)
-    return client, engine, model, memory
+    return client, engine, model, memory, rank
 
 
 def _plans(cfg: EngineConfig) -> list[RoomPlan]:
@@ -129,27 +126,22 @@ def _batches(plans: list[RoomPlan], window: int) -> list[list[RoomPlan]]:
 
 
 def _run_prefill(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
-    client, engine, model, memory = _register(cfg)
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    heads = rank_heads(cfg.kv_heads, cfg.tp_size, cfg.tp_rank, cfg.mla)
-    pool = torch.arange(pool_pages(cfg.pages, cfg.window))
-    begin, end = engine.rank.layer_range(model)
-    for layer in range(begin, end):
-        for kind, tensor in _kinds(model, memory, layer):
-            tensor.copy_(
-                kv_bytes(layer=layer, kind=kind, pages=pool, page_size=cfg.page_size, heads=heads, head_dim=cfg.head_dim, dtype_bytes=itemsize)
-            )
+    client, engine, model, memory, rank = _register(cfg)
+    fill_rank(memory, model, rank)
+    components = list(memory.state)
     events.put(("ready", name, None))
     go.wait()
     try:
         for batch in _batches(_plans(cfg), cfg.window):
             for plan in batch:
                 if memory.aux:
-                    memory.aux[0][plan.slot].copy_(aux_bytes(room=plan.room, region=0, row_bytes=cfg.aux_bytes))
+                    write_aux(memory, plan.room, plan.slot)
                 sender = engine.sender(plan.room)
                 sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot if memory.aux else None)
                 for a, b in plan.chunks:
-                    sender.send(plan.src_pages[a:b], is_last=b == len(plan.src_pages))
+                    last = b == len(plan.src_pages)
+                    state = {n: state_indices(n, plan.slot, 0) for n in components} if last else None
+                    sender.send(plan.src_pages[a:b], state=state, is_last=last)
             statuses = engine.wait([p.room for p in batch], timeout_seconds=cfg.timeout_seconds)
             for plan in batch:
                 status = statuses[plan.room]
@@ -163,18 +155,21 @@ def _run_prefill(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
 
 
 def _run_decode(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
-    client, engine, model, memory = _register(cfg)
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    heads = rank_heads(cfg.kv_heads, cfg.tp_size, cfg.tp_rank, cfg.mla)
-    begin, end = engine.rank.layer_range(model)
+    client, engine, model, memory, rank = _register(cfg)
+    components = list(memory.state)
     sender = SenderRef(cfg.sender_broker, cfg.sender_group)
+    begin, end = rank.layer_range(model)
     events.put(("ready", name, None))
     go.wait()
     try:
         for batch in _batches(_plans(cfg), cfg.window):
             start = time.perf_counter()
             for plan in batch:
-                engine.receiver(plan.room, sender).init(plan.dst_pages, aux_row=plan.slot if memory.aux else None)
+                engine.receiver(plan.room, sender).init(
+                    plan.dst_pages,
+                    aux_row=plan.slot if memory.aux else None,
+                    state={n: state_indices(n, plan.slot, 1) for n in components},
+                )
             statuses = engine.wait([p.room for p in batch], timeout_seconds=cfg.timeout_seconds)
             elapsed = time.perf_counter() - start
             for plan in batch:
@@ -182,45 +177,35 @@ def _run_decode(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
                 if RoomState(status.state) is not RoomState.SUCCESS:
                     events.put(("room_failed", name, (plan.room, status.cause.message)))
                     continue
-                bad = _verify(cfg, model, memory, plan, heads, itemsize, begin, end)
-                events.put(("verified", name, (plan.room, status.bytes, bad)))
+                problems = verify_room(
+                    memory,
+                    model,
+                    rank,
+                    src_pages=plan.src_pages,
+                    dst_pages=plan.dst_pages,
+                    room=plan.room,
+                    aux_row=plan.slot if memory.aux else None,
+                    state={n: (state_indices(n, plan.slot, 0), state_indices(n, plan.slot, 1)) for n in components},
+                )
+                events.put(("verified", name, (plan.room, status.bytes, problems)))
             events.put(("batch_time", name, (elapsed, sum(statuses[p.room].bytes for p in batch))))
             for plan in batch:
-                dst = torch.from_numpy(plan.dst_pages.astype(np.int64))
-                for layer in range(begin, end):
-                    for _kind, tensor in _kinds(model, memory, layer):
-                        tensor[dst] = 0
-                if memory.aux:
-                    memory.aux[0][plan.slot].zero_()
+                _clear(memory, model, plan, begin, end)
     finally:
         engine.close()
         client.close()
     events.put(("done", name, None))
 
 
-def _verify(
-    cfg: EngineConfig,
-    model: ModelSpec,
-    memory: EngineMemory,
-    plan: RoomPlan,
-    heads: torch.Tensor,
-    itemsize: int,
-    begin: int,
-    end: int,
-) -> list[str]:
-    """Every byte of the room's pages and aux row against the reference; the problems found."""
-    problems = []
-    src = torch.from_numpy(plan.src_pages.astype(np.int64))
+def _clear(memory: EngineMemory, model: ModelSpec, plan: RoomPlan, begin: int, end: int) -> None:
+    """Zero a verified room's pages, aux row and state, so the next batch proves itself."""
     dst = torch.from_numpy(plan.dst_pages.astype(np.int64))
     for layer in range(begin, end):
-        for kind, tensor in _kinds(model, memory, layer):
-            want = kv_bytes(layer=layer, kind=kind, pages=src, page_size=cfg.page_size, heads=heads, head_dim=cfg.head_dim, dtype_bytes=itemsize)
-            got = tensor[dst]
-            if not torch.equal(got, want):
-                wrong = int((got != want).sum())
-                problems.append(f"layer {layer} kind {kind}: {wrong} bytes differ")
-    if memory.aux:
-        want_aux = aux_bytes(room=plan.room, region=0, row_bytes=cfg.aux_bytes)
-        if not torch.equal(memory.aux[0][plan.slot], want_aux):
-            problems.append("aux row differs")
-    return problems
+        for tensor in memory.kv_tensors(layer):
+            tensor.view(torch.uint8)[dst] = 0
+    for aux in memory.aux:
+        aux[plan.slot].zero_()
+    for name, tensors in memory.state.items():
+        rows = torch.as_tensor(state_indices(name, plan.slot, 1), dtype=torch.int64)
+        for tensor in tensors:
+            tensor[rows] = 0

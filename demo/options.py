@@ -17,6 +17,16 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; 576 with --mla)")
     g.add_argument("--dtype", default="bfloat16", help="KV dtype (torch name)")
     g.add_argument("--mla", action="store_true", help="MLA layout: one latent KV region per layer")
+    g.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of the prefill engine")
+    g.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode engine")
+    g.add_argument("--prefill-pp", type=int, default=1, help="pipeline-parallel size of the prefill engine")
+    g.add_argument("--decode-pp", type=int, default=1, help="pipeline-parallel size of the decode engine")
+    g.add_argument(
+        "--state",
+        default="",
+        metavar="KINDS",
+        help="hybrid-model state components, comma separated: mamba,swa,nsa (state on every layer)",
+    )
     g.add_argument("--chunks", type=int, default=3, help="chunks per room (chunked prefill)")
     g.add_argument("--window", type=int, default=8, help="rooms in flight at once")
     g.add_argument("--aux-bytes", type=int, default=64, help="bytes of the aux row of each request (0: no aux)")
@@ -26,6 +36,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--decode-broker", default=None, metavar="ADDR", help="use this running broker for decode")
     b.add_argument("--single-broker", action="store_true", help="one broker holds both ends of every room (one host, two GPUs)")
     b.add_argument("--ucx-error-mode", choices=("peer", "none"), default="peer", help="UCX error mode of the brokers the demo starts")
+    b.add_argument(
+        "--staging",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="staging buffers for head-sliced transfers in the brokers the demo starts (--no-staging: per-token descriptors)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")

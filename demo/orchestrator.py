@@ -19,6 +19,7 @@ import grpc
 
 from kvbroker.brokerproc import BrokerProcess
 from kvbroker.demo.engine import EngineConfig, run_engine
+from kvbroker.demo.plan import STATE_KINDS
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 __all__ = ["run_demo"]
@@ -51,9 +52,11 @@ class _Tally:
     errors: list[str] = field(default_factory=list)
 
 
-def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str) -> list[_Broker]:
+def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str, staging: bool) -> list[_Broker]:
     # Short TTLs, so the demo can show every per-room table back at zero.
     extra = ["--finished-room-ttl", "0.5", "--tombstone-ttl", "1", "--ucx-error-mode", ucx_error_mode, "--log-level", "warning"]
+    if not staging:
+        extra.append("--no-staging")
     return [_Broker(p.name, p.address, p) for p in BrokerProcess.start_many(names, workdir, extra)]
 
 
@@ -95,20 +98,21 @@ class _Progress:
 
 
 def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_base: int) -> list[EngineConfig]:
+    """One config per engine rank: every prefill (tp, pp) rank, then every decode rank."""
     mla = args.mla
     base = EngineConfig(
         role="prefill",
         broker=prefill,
         group=PREFILL_GROUP,
-        tp_size=1,
+        tp_size=args.prefill_tp,
         tp_rank=0,
-        pp_size=1,
+        pp_size=args.prefill_pp,
         pp_rank=0,
         sender_broker=prefill,
         sender_group=PREFILL_GROUP,
         layers=args.layers,
         page_size=args.page_size,
-        kv_heads=args.kv_heads if args.kv_heads is not None else (1 if mla else 8),
+        kv_heads=1 if mla else (args.kv_heads if args.kv_heads is not None else 8),
         head_dim=args.head_dim if args.head_dim is not None else (576 if mla else 64),
         dtype=args.dtype,
         mla=mla,
@@ -117,20 +121,46 @@ def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_ba
         chunks=args.chunks,
         window=max(1, min(args.window, args.rooms)),
         aux_bytes=args.aux_bytes,
+        state=tuple(s for s in args.state.split(",") if s),
         seed=args.seed,
         room_base=room_base,
         timeout_seconds=args.timeout,
     )
-    return [base, replace(base, role="decode", broker=decode, group=DECODE_GROUP)]
+    configs = [
+        replace(base, tp_rank=tp, pp_rank=pp) for pp in range(args.prefill_pp) for tp in range(args.prefill_tp)
+    ]
+    configs += [
+        replace(base, role="decode", broker=decode, group=DECODE_GROUP, tp_size=args.decode_tp, tp_rank=tp, pp_size=args.decode_pp, pp_rank=pp)
+        for pp in range(args.decode_pp)
+        for tp in range(args.decode_tp)
+    ]
+    return configs
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, or None."""
+    if (args.prefill_broker is None) != (args.decode_broker is None):
+        return "give both --prefill-broker and --decode-broker, or neither"
+    if args.rooms < 1 or args.pages < 0 or args.layers < 1 or args.chunks < 1:
+        return "--rooms, --layers and --chunks must be at least 1, --pages at least 0"
+    for name in ("prefill_tp", "decode_tp", "prefill_pp", "decode_pp"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if max(args.prefill_pp, args.decode_pp) > args.layers:
+        return "a pipeline stage needs at least one layer: --layers must be at least the pp sizes"
+    unknown = [s for s in args.state.split(",") if s and s not in STATE_KINDS]
+    if unknown:
+        return f"unknown state kinds {unknown}; choose from {', '.join(STATE_KINDS)}"
+    if args.mla and args.kv_heads not in (None, 1):
+        return "an MLA model has one latent KV head: leave --kv-heads out with --mla"
+    return None
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every room arrived byte-exact and nothing leaked."""
-    if (args.prefill_broker is None) != (args.decode_broker is None):
-        print("kvbroker demo: give both --prefill-broker and --decode-broker, or neither", file=sys.stderr)
-        return 2
-    if args.rooms < 1 or args.pages < 0 or args.layers < 1:
-        print("kvbroker demo: --rooms and --layers must be at least 1", file=sys.stderr)
+    problem = _check_args(args)
+    if problem:
+        print(f"kvbroker demo: {problem}", file=sys.stderr)
         return 2
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvbroker-demo-"))
@@ -146,7 +176,7 @@ def run_demo(args: argparse.Namespace) -> int:
             brokers = [prefill, decode]
         else:
             names = ["host"] if args.single_broker else ["prefill", "decode"]
-            owned.extend(_start_brokers(names, workdir, args.ucx_error_mode))
+            owned.extend(_start_brokers(names, workdir, args.ucx_error_mode, args.staging))
             prefill, decode = owned[0], owned[-1]
             brokers = list(owned)
         room_base = secrets.randbits(40) << 20
@@ -159,7 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
         # All ranks start at once: a receiving room waits (bootstrap timeout)
         # for the sender group to register.
         for cfg in configs:
-            proc = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}", daemon=True)
+            proc = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}-pp{cfg.pp_rank}", daemon=True)
             proc.start()
             processes.append(proc)
         _await(events, "ready", len(configs), processes, tally, args.timeout)
@@ -170,7 +200,7 @@ def run_demo(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - start
         for p in processes:
             p.join(timeout=30)
-        if owned and not tally.errors:
+        if owned:
             tables = _wait_for_empty_tables(brokers, timeout_seconds=15)
         else:
             tables = {b.name: dict(b.stats().per_room_state) for b in brokers}
@@ -244,6 +274,16 @@ def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tal
     tally.rooms_verified //= max(decode_ranks, 1)
 
 
+def _layout_line(args: argparse.Namespace) -> str:
+    heads = "MLA" if args.mla else f"{args.kv_heads if args.kv_heads is not None else 8} KV heads"
+    text = f"{heads}, prefill tp{args.prefill_tp} pp{args.prefill_pp} -> decode tp{args.decode_tp} pp{args.decode_pp}"
+    if args.prefill_tp != args.decode_tp and not args.mla:
+        text += ", staging" if args.staging else ", per-token descriptors"
+    if args.state:
+        text += f", state {args.state}"
+    return text
+
+
 def _summary(
     args: argparse.Namespace,
     tally: _Tally,
@@ -264,7 +304,7 @@ def _summary(
         "bytes": tally.bytes,
         "gb_per_s": round(gbps, 3),
         "wall_seconds": round(wall, 3),
-        "layout": "MLA" if args.mla else "MHA/GQA",
+        "layout": _layout_line(args),
         "brokers": "single" if args.single_broker else ("external" if args.prefill_broker else "two"),
         "per_room_state": tables,
     }
@@ -272,7 +312,8 @@ def _summary(
         print(json.dumps(summary))
     else:
         print(f"kvbroker demo: {'OK' if ok else 'FAILED'}")
-        print(f"  layout        {summary['layout']}, {args.layers} layers, {args.pages} pages/room of {args.page_size} tokens, {args.chunks} chunks/room")
+        print(f"  layout        {summary['layout']}")
+        print(f"  workload      {args.layers} layers, {args.pages} pages/room of {args.page_size} tokens, {args.chunks} chunks/room")
         print(f"  brokers       {summary['brokers']}")
         print(f"  rooms         {tally.rooms_verified}/{args.rooms} verified byte-exact, {len(tally.failed)} failed, {len(tally.mismatched)} mismatched")
         print(f"  bytes         {tally.bytes} ({tally.bytes / 2**20:.1f} MiB)")

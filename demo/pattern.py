@@ -3,19 +3,36 @@
 Every element of the whole model's KV cache is identified by (layer, kind,
 page, token, global head, dim); :func:`kv_bytes` turns those coordinates into
 the element's bytes through a mixing function. A prefill rank fills its
-tensors with the slice it owns; the decode rank computes what each of its
-pages must hold from the coordinates alone. Neither uses the broker's slicing
-code, so a wrong head, layer or page shows up as a mismatch.
+tensors with the heads it holds (:func:`fill_rank`); a decode rank checks
+every page it received against what the coordinates alone say it must hold
+(:func:`verify_room`). Neither uses the broker's slicing code, so a wrong
+head, layer, page or state item shows up as a mismatch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 import torch
 
-__all__ = ["aux_bytes", "kv_bytes", "rank_heads"]
+from kvbroker.client import EngineMemory, ModelSpec, RankSpec
+from kvbroker.v1 import common_pb2
+
+__all__ = [
+    "aux_bytes",
+    "fill_rank",
+    "kv_bytes",
+    "rank_heads",
+    "state_bytes",
+    "state_items",
+    "verify_room",
+    "write_aux",
+]
 
 _MIX1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
+_KIND = {"k": 0, "v": 1, "mla": 2}
 
 
 def _mix(codes: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -28,7 +45,11 @@ def _mix(codes: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def rank_heads(total_heads: int, tp_size: int, tp_rank: int, mla: bool) -> torch.Tensor:
-    """Global head ids a tp rank holds (replicated when heads < tp size)."""
+    """Global head ids a tp rank holds (replicated when heads < tp size).
+
+    Written from the model's definition, independently of the broker's
+    ``mapping.rank_heads``.
+    """
     if mla:
         return torch.zeros(1, dtype=torch.int64)
     if total_heads >= tp_size:
@@ -64,3 +85,115 @@ def aux_bytes(*, room: int, region: int, row_bytes: int) -> torch.Tensor:
     """uint8 ``[row_bytes]``: the aux row of ``room`` in aux region ``region``."""
     code = (torch.tensor(room % (1 << 40), dtype=torch.int64) * 16 + region) * 65536 + torch.arange(row_bytes, dtype=torch.int64)
     return _mix(code + (1 << 60), 1).view(row_bytes)
+
+
+def state_bytes(*, component: str, layer: int, ordinal: int, shard: int, items: torch.Tensor, item_bytes: int) -> torch.Tensor:
+    """uint8 ``[len(items), item_bytes]``: state items of one region of a component.
+
+    ``shard`` is the tp rank for state sharded over tp (non-MLA), 0 for
+    replicated state (MLA).
+    """
+    name = sum((i + 1) * ord(c) for i, c in enumerate(component)) % 4096
+    base = ((((name * 256 + layer) * 16 + ordinal) * 256 + shard) * (1 << 16)) + 1
+    code = (base + items.to(torch.int64).view(-1, 1)) * 65536 + torch.arange(item_bytes, dtype=torch.int64).view(1, -1)
+    return _mix(code + (1 << 61), 1).view(len(items), item_bytes)
+
+
+def _kv_tensors(memory: EngineMemory, model: ModelSpec, layer: int) -> list[tuple[int, torch.Tensor]]:
+    if model.mla:
+        return [(_KIND["mla"], memory.mla[layer].view(torch.uint8))]
+    return [(_KIND["k"], memory.k[layer].view(torch.uint8)), (_KIND["v"], memory.v[layer].view(torch.uint8))]
+
+
+def state_items(memory: EngineMemory) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+    """component -> (layer, ordinal within that layer, tensor) of every state region."""
+    out: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    state = [r for r in memory.layout.regions if r.kind == common_pb2.REGION_KIND_STATE]
+    layer_of = [r.layer_id for r in state]
+    names = [r.component for r in state]
+    tensors = {name: iter(memory.state[name]) for name in memory.state}
+    counts: dict[tuple[str, int], int] = {}
+    for name, layer in zip(names, layer_of):
+        ordinal = counts.get((name, layer), 0)
+        counts[(name, layer)] = ordinal + 1
+        out.setdefault(name, []).append((layer, ordinal, next(tensors[name])))
+    return out
+
+
+def _shard(model: ModelSpec, rank: RankSpec) -> int:
+    return 0 if model.mla else rank.tp_rank
+
+
+def fill_rank(memory: EngineMemory, model: ModelSpec, rank: RankSpec) -> None:
+    """Fill every KV page and state item of a prefill rank with the reference pattern."""
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    heads = rank_heads(model.total_kv_heads, rank.tp_size, rank.tp_rank, model.mla)
+    begin, end = rank.layer_range(model)
+    for layer in range(begin, end):
+        for kind, tensor in _kv_tensors(memory, model, layer):
+            pool = torch.arange(tensor.shape[0])
+            tensor.copy_(
+                kv_bytes(layer=layer, kind=kind, pages=pool, page_size=model.page_size, heads=heads, head_dim=model.head_dim, dtype_bytes=itemsize)
+            )
+    for name, regions in state_items(memory).items():
+        for layer, ordinal, tensor in regions:
+            items = torch.arange(tensor.shape[0])
+            tensor.copy_(
+                state_bytes(component=name, layer=layer, ordinal=ordinal, shard=_shard(model, rank), items=items, item_bytes=tensor.shape[1])
+            )
+
+
+def verify_room(
+    memory: EngineMemory,
+    model: ModelSpec,
+    rank: RankSpec,
+    *,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    room: int,
+    aux_row: int | None,
+    state: Mapping[str, tuple[Sequence[int], Sequence[int]]] = {},
+) -> list[str]:
+    """Every byte a decode rank received for one room against the reference; the problems found.
+
+    ``state`` maps each component to (source indices, destination indices);
+    the reference of destination item i is source item i of the same layer
+    and tp shard (trimmed to the shorter list, as paged components are).
+    """
+    problems: list[str] = []
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    heads = rank_heads(model.total_kv_heads, rank.tp_size, rank.tp_rank, model.mla)
+    src = torch.from_numpy(np.asarray(src_pages, dtype=np.int64))
+    dst = torch.from_numpy(np.asarray(dst_pages, dtype=np.int64))
+    begin, end = rank.layer_range(model)
+    for layer in range(begin, end):
+        for kind, tensor in _kv_tensors(memory, model, layer):
+            want = kv_bytes(layer=layer, kind=kind, pages=src, page_size=model.page_size, heads=heads, head_dim=model.head_dim, dtype_bytes=itemsize)
+            got = tensor[dst]
+            if not torch.equal(got, want):
+                problems.append(f"layer {layer} kind {kind}: {int((got != want).sum())} bytes differ")
+    if aux_row is not None:
+        for i, aux in enumerate(memory.aux):
+            if not torch.equal(aux[aux_row], aux_bytes(room=room, region=i, row_bytes=aux.shape[1])):
+                problems.append(f"aux region {i} differs")
+    regions = state_items(memory)
+    for name, (src_idx, dst_idx) in state.items():
+        n = min(len(src_idx), len(dst_idx))
+        for layer, ordinal, tensor in regions.get(name, []):
+            want = state_bytes(
+                component=name,
+                layer=layer,
+                ordinal=ordinal,
+                shard=_shard(model, rank),
+                items=torch.as_tensor(list(src_idx)[:n]),
+                item_bytes=tensor.shape[1],
+            )
+            if not torch.equal(tensor[torch.as_tensor(list(dst_idx)[:n], dtype=torch.int64)], want):
+                problems.append(f"state {name} layer {layer} region {ordinal} differs")
+    return problems
+
+
+def write_aux(memory: EngineMemory, room: int, row: int) -> None:
+    """Write ``room``'s aux row (what the prefill engine produced) into row ``row``."""
+    for i, aux in enumerate(memory.aux):
+        aux[row].copy_(aux_bytes(room=room, region=i, row_bytes=aux.shape[1]))

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RoomPlan", "plan_room", "pool_pages"]
+from kvbroker.client import StateSpec
+
+__all__ = ["STATE_KINDS", "RoomPlan", "plan_room", "pool_pages", "state_indices", "state_specs"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,28 @@ def plan_room(*, seed: int, index: int, room_base: int, pages: int, chunks: int,
         dst_pages=dst,
         chunks=tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])),
     )
+
+
+#: The state component types a scenario can carry.
+STATE_KINDS = ("mamba", "swa", "nsa")
+
+
+def state_specs(names: tuple[str, ...], num_layers: int, slots: int) -> tuple[StateSpec, ...]:
+    """One component per name, with state on every layer: Mamba has 2 buffers
+    (conv, ssm) of one item per request slot; SWA and NSA are paged (4 items
+    per slot)."""
+    layers = tuple(range(num_layers))
+    specs = {
+        "mamba": StateSpec("mamba", "mamba", item_bytes=96, num_items=slots, num_regions=2, layers=layers),
+        "swa": StateSpec("swa", "swa", item_bytes=64, num_items=4 * slots, layers=layers),
+        "nsa": StateSpec("nsa", "nsa", item_bytes=48, num_items=4 * slots, layers=layers),
+    }
+    return tuple(specs[name] for name in names)
+
+
+def state_indices(name: str, slot: int, side: int) -> list[int]:
+    """Indices of component ``name`` for the room in ``slot`` (side 0: sender, 1: receiver)."""
+    if name == "mamba":
+        return [slot]
+    base = 4 * slot
+    return [base + (i + side) % 4 for i in range(3)]

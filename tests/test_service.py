@@ -431,21 +431,22 @@ def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_eng
     sender = pe.handle.sender(50)
     sender.init(len(SRC), aux_row=1)
     _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
-    assert p.agent.registrations == 1
+    assert p.agent.registrations == 3  # the engine's buffer and the two staging buffers
     pe.handle._session.close()  # what the kernel does when the process dies
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
-    _eventually(lambda: p.agent.registrations == 0 and not p.runtime.engines.by_id)
+    _eventually(lambda: p.agent.registrations == 2 and not p.runtime.engines.by_id)
     assert not p.agent.live_dlists
 
 
 def test_unregister_releases_everything(fake_brokers, make_engine) -> None:
     """UnregisterEngine deregisters memory and releases descriptor lists; the id is then unknown."""
     p = fake_brokers("p")
+    baseline = p.agent.registrations
     pe = make_engine(p.address, "prefill")
-    assert p.agent.registrations == 1 and p.agent.live_dlists
+    assert p.agent.registrations == baseline + 1 and p.agent.live_dlists
     pe.handle.close()
-    assert p.agent.registrations == 0 and not p.agent.live_dlists
+    assert p.agent.registrations == baseline and not p.agent.live_dlists
     with pytest.raises(errors.NotFound):
         pe.client.call(pe.client.stub.Poll, transfer_pb2.PollRequest(engine_id=pe.handle.engine_id, rooms=[1]))
 
@@ -511,3 +512,75 @@ def _eventually(predicate: Callable[[], bool], timeout_seconds: float = 10.0) ->
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.01)
+
+
+def test_state_between_different_tp_sizes_is_refused_on_both_sides(fake_brokers, make_engine) -> None:
+    """Non-MLA state cannot be sliced: the receiver fails with a clear cause and the sender hears of it."""
+    spec = (StateSpec(name="mamba", type="mamba", item_bytes=48, num_items=6),)
+    p, d = fake_brokers("p"), fake_brokers("d")
+    prefill = [make_engine(p.address, "prefill", tp_size=2, tp_rank=r, state=spec) for r in range(2)]
+    de = make_engine(d.address, "decode", state=spec)
+    receiver = de.handle.receiver(80, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"mamba": [1]})
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and "cannot be moved between tp 2 and tp 1" in status.cause.message
+    for pe in prefill:
+        sender = pe.handle.sender(80)
+        sender.init(2, aux_row=0)
+        sender.send(SRC[:2], state={"mamba": [0]})
+        sstat = sender.wait(10)
+        assert sstat.state == RoomState.FAILED and "cannot be moved" in sstat.cause.message
+
+
+def test_lesson4_paged_state_is_trimmed_and_mamba_mismatch_fails(fake_brokers, make_engine) -> None:
+    """Lesson 4: SWA indices of different lengths are trimmed to the shorter list; Mamba's fail clearly."""
+    spec = (
+        StateSpec(name="swa", type="swa", item_bytes=32, num_items=8),
+        StateSpec(name="mamba", type="mamba", item_bytes=16, num_items=8),
+    )
+    p, d, pe, de = _pair(fake_brokers, make_engine, state=spec)
+    receiver = de.handle.receiver(81, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"swa": [5, 6]})
+    sender = pe.handle.sender(81)
+    sender.init(2, aux_row=0)
+    src_swa = np.array([1, 2, 3], dtype=np.int32)
+    sender.send(SRC[:2], state={"swa": src_swa})
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert torch.equal(pe.memory.state["swa"][0][[1, 2]], de.memory.state["swa"][0][[5, 6]])
+    assert src_swa.tolist() == [1, 2, 3]
+    receiver = de.handle.receiver(82, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"mamba": [5]})
+    sender = pe.handle.sender(82)
+    sender.init(2, aux_row=0)
+    sender.send(SRC[:2], state={"mamba": [1, 2]})
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and "position-indexed" in status.cause.message
+
+
+def test_completion_waits_for_every_state_component(fake_brokers, make_engine) -> None:
+    """A source's last notice naming only one of two listed components does not finish the room:
+    it fails, naming the missing one (the room must not be done after the first component)."""
+    spec = (
+        StateSpec(name="swa", type="swa", item_bytes=32, num_items=8),
+        StateSpec(name="nsa", type="nsa", item_bytes=24, num_items=8),
+    )
+    p, d, pe, de = _pair(fake_brokers, make_engine, state=spec)
+    receiver = de.handle.receiver(83, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:2], aux_row=0, state={"swa": [1], "nsa": [2]})
+    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    notice = peer_pb2.TransferNotice(
+        room=83,
+        sender_broker_id=p.runtime.broker_id,
+        source=common_pb2.EngineRankId(group="prefill-group"),
+        receiver=common_pb2.EngineRankId(group="decode-group"),
+        chunk_index=0,
+        is_last=True,
+        total_chunks=1,
+        pages=2,
+        aux=True,
+        state_components=["swa"],
+        parts=1,
+    )
+    d.loop.call(d.runtime.receiver.on_notice, p.agent.name, notice.SerializeToString())
+    status = receiver.status()
+    assert status.state == RoomState.FAILED and "['nsa']" in status.cause.message

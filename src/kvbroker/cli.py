@@ -35,6 +35,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--orphan-timeout", type=float, default=d.orphan_room_timeout_seconds, metavar="SECONDS", help="how long transfer infos wait for a BeginSend")
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_seconds, metavar="SECONDS", help="how long a receiving room retries reaching the sender's broker and group")
     p.add_argument("--peer-timeout", type=float, default=d.peer_rpc_timeout_seconds, metavar="SECONDS", help="deadline of broker-to-broker calls")
+    p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
+    p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
     p.add_argument("--agent-name-prefix", default=d.agent_name_prefix, help="prefix of the NIXL agent name")
     p.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line with the broker's addresses here once it serves")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help="auto: console on a terminal, JSON otherwise")
@@ -88,6 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
         orphan_room_timeout_seconds=args.orphan_timeout,
         bootstrap_timeout_seconds=args.bootstrap_timeout,
         peer_rpc_timeout_seconds=args.peer_timeout,
+        staging_send_bytes=0 if args.no_staging else args.staging_mib << 20,
+        staging_receive_bytes=0 if args.no_staging else args.staging_mib << 20,
     )
     return asyncio.run(_serve_async(config, args.ready_file))
 

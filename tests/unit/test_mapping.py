@@ -17,6 +17,7 @@ from kvbroker.errors import FailedPrecondition, Unimplemented
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FULL = peer_pb2.SOURCE_MODE_FULL_PAGES
+SLICE = peer_pb2.SOURCE_MODE_HEAD_SLICE
 COMPLETION = peer_pb2.SOURCE_MODE_COMPLETION_ONLY
 SENDER = "prefill"
 
@@ -100,12 +101,12 @@ def test_equal_tp_mla(tp: int) -> None:
 
 
 def test_prefill_pp2_to_decode_pp1() -> None:
-    """A pp 1 receiver hears from both sender pp ranks; only the last sends aux and state."""
+    """A pp 1 receiver hears from both sender pp ranks; only the last sends aux; each sends the state of its layers."""
     sender = shape(pp=2, begins=(0, 2))
     receiver = shape()
     got = plans(sender, receiver, 0, 0)
     assert [(p.rank, p.layer_begin, p.layer_end, p.sends_aux, p.sends_state) for p in got] == [
-        (RankKey(SENDER, 0, 0), 0, 2, False, False),
+        (RankKey(SENDER, 0, 0), 0, 2, False, True),
         (RankKey(SENDER, 0, 1), 2, 4, True, True),
     ]
     assert all(p.mode == FULL and p.num_destinations == 1 for p in got)
@@ -143,27 +144,31 @@ def test_uneven_pp_split() -> None:
 
 
 def _check_plan_invariants(sender: GroupShape, receiver: GroupShape) -> None:
-    """Layer coverage, aux uniqueness and destination counts for every receiver rank."""
+    """Layer and head coverage, aux uniqueness and destination counts for every receiver rank."""
     everything = all_plans(sender, receiver)
     served: Counter[RankKey] = Counter()
+    heads_per_rank = 1 if receiver.mla else max(1, receiver.total_kv_heads // receiver.tp_size)
     for (tp, pp), got in everything.items():
         r_begin, r_end = receiver.layer_range(pp)
-        writing = [p for p in got if p.mode == FULL]
-        ranges = sorted(
-            (p.layer_begin, p.layer_end) for p in writing if p.layer_begin < p.layer_end
-        )
-        # The union of the writing sources' layers is exactly the receiver's, without overlap.
-        covered = [layer for b, e in ranges for layer in range(b, e)]
-        assert covered == list(range(r_begin, r_end)), (tp, pp, ranges)
+        writing = [p for p in got if p.writes_data]
+        # Every (layer, receiver head) is written by exactly one source.
+        cells: Counter[tuple[int, int]] = Counter()
         for p in writing:
+            first = p.dst_head_start if p.mode == SLICE else 0
+            count = p.num_heads if p.mode == SLICE else heads_per_rank
+            for layer in range(p.layer_begin, p.layer_end):
+                cells.update((layer, h) for h in range(first, first + count))
             if p.layer_begin < p.layer_end:
                 s_begin, s_end = sender.layer_range(p.rank.pp_rank)
                 assert s_begin <= p.layer_begin and p.layer_end <= s_end
-        # Exactly one source sends aux and state, and it is the sender's last pp rank.
+        wanted = {(layer, h) for layer in range(r_begin, r_end) for h in range(heads_per_rank)}
+        assert set(cells) == wanted and set(cells.values()) == {1}, (tp, pp, cells)
+        # Exactly one source sends aux, at the sender's last pp rank; state
+        # comes from every source that writes layers.
         extras = [p for p in got if p.sends_aux]
         assert len(extras) == 1
-        assert extras[0].rank.pp_rank == sender.pp_size - 1
-        assert [p for p in got if p.sends_state] == extras
+        assert extras[0].rank.pp_rank == sender.pp_size - 1 and extras[0].writes_data
+        assert [p for p in got if p.sends_state] == [p for p in writing if p.layer_begin < p.layer_end]
         # Sources are distinct ranks.
         assert len({p.rank for p in got}) == len(got)
         served.update(p.rank for p in got)
@@ -212,12 +217,10 @@ def _group_pair(draw: Any) -> tuple[GroupShape, GroupShape]:
     mla = draw(st.booleans())
     s_begins = draw(_begins(num_layers))
     r_begins = draw(_begins(num_layers))
-    if mla:
-        s_tp, r_tp = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (1, 4), (2, 4), (8, 2)]))
-    else:
-        s_tp = r_tp = draw(st.sampled_from([1, 2, 4]))
-    sender = shape(tp=s_tp, pp=len(s_begins), num_layers=num_layers, begins=s_begins, mla=mla)
-    receiver = shape(tp=r_tp, pp=len(r_begins), num_layers=num_layers, begins=r_begins, mla=mla)
+    s_tp, r_tp = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
+    heads = draw(st.sampled_from([1, 2, 4, 8, 32]))
+    sender = shape(tp=s_tp, pp=len(s_begins), num_layers=num_layers, begins=s_begins, mla=mla, total_kv_heads=heads)
+    receiver = shape(tp=r_tp, pp=len(r_begins), num_layers=num_layers, begins=r_begins, mla=mla, total_kv_heads=heads)
     return sender, receiver
 
 
@@ -273,13 +276,54 @@ def test_mla_tp_not_multiple(s_tp: int, r_tp: int) -> None:
         plans(shape(tp=s_tp, mla=True), shape(tp=r_tp, mla=True), 0, 0)
 
 
-@pytest.mark.parametrize("s_tp,r_tp", [(2, 1), (1, 2), (4, 2), (8, 4)])
-def test_non_mla_different_tp_unimplemented(s_tp: int, r_tp: int) -> None:
-    """Non-MLA with different tp sizes (head slicing) raises Unimplemented."""
-    with pytest.raises(
-        Unimplemented, match=f"head-sliced transfer between tp {s_tp} and tp {r_tp}"
-    ):
-        plans(shape(tp=s_tp), shape(tp=r_tp), 0, 0)
+def _slices(sender: GroupShape, receiver: GroupShape) -> list[list[tuple[int, int, int, int, int]]]:
+    """Per receiver tp rank: (sender tp, mode, src head start, dst head start, heads)."""
+    return [
+        [(p.rank.tp_rank, p.mode, p.src_head_start, p.dst_head_start, p.num_heads) for p in plans(sender, receiver, d, 0)]
+        for d in range(receiver.tp_size)
+    ]
+
+
+def test_hand_derived_4_to_2_with_8_heads() -> None:
+    """Lesson 3, 4 -> 2 with 8 heads: prefill ranks' heads start at [0, 2, 0, 2] in the decode pages."""
+    got = _slices(shape(tp=4, total_kv_heads=8), shape(tp=2, total_kv_heads=8))
+    assert got == [[(0, SLICE, 0, 0, 2), (1, SLICE, 0, 2, 2)], [(2, SLICE, 0, 0, 2), (3, SLICE, 0, 2, 2)]]
+    assert [start for rank in got for (_, _, _, start, _) in rank] == [0, 2, 0, 2]
+
+
+def test_hand_derived_1_to_4_with_2_heads() -> None:
+    """Lesson 3, GQA 1 -> 4 with 2 heads: decode ranks take prefill heads starting [0, 0, 1, 1]."""
+    got = _slices(shape(tp=1, total_kv_heads=2), shape(tp=4, total_kv_heads=2))
+    assert [rank[0][2] for rank in got] == [0, 0, 1, 1]
+    assert all(rank == [(0, SLICE, rank[0][2], 0, 1)] for rank in got)
+    (plan,) = plans(shape(tp=1, total_kv_heads=2), shape(tp=4, total_kv_heads=2), 0, 0)
+    assert plan.num_destinations == 4
+
+
+def test_gqa_replicas_on_the_prefill_side_write_once() -> None:
+    """GQA 4 -> 1 with 2 heads: ranks 0 and 2 write heads 0 and 1; their replicas 1 and 3 only complete."""
+    got = _slices(shape(tp=4, total_kv_heads=2), shape(tp=1, total_kv_heads=2))
+    assert got == [[(0, SLICE, 0, 0, 1), (1, COMPLETION, 0, 0, 0), (2, SLICE, 0, 1, 1), (3, COMPLETION, 0, 0, 0)]]
+
+
+def test_heads_moving_whole_pages_need_no_slicing() -> None:
+    """2 -> 4 with 1 head: every rank holds the one head, so pages move whole."""
+    got = _slices(shape(tp=2, total_kv_heads=1), shape(tp=4, total_kv_heads=1))
+    assert got == [[(0, FULL, 0, 0, 0), (1, COMPLETION, 0, 0, 0)]] * 4
+
+
+def test_lesson2_sources_stay_distinct_with_pp1() -> None:
+    """Lesson 2: 4 -> 2 with pp 1 gives two distinct sources per decode rank (keyed by tp too)."""
+    for d in range(2):
+        keys = [p.rank for p in plans(shape(tp=4), shape(tp=2), d, 0)]
+        assert len(set(keys)) == len(keys) == 2
+        assert all(k.pp_rank == 0 for k in keys)
+
+
+def test_heads_that_do_not_divide_are_unimplemented() -> None:
+    """KV heads that do not split evenly over a tp size are refused."""
+    with pytest.raises(Unimplemented, match="do not divide evenly"):
+        plans(shape(tp=3, total_kv_heads=8), shape(tp=2, total_kv_heads=8), 0, 0)
 
 
 # -- compatibility ------------------------------------------------------------

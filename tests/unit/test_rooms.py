@@ -25,6 +25,7 @@ from kvbroker.broker.rooms import (
     cause,
     cause_of,
 )
+from kvbroker.broker.staging import Reservation
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -281,6 +282,8 @@ SIZE_KEYS = {
     "receiver_ranks",
     "receiver_expected_sources",
     "tombstones",
+    "prefetch_requests",
+    "staging_reservations",
 }
 
 
@@ -334,7 +337,7 @@ def test_sizes_counts_everything() -> None:
         for i in range(3)
     )
     info = _info(1)
-    src.destinations[info.receiver] = Destination(info=info, plan=_plan())
+    src.destinations[info.receiver] = Destination(info=info, plan=_plan(), prefetch={(0, 0): 4096})
     src.inflight = 2
     tables.sender[1] = SenderRoom(
         room=1, sources={src.key: src}, infos={info.receiver: info, RankKey("d", 1, 0): _info(1, 1)}
@@ -348,6 +351,7 @@ def test_sizes_counts_everything() -> None:
             plan=_plan(1), expects_aux=False, expected_components=frozenset()
         ),
     }
+    rcv.staging[(RankKey("p", 0, 0), 0, 0)] = Reservation(offset=0, nbytes=4096)
     rcv2 = receiver(room=2, group="d", tp=1)  # expected is None: counts 0
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv})
     tables.receiver[2] = ReceiverRoom(room=2, ranks={rcv2.key: rcv2})
@@ -363,6 +367,8 @@ def test_sizes_counts_everything() -> None:
         "receiver_ranks": 2,
         "receiver_expected_sources": 2,
         "tombstones": 1,
+        "prefetch_requests": 1,
+        "staging_reservations": 1,
     }
     assert list(tables.all_sources()) == [src]
     assert list(tables.all_receivers()) == [rcv, rcv2]

@@ -259,7 +259,7 @@ def test_paged_state_trimmed_without_mutating_inputs(
 def test_paged_state_trim_to_empty(state_pair: tuple[Layout, Layout]) -> None:
     """A paged component with an empty side trims to empty segments without error."""
     sender, receiver = state_pair
-    segments = state_segments(sender, receiver, "swa", i32([1, 2, 3]), i32([]))
+    segments = state_segments(sender, receiver, "swa", i32([1, 2, 3]), i32([]), 0, 4)
     assert all(s.src_items.size == 0 and s.dst_items.size == 0 for s in segments)
 
 
@@ -292,15 +292,15 @@ def test_component_type_mismatch(make_layout: Builder, state_spec: Any) -> None:
     sender = make_layout(state=(state_spec("x", SWA),))
     receiver = make_layout(state=(state_spec("x", MAMBA),))
     with pytest.raises(FailedPrecondition, match="'x' has different types"):
-        state_segments(sender, receiver, "x", i32([0]), i32([0]))
+        state_segments(sender, receiver, "x", i32([0]), i32([0]), 0, 4)
 
 
 def test_component_region_count_mismatch(make_layout: Builder, state_spec: Any) -> None:
     """A component with different region counts on the two sides is FailedPrecondition."""
     sender = make_layout(state=(state_spec("swa", SWA, regions=2),))
     receiver = make_layout(state=(state_spec("swa", SWA, regions=3),))
-    with pytest.raises(FailedPrecondition, match="2 sender regions, 3 receiver regions"):
-        state_segments(sender, receiver, "swa", i32([0]), i32([0]))
+    with pytest.raises(FailedPrecondition, match=r"sender.s regions are at layers \[0, 1\], the receiver.s at \[0, 1, 2\]"):
+        state_segments(sender, receiver, "swa", i32([0]), i32([0]), 0, 4)
 
 
 def test_component_item_size_mismatch(make_layout: Builder, state_spec: Any) -> None:
@@ -310,7 +310,7 @@ def test_component_item_size_mismatch(make_layout: Builder, state_spec: Any) -> 
     with pytest.raises(
         FailedPrecondition, match="state 'swa' region 0: the sender's items are 32 bytes"
     ):
-        state_segments(sender, receiver, "swa", i32([0]), i32([0]))
+        state_segments(sender, receiver, "swa", i32([0]), i32([0]), 0, 4)
 
 
 def test_full_last_chunk(state_pair: tuple[Layout, Layout]) -> None:

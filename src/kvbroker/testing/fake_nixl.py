@@ -163,11 +163,34 @@ class FakeAgent:
             if slen != dlen:
                 raise NixlError("local and remote descriptors differ in length")
             pairs.append((src, dst, slen))
-        target = remote.agent or self._name
+        target = remote.agent if remote.agent and remote.agent != self._name else self._name
         xfer = _Xfer(pairs=pairs, target=target, notif=notif, script=script)
         self.live_xfers.add(id(xfer))
         self.posted += 1
         return xfer
+
+    def post_write_descs(
+        self,
+        local_descs: np.ndarray,
+        local_kind: int,
+        remote_descs: np.ndarray,
+        remote_kind: int,
+        remote_agent: str,
+        notif: bytes,
+    ) -> _Xfer:
+        local = self.prep_dlist(None, local_descs, local_kind)
+        remote = self.prep_dlist(remote_agent, remote_descs, remote_kind)
+        try:
+            return self.post_write(
+                local,
+                np.arange(len(local_descs), dtype=np.int32),
+                remote,
+                np.arange(len(remote_descs), dtype=np.int32),
+                notif,
+            )
+        finally:
+            self.release_dlist(local)
+            self.release_dlist(remote)
 
     def check(self, xfer: _Xfer) -> XferState:
         if xfer.finished is not None:

@@ -12,7 +12,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices")
+    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token")
     class PerRoomStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,10 @@ class Stats(_message.Message):
     DESCRIPTORS_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     LATE_NOTICES_FIELD_NUMBER: _ClassVar[int]
     BAD_NOTICES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_SEND_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_RECEIVE_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     per_room_state: _containers.ScalarMap[str, int]
     engines: int
@@ -46,7 +50,11 @@ class Stats(_message.Message):
     descriptors_transferred: int
     late_notices: int
     bad_notices: int
-    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ...) -> None: ...
+    staging_send_bytes_in_use: int
+    staging_receive_bytes_in_use: int
+    transfers_staged: int
+    transfers_per_token: int
+    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ()

@@ -13,9 +13,11 @@ class SourceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_MODE_UNSPECIFIED: _ClassVar[SourceMode]
     SOURCE_MODE_FULL_PAGES: _ClassVar[SourceMode]
     SOURCE_MODE_COMPLETION_ONLY: _ClassVar[SourceMode]
+    SOURCE_MODE_HEAD_SLICE: _ClassVar[SourceMode]
 SOURCE_MODE_UNSPECIFIED: SourceMode
 SOURCE_MODE_FULL_PAGES: SourceMode
 SOURCE_MODE_COMPLETION_ONLY: SourceMode
+SOURCE_MODE_HEAD_SLICE: SourceMode
 
 class BrokerIdentity(_message.Message):
     __slots__ = ("broker_id", "nixl_agent_name", "address")
@@ -52,31 +54,35 @@ class EngineDescriptor(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.EngineLayout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[RemoteBuffer, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("protocol_version", "caller", "nixl_agent_metadata", "engines")
+    __slots__ = ("protocol_version", "caller", "nixl_agent_metadata", "engines", "staging")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     caller: BrokerIdentity
     nixl_agent_metadata: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
-    def __init__(self, protocol_version: _Optional[int] = ..., caller: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
+    staging: RemoteBuffer
+    def __init__(self, protocol_version: _Optional[int] = ..., caller: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., staging: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "callee", "nixl_agent_metadata", "engines")
+    __slots__ = ("protocol_version", "callee", "nixl_agent_metadata", "engines", "staging")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CALLEE_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     callee: BrokerIdentity
     nixl_agent_metadata: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
-    def __init__(self, protocol_version: _Optional[int] = ..., callee: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
+    staging: RemoteBuffer
+    def __init__(self, protocol_version: _Optional[int] = ..., callee: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., staging: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
 
 class SourcePlan(_message.Message):
-    __slots__ = ("rank", "mode", "num_destinations", "layer_begin", "layer_end", "sends_aux", "sends_state")
+    __slots__ = ("rank", "mode", "num_destinations", "layer_begin", "layer_end", "sends_aux", "sends_state", "src_head_start", "dst_head_start", "num_heads")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +90,9 @@ class SourcePlan(_message.Message):
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     SENDS_AUX_FIELD_NUMBER: _ClassVar[int]
     SENDS_STATE_FIELD_NUMBER: _ClassVar[int]
+    SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     rank: _common_pb2.EngineRankId
     mode: SourceMode
     num_destinations: int
@@ -91,7 +100,10 @@ class SourcePlan(_message.Message):
     layer_end: int
     sends_aux: bool
     sends_state: bool
-    def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ...) -> None: ...
+    src_head_start: int
+    dst_head_start: int
+    num_heads: int
+    def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomRequest(_message.Message):
     __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources")
@@ -118,6 +130,32 @@ class RegisterRoomRequest(_message.Message):
 class RegisterRoomResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReserveStagingRequest(_message.Message):
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "part", "bytes")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    sender_broker_id: str
+    source: _common_pb2.EngineRankId
+    receiver: _common_pb2.EngineRankId
+    chunk_index: int
+    part: int
+    bytes: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., part: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveStagingResponse(_message.Message):
+    __slots__ = ("offset", "bytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    bytes: int
+    def __init__(self, offset: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class CompletionReport(_message.Message):
     __slots__ = ("room", "sender_broker_id", "source", "receiver", "failure", "settled")
@@ -154,7 +192,7 @@ class PeerAbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +206,10 @@ class TransferNotice(_message.Message):
     STATE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    STAGING_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -181,4 +223,8 @@ class TransferNotice(_message.Message):
     state_components: _containers.RepeatedScalarFieldContainer[str]
     part: int
     parts: int
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    page_offset: int
+    staged: bool
+    staging_offset: int
+    staging_bytes: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...

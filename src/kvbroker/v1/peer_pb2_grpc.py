@@ -44,6 +44,11 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.FromString,
                 _registered_method=True)
+        self.ReserveStaging = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/ReserveStaging',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReserveStagingRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReserveStagingResponse.FromString,
+                _registered_method=True)
         self.ReportCompletion = channel.unary_unary(
                 '/kvbroker.v1.PeerBroker/ReportCompletion',
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.CompletionReport.SerializeToString,
@@ -71,6 +76,17 @@ class PeerBrokerServicer:
     def RegisterRoom(self, request, context):
         """Receiver's broker -> sender's broker: the transfer info of one receiving
         engine rank for one room. Idempotent for the same (room, receiver).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveStaging(self, request, context):
+        """Sender's broker -> receiver's broker, before a staged write: reserve
+        room in the receiver's staging buffer for one part of one chunk (the
+        prefetch). Waits while the buffer is full; RESOURCE_EXHAUSTED if the
+        part can never fit. Idempotent for the same (room, source, receiver,
+        chunk, part).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +120,11 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.RegisterRoom,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.SerializeToString,
+            ),
+            'ReserveStaging': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveStaging,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReserveStagingRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.ReserveStagingResponse.SerializeToString,
             ),
             'ReportCompletion': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCompletion,
@@ -170,6 +191,33 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/RegisterRoom',
             kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveStaging(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/ReserveStaging',
+            kvbroker_dot_v1_dot_peer__pb2.ReserveStagingRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.ReserveStagingResponse.FromString,
             options,
             channel_credentials,
             insecure,

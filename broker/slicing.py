@@ -1,0 +1,177 @@
+"""Head-sliced KV transfers (different tp sizes, non-MLA): pure functions.
+
+Pages are token-major ("NHD"): a page of one layer is ``page_size`` tokens,
+each ``heads_per_rank * head_bytes`` long. A head slice of a page is
+therefore ``page_size`` strided pieces of ``num_heads * head_bytes``.
+Two ways to move them (DESIGN.md sections 5 and 6):
+
+- per-token descriptors (:func:`token_descriptors`): one NIXL descriptor per
+  (layer region, page, token); correct, slow;
+- staging: the sender gathers the slice of every page of every layer of a
+  chunk into one packed block (:func:`gather`), writes it in bulk into a
+  slot the receiver reserved, and the receiver scatters it into its pages
+  (:func:`scatter`). The packed layout, shared by both sides: for every
+  (layer, kind) pair in :func:`kv_region_pairs` order, ``[pages, page_size,
+  num_heads * head_bytes]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbroker.broker.descriptors import DescriptorTable
+from kvbroker.broker.layout import Layout
+from kvbroker.broker.mapping import SourcePlan
+from kvbroker.errors import FailedPrecondition
+from kvbroker.indices import IndexArray
+from kvbroker.v1 import common_pb2
+
+__all__ = [
+    "HeadSlice",
+    "SliceSide",
+    "gather",
+    "head_slice",
+    "kv_region_pairs",
+    "kv_regions",
+    "slice_side",
+    "scatter",
+    "staged_bytes",
+    "token_descriptors",
+]
+
+
+@dataclass(frozen=True)
+class SliceSide:
+    """Byte geometry of a head slice on one side of a transfer."""
+
+    page_size: int
+    #: Bytes of one token of one page (heads per rank x head bytes).
+    token_bytes: int
+    #: Where the slice starts inside a token.
+    offset_bytes: int
+    #: Bytes of the slice inside a token (heads moved x head bytes).
+    slice_bytes: int
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Both sides of one head-sliced (source, receiver) pair."""
+
+    src: SliceSide
+    dst: SliceSide
+
+
+def slice_side(layout: Layout, head_start: int, num_heads: int, who: str) -> SliceSide:
+    """The geometry of heads [head_start, head_start + num_heads) of ``layout``'s pages."""
+    if num_heads == 0 or head_start + num_heads > layout.kv_heads_per_rank:
+        raise FailedPrecondition(
+            f"heads [{head_start}, {head_start + num_heads}) are not inside the {who}'s "
+            f"{layout.kv_heads_per_rank} heads per rank"
+        )
+    head_bytes = layout.head_dim * layout.dtype_bytes
+    return SliceSide(
+        page_size=layout.page_size_tokens,
+        token_bytes=layout.kv_heads_per_rank * head_bytes,
+        offset_bytes=head_start * head_bytes,
+        slice_bytes=num_heads * head_bytes,
+    )
+
+
+def head_slice(src: Layout, dst: Layout, plan: SourcePlan) -> HeadSlice:
+    """The geometry of ``plan``'s slice; ``FailedPrecondition`` if it does not fit."""
+    return HeadSlice(
+        src=slice_side(src, plan.src_head_start, plan.num_heads, "sender"),
+        dst=slice_side(dst, plan.dst_head_start, plan.num_heads, "receiver"),
+    )
+
+
+def kv_regions(layout: Layout, layer_begin: int, layer_end: int, who: str) -> list[int]:
+    """KV regions of every layer in [layer_begin, layer_end), each layer's kinds in order."""
+    out = []
+    for layer in range(layer_begin, layer_end):
+        for kind in layout.kv_kinds():
+            region = layout.kv_regions.get((kind, layer))
+            if region is None:
+                raise FailedPrecondition(f"the {who} has no {common_pb2.RegionKind.Name(kind)} region for layer {layer}")
+            out.append(region)
+    return out
+
+
+def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) -> list[tuple[int, int]]:
+    """(source region, receiver region) of every KV kind of every layer in the range, paired by layer id."""
+    if src.mla != dst.mla:
+        raise FailedPrecondition("one side is MLA and the other is not")
+    return list(zip(kv_regions(src, layer_begin, layer_end, "sender"), kv_regions(dst, layer_begin, layer_end, "receiver")))
+
+
+def staged_bytes(num_regions: int, num_pages: int, side: SliceSide) -> int:
+    """Bytes of the packed block of ``num_pages`` pages over ``num_regions`` regions."""
+    return num_regions * num_pages * side.page_size * side.slice_bytes
+
+
+def token_descriptors(
+    src_table: DescriptorTable,
+    dst_table: DescriptorTable,
+    pairs: list[tuple[int, int]],
+    src_pages: IndexArray,
+    dst_pages: IndexArray,
+    hs: HeadSlice,
+) -> tuple[int, int, npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """One descriptor per (region pair, page, token): (local kind, remote kind, local N x 3, remote N x 3).
+
+    Every pair must live in one memory kind on each side (KV regions do).
+    """
+    kinds = {(src_table.region_kind[s], dst_table.region_kind[d]) for s, d in pairs}
+    if len(kinds) != 1:
+        raise FailedPrecondition("the KV regions of a head-sliced transfer must share one memory kind per side")
+    local_kind, remote_kind = kinds.pop()
+    local = _token_descs(src_table, [s for s, _ in pairs], src_pages, hs.src, local_kind)
+    remote = _token_descs(dst_table, [d for _, d in pairs], dst_pages, hs.dst, remote_kind)
+    return local_kind, remote_kind, local, remote
+
+
+def _token_descs(
+    table: DescriptorTable, regions: list[int], pages: IndexArray, side: SliceSide, kind: int
+) -> npt.NDArray[np.uint64]:
+    bases = np.asarray([table.region_base[r] for r in regions], dtype=np.int64)
+    rows = (bases[:, None] + pages.astype(np.int64)[None, :]).ravel()
+    page_addr = table.descs[kind][rows, 0]
+    tokens = np.arange(side.page_size, dtype=np.uint64) * np.uint64(side.token_bytes)
+    out = np.empty((rows.size * side.page_size, 3), dtype=np.uint64)
+    out[:, 0] = (page_addr[:, None] + tokens[None, :] + np.uint64(side.offset_bytes)).ravel()
+    out[:, 1] = side.slice_bytes
+    out[:, 2] = np.repeat(table.descs[kind][rows, 2], side.page_size)
+    return out
+
+
+def _token_view(region: npt.NDArray[np.uint8], page_size: int) -> npt.NDArray[np.uint8]:
+    return region.reshape(region.shape[0], page_size, -1)
+
+
+def gather(
+    regions: list[npt.NDArray[np.uint8]],
+    pages: IndexArray,
+    side: SliceSide,
+    out: npt.NDArray[np.uint8],
+) -> None:
+    """Pack the slice of ``pages`` of every region (``[items, item_bytes]`` views) into ``out``."""
+    block = out.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
+    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
+    for i, region in enumerate(regions):
+        block[i] = _token_view(region, side.page_size)[pages, :, lo:hi]
+
+
+def scatter(
+    packed: npt.NDArray[np.uint8],
+    regions: list[npt.NDArray[np.uint8]],
+    pages: IndexArray,
+    side: SliceSide,
+) -> None:
+    """Unpack a block made by :func:`gather` into the slice of ``pages`` of every region."""
+    block = packed.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
+    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
+    for i, region in enumerate(regions):
+        _token_view(region, side.page_size)[pages, :, lo:hi] = block[i]

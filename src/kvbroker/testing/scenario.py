@@ -1,0 +1,203 @@
+"""Parallel-layout scenarios: engine ranks in this process, brokers anywhere.
+
+``run_scenario`` registers every prefill and decode rank of a layout (tp x pp
+on each side, one client and one memfd per rank) with the given brokers,
+moves a few chunked rooms with aux rows and state, and checks every byte each
+decode rank received against the reference of ``kvbroker.demo.pattern``,
+computed from the model's coordinates, not from the broker's slicing code.
+Used by the service tests (fake NIXL) and the real-NIXL matrix.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvbroker.client import (
+    BrokerClient,
+    EngineHandle,
+    EngineMemory,
+    ModelSpec,
+    RankSpec,
+    RoomState,
+    SenderRef,
+)
+from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
+from kvbroker.demo.plan import STATE_KINDS, RoomPlan, plan_room, pool_pages, state_indices, state_specs
+
+__all__ = ["STATE_KINDS", "Scenario", "run_scenario", "state_indices", "state_specs"]
+
+@dataclass(frozen=True)
+class Scenario:
+    """A prefill/decode layout and a small workload."""
+
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_pp: int = 1
+    decode_pp: int = 1
+    kv_heads: int = 8
+    head_dim: int = 16
+    layers: int = 4
+    page_size: int = 4
+    mla: bool = False
+    dtype: str = "bfloat16"
+    state: tuple[str, ...] = ()
+    rooms: int = 2
+    pages: int = 6
+    chunks: int = 2
+    aux_bytes: int = 16
+    seed: int = 0
+
+    def model(self) -> ModelSpec:
+        return ModelSpec(
+            num_layers=self.layers,
+            total_kv_heads=1 if self.mla else self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=getattr(torch, self.dtype),
+            page_size=self.page_size,
+            mla=self.mla,
+        )
+
+    @property
+    def label(self) -> str:
+        parts = [
+            f"tp{self.prefill_tp}->{self.decode_tp}",
+            f"pp{self.prefill_pp}->{self.decode_pp}",
+            "mla" if self.mla else f"{self.kv_heads}h",
+        ]
+        if self.state:
+            parts.append("+".join(self.state))
+        return "-".join(parts)
+
+
+@dataclass
+class _Rank:
+    spec: RankSpec
+    memory: EngineMemory
+    client: BrokerClient
+    engine: EngineHandle
+
+
+@dataclass
+class ScenarioResult:
+    problems: list[str] = field(default_factory=list)
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _register(address: str, spec: RankSpec, model: ModelSpec, scenario: Scenario) -> _Rank:
+    memory = EngineMemory.allocate(
+        spec,
+        model,
+        num_pages=pool_pages(scenario.pages, scenario.rooms),
+        aux_rows=scenario.rooms,
+        aux_row_bytes=[scenario.aux_bytes],
+        state=state_specs(scenario.state, scenario.layers, scenario.rooms),
+    )
+    client = BrokerClient(address)
+    return _Rank(spec, memory, client, client.register_engine(spec, memory))
+
+
+def run_scenario(
+    prefill_address: str,
+    decode_address: str,
+    scenario: Scenario,
+    *,
+    sender_address: str | None = None,
+    timeout_seconds: float = 60.0,
+) -> ScenarioResult:
+    """Run ``scenario``; the result lists every problem (empty: byte-exact).
+
+    ``sender_address`` is what decode ranks put in SenderRef (default
+    ``prefill_address``; "" for "my own broker").
+    """
+    model = scenario.model()
+    tag = secrets.token_hex(4)
+    groups = (f"prefill-{tag}", f"decode-{tag}")
+    ranks: list[_Rank] = []
+    result = ScenarioResult()
+    try:
+        prefill = [
+            _register(prefill_address, RankSpec(groups[0], "prefill", scenario.prefill_tp, tp, scenario.prefill_pp, pp), model, scenario)
+            for pp in range(scenario.prefill_pp)
+            for tp in range(scenario.prefill_tp)
+        ]
+        ranks.extend(prefill)
+        for rank in prefill:
+            fill_rank(rank.memory, model, rank.spec)
+        decode = [
+            _register(decode_address, RankSpec(groups[1], "decode", scenario.decode_tp, tp, scenario.decode_pp, pp), model, scenario)
+            for pp in range(scenario.decode_pp)
+            for tp in range(scenario.decode_tp)
+        ]
+        ranks.extend(decode)
+        room_base = secrets.randbits(40) << 16
+        plans = [
+            plan_room(seed=scenario.seed, index=i, room_base=room_base, pages=scenario.pages, chunks=scenario.chunks, window=scenario.rooms)
+            for i in range(scenario.rooms)
+        ]
+        ref = SenderRef(prefill_address if sender_address is None else sender_address, groups[0])
+        for plan in plans:
+            for rank in decode:
+                rank.engine.receiver(plan.room, ref).init(
+                    plan.dst_pages, aux_row=plan.slot, state={n: state_indices(n, plan.slot, 1) for n in _state_on(rank)}
+                )
+        for plan in plans:
+            _send(prefill, plan)
+        _collect(decode, prefill, plans, timeout_seconds, result)
+        for plan in plans:
+            for rank in decode:
+                problems = verify_room(
+                    rank.memory,
+                    model,
+                    rank.spec,
+                    src_pages=plan.src_pages,
+                    dst_pages=plan.dst_pages,
+                    room=plan.room,
+                    aux_row=plan.slot,
+                    state={n: (state_indices(n, plan.slot, 0), state_indices(n, plan.slot, 1)) for n in _state_on(rank)},
+                )
+                result.problems.extend(f"room {plan.room} {rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: {p}" for p in problems)
+    finally:
+        for rank in ranks:
+            try:
+                rank.engine.close()
+            finally:
+                rank.client.close()
+                rank.memory.close()
+    return result
+
+
+def _state_on(rank: _Rank) -> list[str]:
+    return list(rank.memory.state)
+
+
+def _send(prefill: list[_Rank], plan: RoomPlan) -> None:
+    for rank in prefill:
+        write_aux(rank.memory, plan.room, plan.slot)
+        sender = rank.engine.sender(plan.room)
+        sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot)
+        for a, b in plan.chunks:
+            last = b == len(plan.src_pages)
+            state = {n: state_indices(n, plan.slot, 0) for n in _state_on(rank)} if last else None
+            sender.send(np.asarray(plan.src_pages[a:b]), state=state, is_last=last)
+
+
+def _collect(decode: list[_Rank], prefill: list[_Rank], plans: list[RoomPlan], timeout: float, result: ScenarioResult) -> None:
+    rooms = [p.room for p in plans]
+    for side in (decode, prefill):
+        for rank in side:
+            for room, status in rank.engine.wait(rooms, timeout_seconds=timeout).items():
+                if RoomState(status.state) is not RoomState.SUCCESS:
+                    result.problems.append(
+                        f"room {room} {rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: "
+                        f"{RoomState(status.state).name} {status.cause.message}"
+                    )
+                elif side is decode:
+                    result.bytes += status.bytes
