@@ -2,9 +2,10 @@
 
 ``BrokerServer`` runs one broker; ``BrokerConfig`` configures it. The modules
 behind them, one concept each: ``layout`` (engine layouts), ``descriptors``,
-``segments`` and ``mapping`` (pure transfer math), ``memory`` and
-``fdsocket`` (buffers by file descriptor), ``nixl_agent`` (the NIXL seam),
-``engines``, ``peers``, ``rooms``, ``sender``, ``receiver``, ``progress``,
+``segments``, ``slicing`` and ``mapping`` (pure transfer math), ``memory``
+and ``fdsocket`` (buffers by file descriptor), ``staging`` (staging
+buffers), ``nixl_agent`` (the NIXL seam), ``engines``, ``peers``, ``rooms``,
+``sender``, ``transfers`` (posting one chunk), ``receiver``, ``progress``,
 ``runtime`` (state and operations), ``service`` (gRPC servicers) and
 ``server`` (wiring).
 """

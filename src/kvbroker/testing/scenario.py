@@ -11,6 +11,7 @@ Used by the service tests (fake NIXL) and the real-NIXL matrix.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,14 @@ from kvbroker.client import (
     SenderRef,
 )
 from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
-from kvbroker.demo.plan import STATE_KINDS, RoomPlan, plan_room, pool_pages, state_indices, state_specs
+from kvbroker.demo.plan import (
+    STATE_KINDS,
+    RoomPlan,
+    plan_room,
+    pool_pages,
+    state_indices,
+    state_specs,
+)
 
 __all__ = ["STATE_KINDS", "Scenario", "run_scenario", "state_indices", "state_specs"]
 
@@ -84,7 +92,10 @@ class _Rank:
 @dataclass
 class ScenarioResult:
     problems: list[str] = field(default_factory=list)
+    #: Bytes the decode ranks received.
     bytes: int = 0
+    #: From the first ExpectRoom to the last room SUCCESS on every rank.
+    transfer_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -143,6 +154,7 @@ def run_scenario(
             for i in range(scenario.rooms)
         ]
         ref = SenderRef(prefill_address if sender_address is None else sender_address, groups[0])
+        start = time.perf_counter()
         for plan in plans:
             for rank in decode:
                 rank.engine.receiver(plan.room, ref).init(
@@ -151,6 +163,7 @@ def run_scenario(
         for plan in plans:
             _send(prefill, plan)
         _collect(decode, prefill, plans, timeout_seconds, result)
+        result.transfer_seconds = time.perf_counter() - start
         for plan in plans:
             for rank in decode:
                 problems = verify_room(
