@@ -49,6 +49,21 @@ class BrokerConfig:
     #: How long a receiving room retries reaching the sender's broker and
     #: finding its engine group before it fails (the handshake timeout).
     bootstrap_timeout_seconds: float = 30.0
+    #: How long a sending room waits for the transfer infos of the receivers
+    #: it serves (it is BOOTSTRAPPING until they all registered).
+    sender_info_timeout_seconds: float = 120.0
+    #: How long a receiving room waits, once registered with the sender's
+    #: broker, for all its data to land.
+    receiver_data_timeout_seconds: float = 300.0
+    #: How long one posted NIXL transfer may stay in flight before the broker
+    #: cancels it and fails the room (a hung transfer).
+    transfer_timeout_seconds: float = 60.0
+    #: How often the broker pings the peers it has open rooms with.
+    peer_heartbeat_seconds: float = 1.0
+    #: A peer that has not answered a ping for this long (or answers as a
+    #: different broker: it restarted) is lost: its rooms fail, its handshake
+    #: and NIXL remote agent are dropped.
+    peer_dead_after_seconds: float = 5.0
     #: Deadline of broker-to-broker calls.
     peer_rpc_timeout_seconds: float = 10.0
     #: How long UnregisterEngine waits for posted transfers to settle before

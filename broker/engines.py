@@ -60,6 +60,11 @@ class Engine:
         return self.layout.role
 
     @property
+    def label(self) -> str:
+        """Public name of this registration (the engine_id is the session's secret)."""
+        return f"{self.key}#{self.generation}"
+
+    @property
     def registered_bytes(self) -> int:
         return sum(b.size_bytes for b in self.buffers)
 
@@ -154,7 +159,9 @@ class EngineTable:
                 os.close(fd)
             raise
         engine = Engine(
-            engine_id=f"eng-{secrets.token_hex(8)}",
+            # The engine_id is the capability of the session that registered:
+            # unguessable, never listed, required by every room call.
+            engine_id=f"eng-{secrets.token_hex(16)}",
             key=key,
             layout=layout,
             layout_proto=layout_msg,
@@ -171,7 +178,7 @@ class EngineTable:
         self.epoch += 1
         log.info(
             "engine_registered",
-            engine=engine.engine_id,
+            engine=engine.label,
             rank=str(key),
             role=common_pb2.Role.Name(layout.role),
             buffers=len(buffers),
@@ -198,7 +205,7 @@ class EngineTable:
             buf.release()
         engine.dlists.clear()
         engine.registrations.clear()
-        log.info("engine_released", engine=engine.engine_id, rank=str(engine.key))
+        log.info("engine_released", engine=engine.label, rank=str(engine.key))
         if errors:
             raise errors[0]
 

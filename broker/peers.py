@@ -13,6 +13,8 @@ changes or the peer goes.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,7 @@ from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_
 from kvbroker.broker.engines import EngineTable
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.nixl_agent import Agent
-from kvbroker.errors import FailedPrecondition, KvBrokerError, Unavailable, from_rpc_error
+from kvbroker.errors import Aborted, FailedPrecondition, KvBrokerError, Unavailable, from_rpc_error
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 
 __all__ = ["PROTOCOL_VERSION", "Peer", "PeerTable", "RemoteEngine"]
@@ -60,6 +62,8 @@ class Peer:
     announced_epoch: int = -1
     #: The peer's staging buffer, if it stages.
     staging: peer_pb2.RemoteBuffer | None = None
+    #: When the peer last answered (or called) us: liveness.
+    last_seen: float = field(default_factory=time.monotonic)
     channel: grpc.aio.Channel | None = None
     stub: peer_pb2_grpc.PeerBrokerStub | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -80,9 +84,11 @@ class PeerTable:
         rpc_timeout_seconds: float,
         channel_options: list[tuple[str, Any]],
         staging: peer_pb2.RemoteBuffer | None = None,
+        on_restart: Callable[[Peer, str], None] | None = None,
     ) -> None:
         self._agent = agent
         self._staging = staging
+        self._on_restart = on_restart
         self._engines = engines
         self.broker_id = broker_id
         self.address = ""
@@ -165,10 +171,10 @@ class PeerTable:
         )
 
     def get(self, broker_id: str) -> Peer:
-        """The handshaken peer ``broker_id``; ``FailedPrecondition`` if unknown."""
+        """The handshaken peer ``broker_id``; ``Aborted`` (handshake again) if unknown."""
         peer = self.by_id.get(broker_id)
         if peer is None:
-            raise FailedPrecondition(f"broker {broker_id} has not handshaken with this broker")
+            raise Aborted(f"broker {broker_id} has not handshaken with this broker; handshake again")
         return peer
 
     # -- remote descriptor lists ---------------------------------------
@@ -222,7 +228,11 @@ class PeerTable:
     ) -> None:
         if peer.broker_id is not None and peer.broker_id != identity.broker_id:
             log.warning("peer_restarted", peer=peer.address, old=peer.broker_id, new=identity.broker_id)
+            if self._on_restart is not None:
+                # Fails the rooms with the old process and drops its state.
+                self._on_restart(peer, f"restarted (it is now broker {identity.broker_id})")
             self.drop(peer)
+        peer.last_seen = time.monotonic()
         is_self = identity.broker_id == self.broker_id
         if is_self:
             agent_name = self._agent.name

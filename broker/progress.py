@@ -21,9 +21,14 @@ from typing import Any
 
 import structlog
 
-from kvbroker.broker.nixl_agent import Agent, XferState
+from kvbroker.broker.nixl_agent import Agent, NixlError, XferState
+from kvbroker.errors import KvBrokerError
 
-__all__ = ["InflightTransfer", "ProgressLoop"]
+__all__ = ["InflightTransfer", "ProgressLoop", "TransferTimeout"]
+
+
+class TransferTimeout(NixlError):
+    """A posted transfer did not finish in time and was cancelled."""
 
 log = structlog.get_logger(__name__)
 
@@ -34,8 +39,11 @@ class InflightTransfer:
 
     handle: Any
     bytes: int
-    #: Called once with DONE or ERR, and the descriptor count if known.
-    on_settled: Callable[[XferState, int | None], None]
+    #: Called once with DONE or ERR, the descriptor count if known, and the
+    #: error when the broker cancelled the transfer.
+    on_settled: Callable[[XferState, int | None, KvBrokerError | None], None]
+    #: The remote agent it writes to.
+    remote_agent: str = ""
     posted_at: float = field(default_factory=time.monotonic)
 
 
@@ -84,10 +92,7 @@ class ProgressLoop:
                 active = True
                 descs = self._agent.descriptor_count(transfer.handle)
                 self._agent.release_xfer(transfer.handle)
-                try:
-                    transfer.on_settled(state, descs)
-                except Exception:
-                    log.exception("transfer_callback_failed")
+                self._settle(transfer, state, descs, None)
             self.inflight = still
         for agent_name, payload in self._agent.get_notifs():
             active = True
@@ -96,6 +101,40 @@ class ProgressLoop:
             except Exception:
                 log.exception("notification_handler_failed", agent=agent_name)
         return active
+
+    def cancel(self, predicate: Callable[[InflightTransfer], bool], why: Callable[[InflightTransfer], KvBrokerError]) -> int:
+        """Cancel every in-flight transfer matching ``predicate``.
+
+        NIXL cancels a transfer when its handle is released; one it cannot
+        cancel stays in flight (its pages stay unsettled) and is tried again
+        on the next call. Returns how many were cancelled.
+        """
+        cancelled = 0
+        for transfer in [t for t in self.inflight if predicate(t)]:
+            try:
+                self._agent.release_xfer(transfer.handle)
+            except KvBrokerError as exc:
+                log.warning("transfer_cancel_failed", remote=transfer.remote_agent, error=exc.message)
+                continue
+            self.inflight.remove(transfer)
+            self._settle(transfer, XferState.ERR, None, why(transfer))
+            cancelled += 1
+        return cancelled
+
+    def cancel_overdue(self, now: float, timeout_seconds: float) -> int:
+        """Cancel transfers in flight for longer than ``timeout_seconds`` (hung)."""
+        return self.cancel(
+            lambda t: now - t.posted_at > timeout_seconds,
+            lambda t: TransferTimeout(
+                f"a NIXL write of {t.bytes} bytes to {t.remote_agent or 'a peer'} did not finish in {timeout_seconds:g} s"
+            ),
+        )
+
+    def _settle(self, transfer: InflightTransfer, state: XferState, descs: int | None, error: KvBrokerError | None) -> None:
+        try:
+            transfer.on_settled(state, descs, error)
+        except Exception:
+            log.exception("transfer_callback_failed")
 
     async def stop(self) -> None:
         self._stopping = True

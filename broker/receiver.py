@@ -174,7 +174,7 @@ class ReceiverSide:
         if rank.pages_settled:
             self._release_staging(rank)
         self._counters.rooms_failed += 1
-        log.info("receive_failed", room=rank.room, engine=rank.engine.engine_id, cause=why.message)
+        log.info("receive_failed", room=rank.room, engine=rank.engine.label, cause=why.message)
         if tell_sender and rank.peer_broker_id is not None:
             # Also when the room never reached the sender's broker (a plan it
             # cannot do): its engine must not wait for a transfer info.
@@ -232,7 +232,7 @@ class ReceiverSide:
             if rank.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
                 self._release_staging(rank)
-                log.debug("receive_done", room=rank.room, engine=rank.engine.engine_id, bytes=rank.bytes)
+                log.debug("receive_done", room=rank.room, engine=rank.engine.label, bytes=rank.bytes)
 
     def on_completion_report(self, report: peer_pb2.CompletionReport) -> None:
         """A source's out-of-band report: it failed, and maybe it settled."""
@@ -247,6 +247,34 @@ class ReceiverSide:
         if report.HasField("failure"):
             self.fail(rank, report.failure, tell_sender=False)
         self._maybe_settled(rank)
+
+    def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
+        """The sender's broker ``broker_id`` is gone: fail our ranks it feeds.
+
+        A dead broker writes nothing more, so their pages are settled.
+        """
+        ranks = [r for r in self._rooms.all_receivers() if r.peer_broker_id == broker_id]
+        for rank in ranks:
+            self.fail(rank, why, tell_sender=False)
+            for exp in (rank.expected or {}).values():
+                exp.settled = True
+            self._maybe_settled(rank)
+        return len(ranks)
+
+    def time_out(self, now: float, data_timeout_seconds: float) -> None:
+        """Fail ranks that waited longer than the data timeout since registering."""
+        for rank in list(self._rooms.all_receivers()):
+            if rank.terminal or rank.registered_at is None or now - rank.registered_at <= data_timeout_seconds:
+                continue
+            pending = [str(k) for k, e in (rank.expected or {}).items() if not e.complete]
+            self.fail(
+                rank,
+                cause(
+                    common_pb2.FAILURE_KIND_TIMEOUT,
+                    f"waited {data_timeout_seconds:g} s for data from the sender's broker; sources not complete: {pending}",
+                    self._id,
+                ),
+            )
 
     def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause, from_broker: str) -> int:
         """The sender's broker aborted the room: fail our ranks that it serves."""
@@ -270,6 +298,7 @@ class ReceiverSide:
             if rank.peer_broker_id is not None and rank.cause is not None:
                 await self._abort_sender(rank.peer_broker_id, rank.room, rank.cause)
             return
+        rank.registered_at = time.monotonic()
         rank.advance(WAITING_FOR_INPUT)
         self._progress.wake()
 

@@ -289,6 +289,8 @@ class ReceiverProgress(Progress):
     expected: dict[RankKey, SourceExpectation] | None = None
     #: The sender's broker may have the transfer info (so it may write).
     registered_with_sender: bool = False
+    #: When the sender's broker accepted the room (the data timeout runs from here).
+    registered_at: float | None = None
     peer_broker_id: str | None = None
     #: Staging reservations made for senders' parts: (source, chunk, part) ->
     #: reservation in this broker's staging buffer. Released after the

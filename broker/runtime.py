@@ -20,9 +20,10 @@ from kvbroker.broker.counters import Counters
 from kvbroker.broker.engines import Engine, EngineTable
 from kvbroker.broker.fdsocket import FdSession, FdSocketServer
 from kvbroker.broker.layout import rank_key
+from kvbroker.broker.liveness import PeerMonitor
 from kvbroker.broker.mapping import SourcePlan
-from kvbroker.broker.nixl_agent import Agent
-from kvbroker.broker.peers import PROTOCOL_VERSION, PeerTable
+from kvbroker.broker.nixl_agent import Agent, NixlError
+from kvbroker.broker.peers import PROTOCOL_VERSION, Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
 from kvbroker.broker.receiver import ReceiverSide
 from kvbroker.broker.rooms import (
@@ -72,6 +73,7 @@ class BrokerRuntime:
             rpc_timeout_seconds=config.peer_rpc_timeout_seconds,
             channel_options=channel_options(config),
             staging=self.receive_staging.descriptor() if self.receive_staging else None,
+            on_restart=self.on_peer_lost,
         )
         self.progress = ProgressLoop(
             agent,
@@ -100,7 +102,15 @@ class BrokerRuntime:
             staging_wait_seconds=config.staging_wait_seconds,
             **common,  # type: ignore[arg-type]
         )
+        self.monitor = PeerMonitor(
+            self.peers,
+            interval_seconds=config.peer_heartbeat_seconds,
+            dead_after_seconds=config.peer_dead_after_seconds,
+            has_business=self._has_business,
+            on_lost=self.on_peer_lost,
+        )
         self._housekeeping: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------
     def start(self, address: str) -> None:
@@ -108,7 +118,9 @@ class BrokerRuntime:
         self.address = address
         self.peers.address = address
         self.progress.start()
-        self._housekeeping = asyncio.get_running_loop().create_task(self._housekeep(), name="housekeeping")
+        loop = asyncio.get_running_loop()
+        self._housekeeping = loop.create_task(self._housekeep(), name="housekeeping")
+        self._monitor = loop.create_task(self.monitor.run(), name="peer-monitor")
 
     async def stop(self) -> None:
         """Fail open rooms, let in-flight transfers settle, release everything in reverse order."""
@@ -119,9 +131,10 @@ class BrokerRuntime:
             self.receiver.fail(rank, why)
         await self._wait_settled(list(self.engines.by_id.values()), self.config.unregister_settle_timeout_seconds)
         await self.tasks.drain(timeout_seconds=2.0)
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            await asyncio.gather(self._housekeeping, return_exceptions=True)
+        for task in (self._housekeeping, self._monitor):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.progress.stop()
         for engine in list(self.engines.by_id.values()):
             self.hub.close(engine.engine_id)
@@ -191,7 +204,7 @@ class BrokerRuntime:
         # later for one of them is answered with the failure, not left waiting.
         self.hub.close(engine_id)
         self.engines.release(engine)
-        log.info("engine_unregistered", engine=engine_id, lost=lost, rooms_failed=len(sources) + len(ranks))
+        log.info("engine_unregistered", engine=engine.label, lost=lost, rooms_failed=len(sources) + len(ranks))
         return sum(1 for p in (*sources, *ranks) if p.cause is why)
 
     def expect_room(self, request: transfer_pb2.ExpectRoomRequest) -> ReceiverProgress:
@@ -317,7 +330,7 @@ class BrokerRuntime:
             sources, ranks = self._rooms_of(engine)
             out.append(
                 admin_pb2.EngineInfo(
-                    engine_id=engine.engine_id,
+                    engine_label=engine.label,
                     rank=engine.key.to_proto(),
                     role=engine.role,  # type: ignore[arg-type]
                     buffers=len(engine.buffers),
@@ -380,12 +393,41 @@ class BrokerRuntime:
         """An RPC finished: post the chunks it scheduled (``SenderSide.flush``)."""
         self.sender.flush()
 
+    # -- peers --------------------------------------------------------------------
+    def on_peer_lost(self, peer: Peer, what: str) -> None:
+        """``peer`` died or restarted: fail its rooms, cancel transfers to it, drop it."""
+        broker_id = peer.broker_id
+        if broker_id is None or peer.is_self:
+            return
+        why = cause(common_pb2.FAILURE_KIND_PEER, f"peer broker {peer.address} ({broker_id}) {what}", self.broker_id)
+        log.warning("peer_lost", peer=peer.address, broker=broker_id, reason=what)
+        sources = self.sender.peer_lost(broker_id, why)
+        ranks = self.receiver.peer_lost(broker_id, why)
+        agent = peer.agent_name
+        self.progress.cancel(
+            lambda t: t.remote_agent == agent,
+            lambda t: NixlError(f"transfer to lost peer {peer.address} cancelled"),
+        )
+        self.peers.drop(peer)
+        log.info("peer_dropped", peer=peer.address, broker=broker_id, sources_failed=sources, receivers_failed=ranks)
+
+    def _has_business(self, peer: Peer) -> bool:
+        broker_id = peer.broker_id
+        for source in self.rooms.all_sources():
+            if (not source.terminal or source.inflight) and any(
+                d.info.receiver_broker_id == broker_id for d in source.destinations.values()
+            ):
+                return True
+        return any(
+            r.peer_broker_id == broker_id and (not r.terminal or not r.pages_settled) for r in self.rooms.all_receivers()
+        )
+
     # -- sessions ---------------------------------------------------------------
     def on_session_closed(self, session: FdSession) -> None:
         """The engine's fd connection closed: if it never unregistered, it is gone."""
         engine_id = session.engine_id
         if engine_id and engine_id in self.engines.by_id:
-            log.warning("engine_session_lost", engine=engine_id, pid=session.pid)
+            log.warning("engine_session_lost", engine=self.engines.by_id[engine_id].label, pid=session.pid)
             self.tasks.spawn(self.unregister_engine(engine_id, lost=True), name=f"lost-{engine_id}")
 
     # -- internals --------------------------------------------------------------
@@ -434,13 +476,17 @@ class BrokerRuntime:
             if not pending:
                 return
             await asyncio.sleep(0.01)
-        log.warning("settle_timeout", engines=[e.engine_id for e in engines], timeout_seconds=timeout_seconds)
+        log.warning("settle_timeout", engines=[e.label for e in engines], timeout_seconds=timeout_seconds)
 
     async def _housekeep(self) -> None:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.housekeeping_interval_seconds)
             try:
+                now = time.monotonic()
+                self.sender.time_out(now, cfg.sender_info_timeout_seconds)
+                self.receiver.time_out(now, cfg.receiver_data_timeout_seconds)
+                self.progress.cancel_overdue(now, cfg.transfer_timeout_seconds)
                 self.rooms.evict(
                     time.monotonic(),
                     cfg.finished_room_ttl_seconds,

@@ -116,7 +116,7 @@ class SenderSide:
         room.had_sources = True
         source = SourceProgress(room=room_id, engine=engine, listener=self._publish, num_pages=num_pages)
         room.sources[engine.key] = source
-        log.debug("send_opened", room=room_id, engine=engine.engine_id, num_pages=num_pages)
+        log.debug("send_opened", room=room_id, engine=engine.label, num_pages=num_pages)
         if room.aborted is not None:
             self.fail(source, room.aborted)
             return source
@@ -186,7 +186,7 @@ class SenderSide:
         if not source.fail(why, settled=source.inflight == 0):
             return
         self._counters.rooms_failed += 1
-        log.info("send_failed", room=source.room, engine=source.engine.engine_id, cause=why.message)
+        log.info("send_failed", room=source.room, engine=source.engine.label, cause=why.message)
         for dest in source.destinations.values():
             self._report(source, dest)
 
@@ -229,6 +229,34 @@ class SenderSide:
         for source in room.sources.values():
             self.fail(source, why)
         return len(room.sources)
+
+    def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
+        """The receivers' broker ``broker_id`` is gone: fail every source serving it."""
+        lost = [
+            s
+            for s in self._rooms.all_sources()
+            if not s.terminal and any(d.info.receiver_broker_id == broker_id for d in s.destinations.values())
+        ]
+        for source in lost:
+            self.fail(source, why)
+        return len(lost)
+
+    def time_out(self, now: float, info_timeout_seconds: float) -> None:
+        """Fail sources that waited longer than the timeout for their receivers' transfer infos."""
+        for source in list(self._rooms.all_sources()):
+            if source.terminal or source.ready() or now - source.opened_at <= info_timeout_seconds:
+                continue
+            want = source.expected_destinations
+            self.fail(
+                source,
+                cause(
+                    common_pb2.FAILURE_KIND_TIMEOUT,
+                    f"waited {info_timeout_seconds:g} s for the receivers' transfer info (ExpectRoom on the decode "
+                    f"side); {len(source.destinations)} of {want if want is not None else 'an unknown number of'} "
+                    "receivers registered",
+                    self._id,
+                ),
+            )
 
     # -- internals ---------------------------------------------------------
     def _validate_chunk(
@@ -364,7 +392,7 @@ class SenderSide:
         if source.last_received and all(d.complete for d in source.destinations.values()):
             if source.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
-                log.debug("send_done", room=source.room, engine=source.engine.engine_id, bytes=source.bytes)
+                log.debug("send_done", room=source.room, engine=source.engine.label, bytes=source.bytes)
         elif source.chunk_list:
             source.advance(TRANSFERRING)
         else:

@@ -135,6 +135,10 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         return peer_pb2.CompletionAck()
 
     @_unary
+    async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
+        return peer_pb2.PingResponse(broker_id=self._rt.broker_id)
+
+    @_unary
     async def AbortRoom(self, request: peer_pb2.PeerAbortRequest, context: Any) -> peer_pb2.PeerAbortResponse:
         self._rt.peer_abort(request)
         return peer_pb2.PeerAbortResponse()

@@ -131,7 +131,7 @@ class ChunkPoster:
                 part.remote_indices,
                 notice.SerializeToString(),
             )
-            self._track(source, dest, handle, part.bytes)
+            self._track(source, dest, peer, handle, part.bytes)
         if sliced:
             notice.part = len(whole)
             self._post_slice(source, dest, peer, remote, shape, notice)
@@ -168,7 +168,7 @@ class ChunkPoster:
             local, local_kind, remote_descs, remote_kind, peer.agent_name, notice.SerializeToString()
         )
         self._counters.transfers_per_token += 1
-        self._track(source, dest, handle, nbytes)
+        self._track(source, dest, peer, handle, nbytes)
 
     def _can_stage(self, peer: Peer, nbytes: int) -> bool:
         if self._staging is None or peer.staging is None:
@@ -245,7 +245,12 @@ class ChunkPoster:
         self._counters.transfers_posted += 1
         self._counters.transfers_staged += 1
         self._progress.track(
-            InflightTransfer(handle=handle, bytes=nbytes, on_settled=partial(self._staged_settled, source, dest, key, local, nbytes))
+            InflightTransfer(
+                handle=handle,
+                bytes=nbytes,
+                on_settled=partial(self._staged_settled, source, dest, key, local, nbytes),
+                remote_agent=peer.agent_name or "",
+            )
         )
 
     def _staged_settled(
@@ -257,14 +262,15 @@ class ChunkPoster:
         nbytes: int,
         state: XferState,
         descs: int | None,
+        error: KvBrokerError | None,
     ) -> None:
         assert self._staging is not None
         self._staging.release(local)
         dest.prefetch.pop(key, None)
-        self._on_settled(source, dest, nbytes, state, descs, None)
+        self._on_settled(source, dest, nbytes, state, descs, error)
 
     # -- helpers ---------------------------------------------------------------
-    def _track(self, source: SourceProgress, dest: Destination, handle: object, nbytes: int) -> None:
+    def _track(self, source: SourceProgress, dest: Destination, peer: Peer, handle: object, nbytes: int) -> None:
         source.inflight += 1
         dest.inflight += 1
         self._counters.transfers_posted += 1
@@ -272,7 +278,8 @@ class ChunkPoster:
             InflightTransfer(
                 handle=handle,
                 bytes=nbytes,
-                on_settled=lambda state, descs: self._on_settled(source, dest, nbytes, state, descs, None),
+                on_settled=lambda state, descs, error: self._on_settled(source, dest, nbytes, state, descs, error),
+                remote_agent=peer.agent_name or "",
             )
         )
 

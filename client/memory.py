@@ -133,6 +133,8 @@ class EngineMemory:
     state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: The whole buffer as uint8 (for tests that check bytes around regions).
     raw: torch.Tensor | None = None
+    #: [start, stop) byte spans of the canary guards in ``raw``.
+    guards: list[tuple[int, int]] = field(default_factory=list)
     _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -146,8 +148,15 @@ class EngineMemory:
         aux_row_bytes: Sequence[int] = (),
         state: Sequence[StateSpec] = (),
         device: str = "cpu",
+        guard_bytes: int = 4096,
     ) -> EngineMemory:
-        """Allocate and map the memory; every byte starts as zero."""
+        """Allocate and map the memory; every region byte starts as zero.
+
+        ``guard_bytes`` of canary bytes sit before the first region and after
+        every region (plus the slack to the next 4 KiB boundary);
+        :meth:`check_guards` reports any that changed: a write outside the
+        registered regions. 0 turns guards off.
+        """
         if device != "cpu":
             raise Unimplemented(
                 f"device {device!r}: only host memory can be exported in this build (CUDA VMM export is not implemented)"
@@ -165,7 +174,10 @@ class EngineMemory:
         kinds = (common_pb2.REGION_KIND_MLA,) if model.mla else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
 
         regions: list[common_pb2.Region] = []
-        offset = 0
+        if guard_bytes % _ALIGN:
+            raise InvalidArgument(f"guard_bytes must be a multiple of {_ALIGN}")
+        offset = guard_bytes
+        guards: list[tuple[int, int]] = [(0, guard_bytes)] if guard_bytes else []
 
         def place(kind: int, length: int, item: int, layer: int = 0, component: str = "") -> common_pb2.Region:
             nonlocal offset
@@ -179,7 +191,11 @@ class EngineMemory:
                 component=component,
             )
             regions.append(region)
-            offset = _align(offset + length)
+            end = _align(offset + length)
+            if guard_bytes:
+                # The slack up to the alignment boundary and a guard after it.
+                guards.append((offset + length, end + guard_bytes))
+            offset = end + guard_bytes
             return region
 
         for layer in range(begin, end):
@@ -232,11 +248,14 @@ class EngineMemory:
             ],
             pp_layer_begins=list(rank.layer_begins(model)),
         )
+        for start, stop in guards:
+            raw[start:stop] = _canary(start, stop)
         memory = cls(
             layout=layout,
             buffers=[(fd, common_pb2.BufferSpec(size_bytes=total, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0))],
             raw=raw,
             _maps=[mapping],
+            guards=guards,
         )
 
         def view(region: common_pb2.Region) -> torch.Tensor:
@@ -258,6 +277,16 @@ class EngineMemory:
                     view(region).view(region.length_bytes // region.item_bytes, region.item_bytes)
                 )
         return memory
+
+    def check_guards(self) -> list[str]:
+        """The guard spans whose canary bytes changed (empty: nothing wrote outside a region)."""
+        if self.raw is None:
+            return []
+        return [
+            f"guard [{start}, {stop}) was overwritten"
+            for start, stop in self.guards
+            if not torch.equal(self.raw[start:stop], _canary(start, stop))
+        ]
 
     def kv_tensors(self, layer: int) -> list[torch.Tensor]:
         """The KV tensors of ``layer``: [k, v], or [mla]."""
@@ -291,3 +320,9 @@ class EngineMemory:
 
 def _align(value: int) -> int:
     return (value + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _canary(start: int, stop: int) -> torch.Tensor:
+    """The canary bytes of [start, stop): position-dependent, never all zero."""
+    positions = torch.arange(start, stop, dtype=torch.int64)
+    return ((positions * 131 + 0x5A) & 0xFF).to(torch.uint8)

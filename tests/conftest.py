@@ -159,11 +159,14 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
         return engine
 
     yield make
+    # Guard memory around every region: nothing may have written outside one.
+    overwritten = {str(e.handle.rank.group): e.memory.check_guards() for e in engines}
     for engine in engines:
         try:
             engine.close()
         except Exception:
             pass
+    assert not any(overwritten.values()), overwritten
 
 
 def page_bytes(memory: EngineMemory, layer: int, pages) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -50,8 +50,10 @@ class _Rank:
         self.engine = self.client.register_engine(self.rank, self.memory)
 
     def close(self) -> None:
+        overwritten = self.memory.check_guards()
         self.engine.close()
         self.client.close()
+        assert not overwritten, overwritten
 
 
 def _pages(rng: np.random.Generator, n: int, start: int = 0) -> np.ndarray:

@@ -177,6 +177,8 @@ def run_scenario(
                     state={n: (state_indices(n, plan.slot, 0), state_indices(n, plan.slot, 1)) for n in _state_on(rank)},
                 )
                 result.problems.extend(f"room {plan.room} {rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: {p}" for p in problems)
+        for rank in ranks:
+            result.problems.extend(f"{rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: {p}" for p in rank.memory.check_guards())
     finally:
         for rank in ranks:
             try:

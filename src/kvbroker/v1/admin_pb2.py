@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker.v1 import common_pb2 as kvbroker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvbroker/v1/admin.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x11\n\x0fGetStatsRequest\"\x86\x04\n\x05Stats\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12<\n\x0eper_room_state\x18\x02 \x03(\x0b\x32$.kvbroker.v1.Stats.PerRoomStateEntry\x12\x0f\n\x07\x65ngines\x18\x03 \x01(\x04\x12\r\n\x05peers\x18\x04 \x01(\x04\x12\x17\n\x0frooms_succeeded\x18\x05 \x01(\x04\x12\x14\n\x0crooms_failed\x18\x06 \x01(\x04\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x04\x12\x18\n\x10transfers_posted\x18\t \x01(\x04\x12\x16\n\x0euptime_seconds\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65scriptors_transferred\x18\x0b \x01(\x04\x12\x14\n\x0clate_notices\x18\x0c \x01(\x04\x12\x13\n\x0b\x62\x61\x64_notices\x18\r \x01(\x04\x12!\n\x19staging_send_bytes_in_use\x18\x0e \x01(\x04\x12$\n\x1cstaging_receive_bytes_in_use\x18\x0f \x01(\x04\x12\x18\n\x10transfers_staged\x18\x10 \x01(\x04\x12\x1b\n\x13transfers_per_token\x18\x11 \x01(\x04\x1a\x33\n\x11PerRoomStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x14\n\x12ListEnginesRequest\"\xb9\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x04rank\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x1f\n\x04role\x18\x03 \x01(\x0e\x32\x11.kvbroker.v1.Role\x12\x0f\n\x07\x62uffers\x18\x04 \x01(\r\x12\x18\n\x10registered_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07regions\x18\x06 \x01(\r\x12\x12\n\nopen_rooms\x18\x07 \x01(\r\"?\n\x13ListEnginesResponse\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.kvbroker.v1.EngineInfo\"\x12\n\x10ListPeersRequest\"\x80\x01\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x03 \x01(\t\x12\x12\n\nhandshaken\x18\x04 \x01(\x08\x12\x0f\n\x07\x65ngines\x18\x05 \x01(\r\x12\x12\n\nopen_rooms\x18\x06 \x01(\r\"9\n\x11ListPeersResponse\x12$\n\x05peers\x18\x01 \x03(\x0b\x32\x15.kvbroker.v1.PeerInfo\"H\n\x10ListRoomsRequest\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.RoomStateH\x00\x88\x01\x01\x42\x08\n\x06_state\"\xf3\x01\n\x08RoomInfo\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x0c\n\x04side\x18\x02 \x01(\t\x12)\n\x06\x65ngine\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.kvbroker.v1.RoomState\x12(\n\x05\x63\x61use\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x0c\n\x04peer\x18\x06 \x01(\t\x12\r\n\x05pages\x18\x07 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\n \x01(\x01\"9\n\x11ListRoomsResponse\x12$\n\x05rooms\x18\x01 \x03(\x0b\x32\x15.kvbroker.v1.RoomInfo2\xaf\x02\n\x05\x41\x64min\x12<\n\x08GetStats\x12\x1c.kvbroker.v1.GetStatsRequest\x1a\x12.kvbroker.v1.Stats\x12P\n\x0bListEngines\x12\x1f.kvbroker.v1.ListEnginesRequest\x1a .kvbroker.v1.ListEnginesResponse\x12J\n\tListPeers\x12\x1d.kvbroker.v1.ListPeersRequest\x1a\x1e.kvbroker.v1.ListPeersResponse\x12J\n\tListRooms\x12\x1d.kvbroker.v1.ListRoomsRequest\x1a\x1e.kvbroker.v1.ListRoomsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvbroker/v1/admin.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x11\n\x0fGetStatsRequest\"\x86\x04\n\x05Stats\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12<\n\x0eper_room_state\x18\x02 \x03(\x0b\x32$.kvbroker.v1.Stats.PerRoomStateEntry\x12\x0f\n\x07\x65ngines\x18\x03 \x01(\x04\x12\r\n\x05peers\x18\x04 \x01(\x04\x12\x17\n\x0frooms_succeeded\x18\x05 \x01(\x04\x12\x14\n\x0crooms_failed\x18\x06 \x01(\x04\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x04\x12\x18\n\x10transfers_posted\x18\t \x01(\x04\x12\x16\n\x0euptime_seconds\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65scriptors_transferred\x18\x0b \x01(\x04\x12\x14\n\x0clate_notices\x18\x0c \x01(\x04\x12\x13\n\x0b\x62\x61\x64_notices\x18\r \x01(\x04\x12!\n\x19staging_send_bytes_in_use\x18\x0e \x01(\x04\x12$\n\x1cstaging_receive_bytes_in_use\x18\x0f \x01(\x04\x12\x18\n\x10transfers_staged\x18\x10 \x01(\x04\x12\x1b\n\x13transfers_per_token\x18\x11 \x01(\x04\x1a\x33\n\x11PerRoomStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x14\n\x12ListEnginesRequest\"\xbc\x01\n\nEngineInfo\x12\x14\n\x0c\x65ngine_label\x18\x01 \x01(\t\x12\'\n\x04rank\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x1f\n\x04role\x18\x03 \x01(\x0e\x32\x11.kvbroker.v1.Role\x12\x0f\n\x07\x62uffers\x18\x04 \x01(\r\x12\x18\n\x10registered_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07regions\x18\x06 \x01(\r\x12\x12\n\nopen_rooms\x18\x07 \x01(\r\"?\n\x13ListEnginesResponse\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.kvbroker.v1.EngineInfo\"\x12\n\x10ListPeersRequest\"\x80\x01\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x03 \x01(\t\x12\x12\n\nhandshaken\x18\x04 \x01(\x08\x12\x0f\n\x07\x65ngines\x18\x05 \x01(\r\x12\x12\n\nopen_rooms\x18\x06 \x01(\r\"9\n\x11ListPeersResponse\x12$\n\x05peers\x18\x01 \x03(\x0b\x32\x15.kvbroker.v1.PeerInfo\"H\n\x10ListRoomsRequest\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.RoomStateH\x00\x88\x01\x01\x42\x08\n\x06_state\"\xf3\x01\n\x08RoomInfo\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x0c\n\x04side\x18\x02 \x01(\t\x12)\n\x06\x65ngine\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.kvbroker.v1.RoomState\x12(\n\x05\x63\x61use\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x0c\n\x04peer\x18\x06 \x01(\t\x12\r\n\x05pages\x18\x07 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\n \x01(\x01\"9\n\x11ListRoomsResponse\x12$\n\x05rooms\x18\x01 \x03(\x0b\x32\x15.kvbroker.v1.RoomInfo2\xaf\x02\n\x05\x41\x64min\x12<\n\x08GetStats\x12\x1c.kvbroker.v1.GetStatsRequest\x1a\x12.kvbroker.v1.Stats\x12P\n\x0bListEngines\x12\x1f.kvbroker.v1.ListEnginesRequest\x1a .kvbroker.v1.ListEnginesResponse\x12J\n\tListPeers\x12\x1d.kvbroker.v1.ListPeersRequest\x1a\x1e.kvbroker.v1.ListPeersResponse\x12J\n\tListRooms\x12\x1d.kvbroker.v1.ListRoomsRequest\x1a\x1e.kvbroker.v1.ListRoomsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,21 +43,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTENGINESREQUEST']._serialized_start=606
   _globals['_LISTENGINESREQUEST']._serialized_end=626
   _globals['_ENGINEINFO']._serialized_start=629
-  _globals['_ENGINEINFO']._serialized_end=814
-  _globals['_LISTENGINESRESPONSE']._serialized_start=816
-  _globals['_LISTENGINESRESPONSE']._serialized_end=879
-  _globals['_LISTPEERSREQUEST']._serialized_start=881
-  _globals['_LISTPEERSREQUEST']._serialized_end=899
-  _globals['_PEERINFO']._serialized_start=902
-  _globals['_PEERINFO']._serialized_end=1030
-  _globals['_LISTPEERSRESPONSE']._serialized_start=1032
-  _globals['_LISTPEERSRESPONSE']._serialized_end=1089
-  _globals['_LISTROOMSREQUEST']._serialized_start=1091
-  _globals['_LISTROOMSREQUEST']._serialized_end=1163
-  _globals['_ROOMINFO']._serialized_start=1166
-  _globals['_ROOMINFO']._serialized_end=1409
-  _globals['_LISTROOMSRESPONSE']._serialized_start=1411
-  _globals['_LISTROOMSRESPONSE']._serialized_end=1468
-  _globals['_ADMIN']._serialized_start=1471
-  _globals['_ADMIN']._serialized_end=1774
+  _globals['_ENGINEINFO']._serialized_end=817
+  _globals['_LISTENGINESRESPONSE']._serialized_start=819
+  _globals['_LISTENGINESRESPONSE']._serialized_end=882
+  _globals['_LISTPEERSREQUEST']._serialized_start=884
+  _globals['_LISTPEERSREQUEST']._serialized_end=902
+  _globals['_PEERINFO']._serialized_start=905
+  _globals['_PEERINFO']._serialized_end=1033
+  _globals['_LISTPEERSRESPONSE']._serialized_start=1035
+  _globals['_LISTPEERSRESPONSE']._serialized_end=1092
+  _globals['_LISTROOMSREQUEST']._serialized_start=1094
+  _globals['_LISTROOMSREQUEST']._serialized_end=1166
+  _globals['_ROOMINFO']._serialized_start=1169
+  _globals['_ROOMINFO']._serialized_end=1412
+  _globals['_LISTROOMSRESPONSE']._serialized_start=1414
+  _globals['_LISTROOMSRESPONSE']._serialized_end=1471
+  _globals['_ADMIN']._serialized_start=1474
+  _globals['_ADMIN']._serialized_end=1777
 # @@protoc_insertion_point(module_scope)

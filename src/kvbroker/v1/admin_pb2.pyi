@@ -61,22 +61,22 @@ class ListEnginesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "rank", "role", "buffers", "registered_bytes", "regions", "open_rooms")
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("engine_label", "rank", "role", "buffers", "registered_bytes", "regions", "open_rooms")
+    ENGINE_LABEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
+    engine_label: str
     rank: _common_pb2.EngineRankId
     role: _common_pb2.Role
     buffers: int
     registered_bytes: int
     regions: int
     open_rooms: int
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., open_rooms: _Optional[int] = ...) -> None: ...
+    def __init__(self, engine_label: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., open_rooms: _Optional[int] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines",)

@@ -191,6 +191,18 @@ class PeerAbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PingRequest(_message.Message):
+    __slots__ = ("from_broker_id",)
+    FROM_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    from_broker_id: str
+    def __init__(self, from_broker_id: _Optional[str] = ...) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("broker_id",)
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    def __init__(self, broker_id: _Optional[str] = ...) -> None: ...
+
 class TransferNotice(_message.Message):
     __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes")
     ROOM_FIELD_NUMBER: _ClassVar[int]

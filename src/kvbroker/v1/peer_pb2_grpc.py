@@ -59,6 +59,11 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
                 _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/Ping',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PingResponse.FromString,
+                _registered_method=True)
 
 
 class PeerBrokerServicer:
@@ -108,6 +113,14 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ping(self, request, context):
+        """Liveness: brokers ping the peers they have open rooms with. The answer
+        names the callee's broker_id, so a restarted peer shows at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +148,11 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.AbortRoom,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PingRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +290,33 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/AbortRoom',
             kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/Ping',
+            kvbroker_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.PingResponse.FromString,
             options,
             channel_credentials,
             insecure,
