@@ -150,9 +150,7 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
             rank, model, num_pages=num_pages, aux_rows=aux_rows, aux_row_bytes=aux_row_bytes, state=state
         )
         if role == "prefill":
-            gen = torch.Generator().manual_seed(seed)
-            assert memory.raw is not None
-            memory.raw.copy_(torch.randint(0, 256, memory.raw.shape, dtype=torch.uint8, generator=gen))
+            fill_regions(memory, seed)
         client = BrokerClient(address)
         engine = Engine(client, client.register_engine(rank, memory), memory)
         engines.append(engine)
@@ -167,6 +165,15 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
         except Exception:
             pass
     assert not any(overwritten.values()), overwritten
+
+
+def fill_regions(memory: EngineMemory, seed: int) -> None:
+    """Random bytes in every region (not in the guards around them)."""
+    gen = torch.Generator().manual_seed(seed)
+    assert memory.raw is not None
+    for region in memory.layout.regions:
+        span = memory.raw[region.offset_bytes : region.offset_bytes + region.length_bytes]
+        span.copy_(torch.randint(0, 256, span.shape, dtype=torch.uint8, generator=gen))
 
 
 def page_bytes(memory: EngineMemory, layer: int, pages) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]

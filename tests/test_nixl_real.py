@@ -21,6 +21,8 @@ import torch
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess
 
+from .conftest import fill_regions
+
 pytestmark = pytest.mark.nixl
 
 MHA = ModelSpec(num_layers=3, total_kv_heads=4, head_dim=32, dtype=torch.bfloat16, page_size=8)
@@ -44,8 +46,7 @@ class _Rank:
         self.rank = RankSpec(group=group, role=role)  # type: ignore[arg-type]
         self.memory = EngineMemory.allocate(self.rank, model, num_pages=160, aux_rows=8, aux_row_bytes=[24, 40])
         if role == "prefill":
-            assert self.memory.raw is not None
-            self.memory.raw.copy_(torch.randint(0, 256, self.memory.raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+            fill_regions(self.memory, seed)
         self.client = BrokerClient(address)
         self.engine = self.client.register_engine(self.rank, self.memory)
 
