@@ -78,8 +78,23 @@ class BrokerConfig:
     staging_receive_bytes: int = 64 * 1024 * 1024
     #: How long a staged part waits for room in a full staging buffer.
     staging_wait_seconds: float = 30.0
+    #: Mutual TLS on the TCP port (peers and operators): this broker's
+    #: certificate chain and key, and the CA that signs every broker's (and
+    #: operator's) certificate. All three set: the TCP port accepts only
+    #: clients with a certificate from that CA, and calls to peers present
+    #: this broker's. None (default): plaintext, for loopback and trusted
+    #: networks. The engine unix socket is always plaintext (file permissions
+    #: guard it).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
     #: Largest gRPC message accepted or sent (page index lists are the bulk).
     max_message_bytes: int = 64 * 1024 * 1024
     #: Threads of the gRPC server's executor for sync work (the servicers
     #: themselves are async).
     grpc_max_workers: int = 4
+
+    @property
+    def tls(self) -> bool:
+        """Whether mutual TLS is configured (all three files set)."""
+        return bool(self.tls_cert_file and self.tls_key_file and self.tls_ca_file)

@@ -85,7 +85,9 @@ class PeerTable:
         channel_options: list[tuple[str, Any]],
         staging: peer_pb2.RemoteBuffer | None = None,
         on_restart: Callable[[Peer, str], None] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        self._credentials = credentials
         self._agent = agent
         self._staging = staging
         self._on_restart = on_restart
@@ -214,7 +216,10 @@ class PeerTable:
         if peer.stub is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
-            peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options)
+            if self._credentials is not None:
+                peer.channel = grpc.aio.secure_channel(peer.address, self._credentials, options=self._options)
+            else:
+                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options)
             peer.stub = peer_pb2_grpc.PeerBrokerStub(peer.channel)
         return peer.stub
 

@@ -37,6 +37,7 @@ from kvbroker.broker.rooms import (
 from kvbroker.broker.sender import SenderSide
 from kvbroker.broker.staging import StagingPool
 from kvbroker.broker.tasks import TaskSet
+from kvbroker.broker.tls import channel_credentials
 from kvbroker.broker.watch import WatchHub
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvbroker.indices import IndexArray, decode_indices
@@ -74,6 +75,7 @@ class BrokerRuntime:
             channel_options=channel_options(config),
             staging=self.receive_staging.descriptor() if self.receive_staging else None,
             on_restart=self.on_peer_lost,
+            credentials=channel_credentials(config) if config.tls else None,
         )
         self.progress = ProgressLoop(
             agent,

@@ -24,6 +24,7 @@ from kvbroker.broker.fdsocket import FdSocketServer
 from kvbroker.broker.nixl_agent import Agent, AgentConfig, UcxAgent
 from kvbroker.broker.runtime import BrokerRuntime, channel_options
 from kvbroker.broker.service import AdminService, PeerService, TransferService
+from kvbroker.broker.tls import server_credentials
 from kvbroker.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -75,7 +76,12 @@ class BrokerServer:
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(cfg.listen_address)
+        if cfg.tls:
+            self.port = server.add_secure_port(cfg.listen_address, server_credentials(cfg))
+        elif cfg.tls_cert_file or cfg.tls_key_file or cfg.tls_ca_file:
+            raise ValueError("mutual TLS needs all of the certificate, key and CA files")
+        else:
+            self.port = server.add_insecure_port(cfg.listen_address)
         if not self.port:
             raise OSError(f"cannot listen on {cfg.listen_address}")
         host = cfg.listen_address.rsplit(":", 1)[0]

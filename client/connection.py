@@ -30,14 +30,26 @@ class BrokerClient:
 
     ``BrokerClient("127.0.0.1:50051")`` asks the broker (GetBrokerInfo) where
     its engine unix socket and fd socket are, and switches to the unix socket
-    when it can reach it. Thread-safety: one client may be shared by threads
+    when it can reach it. ``address`` may also be the engine socket itself
+    (``"unix:/run/kvbroker/engine.sock"``), which is what engines use when the
+    broker's TCP port requires mutual TLS (or pass ``credentials``). Thread-safety: one client may be shared by threads
     (gRPC channels are thread-safe); each engine rank registers once.
     """
 
-    def __init__(self, address: str, *, prefer_unix_socket: bool = True, timeout_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        prefer_unix_socket: bool = True,
+        timeout_seconds: float = 30.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.address = address
         self.timeout_seconds = timeout_seconds
-        channel = grpc.insecure_channel(address, options=_OPTIONS)
+        if credentials is not None and not address.startswith("unix:"):
+            channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
+        else:
+            channel = grpc.insecure_channel(address, options=_OPTIONS)
         try:
             stub = transfer_pb2_grpc.TransferBrokerStub(channel)
             self.info: transfer_pb2.BrokerInfo = self.call(

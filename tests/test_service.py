@@ -584,3 +584,87 @@ def test_completion_waits_for_every_state_component(fake_brokers, make_engine) -
     d.loop.call(d.runtime.receiver.on_notice, p.agent.name, notice.SerializeToString())
     status = receiver.status()
     assert status.state == RoomState.FAILED and "['nsa']" in status.cause.message
+
+
+def test_hung_transfer_is_cancelled_and_fails_both_sides(fake_brokers, make_engine) -> None:
+    """A transfer that never finishes is cancelled after the transfer timeout; both sides fail, pages settle."""
+    p = fake_brokers("p", transfer_timeout_seconds=0.3, housekeeping_interval_seconds=0.05)
+    d = fake_brokers("d")
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    p.agent.script(XferScript(outcome="HANG"))
+    receiver = de.handle.receiver(90, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(90)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    sstat = sender.wait(10)
+    assert sstat.state == RoomState.FAILED and "did not finish in 0.3 s" in sstat.cause.message
+    assert sstat.pages_settled
+    rstat = receiver.wait(10)
+    assert rstat.state == RoomState.FAILED
+    _eventually(lambda: receiver.status().pages_settled)
+    assert not p.agent.live_xfers
+    _wait_tables_empty(p, d)
+
+
+def test_receiver_times_out_waiting_for_data_and_tells_the_sender(fake_brokers, make_engine) -> None:
+    """A registered receiver that gets no data fails after the data timeout, naming the sources; the sender fails too."""
+    p = fake_brokers("p")
+    d = fake_brokers("d", receiver_data_timeout_seconds=0.3, housekeeping_interval_seconds=0.05)
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    receiver = de.handle.receiver(91, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(91)
+    sender.init(len(SRC), aux_row=1)
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
+    assert "prefill-group/tp0/pp0" in status.cause.message
+    assert sender.wait(10).cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
+    _eventually(lambda: receiver.status().pages_settled)
+    _wait_tables_empty(p, d)
+
+
+def test_sender_times_out_waiting_for_transfer_info(fake_brokers, make_engine) -> None:
+    """A sender whose receivers never register fails after the info timeout, saying what it waited for."""
+    p = fake_brokers("p", sender_info_timeout_seconds=0.3, housekeeping_interval_seconds=0.05)
+    pe = make_engine(p.address, "prefill")
+    sender = pe.handle.sender(92)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    status = sender.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
+    assert "transfer info" in status.cause.message
+    _wait_tables_empty(p)
+
+
+def test_slow_transfers_still_complete(fake_brokers, make_engine) -> None:
+    """Transfers that stay in flight for many polls (a slow link) complete byte-exact."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    p.agent.script(*[XferScript(proc_polls=300)] * 3)
+    receiver = de.handle.receiver(93, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(93)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC[:2], is_last=False)
+    sender.send(SRC[2:4], is_last=False)
+    sender.send(SRC[4:], is_last=True)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    _assert_moved(pe, de, SRC, DST)
+
+
+def test_lost_peer_fails_its_rooms_and_is_dropped(fake_brokers, make_engine) -> None:
+    """When the decode broker stops answering, the prefill broker fails its rooms naming it and drops it."""
+    p = fake_brokers("p", peer_heartbeat_seconds=0.1, peer_dead_after_seconds=0.4)
+    # Its own shutdown cannot hear the prefill side settle any more: do not wait long.
+    d = fake_brokers("d", unregister_settle_timeout_seconds=0.5)
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    receiver = de.handle.receiver(94, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(94)
+    sender.init(len(SRC), aux_row=1)
+    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    d.loop.run(d.server._server.stop(0))  # the decode broker's gRPC goes silent
+    status = sender.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
+    assert d.address in status.cause.message
+    _eventually(lambda: not p.runtime.peers.by_id)

@@ -35,9 +35,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--orphan-timeout", type=float, default=d.orphan_room_timeout_seconds, metavar="SECONDS", help="how long transfer infos wait for a BeginSend")
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_seconds, metavar="SECONDS", help="how long a receiving room retries reaching the sender's broker and group")
     p.add_argument("--peer-timeout", type=float, default=d.peer_rpc_timeout_seconds, metavar="SECONDS", help="deadline of broker-to-broker calls")
+    p.add_argument("--sender-info-timeout", type=float, default=d.sender_info_timeout_seconds, metavar="SECONDS", help="how long a sending room waits for its receivers' transfer info")
+    p.add_argument("--receiver-data-timeout", type=float, default=d.receiver_data_timeout_seconds, metavar="SECONDS", help="how long a registered receiving room waits for its data")
+    p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_seconds, metavar="SECONDS", help="how long one NIXL transfer may stay in flight before it is cancelled")
+    p.add_argument("--peer-heartbeat", type=float, default=d.peer_heartbeat_seconds, metavar="SECONDS", help="ping interval to peers with open rooms")
+    p.add_argument("--peer-dead-after", type=float, default=d.peer_dead_after_seconds, metavar="SECONDS", help="a peer silent this long is lost: its rooms fail")
     p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
     p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
     p.add_argument("--agent-name-prefix", default=d.agent_name_prefix, help="prefix of the NIXL agent name")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="this broker's certificate chain (mutual TLS on the TCP port)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="this broker's private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signs peer and operator certificates; clients without one are refused")
     p.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line with the broker's addresses here once it serves")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help="auto: console on a terminal, JSON otherwise")
     p.add_argument("--log-level", default="info")
@@ -90,6 +98,14 @@ def _serve(args: argparse.Namespace) -> int:
         orphan_room_timeout_seconds=args.orphan_timeout,
         bootstrap_timeout_seconds=args.bootstrap_timeout,
         peer_rpc_timeout_seconds=args.peer_timeout,
+        sender_info_timeout_seconds=args.sender_info_timeout,
+        receiver_data_timeout_seconds=args.receiver_data_timeout,
+        transfer_timeout_seconds=args.transfer_timeout,
+        peer_heartbeat_seconds=args.peer_heartbeat,
+        peer_dead_after_seconds=args.peer_dead_after,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_ca_file=args.tls_ca,
         staging_send_bytes=0 if args.no_staging else args.staging_mib << 20,
         staging_receive_bytes=0 if args.no_staging else args.staging_mib << 20,
     )
