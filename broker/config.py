@@ -35,6 +35,10 @@ class BrokerConfig:
     agent_name_prefix: str = "kvbroker"
     #: How long finished and failed rooms stay pollable before eviction.
     finished_room_ttl_seconds: float = 30.0
+    #: How long a failed receiving room whose pages were never confirmed
+    #: settled (its sender's broker neither reported nor was lost) stays
+    #: pollable before it is evicted anyway (logged; never reported settled).
+    unsettled_room_ttl_seconds: float = 600.0
     #: How long transfer infos wait for a BeginSend that never comes.
     orphan_room_timeout_seconds: float = 300.0
     #: How long an evicted room id is remembered, so a late message for it

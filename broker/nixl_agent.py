@@ -256,7 +256,13 @@ class UcxAgent:
         return self._post(xfer)
 
     def check(self, xfer: Any) -> XferState:
-        return XferState(self._agent.check_xfer_state(xfer))
+        try:
+            return XferState(self._agent.check_xfer_state(xfer))
+        except Exception as exc:
+            # NIXL raises (e.g. NIXL_ERR_REMOTE_DISCONNECT when the peer died)
+            # rather than returning ERR; for the broker both are a failed transfer.
+            logging.getLogger(__name__).debug("nixl check_xfer_state raised: %s", exc)
+            return XferState.ERR
 
     def release_xfer(self, xfer: Any) -> None:
         try:
@@ -279,7 +285,10 @@ class UcxAgent:
             raise NixlError(f"NIXL could not notify {agent}: {exc}") from exc
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
-        notifs = self._agent.get_new_notifs()
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as exc:
+            raise NixlError(f"NIXL could not read notifications: {exc}") from exc
         return [(name, bytes(msg)) for name, msgs in notifs.items() for msg in msgs]
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,14 @@ from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_
 from kvbroker.broker.engines import EngineTable
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.nixl_agent import Agent
-from kvbroker.errors import Aborted, FailedPrecondition, KvBrokerError, Unavailable, from_rpc_error
+from kvbroker.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    KvBrokerError,
+    Unavailable,
+    from_rpc_error,
+)
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 
 __all__ = ["PROTOCOL_VERSION", "Peer", "PeerTable", "RemoteEngine"]
@@ -140,6 +147,7 @@ class PeerTable:
                 )
             self._apply(peer, response.callee, response.nixl_agent_metadata, response.engines, response.staging)
             peer.announced_epoch = epoch
+            log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
 
     def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
         """A stub for calls to ``peer`` (deadline: use :attr:`timeout`)."""
@@ -148,6 +156,34 @@ class PeerTable:
     @property
     def timeout(self) -> float:
         return self._timeout
+
+    async def deliver(
+        self,
+        broker_id: str,
+        what: str,
+        call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[object]],
+        attempts: int = 4,
+    ) -> bool:
+        """Make a one-way call (a report, an abort) to peer ``broker_id``, retrying
+        while it is unreachable. False (logged) if it could not be delivered; a
+        peer that stays unreachable is handled by the liveness monitor."""
+        delay = 0.05
+        for attempt in range(attempts):
+            try:
+                await call(self.stub(self.get(broker_id)))
+                return True
+            except KvBrokerError as exc:
+                log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
+                return False
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if isinstance(err, (Unavailable, DeadlineExceeded)) and attempt + 1 < attempts:
+                    await asyncio.sleep(delay)
+                    delay *= 4
+                    continue
+                log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
+                return False
+        return False
 
     # -- the callee side ------------------------------------------------
     def on_handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
@@ -163,6 +199,7 @@ class PeerTable:
             if caller.address:
                 self.by_address.setdefault(caller.address, peer)
         self._apply(peer, caller, request.nixl_agent_metadata, request.engines, request.staging)
+        log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="callee")
         metadata, engines = self._handshake_message()
         return peer_pb2.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,

@@ -145,7 +145,12 @@ class ProgressLoop:
 
     async def _run(self) -> None:
         while not self._stopping:
-            self.poll_once()
+            try:
+                self.poll_once()
+            except Exception:
+                # One bad poll must not stop progress for every other room.
+                log.exception("progress_poll_failed")
+                await asyncio.sleep(self._idle_s)
             if self.inflight:
                 await asyncio.sleep(0)
             elif self._awaiting_data():

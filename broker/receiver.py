@@ -224,6 +224,10 @@ class ReceiverSide:
         assert rank.expected is not None
         rank.chunks = sum(e.chunks_landed() for e in rank.expected.values())
         if rank.terminal:
+            # Data still landing after an abort: once a source's parts have
+            # all landed, nothing of it is in flight any more.
+            if exp.total_chunks is not None and _all_parts_landed(exp):
+                exp.complete = True
             self._maybe_settled(rank)
             return
         rank.advance(TRANSFERRING)
@@ -379,11 +383,8 @@ class ReceiverSide:
                 raise type(err)(f"the sender's broker refused room {rank.room}: {err.message}") from exc
 
     def _check_source(self, rank: ReceiverProgress, key: object, exp: SourceExpectation) -> None:
-        if exp.complete or exp.total_chunks is None:
+        if exp.complete or exp.total_chunks is None or not _all_parts_landed(exp):
             return
-        for chunk in range(exp.total_chunks):
-            if len(exp.parts_received.get(chunk, ())) != exp.parts_expected.get(chunk, -1):
-                return
         problem = None
         if exp.expects_aux and not exp.aux_seen:
             problem = f"source {key} finished without sending aux row {rank.aux_row}"
@@ -461,13 +462,10 @@ class ReceiverSide:
         rank.staging.clear()
 
     async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
-        try:
-            peer = self._peers.get(broker_id)
-            await self._peers.stub(peer).AbortRoom(
-                peer_pb2.PeerAbortRequest(room=room_id, from_broker_id=self._id, cause=why), timeout=self._peers.timeout
-            )
-        except (grpc.RpcError, KvBrokerError) as exc:
-            log.warning("peer_abort_failed", room=room_id, peer=broker_id, error=str(exc))
+        request = peer_pb2.PeerAbortRequest(room=room_id, from_broker_id=self._id, cause=why)
+        await self._peers.deliver(
+            broker_id, f"AbortRoom(room {room_id})", lambda stub: stub.AbortRoom(request, timeout=self._peers.timeout)
+        )
 
 
 def _nothing_in_flight(rank: ReceiverProgress) -> bool:
@@ -476,3 +474,11 @@ def _nothing_in_flight(rank: ReceiverProgress) -> bool:
     if not rank.registered_with_sender or rank.expected is None:
         return True
     return all(e.complete or e.settled or not e.plan.writes_data for e in rank.expected.values())
+
+
+def _all_parts_landed(exp: SourceExpectation) -> bool:
+    """Every part of every chunk of the source's last notice's count has landed."""
+    assert exp.total_chunks is not None
+    return all(
+        len(exp.parts_received.get(chunk, ())) == exp.parts_expected.get(chunk, -1) for chunk in range(exp.total_chunks)
+    )

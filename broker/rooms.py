@@ -349,19 +349,30 @@ class RoomTables:
     def is_tombstoned(self, side: str, room: int) -> bool:
         return (side, room) in self.tombstones
 
-    def evict(self, now: float, ttl_seconds: float, tombstone_ttl_seconds: float, orphan_seconds: float) -> int:
+    def evict(
+        self,
+        now: float,
+        ttl_seconds: float,
+        tombstone_ttl_seconds: float,
+        orphan_seconds: float,
+        unsettled_ttl_seconds: float | None = None,
+    ) -> int:
         """Drop terminal records older than ``ttl_seconds``, then empty rooms.
 
         A sender room whose sources all went takes its transfer infos with it;
         one that only ever held transfer infos (BeginSend never came) goes
-        after ``orphan_seconds``. Returns how many records went.
+        after ``orphan_seconds``. A failed receiver whose pages are not
+        settled stays (so its engine can learn when they are) for
+        ``unsettled_ttl_seconds`` (default: ``ttl_seconds``). Returns how many
+        records went.
         """
+        unsettled = ttl_seconds if unsettled_ttl_seconds is None else unsettled_ttl_seconds
         removed = 0
         for side, table in (("sender", self.sender), ("receiver", self.receiver)):
             for room_id in list(table):
                 room = table[room_id]
                 members: dict[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
-                for member in [k for k, p in members.items() if _expired(p, now, ttl_seconds)]:
+                for member in [k for k, p in members.items() if _expired(p, now, ttl_seconds, unsettled)]:
                     del members[member]
                     removed += 1
                 if members:
@@ -379,13 +390,16 @@ class RoomTables:
         return removed
 
 
-def _expired(progress: Progress, now: float, ttl_seconds: float) -> bool:
+def _expired(progress: Progress, now: float, ttl_seconds: float, unsettled_ttl_seconds: float) -> bool:
     if not progress.terminal or progress.finished_at is None:
         return False
     if isinstance(progress, SourceProgress) and progress.inflight:
         return False
-    if isinstance(progress, ReceiverProgress) and progress.staging:
-        # Its reservations go first, once no write can still land in them.
-        return False
+    if isinstance(progress, ReceiverProgress):
+        if progress.staging and not progress.pages_settled:
+            # Its reservations go first, once no write can still land in them.
+            return False
+        if not progress.pages_settled:
+            return now - progress.finished_at >= unsettled_ttl_seconds
     return now - progress.finished_at >= ttl_seconds
 

@@ -494,6 +494,7 @@ class BrokerRuntime:
                     cfg.finished_room_ttl_seconds,
                     cfg.tombstone_ttl_seconds,
                     cfg.orphan_room_timeout_seconds,
+                    max(cfg.unsettled_room_ttl_seconds, cfg.finished_room_ttl_seconds),
                 )
             except Exception:
                 log.exception("housekeeping_failed")

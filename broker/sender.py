@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import grpc
 import structlog
 
 from kvbroker.broker.counters import Counters
@@ -227,7 +226,14 @@ class SenderSide:
         if room.aborted is None:
             room.aborted = why
         for source in room.sources.values():
-            self.fail(source, why)
+            if source.terminal:
+                # Already finished or failed: still tell the receivers whether
+                # anything of it can land, so their pages settle.
+                for dest in source.destinations.values():
+                    if dest.inflight == 0 and not dest.settle_reported:
+                        self._report(source, dest)
+            else:
+                self.fail(source, why)
         return len(room.sources)
 
     def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
@@ -399,24 +405,24 @@ class SenderSide:
             source.advance(WAITING_FOR_INPUT)
 
     def _report(self, source: SourceProgress, dest: Destination) -> None:
-        """Tell the receiver's broker this source failed, and whether it settled."""
+        """Tell the receiver's broker this source failed (if it did), and whether it settled."""
         settled = dest.inflight == 0
-        dest.failure_reported = True
+        dest.failure_reported = source.cause is not None
         dest.settle_reported = settled
-        assert source.cause is not None
         report = peer_pb2.CompletionReport(
             room=source.room,
             sender_broker_id=self._id,
             source=source.key.to_proto(),
             receiver=dest.info.receiver.to_proto(),
-            failure=source.cause,
             settled=settled,
         )
+        if source.cause is not None:
+            report.failure.CopyFrom(source.cause)
         self._tasks.spawn(self._send_report(dest.info.receiver_broker_id, report), name=f"report-{source.room}")
 
     async def _send_report(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
-        try:
-            peer = self._peers.get(broker_id)
-            await self._peers.stub(peer).ReportCompletion(report, timeout=self._peers.timeout)
-        except (grpc.RpcError, KvBrokerError) as exc:
-            log.warning("completion_report_failed", room=report.room, peer=broker_id, error=str(exc))
+        await self._peers.deliver(
+            broker_id,
+            f"ReportCompletion(room {report.room})",
+            lambda stub: stub.ReportCompletion(report, timeout=self._peers.timeout),
+        )

@@ -39,6 +39,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--receiver-data-timeout", type=float, default=d.receiver_data_timeout_seconds, metavar="SECONDS", help="how long a registered receiving room waits for its data")
     p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_seconds, metavar="SECONDS", help="how long one NIXL transfer may stay in flight before it is cancelled")
     p.add_argument("--peer-heartbeat", type=float, default=d.peer_heartbeat_seconds, metavar="SECONDS", help="ping interval to peers with open rooms")
+    p.add_argument("--unregister-settle-timeout", type=float, default=d.unregister_settle_timeout_seconds, metavar="SECONDS", help="how long unregistering (or stopping) waits for posted transfers to settle")
     p.add_argument("--peer-dead-after", type=float, default=d.peer_dead_after_seconds, metavar="SECONDS", help="a peer silent this long is lost: its rooms fail")
     p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
     p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
@@ -103,6 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
         transfer_timeout_seconds=args.transfer_timeout,
         peer_heartbeat_seconds=args.peer_heartbeat,
         peer_dead_after_seconds=args.peer_dead_after,
+        unregister_settle_timeout_seconds=args.unregister_settle_timeout,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         tls_ca_file=args.tls_ca,

@@ -1,0 +1,279 @@
+"""Fault injection with real processes: killed brokers and engines, restarts, racing aborts.
+
+Brokers run as ``kvbroker serve`` processes with fast liveness settings; the
+decode (and most prefill) engine ranks run in the test process. After each
+fault: the affected rooms fail with a useful cause within the configured
+bound, unaffected rooms complete byte-exact, and the surviving brokers'
+per-room tables return to zero once rooms are evicted.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
+from kvbroker.testing import BrokerProcess
+from kvbroker.testing.engine_child import MODEL, hold_rooms
+from kvbroker.v1 import common_pb2
+
+from .conftest import fill_regions, page_bytes
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+FAST = [
+    "--peer-heartbeat", "0.2",
+    "--peer-dead-after", "1.0",
+    "--finished-room-ttl", "0.2",
+    "--tombstone-ttl", "0.3",
+    "--unregister-settle-timeout", "2",
+    "--log-level", "warning",
+]
+#: Dead-after + a heartbeat + slack for a loaded 2-core machine.
+BOUND_SECONDS = 6.0
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvb-fault-") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def brokers(workdir: Path) -> Iterator[Callable[..., list[BrokerProcess]]]:
+    """Start brokers (FAST settings plus ``extra``); every one is stopped at the end."""
+    started: list[BrokerProcess] = []
+
+    def start(*names: str, extra: tuple[str, ...] = ()) -> list[BrokerProcess]:
+        new = BrokerProcess.start_many(list(names), workdir, [*FAST, *extra])
+        started.extend(new)
+        return new
+
+    yield start
+    for broker in started:
+        broker.stop()
+
+
+class Rank:
+    """An engine rank in the test process."""
+
+    def __init__(self, address: str, role: str, group: str, seed: int = 0) -> None:
+        self.spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+        self.memory = EngineMemory.allocate(self.spec, MODEL, num_pages=64, aux_rows=4, aux_row_bytes=[16])
+        if role == "prefill":
+            fill_regions(self.memory, seed)
+        self.client = BrokerClient(address)
+        self.engine = self.client.register_engine(self.spec, self.memory)
+
+    def close(self) -> None:
+        overwritten = self.memory.check_guards()
+        try:
+            self.engine.close()
+        except Exception:
+            pass
+        self.client.close()
+        assert not overwritten, overwritten
+
+
+def _eventually(predicate: Callable[[], bool], timeout: float = BOUND_SECONDS) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _all_failed(seen: dict[int, dict[int, common_pb2.RoomStatus]], statuses: dict[int, common_pb2.RoomStatus]) -> bool:
+    """Whether every room is FAILED; keeps the statuses that said so (rooms are evicted soon after)."""
+    if all(s.state == RoomState.FAILED for s in statuses.values()):
+        seen[0] = statuses
+        return True
+    return False
+
+
+def _tables_empty(*brokers: BrokerProcess) -> None:
+    _eventually(lambda: all(not any(b.stats().per_room_state.values()) for b in brokers), timeout=15)
+
+
+def _room(prefill: Rank, decode: Rank, address: str, room: int, src: list[int], dst: list[int], *, last: bool = True) -> None:
+    decode.engine.receiver(room, SenderRef(address, prefill.spec.group)).init(dst, aux_row=0)
+    sender = prefill.engine.sender(room)
+    sender.init(num_pages=len(src), aux_row=1)
+    half = len(src) // 2
+    sender.send(src[:half], is_last=False)
+    if last:
+        sender.send(src[half:], is_last=True)
+
+
+def _same_pages(prefill: Rank, decode: Rank, src: list[int], dst: list[int]) -> bool:
+    return all(
+        torch.equal(a, b)
+        for layer in range(MODEL.num_layers)
+        for a, b in zip(page_bytes(prefill.memory, layer, src), page_bytes(decode.memory, layer, dst))
+    )
+
+
+def test_killed_decode_broker_fails_prefill_rooms_and_spares_the_others(brokers) -> None:
+    """SIGKILL a decode broker mid-room: the prefill side fails those rooms naming it within the
+    bound; rooms with another decode broker complete byte-exact; tables return to zero."""
+    p, d1, d2 = brokers("p", "d1", "d2")
+    prefill = Rank(p.address, "prefill", "pg", seed=1)
+    doomed = Rank(d1.address, "decode", "dg1")
+    spared = Rank(d2.address, "decode", "dg2")
+    try:
+        for i in range(4):
+            _room(prefill, doomed, p.address, 100 + i, [i * 4, i * 4 + 1, i * 4 + 2, i * 4 + 3], [i, 10 + i, 20 + i, 30 + i], last=False)
+        statuses = lambda: prefill.engine.poll([100 + i for i in range(4)])  # noqa: E731
+        _eventually(lambda: all(s.state == RoomState.TRANSFERRING for s in statuses().values()))
+        d1.kill()
+        seen: dict[int, dict[int, common_pb2.RoomStatus]] = {}
+        took = _eventually(lambda: _all_failed(seen, statuses()))
+        for status in seen[0].values():
+            assert status.cause.kind == common_pb2.FAILURE_KIND_PEER
+            assert d1.address in status.cause.message
+        src, dst = [40, 41, 45], [3, 4, 5]
+        _room(prefill, spared, p.address, 200, src, dst)
+        assert spared.engine.wait([200], timeout_seconds=20)[200].state == RoomState.SUCCESS
+        assert _same_pages(prefill, spared, src, dst)
+        assert took < BOUND_SECONDS
+    finally:
+        prefill.close()
+        spared.close()
+        doomed.close()
+    _tables_empty(p, d2)
+    for b in (p, d2):
+        assert b.stop() == 0, b.log_tail()
+
+
+def test_killed_prefill_engine_fails_decode_rooms_and_releases_its_memory(brokers) -> None:
+    """SIGKILL a prefill engine process holding open rooms: decode rooms fail (ENGINE_LOST) within
+    the bound with their pages settled, and the prefill broker deregisters the engine's memory."""
+    p, d = brokers("p", "d")
+    decode = Rank(d.address, "decode", "dg")
+    rooms = [300 + i for i in range(3)]
+    for i, room in enumerate(rooms):
+        decode.engine.receiver(room, SenderRef(p.address, "child")).init([i * 8 + j for j in range(8)], aux_row=0)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=hold_rooms, args=(p.address, "child", rooms, 8, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60) and parent.recv() == "ready"
+        _eventually(lambda: all(s.state == RoomState.TRANSFERRING for s in decode.engine.poll(rooms).values()), timeout=20)
+        assert p.stats().engines == 1
+        proc.kill()
+        seen: dict[int, dict[int, common_pb2.RoomStatus]] = {}
+        took = _eventually(lambda: _all_failed(seen, decode.engine.poll(rooms)))
+        for status in seen[0].values():
+            assert status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST, status
+        _eventually(lambda: all(s.pages_settled for s in decode.engine.poll(rooms).values()))
+        _eventually(lambda: p.stats().engines == 0)
+        assert took < BOUND_SECONDS
+    finally:
+        proc.kill()
+        decode.close()
+    _tables_empty(p, d)
+    for b in (p, d):
+        assert b.stop() == 0, b.log_tail()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_restarted_prefill_broker_is_handshaken_afresh(brokers) -> None:
+    """A prefill broker killed and restarted on the same address: the decode side fails the rooms
+    with the old one, and new rooms work after a fresh handshake."""
+    port = _free_port()
+    fixed = ["--listen", f"127.0.0.1:{port}"]
+    (d,) = brokers("d")
+    (p,) = brokers("p", extra=fixed)
+    decode = Rank(d.address, "decode", "dg")
+    prefill = Rank(p.address, "prefill", "pg", seed=2)
+    try:
+        _room(prefill, decode, p.address, 400, [1, 2], [5, 6])
+        assert decode.engine.wait([400], timeout_seconds=20)[400].state == RoomState.SUCCESS
+        decode.engine.receiver(401, SenderRef(p.address, "pg")).init([7, 8], aux_row=0)
+        _eventually(lambda: decode.engine.poll([401])[401].state == RoomState.WAITING_FOR_INPUT)
+        old_id = p.broker_id
+        p.kill()
+        prefill.close()
+        seen: dict[int, dict[int, common_pb2.RoomStatus]] = {}
+        took = _eventually(lambda: _all_failed(seen, decode.engine.poll([401])))
+        status = seen[0][401]
+        assert status.cause.kind == common_pb2.FAILURE_KIND_PEER and old_id in status.cause.message
+        assert took < BOUND_SECONDS
+        (p,) = brokers("p", extra=fixed)
+        assert p.broker_id != old_id
+        prefill = Rank(p.address, "prefill", "pg", seed=3)
+        _room(prefill, decode, p.address, 402, [3, 4, 9], [10, 11, 12])
+        assert decode.engine.wait([402], timeout_seconds=20)[402].state == RoomState.SUCCESS
+        assert _same_pages(prefill, decode, [3, 4, 9], [10, 11, 12])
+    finally:
+        prefill.close()
+        decode.close()
+    _tables_empty(p, d)
+    for b in (p, d):
+        assert b.stop() == 0, b.log_tail()
+
+
+def test_abort_racing_the_last_chunk(brokers) -> None:
+    """Decode aborts while prefill sends the last chunk: every room ends on both sides, the receiver's
+    pages settle, a room that still succeeded is byte-exact, and the tables return to zero."""
+    p, d = brokers("p", "d")
+    prefill = Rank(p.address, "prefill", "pg", seed=4)
+    decode = Rank(d.address, "decode", "dg")
+    rng = random.Random(7)
+    rooms: dict[int, RoomState] = {}
+    try:
+        for i in range(12):
+            room = 500 + i
+            src = [(i * 4 + j) % 64 for j in range(4)]
+            dst = [(i * 4 + j + 13) % 64 for j in range(4)]
+            receiver = decode.engine.receiver(room, SenderRef(p.address, "pg"))
+            receiver.init(dst, aux_row=i % 4)
+            sender = prefill.engine.sender(room)
+            sender.init(num_pages=4, aux_row=1)
+            sender.send(src[:2], is_last=False)
+            delay = rng.uniform(0, 0.004)
+
+            def abort(receiver=receiver, delay=delay) -> None:
+                time.sleep(delay)
+                receiver.abort("racing the last chunk")
+
+            racer = threading.Thread(target=abort)
+            racer.start()
+            try:
+                sender.send(src[2:], is_last=True)
+            except Exception:
+                pass
+            racer.join()
+            # Reuse of the destination pages waits for settling, as an engine would.
+            _eventually(lambda room=room: decode.engine.poll([room])[room].pages_settled, timeout=20)
+            final = decode.engine.poll([room])[room]
+            sent = prefill.engine.wait([room], timeout_seconds=20)[room]
+            assert RoomState(sent.state) in (RoomState.SUCCESS, RoomState.FAILED)
+            if final.state == RoomState.FAILED:
+                assert final.cause.kind == common_pb2.FAILURE_KIND_ABORTED, final
+            else:
+                assert final.state == RoomState.SUCCESS and _same_pages(prefill, decode, src, dst)
+            rooms[room] = RoomState(final.state)
+        assert len(rooms) == 12
+    finally:
+        prefill.close()
+        decode.close()
+    _tables_empty(p, d)
+    for b in (p, d):
+        assert b.stop() == 0, b.log_tail()
