@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -42,6 +42,8 @@ __all__ = ["PROTOCOL_VERSION", "Peer", "PeerTable", "RemoteEngine"]
 PROTOCOL_VERSION = 1
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -161,20 +163,20 @@ class PeerTable:
         self,
         broker_id: str,
         what: str,
-        call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[object]],
+        call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[T]],
         attempts: int = 4,
-    ) -> bool:
+    ) -> T | None:
         """Make a one-way call (a report, an abort) to peer ``broker_id``, retrying
-        while it is unreachable. False (logged) if it could not be delivered; a
-        peer that stays unreachable is handled by the liveness monitor."""
+        while it is unreachable. The response, or None (logged) if it could not
+        be delivered; a peer that stays unreachable is handled by the liveness
+        monitor."""
         delay = 0.05
         for attempt in range(attempts):
             try:
-                await call(self.stub(self.get(broker_id)))
-                return True
+                return await call(self.stub(self.get(broker_id)))
             except KvBrokerError as exc:
                 log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
-                return False
+                return None
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
                 if isinstance(err, (Unavailable, DeadlineExceeded)) and attempt + 1 < attempts:
@@ -182,8 +184,8 @@ class PeerTable:
                     delay *= 4
                     continue
                 log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
-                return False
-        return False
+                return None
+        return None
 
     # -- the callee side ------------------------------------------------
     def on_handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:

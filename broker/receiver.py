@@ -463,9 +463,19 @@ class ReceiverSide:
 
     async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
         request = peer_pb2.PeerAbortRequest(room=room_id, from_broker_id=self._id, cause=why)
-        await self._peers.deliver(
+        response = await self._peers.deliver(
             broker_id, f"AbortRoom(room {room_id})", lambda stub: stub.AbortRoom(request, timeout=self._peers.timeout)
         )
+        if response is None or not response.settled:
+            return
+        # Nothing of the room is in flight from that broker (its sources may
+        # even be evicted already, so no report would come).
+        room = self._rooms.receiver.get(room_id)
+        for rank in room.ranks.values() if room is not None else ():
+            if rank.peer_broker_id == broker_id and rank.state == FAILED:
+                for exp in (rank.expected or {}).values():
+                    exp.settled = True
+                self._maybe_settled(rank)
 
 
 def _nothing_in_flight(rank: ReceiverProgress) -> bool:

@@ -296,12 +296,13 @@ class BrokerRuntime:
     def completion_report(self, request: peer_pb2.CompletionReport) -> None:
         self.receiver.on_completion_report(request)
 
-    def peer_abort(self, request: peer_pb2.PeerAbortRequest) -> None:
+    def peer_abort(self, request: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:
         why = request.cause if request.HasField("cause") else cause(
             common_pb2.FAILURE_KIND_ABORTED, "aborted by the peer broker", request.from_broker_id
         )
-        self.sender.on_peer_abort(request.room, why)
+        settled = self.sender.on_peer_abort(request.room, why)
         self.receiver.on_peer_abort(request.room, why, request.from_broker_id)
+        return peer_pb2.PeerAbortResponse(settled=settled)
 
     # -- admin API --------------------------------------------------------------
     def stats(self) -> admin_pb2.Stats:

@@ -211,15 +211,16 @@ class SenderSide:
             if source is not None:
                 self._attach(source, info)
 
-    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause) -> int:
+    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause) -> bool:
         """A receiver's broker aborted the room: fail every local source of it.
 
         The room is remembered as aborted (until evicted), so a source that
         opens it afterwards fails at once with the same cause instead of
-        waiting for a transfer info that will never come.
+        waiting for a transfer info that will never come. Returns whether no
+        transfer of the room is in flight from here any more.
         """
         if self._rooms.is_tombstoned("sender", room_id):
-            return 0
+            return True
         room = self._rooms.sender.get(room_id)
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
@@ -234,7 +235,7 @@ class SenderSide:
                         self._report(source, dest)
             else:
                 self.fail(source, why)
-        return len(room.sources)
+        return all(source.inflight == 0 for source in room.sources.values())
 
     def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
         """The receivers' broker ``broker_id`` is gone: fail every source serving it."""
@@ -375,9 +376,11 @@ class SenderSide:
         elif error is not None:
             self.fail(source, cause_of(error, self._id))
         else:
+            peer = self._peers.by_id.get(dest.info.receiver_broker_id)
+            where = f"broker {peer.address if peer else '?'} ({dest.info.receiver_broker_id})"
             self.fail(
                 source,
-                cause(common_pb2.FAILURE_KIND_TRANSFER, f"a NIXL write to receiver {dest.info.receiver} failed", self._id),
+                cause(common_pb2.FAILURE_KIND_TRANSFER, f"a NIXL write to receiver {dest.info.receiver} at {where} failed", self._id),
             )
         if source.state == FAILED:
             if source.inflight == 0:

@@ -140,8 +140,7 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 
     @_unary
     async def AbortRoom(self, request: peer_pb2.PeerAbortRequest, context: Any) -> peer_pb2.PeerAbortResponse:
-        self._rt.peer_abort(request)
-        return peer_pb2.PeerAbortResponse()
+        return self._rt.peer_abort(request)
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

@@ -188,8 +188,10 @@ class PeerAbortRequest(_message.Message):
     def __init__(self, room: _Optional[int] = ..., from_broker_id: _Optional[str] = ..., cause: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ...) -> None: ...
 
 class PeerAbortResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("settled",)
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    settled: bool
+    def __init__(self, settled: _Optional[bool] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("from_broker_id",)
