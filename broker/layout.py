@@ -39,6 +39,13 @@ DTYPE_BYTES: dict[str, int] = {
 
 _KV_KINDS = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA)
 
+#: Limits that keep one registration or handshake from exhausting the broker.
+MAX_LAYERS = 1 << 16
+MAX_PP_SIZE = 1 << 10
+MAX_TP_SIZE = 1 << 12
+#: Addressable items (descriptors) of one engine rank over all its regions.
+MAX_ITEMS_PER_ENGINE = 1 << 24
+
 
 class RankKey(NamedTuple):
     """An engine rank's identity as a hashable key: (group, tp rank, pp rank)."""
@@ -146,6 +153,10 @@ class Layout:
             raise InvalidArgument("layout.role must be ROLE_PREFILL or ROLE_DECODE")
         if msg.tp_size < 1 or msg.pp_size < 1:
             raise InvalidArgument("layout.tp_size and layout.pp_size must be at least 1")
+        if msg.tp_size > MAX_TP_SIZE or msg.pp_size > MAX_PP_SIZE or msg.num_layers > MAX_LAYERS:
+            raise InvalidArgument(
+                f"layout sizes out of range (tp_size <= {MAX_TP_SIZE}, pp_size <= {MAX_PP_SIZE}, num_layers <= {MAX_LAYERS})"
+            )
         if rank.tp_rank >= msg.tp_size or rank.pp_rank >= msg.pp_size:
             raise InvalidArgument(
                 f"rank tp{rank.tp_rank}/pp{rank.pp_rank} is outside tp_size {msg.tp_size}, pp_size {msg.pp_size}"
@@ -175,6 +186,12 @@ class Layout:
         _check_heads(msg)
 
         regions = tuple(_region_view(i, r, buffer_sizes) for i, r in enumerate(msg.regions))
+        items = sum(r.items for r in regions)
+        if items > MAX_ITEMS_PER_ENGINE:
+            raise InvalidArgument(
+                f"the regions hold {items} items (pages, rows, state items); the limit per engine rank is "
+                f"{MAX_ITEMS_PER_ENGINE}: use larger pages"
+            )
         _check_no_overlap(regions)
         kv_regions, num_pages = _index_kv(msg, regions)
         aux_regions, aux_rows = _index_aux(regions)
@@ -275,12 +292,11 @@ def _index_kv(msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...]) -> 
         kv[(region.kind, region.layer_id)] = region.index
     if not kv:
         return kv, 0
-    missing = [
-        f"{common_pb2.RegionKind.Name(kind)}/layer {layer}"
-        for layer in range(msg.layer_begin, msg.layer_end)
-        for kind in kinds
-        if (kind, layer) not in kv
-    ]
+    missing: list[str] = []
+    for layer in range(msg.layer_begin, msg.layer_end):
+        missing.extend(f"{common_pb2.RegionKind.Name(k)}/layer {layer}" for k in kinds if (k, layer) not in kv)
+        if len(missing) > 8:
+            break
     if missing:
         raise InvalidArgument(f"KV regions missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     page_bytes = msg.page_size_tokens * msg.kv_heads_per_rank * msg.head_dim * DTYPE_BYTES[msg.dtype]

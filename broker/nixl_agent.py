@@ -186,7 +186,7 @@ class UcxAgent:
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise NixlError(f"NIXL rejected a peer's agent metadata: {exc}") from exc
+            raise InvalidArgument(f"NIXL rejected a peer's agent metadata: {exc}") from exc
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._remotes.add(name)
         return name

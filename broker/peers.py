@@ -29,6 +29,7 @@ from kvbroker.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     KvBrokerError,
     Unavailable,
     from_rpc_error,
@@ -305,9 +306,10 @@ class PeerTable:
                 self._release_engine(current)
             try:
                 peer.engines[key] = _remote_engine(key, desc)
-            except KvBrokerError as exc:
+            except (KvBrokerError, MemoryError, OverflowError, ValueError) as exc:
                 peer.engines.pop(key, None)
-                log.warning("peer_engine_rejected", peer=identity.broker_id, rank=str(key), error=exc.message)
+                message = exc.message if isinstance(exc, KvBrokerError) else repr(exc)
+                log.warning("peer_engine_rejected", peer=identity.broker_id, rank=str(key), error=message)
         for key in [k for k in peer.engines if k not in seen]:
             self._release_engine(peer.engines.pop(key))
 
@@ -318,6 +320,9 @@ class PeerTable:
 
 
 def _remote_engine(key: RankKey, desc: peer_pb2.EngineDescriptor) -> RemoteEngine:
+    for i, b in enumerate(desc.buffers):
+        if b.address + b.size_bytes >= 1 << 64:
+            raise InvalidArgument(f"buffer {i} of {key} does not fit a 64-bit address space")
     layout = Layout.from_proto(desc.layout, rank=key, buffer_sizes=[b.size_bytes for b in desc.buffers])
     table = build_descriptor_table(
         layout, [BufferPlacement(b.address, b.size_bytes, b.kind, b.device_id) for b in desc.buffers]

@@ -39,7 +39,7 @@ from kvbroker.broker.staging import StagingPool
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.tls import channel_credentials
 from kvbroker.broker.watch import WatchHub
-from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvbroker.indices import IndexArray, decode_indices
 from kvbroker.v1 import admin_pb2, common_pb2, peer_pb2, transfer_pb2
 
@@ -300,7 +300,9 @@ class BrokerRuntime:
         why = request.cause if request.HasField("cause") else cause(
             common_pb2.FAILURE_KIND_ABORTED, "aborted by the peer broker", request.from_broker_id
         )
-        settled = self.sender.on_peer_abort(request.room, why)
+        if request.from_broker_id not in self.peers.by_id:
+            raise PermissionDenied(f"broker {request.from_broker_id!r} is not a handshaken peer of this broker")
+        settled = self.sender.on_peer_abort(request.room, why, request.from_broker_id)
         self.receiver.on_peer_abort(request.room, why, request.from_broker_id)
         return peer_pb2.PeerAbortResponse(settled=settled)
 

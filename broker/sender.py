@@ -52,6 +52,7 @@ from kvbroker.errors import (
     InvalidArgument,
     KvBrokerError,
     NotFound,
+    PermissionDenied,
 )
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -200,6 +201,17 @@ class SenderSide:
                 f"receiver {info.receiver} generation {info.receiver_generation} is not in this broker's view of "
                 f"broker {info.receiver_broker_id}; handshake again"
             )
+        # The receiver's broker checked these against its engine; check again
+        # against what it announced, so no index outside a region it
+        # registered can ever become a descriptor here.
+        layout = remote.layout
+        check_indices(info.pages, layout.num_pages, f"receiver {info.receiver} pages")
+        if info.aux_row is not None:
+            check_index(info.aux_row, layout.aux_rows, f"receiver {info.receiver} aux_row")
+        for name, indices in info.state.items():
+            if name not in layout.state_components:
+                raise InvalidArgument(f"receiver {info.receiver} has no state component {name!r}")
+            check_indices(indices, layout.state_items[name], f"receiver {info.receiver} state {name!r}")
         room = self._rooms.sender.get(info.room)
         if room is None:
             room = self._rooms.sender[info.room] = SenderRoom(info.room)
@@ -211,7 +223,7 @@ class SenderSide:
             if source is not None:
                 self._attach(source, info)
 
-    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause) -> bool:
+    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause, from_broker: str | None = None) -> bool:
         """A receiver's broker aborted the room: fail every local source of it.
 
         The room is remembered as aborted (until evicted), so a source that
@@ -224,6 +236,8 @@ class SenderSide:
         room = self._rooms.sender.get(room_id)
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
+        elif from_broker is not None and room.infos and all(i.receiver_broker_id != from_broker for i in room.infos.values()):
+            raise PermissionDenied(f"broker {from_broker} has no receiver in room {room_id} here")
         if room.aborted is None:
             room.aborted = why
         for source in room.sources.values():
@@ -340,9 +354,14 @@ class SenderSide:
             return
         scheduled, self._scheduled = self._scheduled, {}
         for source in scheduled:
-            for dest in list(source.destinations.values()):
-                self._pump(source, dest)
-            self._update(source)
+            try:
+                for dest in list(source.destinations.values()):
+                    self._pump(source, dest)
+                self._update(source)
+            except Exception as exc:
+                # Runs from an RPC's done-callback: nothing above would log it.
+                log.exception("post_failed", room=source.room, engine=source.engine.label)
+                self.fail(source, cause(common_pb2.FAILURE_KIND_UNSPECIFIED, f"posting failed inside the broker: {exc!r}", self._id))
 
     def _pump(self, source: SourceProgress, dest: Destination) -> None:
         """Post every accepted chunk not yet posted to ``dest``, in order."""

@@ -19,9 +19,8 @@ wrote, and every canary guard is intact.
 
 Strangers never impersonate the two real brokers (their broker ids,
 addresses or NIXL agents): mutual TLS authenticates peers in production, and
-a handshaken peer is trusted with its own memory. The strategies also stay
-clear of the bugs pinned by the xfail tests at the end of this file (each
-such bound says which test it waits for).
+a handshaken peer is trusted with its own memory. The regression tests at
+the end pin the bugs the properties found.
 """
 
 from __future__ import annotations
@@ -32,11 +31,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +42,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from google.protobuf import text_format
 from google.protobuf.message import Message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvbroker.broker import BrokerConfig, BrokerServer
@@ -108,22 +107,26 @@ EXTRA = {"Handshake": frozenset({Code.UNAVAILABLE}), "ReserveStaging": frozenset
 # -- the brokers ---------------------------------------------------------------
 
 
-@dataclass
 class Cluster:
-    """Two brokers, one engine on each, and a NIXL agent for strangers."""
+    """Two brokers, one engine on each, and a NIXL agent for strangers.
 
-    loop: LoopThread
-    p: FakeBroker
-    d: FakeBroker
-    pe: Engine
-    de: Engine
-    #: On the fabric but registers nothing: strangers' handshakes name it, so
-    #: any write the brokers aim at a stranger fails instead of landing.
-    stranger: FakeAgent
-    tcp: dict[str, grpc.Channel]
-    rooms: Iterator[int] = field(default_factory=lambda: iter(LEGIT_ROOMS))
-    prefill_snapshot: torch.Tensor | None = None
-    reserved_snapshot: list[torch.Tensor] = field(default_factory=list)
+    Not a dataclass: hypothesis prints dataclass arguments field by field."""
+
+    def __init__(
+        self, loop: LoopThread, p: FakeBroker, d: FakeBroker, pe: Engine, de: Engine, stranger: FakeAgent
+    ) -> None:
+        self.loop, self.p, self.d, self.pe, self.de = loop, p, d, pe, de
+        #: On the fabric but registers nothing: strangers' handshakes name it,
+        #: so any write the brokers aim at a stranger fails instead of landing.
+        self.stranger = stranger
+        self.tcp = {"p": grpc.insecure_channel(p.address), "d": grpc.insecure_channel(d.address)}
+        self.rooms = iter(LEGIT_ROOMS)
+        assert pe.memory.raw is not None
+        self.prefill_snapshot = pe.memory.raw.clone()
+        self.reserved_snapshot = _reserved(de.memory)
+
+    def __repr__(self) -> str:
+        return f"Cluster(p={self.p.address}, d={self.d.address})"
 
     def engine(self, name: str) -> Engine:
         return {"pe": self.pe, "de": self.de}[name]
@@ -169,17 +172,17 @@ def _cluster() -> Iterator[Cluster]:
     stranger = FakeAgent(STRANGER_AGENT, fabric)
     brokers: list[FakeBroker] = []
     engines: list[Engine] = []
-    tcp: dict[str, grpc.Channel] = {}
+    cluster: Cluster | None = None
     guards: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvb-") as sock_dir:
         try:
             brokers += [_start_broker(loop, fabric, sock_dir, "p"), _start_broker(loop, fabric, sock_dir, "d")]
             p, d = brokers
             engines += [_register(p.address, "prefill", seed=1), _register(d.address, "decode", seed=2)]
-            tcp = {"p": grpc.insecure_channel(p.address), "d": grpc.insecure_channel(d.address)}
-            yield Cluster(loop, p, d, engines[0], engines[1], stranger, tcp)
+            cluster = Cluster(loop, p, d, engines[0], engines[1], stranger)
+            yield cluster
         finally:
-            for channel in tcp.values():
+            for channel in cluster.tcp.values() if cluster is not None else ():
                 channel.close()
             guards = {str(e.handle.rank.group): e.memory.check_guards() for e in engines}
             for engine in engines:
@@ -204,13 +207,19 @@ def _reserved(memory: EngineMemory) -> list[torch.Tensor]:
     return parts
 
 
+def _legit_rows(memory: EngineMemory, room: Legit) -> list[list[int]]:
+    """The rows of each part of :func:`_reserved` that ``room`` writes."""
+    pages = [page - ADV_PAGES for page in room.dst]
+    rows = [pages for layer in range(SMALL_MODEL.num_layers) for _ in memory.kv_tensors(layer)]
+    rows += [[room.dst_aux - ADV_AUX] for _ in memory.aux]
+    rows += [[item - ADV_STATE for item in room.dst_state] for _ in memory.state["swa"]]
+    return rows
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """The two brokers and engines every property test of this module shares."""
     with _cluster() as c:
-        assert c.pe.memory.raw is not None
-        c.prefill_snapshot = c.pe.memory.raw.clone()
-        c.reserved_snapshot = _reserved(c.de.memory)
         yield c
 
 
@@ -232,16 +241,21 @@ def _layout_msg(role: str) -> common_pb2.EngineLayout:
 # -- requests ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class Op:
     """One request: ``via`` is an engine ("pe", "de": its own connection) or a
     broker ("p", "d": TCP, as a stranger). Engine ids "@pe"/"@de", sender
     addresses "@p"/"@d" and metadata b"@stranger" are filled in when sent."""
 
-    via: str
-    service: str
-    method: str
-    request: Message
+    __slots__ = ("via", "service", "method", "request")
+
+    def __init__(self, via: str, service: str, method: str, request: Message) -> None:
+        self.via, self.service, self.method, self.request = via, service, method, request
+
+    def __repr__(self) -> str:
+        # Short: hypothesis prints every op of a failing example (the
+        # assertion message prints the offending requests in full).
+        text = text_format.MessageToString(self.request, as_one_line=True)
+        return f"Op({self.via}, {self.method}, {text[:240]}{' ...' if len(text) > 240 else ''})"
 
 
 def _resolve(c: Cluster, op: Op) -> Message:
@@ -299,14 +313,24 @@ def _packed(values: Any) -> bytes:
 rooms = st.one_of(
     st.sampled_from((0, 1, 2, 3, 2**31, 2**63, U64)), st.integers(0, U64)
 ).filter(lambda room: room not in LEGIT_ROOMS)
-engine_ids = st.one_of(
-    st.sampled_from(("@pe", "@de", "@pe", "@de", "", "eng-" + "0" * 32, "pending-")), st.text(max_size=12)
-)
-#: Never an id the brokers issued.
+#: Never an id the brokers issued (the placeholders start with "@").
 bogus_engine_ids = st.one_of(st.sampled_from(("", "eng-" + "0" * 32, "pending-")), st.text(max_size=12)).filter(
     lambda engine_id: not engine_id.startswith("@")
 )
 engine_via = st.sampled_from(("pe", "de"))
+
+
+def _engine(draw: st.DrawFn) -> tuple[str, str]:
+    """An engine's connection and the engine id sent over it: mostly its own
+    (a wrong role for half the calls), sometimes the other engine's (unknown
+    to this broker), or a made-up one."""
+    via = draw(engine_via)
+    whose = draw(st.sampled_from(("own", "own", "own", "own", "other", "made-up")))
+    if whose == "made-up":
+        return via, draw(bogus_engine_ids)
+    return via, "@" + (via if whose == "own" else {"pe": "de", "de": "pe"}[via])
+
+
 broker_via = st.sampled_from(("p", "d"))
 sender_addresses = st.sampled_from(("@p", "@p", "@d", "", "127.0.0.1:1", "unix:/nonexistent/kvb.sock", "ipv4:1.2.3"))
 groups = st.one_of(st.sampled_from(("prefill-group", "prefill-group", "decode-group", "", "nope")), st.text(max_size=6))
@@ -355,8 +379,9 @@ states = st.lists(
 
 @st.composite
 def expect_rooms(draw: st.DrawFn) -> list[Op]:
+    via, engine_id = _engine(draw)
     request = transfer_pb2.ExpectRoomRequest(
-        engine_id=draw(engine_ids),
+        engine_id=engine_id,
         room=draw(rooms),
         sender=transfer_pb2.SenderRef(broker_address=draw(sender_addresses), group=draw(groups)),
         pages=draw(page_indices),
@@ -365,20 +390,22 @@ def expect_rooms(draw: st.DrawFn) -> list[Op]:
     aux_row = draw(aux_rows)
     if aux_row is not None:
         request.aux_row = aux_row
-    return [Op(draw(engine_via), "transfer", "ExpectRoom", request)]
+    return [Op(via, "transfer", "ExpectRoom", request)]
 
 
 @st.composite
 def begin_sends(draw: st.DrawFn) -> list[Op]:
     num_pages = draw(st.one_of(st.sampled_from((0, 1, 2, 3, NUM_PAGES, NUM_PAGES + 1, U32)), st.integers(0, U32)))
-    request = transfer_pb2.BeginSendRequest(engine_id=draw(engine_ids), room=draw(rooms), num_pages=num_pages)
-    return [Op(draw(engine_via), "transfer", "BeginSend", request)]
+    via, engine_id = _engine(draw)
+    request = transfer_pb2.BeginSendRequest(engine_id=engine_id, room=draw(rooms), num_pages=num_pages)
+    return [Op(via, "transfer", "BeginSend", request)]
 
 
 @st.composite
 def send_chunks(draw: st.DrawFn) -> list[Op]:
+    via, engine_id = _engine(draw)
     request = transfer_pb2.SendChunkRequest(
-        engine_id=draw(engine_ids),
+        engine_id=engine_id,
         room=draw(rooms),
         pages=draw(page_indices),
         is_last=draw(st.booleans()),
@@ -387,7 +414,7 @@ def send_chunks(draw: st.DrawFn) -> list[Op]:
     aux_row = draw(aux_rows)
     if aux_row is not None:
         request.aux_row = aux_row
-    return [Op(draw(engine_via), "transfer", "SendChunk", request)]
+    return [Op(via, "transfer", "SendChunk", request)]
 
 
 @st.composite
@@ -415,39 +442,47 @@ def room_pairs(draw: st.DrawFn) -> list[Op]:
     ]
     cuts = sorted(draw(st.sets(st.integers(0, n), max_size=2)))
     bounds = [0, *cuts, n]
-    extra = draw(st.integers(0, 1))
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        last = i == len(bounds) - 2
+    spans = list(zip(bounds, bounds[1:]))
+    if draw(st.integers(0, 3)) == 0:
+        spans.append(draw(st.sampled_from(spans)))  # a chunk after the last
+    for i, (a, b) in enumerate(spans):
+        # Mostly the right is_last; sometimes none, two, or too early.
+        last = i == len(bounds) - 2 if draw(st.integers(0, 4)) else draw(st.booleans())
         chunk = transfer_pb2.SendChunkRequest(
             engine_id="@pe", room=room, pages=common_pb2.PageIndices(packed=_packed(src[a:b])), is_last=last
         )
-        if last or extra:
+        if last or draw(st.integers(0, 5)) == 0:
             if draw(st.booleans()):
                 chunk.aux_row = draw(st.integers(0, AUX_ROWS - 1))
             src_state = draw(st.lists(st.integers(0, STATE_ITEMS - 1), max_size=3))
             if src_state:
                 chunk.state.add(component="swa", indices=common_pb2.PageIndices(values=src_state))
         sends.append(Op("pe", "transfer", "SendChunk", chunk))
+    if draw(st.integers(0, 5)) == 0:
+        sends.insert(1, sends.pop(0))  # a chunk before BeginSend
     at = draw(st.integers(0, len(sends)))
     return [*sends[:at], Op("de", "transfer", "ExpectRoom", expect), *sends[at:]]
 
 
 @st.composite
 def polls(draw: st.DrawFn) -> list[Op]:
-    request = transfer_pb2.PollRequest(engine_id=draw(engine_ids), rooms=draw(st.lists(rooms, max_size=6)))
-    return [Op(draw(engine_via), "transfer", "Poll", request)]
+    via, engine_id = _engine(draw)
+    request = transfer_pb2.PollRequest(engine_id=engine_id, rooms=draw(st.lists(rooms, max_size=6)))
+    return [Op(via, "transfer", "Poll", request)]
 
 
 @st.composite
 def watches(draw: st.DrawFn) -> list[Op]:
-    request = transfer_pb2.WatchRoomsRequest(engine_id=draw(engine_ids), rooms=draw(st.lists(rooms, max_size=3)))
-    return [Op(draw(engine_via), "transfer", "WatchRooms", request)]
+    via, engine_id = _engine(draw)
+    request = transfer_pb2.WatchRoomsRequest(engine_id=engine_id, rooms=draw(st.lists(rooms, max_size=3)))
+    return [Op(via, "transfer", "WatchRooms", request)]
 
 
 @st.composite
 def aborts(draw: st.DrawFn) -> list[Op]:
-    request = transfer_pb2.AbortRequest(engine_id=draw(engine_ids), room=draw(rooms), reason=draw(st.text(max_size=20)))
-    return [Op(draw(engine_via), "transfer", "Abort", request)]
+    via, engine_id = _engine(draw)
+    request = transfer_pb2.AbortRequest(engine_id=engine_id, room=draw(rooms), reason=draw(st.text(max_size=20)))
+    return [Op(via, "transfer", "Abort", request)]
 
 
 @st.composite
@@ -496,13 +531,13 @@ def admin_calls(draw: st.DrawFn) -> list[Op]:
 
 # Strangers: never one of the two real brokers' ids, addresses or agents.
 stranger_ids = st.one_of(st.sampled_from(("stranger-0", "stranger-1", "", "0" * 32)), st.text(max_size=8))
-stranger_addresses = st.sampled_from(("", "", "127.0.0.1:1"))
-#: Bounded: see test_handshake_with_extreme_buffers_is_refused_cleanly.
-buffer_addresses = st.integers(0, 2**47)
+#: Mostly none: a report to a refusing address is retried for about a second.
+stranger_addresses = st.sampled_from(("",) * 7 + ("127.0.0.1:1",))
+buffer_addresses = st.one_of(st.integers(0, 2**47), st.just(2**64 - 1))
 remote_buffers = st.builds(
     peer_pb2.RemoteBuffer,
     address=buffer_addresses,
-    size_bytes=st.integers(0, 2**20),  # bounded: same test
+    size_bytes=st.one_of(st.integers(0, 2**20), st.just(2**50)),
     kind=st.integers(0, 3),
     device_id=st.integers(0, 3),
 )
@@ -512,9 +547,7 @@ failure_causes = st.builds(
 
 
 def _mutate_layout(draw: st.DrawFn, layout: common_pb2.EngineLayout) -> None:
-    """One random change. Layer counts stay small (bounded: see
-    test_layout_with_billions_of_layers_is_refused_at_once) and regions short
-    (bounded: see test_handshake_with_extreme_buffers_is_refused_cleanly)."""
+    """One random change, including absurd layer counts and region sizes."""
     small = st.integers(0, 4)
     what = draw(
         st.sampled_from(
@@ -528,7 +561,9 @@ def _mutate_layout(draw: st.DrawFn, layout: common_pb2.EngineLayout) -> None:
     elif what == "pp":
         layout.pp_size = draw(small)
     elif what == "layers":
-        layout.num_layers, layout.layer_begin, layout.layer_end = (draw(st.integers(0, 64)) for _ in range(3))
+        layout.num_layers, layout.layer_begin, layout.layer_end = (
+            draw(st.one_of(st.integers(0, 64), st.just(U32))) for _ in range(3)
+        )
     elif what == "page":
         layout.page_size_tokens, layout.head_dim = draw(st.integers(0, 8)), draw(st.integers(0, 16))
     elif what == "heads":
@@ -579,14 +614,13 @@ def engine_descriptors(draw: st.DrawFn) -> peer_pb2.EngineDescriptor:
 @st.composite
 def handshakes(draw: st.DrawFn) -> list[Op]:
     request = peer_pb2.HandshakeRequest(
-        protocol_version=draw(st.sampled_from((1, 1, 1, 0, 2, 99, U32))),
+        protocol_version=draw(st.sampled_from((1, 1, 1, 1, 0, 2, 99, U32))),
         caller=peer_pb2.BrokerIdentity(
             broker_id=draw(stranger_ids),
             nixl_agent_name=draw(st.sampled_from((STRANGER_AGENT, STRANGER_AGENT, "", "fake_nobody_agent"))),
             address=draw(stranger_addresses),
         ),
-        # Well-formed metadata only: see test_malformed_agent_metadata_is_not_internal.
-        nixl_agent_metadata=draw(st.sampled_from((b"@stranger", b"@stranger", NOBODY_METADATA))),
+        nixl_agent_metadata=draw(st.sampled_from((b"@stranger", NOBODY_METADATA, b"[1]", b"{}", b"\xff\xfe"))),
         engines=draw(st.lists(engine_descriptors(), max_size=2)),
     )
     if draw(st.booleans()):
@@ -741,10 +775,13 @@ def pings(draw: st.DrawFn) -> list[Op]:
 
 engine_requests = st.lists(
     st.one_of(
+        room_pairs(),
+        room_pairs(),
+        expect_rooms(),
         expect_rooms(),
         begin_sends(),
         send_chunks(),
-        room_pairs(),
+        send_chunks(),
         polls(),
         watches(),
         aborts(),
@@ -754,14 +791,17 @@ engine_requests = st.lists(
         admin_calls(),
     ),
     min_size=1,
-    max_size=6,
+    max_size=10,
 ).map(_flatten)
 
 peer_requests = st.lists(
     st.one_of(
+        stranger_rooms(),
+        stranger_rooms(),
+        handshakes(),
         handshakes(),
         register_rooms(),
-        stranger_rooms(),
+        register_rooms(),
         completion_reports(),
         abort_rooms(),
         reserve_stagings(),
@@ -772,7 +812,7 @@ peer_requests = st.lists(
         admin_calls(),
     ),
     min_size=1,
-    max_size=5,
+    max_size=8,
 ).map(_flatten)
 
 
@@ -793,15 +833,16 @@ class Legit:
     dst_state: tuple[int, ...]
 
 
-def _not_one_run(pages: list[int]) -> bool:
-    return not all(b - a == 1 for a, b in zip(pages, pages[1:]))
+def _not_one_run(pages: list[int]) -> list[int]:
+    """``pages`` in an order that is not one ascending run (a run would be one descriptor)."""
+    return pages[::-1] if all(b - a == 1 for a, b in zip(pages, pages[1:])) else pages
 
 
 @st.composite
 def legit_rooms(draw: st.DrawFn) -> Legit:
     n = draw(st.integers(2, 8))
-    dst = draw(st.lists(st.integers(ADV_PAGES, NUM_PAGES - 1), min_size=n, max_size=n, unique=True).filter(_not_one_run))
-    src = draw(st.lists(st.integers(0, NUM_PAGES - 1), min_size=n, max_size=n, unique=True).filter(_not_one_run))
+    dst = draw(st.lists(st.integers(ADV_PAGES, NUM_PAGES - 1), min_size=n, max_size=n, unique=True).map(_not_one_run))
+    src = draw(st.lists(st.integers(0, NUM_PAGES - 1), min_size=n, max_size=n, unique=True).map(_not_one_run))
     m = draw(st.integers(0, 2))
     return Legit(
         src=tuple(src),
@@ -853,7 +894,9 @@ def _legit_room(c: Cluster, room: Legit) -> None:
     assert rstat.pages_settled and sstat.pages_settled and rstat.chunks == len(chunks)
     for a, b in _pairs(c, room):
         assert torch.equal(a, b), f"room {room_id} did not arrive byte-exact"
-    c.reserved_snapshot = _reserved(c.de.memory)
+    # The model of the reserved memory: what it held, plus what this room wrote.
+    for model, now, rows in zip(c.reserved_snapshot, _reserved(c.de.memory), _legit_rows(c.de.memory, room)):
+        model[rows] = now[rows]
 
 
 def _unquiet(c: Cluster) -> list[str]:
@@ -873,10 +916,10 @@ def _unquiet(c: Cluster) -> list[str]:
     return busy
 
 
-def _wind_down(c: Cluster, rooms: set[int]) -> None:
+def _wind_down(c: Cluster, room_ids: set[int]) -> None:
     """Abort every room the example touched, wait until the brokers are quiet,
     evict, and check the tables, the stats and the memory."""
-    for room in sorted(rooms):
+    for room in sorted(room_ids):
         for engine in (c.pe, c.de):
             engine.client.call(
                 engine.client.stub.Abort,
@@ -892,10 +935,10 @@ def _wind_down(c: Cluster, rooms: set[int]) -> None:
         stats = c.admin(name).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
         assert not any(stats.per_room_state.values()), (name, dict(stats.per_room_state))
         assert stats.staging_send_bytes_in_use == stats.staging_receive_bytes_in_use == 0, name
-    assert c.prefill_snapshot is not None and c.pe.memory.raw is not None
+    assert c.pe.memory.raw is not None
     assert torch.equal(c.pe.memory.raw, c.prefill_snapshot), "something wrote into the sender's memory"
     for now, then in zip(_reserved(c.de.memory), c.reserved_snapshot):
-        assert torch.equal(now, then), "a hostile request wrote into memory only legitimate rooms name"
+        assert torch.equal(now, then), "something wrote into memory that only legitimate rooms name"
     assert c.pe.memory.check_guards() == [] and c.de.memory.check_guards() == []
 
 
@@ -910,9 +953,13 @@ def _exercise(c: Cluster, ops: list[Op], room: Legit) -> None:
     _wind_down(c, {op.request.room for op in ops if hasattr(op.request, "room")})  # type: ignore[attr-defined]
 
 
+#: No shrinking: every example drives live brokers, and hypothesis may shrink
+#: for minutes (past the test timeout); a failure names the offending
+#: requests in full instead, and the example database replays it first.
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=50,
     deadline=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 
@@ -931,7 +978,7 @@ def test_hostile_peer_requests_leave_other_rooms_intact(cluster: Cluster, ops: l
     _exercise(cluster, ops, room)
 
 
-# -- cases the properties above found (strict xfail: bugs; they pass once fixed) ----------
+# -- what the properties found: regression tests for the bugs they caught --
 
 
 def _eventually(predicate: Callable[[], bool], timeout_seconds: float) -> None:
@@ -967,12 +1014,6 @@ def test_receiver_abort_before_the_sender_opens_settles_pages() -> None:
         _eventually(lambda: receiver.status().pages_settled, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: destination pages in a peer's RegisterRoom are never checked against the receiver's "
-    "layout; with a head-sliced plan and no peer staging, token_descriptors raises IndexError inside "
-    "SenderSide.flush (an RPC done-callback), which is swallowed unlogged: the room hangs in TRANSFERRING",
-)
 def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
     """A peer's out-of-range destination page is refused, or fails the room; it never leaves it hanging."""
     with _cluster() as c:
@@ -1009,15 +1050,9 @@ def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
             assert code in EXPECTED  # refused outright: fine
             return
         sender.send([5])
-        _eventually(lambda: sender.poll() == RoomState.FAILED, 5)
+        _eventually(lambda: sender.poll() == RoomState.FAILED, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PeerBroker.AbortRoom is obeyed from any caller: the sender side never checks that "
-    "from_broker_id is a handshaken peer, let alone one of the room's receivers (and it creates a "
-    "sender-room record for any room id)",
-)
 def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
     """An AbortRoom from a broker that never handshook does not fail a room between two real brokers."""
     with _cluster() as c:
@@ -1038,11 +1073,6 @@ def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
         assert sender.wait(10).state == RoomState.SUCCESS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a handshake's engine descriptors are turned into per-item descriptor tables unchecked; "
-    "a huge region (MemoryError) or a buffer address near 2**64 (OverflowError) escapes as INTERNAL",
-)
 def test_handshake_with_extreme_buffers_is_refused_cleanly() -> None:
     """A stranger's engine descriptors with a petabyte region or a top-of-range address are refused cleanly."""
     with _cluster() as c:
@@ -1083,12 +1113,6 @@ except KvBrokerError:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Layout.from_proto lists every missing (layer, kind) of num_layers before it keeps 8; "
-    "a handshake (or registration) declaring 2**32-1 layers and one KV region blocks the broker's "
-    "event loop for hours and exhausts memory (3 million layers already take ~7 s)",
-)
 def test_layout_with_billions_of_layers_is_refused_at_once() -> None:
     """Validating a descriptor that declares billions of layers takes milliseconds, not hours."""
     layout = _layout_msg("decode")
@@ -1098,7 +1122,7 @@ def test_layout_with_billions_of_layers_is_refused_at_once() -> None:
     descriptor = peer_pb2.EngineDescriptor(rank=common_pb2.EngineRankId(group="evil"), layout=layout, generation=1)
     try:
         out = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_MANY_LAYERS)],
+            [sys.executable, "-c", _MANY_LAYERS],
             input=descriptor.SerializeToString(),
             capture_output=True,
             timeout=5,
@@ -1109,11 +1133,6 @@ def test_layout_with_billions_of_layers_is_refused_at_once() -> None:
     assert out.returncode == 0, out.stderr.decode()[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (kvbroker.testing.FakeAgent): add_remote lets json/shape errors of malformed metadata "
-    "escape instead of raising NixlError as the Agent protocol and UcxAgent do, so Handshake answers INTERNAL",
-)
 def test_malformed_agent_metadata_is_not_internal() -> None:
     """A handshake with metadata NIXL cannot parse is refused with a status, not INTERNAL."""
     with _cluster() as c:

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from kvbroker.broker.nixl_agent import NixlError, XferState
+from kvbroker.errors import InvalidArgument
 from kvbroker.indices import IndexArray
 
 __all__ = ["FakeAgent", "FakeFabric", "XferScript"]
@@ -112,11 +113,16 @@ class FakeAgent:
         del self._regs[registration]
 
     def add_remote(self, metadata: bytes) -> str:
-        meta = json.loads(metadata)
-        if meta["name"] not in self._fabric.agents:
-            raise NixlError(f"fake agent {meta['name']} is not on this fabric")
-        self._remotes[meta["name"]] = [(int(start), int(size)) for start, size in meta["regs"]]
-        return str(meta["name"])
+        try:
+            meta = json.loads(metadata)
+            name = str(meta["name"])
+            regs = [(int(start), int(size)) for start, size in meta["regs"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"fake agent metadata is malformed: {exc!r}") from exc
+        if name not in self._fabric.agents:
+            raise InvalidArgument(f"fake agent {name} is not on this fabric")
+        self._remotes[name] = regs
+        return name
 
     def remove_remote(self, name: str) -> None:
         self._remotes.pop(name, None)
