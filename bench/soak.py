@@ -459,12 +459,16 @@ class Soak:
         self.sender_examples: dict[str, list[str]] = collections.defaultdict(list)
         self.mismatch_examples: list[str] = []
         self.events: list[str] = []
+        self.disagree: collections.Counter[str] = collections.Counter()
         self.fault_latency: dict[str, list[float]] = collections.defaultdict(list)
         self.reregister: dict[str, list[float]] = collections.defaultdict(list)
         self.broker_deaths: list[str] = []
         self.engine_crashes: list[str] = []
         self.rss_decode: dict[str, int | None] = {}
         self.last_fault_at = 0.0
+        self.last_progress = (0.0, 0)
+        self.duration = args.minutes * 60.0
+        self.next_kill = self.next_restart = 0.0
 
     # -- helpers ------------------------------------------------------------
     @staticmethod
@@ -790,7 +794,7 @@ class Soak:
                 self.counts["stuck_rooms"] += 1
                 self.event(f"room {rid} still open on the decode side after {age:.0f} s; aborting it")
                 self.abort_decode(room, "soak: stuck")
-            elif room.decode_state is not None and now - room.decode_final_at > stuck_after:
+            elif room.decode_final_at is not None and now - room.decode_final_at > stuck_after:
                 if not room.settled:
                     self.counts["rooms_never_settled"] += 1
                     self.event(f"room {rid}: decode pages not settled {stuck_after:.0f} s after {room.decode_state}; slot {room.slot} retired")
@@ -801,6 +805,14 @@ class Soak:
                     self.release(room, keep_slot=True)
 
     def release(self, room: Room, keep_slot: bool) -> None:
+        if room.sender_state == "SUCCESS" and room.decode_state == "FAILED":
+            # The sender's broker moved every chunk, yet the receiver failed (an abort racing the
+            # end is fine; with no abort tag it is worth a look).
+            key = "aborted" if room.fault else ",".join(sorted(room.tags)) or "no fault"
+            self.disagree[f"sender SUCCESS, decode FAILED {room.decode_cause} [{key}]"] += 1
+        elif room.decode_state == "SUCCESS" and room.sender_state not in (None, "SUCCESS"):
+            key = ",".join(sorted(room.tags)) or "no fault"
+            self.disagree[f"decode SUCCESS, sender {room.sender_state} [{key}]"] += 1
         del self.rooms[room.id]
         room.child.rooms.discard(room.id)
         (self.free_slots if keep_slot else self.retired_slots).append(room.slot)
@@ -835,13 +847,15 @@ class Soak:
         elapsed = self.now()
         c = self.counts
         rate = c["rooms_verified"] / max(elapsed, 1e-9)
+        recent = (c["rooms_verified"] - self.last_progress[1]) / max(elapsed - self.last_progress[0], 1e-9)
+        self.last_progress = (elapsed, c["rooms_verified"])
         p_rss = read_rss_kib(self.prefill.process.pid) if self.prefill else None
         d_rss = read_rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
         self.say(
             f"[{elapsed:6.0f}s] started {c['rooms_started']}, verified {c['rooms_verified']}, failed {c['rooms_failed']} "
             f"({c['rooms_failed_unexpectedly']} unexpected), mismatches {c['byte_mismatches']}, in flight {len(self.rooms)} | "
             f"kills {c['engine_kills']}, restarts {c['broker_restarts']} | RSS prefill#{len(self.incarnations)} {mib(p_rss)}, "
-            f"decode {mib(d_rss)} | {rate:.1f} verified rooms/s"
+            f"decode {mib(d_rss)} | {rate:.1f} verified rooms/s ({recent:.1f} in the last interval)"
         )
 
     # -- run -----------------------------------------------------------------------
@@ -907,6 +921,11 @@ class Soak:
 
     def finish(self, run_seconds: float, decode_alive: bool) -> dict[str, Any]:
         args = self.args
+        # RSS at the end of the load (engines still registered: comparable with the warm-up).
+        last = self.incarnations[-1]
+        self.rss_decode["end"] = read_rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
+        if last.ended == "running" and self.prefill is not None:
+            last.rss_last_kib = read_rss_kib(self.prefill.process.pid)
         # 1. Stop sending; let every room in flight end.
         drain_deadline = time.monotonic() + args.stuck_after + 15
         while decode_alive and self.rooms and time.monotonic() < drain_deadline:
@@ -969,11 +988,10 @@ class Soak:
                     break
             else:
                 late_drain = None
-        # 4. RSS at the end, then stop the brokers.
-        self.rss_decode["end"] = read_rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
+        # 4. RSS once idle (engines unregistered, tables evicted), then stop the brokers.
+        self.rss_decode["idle"] = read_rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
         last = self.incarnations[-1]
-        if last.ended == "running" and self.prefill is not None:
-            last.rss_last_kib = read_rss_kib(self.prefill.process.pid)
+        rss_prefill_idle = read_rss_kib(self.prefill.process.pid) if self.prefill is not None and self.prefill.process.poll() is None else None
         exit_codes = {}
         for name, broker in brokers.items():
             if broker is not None:
@@ -1013,6 +1031,7 @@ class Soak:
             "aborted_rooms_that_succeeded": self.counts["aborted_rooms_that_succeeded"],
             "sender_outcomes": dict(self.sender_outcomes.most_common()),
             "sender_examples": dict(self.sender_examples),
+            "sides_disagree": dict(self.disagree.most_common()),
             "byte_mismatches": self.counts["byte_mismatches"],
             "mismatch_examples": self.mismatch_examples,
             "guard_problems": guard_problems,
@@ -1033,6 +1052,7 @@ class Soak:
             "eviction_wait_s": wait,
             "rss_kib": {
                 "decode": self.rss_decode,
+                "prefill_idle": rss_prefill_idle,
                 "prefill_incarnations": [
                     {"n": i.n, "pid": i.pid, "warm": i.rss_warm_kib, "last": i.rss_last_kib, "ended": i.ended} for i in self.incarnations
                 ],
@@ -1102,6 +1122,8 @@ def print_report(r: dict[str, Any]) -> None:
     for outcome, examples in r["sender_examples"].items():
         for example in examples[:2]:
             p(f"      {outcome}: {example}")
+    if r["sides_disagree"]:
+        p("rooms whose two sides ended differently: " + ", ".join(f"{k}: {v}" for k, v in r["sides_disagree"].items()))
     p(f"byte mismatches: {r['byte_mismatches']}" + (f"; overwritten guards: {r['guard_problems']}" if r["guard_problems"] else ""))
     for example in r["mismatch_examples"]:
         p(f"  {example}")
@@ -1126,12 +1148,15 @@ def print_report(r: dict[str, Any]) -> None:
         p(f"  {name:8} " + ", ".join(f"{k}={v}" for k, v in sorted(table.items())))
     p(f"leaked records: {len(r['leaked'])}" + (f" {r['leaked']}; drained after {r['leak_drained_after_s']} s" if r["leaked"] else ""))
     rss = r["rss_kib"]
-    p(f"RSS decode broker: {mib(rss['decode'].get('start'))} after warm-up -> {mib(rss['decode'].get('end'))} at the end")
+    p(f"RSS decode broker: {mib(rss['decode'].get('start'))} after warm-up -> {mib(rss['decode'].get('end'))} at the end of the load "
+      f"({mib(rss['decode'].get('idle'))} idle, after the engines unregistered)")
     incs = rss["prefill_incarnations"]
     first, last = incs[0], incs[-1]
-    p(f"RSS prefill broker, first incarnation (pid {first['pid']}): {mib(first['warm'])} after warm-up -> {mib(first['last'])} when {first['ended']}")
+    when = f"when {first['ended']}" if len(incs) > 1 else f"at the end of the load ({mib(rss['prefill_idle'])} idle)"
+    p(f"RSS prefill broker, first incarnation (pid {first['pid']}): {mib(first['warm'])} after warm-up -> {mib(first['last'])} {when}")
     if len(incs) > 1:
-        p(f"RSS prefill broker, last incarnation #{last['n']} (pid {last['pid']}): {mib(last['warm'])} after warm-up -> {mib(last['last'])} at the end")
+        p(f"RSS prefill broker, last incarnation #{last['n']} (pid {last['pid']}): {mib(last['warm'])} after warm-up -> {mib(last['last'])} "
+          f"at the end of the load ({mib(rss['prefill_idle'])} idle)")
         p("  every incarnation: " + ", ".join(f"#{i['n']} {mib(i['warm'])}->{mib(i['last'])}" for i in incs))
     p(f"broker exit status on SIGTERM: {r['broker_exit']}")
     if r["broker_log_warnings"]:
