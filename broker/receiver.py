@@ -257,7 +257,13 @@ class ReceiverSide:
 
         A dead broker writes nothing more, so their pages are settled.
         """
-        ranks = [r for r in self._rooms.all_receivers() if r.peer_broker_id == broker_id]
+        # A rank still registering never reached that process; it registers
+        # with whoever answers at the address now.
+        ranks = [
+            r
+            for r in self._rooms.all_receivers()
+            if r.peer_broker_id == broker_id and (r.registered_with_sender or r.terminal)
+        ]
         for rank in ranks:
             self.fail(rank, why, tell_sender=False)
             for exp in (rank.expected or {}).values():
@@ -373,11 +379,17 @@ class ReceiverSide:
                 return
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
-                if isinstance(exc, grpc.Call) and exc.code() not in _MAYBE_DELIVERED:
+                if err.code not in _MAYBE_DELIVERED:
                     rank.registered_with_sender = False
                 if attempt == 1 and isinstance(err, Aborted):
-                    # The sender's view of our engines is stale.
+                    # The sender's view of us is stale, or it restarted and
+                    # never met us: handshake afresh (a restart detected here
+                    # fails only rooms the old process had), then retry with
+                    # the broker that answers now.
                     await self._peers.handshake(peer)
+                    if rank.terminal:
+                        return
+                    rank.peer_broker_id = peer.broker_id
                     rank.registered_with_sender = True
                     continue
                 raise type(err)(f"the sender's broker refused room {rank.room}: {err.message}") from exc

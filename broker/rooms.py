@@ -246,6 +246,9 @@ class SenderRoom:
     #: A receiver's broker aborted the room (first cause); sources that open
     #: it later fail at once.
     aborted: common_pb2.FailureCause | None = None
+    #: (receiver, source) pairs whose receiver was told the source will never
+    #: open the room (its engine died first, or it never came).
+    abandoned: set[tuple[RankKey, RankKey]] = field(default_factory=set)
 
 
 # -- receiver side -------------------------------------------------------

@@ -197,6 +197,9 @@ class BrokerRuntime:
         sources, ranks = self._rooms_of(engine)
         for source in sources:
             self.sender.fail(source, why)
+        if engine.role == common_pb2.ROLE_PREFILL:
+            # Rooms whose receivers registered but this engine never opened.
+            self.sender.abandon(engine.key, why)
         for rank in ranks:
             self.receiver.fail(rank, why)
         await self._wait_settled([engine], self.config.unregister_settle_timeout_seconds)
@@ -490,6 +493,7 @@ class BrokerRuntime:
             try:
                 now = time.monotonic()
                 self.sender.time_out(now, cfg.sender_info_timeout_seconds)
+                self.sender.abandon_orphans(now, cfg.orphan_room_timeout_seconds)
                 self.receiver.time_out(now, cfg.receiver_data_timeout_seconds)
                 self.progress.cancel_overdue(now, cfg.transfer_timeout_seconds)
                 self.rooms.evict(

@@ -24,6 +24,7 @@ import structlog
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.descriptors import check_index, check_indices
 from kvbroker.broker.engines import Engine
+from kvbroker.broker.layout import RankKey
 from kvbroker.broker.nixl_agent import Agent, XferState
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
@@ -261,6 +262,52 @@ class SenderSide:
         for source in lost:
             self.fail(source, why)
         return len(lost)
+
+    def abandon(self, source_key: RankKey, why: common_pb2.FailureCause, *, older_than: float | None = None) -> int:
+        """Tell receivers waiting for ``source_key`` in rooms it never opened here that it never will.
+
+        For a source engine that died (or unregistered) before BeginSend, and
+        for transfer infos older than the orphan timeout; without this the
+        receiver would wait for its data timeout. ``older_than``: only infos
+        received before that time. Returns how many receivers were told.
+        """
+        told = 0
+        for room in self._rooms.sender.values():
+            if source_key in room.sources:
+                continue
+            for info in room.infos.values():
+                pair = (info.receiver, source_key)
+                if info.plan_for(source_key) is None or pair in room.abandoned:
+                    continue
+                if older_than is not None and info.received_at > older_than:
+                    continue
+                room.abandoned.add(pair)
+                report = peer_pb2.CompletionReport(
+                    room=room.room,
+                    sender_broker_id=self._id,
+                    source=source_key.to_proto(),
+                    receiver=info.receiver.to_proto(),
+                    failure=why,
+                    settled=True,
+                )
+                self._tasks.spawn(self._send_report(info.receiver_broker_id, report), name=f"abandon-{room.room}")
+                told += 1
+        return told
+
+    def abandon_orphans(self, now: float, orphan_seconds: float) -> None:
+        """Receivers whose sources never opened the room within ``orphan_seconds`` learn so."""
+        for room in list(self._rooms.sender.values()):
+            for info in list(room.infos.values()):
+                if now - info.received_at <= orphan_seconds:
+                    continue
+                for plan in info.sources:
+                    if plan.rank not in room.sources and (info.receiver, plan.rank) not in room.abandoned:
+                        why = cause(
+                            common_pb2.FAILURE_KIND_TIMEOUT,
+                            f"source rank {plan.rank} did not open the room (BeginSend) within {orphan_seconds:g} s",
+                            self._id,
+                        )
+                        self.abandon(plan.rank, why, older_than=now - orphan_seconds)
 
     def time_out(self, now: float, info_timeout_seconds: float) -> None:
         """Fail sources that waited longer than the timeout for their receivers' transfer infos."""

@@ -84,11 +84,11 @@ class Rank:
         assert not overwritten, overwritten
 
 
-def _eventually(predicate: Callable[[], bool], timeout: float = BOUND_SECONDS) -> float:
+def _eventually(predicate: Callable[[], bool], timeout: float = BOUND_SECONDS, describe: Callable[[], object] = lambda: "") -> float:
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"condition not met within {timeout} s {describe()}")
         time.sleep(0.05)
     return time.monotonic() - start
 
@@ -233,6 +233,32 @@ def test_restarted_prefill_broker_is_handshaken_afresh(brokers) -> None:
         assert b.stop() == 0, b.log_tail()
 
 
+def test_restart_noticed_only_by_the_next_room(brokers) -> None:
+    """A prefill broker restarted while the decode broker had no room with it (so no heartbeat saw it):
+    the next room still succeeds, with a fresh handshake, and its pages settle."""
+    port = _free_port()
+    fixed = ("--listen", f"127.0.0.1:{port}")
+    (d,) = brokers("d")
+    (p,) = brokers("p", extra=fixed)
+    decode = Rank(d.address, "decode", "dg")
+    prefill = Rank(p.address, "prefill", "pg", seed=6)
+    try:
+        _room(prefill, decode, p.address, 450, [1, 2], [5, 6])
+        assert decode.engine.wait([450], timeout_seconds=20)[450].state == RoomState.SUCCESS
+        p.kill()
+        prefill.close()
+        (p,) = brokers("p", extra=fixed)
+        prefill = Rank(p.address, "prefill", "pg", seed=7)
+        _room(prefill, decode, p.address, 451, [3, 4, 9], [10, 11, 12])
+        status = decode.engine.wait([451], timeout_seconds=20)[451]
+        assert status.state == RoomState.SUCCESS and status.pages_settled, status
+        assert _same_pages(prefill, decode, [3, 4, 9], [10, 11, 12])
+    finally:
+        prefill.close()
+        decode.close()
+    _tables_empty(p, d)
+
+
 def test_abort_racing_the_last_chunk(brokers) -> None:
     """Decode aborts while prefill sends the last chunk: every room ends on both sides, the receiver's
     pages settle, a room that still succeeded is byte-exact, and the tables return to zero."""
@@ -265,7 +291,11 @@ def test_abort_racing_the_last_chunk(brokers) -> None:
                 pass
             racer.join()
             # Reuse of the destination pages waits for settling, as an engine would.
-            _eventually(lambda room=room: decode.engine.poll([room])[room].pages_settled, timeout=20)
+            _eventually(
+                lambda room=room: decode.engine.poll([room])[room].pages_settled,
+                timeout=20,
+                describe=lambda room=room: (decode.engine.poll([room]), prefill.engine.poll([room]), d.log_tail(3000)),
+            )
             final = decode.engine.poll([room])[room]
             sent = prefill.engine.wait([room], timeout_seconds=20)[room]
             assert RoomState(sent.state) in (RoomState.SUCCESS, RoomState.FAILED)

@@ -668,3 +668,30 @@ def test_lost_peer_fails_its_rooms_and_is_dropped(fake_brokers, make_engine) -> 
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
     assert d.address in status.cause.message
     _eventually(lambda: not p.runtime.peers.by_id)
+
+
+def test_sender_engine_dying_before_it_opens_the_room_fails_the_receiver_at_once(fake_brokers, make_engine) -> None:
+    """A receiver whose source engine died before BeginSend learns it (ENGINE_LOST) without waiting for its data timeout."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(95, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    pe.handle._session.close()  # the prefill engine dies; it never opened room 95
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
+    _eventually(lambda: receiver.status().pages_settled)
+
+
+def test_a_source_that_never_opens_the_room_is_reported_after_the_orphan_timeout(fake_brokers, make_engine) -> None:
+    """Transfer infos whose source never calls BeginSend are answered with a TIMEOUT after the orphan timeout."""
+    p = fake_brokers("p", orphan_room_timeout_seconds=0.3, housekeeping_interval_seconds=0.05)
+    d = fake_brokers("d")
+    make_engine(p.address, "prefill")
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(96, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
+    assert "did not open the room" in status.cause.message
+    _eventually(lambda: receiver.status().pages_settled)
+    _wait_tables_empty(p, d)
