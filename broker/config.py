@@ -92,6 +92,10 @@ class BrokerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
+    #: A transfer touching GPU memory that moves slower than this (GB/s, for
+    #: transfers of 1 MiB or more) is logged as a warning: UCX probably fell
+    #: back to TCP or a host copy.
+    vram_slow_gbps: float = 20.0
     #: Largest gRPC message accepted or sent (page index lists are the bulk).
     max_message_bytes: int = 64 * 1024 * 1024
     #: Threads of the gRPC server's executor for sync work (the servicers

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 
 import grpc
 import structlog
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
+from kvbroker.broker import telemetry
 from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_descriptor_table
 from kvbroker.broker.engines import EngineTable
 from kvbroker.broker.layout import Layout, RankKey, rank_key
@@ -74,6 +76,14 @@ class Peer:
     staging: peer_pb2.RemoteBuffer | None = None
     #: When the peer last answered (or called) us: liveness.
     last_seen: float = field(default_factory=time.monotonic)
+    #: Bytes this broker wrote to the peer, and the moving average of the
+    #: observed write throughput (bytes/s; 0 until measured).
+    bytes_sent: int = 0
+    throughput_bps: float = 0.0
+    #: Memory kinds (local -> remote, e.g. "DRAM->VRAM") written to the peer.
+    kinds: set[str] = field(default_factory=set)
+    #: When the broker last warned that this peer is slow for its memory.
+    slow_warned_at: float = 0.0
     channel: grpc.aio.Channel | None = None
     stub: peer_pb2_grpc.PeerBrokerStub | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -130,27 +140,31 @@ class PeerTable:
     async def handshake(self, peer: Peer) -> None:
         """(Re)do the handshake with ``peer``; raises ``Unavailable`` if it fails."""
         async with peer.lock:
-            epoch = self._engines.epoch
-            metadata, engines = self._handshake_message()
-            request = peer_pb2.HandshakeRequest(
-                protocol_version=PROTOCOL_VERSION,
-                caller=self.identity(),
-                nixl_agent_metadata=metadata,
-                engines=engines,
-                staging=self._staging,
+            with telemetry.tracer().start_as_current_span("kvbroker.handshake", attributes={"kvbroker.peer": peer.address}):
+                await self._handshake_locked(peer)
+
+    async def _handshake_locked(self, peer: Peer) -> None:
+        epoch = self._engines.epoch
+        metadata, engines = self._handshake_message()
+        request = peer_pb2.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION,
+            caller=self.identity(),
+            nixl_agent_metadata=metadata,
+            engines=engines,
+            staging=self._staging,
+        )
+        try:
+            response = await self._stub(peer).Handshake(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            raise Unavailable(f"handshake with the broker at {peer.address} failed: {err.message}") from exc
+        if response.protocol_version != PROTOCOL_VERSION:
+            raise FailedPrecondition(
+                f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
             )
-            try:
-                response = await self._stub(peer).Handshake(request, timeout=self._timeout)
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-                raise Unavailable(f"handshake with the broker at {peer.address} failed: {err.message}") from exc
-            if response.protocol_version != PROTOCOL_VERSION:
-                raise FailedPrecondition(
-                    f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
-                )
-            self._apply(peer, response.callee, response.nixl_agent_metadata, response.engines, response.staging)
-            peer.announced_epoch = epoch
-            log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
+        self._apply(peer, response.callee, response.nixl_agent_metadata, response.engines, response.staging)
+        peer.announced_epoch = epoch
+        log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
 
     def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
         """A stub for calls to ``peer`` (deadline: use :attr:`timeout`)."""
@@ -256,10 +270,13 @@ class PeerTable:
         if peer.stub is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
+            interceptors = aio_client_interceptors()
             if self._credentials is not None:
-                peer.channel = grpc.aio.secure_channel(peer.address, self._credentials, options=self._options)
+                peer.channel = grpc.aio.secure_channel(
+                    peer.address, self._credentials, options=self._options, interceptors=interceptors
+                )
             else:
-                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options)
+                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options, interceptors=interceptors)
             peer.stub = peer_pb2_grpc.PeerBrokerStub(peer.channel)
         return peer.stub
 

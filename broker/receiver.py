@@ -27,12 +27,15 @@ from collections.abc import Callable
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
+from kvbroker.broker import telemetry
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.descriptors import check_index, check_indices
 from kvbroker.broker.engines import Engine
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.mapping import GroupShape, check_state_supported, plan_sources
+from kvbroker.broker.metrics import BrokerMetrics
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
 from kvbroker.broker.rooms import (
@@ -90,8 +93,10 @@ class ReceiverSide:
         bootstrap_timeout_seconds: float,
         staging: StagingPool | None,
         staging_wait_seconds: float,
+        metrics: BrokerMetrics,
     ) -> None:
         self._id = broker_id
+        self._metrics = metrics
         self._staging = staging
         self._staging_wait = staging_wait_seconds
         self._bootstrap_timeout = bootstrap_timeout_seconds
@@ -156,7 +161,12 @@ class ReceiverSide:
         )
         room.ranks[engine.key] = rank
         self._open.add(rank)
-        self._tasks.spawn(self._bootstrap(rank), name=f"bootstrap-{room_id}")
+        # The room span is a child of the engine's ExpectRoom call; the
+        # bootstrap task runs in it, so the handshake and RegisterRoom (and,
+        # through RegisterRoom, the sender's side) join the trace.
+        span = telemetry.open_room_span(rank, "receiver", None)
+        with trace.use_span(span, end_on_exit=False):
+            self._tasks.spawn(self._bootstrap(rank), name=f"bootstrap-{room_id}")
         return rank
 
     def abort(self, engine: Engine, room_id: int, reason: str) -> ReceiverProgress | None:
@@ -164,7 +174,9 @@ class ReceiverSide:
         room = self._rooms.receiver.get(room_id)
         rank = room.ranks.get(engine.key) if room is not None else None
         if rank is not None:
-            self.fail(rank, cause(common_pb2.FAILURE_KIND_ABORTED, reason or "aborted by the receiving engine", self._id))
+            why = reason or "aborted by the receiving engine"
+            telemetry.child_done(rank.span, "kvbroker.abort", {"kvbroker.reason": why, "kvbroker.by": "engine"})
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
         return rank
 
     def fail(self, rank: ReceiverProgress, why: common_pb2.FailureCause, *, tell_sender: bool = True) -> None:
@@ -221,6 +233,8 @@ class ReceiverSide:
             exp.total_chunks = notice.total_chunks
         rank.bytes += notice.bytes
         self._counters.bytes_received += notice.bytes
+        self._metrics.bytes.add(notice.bytes, {"direction": "received"})
+        rank.mark("first_byte")
         assert rank.expected is not None
         rank.chunks = sum(e.chunks_landed() for e in rank.expected.values())
         if rank.terminal:
@@ -233,6 +247,8 @@ class ReceiverSide:
         rank.advance(TRANSFERRING)
         self._check_source(rank, source_key, exp)
         if rank.state != FAILED and all(e.complete for e in rank.expected.values()):
+            rank.mark("last_byte")
+            telemetry.child_done(rank.span, "kvbroker.completion", {"kvbroker.sources": len(rank.expected)})
             if rank.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
                 self._release_staging(rank)
@@ -309,6 +325,8 @@ class ReceiverSide:
                 await self._abort_sender(rank.peer_broker_id, rank.room, rank.cause)
             return
         rank.registered_at = time.monotonic()
+        rank.mark("registered")
+        rank.wait_span = telemetry.start_span("kvbroker.wait_for_data", parent=rank.span)
         rank.advance(WAITING_FOR_INPUT)
         self._progress.wake()
 
@@ -340,6 +358,7 @@ class ReceiverSide:
 
     async def _register(self, rank: ReceiverProgress) -> None:
         peer, layouts = await self._find_sender(rank)
+        rank.mark("handshaken")
         rank.peer_broker_id = peer.broker_id
         if rank.terminal:
             return
@@ -456,12 +475,18 @@ class ReceiverSide:
         pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
         if pages.size != notice.pages or staged_bytes(len(regions), notice.pages, side) != notice.staging_bytes:
             raise FailedPrecondition(f"source {source}'s staged part does not match this rank's pages and heads")
+        span = telemetry.start_span(
+            "kvbroker.staging.scatter",
+            parent=rank.span,
+            attributes={"kvbroker.bytes": notice.staging_bytes, "kvbroker.chunk": notice.chunk_index, "kvbroker.source": str(source)},
+        )
         scatter(
             self._staging.view(reservation, notice.staging_bytes),
             [rank.engine.region_array(r) for r in regions],
             pages,
             side,
         )
+        span.end()
         del rank.staging[key]
         self._staging.release(reservation)
 

@@ -44,6 +44,8 @@ from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from kvbroker.broker.engines import Engine
 
 __all__ = [
@@ -101,10 +103,29 @@ class Progress:
     bytes: int = 0
     #: Whether no posted transfer can still touch this rank's pages.
     pages_settled: bool = False
+    #: Wall-clock (ns) when the side opened: span start times.
+    opened_ns: int = field(default_factory=time.time_ns)
+    #: (event, wall-clock seconds) in order: opened, handshaken, registered,
+    #: ready, first_byte, last_byte, success/failed, settled (GetRoom).
+    timeline: list[tuple[str, float]] = field(default_factory=list)
+    #: The room span of this side (``telemetry``); None until it exists.
+    span: Span | None = None
+    #: The span of a wait in progress (for transfer info, or for data).
+    wait_span: Span | None = None
+    #: The room span ended and the canonical log line was written.
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.timeline.append(("opened", self.opened_ns / 1e9))
 
     @property
     def key(self) -> RankKey:
         return self.engine.key
+
+    def mark(self, event: str) -> None:
+        """Note ``event`` on the timeline (the first time only)."""
+        if all(name != event for name, _ in self.timeline):
+            self.timeline.append((event, time.time()))
 
     @property
     def terminal(self) -> bool:
@@ -118,6 +139,8 @@ class Progress:
         if state == SUCCESS:
             self.finished_at = time.monotonic()
             self.pages_settled = True
+            self.mark("success")
+            self.mark("settled")
         self.listener(self)
         return True
 
@@ -133,12 +156,16 @@ class Progress:
         self.cause = why
         self.finished_at = time.monotonic()
         self.pages_settled = settled
+        self.mark("failed")
+        if settled:
+            self.mark("settled")
         self.listener(self)
         return True
 
     def mark_settled(self) -> None:
         if not self.pages_settled:
             self.pages_settled = True
+            self.mark("settled")
             self.listener(self)
 
     def status(self) -> common_pb2.RoomStatus:
@@ -183,6 +210,9 @@ class TransferInfo:
     state: dict[str, IndexArray]
     sources: tuple[SourcePlan, ...]
     received_at: float = field(default_factory=time.monotonic)
+    #: The trace context of the RegisterRoom call (the receiver's room span
+    #: is its ancestor): the sender's room span joins that trace.
+    trace_context: Any = None
 
     def plan_for(self, source: RankKey) -> SourcePlan | None:
         for plan in self.sources:
@@ -226,6 +256,9 @@ class SourceProgress(Progress):
     #: How many receiver ranks this source serves (known from the first plan).
     expected_destinations: int | None = None
     inflight: int = 0
+    #: The trace context of BeginSend, and whether the engine sent its own.
+    begin_context: Any = None
+    engine_traced: bool = False
 
     def ready(self) -> bool:
         """All receivers this source serves have registered."""
@@ -359,6 +392,7 @@ class RoomTables:
         tombstone_ttl_seconds: float,
         orphan_seconds: float,
         unsettled_ttl_seconds: float | None = None,
+        on_evict: Callable[[Progress], None] | None = None,
     ) -> int:
         """Drop terminal records older than ``ttl_seconds``, then empty rooms.
 
@@ -376,6 +410,8 @@ class RoomTables:
                 room = table[room_id]
                 members: dict[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
                 for member in [k for k, p in members.items() if _expired(p, now, ttl_seconds, unsettled)]:
+                    if on_evict is not None:
+                        on_evict(members[member])
                     del members[member]
                     removed += 1
                 if members:

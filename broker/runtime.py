@@ -8,13 +8,16 @@ every table changes between two awaits or not at all.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 
 import structlog
+from opentelemetry import context as otel_context
 
 from kvbroker import __version__
+from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.engines import Engine, EngineTable
@@ -22,6 +25,7 @@ from kvbroker.broker.fdsocket import FdSession, FdSocketServer
 from kvbroker.broker.layout import rank_key
 from kvbroker.broker.liveness import PeerMonitor
 from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.metrics import BrokerMetrics, GaugeSnapshot
 from kvbroker.broker.nixl_agent import Agent, NixlError
 from kvbroker.broker.peers import PROTOCOL_VERSION, Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
@@ -92,16 +96,21 @@ class BrokerRuntime:
             tasks=self.tasks,
             publish=self._publish,
         )
+        self.metrics = BrokerMetrics()
+        self.draining = False
         self.sender = SenderSide(
             agent=agent,
             staging=self.send_staging,
             staging_wait_seconds=config.staging_wait_seconds,
+            metrics=self.metrics,
+            vram_slow_gbps=config.vram_slow_gbps,
             **common,  # type: ignore[arg-type]
         )
         self.receiver = ReceiverSide(
             bootstrap_timeout_seconds=config.bootstrap_timeout_seconds,
             staging=self.receive_staging,
             staging_wait_seconds=config.staging_wait_seconds,
+            metrics=self.metrics,
             **common,  # type: ignore[arg-type]
         )
         self.monitor = PeerMonitor(
@@ -280,6 +289,7 @@ class BrokerRuntime:
         if not request.sources:
             raise InvalidArgument("a room registration must list its sources")
         info = TransferInfo(
+            trace_context=otel_context.get_current(),
             room=request.room,
             receiver_broker_id=request.receiver_broker_id,
             receiver=rank_key(request.receiver),
@@ -419,6 +429,36 @@ class BrokerRuntime:
         self.peers.drop(peer)
         log.info("peer_dropped", peer=peer.address, broker=broker_id, sources_failed=sources, receivers_failed=ranks)
 
+    def _refresh_gauges(self) -> None:
+        """The snapshot the metric gauges read (scrapes run on another thread)."""
+        rooms: dict[tuple[str, str], int] = {}
+        for side, records in (("sender", self.rooms.all_sources()), ("receiver", self.rooms.all_receivers())):
+            for p in records:
+                key = (side, common_pb2.RoomState.Name(p.state))
+                rooms[key] = rooms.get(key, 0) + 1
+        peers = {id(p): p for p in self.peers.by_id.values() if not p.is_self}.values()
+        self.metrics.snapshot = GaugeSnapshot(
+            rooms=rooms,
+            staging={
+                "send": self.send_staging.in_use_bytes if self.send_staging else 0,
+                "receive": self.receive_staging.in_use_bytes if self.receive_staging else 0,
+            },
+            sessions=len(self.engines.by_id),
+            peers=len(peers),
+            throughput={(p.address, self.transport): p.throughput_bps for p in peers if p.throughput_bps},
+        )
+
+    @property
+    def transport(self) -> str:
+        """What carries the bytes, as far as the broker can tell (NIXL does not
+        report the UCX lane it picked; UCX_PROTO_INFO=y in the broker's
+        environment makes UCX print it)."""
+        env = os.environ
+        return (
+            f"NIXL UCX (error mode {self.config.ucx_error_mode}, UCX_TLS={env.get('UCX_TLS', 'auto')}, "
+            f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', 'auto')})"
+        )
+
     def _has_business(self, peer: Peer) -> bool:
         broker_id = peer.broker_id
         for source in self.rooms.all_sources():
@@ -441,6 +481,48 @@ class BrokerRuntime:
     # -- internals --------------------------------------------------------------
     def _publish(self, progress: Progress) -> None:
         self.hub.publish(progress.engine.engine_id, progress.status())
+        if progress.terminal and not progress.closed:
+            progress.closed = True
+            self._room_ended(progress)
+
+    def _room_ended(self, progress: Progress) -> None:
+        """End the room span, record metrics, write the one canonical log line."""
+        sender = isinstance(progress, SourceProgress)
+        side = "sender" if sender else "receiver"
+        if sender:
+            peer = ",".join(sorted({d.info.receiver_broker_id for d in progress.destinations.values()}))  # type: ignore[attr-defined]
+            pages = progress.cursor  # type: ignore[attr-defined]
+        else:
+            peer = progress.peer_broker_id or progress.sender_address  # type: ignore[attr-defined]
+            pages = int(progress.pages.size)  # type: ignore[attr-defined]
+        telemetry.close_room_span(progress, {"kvbroker.peer": peer, "kvbroker.pages": pages})
+        state = common_pb2.RoomState.Name(progress.state)
+        total = (progress.finished_at or time.monotonic()) - progress.opened_at
+        self.metrics.room_seconds.record(total, {"side": side, "state": state})
+        kind = common_pb2.FailureKind.Name(progress.cause.kind) if progress.cause is not None else ""
+        if progress.cause is not None:
+            self.metrics.failures.add(1, {"side": side, "cause": kind})
+        times = dict(progress.timeline)
+        log.info(
+            "room_ended",
+            room=progress.room,
+            side=side,
+            engine=progress.engine.label,
+            peer=peer,
+            state=state,
+            cause=kind or None,
+            cause_message=progress.cause.message if progress.cause is not None else None,
+            bytes=progress.bytes,
+            chunks=progress.chunks,
+            pages=pages,
+            total_s=round(total, 6),
+            bootstrap_s=_between(times, "opened", "registered" if not sender else "ready"),
+            transfer_s=_between(times, "first_byte", "last_byte"),
+            **telemetry.span_ids(progress.span),
+        )
+
+    def _evicted(self, progress: Progress) -> None:
+        telemetry.child_done(progress.span, "kvbroker.cleanup", {"kvbroker.settled": progress.pages_settled})
 
     def _on_notification(self, agent_name: str, payload: bytes) -> None:
         self.receiver.on_notice(agent_name, payload)
@@ -502,9 +584,17 @@ class BrokerRuntime:
                     cfg.tombstone_ttl_seconds,
                     cfg.orphan_room_timeout_seconds,
                     max(cfg.unsettled_room_ttl_seconds, cfg.finished_room_ttl_seconds),
+                    on_evict=self._evicted,
                 )
+                self._refresh_gauges()
             except Exception:
                 log.exception("housekeeping_failed")
+
+
+def _between(times: dict[str, float], start: str, end: str) -> float | None:
+    if start in times and end in times:
+        return round(times[end] - times[start], 6)
+    return None
 
 
 def _unsettled(progress: Progress) -> bool:

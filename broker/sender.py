@@ -20,11 +20,15 @@ import asyncio
 from collections.abc import Callable
 
 import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
+from kvbroker.broker import telemetry
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.descriptors import check_index, check_indices
 from kvbroker.broker.engines import Engine
 from kvbroker.broker.layout import RankKey
+from kvbroker.broker.metrics import BrokerMetrics
 from kvbroker.broker.nixl_agent import Agent, XferState
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.progress import ProgressLoop
@@ -81,8 +85,11 @@ class SenderSide:
         publish: Callable[[Progress], None],
         staging: StagingPool | None,
         staging_wait_seconds: float,
+        metrics: BrokerMetrics,
+        vram_slow_gbps: float,
     ) -> None:
         self._id = broker_id
+        self._metrics = metrics
         self._peers = peers
         self._poster = ChunkPoster(
             broker_id=broker_id,
@@ -94,6 +101,8 @@ class SenderSide:
             staging=staging,
             staging_wait_seconds=staging_wait_seconds,
             on_settled=self._settled,
+            metrics=metrics,
+            vram_slow_gbps=vram_slow_gbps,
         )
         self._rooms = rooms
         self._counters = counters
@@ -116,6 +125,11 @@ class SenderSide:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
         room.had_sources = True
         source = SourceProgress(room=room_id, engine=engine, listener=self._publish, num_pages=num_pages)
+        source.begin_context = otel_context.get_current()
+        source.engine_traced = telemetry.has_remote_parent(trace.get_current_span())
+        if source.engine_traced:
+            # The engine passed its request's trace: the room joins it.
+            self._open_span(source, source.begin_context)
         room.sources[engine.key] = source
         log.debug("send_opened", room=room_id, engine=engine.label, num_pages=num_pages)
         if room.aborted is not None:
@@ -179,11 +193,15 @@ class SenderSide:
         source = room.sources.get(engine.key) if room is not None else None
         if source is not None:
             why = reason or "aborted by the sending engine"
+            self.ensure_span(source)
+            telemetry.child_done(source.span, "kvbroker.abort", {"kvbroker.reason": why, "kvbroker.by": "engine"})
             self.fail(source, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
         return source
 
     def fail(self, source: SourceProgress, why: common_pb2.FailureCause) -> None:
         """Fail ``source`` (first cause wins) and report to every receiver."""
+        if not source.terminal:
+            self.ensure_span(source)
         if not source.fail(why, settled=source.inflight == 0):
             return
         self._counters.rooms_failed += 1
@@ -242,6 +260,7 @@ class SenderSide:
         if room.aborted is None:
             room.aborted = why
         for source in room.sources.values():
+            telemetry.child_done(source.span, "kvbroker.abort", {"kvbroker.reason": why.message, "kvbroker.by": from_broker or "peer"})
             if source.terminal:
                 # Already finished or failed: still tell the receivers whether
                 # anything of it can land, so their pages settle.
@@ -366,6 +385,8 @@ class SenderSide:
             source.expected_destinations = plan.num_destinations
         dest = Destination(info=info, plan=plan)
         source.destinations[info.receiver] = dest
+        if source.span is None:
+            self._open_span(source, info.trace_context)
         if source.state == FAILED:
             self._report(source, dest)
             return
@@ -439,6 +460,10 @@ class SenderSide:
         if state is XferState.DONE:
             source.bytes += nbytes
             self._counters.bytes_sent += nbytes
+            self._metrics.bytes.add(nbytes, {"direction": "sent"})
+            source.mark("first_byte")
+            if source.last_received and all(d.last_posted for d in source.destinations.values()):
+                source.mark("last_byte")
         elif error is not None:
             self.fail(source, cause_of(error, self._id))
         else:
@@ -461,10 +486,29 @@ class SenderSide:
         if not dest.complete and dest.last_posted and dest.inflight == 0 and source.state != FAILED:
             dest.complete = True
 
+    def _open_span(self, source: SourceProgress, parent: object) -> None:
+        """The sender's room span (back-dated to BeginSend) and its wait for transfer info."""
+        span = telemetry.open_room_span(source, "sender", parent, start_ns=source.opened_ns)  # type: ignore[arg-type]
+        if not source.ready():
+            source.wait_span = telemetry.start_span(
+                "kvbroker.wait_for_transfer_info", parent=span, start_ns=source.opened_ns
+            )
+
+    def ensure_span(self, source: SourceProgress) -> None:
+        """A room span even for a source that ends before any receiver registered."""
+        if source.span is None:
+            self._open_span(source, source.begin_context)
+
     def _update(self, source: SourceProgress) -> None:
         if source.terminal or not source.ready():
             return
+        if source.wait_span is not None:
+            source.wait_span.set_attribute("kvbroker.receivers", len(source.destinations))
+            source.wait_span.end()
+            source.wait_span = None
+        source.mark("ready")
         if source.last_received and all(d.complete for d in source.destinations.values()):
+            telemetry.child_done(source.span, "kvbroker.completion", {"kvbroker.receivers": len(source.destinations)})
             if source.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
                 log.debug("send_done", room=source.room, engine=source.engine.label, bytes=source.bytes)

@@ -18,6 +18,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.fdsocket import FdSocketServer
@@ -69,7 +70,9 @@ class BrokerServer:
 
     async def start(self) -> None:
         cfg = self.config
-        server = grpc.aio.server(options=channel_options(cfg))
+        # The gRPC instrumentation makes the RPC spans and carries trace
+        # context in (from engines and peers) and out (to peers).
+        server = grpc.aio.server(options=channel_options(cfg), interceptors=[aio_server_interceptor()])
         transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(self.runtime), server)
         peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(self.runtime), server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.runtime), server)

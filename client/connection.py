@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
 from kvbroker.client.engine import EngineHandle
 from kvbroker.client.memory import EngineMemory, RankSpec
+from kvbroker.client.tracecontext import TraceContextInterceptor
 from kvbroker.errors import InvalidArgument, Unavailable, from_rpc_error
 from kvbroker.v1 import fdsocket_pb2, transfer_pb2, transfer_pb2_grpc
 
 __all__ = ["BrokerClient"]
+
+
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    """A channel whose unary calls carry the current trace context."""
+    if credentials is not None and not address.startswith("unix:"):
+        channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=_OPTIONS)
+    return grpc.intercept_channel(channel, TraceContextInterceptor())
 
 T = TypeVar("T")
 
@@ -46,10 +58,7 @@ class BrokerClient:
     ) -> None:
         self.address = address
         self.timeout_seconds = timeout_seconds
-        if credentials is not None and not address.startswith("unix:"):
-            channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
-        else:
-            channel = grpc.insecure_channel(address, options=_OPTIONS)
+        channel = _channel(address, credentials)
         try:
             stub = transfer_pb2_grpc.TransferBrokerStub(channel)
             self.info: transfer_pb2.BrokerInfo = self.call(
@@ -61,17 +70,33 @@ class BrokerClient:
         path = self.info.engine_socket_path
         if prefer_unix_socket and path and os.access(path, os.R_OK | os.W_OK):
             channel.close()
-            channel = grpc.insecure_channel(f"unix:{path}", options=_OPTIONS)
+            channel = _channel(f"unix:{path}", None)
             stub = transfer_pb2_grpc.TransferBrokerStub(channel)
         self._channel = channel
         self.stub = stub
 
-    def call(self, method: Callable[..., T], request: object, *, wait_for_ready: bool = False) -> T:
-        """Call ``method``; a failure raises the matching ``kvbroker.errors`` class."""
+    def call(
+        self,
+        method: Callable[..., T],
+        request: object,
+        *,
+        wait_for_ready: bool = False,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> T:
+        """Call ``method``; a failure raises the matching ``kvbroker.errors`` class.
+
+        The call carries the caller's current OpenTelemetry trace context, or
+        ``trace_context`` (a W3C carrier such as ``{"traceparent": ...}``)
+        when given: the broker's spans for the call join that trace.
+        """
+        token = otel_context.attach(propagate.extract(trace_context)) if trace_context else None
         try:
             return method(request, timeout=self.timeout_seconds, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def register_engine(self, rank: RankSpec, memory: EngineMemory) -> EngineHandle:
         """Register an engine rank and its memory with the broker.

@@ -1,0 +1,84 @@
+"""Broker metrics (OpenTelemetry metrics; Prometheus scrape with ``serve --metrics-port``).
+
+Counters and histograms are recorded on the event-loop thread as things
+happen. Gauges (rooms by state, staging occupancy, sessions, peers, per-peer
+throughput) read a snapshot the event loop refreshes on every housekeeping
+pass, because a scrape runs on another thread.
+
+Instruments:
+
+- ``kvbroker.bytes`` (counter, By; ``direction`` sent/received)
+- ``kvbroker.transfers`` (counter; ``path`` prepped/per_token/staged, ``result``)
+- ``kvbroker.transfer.duration`` (histogram, s; ``path``)
+- ``kvbroker.room.duration`` (histogram, s; ``side``, ``state``): open to end
+- ``kvbroker.room.failures`` (counter; ``side``, ``cause``)
+- ``kvbroker.rooms`` (gauge; ``side``, ``state``): rooms held now
+- ``kvbroker.staging.bytes_in_use`` (gauge, By; ``direction``)
+- ``kvbroker.sessions`` (gauge): registered engine ranks
+- ``kvbroker.peers`` (gauge): handshaken peers
+- ``kvbroker.peer.throughput`` (gauge, By/s; ``peer``, ``transport``):
+  observed write throughput to each peer (moving average)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
+__all__ = ["BrokerMetrics", "GaugeSnapshot"]
+
+
+@dataclass
+class GaugeSnapshot:
+    """What the gauges report; replaced whole by the event loop."""
+
+    rooms: dict[tuple[str, str], int] = field(default_factory=dict)
+    staging: dict[str, int] = field(default_factory=dict)
+    sessions: int = 0
+    peers: int = 0
+    #: (peer address, transport) -> bytes/s
+    throughput: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+class BrokerMetrics:
+    """The broker's instruments, on the global meter provider."""
+
+    def __init__(self) -> None:
+        meter = metrics.get_meter("kvbroker")
+        self.snapshot = GaugeSnapshot()
+        self.bytes = meter.create_counter("kvbroker.bytes", unit="By", description="bytes moved")
+        self.transfers = meter.create_counter("kvbroker.transfers", description="NIXL transfers settled")
+        self.transfer_seconds = meter.create_histogram(
+            "kvbroker.transfer.duration", unit="s", description="post to settle of one NIXL transfer"
+        )
+        self.room_seconds = meter.create_histogram(
+            "kvbroker.room.duration", unit="s", description="open to SUCCESS or FAILED of one side of a room"
+        )
+        self.failures = meter.create_counter("kvbroker.room.failures", description="failed room sides by cause")
+        meter.create_observable_gauge("kvbroker.rooms", callbacks=[self._rooms], description="rooms held, by state")
+        meter.create_observable_gauge(
+            "kvbroker.staging.bytes_in_use", unit="By", callbacks=[self._staging], description="staging reserved"
+        )
+        meter.create_observable_gauge("kvbroker.sessions", callbacks=[self._sessions], description="engine ranks registered")
+        meter.create_observable_gauge("kvbroker.peers", callbacks=[self._peers], description="peers handshaken")
+        meter.create_observable_gauge(
+            "kvbroker.peer.throughput", unit="By/s", callbacks=[self._throughput], description="observed write throughput"
+        )
+
+    def _rooms(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"side": side, "state": state}) for (side, state), n in self.snapshot.rooms.items()]
+
+    def _staging(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"direction": d}) for d, n in self.snapshot.staging.items()]
+
+    def _sessions(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self.snapshot.sessions)]
+
+    def _peers(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self.snapshot.peers)]
+
+    def _throughput(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(v, {"peer": p, "transport": t}) for (p, t), v in self.snapshot.throughput.items()]

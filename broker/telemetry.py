@@ -1,0 +1,198 @@
+"""Tracing, metrics and log correlation (DESIGN.md section 9).
+
+Tracing: one span per room per broker (``kvbroker.room``) with child spans
+for the handshake, the waits, each posted transfer, staging gather and
+scatter, aux, each state component, completion, abort and cleanup. The gRPC
+instrumentation makes the RPC spans and carries the W3C trace context from
+engines into their broker and from broker to peer broker, so both sides of a
+room land in one trace: the receiver's room span is a child of the engine's
+ExpectRoom call, the sender's room span a child of the receiver broker's
+RegisterRoom call (or of the engine's BeginSend, when the engine passed its
+own trace context).
+
+Configuration follows the standard OpenTelemetry variables, read once when
+``kvbroker serve`` starts: ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``,
+``none``; default ``none``: nothing is exported unless asked),
+``OTEL_EXPORTER_OTLP_ENDPOINT``/``_PROTOCOL``/``_HEADERS`` (read by the OTLP
+exporter), ``OTEL_SERVICE_NAME`` (default ``kvbroker``),
+``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``/``_ARG`` (read by the
+SDK). Spans are made (and trace ids logged and propagated) even when nothing
+is exported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+)
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+
+__all__ = [
+    "TRACER_NAME",
+    "add_trace_ids",
+    "configure_metrics",
+    "configure_tracing",
+    "span_ids",
+    "tracer",
+]
+
+TRACER_NAME = "kvbroker"
+
+log = structlog.get_logger(__name__)
+
+
+def configure_tracing(env: Mapping[str, str] = os.environ) -> TracerProvider:
+    """Install this process's tracer provider from the OTEL_* variables."""
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvbroker")})
+    provider = TracerProvider(resource=resource)
+    for name in (n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",")):
+        if name in ("", "none"):
+            continue
+        if name == "otlp":
+            protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+            if protocol != "grpc":
+                raise ValueError(f"OTLP protocol {protocol!r} is not supported here; use grpc")
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        elif name == "console":
+            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER {name!r} is not one of otlp, console, none")
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def configure_metrics(prometheus_port: int | None, prometheus_host: str = "127.0.0.1") -> MeterProvider:
+    """Install this process's meter provider; with a port, serve a Prometheus scrape endpoint."""
+    readers: list[MetricReader] = []
+    if prometheus_port is not None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        start_http_server(prometheus_port, addr=prometheus_host)
+        readers.append(PrometheusMetricReader())
+    provider = MeterProvider(
+        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvbroker")}),
+        metric_readers=readers,
+    )
+    metrics.set_meter_provider(provider)
+    return provider
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def span_ids(span: Span | None) -> dict[str, str]:
+    """``trace_id``/``span_id`` of ``span`` as hex, for log lines (empty if invalid)."""
+    if span is None:
+        return {}
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return {}
+    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
+
+
+def add_trace_ids(_logger: object, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: the current span's ids, unless the line names its own."""
+    if "trace_id" not in event:
+        event.update(span_ids(trace.get_current_span()))
+    return event
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def start_span(
+    name: str,
+    *,
+    parent: Span | otel_context.Context | None = None,
+    start_ns: int | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    links: Iterable[Link] = (),
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> Span:
+    """A span under ``parent`` (a span, a context, or the current context)."""
+    if isinstance(parent, Span):
+        ctx: otel_context.Context | None = trace.set_span_in_context(parent)
+    else:
+        ctx = parent
+    return tracer().start_span(
+        name, context=ctx, kind=kind, attributes=dict(attributes or {}), links=list(links), start_time=start_ns
+    )
+
+
+def child_done(parent: Span | None, name: str, attributes: Mapping[str, Any] | None = None, start_ns: int | None = None) -> None:
+    """A child span of ``parent`` that starts at ``start_ns`` (default now) and ends now."""
+    if parent is None:
+        return
+    span = start_span(name, parent=parent, start_ns=start_ns, attributes=attributes)
+    span.end()
+
+
+def end_with_status(span: Span, ok: bool, message: str = "") -> None:
+    span.set_status(Status(StatusCode.OK) if ok else Status(StatusCode.ERROR, message))
+    span.end()
+
+
+def has_remote_parent(span: Span) -> bool:
+    """Whether ``span`` (an RPC server span) continues a trace its caller sent."""
+    if not isinstance(span, ReadableSpan):
+        return False
+    return bool(span.parent is not None and span.parent.is_remote)
+
+
+def open_room_span(progress: Any, side: str, parent: Span | otel_context.Context | None, start_ns: int | None = None) -> Span:
+    """The ``kvbroker.room`` span of one side of a room (stored on ``progress.span``)."""
+    key = progress.key
+    progress.span = start_span(
+        "kvbroker.room",
+        parent=parent,
+        start_ns=start_ns,
+        attributes={
+            "kvbroker.room": progress.room,
+            "kvbroker.side": side,
+            "kvbroker.engine.group": key.group,
+            "kvbroker.engine.tp_rank": key.tp_rank,
+            "kvbroker.engine.pp_rank": key.pp_rank,
+        },
+    )
+    span: Span = progress.span
+    return span
+
+
+def close_room_span(progress: Any, attributes: Mapping[str, Any]) -> None:
+    """End a room span with its outcome (state, bytes, chunks, cause)."""
+    from kvbroker.v1 import common_pb2
+
+    span = progress.span
+    if progress.wait_span is not None:
+        progress.wait_span.end()
+        progress.wait_span = None
+    if span is None:
+        return
+    span.set_attributes(dict(attributes))
+    span.set_attribute("kvbroker.state", common_pb2.RoomState.Name(progress.state))
+    span.set_attribute("kvbroker.bytes", progress.bytes)
+    span.set_attribute("kvbroker.chunks", progress.chunks)
+    if progress.cause is not None:
+        span.set_attribute("kvbroker.failure.kind", common_pb2.FailureKind.Name(progress.cause.kind))
+        span.set_attribute("kvbroker.failure.message", progress.cause.message)
+        span.set_attribute("kvbroker.failure.origin", progress.cause.origin_broker)
+    end_with_status(span, progress.cause is None, progress.cause.message if progress.cause else "")
