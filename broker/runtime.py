@@ -11,7 +11,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import structlog
 from opentelemetry import context as otel_context
@@ -43,9 +43,15 @@ from kvbroker.broker.staging import StagingPool
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.tls import channel_credentials
 from kvbroker.broker.watch import WatchHub
-from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvbroker.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from kvbroker.indices import IndexArray, decode_indices
-from kvbroker.v1 import admin_pb2, common_pb2, peer_pb2, transfer_pb2
+from kvbroker.v1 import common_pb2, peer_pb2, transfer_pb2
 
 __all__ = ["BrokerRuntime"]
 
@@ -98,6 +104,8 @@ class BrokerRuntime:
         )
         self.metrics = BrokerMetrics()
         self.draining = False
+        #: Called with the draining flag (the server points it at its health service).
+        self.on_draining: Callable[[bool], Awaitable[None]] | None = None
         self.sender = SenderSide(
             agent=agent,
             staging=self.send_staging,
@@ -224,6 +232,7 @@ class BrokerRuntime:
     def expect_room(self, request: transfer_pb2.ExpectRoomRequest) -> ReceiverProgress:
         engine = self.engines.get(request.engine_id)
         self.engines.check_role(engine, common_pb2.ROLE_DECODE, "expect rooms")
+        self._refuse_if_draining()
         rank = self.receiver.expect(
             engine,
             request.room,
@@ -239,6 +248,7 @@ class BrokerRuntime:
     def begin_send(self, request: transfer_pb2.BeginSendRequest) -> SourceProgress:
         engine = self.engines.get(request.engine_id)
         self.engines.check_role(engine, common_pb2.ROLE_PREFILL, "send rooms")
+        self._refuse_if_draining()
         return self.sender.begin(engine, request.room, request.num_pages)
 
     def send_chunk(self, request: transfer_pb2.SendChunkRequest) -> tuple[int, SourceProgress]:
@@ -286,6 +296,9 @@ class BrokerRuntime:
 
     def register_room(self, request: peer_pb2.RegisterRoomRequest) -> None:
         peer = self.peers.get(request.receiver_broker_id)
+        room = self.rooms.sender.get(request.room)
+        if self.draining and (room is None or not room.sources):
+            raise Unavailable("this broker is draining: it accepts no new rooms")
         if not request.sources:
             raise InvalidArgument("a room registration must list its sources")
         info = TransferInfo(
@@ -319,93 +332,23 @@ class BrokerRuntime:
         self.receiver.on_peer_abort(request.room, why, request.from_broker_id)
         return peer_pb2.PeerAbortResponse(settled=settled)
 
-    # -- admin API --------------------------------------------------------------
-    def stats(self) -> admin_pb2.Stats:
-        c = self.counters
-        return admin_pb2.Stats(
-            broker_id=self.broker_id,
-            per_room_state=self.rooms.sizes(),
-            engines=len(self.engines.by_id),
-            peers=len(self.peers.by_id),
-            rooms_succeeded=c.rooms_succeeded,
-            rooms_failed=c.rooms_failed,
-            bytes_sent=c.bytes_sent,
-            bytes_received=c.bytes_received,
-            transfers_posted=c.transfers_posted,
-            descriptors_transferred=c.descriptors_transferred,
-            transfers_staged=c.transfers_staged,
-            transfers_per_token=c.transfers_per_token,
-            staging_send_bytes_in_use=self.send_staging.in_use_bytes if self.send_staging else 0,
-            staging_receive_bytes_in_use=self.receive_staging.in_use_bytes if self.receive_staging else 0,
-            late_notices=c.late_notices,
-            bad_notices=c.bad_notices,
-            uptime_seconds=int(time.monotonic() - self.started_at),
+    def open_rooms(self) -> int:
+        """Room sides not yet SUCCESS or FAILED."""
+        return sum(1 for s in self.rooms.all_sources() if not s.terminal) + sum(
+            1 for r in self.rooms.all_receivers() if not r.terminal
         )
 
-    def list_engines(self) -> list[admin_pb2.EngineInfo]:
-        out = []
-        for engine in self.engines.by_id.values():
-            sources, ranks = self._rooms_of(engine)
-            out.append(
-                admin_pb2.EngineInfo(
-                    engine_label=engine.label,
-                    rank=engine.key.to_proto(),
-                    role=engine.role,  # type: ignore[arg-type]
-                    buffers=len(engine.buffers),
-                    registered_bytes=engine.registered_bytes,
-                    regions=len(engine.layout.regions),
-                    open_rooms=sum(1 for p in (*sources, *ranks) if not p.terminal),
-                )
-            )
-        return out
+    async def set_draining(self, draining: bool) -> None:
+        """Refuse (or accept again) new rooms; the engine service's health follows."""
+        if draining != self.draining:
+            log.warning("broker_draining" if draining else "broker_resumed", open_rooms=self.open_rooms())
+        self.draining = draining
+        if self.on_draining is not None:
+            await self.on_draining(draining)
 
-    def list_peers(self) -> list[admin_pb2.PeerInfo]:
-        peers = {id(p): p for p in (*self.peers.by_address.values(), *self.peers.by_id.values())}
-        out = []
-        for peer in peers.values():
-            open_rooms = sum(
-                1 for r in self.rooms.all_receivers() if r.peer_broker_id == peer.broker_id and not r.terminal
-            )
-            out.append(
-                admin_pb2.PeerInfo(
-                    address=peer.address,
-                    broker_id=peer.broker_id or "",
-                    nixl_agent_name=peer.agent_name or "",
-                    handshaken=peer.broker_id is not None,
-                    engines=len(peer.engines),
-                    open_rooms=open_rooms,
-                )
-            )
-        return out
-
-    def list_rooms(self, state: int | None) -> list[admin_pb2.RoomInfo]:
-        now = time.monotonic()
-        out = []
-        records: list[tuple[str, Progress, str, int]] = [
-            *(
-                ("sender", s, ",".join(sorted(d.info.receiver_broker_id for d in s.destinations.values())), s.cursor)
-                for s in self.rooms.all_sources()
-            ),
-            *(("receiver", r, r.peer_broker_id or r.sender_address, int(r.pages.size)) for r in self.rooms.all_receivers()),
-        ]
-        for side, p, peer, pages in records:
-            if state is not None and p.state != state:
-                continue
-            info = admin_pb2.RoomInfo(
-                room=p.room,
-                side=side,
-                engine=p.key.to_proto(),
-                state=p.state,  # type: ignore[arg-type]
-                peer=peer,
-                pages=pages,
-                chunks=p.chunks,
-                bytes=p.bytes,
-                age_seconds=now - p.opened_at,
-            )
-            if p.cause is not None:
-                info.cause.CopyFrom(p.cause)
-            out.append(info)
-        return out
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise Unavailable("this broker is draining: it accepts no new rooms (Admin.Drain)")
 
     def after_rpc(self, _context: object) -> None:
         """An RPC finished: post the chunks it scheduled (``SenderSide.flush``)."""

@@ -113,6 +113,7 @@ class BrokerServer:
         self.runtime.start(address)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.runtime.on_draining = self._drain_health
         self._server = server
         log.info(
             "broker_started",
@@ -122,6 +123,12 @@ class BrokerServer:
             fd_socket=fd_path,
             agent=self.runtime.agent.name,
         )
+
+    async def _drain_health(self, draining: bool) -> None:
+        """While draining, the engine service reports NOT_SERVING (no new rooms)."""
+        assert self._health is not None
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
+        await self._health.set(SERVICE_NAMES[0], status)
 
     async def stop(self, grace_seconds: float = 2.0) -> None:
         """Stop serving, fail open rooms, release every resource."""

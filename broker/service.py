@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from kvbroker.broker.admin import Admin
 from kvbroker.broker.runtime import BrokerRuntime
 from kvbroker.errors import KvBrokerError
 from kvbroker.v1 import (
@@ -148,20 +149,34 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     def __init__(self, runtime: BrokerRuntime) -> None:
         self._rt = runtime
+        self._admin = Admin(runtime)
 
     @_unary
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.Stats:
-        return self._rt.stats()
+        return self._admin.stats()
 
     @_unary
     async def ListEngines(self, request: admin_pb2.ListEnginesRequest, context: Any) -> admin_pb2.ListEnginesResponse:
-        return admin_pb2.ListEnginesResponse(engines=self._rt.list_engines())
+        return admin_pb2.ListEnginesResponse(engines=self._admin.list_engines())
 
     @_unary
     async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Any) -> admin_pb2.ListPeersResponse:
-        return admin_pb2.ListPeersResponse(peers=self._rt.list_peers())
+        return admin_pb2.ListPeersResponse(peers=self._admin.list_peers())
 
     @_unary
     async def ListRooms(self, request: admin_pb2.ListRoomsRequest, context: Any) -> admin_pb2.ListRoomsResponse:
-        state = request.state if request.HasField("state") else None
-        return admin_pb2.ListRoomsResponse(rooms=self._rt.list_rooms(state))
+        return admin_pb2.ListRoomsResponse(rooms=self._admin.list_rooms(request))
+
+    @_unary
+    async def GetRoom(self, request: admin_pb2.GetRoomRequest, context: Any) -> admin_pb2.GetRoomResponse:
+        return self._admin.get_room(request.room)
+
+    @_unary
+    async def AbortRoom(
+        self, request: admin_pb2.AdminAbortRoomRequest, context: Any
+    ) -> admin_pb2.AdminAbortRoomResponse:
+        return admin_pb2.AdminAbortRoomResponse(aborted=self._admin.abort_room(request.room, request.reason))
+
+    @_unary
+    async def Drain(self, request: admin_pb2.DrainRequest, context: Any) -> admin_pb2.DrainResponse:
+        return await self._admin.drain(request)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import structlog
@@ -108,7 +108,7 @@ def span_ids(span: Span | None) -> dict[str, str]:
     return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
 
 
-def add_trace_ids(_logger: object, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+def add_trace_ids(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: the current span's ids, unless the line names its own."""
     if "trace_id" not in event:
         event.update(span_ids(trace.get_current_span()))

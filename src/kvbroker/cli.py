@@ -47,6 +47,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="this broker's certificate chain (mutual TLS on the TCP port)")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="this broker's private key")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signs peer and operator certificates; clients without one are refused")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help="serve Prometheus metrics on this port (off by default)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address of the Prometheus endpoint")
     p.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line with the broker's addresses here once it serves")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help="auto: console on a terminal, JSON otherwise")
     p.add_argument("--log-level", default="info")
@@ -84,9 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvbroker.broker import BrokerConfig
+    from kvbroker.broker.telemetry import configure_metrics, configure_tracing
     from kvbroker.logconfig import configure_logging
 
     configure_logging(args.log_format, args.log_level)
+    # Tracing follows the OTEL_* environment variables (nothing is exported
+    # unless OTEL_TRACES_EXPORTER says so); metrics are scraped if asked.
+    tracer_provider = configure_tracing()
+    meter_provider = configure_metrics(args.metrics_port, args.metrics_host)
     config = BrokerConfig(
         listen_address=args.listen,
         advertise_address=args.advertise,
@@ -111,7 +118,12 @@ def _serve(args: argparse.Namespace) -> int:
         staging_send_bytes=0 if args.no_staging else args.staging_mib << 20,
         staging_receive_bytes=0 if args.no_staging else args.staging_mib << 20,
     )
-    return asyncio.run(_serve_async(config, args.ready_file))
+    try:
+        return asyncio.run(_serve_async(config, args.ready_file))
+    finally:
+        # Flush spans still batched (OTLP) before the process goes.
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
 
 
 async def _serve_async(config: object, ready_file: str | None) -> int:

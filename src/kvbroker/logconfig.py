@@ -24,9 +24,12 @@ def configure_logging(fmt: Literal["auto", "json", "console"] = "auto", level: s
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    from kvbroker.broker.telemetry import add_trace_ids
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),

@@ -12,7 +12,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token")
+    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token", "draining", "open_rooms")
     class PerRoomStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class Stats(_message.Message):
     STAGING_RECEIVE_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_STAGED_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     per_room_state: _containers.ScalarMap[str, int]
     engines: int
@@ -54,7 +56,9 @@ class Stats(_message.Message):
     staging_receive_bytes_in_use: int
     transfers_staged: int
     transfers_per_token: int
-    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ...) -> None: ...
+    draining: bool
+    open_rooms: int
+    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ..., draining: _Optional[bool] = ..., open_rooms: _Optional[int] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ()
@@ -89,20 +93,30 @@ class ListPeersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms")
+    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms", "transport", "memory", "bytes_sent", "throughput_gbps", "last_seen_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKEN_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_GBPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     address: str
     broker_id: str
     nixl_agent_name: str
     handshaken: bool
     engines: int
     open_rooms: int
-    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ...) -> None: ...
+    transport: str
+    memory: _containers.RepeatedScalarFieldContainer[str]
+    bytes_sent: int
+    throughput_gbps: float
+    last_seen_seconds: float
+    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ..., transport: _Optional[str] = ..., memory: _Optional[_Iterable[str]] = ..., bytes_sent: _Optional[int] = ..., throughput_gbps: _Optional[float] = ..., last_seen_seconds: _Optional[float] = ...) -> None: ...
 
 class ListPeersResponse(_message.Message):
     __slots__ = ("peers",)
@@ -111,10 +125,14 @@ class ListPeersResponse(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class ListRoomsRequest(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "engine", "peer")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.RoomState
-    def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ...) -> None: ...
+    engine: str
+    peer: str
+    def __init__(self, state: _Optional[_Union[_common_pb2.RoomState, str]] = ..., engine: _Optional[str] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class RoomInfo(_message.Message):
     __slots__ = ("room", "side", "engine", "state", "cause", "peer", "pages", "chunks", "bytes", "age_seconds")
@@ -145,3 +163,105 @@ class ListRoomsResponse(_message.Message):
     ROOMS_FIELD_NUMBER: _ClassVar[int]
     rooms: _containers.RepeatedCompositeFieldContainer[RoomInfo]
     def __init__(self, rooms: _Optional[_Iterable[_Union[RoomInfo, _Mapping]]] = ...) -> None: ...
+
+class GetRoomRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class TimelineEvent(_message.Message):
+    __slots__ = ("event", "at")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    event: str
+    at: float
+    def __init__(self, event: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class SourceProgress(_message.Message):
+    __slots__ = ("source", "mode", "chunks_landed", "total_chunks", "complete", "settled")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_LANDED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    source: _common_pb2.EngineRankId
+    mode: str
+    chunks_landed: int
+    total_chunks: int
+    complete: bool
+    settled: bool
+    def __init__(self, source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[str] = ..., chunks_landed: _Optional[int] = ..., total_chunks: _Optional[int] = ..., complete: _Optional[bool] = ..., settled: _Optional[bool] = ...) -> None: ...
+
+class DestinationProgress(_message.Message):
+    __slots__ = ("receiver", "receiver_broker_id", "mode", "chunks_posted", "inflight", "complete")
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_POSTED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    receiver: _common_pb2.EngineRankId
+    receiver_broker_id: str
+    mode: str
+    chunks_posted: int
+    inflight: int
+    complete: bool
+    def __init__(self, receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_broker_id: _Optional[str] = ..., mode: _Optional[str] = ..., chunks_posted: _Optional[int] = ..., inflight: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class RoomDetail(_message.Message):
+    __slots__ = ("info", "pages_settled", "timeline", "trace_id", "sources", "destinations")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SETTLED_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    info: RoomInfo
+    pages_settled: bool
+    timeline: _containers.RepeatedCompositeFieldContainer[TimelineEvent]
+    trace_id: str
+    sources: _containers.RepeatedCompositeFieldContainer[SourceProgress]
+    destinations: _containers.RepeatedCompositeFieldContainer[DestinationProgress]
+    def __init__(self, info: _Optional[_Union[RoomInfo, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., timeline: _Optional[_Iterable[_Union[TimelineEvent, _Mapping]]] = ..., trace_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceProgress, _Mapping]]] = ..., destinations: _Optional[_Iterable[_Union[DestinationProgress, _Mapping]]] = ...) -> None: ...
+
+class GetRoomResponse(_message.Message):
+    __slots__ = ("sides",)
+    SIDES_FIELD_NUMBER: _ClassVar[int]
+    sides: _containers.RepeatedCompositeFieldContainer[RoomDetail]
+    def __init__(self, sides: _Optional[_Iterable[_Union[RoomDetail, _Mapping]]] = ...) -> None: ...
+
+class AdminAbortRoomRequest(_message.Message):
+    __slots__ = ("room", "reason")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    reason: str
+    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AdminAbortRoomResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("wait", "timeout_seconds", "resume")
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    wait: bool
+    timeout_seconds: float
+    resume: bool
+    def __init__(self, wait: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining", "open_rooms", "drained")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    open_rooms: int
+    drained: bool
+    def __init__(self, draining: _Optional[bool] = ..., open_rooms: _Optional[int] = ..., drained: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,21 @@ class AdminStub:
                 request_serializer=kvbroker_dot_v1_dot_admin__pb2.ListRoomsRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_admin__pb2.ListRoomsResponse.FromString,
                 _registered_method=True)
+        self.GetRoom = channel.unary_unary(
+                '/kvbroker.v1.Admin/GetRoom',
+                request_serializer=kvbroker_dot_v1_dot_admin__pb2.GetRoomRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_admin__pb2.GetRoomResponse.FromString,
+                _registered_method=True)
+        self.AbortRoom = channel.unary_unary(
+                '/kvbroker.v1.Admin/AbortRoom',
+                request_serializer=kvbroker_dot_v1_dot_admin__pb2.AdminAbortRoomRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_admin__pb2.AdminAbortRoomResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvbroker.v1.Admin/Drain',
+                request_serializer=kvbroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -84,6 +99,33 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRoom(self, request, context):
+        """One room's whole record on this broker (each local side): state, cause,
+        timeline, trace id, and per source or destination progress. NOT_FOUND if
+        the broker has no side of it (never had it, or evicted it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortRoom(self, request, context):
+        """Fail every local side of a room (FAILURE_KIND_ABORTED, "aborted by the
+        operator: <reason>"), telling the peer brokers. NOT_FOUND if none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop accepting new rooms (ExpectRoom and BeginSend answer UNAVAILABLE,
+        the health of kvbroker.v1.TransferBroker turns NOT_SERVING), let the
+        running ones finish. With wait, returns when no room is open any more
+        or the timeout passed. Idempotent; undo with resume.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +148,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListRooms,
                     request_deserializer=kvbroker_dot_v1_dot_admin__pb2.ListRoomsRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_admin__pb2.ListRoomsResponse.SerializeToString,
+            ),
+            'GetRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRoom,
+                    request_deserializer=kvbroker_dot_v1_dot_admin__pb2.GetRoomRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_admin__pb2.GetRoomResponse.SerializeToString,
+            ),
+            'AbortRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRoom,
+                    request_deserializer=kvbroker_dot_v1_dot_admin__pb2.AdminAbortRoomRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_admin__pb2.AdminAbortRoomResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvbroker_dot_v1_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +273,87 @@ class Admin:
             '/kvbroker.v1.Admin/ListRooms',
             kvbroker_dot_v1_dot_admin__pb2.ListRoomsRequest.SerializeToString,
             kvbroker_dot_v1_dot_admin__pb2.ListRoomsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Admin/GetRoom',
+            kvbroker_dot_v1_dot_admin__pb2.GetRoomRequest.SerializeToString,
+            kvbroker_dot_v1_dot_admin__pb2.GetRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Admin/AbortRoom',
+            kvbroker_dot_v1_dot_admin__pb2.AdminAbortRoomRequest.SerializeToString,
+            kvbroker_dot_v1_dot_admin__pb2.AdminAbortRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Admin/Drain',
+            kvbroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+            kvbroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
