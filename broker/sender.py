@@ -462,8 +462,6 @@ class SenderSide:
             self._counters.bytes_sent += nbytes
             self._metrics.bytes.add(nbytes, {"direction": "sent"})
             source.mark("first_byte")
-            if source.last_received and all(d.last_posted for d in source.destinations.values()):
-                source.mark("last_byte")
         elif error is not None:
             self.fail(source, cause_of(error, self._id))
         else:
@@ -508,6 +506,7 @@ class SenderSide:
             source.wait_span = None
         source.mark("ready")
         if source.last_received and all(d.complete for d in source.destinations.values()):
+            source.mark("last_byte")
             telemetry.child_done(source.span, "kvbroker.completion", {"kvbroker.receivers": len(source.destinations)})
             if source.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1

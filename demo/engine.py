@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -30,6 +31,7 @@ from kvbroker.client import (
 )
 from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
 from kvbroker.demo.plan import RoomPlan, plan_room, pool_pages, state_indices, state_specs
+from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 __all__ = ["EngineConfig", "run_engine"]
 
@@ -61,6 +63,8 @@ class EngineConfig:
     aux_bytes: int
     #: State component types ("mamba", "swa", "nsa") the model carries.
     state: tuple[str, ...]
+    #: Report each room's timeline from both brokers (decode tp0 pp0 only).
+    trace: bool
     seed: int
     room_base: int
     timeout_seconds: float
@@ -189,6 +193,9 @@ def _run_decode(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
                 )
                 events.put(("verified", name, (plan.room, status.bytes, problems)))
             events.put(("batch_time", name, (elapsed, sum(statuses[p.room].bytes for p in batch))))
+            if cfg.trace and cfg.tp_rank == 0 and cfg.pp_rank == 0:
+                for plan in batch:
+                    events.put(("timeline", name, (plan.room, _timelines(cfg, plan.room))))
             for plan in batch:
                 _clear(memory, model, plan, begin, end)
     finally:
@@ -209,3 +216,18 @@ def _clear(memory: EngineMemory, model: ModelSpec, plan: RoomPlan, begin: int, e
         rows = torch.as_tensor(state_indices(name, plan.slot, 1), dtype=torch.int64)
         for tensor in tensors:
             tensor[rows] = 0
+
+
+def _timelines(cfg: EngineConfig, room: int) -> dict[str, dict[str, float]]:
+    """side -> event -> wall-clock seconds, from Admin.GetRoom of both brokers."""
+    out: dict[str, dict[str, float]] = {}
+    for address in {cfg.broker, cfg.sender_broker}:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                response = admin_pb2_grpc.AdminStub(channel).GetRoom(admin_pb2.GetRoomRequest(room=room), timeout=10)
+            except grpc.RpcError:
+                continue
+        for side in response.sides:
+            key = f"{side.info.side} {side.info.engine.group}/tp{side.info.engine.tp_rank}/pp{side.info.engine.pp_rank}"
+            out[key] = {e.event: e.at for e in side.timeline}
+    return out

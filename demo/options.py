@@ -46,3 +46,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--timeout", type=float, default=120.0, help="seconds before the demo gives up")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    o.add_argument(
+        "--trace",
+        action="store_true",
+        help="after the run, print a per-room timeline (handshake, first byte, last byte, completion on each side)",
+    )

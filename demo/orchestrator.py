@@ -47,6 +47,8 @@ class _Tally:
     rooms_verified: int = 0
     bytes: int = 0
     transfer_seconds: float = 0.0
+    #: room -> side -> event -> wall-clock seconds (with --trace)
+    timelines: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -122,6 +124,7 @@ def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_ba
         window=max(1, min(args.window, args.rooms)),
         aux_bytes=args.aux_bytes,
         state=tuple(s for s in args.state.split(",") if s),
+        trace=args.trace,
         seed=args.seed,
         room_base=room_base,
         timeout_seconds=args.timeout,
@@ -263,6 +266,9 @@ def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tal
         elif event == "batch_time":
             elapsed, _nbytes = payload
             tally.transfer_seconds += elapsed / decode_ranks
+        elif event == "timeline":
+            room, sides = payload
+            tally.timelines[room] = sides
         elif event == "room_failed":
             room, why = payload
             tally.failed.append(f"room {room} ({name}): {why}")
@@ -272,6 +278,29 @@ def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tal
         elif event == "done":
             done += 1
     tally.rooms_verified //= max(decode_ranks, 1)
+
+
+_TIMELINE_EVENTS = ("handshaken", "registered", "ready", "first_byte", "last_byte", "success", "failed")
+
+
+def _print_timelines(timelines: dict[int, dict[str, dict[str, float]]], limit: int = 20) -> None:
+    """Milliseconds from the receiver opening the room, per side and event."""
+    print("  per-room timeline (ms after the decode side opened the room; full traces: OTEL_TRACES_EXPORTER=otlp)")
+    header = "  " + f"{'room':>8} {'side':44}" + "".join(f"{e:>11}" for e in _TIMELINE_EVENTS)
+    print(header)
+    for room in sorted(timelines)[:limit]:
+        sides = timelines[room]
+        origin = min((t.get("opened", 0.0) for s, t in sides.items() if s.startswith("receiver")), default=None)
+        if origin is None:
+            origin = min(t.get("opened", 0.0) for t in sides.values())
+        for side in sorted(sides, reverse=True):
+            times = sides[side]
+            cells = "".join(
+                f"{(times[e] - origin) * 1e3:11.1f}" if e in times else f"{'-':>11}" for e in _TIMELINE_EVENTS
+            )
+            print(f"  {room % 100000:>8} {side[:44]:44}{cells}")
+    if len(timelines) > limit:
+        print(f"  ... {len(timelines) - limit} more rooms")
 
 
 def _layout_line(args: argparse.Namespace) -> str:
@@ -321,6 +350,8 @@ def _summary(
         for name, table in tables.items():
             state = "all zero" if not any(table.values()) else ", ".join(f"{k}={v}" for k, v in table.items() if v)
             print(f"  {name:13} per-room tables: {state}")
+    if args.trace and tally.timelines and not args.json:
+        _print_timelines(tally.timelines)
     for line in (*tally.failed[:10], *tally.mismatched[:10], *tally.errors[:5]):
         print(f"  ! {line}", file=sys.stderr)
     for name, table in leaked.items():

@@ -17,12 +17,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec
 from kvbroker.testing import FakeAgent, FakeFabric, LoopThread
 
 _ids = itertools.count()
+
+# One tracer provider for the test process (in-process brokers use it), with
+# an in-memory exporter the `finished_spans` fixture reads.
+SPANS = InMemorySpanExporter()
+_provider = TracerProvider()
+_provider.add_span_processor(SimpleSpanProcessor(SPANS))
+trace.set_tracer_provider(_provider)
+
+
+@pytest.fixture
+def finished_spans() -> Iterator[InMemorySpanExporter]:
+    """The spans in-process brokers finish during the test."""
+    SPANS.clear()
+    yield SPANS
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

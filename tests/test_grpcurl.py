@@ -70,3 +70,97 @@ def test_list_calls_answer(broker: BrokerProcess) -> None:
         assert json.loads(grpcurl("-d", "{}", broker.address, f"kvbroker.v1.Admin/{method}")) == {}
     info = json.loads(grpcurl("-d", "{}", broker.address, "kvbroker.v1.TransferBroker/GetBrokerInfo"))
     assert info["listen_address"] == broker.address and info["fd_socket_path"].endswith(".fds")
+
+
+@pytest.fixture(scope="module")
+def rooms() -> Iterator[dict[str, object]]:
+    """Two brokers, a finished room and an open one, engines in this process."""
+    import numpy as np
+    import torch
+
+    from kvbroker.client import (
+        BrokerClient,
+        EngineMemory,
+        ModelSpec,
+        RankSpec,
+        RoomState,
+        SenderRef,
+    )
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvb-admin-"))
+    p, d = BrokerProcess.start_many(["p", "d"], workdir, ["--log-level", "warning"])
+    model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+    handles = []
+    for broker, role, group in ((p, "prefill", "ops-prefill"), (d, "decode", "ops-decode")):
+        spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+        client = BrokerClient(broker.address)
+        handles.append((client, client.register_engine(spec, EngineMemory.allocate(spec, model, num_pages=8, aux_rows=2, aux_row_bytes=[8]))))
+    (pc, pe), (dc, de) = handles
+    de.receiver(11, SenderRef(p.address, "ops-prefill")).init(np.array([1, 2]), aux_row=0)
+    sender = pe.sender(11)
+    sender.init(2, aux_row=1)
+    sender.send([3, 4])
+    assert de.wait([11], timeout_seconds=20)[11].state == RoomState.SUCCESS
+    de.receiver(12, SenderRef(p.address, "ops-prefill")).init(np.array([5]), aux_row=1)
+    yield {"p": p, "d": d, "decode": de}
+    for client, engine in handles:
+        engine.close()
+        client.close()
+    for broker in (p, d):
+        broker.stop()
+
+
+def _call(address: str, method: str, body: dict[str, object] | None = None) -> dict[str, object]:
+    # -emit-defaults: FAILED is a state's zero value, which proto3 JSON would omit.
+    return json.loads(grpcurl("-emit-defaults", "-d", json.dumps(body or {}), address, f"kvbroker.v1.Admin/{method}"))
+
+
+def test_get_room_shows_the_record_timeline_and_trace(rooms) -> None:
+    """GetRoom returns each local side with its state, timeline, trace id and per-source progress."""
+    detail = _call(rooms["d"].address, "GetRoom", {"room": 11})
+    (side,) = detail["sides"]
+    assert side["info"]["state"] == "ROOM_STATE_SUCCESS" and side["pages_settled"]
+    events = [e["event"] for e in side["timeline"]]
+    assert events[0] == "opened" and {"handshaken", "registered", "first_byte", "last_byte", "success"} <= set(events)
+    assert len(side["trace_id"]) == 32
+    assert side["sources"][0]["complete"] and side["sources"][0]["source"]["group"] == "ops-prefill"
+    sender = _call(rooms["p"].address, "GetRoom", {"room": 11})["sides"][0]
+    assert sender["info"]["side"] == "sender" and sender["destinations"][0]["complete"]
+    assert sender["trace_id"] == side["trace_id"]
+
+
+def test_list_calls_filter_rooms_and_describe_peers(rooms) -> None:
+    """ListRooms filters by state, engine and peer; ListEngines shows labels; ListPeers the transport and bytes."""
+    d, p = rooms["d"], rooms["p"]
+    done = _call(d.address, "ListRooms", {"state": "ROOM_STATE_SUCCESS"})["rooms"]
+    assert [r["room"] for r in done] == ["11"]
+    assert len(_call(d.address, "ListRooms", {"engine": "ops-decode"})["rooms"]) == 2
+    assert _call(d.address, "ListRooms", {"engine": "nobody"}) == {"rooms": []}
+    assert len(_call(d.address, "ListRooms", {"peer": p.broker_id})["rooms"]) == 2
+    (engine,) = _call(d.address, "ListEngines")["engines"]
+    assert engine["engine_label"].startswith("ops-decode/tp0/pp0#")
+    (peer,) = _call(p.address, "ListPeers")["peers"]
+    assert peer["handshaken"] and "NIXL UCX" in peer["transport"] and int(peer["bytes_sent"]) > 0
+    assert peer["memory"] == ["DRAM->DRAM"]
+
+
+def test_abort_room_and_drain(rooms) -> None:
+    """AbortRoom fails an open room on both sides; Drain refuses new rooms, reports drained, and resumes."""
+    from kvbroker import errors
+    from kvbroker.client import SenderRef
+
+    d, p = rooms["d"], rooms["p"]
+    assert _call(d.address, "AbortRoom", {"room": 12, "reason": "maintenance"}) == {"aborted": 1}
+    (side,) = _call(d.address, "GetRoom", {"room": 12})["sides"]
+    assert side["info"]["state"] == "ROOM_STATE_FAILED"
+    assert side["info"]["cause"]["message"] == "aborted by the operator: maintenance"
+    drained = _call(d.address, "Drain", {"wait": True, "timeout_seconds": 10})
+    assert drained["draining"] and drained["drained"]
+    health = json.loads(grpcurl("-d", json.dumps({"service": "kvbroker.v1.TransferBroker"}), d.address, "grpc.health.v1.Health/Check"))
+    assert health["status"] == "NOT_SERVING"
+    with pytest.raises(errors.Unavailable, match="draining"):
+        rooms["decode"].receiver(13, SenderRef(p.address, "ops-prefill")).init([6], aux_row=0)
+    assert _call(d.address, "GetStats")["draining"] is True
+    assert _call(d.address, "Drain", {"resume": True}) == {"draining": False, "open_rooms": 0, "drained": True}
+    health = json.loads(grpcurl("-d", json.dumps({"service": "kvbroker.v1.TransferBroker"}), d.address, "grpc.health.v1.Health/Check"))
+    assert health["status"] == "SERVING"

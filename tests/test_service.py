@@ -695,3 +695,27 @@ def test_a_source_that_never_opens_the_room_is_reported_after_the_orphan_timeout
     assert "did not open the room" in status.cause.message
     _eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(p, d)
+
+
+def test_room_spans_and_the_canonical_log_line(fake_brokers, make_engine, finished_spans) -> None:
+    """Both sides of a room are one trace (in-process), and each side writes one room_ended line with its trace id."""
+    from structlog.testing import capture_logs
+
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    with capture_logs() as logs:
+        receiver = de.handle.receiver(97, SenderRef(p.address, "prefill-group"))
+        receiver.init(DST, aux_row=2)
+        sender = pe.handle.sender(97)
+        sender.init(len(SRC), aux_row=1)
+        sender.send(SRC)
+        assert receiver.wait(10).state == RoomState.SUCCESS
+        assert sender.wait(10).state == RoomState.SUCCESS
+    rooms = [s for s in finished_spans.get_finished_spans() if s.name == "kvbroker.room" and s.attributes["kvbroker.room"] == 97]
+    assert {s.attributes["kvbroker.side"] for s in rooms} == {"sender", "receiver"}
+    assert len({s.context.trace_id for s in rooms}) == 1
+    ended = [e for e in logs if e["event"] == "room_ended" and e["room"] == 97]
+    assert {e["side"] for e in ended} == {"sender", "receiver"}
+    for entry in ended:
+        assert entry["state"] == "ROOM_STATE_SUCCESS" and entry["bytes"] > 0 and entry["cause"] is None
+        assert entry["trace_id"] == format(rooms[0].context.trace_id, "032x")
+        assert entry["total_s"] >= 0 and entry["engine"].endswith("#1")

@@ -1,0 +1,171 @@
+"""One trace per room across both brokers, collected by a real OTLP receiver.
+
+Two ``kvbroker serve`` processes export spans over OTLP/gRPC to a receiver in
+the test. ``kvbroker demo`` moves rooms with its engine ranks as processes;
+the test's own engine ranks add a room aborted by the decode side and a room
+whose decode broker is killed. Then: each room's spans from both brokers
+share one trace id, the parent/child structure is the documented one, the
+attributes carry the right bytes and states, and failed rooms carry the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
+from kvbroker.testing import BrokerProcess
+from kvbroker.testing.engine_child import MODEL
+from kvbroker.testing.otlp import OtlpReceiver, SpanRecord
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+COMMON = [
+    "--peer-heartbeat", "0.2", "--peer-dead-after", "1.0",
+    "--finished-room-ttl", "30", "--tombstone-ttl", "30", "--log-level", "warning",
+]
+
+
+def _env(receiver: OtlpReceiver, service: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_EXPORTER_OTLP_INSECURE="true",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_SERVICE_NAME=service,
+    )
+    return env
+
+
+@pytest.fixture
+def traced() -> Iterator[tuple[OtlpReceiver, dict[str, BrokerProcess]]]:
+    receiver = OtlpReceiver()
+    workdir = Path(tempfile.mkdtemp(prefix="kvb-trace-"))
+    brokers = {
+        name: BrokerProcess.launch(name, workdir, COMMON, env=_env(receiver, f"kvbroker-{name}"))
+        for name in ("prefill", "decode", "doomed")
+    }
+    try:
+        for broker in brokers.values():
+            broker.wait_ready()
+        yield receiver, brokers
+    finally:
+        for broker in brokers.values():
+            broker.stop()
+        receiver.stop()
+
+
+def _rank(address: str, role: str, group: str) -> tuple[BrokerClient, object, EngineMemory]:
+    spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+    memory = EngineMemory.allocate(spec, MODEL, num_pages=16, aux_rows=2, aux_row_bytes=[16])
+    client = BrokerClient(address)
+    return client, client.register_engine(spec, memory), memory
+
+
+def _wait(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.05)
+
+
+def test_each_room_is_one_trace_across_both_brokers(traced) -> None:
+    """Both sides of every room share one trace; structure, bytes, states and causes are right."""
+    receiver, brokers = traced
+    p, d, doomed = brokers["prefill"], brokers["decode"], brokers["doomed"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "demo", "--rooms", "3", "--layers", "2", "--pages", "5", "--json",
+         "--prefill-broker", p.address, "--decode-broker", d.address],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["rooms_verified"] == 3
+
+    pc, prefill, _ = _rank(p.address, "prefill", "pg")
+    dc, decode, _ = _rank(d.address, "decode", "dg")
+    kc, victim, _ = _rank(doomed.address, "decode", "kg")
+    aborted, killed = 7_000_001, 7_000_002
+    try:
+        receiver_a = decode.receiver(aborted, SenderRef(p.address, "pg"))  # type: ignore[attr-defined]
+        receiver_a.init([1, 2, 3], aux_row=0)
+        sender_a = prefill.sender(aborted)  # type: ignore[attr-defined]
+        sender_a.init(3, aux_row=1)
+        sender_a.send([4], is_last=False)
+        _wait(lambda: sender_a.poll() == RoomState.TRANSFERRING)
+        receiver_a.abort("the user closed the stream")
+        assert sender_a.wait(15).state == RoomState.FAILED
+        victim.receiver(killed, SenderRef(p.address, "pg")).init([1, 2], aux_row=0)  # type: ignore[attr-defined]
+        sender_k = prefill.sender(killed)  # type: ignore[attr-defined]
+        sender_k.init(2, aux_row=1)
+        sender_k.send([5], is_last=False)
+        _wait(lambda: sender_k.poll() == RoomState.TRANSFERRING)
+        doomed.kill()
+        assert sender_k.wait(15).state == RoomState.FAILED
+    finally:
+        for engine, client in ((prefill, pc), (decode, dc)):
+            engine.close()  # type: ignore[attr-defined]
+            client.close()
+        try:
+            victim.close()  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        kc.close()
+    p.stop()
+    d.stop()
+    _wait(lambda: len(_rooms(receiver.spans())) >= 5)
+    spans = receiver.spans()
+    by_id = {s.span_id: s for s in spans}
+    rooms = _rooms(spans)
+
+    ok_rooms = [r for r, sides in rooms.items() if {s.attributes["kvbroker.state"] for s in sides} == {"ROOM_STATE_SUCCESS"}]
+    assert len(ok_rooms) == 3
+    for room in ok_rooms:
+        sides = {s.attributes["kvbroker.side"]: s for s in rooms[room]}
+        sender, receiver_span = sides["sender"], sides["receiver"]
+        assert sender.trace_id == receiver_span.trace_id, f"room {room}: two traces"
+        assert (sender.service, receiver_span.service) == ("kvbroker-prefill", "kvbroker-decode")
+        # receiver room <- ExpectRoom (server); sender room <- RegisterRoom (server) <- RegisterRoom (client) <- receiver room
+        assert by_id[receiver_span.parent_span_id].name.endswith("TransferBroker/ExpectRoom")
+        register_server = by_id[sender.parent_span_id]
+        assert register_server.name.endswith("PeerBroker/RegisterRoom")
+        register_client = by_id[register_server.parent_span_id]
+        assert register_client.name.endswith("PeerBroker/RegisterRoom") and register_client.service == "kvbroker-decode"
+        assert register_client.parent_span_id == receiver_span.span_id
+        transfers = [s for s in spans if s.name == "kvbroker.transfer" and s.parent_span_id == sender.span_id]
+        assert transfers and all(t.ok for t in transfers)
+        assert sum(t.attributes["kvbroker.bytes"] for t in transfers) == sender.attributes["kvbroker.bytes"]
+        assert sender.attributes["kvbroker.bytes"] == receiver_span.attributes["kvbroker.bytes"] > 0
+        assert any(s.name == "kvbroker.aux" and s.parent_span_id in {t.span_id for t in transfers} for s in spans)
+        children = {s.name for s in spans if s.parent_span_id == receiver_span.span_id}
+        assert {"kvbroker.wait_for_data", "kvbroker.completion"} <= children
+        assert {"kvbroker.completion"} <= {s.name for s in spans if s.parent_span_id == sender.span_id}
+
+    sides = {s.attributes["kvbroker.side"]: s for s in rooms[aborted]}
+    assert sides["sender"].trace_id == sides["receiver"].trace_id
+    for span in sides.values():
+        assert not span.ok and span.attributes["kvbroker.failure.kind"] == "FAILURE_KIND_ABORTED"
+        assert span.attributes["kvbroker.failure.message"] == "the user closed the stream"
+    assert any(s.name == "kvbroker.abort" and s.parent_span_id == sides["receiver"].span_id for s in spans)
+
+    (sender_k_span,) = [s for s in rooms[killed] if s.service == "kvbroker-prefill"]
+    assert not sender_k_span.ok
+    assert sender_k_span.attributes["kvbroker.failure.kind"] in ("FAILURE_KIND_PEER", "FAILURE_KIND_TRANSFER")
+    assert doomed.address in sender_k_span.attributes["kvbroker.failure.message"]
+
+
+def _rooms(spans: list[SpanRecord]) -> dict[int, list[SpanRecord]]:
+    out: dict[int, list[SpanRecord]] = defaultdict(list)
+    for span in spans:
+        if span.name == "kvbroker.room":
+            out[int(span.attributes["kvbroker.room"])].append(span)
+    return out
