@@ -30,6 +30,9 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 __all__ = ["BrokerMetrics", "GaugeSnapshot"]
 
+#: Latency buckets from 100 us to a minute.
+_SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
 
 @dataclass
 class GaugeSnapshot:
@@ -52,10 +55,16 @@ class BrokerMetrics:
         self.bytes = meter.create_counter("kvbroker.bytes", unit="By", description="bytes moved")
         self.transfers = meter.create_counter("kvbroker.transfers", description="NIXL transfers settled")
         self.transfer_seconds = meter.create_histogram(
-            "kvbroker.transfer.duration", unit="s", description="post to settle of one NIXL transfer"
+            "kvbroker.transfer.duration",
+            unit="s",
+            description="post to settle of one NIXL transfer",
+            explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS,
         )
         self.room_seconds = meter.create_histogram(
-            "kvbroker.room.duration", unit="s", description="open to SUCCESS or FAILED of one side of a room"
+            "kvbroker.room.duration",
+            unit="s",
+            description="open to SUCCESS or FAILED of one side of a room",
+            explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS,
         )
         self.failures = meter.create_counter("kvbroker.room.failures", description="failed room sides by cause")
         meter.create_observable_gauge("kvbroker.rooms", callbacks=[self._rooms], description="rooms held, by state")

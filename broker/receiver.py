@@ -186,7 +186,14 @@ class ReceiverSide:
         if rank.pages_settled:
             self._release_staging(rank)
         self._counters.rooms_failed += 1
-        log.info("receive_failed", room=rank.room, engine=rank.engine.label, cause=why.message)
+        log.info(
+            "receive_failed",
+            room=rank.room,
+            engine=rank.engine.label,
+            peer=rank.peer_broker_id or rank.sender_address,
+            cause=why.message,
+            **telemetry.span_ids(rank.span),
+        )
         if tell_sender and rank.peer_broker_id is not None:
             # Also when the room never reached the sender's broker (a plan it
             # cannot do): its engine must not wait for a transfer info.
@@ -252,7 +259,14 @@ class ReceiverSide:
             if rank.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
                 self._release_staging(rank)
-                log.debug("receive_done", room=rank.room, engine=rank.engine.label, bytes=rank.bytes)
+                log.debug(
+                    "receive_done",
+                    room=rank.room,
+                    engine=rank.engine.label,
+                    peer=rank.peer_broker_id,
+                    bytes=rank.bytes,
+                    **telemetry.span_ids(rank.span),
+                )
 
     def on_completion_report(self, report: peer_pb2.CompletionReport) -> None:
         """A source's out-of-band report: it failed, and maybe it settled."""

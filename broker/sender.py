@@ -205,7 +205,14 @@ class SenderSide:
         if not source.fail(why, settled=source.inflight == 0):
             return
         self._counters.rooms_failed += 1
-        log.info("send_failed", room=source.room, engine=source.engine.label, cause=why.message)
+        log.info(
+            "send_failed",
+            room=source.room,
+            engine=source.engine.label,
+            peer=",".join(sorted({d.info.receiver_broker_id for d in source.destinations.values()})),
+            cause=why.message,
+            **telemetry.span_ids(source.span),
+        )
         for dest in source.destinations.values():
             self._report(source, dest)
 
@@ -510,7 +517,9 @@ class SenderSide:
             telemetry.child_done(source.span, "kvbroker.completion", {"kvbroker.receivers": len(source.destinations)})
             if source.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
-                log.debug("send_done", room=source.room, engine=source.engine.label, bytes=source.bytes)
+                log.debug(
+                    "send_done", room=source.room, engine=source.engine.label, bytes=source.bytes, **telemetry.span_ids(source.span)
+                )
         elif source.chunk_list:
             source.advance(TRANSFERRING)
         else:
