@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,6 +93,10 @@ def main() -> int:
     finally:
         for broker in (*staged, *plain):
             broker.stop()
+    if failed:
+        print(f"broker logs: {workdir}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import queue
 import secrets
+import shutil
 import sys
 import tempfile
 import time
@@ -219,6 +220,8 @@ def run_demo(args: argparse.Namespace) -> int:
     leaked = {name: {k: v for k, v in t.items() if v} for name, t in tables.items()} if owned else {}
     ok = not (tally.failed or tally.mismatched or tally.errors or any(leaked.values())) and tally.rooms_verified == args.rooms
     _summary(args, tally, tables, leaked, wall, ok, workdir, owned)
+    if ok:  # a failed run keeps its broker logs (the summary names the folder)
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0 if ok else 1
 
 

@@ -13,15 +13,13 @@ so and turns into a failure once the importer exists and the test passes
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
 from kvbroker.errors import Unimplemented
-from kvbroker.testing import BrokerProcess
+from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.otlp import OtlpReceiver
 
 pytestmark = [
@@ -35,34 +33,34 @@ def test_vram_room_between_two_gpus_is_one_trace() -> None:
     """Prefill KV on cuda:0 and decode KV on cuda:1 move byte-exact, one trace per room."""
     receiver = OtlpReceiver()
     env = dict(os.environ, OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-gpu-"))
-    broker = BrokerProcess.launch("host", workdir, ["--log-level", "warning"], env=env)
-    broker.wait_ready()
-    model = ModelSpec(num_layers=4, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
-    try:
-        memories = {}
-        engines = {}
-        for device, role, group in (("cuda:0", "prefill", "gp"), ("cuda:1", "decode", "gd")):
-            spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
-            memories[role] = EngineMemory.allocate(spec, model, num_pages=64, aux_rows=2, aux_row_bytes=[16], device=device)
-            engines[role] = BrokerClient(broker.address).register_engine(spec, memories[role])
-        for layer in range(model.num_layers):
-            memories["prefill"].k[layer].normal_()
-            memories["prefill"].v[layer].normal_()
-        engines["decode"].receiver(1, SenderRef("", "gp")).init([10, 11, 12], aux_row=0)
-        sender = engines["prefill"].sender(1)
-        sender.init(3, aux_row=1)
-        sender.send([1, 2, 3])
-        assert engines["decode"].wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
-        src, dst = torch.tensor([1, 2, 3]), torch.tensor([10, 11, 12])
-        for layer in range(model.num_layers):
-            for a, b in zip(memories["prefill"].kv_tensors(layer), memories["decode"].kv_tensors(layer)):
-                assert torch.equal(a[src].view(torch.uint8).cpu(), b[dst].view(torch.uint8).cpu())
-        for engine in engines.values():
-            engine.close()
-        broker.stop()
-        rooms = [s for s in receiver.spans() if s.name == "kvbroker.room"]
-        assert len(rooms) == 2 and len({s.trace_id for s in rooms}) == 1
-    finally:
-        broker.stop()
-        receiver.stop()
+    with scratch_dir("kvb-gpu-") as workdir:
+        broker = BrokerProcess.launch("host", workdir, ["--log-level", "warning"], env=env)
+        broker.wait_ready()
+        model = ModelSpec(num_layers=4, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
+        try:
+            memories = {}
+            engines = {}
+            for device, role, group in (("cuda:0", "prefill", "gp"), ("cuda:1", "decode", "gd")):
+                spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+                memories[role] = EngineMemory.allocate(spec, model, num_pages=64, aux_rows=2, aux_row_bytes=[16], device=device)
+                engines[role] = BrokerClient(broker.address).register_engine(spec, memories[role])
+            for layer in range(model.num_layers):
+                memories["prefill"].k[layer].normal_()
+                memories["prefill"].v[layer].normal_()
+            engines["decode"].receiver(1, SenderRef("", "gp")).init([10, 11, 12], aux_row=0)
+            sender = engines["prefill"].sender(1)
+            sender.init(3, aux_row=1)
+            sender.send([1, 2, 3])
+            assert engines["decode"].wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
+            src, dst = torch.tensor([1, 2, 3]), torch.tensor([10, 11, 12])
+            for layer in range(model.num_layers):
+                for a, b in zip(memories["prefill"].kv_tensors(layer), memories["decode"].kv_tensors(layer)):
+                    assert torch.equal(a[src].view(torch.uint8).cpu(), b[dst].view(torch.uint8).cpu())
+            for engine in engines.values():
+                engine.close()
+            broker.stop()
+            rooms = [s for s in receiver.spans() if s.name == "kvbroker.room"]
+            assert len(rooms) == 2 and len({s.trace_id for s in rooms}) == 1
+        finally:
+            broker.stop()
+            receiver.stop()

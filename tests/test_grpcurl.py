@@ -7,13 +7,12 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvbroker.testing import BrokerProcess
+from kvbroker.testing import BrokerProcess, scratch_dir
 
 pytestmark = pytest.mark.nixl
 
@@ -22,10 +21,10 @@ GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl"
 
 @pytest.fixture(scope="module")
 def broker() -> Iterator[BrokerProcess]:
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-ops-"))
-    (b,) = BrokerProcess.start_many(["ops"], workdir, ["--log-level", "warning"])
-    yield b
-    b.stop()
+    with scratch_dir("kvb-ops-") as workdir:
+        (b,) = BrokerProcess.start_many(["ops"], workdir, ["--log-level", "warning"])
+        yield b
+        b.stop()
 
 
 def grpcurl(*args: str) -> str:
@@ -87,27 +86,27 @@ def rooms() -> Iterator[dict[str, object]]:
         SenderRef,
     )
 
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-admin-"))
-    p, d = BrokerProcess.start_many(["p", "d"], workdir, ["--log-level", "warning"])
-    model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
-    handles = []
-    for broker, role, group in ((p, "prefill", "ops-prefill"), (d, "decode", "ops-decode")):
-        spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
-        client = BrokerClient(broker.address)
-        handles.append((client, client.register_engine(spec, EngineMemory.allocate(spec, model, num_pages=8, aux_rows=2, aux_row_bytes=[8]))))
-    (pc, pe), (dc, de) = handles
-    de.receiver(11, SenderRef(p.address, "ops-prefill")).init(np.array([1, 2]), aux_row=0)
-    sender = pe.sender(11)
-    sender.init(2, aux_row=1)
-    sender.send([3, 4])
-    assert de.wait([11], timeout_seconds=20)[11].state == RoomState.SUCCESS
-    de.receiver(12, SenderRef(p.address, "ops-prefill")).init(np.array([5]), aux_row=1)
-    yield {"p": p, "d": d, "decode": de}
-    for client, engine in handles:
-        engine.close()
-        client.close()
-    for broker in (p, d):
-        broker.stop()
+    with scratch_dir("kvb-admin-") as workdir:
+        p, d = BrokerProcess.start_many(["p", "d"], workdir, ["--log-level", "warning"])
+        model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+        handles = []
+        for broker, role, group in ((p, "prefill", "ops-prefill"), (d, "decode", "ops-decode")):
+            spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+            client = BrokerClient(broker.address)
+            handles.append((client, client.register_engine(spec, EngineMemory.allocate(spec, model, num_pages=8, aux_rows=2, aux_row_bytes=[8]))))
+        (pc, pe), (dc, de) = handles
+        de.receiver(11, SenderRef(p.address, "ops-prefill")).init(np.array([1, 2]), aux_row=0)
+        sender = pe.sender(11)
+        sender.init(2, aux_row=1)
+        sender.send([3, 4])
+        assert de.wait([11], timeout_seconds=20)[11].state == RoomState.SUCCESS
+        de.receiver(12, SenderRef(p.address, "ops-prefill")).init(np.array([5]), aux_row=1)
+        yield {"p": p, "d": d, "decode": de}
+        for client, engine in handles:
+            engine.close()
+            client.close()
+        for broker in (p, d):
+            broker.stop()
 
 
 def _call(address: str, method: str, body: dict[str, object] | None = None) -> dict[str, object]:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import socket
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,7 @@ from kvbroker.broker.nixl_agent import XferState
 from kvbroker.broker.peers import Peer
 from kvbroker.broker.transfers import ChunkPoster
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess
+from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.engine_child import MODEL
 from kvbroker.v1 import common_pb2
 
@@ -32,27 +30,27 @@ def _free_port() -> int:
 def test_prometheus_endpoint_reports_bytes_rooms_and_latency() -> None:
     """After a room, the scrape endpoint shows bytes moved, transfer and room latency, rooms and sessions."""
     port = _free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-metrics-"))
-    (b,) = BrokerProcess.start_many(["m"], workdir, ["--log-level", "warning", "--metrics-port", str(port)])
-    engines = []
-    try:
-        for role, group in (("prefill", "mp"), ("decode", "md")):
-            spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
-            client = BrokerClient(b.address)
-            engines.append((client, client.register_engine(spec, EngineMemory.allocate(spec, MODEL, num_pages=8, aux_rows=1, aux_row_bytes=[8]))))
-        (_, pe), (_, de) = engines
-        de.receiver(1, SenderRef("", "mp")).init(np.array([1, 2]), aux_row=0)
-        sender = pe.sender(1)
-        sender.init(2, aux_row=0)
-        sender.send([3, 4])
-        assert de.wait([1], timeout_seconds=20)[1].state == RoomState.SUCCESS
-        time.sleep(0.6)  # gauges read a snapshot the broker refreshes every 0.25 s
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    finally:
-        for client, engine in engines:
-            engine.close()
-            client.close()
-        b.stop()
+    with scratch_dir("kvb-metrics-") as workdir:
+        (b,) = BrokerProcess.start_many(["m"], workdir, ["--log-level", "warning", "--metrics-port", str(port)])
+        engines = []
+        try:
+            for role, group in (("prefill", "mp"), ("decode", "md")):
+                spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+                client = BrokerClient(b.address)
+                engines.append((client, client.register_engine(spec, EngineMemory.allocate(spec, MODEL, num_pages=8, aux_rows=1, aux_row_bytes=[8]))))
+            (_, pe), (_, de) = engines
+            de.receiver(1, SenderRef("", "mp")).init(np.array([1, 2]), aux_row=0)
+            sender = pe.sender(1)
+            sender.init(2, aux_row=0)
+            sender.send([3, 4])
+            assert de.wait([1], timeout_seconds=20)[1].state == RoomState.SUCCESS
+            time.sleep(0.6)  # gauges read a snapshot the broker refreshes every 0.25 s
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        finally:
+            for client, engine in engines:
+                engine.close()
+                client.close()
+            b.stop()
     ours = [line for line in text.splitlines() if line.startswith("kvbroker_")]
 
     def value(prefix: str, *labels: str) -> float:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from kvbroker.testing import BrokerProcess
+from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.scenario import STATE_KINDS, Scenario, run_scenario
 
 pytestmark = pytest.mark.nixl
@@ -61,13 +59,13 @@ CASES = _full_cases() if FULL else CI_CASES
 @pytest.fixture(scope="module")
 def broker_pairs() -> Iterator[dict[bool, tuple[BrokerProcess, BrokerProcess]]]:
     """Two brokers with staging and two without."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-matrix-"))
     common = ["--finished-room-ttl", "0.2", "--tombstone-ttl", "0.3", "--log-level", "warning", "--staging-mib", "16"]
-    on = BrokerProcess.start_many(["p-stage", "d-stage"], workdir, common)
-    off = BrokerProcess.start_many(["p-plain", "d-plain"], workdir, [*common, "--no-staging"])
-    yield {True: (on[0], on[1]), False: (off[0], off[1])}
-    for broker in (*on, *off):
-        assert broker.stop() == 0, broker.log_tail()
+    with scratch_dir("kvb-matrix-") as workdir:
+        on = BrokerProcess.start_many(["p-stage", "d-stage"], workdir, common)
+        off = BrokerProcess.start_many(["p-plain", "d-plain"], workdir, [*common, "--no-staging"])
+        yield {True: (on[0], on[1]), False: (off[0], off[1])}
+        for broker in (*on, *off):
+            assert broker.stop() == 0, broker.log_tail()
 
 
 @pytest.mark.parametrize(

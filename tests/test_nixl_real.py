@@ -12,14 +12,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess
+from kvbroker.testing import BrokerProcess, scratch_dir
 
 from .conftest import fill_regions
 
@@ -31,14 +30,12 @@ FAST_EVICTION = ["--finished-room-ttl", "0.2", "--tombstone-ttl", "0.3", "--log-
 
 
 @pytest.fixture(scope="module")
-def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
-    import tempfile
-
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-nixl-"))
-    p, d = BrokerProcess.start_many(["prefill", "decode"], workdir, FAST_EVICTION)
-    yield p, d
-    for b in (p, d):
-        assert b.stop() == 0, b.log_tail()
+def brokers() -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
+    with scratch_dir("kvb-nixl-") as workdir:
+        p, d = BrokerProcess.start_many(["prefill", "decode"], workdir, FAST_EVICTION)
+        yield p, d
+        for b in (p, d):
+            assert b.stop() == 0, b.log_tail()
 
 
 class _Rank:

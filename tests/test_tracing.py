@@ -14,16 +14,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess
+from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.engine_child import MODEL
 from kvbroker.testing.otlp import OtlpReceiver, SpanRecord
 
@@ -50,19 +48,19 @@ def _env(receiver: OtlpReceiver, service: str) -> dict[str, str]:
 @pytest.fixture
 def traced() -> Iterator[tuple[OtlpReceiver, dict[str, BrokerProcess]]]:
     receiver = OtlpReceiver()
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-trace-"))
-    brokers = {
-        name: BrokerProcess.launch(name, workdir, COMMON, env=_env(receiver, f"kvbroker-{name}"))
-        for name in ("prefill", "decode", "doomed")
-    }
-    try:
-        for broker in brokers.values():
-            broker.wait_ready()
-        yield receiver, brokers
-    finally:
-        for broker in brokers.values():
-            broker.stop()
-        receiver.stop()
+    with scratch_dir("kvb-trace-") as workdir:
+        brokers = {
+            name: BrokerProcess.launch(name, workdir, COMMON, env=_env(receiver, f"kvbroker-{name}"))
+            for name in ("prefill", "decode", "doomed")
+        }
+        try:
+            for broker in brokers.values():
+                broker.wait_ready()
+            yield receiver, brokers
+        finally:
+            for broker in brokers.values():
+                broker.stop()
+            receiver.stop()
 
 
 def _rank(address: str, role: str, group: str) -> tuple[BrokerClient, object, EngineMemory]:
