@@ -499,7 +499,9 @@ class Soak:
         for attempt in range(10):
             broker = BrokerProcess.launch(f"prefill-{n}", self.workdir, [*self.broker_args, "--listen", self.prefill_address])
             try:
-                broker.wait_ready(60)
+                # Keep watching the decode rooms meanwhile: a room that ends
+                # now is evicted after --finished-room-ttl, maybe before this returns.
+                broker.wait_ready(60, while_waiting=self.poll_decode)
             except RuntimeError as exc:
                 self.event(f"prefill broker #{n} did not start (attempt {attempt + 1}): {str(exc)[-300:]}")
                 time.sleep(0.5)

@@ -289,17 +289,24 @@ class ReceiverSide:
         """
         # A rank still registering never reached that process; it registers
         # with whoever answers at the address now.
+        # A rank whose registration is out learns where it landed when the
+        # call returns (_register).
         ranks = [
             r
             for r in self._rooms.all_receivers()
-            if r.peer_broker_id == broker_id and (r.registered_with_sender or r.terminal)
+            if r.peer_broker_id == broker_id and (r.registered_with_sender or r.terminal) and not r.registering
         ]
         for rank in ranks:
-            self.fail(rank, why, tell_sender=False)
-            for exp in (rank.expected or {}).values():
-                exp.settled = True
-            self._maybe_settled(rank)
+            self._lose_sender(rank, why)
         return len(ranks)
+
+    def _lose_sender(self, rank: ReceiverProgress, why: common_pb2.FailureCause) -> None:
+        """Fail ``rank``: its sender's broker process is gone, so nothing more
+        can write into its pages."""
+        self.fail(rank, why, tell_sender=False)
+        for exp in (rank.expected or {}).values():
+            exp.settled = True
+        self._maybe_settled(rank)
 
     def time_out(self, now: float, data_timeout_seconds: float) -> None:
         """Fail ranks that waited longer than the data timeout since registering."""
@@ -407,8 +414,22 @@ class ReceiverSide:
             request.aux_row = rank.aux_row
         rank.registered_with_sender = True
         for attempt in (1, 2):
+            registered_with = request.sender_broker_id = peer.broker_id or ""
             try:
-                await self._peers.stub(peer).RegisterRoom(request, timeout=self._peers.timeout)
+                rank.registering = True
+                try:
+                    await self._peers.stub(peer).RegisterRoom(request, timeout=self._peers.timeout)
+                finally:
+                    rank.registering = False
+                if registered_with not in self._peers.by_id:
+                    # The process that took the room died or restarted while
+                    # the call was out (peer_lost left this rank to us).
+                    why = cause(
+                        common_pb2.FAILURE_KIND_PEER,
+                        f"peer broker {peer.address} ({registered_with}) went away while room {rank.room} registered there",
+                        self._id,
+                    )
+                    self._lose_sender(rank, why)
                 return
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)

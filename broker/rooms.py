@@ -325,6 +325,9 @@ class ReceiverProgress(Progress):
     expected: dict[RankKey, SourceExpectation] | None = None
     #: The sender's broker may have the transfer info (so it may write).
     registered_with_sender: bool = False
+    #: A RegisterRoom call is out: which sender process it reaches is not
+    #: known until it returns, so a peer loss meanwhile leaves the rank to it.
+    registering: bool = False
     #: When the sender's broker accepted the room (the data timeout runs from here).
     registered_at: float | None = None
     peer_broker_id: str | None = None

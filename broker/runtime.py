@@ -44,6 +44,7 @@ from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.tls import channel_credentials
 from kvbroker.broker.watch import WatchHub
 from kvbroker.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -295,6 +296,11 @@ class BrokerRuntime:
         return self.peers.on_handshake(request)
 
     def register_room(self, request: peer_pb2.RegisterRoomRequest) -> None:
+        if request.sender_broker_id and request.sender_broker_id != self.broker_id:
+            raise Aborted(
+                f"room {request.room} was meant for broker {request.sender_broker_id}; this is broker "
+                f"{self.broker_id} (a restart): handshake again"
+            )
         peer = self.peers.get(request.receiver_broker_id)
         room = self.rooms.sender.get(request.room)
         if self.draining and (room is None or not room.sources):

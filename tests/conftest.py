@@ -104,12 +104,14 @@ def fake_brokers(loop_thread: LoopThread, short_tmp: Path) -> Iterator[Callable[
     def start(name: str = "", **config: object) -> FakeBroker:
         name = name or f"b{next(_ids)}"
         agent = FakeAgent(f"fake_{name}_agent", fabric)
-        settings: dict[str, object] = {"staging_send_bytes": 8 << 20, "staging_receive_bytes": 8 << 20, **config}
-        cfg = BrokerConfig(
-            listen_address="127.0.0.1:0",
-            engine_socket_path=str(short_tmp / f"{name}.sock"),
-            **settings,  # type: ignore[arg-type]
-        )
+        settings: dict[str, object] = {
+            "listen_address": "127.0.0.1:0",
+            "engine_socket_path": str(short_tmp / f"{name}.sock"),
+            "staging_send_bytes": 8 << 20,
+            "staging_receive_bytes": 8 << 20,
+            **config,
+        }
+        cfg = BrokerConfig(**settings)  # type: ignore[arg-type]
         server = BrokerServer(cfg, agent=agent)
         loop_thread.run(server.start())
         broker = FakeBroker(server=server, agent=agent, loop=loop_thread)

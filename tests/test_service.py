@@ -719,3 +719,80 @@ def test_room_spans_and_the_canonical_log_line(fake_brokers, make_engine, finish
         assert entry["state"] == "ROOM_STATE_SUCCESS" and entry["bytes"] > 0 and entry["cause"] is None
         assert entry["trace_id"] == format(rooms[0].context.trace_id, "032x")
         assert entry["total_s"] >= 0 and entry["engine"].endswith("#1")
+
+
+def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fake_brokers, make_engine, monkeypatch) -> None:
+    """A room whose RegisterRoom is out when the decode broker learns that the prefill broker restarted:
+    the new process refuses a registration addressed to the old one, the decode broker registers again
+    with the new one, and the room completes. (It used to fail PEER on the decode side while the new
+    process, which had accepted the room, wrote into its pages.)"""
+    p1 = fake_brokers("p1")
+    d = fake_brokers("d", peer_heartbeat_seconds=60)  # only the race below may notice the restart
+    pe1, de = make_engine(p1.address, "prefill"), make_engine(d.address, "decode")
+    receiver = de.handle.receiver(98, SenderRef(p1.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)  # d has handshaken with p1
+    receiver.abort()
+    p1.loop.run(p1.server._server.stop(0))  # p1 is gone; p2 takes its address
+    p2 = fake_brokers("p2", listen_address=p1.address)
+    pe2 = make_engine(p2.address, "prefill")
+    peers = d.runtime.peers
+    real_stub = peers.stub
+    raced: list[str] = []
+
+    class RacingStub:
+        def __init__(self, stub: object) -> None:
+            self._stub = stub
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._stub, name)
+
+        async def RegisterRoom(self, request, timeout):  # type: ignore[no-untyped-def]
+            if not raced:
+                raced.append(request.sender_broker_id)
+                # While this call is out, a handshake finds the new process.
+                await peers.handshake(peers.by_address[p1.address])
+            return await self._stub.RegisterRoom(request, timeout=timeout)
+
+    monkeypatch.setattr(peers, "stub", lambda peer: RacingStub(real_stub(peer)))
+    receiver = de.handle.receiver(99, SenderRef(p1.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe2.handle.sender(99)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert receiver.wait(10).state == RoomState.SUCCESS, receiver.status()
+    assert sender.wait(10).state == RoomState.SUCCESS
+    assert raced == [p1.runtime.broker_id] and peers.by_address[p1.address].broker_id == p2.runtime.broker_id
+    _assert_moved(pe2, de, SRC, DST)
+    del pe1
+    _wait_tables_empty(p2, d)
+
+
+def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settled(fake_brokers, make_engine, monkeypatch) -> None:
+    """RegisterRoom is accepted, but the sender's broker is found lost before the answer is handled:
+    the room fails PEER with its pages settled (nothing of that process can write any more), instead
+    of waiting for data that will never come."""
+    p, d, _pe, de = _pair(fake_brokers, make_engine)
+    peers = d.runtime.peers
+    real_stub = peers.stub
+
+    class LosingStub:
+        def __init__(self, stub: object, peer: object) -> None:
+            self._stub, self._peer = stub, peer
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._stub, name)
+
+        async def RegisterRoom(self, request, timeout):  # type: ignore[no-untyped-def]
+            answer = await self._stub.RegisterRoom(request, timeout=timeout)
+            d.runtime.on_peer_lost(self._peer, "stopped answering (test)")
+            return answer
+
+    monkeypatch.setattr(peers, "stub", lambda peer: LosingStub(real_stub(peer), peer))
+    receiver = de.handle.receiver(100, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
+    assert "went away while room 100 registered" in status.cause.message
+    _eventually(lambda: receiver.status().pages_settled)
+    _wait_tables_empty(d)

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,12 +93,17 @@ class BrokerProcess:
             raise
         return brokers
 
-    def wait_ready(self, timeout_seconds: float = 60.0) -> None:
+    def wait_ready(self, timeout_seconds: float = 60.0, while_waiting: Callable[[], None] | None = None) -> None:
+        """Block until the broker serves (``while_waiting`` runs every 50 ms
+        meanwhile); ``RuntimeError`` with its log tail if it exits or takes
+        longer than ``timeout_seconds``."""
         deadline = time.monotonic() + timeout_seconds
         while not self.ready_file.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"broker {self.name} did not start; the end of its log:\n{self.log_tail()}")
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0.05)
         info = json.loads(self.ready_file.read_text())
         self.address = info["address"]
