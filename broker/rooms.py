@@ -274,14 +274,24 @@ class SenderRoom:
     #: Transfer infos by receiver rank; they may arrive before BeginSend.
     infos: dict[RankKey, TransferInfo] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
-    #: A source opened this room here once (its infos were for us).
-    had_sources: bool = False
+    #: Source ranks that opened this room here (BeginSend), kept after
+    #: their records are evicted: a rank opens a room once, and a receiver
+    #: is never told that a source which did open it never will.
+    opened: set[RankKey] = field(default_factory=set)
     #: A receiver's broker aborted the room (first cause); sources that open
     #: it later fail at once.
     aborted: common_pb2.FailureCause | None = None
     #: (receiver, source) pairs whose receiver was told the source will never
     #: open the room (its engine died first, or it never came).
     abandoned: set[tuple[RankKey, RankKey]] = field(default_factory=set)
+
+    def unserved(self) -> Iterator[tuple[TransferInfo, RankKey]]:
+        """(transfer info, source rank) pairs whose source never opened the
+        room here and whose receiver was not told so yet."""
+        for info in self.infos.values():
+            for plan in info.sources:
+                if plan.rank not in self.opened and (info.receiver, plan.rank) not in self.abandoned:
+                    yield info, plan.rank
 
 
 # -- receiver side -------------------------------------------------------
@@ -399,7 +409,9 @@ class RoomTables:
     ) -> int:
         """Drop terminal records older than ``ttl_seconds``, then empty rooms.
 
-        A sender room whose sources all went takes its transfer infos with it;
+        A sender room whose sources all went takes its transfer infos with it,
+        unless one of them still waits for a source that never opened the
+        room (then it stays until the orphan timeout has told its receiver);
         one that only ever held transfer infos (BeginSend never came) goes
         after ``orphan_seconds``. A failed receiver whose pages are not
         settled stays (so its engine can learn when they are) for
@@ -419,11 +431,18 @@ class RoomTables:
                     removed += 1
                 if members:
                     continue
-                if isinstance(room, SenderRoom) and not room.had_sources:
+                if isinstance(room, SenderRoom) and not room.opened:
                     # Transfer infos (or an abort) waiting for a BeginSend that may still come.
                     wait = ttl_seconds if room.aborted is not None else orphan_seconds
                     if now - room.created_at < wait:
                         continue
+                elif isinstance(room, SenderRoom) and any(
+                    now - info.received_at < orphan_seconds for info, _ in room.unserved()
+                ):
+                    # Some of its sources finished, but a receiver still waits
+                    # for one that never opened it: the room stays until the
+                    # orphan timeout has told that receiver.
+                    continue
                 del table[room_id]
                 self.tombstones[(side, room_id)] = now + tombstone_ttl_seconds
                 removed += 1

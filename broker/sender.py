@@ -117,13 +117,13 @@ class SenderSide:
         if self._rooms.is_tombstoned("sender", room_id):
             raise AlreadyExists(f"room {room_id} already ended on this broker; room ids must be unique")
         room = self._rooms.sender.get(room_id)
-        if room is not None and engine.key in room.sources:
+        if room is not None and engine.key in room.opened:
             raise AlreadyExists(f"engine rank {engine.key} already opened room {room_id}")
         if num_pages > engine.layout.num_pages and engine.layout.num_pages:
             raise InvalidArgument(f"num_pages {num_pages} exceeds the engine's {engine.layout.num_pages} pages")
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
-        room.had_sources = True
+        room.opened.add(engine.key)
         source = SourceProgress(room=room_id, engine=engine, listener=self._publish, num_pages=num_pages)
         source.begin_context = otel_context.get_current()
         source.engine_traced = telemetry.has_remote_parent(trace.get_current_span())
@@ -299,7 +299,7 @@ class SenderSide:
         """
         told = 0
         for room in self._rooms.sender.values():
-            if source_key in room.sources:
+            if source_key in room.opened:
                 continue
             for info in room.infos.values():
                 pair = (info.receiver, source_key)
@@ -323,17 +323,15 @@ class SenderSide:
     def abandon_orphans(self, now: float, orphan_seconds: float) -> None:
         """Receivers whose sources never opened the room within ``orphan_seconds`` learn so."""
         for room in list(self._rooms.sender.values()):
-            for info in list(room.infos.values()):
+            for info, rank in list(room.unserved()):
                 if now - info.received_at <= orphan_seconds:
                     continue
-                for plan in info.sources:
-                    if plan.rank not in room.sources and (info.receiver, plan.rank) not in room.abandoned:
-                        why = cause(
-                            common_pb2.FAILURE_KIND_TIMEOUT,
-                            f"source rank {plan.rank} did not open the room (BeginSend) within {orphan_seconds:g} s",
-                            self._id,
-                        )
-                        self.abandon(plan.rank, why, older_than=now - orphan_seconds)
+                why = cause(
+                    common_pb2.FAILURE_KIND_TIMEOUT,
+                    f"source rank {rank} did not open the room (BeginSend) within {orphan_seconds:g} s",
+                    self._id,
+                )
+                self.abandon(rank, why, older_than=now - orphan_seconds)
 
     def time_out(self, now: float, info_timeout_seconds: float) -> None:
         """Fail sources that waited longer than the timeout for their receivers' transfer infos."""

@@ -697,6 +697,54 @@ def test_a_source_that_never_opens_the_room_is_reported_after_the_orphan_timeout
     _wait_tables_empty(p, d)
 
 
+def _two_sources_one_receiver(fake_brokers, make_engine, room: int, **prefill_config: object):
+    """Prefill tp 2 -> decode tp 1: the decode rank waits for both prefill ranks; rank 0 sends
+    everything and its finished record is evicted from the prefill broker (rank 1 has not opened)."""
+    p = fake_brokers("p", finished_room_ttl_seconds=0.05, housekeeping_interval_seconds=0.05, **prefill_config)
+    d = fake_brokers("d")
+    prefill = [make_engine(p.address, "prefill", tp_size=2, tp_rank=r, seed=20 + r) for r in range(2)]
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(room, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    first = prefill[0].handle.sender(room)
+    first.init(len(SRC), aux_row=1)
+    first.send(SRC)
+    assert first.wait(10).state == RoomState.SUCCESS
+    _eventually(lambda: p.tables()["sender_sources"] == 0)
+    assert receiver.poll() == RoomState.TRANSFERRING
+    return p, d, prefill, de, receiver
+
+
+def test_a_finished_source_whose_record_went_is_not_reported_as_never_opening(fake_brokers, make_engine) -> None:
+    """A source rank that finished its part, whose record was evicted, and whose engine then went away
+    is not reported to the receiver as one that never opened the room: the other source still completes it.
+    (The broker used to tell the receiver ENGINE_LOST for it and fail the room.)"""
+    p, d, prefill, de, receiver = _two_sources_one_receiver(fake_brokers, make_engine, 99)
+    prefill[0].handle._session.close()  # rank 0 goes away after its part was done
+    _eventually(lambda: p.tables().get("sender_rooms") == 1 and len(p.runtime.engines.by_key) == 1)
+    second = prefill[1].handle.sender(99)
+    second.init(len(SRC), aux_row=1)
+    second.send(SRC)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    assert second.wait(10).state == RoomState.SUCCESS
+    _wait_tables_empty(p, d)
+
+
+def test_a_source_that_never_opens_a_room_another_source_finished_is_reported(fake_brokers, make_engine) -> None:
+    """When one source of a room finished and its record went, the room stays on the sender's broker
+    for the source that never opened it, and the orphan timeout tells the receiver. (The room used to
+    go with the finished record, leaving the receiver to its data timeout.)"""
+    p, d, prefill, de, receiver = _two_sources_one_receiver(fake_brokers, make_engine, 100, orphan_room_timeout_seconds=0.5)
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
+    assert "prefill-group/tp1/pp0 did not open the room" in status.cause.message
+    late = prefill[0].handle.sender(100)
+    with pytest.raises(errors.AlreadyExists, match="already"):
+        late.init(len(SRC), aux_row=1)  # a rank opens a room once
+    _eventually(lambda: receiver.status().pages_settled)
+    _wait_tables_empty(p, d)
+
+
 def test_room_spans_and_the_canonical_log_line(fake_brokers, make_engine, finished_spans) -> None:
     """Both sides of a room are one trace (in-process), and each side writes one room_ended line with its trace id."""
     from structlog.testing import capture_logs

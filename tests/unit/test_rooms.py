@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -288,7 +289,7 @@ SIZE_KEYS = {
 
 
 def _plan(tp: int = 0) -> SourcePlan:
-    return SourcePlan(RankKey("p", tp, 0), peer_pb2.SOURCE_MODE_FULL_PAGES, 1, 0, 4, True, True)
+    return SourcePlan(RankKey("g", tp, 0), peer_pb2.SOURCE_MODE_FULL_PAGES, 1, 0, 4, True, True)
 
 
 def _info(room: int, receiver_tp: int = 0, created: float = 0.0) -> TransferInfo:
@@ -396,7 +397,7 @@ def test_evict_keeps_non_terminal() -> None:
     src = source(room=1)
     src.advance(TRANSFERRING)
     rcv = receiver(room=1)
-    tables.sender[1] = SenderRoom(room=1, sources={src.key: src}, created_at=0.0, had_sources=True)
+    tables.sender[1] = SenderRoom(room=1, sources={src.key: src}, created_at=0.0, opened={src.key})
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv}, created_at=0.0)
     assert tables.evict(1e9, TTL, TOMBSTONE_TTL, ORPHAN) == 0
     assert tables.sender[1].sources == {src.key: src}
@@ -422,7 +423,7 @@ def test_evict_keeps_source_with_inflight_transfers() -> None:
     src = source(room=4)
     _finish(src, at=0.0, ok=False)
     src.inflight = 1
-    tables.sender[4] = SenderRoom(room=4, sources={src.key: src}, created_at=0.0, had_sources=True)
+    tables.sender[4] = SenderRoom(room=4, sources={src.key: src}, created_at=0.0, opened={src.key})
     assert tables.evict(1000.0, TTL, TOMBSTONE_TTL, ORPHAN) == 0
     assert 4 in tables.sender
     src.inflight = 0
@@ -442,7 +443,7 @@ def test_evict_sender_room_takes_its_infos() -> None:
         sources={src.key: src},
         infos={info.receiver: info},
         created_at=0.0,
-        had_sources=True,
+        opened={src.key},
     )
     tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.sender == {}
@@ -475,7 +476,7 @@ def test_orphan_sender_room_waits_for_begin_send() -> None:
     tables = RoomTables()
     info = _info(11)
     tables.sender[11] = SenderRoom(room=11, infos={info.receiver: info}, created_at=100.0)
-    assert not tables.sender[11].had_sources
+    assert not tables.sender[11].opened
     assert tables.evict(100.0 + ORPHAN - 0.1, TTL, TOMBSTONE_TTL, ORPHAN) == 0
     assert tables.sender[11].infos == {info.receiver: info}
     assert tables.evict(100.0 + ORPHAN, TTL, TOMBSTONE_TTL, ORPHAN) == 1
@@ -490,10 +491,33 @@ def test_sender_room_that_had_sources_goes_at_once() -> None:
     src = source(room=12)
     _finish(src, at=100.0)
     tables.sender[12] = SenderRoom(
-        room=12, sources={src.key: src}, created_at=100.0, had_sources=True
+        room=12, sources={src.key: src}, created_at=100.0, opened={src.key}
     )
     tables.evict(100.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.sender == {}
+
+
+def test_sender_room_stays_for_a_source_that_never_opened_it() -> None:
+    """A room one source finished stays while a receiver still waits for another source that never
+    opened it (until the orphan timeout, or until that receiver was told), then goes with its infos."""
+    tables = RoomTables()
+    src = source(room=13)
+    _finish(src, at=100.0)
+    info = _info(13, created=100.0)
+    other = _plan(tp=1)
+    info = replace(info, sources=(_plan(), other))
+    room = tables.sender[13] = SenderRoom(room=13, sources={src.key: src}, infos={info.receiver: info}, created_at=100.0, opened={src.key})
+    assert [rank for _, rank in room.unserved()] == [other.rank]
+    tables.evict(100.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN)
+    assert room.sources == {} and tables.sender == {13: room}
+    room.abandoned.add((info.receiver, other.rank))  # the receiver was told
+    assert list(room.unserved()) == []
+    tables.evict(100.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN)
+    assert tables.sender == {} and tables.sizes()["transfer_infos"] == 0
+    # Without the telling, the orphan timeout bounds the stay.
+    tables.sender[14] = SenderRoom(room=14, infos={info.receiver: info}, created_at=100.0, opened={src.key})
+    assert tables.evict(100.0 + ORPHAN - 0.1, TTL, TOMBSTONE_TTL, ORPHAN) == 0
+    assert tables.evict(100.0 + ORPHAN, TTL, TOMBSTONE_TTL, ORPHAN) == 1
 
 
 def test_evict_idle_tables_return_to_zero() -> None:
@@ -508,7 +532,7 @@ def test_evict_idle_tables_return_to_zero() -> None:
             sources={src.key: src},
             infos={RankKey("d", 0, 0): _info(room)},
             created_at=0.0,
-            had_sources=True,
+            opened={src.key},
         )
         tables.receiver[room] = ReceiverRoom(room=room, ranks={rcv.key: rcv}, created_at=0.0)
     tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN)
@@ -533,7 +557,7 @@ def test_source_ready() -> None:
 def test_transfer_info_plan_for() -> None:
     """plan_for finds a source's plan by its full rank key, or None."""
     info = _info(1)
-    assert info.plan_for(RankKey("p", 0, 0)) == _plan()
+    assert info.plan_for(RankKey("g", 0, 0)) == _plan()
     assert info.plan_for(RankKey("p", 1, 0)) is None
 
 
