@@ -107,6 +107,9 @@ class ReceiverSide:
         self._tasks = tasks
         self._publish = publish
         self._open: set[ReceiverProgress] = set()
+        #: Addresses being told of lost rooms (tell_successors), and when last tried.
+        self._telling: set[str] = set()
+        self._told_at: dict[str, float] = {}
 
     def awaiting_data(self) -> bool:
         """Whether a rank still waits for notices (the progress loop polls then)."""
@@ -302,7 +305,10 @@ class ReceiverSide:
 
     def _lose_sender(self, rank: ReceiverProgress, why: common_pb2.FailureCause) -> None:
         """Fail ``rank``: its sender's broker process is gone, so nothing more
-        can write into its pages."""
+        can write into its pages. If it had the room, the broker that answers
+        at its address next is told (:meth:`tell_successors`)."""
+        if not rank.terminal and rank.registered_with_sender:
+            self._rooms.successor_notices[(rank.sender_address, rank.room)] = (why, time.monotonic())
         self.fail(rank, why, tell_sender=False)
         for exp in (rank.expected or {}).values():
             exp.settled = True
@@ -532,6 +538,44 @@ class ReceiverSide:
         for reservation in rank.staging.values():
             self._staging.release(reservation)
         rank.staging.clear()
+
+    def tell_successors(self, now: float, retry_seconds: float) -> None:
+        """Tell the broker now at each address in ``successor_notices`` that
+        those rooms failed here (PeerAbort), retrying every ``retry_seconds``.
+
+        A prefill engine re-registered with a restarted broker may open a
+        room there whose receiver failed with the old process; without this
+        its source would wait the whole transfer-info timeout.
+        """
+        for address in {a for a, _ in self._rooms.successor_notices}:
+            if address in self._telling or now - self._told_at.get(address, -1e9) < retry_seconds:
+                continue
+            self._telling.add(address)
+            self._told_at[address] = now
+            self._tasks.spawn(self._tell_successor(address), name=f"tell-successor-{address}")
+        for address in [a for a in self._told_at if now - self._told_at[a] > 10 * retry_seconds]:
+            del self._told_at[address]
+
+    async def _tell_successor(self, address: str) -> None:
+        try:
+            try:
+                peer = await self._peers.connect(address)
+            except KvBrokerError as exc:
+                log.debug("successor_unreachable", peer=address, error=exc.message)
+                return
+            broker_id = peer.broker_id or ""
+            for key in [k for k in self._rooms.successor_notices if k[0] == address]:
+                # Handshaken, so a broker answers there: a refusal would not change on a retry.
+                notice = self._rooms.successor_notices.pop(key, None)
+                if notice is None:
+                    continue  # expired meanwhile
+                told = cause(
+                    common_pb2.FAILURE_KIND_PEER, f"the receiving broker {self._id} failed the room: {notice[0].message}", self._id
+                )
+                await self._abort_sender(broker_id, key[1], told)
+                log.info("successor_told", room=key[1], peer=address, broker=broker_id)
+        finally:
+            self._telling.discard(address)
 
     async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
         request = peer_pb2.PeerAbortRequest(room=room_id, from_broker_id=self._id, cause=why)

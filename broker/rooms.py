@@ -367,6 +367,13 @@ class RoomTables:
     receiver: dict[int, ReceiverRoom] = field(default_factory=dict)
     #: (side, room) -> when the tombstone expires.
     tombstones: dict[tuple[str, int], float] = field(default_factory=dict)
+    #: (sender's broker address, room) -> (cause, when): a receiver rank of
+    #: the room failed because the sender's broker process it registered
+    #: with went away. Whichever broker answers at that address next is told
+    #: (``ReceiverSide.tell_successors``), so a source opened there does not
+    #: wait for a transfer info that will never come. Dropped when told, or
+    #: after the tombstone TTL.
+    successor_notices: dict[tuple[str, int], tuple[common_pb2.FailureCause, float]] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
         """Name -> size of every per-room table (``GetStats.per_room_state``)."""
@@ -385,6 +392,7 @@ class RoomTables:
             "receiver_expected_sources": sum(len(r.expected or {}) for r in ranks),
             "staging_reservations": sum(len(r.staging) for r in ranks),
             "tombstones": len(self.tombstones),
+            "successor_notices": len(self.successor_notices),
         }
 
     def all_sources(self) -> Iterator[SourceProgress]:
@@ -415,8 +423,9 @@ class RoomTables:
         one that only ever held transfer infos (BeginSend never came) goes
         after ``orphan_seconds``. A failed receiver whose pages are not
         settled stays (so its engine can learn when they are) for
-        ``unsettled_ttl_seconds`` (default: ``ttl_seconds``). Returns how many
-        records went.
+        ``unsettled_ttl_seconds`` (default: ``ttl_seconds``). Tombstones and
+        successor notices go after ``tombstone_ttl_seconds``. Returns how
+        many room records went.
         """
         unsettled = ttl_seconds if unsettled_ttl_seconds is None else unsettled_ttl_seconds
         removed = 0
@@ -448,6 +457,8 @@ class RoomTables:
                 removed += 1
         for tomb in [k for k, expiry in self.tombstones.items() if expiry <= now]:
             del self.tombstones[tomb]
+        for notice in [k for k, (_, at) in self.successor_notices.items() if now - at >= tombstone_ttl_seconds]:
+            del self.successor_notices[notice]
         return removed
 
 

@@ -526,6 +526,7 @@ class BrokerRuntime:
                 self.sender.time_out(now, cfg.sender_info_timeout_seconds)
                 self.sender.abandon_orphans(now, cfg.orphan_room_timeout_seconds)
                 self.receiver.time_out(now, cfg.receiver_data_timeout_seconds)
+                self.receiver.tell_successors(now, cfg.peer_heartbeat_seconds)
                 self.progress.cancel_overdue(now, cfg.transfer_timeout_seconds)
                 self.rooms.evict(
                     time.monotonic(),

@@ -241,8 +241,14 @@ class SenderSide:
         room = self._rooms.sender.get(info.room)
         if room is None:
             room = self._rooms.sender[info.room] = SenderRoom(info.room)
-        if info.receiver in room.infos:
-            return
+        known = room.infos.get(info.receiver)
+        if known is not None:
+            if (known.receiver_broker_id, known.receiver_generation) == (info.receiver_broker_id, info.receiver_generation):
+                return  # the same registration again
+            raise FailedPrecondition(
+                f"room {info.room} was registered here for receiver {info.receiver} by broker "
+                f"{known.receiver_broker_id} (engine generation {known.receiver_generation}); a room is registered once"
+            )
         room.infos[info.receiver] = info
         for plan in info.sources:
             source = room.sources.get(plan.rank)

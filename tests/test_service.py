@@ -844,3 +844,62 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     assert "went away while room 100 registered" in status.cause.message
     _eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(d)
+
+
+def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_brokers, make_engine) -> None:
+    """A decode room registered with a prefill broker process that then died fails PEER, and the decode
+    broker tells the broker that next answers at that address: a source the re-registered prefill engine
+    opens there fails at once (PEER, naming the receiving broker) instead of waiting its whole
+    transfer-info timeout (it used to), and new rooms between them work."""
+    p1 = fake_brokers("p1")
+    d = fake_brokers("d", peer_heartbeat_seconds=0.1, peer_dead_after_seconds=0.4)
+    make_engine(p1.address, "prefill")
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(101, SenderRef(p1.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    p1.loop.run(p1.server._server.stop(0))  # the prefill broker dies; p2 takes its address
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
+    assert d.tables()["successor_notices"] == 1
+    p2 = fake_brokers("p2", listen_address=p1.address)
+    pe2 = make_engine(p2.address, "prefill")
+    sender = pe2.handle.sender(101)
+    sender.init(len(SRC), aux_row=1)
+    sstat = sender.wait(10)
+    assert sstat.state == RoomState.FAILED and sstat.cause.kind == common_pb2.FAILURE_KIND_PEER, sstat
+    assert f"the receiving broker {d.runtime.broker_id} failed the room" in sstat.cause.message
+    assert p1.runtime.broker_id in sstat.cause.message
+    _eventually(lambda: d.tables()["successor_notices"] == 0)
+    receiver = de.handle.receiver(102, SenderRef(p2.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe2.handle.sender(102)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    _assert_moved(pe2, de, SRC, DST)
+    _wait_tables_empty(p2, d)
+
+
+def test_a_room_registered_again_by_a_restarted_decode_broker_is_refused(fake_brokers, make_engine) -> None:
+    """A decode broker that restarted and registers a room its predecessor had registered is refused
+    with a clear cause, so its rank fails at once (it used to be accepted silently and wait for data that
+    the failed source would never send, until its data timeout)."""
+    p = fake_brokers("p", peer_heartbeat_seconds=0.1, peer_dead_after_seconds=0.4)
+    d1 = fake_brokers("d1", unregister_settle_timeout_seconds=0.5)
+    pe, de1 = make_engine(p.address, "prefill"), make_engine(d1.address, "decode")
+    de1.handle.receiver(103, SenderRef(p.address, "prefill-group")).init(DST, aux_row=2)
+    sender = pe.handle.sender(103)
+    sender.init(len(SRC), aux_row=1)
+    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    d1.loop.run(d1.server._server.stop(0))  # the decode broker dies; d2 takes its address
+    sstat = sender.wait(10)
+    assert sstat.state == RoomState.FAILED and sstat.cause.kind == common_pb2.FAILURE_KIND_PEER
+    d2 = fake_brokers("d2", listen_address=d1.address)
+    de2 = make_engine(d2.address, "decode")
+    again = de2.handle.receiver(103, SenderRef(p.address, "prefill-group"))
+    again.init(DST, aux_row=2)
+    status = again.wait(10)
+    assert status.state == RoomState.FAILED, status
+    assert "a room is registered once" in status.cause.message and d1.runtime.broker_id in status.cause.message
+    _eventually(lambda: again.status().pages_settled)

@@ -283,6 +283,7 @@ SIZE_KEYS = {
     "receiver_ranks",
     "receiver_expected_sources",
     "tombstones",
+    "successor_notices",
     "prefetch_requests",
     "staging_reservations",
 }
@@ -357,6 +358,7 @@ def test_sizes_counts_everything() -> None:
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv})
     tables.receiver[2] = ReceiverRoom(room=2, ranks={rcv2.key: rcv2})
     tables.tombstones[("sender", 9)] = 100.0
+    tables.successor_notices[("127.0.0.1:1", 3)] = (failure(), 100.0)
     assert tables.sizes() == {
         "sender_rooms": 1,
         "sender_sources": 1,
@@ -368,6 +370,7 @@ def test_sizes_counts_everything() -> None:
         "receiver_ranks": 2,
         "receiver_expected_sources": 2,
         "tombstones": 1,
+        "successor_notices": 1,
         "prefetch_requests": 1,
         "staging_reservations": 1,
     }
@@ -469,6 +472,16 @@ def test_tombstones_expire() -> None:
     tables.evict(TOMBSTONE_TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert not tables.is_tombstoned("receiver", 8)
     assert tables.sizes()["tombstones"] == 0
+
+
+def test_successor_notices_expire_with_the_tombstones() -> None:
+    """A notice for the next broker at an address is kept for the tombstone TTL, then dropped."""
+    tables = RoomTables()
+    tables.successor_notices[("127.0.0.1:1", 3)] = (failure(), 100.0)
+    tables.evict(100.0 + TOMBSTONE_TTL - 0.1, TTL, TOMBSTONE_TTL, ORPHAN)
+    assert tables.sizes()["successor_notices"] == 1
+    tables.evict(100.0 + TOMBSTONE_TTL, TTL, TOMBSTONE_TTL, ORPHAN)
+    assert tables.sizes()["successor_notices"] == 0
 
 
 def test_orphan_sender_room_waits_for_begin_send() -> None:
