@@ -180,26 +180,31 @@ class PeerTable:
         what: str,
         call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[T]],
         attempts: int = 4,
+        on_unreachable: Callable[[], None] | None = None,
     ) -> T | None:
         """Make a one-way call (a report, an abort) to peer ``broker_id``, retrying
         while it is unreachable. The response, or None (logged) if it could not
         be delivered; a peer that stays unreachable is handled by the liveness
-        monitor."""
+        monitor. ``on_unreachable`` is called when the peer is gone or did not
+        answer (not when it answered with an error)."""
         delay = 0.05
         for attempt in range(attempts):
             try:
                 return await call(self.stub(self.get(broker_id)))
             except KvBrokerError as exc:
                 log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
-                return None
+                unreachable = True
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
-                if isinstance(err, (Unavailable, DeadlineExceeded)) and attempt + 1 < attempts:
+                unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
+                if unreachable and attempt + 1 < attempts:
                     await asyncio.sleep(delay)
                     delay *= 4
                     continue
                 log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
-                return None
+            if unreachable and on_unreachable is not None:
+                on_unreachable()
+            return None
         return None
 
     # -- the callee side ------------------------------------------------

@@ -201,6 +201,10 @@ class ReceiverSide:
             # Also when the room never reached the sender's broker (a plan it
             # cannot do): its engine must not wait for a transfer info.
             self._tasks.spawn(self._abort_sender(rank.peer_broker_id, rank.room, why), name=f"abort-{rank.room}")
+        elif tell_sender:
+            # Its sender's broker was never reached (down, or restarting):
+            # whoever answers at that address next is told.
+            self._remember_for_successor(rank.sender_address, rank.room, why)
 
     # -- peer calls ------------------------------------------------------
     def on_notice(self, _agent_name: str, payload: bytes) -> None:
@@ -308,7 +312,7 @@ class ReceiverSide:
         can write into its pages. If it had the room, the broker that answers
         at its address next is told (:meth:`tell_successors`)."""
         if not rank.terminal and rank.registered_with_sender:
-            self._rooms.successor_notices[(rank.sender_address, rank.room)] = (why, time.monotonic())
+            self._remember_for_successor(rank.sender_address, rank.room, why)
         self.fail(rank, why, tell_sender=False)
         for exp in (rank.expected or {}).values():
             exp.settled = True
@@ -539,6 +543,11 @@ class ReceiverSide:
             self._staging.release(reservation)
         rank.staging.clear()
 
+    def _remember_for_successor(self, address: str, room_id: int, why: common_pb2.FailureCause) -> None:
+        """The broker at ``address`` has not heard that ``room_id`` failed here: tell the next one that answers there."""
+        if address:
+            self._rooms.successor_notices.setdefault((address, room_id), (why, time.monotonic()))
+
     def tell_successors(self, now: float, retry_seconds: float) -> None:
         """Tell the broker now at each address in ``successor_notices`` that
         those rooms failed here (PeerAbort), retrying every ``retry_seconds``.
@@ -559,7 +568,13 @@ class ReceiverSide:
     async def _tell_successor(self, address: str) -> None:
         try:
             try:
-                peer = await self._peers.connect(address)
+                peer = self._peers.by_address.get(address)
+                if peer is None or peer.broker_id is None:
+                    peer = await self._peers.connect(address)
+                else:
+                    # Is the process we know still the one there? (A restart
+                    # found here fails what we had with the old one.)
+                    await self._peers.handshake(peer)
             except KvBrokerError as exc:
                 log.debug("successor_unreachable", peer=address, error=exc.message)
                 return
@@ -572,15 +587,30 @@ class ReceiverSide:
                 told = cause(
                     common_pb2.FAILURE_KIND_PEER, f"the receiving broker {self._id} failed the room: {notice[0].message}", self._id
                 )
-                await self._abort_sender(broker_id, key[1], told)
+                await self._abort_sender(broker_id, key[1], told, remember=False)
                 log.info("successor_told", room=key[1], peer=address, broker=broker_id)
         finally:
             self._telling.discard(address)
 
-    async def _abort_sender(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
+    async def _abort_sender(
+        self, broker_id: str, room_id: int, why: common_pb2.FailureCause, *, remember: bool = True
+    ) -> None:
+        """Tell the sender's broker ``broker_id`` that the room failed here. If
+        it cannot be told (it went away), and ``remember``, the broker that
+        answers at its address next is told instead."""
         request = peer_pb2.PeerAbortRequest(room=room_id, from_broker_id=self._id, cause=why)
+
+        def gone() -> None:
+            room = self._rooms.receiver.get(room_id)
+            for rank in room.ranks.values() if room is not None and remember else ():
+                if rank.peer_broker_id == broker_id:
+                    self._remember_for_successor(rank.sender_address, room_id, why)
+
         response = await self._peers.deliver(
-            broker_id, f"AbortRoom(room {room_id})", lambda stub: stub.AbortRoom(request, timeout=self._peers.timeout)
+            broker_id,
+            f"AbortRoom(room {room_id})",
+            lambda stub: stub.AbortRoom(request, timeout=self._peers.timeout),
+            on_unreachable=gone,
         )
         if response is None or not response.settled:
             return

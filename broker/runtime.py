@@ -564,8 +564,15 @@ def _state(entries: Iterable[common_pb2.StateIndices]) -> dict[str, IndexArray]:
 
 
 def channel_options(config: BrokerConfig) -> list[tuple[str, int]]:
-    """gRPC options for channels and the server: message size limits."""
+    """gRPC options for channels and the server: message size limits, and a
+    channel to a peer that went away tries to connect again at least once per
+    heartbeat (gRPC's default backoff grows to 120 s, which would keep a
+    restarted peer unreachable long after it is back)."""
+    backoff_ms = max(100, int(config.peer_heartbeat_seconds * 1000))
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
+        ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 1000)),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
     ]

@@ -903,3 +903,56 @@ def test_a_room_registered_again_by_a_restarted_decode_broker_is_refused(fake_br
     assert status.state == RoomState.FAILED, status
     assert "a room is registered once" in status.cause.message and d1.runtime.broker_id in status.cause.message
     _eventually(lambda: again.status().pages_settled)
+
+
+def test_a_room_aborted_while_its_prefill_broker_was_down_fails_at_once_when_it_is_back(fake_brokers, make_engine) -> None:
+    """A decode room aborted while its prefill broker could not be reached (it never heard of the room):
+    the decode broker tells the broker that answers at that address once it is up, so the prefill engine's
+    source there fails at once instead of waiting its transfer-info timeout (it used to)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    d = fake_brokers("d", peer_heartbeat_seconds=0.1)
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(104, SenderRef(address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    time.sleep(0.3)  # bootstrapping: nothing answers there yet
+    receiver.abort("the request was cancelled")
+    assert receiver.wait(10).state == RoomState.FAILED
+    assert d.tables()["successor_notices"] == 1
+    p = fake_brokers("p", listen_address=address)
+    pe = make_engine(p.address, "prefill")
+    sender = pe.handle.sender(104)
+    sender.init(len(SRC), aux_row=1)
+    sstat = sender.wait(10)
+    assert sstat.state == RoomState.FAILED, sstat
+    assert f"the receiving broker {d.runtime.broker_id} failed the room: the request was cancelled" in sstat.cause.message
+    _eventually(lambda: d.tables()["successor_notices"] == 0)
+    _wait_tables_empty(p, d)
+
+
+def test_an_abort_the_dead_prefill_broker_missed_reaches_its_successor(fake_brokers, make_engine) -> None:
+    """A decode room aborted after its prefill broker died but before any heartbeat noticed: the abort
+    cannot be delivered, so the broker that answers at that address next is told, and the prefill engine's
+    source there fails at once."""
+    p1 = fake_brokers("p1")
+    d = fake_brokers("d", peer_heartbeat_seconds=0.1, peer_dead_after_seconds=60)  # no heartbeat notices the death
+    make_engine(p1.address, "prefill")
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(105, SenderRef(p1.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    p1.loop.run(p1.server._server.stop(0))
+    receiver.abort("the request was cancelled")
+    _eventually(lambda: d.tables()["successor_notices"] == 1)
+    p2 = fake_brokers("p2", listen_address=p1.address)
+    pe2 = make_engine(p2.address, "prefill")
+    sender = pe2.handle.sender(105)
+    sender.init(len(SRC), aux_row=1)
+    sstat = sender.wait(10)
+    assert sstat.state == RoomState.FAILED, sstat
+    assert "failed the room: the request was cancelled" in sstat.cause.message
+    _eventually(lambda: d.tables()["successor_notices"] == 0)
+    _wait_tables_empty(p2, d)
