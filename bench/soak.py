@@ -815,6 +815,10 @@ class Soak:
         elif room.decode_state == "SUCCESS" and room.sender_state not in (None, "SUCCESS"):
             key = ",".join(sorted(room.tags)) or "no fault"
             self.disagree[f"decode SUCCESS, sender {room.sender_state} [{key}]"] += 1
+        elif room.sender_state == "FAILED TIMEOUT":
+            # The sender waited out its transfer-info timeout: say what the decode side did.
+            key = ",".join(sorted(room.tags)) or "no fault"
+            self.disagree[f"sender FAILED TIMEOUT, decode {room.decode_state} {room.decode_cause or ''} [{key}]"] += 1
         del self.rooms[room.id]
         room.child.rooms.discard(room.id)
         (self.free_slots if keep_slot else self.retired_slots).append(room.slot)
