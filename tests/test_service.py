@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -43,6 +44,23 @@ def _wait_tables_empty(*brokers: FakeBroker) -> None:
     for broker in brokers:
         broker.evict_now()
         assert not any(broker.tables().values()), broker.tables()
+
+
+def _open_room(pe: Engine, de: Engine, sender_address: str, room: int) -> tuple[Any, Any]:
+    """Expect and send one room of SRC -> DST (aux row 1 -> 2) in one chunk: (receiver, sender)."""
+    receiver = de.handle.receiver(room, SenderRef(sender_address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(room)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    return receiver, sender
+
+
+def _move_room(pe: Engine, de: Engine, sender_address: str, room: int) -> None:
+    """One room of SRC -> DST between the engines; both sides end SUCCESS."""
+    receiver, sender = _open_room(pe, de, sender_address, room)
+    assert receiver.wait(10).state == RoomState.SUCCESS, receiver.status()
+    assert sender.wait(10).state == RoomState.SUCCESS
 
 
 def test_room_moves_bytes_between_two_brokers(fake_brokers, make_engine) -> None:
@@ -84,13 +102,7 @@ def test_both_ends_on_one_broker(fake_brokers, make_engine) -> None:
     b = fake_brokers("one")
     pe = make_engine(b.address, "prefill")
     de = make_engine(b.address, "decode")
-    receiver = de.handle.receiver(9, SenderRef("", "prefill-group"))
-    receiver.init(DST, aux_row=2)
-    sender = pe.handle.sender(9)
-    sender.init(len(SRC), aux_row=1)
-    sender.send(SRC)
-    assert receiver.wait(10).state == RoomState.SUCCESS
-    assert sender.wait(10).state == RoomState.SUCCESS
+    _move_room(pe, de, "", 9)
     _assert_moved(pe, de, SRC, DST)
     _wait_tables_empty(b)
 
@@ -342,11 +354,7 @@ def test_nixl_error_fails_both_sides_promptly(fake_brokers, make_engine) -> None
     """A transfer ending in ERR fails the sender with TRANSFER and the receiver hears of it."""
     p, d, pe, de = _pair(fake_brokers, make_engine)
     p.agent.script(XferScript(proc_polls=2, outcome="ERR", partial_fraction=0.5))
-    receiver = de.handle.receiver(26, SenderRef(p.address, "prefill-group"))
-    receiver.init(DST, aux_row=2)
-    sender = pe.handle.sender(26)
-    sender.init(len(SRC), aux_row=1)
-    sender.send(SRC)
+    receiver, sender = _open_room(pe, de, p.address, 26)
     sstat, rstat = sender.wait(10), receiver.wait(10)
     assert sstat.state == rstat.state == RoomState.FAILED
     assert sstat.cause.kind == rstat.cause.kind == common_pb2.FAILURE_KIND_TRANSFER
@@ -358,11 +366,7 @@ def test_failed_post_fails_both_sides(fake_brokers, make_engine) -> None:
     """NIXL refusing the post fails the room on both sides with the transfer cause."""
     p, d, pe, de = _pair(fake_brokers, make_engine)
     p.agent.script(XferScript(fail_post=True))
-    receiver = de.handle.receiver(27, SenderRef(p.address, "prefill-group"))
-    receiver.init(DST, aux_row=2)
-    sender = pe.handle.sender(27)
-    sender.init(len(SRC), aux_row=1)
-    sender.send(SRC)
+    receiver, sender = _open_room(pe, de, p.address, 27)
     assert sender.wait(10).cause.kind == common_pb2.FAILURE_KIND_TRANSFER
     rstat = receiver.wait(10)
     assert rstat.state == RoomState.FAILED and rstat.cause.kind == common_pb2.FAILURE_KIND_TRANSFER
@@ -592,11 +596,7 @@ def test_hung_transfer_is_cancelled_and_fails_both_sides(fake_brokers, make_engi
     d = fake_brokers("d")
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     p.agent.script(XferScript(outcome="HANG"))
-    receiver = de.handle.receiver(90, SenderRef(p.address, "prefill-group"))
-    receiver.init(DST, aux_row=2)
-    sender = pe.handle.sender(90)
-    sender.init(len(SRC), aux_row=1)
-    sender.send(SRC)
+    receiver, sender = _open_room(pe, de, p.address, 90)
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED and "did not finish in 0.3 s" in sstat.cause.message
     assert sstat.pages_settled
@@ -751,13 +751,7 @@ def test_room_spans_and_the_canonical_log_line(fake_brokers, make_engine, finish
 
     p, d, pe, de = _pair(fake_brokers, make_engine)
     with capture_logs() as logs:
-        receiver = de.handle.receiver(97, SenderRef(p.address, "prefill-group"))
-        receiver.init(DST, aux_row=2)
-        sender = pe.handle.sender(97)
-        sender.init(len(SRC), aux_row=1)
-        sender.send(SRC)
-        assert receiver.wait(10).state == RoomState.SUCCESS
-        assert sender.wait(10).state == RoomState.SUCCESS
+        _move_room(pe, de, p.address, 97)
     rooms = [s for s in finished_spans.get_finished_spans() if s.name == "kvbroker.room" and s.attributes["kvbroker.room"] == 97]
     assert {s.attributes["kvbroker.side"] for s in rooms} == {"sender", "receiver"}
     assert len({s.context.trace_id for s in rooms}) == 1
@@ -803,13 +797,7 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
             return await self._stub.RegisterRoom(request, timeout=timeout)
 
     monkeypatch.setattr(peers, "stub", lambda peer: RacingStub(real_stub(peer)))
-    receiver = de.handle.receiver(99, SenderRef(p1.address, "prefill-group"))
-    receiver.init(DST, aux_row=2)
-    sender = pe2.handle.sender(99)
-    sender.init(len(SRC), aux_row=1)
-    sender.send(SRC)
-    assert receiver.wait(10).state == RoomState.SUCCESS, receiver.status()
-    assert sender.wait(10).state == RoomState.SUCCESS
+    _move_room(pe2, de, p1.address, 99)
     assert raced == [p1.runtime.broker_id] and peers.by_address[p1.address].broker_id == p2.runtime.broker_id
     _assert_moved(pe2, de, SRC, DST)
     del pe1
@@ -871,12 +859,7 @@ def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_b
     assert f"the receiving broker {d.runtime.broker_id} failed the room" in sstat.cause.message
     assert p1.runtime.broker_id in sstat.cause.message
     _eventually(lambda: d.tables()["successor_notices"] == 0)
-    receiver = de.handle.receiver(102, SenderRef(p2.address, "prefill-group"))
-    receiver.init(DST, aux_row=2)
-    sender = pe2.handle.sender(102)
-    sender.init(len(SRC), aux_row=1)
-    sender.send(SRC)
-    assert receiver.wait(10).state == RoomState.SUCCESS
+    _move_room(pe2, de, p2.address, 102)
     _assert_moved(pe2, de, SRC, DST)
     _wait_tables_empty(p2, d)
 
