@@ -372,7 +372,7 @@ class RoomTables:
     #: with went away. Whichever broker answers at that address next is told
     #: (``ReceiverSide.tell_successors``), so a source opened there does not
     #: wait for a transfer info that will never come. Dropped when told, or
-    #: after the tombstone TTL.
+    #: after the sender-info timeout (the wait it saves).
     successor_notices: dict[tuple[str, int], tuple[common_pb2.FailureCause, float]] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
@@ -414,6 +414,7 @@ class RoomTables:
         orphan_seconds: float,
         unsettled_ttl_seconds: float | None = None,
         on_evict: Callable[[Progress], None] | None = None,
+        notice_ttl_seconds: float | None = None,
     ) -> int:
         """Drop terminal records older than ``ttl_seconds``, then empty rooms.
 
@@ -423,9 +424,10 @@ class RoomTables:
         one that only ever held transfer infos (BeginSend never came) goes
         after ``orphan_seconds``. A failed receiver whose pages are not
         settled stays (so its engine can learn when they are) for
-        ``unsettled_ttl_seconds`` (default: ``ttl_seconds``). Tombstones and
-        successor notices go after ``tombstone_ttl_seconds``. Returns how
-        many room records went.
+        ``unsettled_ttl_seconds`` (default: ``ttl_seconds``). Tombstones go
+        after ``tombstone_ttl_seconds``, successor notices after
+        ``notice_ttl_seconds`` (default: the tombstone TTL). Returns how many
+        room records went.
         """
         unsettled = ttl_seconds if unsettled_ttl_seconds is None else unsettled_ttl_seconds
         removed = 0
@@ -457,7 +459,8 @@ class RoomTables:
                 removed += 1
         for tomb in [k for k, expiry in self.tombstones.items() if expiry <= now]:
             del self.tombstones[tomb]
-        for notice in [k for k, (_, at) in self.successor_notices.items() if now - at >= tombstone_ttl_seconds]:
+        notice_ttl = tombstone_ttl_seconds if notice_ttl_seconds is None else notice_ttl_seconds
+        for notice in [k for k, (_, at) in self.successor_notices.items() if now - at >= notice_ttl]:
             del self.successor_notices[notice]
         return removed
 

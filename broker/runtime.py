@@ -535,6 +535,7 @@ class BrokerRuntime:
                     cfg.orphan_room_timeout_seconds,
                     max(cfg.unsettled_room_ttl_seconds, cfg.finished_room_ttl_seconds),
                     on_evict=self._evicted,
+                    notice_ttl_seconds=cfg.sender_info_timeout_seconds,
                 )
                 self._refresh_gauges()
             except Exception:

@@ -199,7 +199,7 @@ def _free_port() -> int:
 
 def test_restarted_prefill_broker_is_handshaken_afresh(brokers) -> None:
     """A prefill broker killed and restarted on the same address: the decode side fails the rooms
-    with the old one, and new rooms work after a fresh handshake."""
+    with the old one and tells the new one, and new rooms work after a fresh handshake."""
     port = _free_port()
     fixed = ["--listen", f"127.0.0.1:{port}"]
     (d,) = brokers("d")
@@ -222,6 +222,12 @@ def test_restarted_prefill_broker_is_handshaken_afresh(brokers) -> None:
         (p,) = brokers("p", extra=fixed)
         assert p.broker_id != old_id
         prefill = Rank(p.address, "prefill", "pg", seed=3)
+        # The engine opens room 401 again on the new process: the decode broker told it
+        # that room failed, so the source fails at once instead of waiting for a transfer info.
+        prefill.engine.sender(401).init(num_pages=2, aux_row=1)
+        late = prefill.engine.wait([401], timeout_seconds=BOUND_SECONDS)[401]
+        assert late.state == RoomState.FAILED and late.cause.kind == common_pb2.FAILURE_KIND_PEER, late
+        assert f"the receiving broker {d.broker_id} failed the room" in late.cause.message and old_id in late.cause.message
         _room(prefill, decode, p.address, 402, [3, 4, 9], [10, 11, 12])
         assert decode.engine.wait([402], timeout_seconds=20)[402].state == RoomState.SUCCESS
         assert _same_pages(prefill, decode, [3, 4, 9], [10, 11, 12])

@@ -474,13 +474,15 @@ def test_tombstones_expire() -> None:
     assert tables.sizes()["tombstones"] == 0
 
 
-def test_successor_notices_expire_with_the_tombstones() -> None:
-    """A notice for the next broker at an address is kept for the tombstone TTL, then dropped."""
+@pytest.mark.parametrize("notice_ttl", [None, 500.0])
+def test_successor_notices_expire(notice_ttl: float | None) -> None:
+    """A notice for the next broker at an address is kept for its TTL (default: the tombstone TTL), then dropped."""
+    ttl = TOMBSTONE_TTL if notice_ttl is None else notice_ttl
     tables = RoomTables()
     tables.successor_notices[("127.0.0.1:1", 3)] = (failure(), 100.0)
-    tables.evict(100.0 + TOMBSTONE_TTL - 0.1, TTL, TOMBSTONE_TTL, ORPHAN)
+    tables.evict(100.0 + ttl - 0.1, TTL, TOMBSTONE_TTL, ORPHAN, notice_ttl_seconds=notice_ttl)
     assert tables.sizes()["successor_notices"] == 1
-    tables.evict(100.0 + TOMBSTONE_TTL, TTL, TOMBSTONE_TTL, ORPHAN)
+    tables.evict(100.0 + ttl, TTL, TOMBSTONE_TTL, ORPHAN, notice_ttl_seconds=notice_ttl)
     assert tables.sizes()["successor_notices"] == 0
 
 
