@@ -103,6 +103,10 @@ class Progress:
     bytes: int = 0
     #: Whether no posted transfer can still touch this rank's pages.
     pages_settled: bool = False
+    #: When ``pages_settled`` became true (monotonic): a finished room stays
+    #: pollable for the finished-room TTL from the later of this and
+    #: ``finished_at``, so an engine waiting for its pages sees them settle.
+    settled_at: float | None = None
     #: Wall-clock (ns) when the side opened: span start times.
     opened_ns: int = field(default_factory=time.time_ns)
     #: (event, wall-clock seconds) in order: opened, handshaken, registered,
@@ -137,7 +141,7 @@ class Progress:
             return False
         self.state = state
         if state == SUCCESS:
-            self.finished_at = time.monotonic()
+            self.finished_at = self.settled_at = time.monotonic()
             self.pages_settled = True
             self.mark("success")
             self.mark("settled")
@@ -158,6 +162,7 @@ class Progress:
         self.pages_settled = settled
         self.mark("failed")
         if settled:
+            self.settled_at = self.finished_at
             self.mark("settled")
         self.listener(self)
         return True
@@ -165,6 +170,7 @@ class Progress:
     def mark_settled(self) -> None:
         if not self.pages_settled:
             self.pages_settled = True
+            self.settled_at = time.monotonic()
             self.mark("settled")
             self.listener(self)
 
@@ -476,5 +482,8 @@ def _expired(progress: Progress, now: float, ttl_seconds: float, unsettled_ttl_s
             return False
         if not progress.pages_settled:
             return now - progress.finished_at >= unsettled_ttl_seconds
-    return now - progress.finished_at >= ttl_seconds
+    # Pollable for the TTL after it ended AND its pages settled: a room that
+    # settles late must not vanish before its engine could see it settle.
+    since = progress.finished_at if progress.settled_at is None else max(progress.finished_at, progress.settled_at)
+    return now - since >= ttl_seconds
 

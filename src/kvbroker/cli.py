@@ -30,7 +30,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--uds", default=None, metavar="PATH", help="gRPC unix socket for engines (default: $XDG_RUNTIME_DIR or /tmp, kvbroker-PORT.sock)")
     p.add_argument("--fd-socket", default=None, metavar="PATH", help="unix socket for buffer fd uploads (default: next to --uds, .fds)")
     p.add_argument("--ucx-error-mode", choices=("peer", "none"), default=d.ucx_error_mode, help="UCX error handling: 'peer' detects dead peers, 'none' is faster and blind")
-    p.add_argument("--finished-room-ttl", type=float, default=d.finished_room_ttl_seconds, metavar="SECONDS", help="how long finished rooms stay pollable")
+    p.add_argument("--finished-room-ttl", type=float, default=d.finished_room_ttl_seconds, metavar="SECONDS", help="how long finished rooms stay pollable (from when they ended and their pages settled)")
     p.add_argument("--tombstone-ttl", type=float, default=d.tombstone_ttl_seconds, metavar="SECONDS", help="how long evicted room ids are remembered")
     p.add_argument("--orphan-timeout", type=float, default=d.orphan_room_timeout_seconds, metavar="SECONDS", help="how long transfer infos wait for a BeginSend")
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_seconds, metavar="SECONDS", help="how long a receiving room retries reaching the sender's broker and group")

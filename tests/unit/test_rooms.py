@@ -314,6 +314,7 @@ def _finish(p: Progress, at: float, *, ok: bool = True) -> None:
     else:
         p.fail(failure())
     p.finished_at = at
+    p.settled_at = at if p.pages_settled else None
 
 
 def test_sizes_empty() -> None:
@@ -392,6 +393,21 @@ def test_evict_terminal_after_ttl(ok: bool) -> None:
     assert tables.is_tombstoned("receiver", 5)
     assert not tables.is_tombstoned("sender", 5)
     assert tables.tombstones == {("receiver", 5): 100.0 + TTL + TOMBSTONE_TTL}
+
+
+def test_evict_counts_the_ttl_from_when_pages_settled() -> None:
+    """A failed receiver whose pages settle late stays pollable a whole TTL after settling
+    (regression: it was evicted at once, so an engine waiting for pages_settled never saw it)."""
+    tables = RoomTables()
+    rcv = receiver(room=6)
+    tables.receiver[6] = ReceiverRoom(room=6, ranks={rcv.key: rcv}, created_at=0.0)
+    _finish(rcv, at=100.0, ok=False)
+    assert not rcv.pages_settled
+    assert tables.evict(100.0 + 5 * TTL, TTL, TOMBSTONE_TTL, ORPHAN, unsettled_ttl_seconds=100 * TTL) == 0
+    rcv.mark_settled()
+    rcv.settled_at = 100.0 + 5 * TTL
+    assert tables.evict(100.0 + 5 * TTL + 0.1, TTL, TOMBSTONE_TTL, ORPHAN, unsettled_ttl_seconds=100 * TTL) == 0
+    assert tables.evict(100.0 + 6 * TTL, TTL, TOMBSTONE_TTL, ORPHAN, unsettled_ttl_seconds=100 * TTL) == 2
 
 
 def test_evict_keeps_non_terminal() -> None:
