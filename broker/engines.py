@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from kvbroker import cudavmm
 from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_descriptor_table
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.memory import ImportedBuffer, array_at, importer_for
@@ -76,7 +77,10 @@ class Engine:
         region = self.layout.regions[index]
         buf = self.buffers[region.buffer]
         if buf.kind != common_pb2.MEMORY_KIND_DRAM:
-            raise Unimplemented("staging copies of VRAM regions need a CUDA copy path, which this build lacks")
+            raise Unimplemented(
+                "staging copies of VRAM regions are not built (a sender stages only host memory; VRAM head slices "
+                "go as per-token descriptors)"
+            )
         return array_at(buf.address + region.offset_bytes, region.length_bytes).reshape(region.items, region.item_bytes)
 
     def descriptor(self) -> peer_pb2.EngineDescriptor:
@@ -95,8 +99,10 @@ class Engine:
 class EngineTable:
     """Engines of this broker, by id and by rank. Event-loop thread only."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, cuda_driver: cudavmm.Driver | None = None) -> None:
         self._agent = agent
+        #: The CUDA driver VRAM imports use (None: libcuda.so.1, loaded on first use).
+        self.cuda_driver = cuda_driver
         self.by_id: dict[str, Engine] = {}
         self.by_key: dict[RankKey, Engine] = {}
         #: Bumped on every registration change; peers are re-handshaken when
@@ -139,7 +145,7 @@ class EngineTable:
             while pending:
                 fd = pending.pop(0)
                 spec = specs[len(buffers)]
-                buffers.append(importer_for(spec.kind).import_buffer(fd, spec))
+                buffers.append(importer_for(spec.kind, self.cuda_driver).import_buffer(fd, spec))
             for buf in buffers:
                 registrations.append(self._agent.register(buf.address, buf.size_bytes, buf.kind, buf.device_id))
             table = build_descriptor_table(

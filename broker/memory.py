@@ -8,10 +8,12 @@ their buffers over as file descriptors and the broker maps them:
   (``F_SEAL_SHRINK``): a buffer its engine could truncate would turn a NIXL
   access into SIGBUS and take the whole broker down.
 - VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
-  ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter` is the
-  seam for ``cuMemImportFromShareableHandle`` + ``cuMemMap``; it is not
-  implemented in this build (no GPU was available to develop and test it), and
-  says so when used.
+  ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter`
+  imports it (``cuMemImportFromShareableHandle``), maps it into the broker
+  (``cuMemAddressReserve`` + ``cuMemMap`` + ``cuMemSetAccess``) on the device
+  named by the buffer's UUID, and closes the fd (the imported handle keeps
+  the memory alive). See :mod:`kvbroker.cudavmm`: unit-tested against a fake
+  driver, never run on a GPU yet.
 
 An importer owns what it maps; ``ImportedBuffer.release`` unmaps and closes.
 """
@@ -23,13 +25,15 @@ import ctypes.util
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbroker.errors import InvalidArgument, Unimplemented
+from kvbroker import cudavmm
+from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
 __all__ = [
@@ -58,17 +62,16 @@ class ImportedBuffer:
     address: int
     size_bytes: int
     kind: int
+    #: CUDA device ordinal as this broker sees it (0 for DRAM).
     device_id: int
-    _fd: int = field(repr=False)
+    _unmap: Callable[[], None] = field(repr=False)
     _released: bool = field(default=False, repr=False)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        if self.kind == common_pb2.MEMORY_KIND_DRAM:
-            _libc.munmap(self.address, self.size_bytes)
-        os.close(self._fd)
+        self._unmap()
 
 
 class MemoryImporter(Protocol):
@@ -107,27 +110,51 @@ class DramImporter:
         except BaseException:
             os.close(fd)
             raise
+        address, size = int(addr), spec.size_bytes
+
+        def unmap_and_close() -> None:
+            _libc.munmap(address, size)
+            os.close(fd)
+
         return ImportedBuffer(
-            address=int(addr), size_bytes=spec.size_bytes, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0, _fd=fd
+            address=address, size_bytes=size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0, _unmap=unmap_and_close
         )
 
 
 class VramImporter:
-    """The seam for CUDA VMM POSIX-fd imports. Not implemented in this build."""
+    """Imports CUDA VMM POSIX-fd exports and maps them on their device."""
+
+    def __init__(self, driver: cudavmm.Driver | None = None) -> None:
+        self._driver = driver
 
     def import_buffer(self, fd: int, spec: common_pb2.BufferSpec) -> ImportedBuffer:
-        os.close(fd)
-        raise Unimplemented(
-            "VRAM buffers (CUDA VMM POSIX-fd import) are not implemented in this build; register DRAM buffers"
+        try:
+            driver = self._driver or cudavmm.default_driver()
+            if spec.device_uuid:
+                if len(spec.device_uuid) != 16:
+                    raise InvalidArgument(f"device_uuid must be 16 bytes, got {len(spec.device_uuid)}")
+                ordinal = cudavmm.device_for_uuid(spec.device_uuid, driver)
+            else:
+                ordinal = spec.device_id
+            mapping = cudavmm.import_buffer(fd, spec.size_bytes, ordinal, driver)
+        finally:
+            # The imported handle holds the memory; the fd is not needed.
+            os.close(fd)
+        return ImportedBuffer(
+            address=mapping.address,
+            size_bytes=mapping.size_bytes,
+            kind=common_pb2.MEMORY_KIND_VRAM,
+            device_id=mapping.device,
+            _unmap=mapping.release,
         )
 
 
-def importer_for(kind: int) -> MemoryImporter:
-    """The importer for a ``MemoryKind``."""
+def importer_for(kind: int, cuda_driver: cudavmm.Driver | None = None) -> MemoryImporter:
+    """The importer for a ``MemoryKind`` (``cuda_driver``: the driver VRAM imports use)."""
     if kind == common_pb2.MEMORY_KIND_DRAM:
         return DramImporter()
     if kind == common_pb2.MEMORY_KIND_VRAM:
-        return VramImporter()
+        return VramImporter(cuda_driver)
     raise InvalidArgument(f"buffer kind {kind} is not DRAM or VRAM")
 
 

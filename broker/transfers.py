@@ -174,7 +174,7 @@ class ChunkPoster:
         hs = head_slice(src_layout, remote.layout, plan)
         pairs = kv_region_pairs(src_layout, remote.layout, plan.layer_begin, plan.layer_end)
         nbytes = staged_bytes(len(pairs), int(shape.src_pages.size), hs.src)
-        if self._can_stage(peer, nbytes):
+        if self._can_stage(peer, nbytes, source.engine.table, remote.table, pairs):
             source.inflight += 1
             dest.inflight += 1
             span = self._transfer_span(source, dest, notice, "staged", (DRAM, DRAM), ())
@@ -201,8 +201,14 @@ class ChunkPoster:
         self._counters.transfers_per_token += 1
         self._track(source, dest, peer, handle, nbytes, span, "per_token", kinds)
 
-    def _can_stage(self, peer: Peer, nbytes: int) -> bool:
+    def _can_stage(
+        self, peer: Peer, nbytes: int, src: DescriptorTable, dst: DescriptorTable, pairs: list[tuple[int, int]]
+    ) -> bool:
         if self._staging is None or peer.staging is None:
+            return False
+        if any(src.region_kind[s] != DRAM or dst.region_kind[d] != DRAM for s, d in pairs):
+            # Gather and scatter are host copies; VRAM head slices go per token
+            # (GPU-direct), not through host staging buffers.
             return False
         if nbytes > min(self._staging.size_bytes, peer.staging.size_bytes):
             log.warning(

@@ -15,8 +15,15 @@ Layout of the buffer (each region starts on a 4 KiB boundary):
 - state: ``state[name][j]``, ``[num_items, item_bytes]`` uint8, for each
   layer of the component on this rank (ascending), ``num_regions`` buffers.
 
-Only host memory (DRAM) is implemented: a GPU KV pool needs CUDA VMM
-allocation with POSIX-fd export, which this build does not have yet.
+``device="cpu"`` (the default) allocates host memory: a memfd. A CUDA
+device (``"cuda"``, ``"cuda:1"``) allocates the same layout in VRAM with
+CUDA VMM (``cuMemCreate`` with a POSIX-fd shareable handle, see
+:mod:`kvbroker.cudavmm`), and the tensors are CUDA tensors over it. The
+memory is freed when :meth:`EngineMemory.close` was called and no tensor
+view of it is left. For VRAM, a sender must let the kernels that wrote its
+pages finish (e.g. ``torch.cuda.current_stream().synchronize()``) before
+``send``: the broker reads the pages as soon as it has the chunk. The VRAM
+path has not run on a GPU yet (see the README's Status).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from typing import Literal
 
 import torch
 
-from kvbroker.errors import InvalidArgument, Unimplemented
+from kvbroker import cudavmm
+from kvbroker.errors import FailedPrecondition, InvalidArgument
 from kvbroker.v1 import common_pb2
 
 __all__ = ["EngineMemory", "ModelSpec", "RankSpec", "StateSpec", "even_pp_layer_begins"]
@@ -157,10 +165,9 @@ class EngineMemory:
         :meth:`check_guards` reports any that changed: a write outside the
         registered regions. 0 turns guards off.
         """
-        if device != "cpu":
-            raise Unimplemented(
-                f"device {device!r}: only host memory can be exported in this build (CUDA VMM export is not implemented)"
-            )
+        where = torch.device(device)
+        if where.type not in ("cpu", "cuda"):
+            raise InvalidArgument(f"device {device!r}: engine memory lives on the host ('cpu') or a CUDA device")
         if rank.role not in _ROLES:
             raise InvalidArgument(f"role must be 'prefill' or 'decode', got {rank.role!r}")
         if num_pages < 1:
@@ -217,16 +224,13 @@ class EngineMemory:
                     )
         total = max(offset, _ALIGN)
 
-        fd = os.memfd_create(f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, total)
-            # The broker refuses buffers that could shrink under it (SIGBUS).
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        raw = torch.frombuffer(mapping, dtype=torch.uint8)
+        name = f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}"
+        if where.type == "cuda":
+            fd, raw, buffer_spec = _device_buffer(where, total)
+            maps: list[mmap.mmap] = []
+        else:
+            fd, raw, buffer_spec, mapping = _host_buffer(name, total)
+            maps = [mapping]
         layout = common_pb2.EngineLayout(
             role=_ROLES[rank.role],
             tp_size=rank.tp_size,
@@ -249,14 +253,10 @@ class EngineMemory:
             pp_layer_begins=list(rank.layer_begins(model)),
         )
         for start, stop in guards:
-            raw[start:stop] = _canary(start, stop)
-        memory = cls(
-            layout=layout,
-            buffers=[(fd, common_pb2.BufferSpec(size_bytes=total, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0))],
-            raw=raw,
-            _maps=[mapping],
-            guards=guards,
-        )
+            raw[start:stop] = _canary(start, stop).to(raw.device)
+        if raw.is_cuda:
+            torch.cuda.synchronize(raw.device)
+        memory = cls(layout=layout, buffers=[(fd, buffer_spec)], raw=raw, _maps=maps, guards=guards)
 
         def view(region: common_pb2.Region) -> torch.Tensor:
             return raw[region.offset_bytes : region.offset_bytes + region.length_bytes]
@@ -285,7 +285,7 @@ class EngineMemory:
         return [
             f"guard [{start}, {stop}) was overwritten"
             for start, stop in self.guards
-            if not torch.equal(self.raw[start:stop], _canary(start, stop))
+            if not torch.equal(self.raw[start:stop].cpu(), _canary(start, stop))
         ]
 
     def kv_tensors(self, layer: int) -> list[torch.Tensor]:
@@ -316,6 +316,65 @@ class EngineMemory:
                 # A caller still holds a tensor view; the mapping goes with it.
                 pass
         self._maps.clear()
+
+
+def _host_buffer(name: str, total: int) -> tuple[int, torch.Tensor, common_pb2.BufferSpec, mmap.mmap]:
+    """A sealed memfd of ``total`` zero bytes, mapped here: (fd, bytes, spec, mapping)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, total)
+        # The broker refuses buffers that could shrink under it (SIGBUS).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    spec = common_pb2.BufferSpec(size_bytes=total, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0)
+    return fd, torch.frombuffer(mapping, dtype=torch.uint8), spec, mapping
+
+
+class _VramBytes:
+    """Owns a VMM mapping and shows it to torch (``__cuda_array_interface__``).
+
+    torch keeps this object alive as long as any tensor over the memory
+    exists, and drops it after the last one: then the mapping is released.
+    """
+
+    def __init__(self, mapping: cudavmm.VmmMapping) -> None:
+        self.mapping = mapping
+        self.__cuda_array_interface__ = {
+            "shape": (mapping.size_bytes,),
+            "typestr": "|u1",
+            "data": (mapping.address, False),
+            "strides": None,
+            "version": 2,
+        }
+
+    def __del__(self) -> None:
+        try:
+            self.mapping.release()
+        except Exception:  # noqa: BLE001 - nothing to report to at collection time
+            pass
+
+
+def _device_buffer(device: torch.device, total: int) -> tuple[int, torch.Tensor, common_pb2.BufferSpec]:
+    """VRAM of at least ``total`` bytes on ``device``, zeroed, exported: (fd, bytes, spec)."""
+    if not torch.cuda.is_available():
+        raise FailedPrecondition(f"device {str(device)!r}: torch sees no CUDA device in this process")
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    mapping, fd = cudavmm.export_buffer(ordinal, total)
+    try:
+        uuid = cudavmm.device_uuid(ordinal)
+        raw = torch.as_tensor(_VramBytes(mapping), device=torch.device("cuda", ordinal))
+    except BaseException:
+        os.close(fd)
+        mapping.release()
+        raise
+    raw.zero_()
+    spec = common_pb2.BufferSpec(
+        size_bytes=mapping.size_bytes, kind=common_pb2.MEMORY_KIND_VRAM, device_id=ordinal, device_uuid=uuid
+    )
+    return fd, raw, spec
 
 
 def _align(value: int) -> int:

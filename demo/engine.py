@@ -68,6 +68,8 @@ class EngineConfig:
     seed: int
     room_base: int
     timeout_seconds: float
+    #: Where this rank's memory lives: "cpu" or "cuda:N".
+    device: str = "cpu"
 
 
 def _model(cfg: EngineConfig) -> ModelSpec:
@@ -112,6 +114,7 @@ def _register(cfg: EngineConfig) -> tuple[BrokerClient, EngineHandle, ModelSpec,
         aux_rows=cfg.window if cfg.aux_bytes else 0,
         aux_row_bytes=[cfg.aux_bytes] if cfg.aux_bytes else [],
         state=state_specs(cfg.state, cfg.layers, cfg.window),
+        device=cfg.device,
     )
     client = BrokerClient(cfg.broker)
     engine = client.register_engine(rank, memory)
@@ -132,6 +135,7 @@ def _batches(plans: list[RoomPlan], window: int) -> list[list[RoomPlan]]:
 def _run_prefill(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
     client, engine, model, memory, rank = _register(cfg)
     fill_rank(memory, model, rank)
+    _settle(memory)
     components = list(memory.state)
     events.put(("ready", name, None))
     go.wait()
@@ -140,6 +144,7 @@ def _run_prefill(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
             for plan in batch:
                 if memory.aux:
                     write_aux(memory, plan.room, plan.slot)
+                    _settle(memory)
                 sender = engine.sender(plan.room)
                 sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot if memory.aux else None)
                 for a, b in plan.chunks:
@@ -204,6 +209,12 @@ def _run_decode(cfg: EngineConfig, events: Any, go: Any, name: str) -> None:
     events.put(("done", name, None))
 
 
+def _settle(memory: EngineMemory) -> None:
+    """Wait for the kernels that wrote VRAM pages: the broker reads them as soon as it has a chunk."""
+    if memory.raw is not None and memory.raw.is_cuda:
+        torch.cuda.synchronize(memory.raw.device)
+
+
 def _clear(memory: EngineMemory, model: ModelSpec, plan: RoomPlan, begin: int, end: int) -> None:
     """Zero a verified room's pages, aux row and state, so the next batch proves itself."""
     dst = torch.from_numpy(plan.dst_pages.astype(np.int64))
@@ -216,6 +227,7 @@ def _clear(memory: EngineMemory, model: ModelSpec, plan: RoomPlan, begin: int, e
         rows = torch.as_tensor(state_indices(name, plan.slot, 1), dtype=torch.int64)
         for tensor in tensors:
             tensor[rows] = 0
+    _settle(memory)
 
 
 def _timelines(cfg: EngineConfig, room: int) -> dict[str, dict[str, float]]:

@@ -27,6 +27,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KINDS",
         help="hybrid-model state components, comma separated: mamba,swa,nsa (state on every layer)",
     )
+    g.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where engine ranks keep their KV: host memory (memfd), or VRAM (CUDA VMM; prefill ranks from "
+        "cuda:0 up, decode ranks after them, wrapping around the visible devices)",
+    )
     g.add_argument("--chunks", type=int, default=3, help="chunks per room (chunked prefill)")
     g.add_argument("--window", type=int, default=8, help="rooms in flight at once")
     g.add_argument("--aux-bytes", type=int, default=64, help="bytes of the aux row of each request (0: no aux)")

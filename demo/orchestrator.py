@@ -138,6 +138,12 @@ def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_ba
         for pp in range(args.decode_pp)
         for tp in range(args.decode_tp)
     ]
+    if args.device == "cuda":
+        import torch  # only here: the CPU demo does not load torch in this process
+
+        # torch.cuda.device_count() does not initialise CUDA in this process.
+        count = torch.cuda.device_count()
+        configs = [replace(c, device=f"cuda:{i % count}") for i, c in enumerate(configs)]
     return configs
 
 
@@ -155,6 +161,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
     unknown = [s for s in args.state.split(",") if s and s not in STATE_KINDS]
     if unknown:
         return f"unknown state kinds {unknown}; choose from {', '.join(STATE_KINDS)}"
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() == 0:
+            return "--device cuda: no CUDA device is visible to torch here"
     if args.mla and args.kv_heads not in (None, 1):
         return "an MLA model has one latent KV head: leave --kv-heads out with --mla"
     return None
@@ -310,9 +321,12 @@ def _layout_line(args: argparse.Namespace) -> str:
     heads = "MLA" if args.mla else f"{args.kv_heads if args.kv_heads is not None else 8} KV heads"
     text = f"{heads}, prefill tp{args.prefill_tp} pp{args.prefill_pp} -> decode tp{args.decode_tp} pp{args.decode_pp}"
     if args.prefill_tp != args.decode_tp and not args.mla:
-        text += ", staging" if args.staging else ", per-token descriptors"
+        # Host staging buffers never carry VRAM head slices.
+        text += ", staging" if args.staging and args.device == "cpu" else ", per-token descriptors"
     if args.state:
         text += f", state {args.state}"
+    if args.device != "cpu":
+        text += f", KV in {args.device.upper()} memory"
     return text
 
 

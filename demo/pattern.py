@@ -169,12 +169,12 @@ def verify_room(
     for layer in range(begin, end):
         for kind, tensor in _kv_tensors(memory, model, layer):
             want = kv_bytes(layer=layer, kind=kind, pages=src, page_size=model.page_size, heads=heads, head_dim=model.head_dim, dtype_bytes=itemsize)
-            got = tensor[dst]
+            got = tensor[dst].cpu()
             if not torch.equal(got, want):
                 problems.append(f"layer {layer} kind {kind}: {int((got != want).sum())} bytes differ")
     if aux_row is not None:
         for i, aux in enumerate(memory.aux):
-            if not torch.equal(aux[aux_row], aux_bytes(room=room, region=i, row_bytes=aux.shape[1])):
+            if not torch.equal(aux[aux_row].cpu(), aux_bytes(room=room, region=i, row_bytes=aux.shape[1])):
                 problems.append(f"aux region {i} differs")
     regions = state_items(memory)
     for name, (src_idx, dst_idx) in state.items():
@@ -188,7 +188,7 @@ def verify_room(
                 items=torch.as_tensor(list(src_idx)[:n]),
                 item_bytes=tensor.shape[1],
             )
-            if not torch.equal(tensor[torch.as_tensor(list(dst_idx)[:n], dtype=torch.int64)], want):
+            if not torch.equal(tensor[torch.as_tensor(list(dst_idx)[:n], dtype=torch.int64)].cpu(), want):
                 problems.append(f"state {name} layer {layer} region {ordinal} differs")
     return problems
 

@@ -77,9 +77,9 @@ class FakeAgent:
         self._name = name
         self._fabric = fabric if fabric is not None else _DEFAULT_FABRIC
         self._fabric.agents[name] = self
-        self._regs: dict[int, tuple[int, int]] = {}
+        self._regs: dict[int, tuple[int, int, int, int]] = {}
         self._next_reg = 0
-        self._remotes: dict[str, list[tuple[int, int]]] = {}
+        self._remotes: dict[str, list[tuple[int, int, int, int]]] = {}
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._scripts: deque[XferScript] = deque()
         self.live_dlists: set[int] = set()
@@ -106,7 +106,7 @@ class FakeAgent:
     def register(self, address: int, size_bytes: int, kind: int, device_id: int) -> int:
         handle = self._next_reg
         self._next_reg += 1
-        self._regs[handle] = (address, size_bytes)
+        self._regs[handle] = (address, size_bytes, kind, device_id)
         return handle
 
     def deregister(self, registration: int) -> None:
@@ -116,7 +116,7 @@ class FakeAgent:
         try:
             meta = json.loads(metadata)
             name = str(meta["name"])
-            regs = [(int(start), int(size)) for start, size in meta["regs"]]
+            regs = [(int(start), int(size), int(kind), int(dev)) for start, size, kind, dev in meta["regs"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"fake agent metadata is malformed: {exc!r}") from exc
         if name not in self._fabric.agents:
@@ -134,9 +134,17 @@ class FakeAgent:
             regions = self._remotes[agent]
         else:
             raise NixlError(f"fake agent {self._name} has no metadata for {agent}")
-        for addr, length, _dev in descs.tolist():
-            if not any(start <= addr and addr + length <= start + size for start, size in regions):
-                raise NixlError(f"descriptor {addr:#x}+{length} is not inside memory registered by {agent or self._name}")
+        # As NIXL: a descriptor lies inside memory registered with the same
+        # memory type and device id.
+        for addr, length, dev in descs.tolist():
+            if not any(
+                start <= addr and addr + length <= start + size and k == kind and d == dev
+                for start, size, k, d in regions
+            ):
+                raise NixlError(
+                    f"descriptor {addr:#x}+{length} (kind {kind}, device {dev}) is not inside memory registered "
+                    f"by {agent or self._name} with that kind and device"
+                )
         dlist = _Dlist(agent or "", np.array(descs, dtype=np.uint64, copy=True))
         self.live_dlists.add(id(dlist))
         return dlist

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,10 @@ from kvbroker.demo.plan import (
     state_specs,
 )
 
-__all__ = ["STATE_KINDS", "Scenario", "run_scenario", "state_indices", "state_specs"]
+__all__ = ["STATE_KINDS", "Prepare", "Scenario", "run_scenario", "state_indices", "state_specs"]
+
+#: Called with each rank's memory after allocation, before registration.
+Prepare = Callable[[EngineMemory, RankSpec], None]
 
 @dataclass(frozen=True)
 class Scenario:
@@ -102,7 +106,9 @@ class ScenarioResult:
         return not self.problems
 
 
-def _register(address: str, spec: RankSpec, model: ModelSpec, scenario: Scenario) -> _Rank:
+def _register(
+    address: str, spec: RankSpec, model: ModelSpec, scenario: Scenario, prepare: Prepare | None = None
+) -> _Rank:
     memory = EngineMemory.allocate(
         spec,
         model,
@@ -111,6 +117,8 @@ def _register(address: str, spec: RankSpec, model: ModelSpec, scenario: Scenario
         aux_row_bytes=[scenario.aux_bytes],
         state=state_specs(scenario.state, scenario.layers, scenario.rooms),
     )
+    if prepare is not None:
+        prepare(memory, spec)
     client = BrokerClient(address)
     return _Rank(spec, memory, client, client.register_engine(spec, memory))
 
@@ -122,11 +130,13 @@ def run_scenario(
     *,
     sender_address: str | None = None,
     timeout_seconds: float = 60.0,
+    prepare: Prepare | None = None,
 ) -> ScenarioResult:
     """Run ``scenario``; the result lists every problem (empty: byte-exact).
 
     ``sender_address`` is what decode ranks put in SenderRef (default
-    ``prefill_address``; "" for "my own broker").
+    ``prefill_address``; "" for "my own broker"). ``prepare`` sees each
+    rank's memory after allocation, before it is registered.
     """
     model = scenario.model()
     tag = secrets.token_hex(4)
@@ -135,7 +145,7 @@ def run_scenario(
     result = ScenarioResult()
     try:
         prefill = [
-            _register(prefill_address, RankSpec(groups[0], "prefill", scenario.prefill_tp, tp, scenario.prefill_pp, pp), model, scenario)
+            _register(prefill_address, RankSpec(groups[0], "prefill", scenario.prefill_tp, tp, scenario.prefill_pp, pp), model, scenario, prepare)
             for pp in range(scenario.prefill_pp)
             for tp in range(scenario.prefill_tp)
         ]
@@ -143,7 +153,7 @@ def run_scenario(
         for rank in prefill:
             fill_rank(rank.memory, model, rank.spec)
         decode = [
-            _register(decode_address, RankSpec(groups[1], "decode", scenario.decode_tp, tp, scenario.decode_pp, pp), model, scenario)
+            _register(decode_address, RankSpec(groups[1], "decode", scenario.decode_tp, tp, scenario.decode_pp, pp), model, scenario, prepare)
             for pp in range(scenario.decode_pp)
             for tp in range(scenario.decode_tp)
         ]

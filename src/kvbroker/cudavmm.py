@@ -1,0 +1,431 @@
+"""GPU memory that crosses processes as a file descriptor: CUDA VMM (DESIGN.md section 3).
+
+An engine allocates its VRAM KV pool with ``cuMemCreate`` asking for a
+POSIX-fd shareable handle, maps it into its own address space and exports
+the fd (:func:`export_buffer`); the broker imports the fd
+(``cuMemImportFromShareableHandle``), maps it into *its* address space
+(:func:`import_buffer`) and registers that mapping with NIXL as VRAM. Unlike
+a CUDA IPC pointer, such a mapping belongs to the broker's process, so NIXL
+can register it for RDMA; and the physical memory stays alive while either
+side holds it, so an engine that dies cannot pull memory out from under an
+in-flight transfer.
+
+This module talks to the CUDA driver (``libcuda.so.1``) through ctypes:
+no build step and no dependency beyond the driver itself. Every call goes
+through :class:`Driver`, which tests replace with a scripted fake.
+
+Status: the call sequence, the structures and the cleanup paths are
+unit-tested against a fake driver on CPU machines; none of it has run on a
+GPU yet (see the README's Status section).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbroker.errors import FailedPrecondition, Internal, InvalidArgument, KvBrokerError
+
+__all__ = [
+    "AccessDesc",
+    "AllocationProp",
+    "CudaError",
+    "Driver",
+    "VmmMapping",
+    "default_driver",
+    "device_for_uuid",
+    "device_uuid",
+    "driver_present",
+    "export_buffer",
+    "import_buffer",
+]
+
+# cuda.h constants (stable since CUDA 10.2).
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
+CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
+CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110
+CUDA_ERROR_INVALID_VALUE = 1
+
+
+class MemLocation(ctypes.Structure):
+    """``CUmemLocation``."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocFlags(ctypes.Structure):
+    """The ``allocFlags`` member of ``CUmemAllocationProp``."""
+
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class AllocationProp(ctypes.Structure):
+    """``CUmemAllocationProp`` (32 bytes on x86_64 and aarch64)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", MemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", AllocFlags),
+    ]
+
+
+class AccessDesc(ctypes.Structure):
+    """``CUmemAccessDesc``."""
+
+    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
+
+
+_u64 = ctypes.c_ulonglong
+_SIGNATURES: dict[str, list[Any]] = {
+    "cuInit": [ctypes.c_uint],
+    "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+    "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+    "cuDeviceGetUuid": [ctypes.c_char_p, ctypes.c_int],
+    "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+    "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+    "cuCtxSetCurrent": [ctypes.c_void_p],
+    "cuMemGetAllocationGranularity": [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(AllocationProp), ctypes.c_int],
+    "cuMemCreate": [ctypes.POINTER(_u64), ctypes.c_size_t, ctypes.POINTER(AllocationProp), _u64],
+    "cuMemRelease": [_u64],
+    "cuMemAddressReserve": [ctypes.POINTER(_u64), ctypes.c_size_t, ctypes.c_size_t, _u64, _u64],
+    "cuMemAddressFree": [_u64, ctypes.c_size_t],
+    "cuMemMap": [_u64, ctypes.c_size_t, ctypes.c_size_t, _u64, _u64],
+    "cuMemUnmap": [_u64, ctypes.c_size_t],
+    "cuMemSetAccess": [_u64, ctypes.c_size_t, ctypes.POINTER(AccessDesc), ctypes.c_size_t],
+    "cuMemExportToShareableHandle": [ctypes.c_void_p, _u64, ctypes.c_int, _u64],
+    "cuMemImportFromShareableHandle": [ctypes.POINTER(_u64), ctypes.c_void_p, ctypes.c_int],
+    "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+}
+
+
+class CudaError(Internal):
+    """A CUDA driver call failed."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.call = call
+        self.cuda_code = code
+
+
+class Driver:
+    """The CUDA driver calls kvbroker makes, each checked.
+
+    ``lib`` is anything with the driver's functions as attributes (the real
+    ``libcuda.so.1`` by default, loaded on first use; a fake in tests). Every
+    function returns a ``CUresult``; outputs come back through ``byref``
+    arguments.
+    """
+
+    def __init__(self, lib: Any = None) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self._initialised = False
+
+    @property
+    def lib(self) -> Any:
+        with self._lock:
+            if self._lib is None:
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError as exc:
+                    raise FailedPrecondition(
+                        f"VRAM buffers need the CUDA driver, and libcuda.so.1 cannot be loaded here: {exc}"
+                    ) from None
+                for name, argtypes in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = argtypes
+                self._lib = lib
+            if not self._initialised:
+                self._initialised = True
+                self._check("cuInit", self._lib.cuInit(0))
+            return self._lib
+
+    def call(self, name: str, *args: Any) -> None:
+        """Call driver function ``name``; ``CudaError`` unless it returns CUDA_SUCCESS."""
+        self._check(name, getattr(self.lib, name)(*args))
+
+    def _check(self, name: str, code: int) -> None:
+        if code == 0:
+            return
+        text = ctypes.c_char_p()
+        try:
+            self._lib.cuGetErrorName(code, ctypes.byref(text))
+            label = (text.value or b"").decode() or "CUDA_ERROR"
+        except Exception:  # noqa: BLE001 - naming the error must not hide it
+            label = "CUDA_ERROR"
+        raise CudaError(name, code, label)
+
+    # -- small helpers ------------------------------------------------------
+    def device(self, ordinal: int) -> int:
+        count = ctypes.c_int()
+        self.call("cuDeviceGetCount", ctypes.byref(count))
+        if not 0 <= ordinal < count.value:
+            raise InvalidArgument(f"CUDA device {ordinal} does not exist here ({count.value} visible)")
+        dev = ctypes.c_int()
+        self.call("cuDeviceGet", ctypes.byref(dev), ordinal)
+        return dev.value
+
+    def device_count(self) -> int:
+        count = ctypes.c_int()
+        self.call("cuDeviceGetCount", ctypes.byref(count))
+        return count.value
+
+    def retain_context(self, dev: int) -> int:
+        """Retain ``dev``'s primary context (the one torch uses), make it current, return it."""
+        ctx = ctypes.c_void_p()
+        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        try:
+            self.call("cuCtxSetCurrent", ctx)
+        except KvBrokerError:
+            with contextlib.suppress(KvBrokerError):
+                self.call("cuDevicePrimaryCtxRelease_v2", dev)
+            raise
+        return ctx.value or 0
+
+    def allocation_prop(self, dev: int, *, rdma: bool) -> AllocationProp:
+        prop = AllocationProp()
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = dev
+        prop.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
+        return prop
+
+    def granularity(self, prop: AllocationProp) -> int:
+        size = ctypes.c_size_t()
+        self.call("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        return size.value
+
+    def rdma_capable(self, dev: int) -> bool:
+        value = ctypes.c_int()
+        try:
+            self.call(
+                "cuDeviceGetAttribute", ctypes.byref(value), CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev
+            )
+        except CudaError:
+            return False
+        return bool(value.value)
+
+
+_default: Driver | None = None
+_default_lock = threading.Lock()
+
+
+def driver_present() -> bool:
+    """Whether this host's CUDA driver (``libcuda.so.1``) can be loaded."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def default_driver() -> Driver:
+    """The process's driver (``libcuda.so.1``, loaded on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Driver()
+        return _default
+
+
+@dataclass(eq=False)
+class VmmMapping:
+    """A VMM allocation mapped read-write at ``address`` for ``device``.
+
+    ``release`` unmaps it, frees the address range, drops this process's
+    reference to the physical memory and the primary context; idempotent.
+    The physical memory itself lives until every process that holds it
+    (exporter and importers) has released it.
+    """
+
+    address: int
+    size_bytes: int
+    device: int
+    handle: int
+    context: int
+    driver: Driver = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        _unwind(self.driver, self.device, self.context, self.handle, self.address, self.size_bytes, mapped=True)
+
+
+def _unwind(
+    driver: Driver, dev: int, ctx: int, handle: int, address: int, size: int, *, mapped: bool, quiet: bool = False
+) -> None:
+    """Undo the steps that succeeded, last first; every step is attempted.
+
+    Raises the first failure unless ``quiet`` (cleaning up after another error,
+    which is the one to report).
+    """
+    errors: list[KvBrokerError] = []
+    # The calls need a current context; a release may run on another thread.
+    steps: list[tuple[str, tuple[Any, ...]]] = [("cuCtxSetCurrent", (ctypes.c_void_p(ctx),))]
+    if mapped:
+        steps.append(("cuMemUnmap", (address, size)))
+    if address:
+        steps.append(("cuMemAddressFree", (address, size)))
+    if handle:
+        steps.append(("cuMemRelease", (handle,)))
+    steps.append(("cuDevicePrimaryCtxRelease_v2", (dev,)))
+    for name, args in steps:
+        try:
+            driver.call(name, *args)
+        except KvBrokerError as exc:
+            errors.append(exc)
+    if errors and not quiet:
+        raise errors[0]
+
+
+def _map(driver: Driver, dev: int, handle: int, size: int, granularity: int) -> int:
+    """Reserve an address range, map ``handle`` there and allow ``dev`` to read and write it."""
+    ptr = _u64()
+    driver.call("cuMemAddressReserve", ctypes.byref(ptr), size, granularity, 0, 0)
+    try:
+        driver.call("cuMemMap", ptr.value, size, 0, handle, 0)
+    except KvBrokerError:
+        with contextlib.suppress(KvBrokerError):
+            driver.call("cuMemAddressFree", ptr.value, size)
+        raise
+    access = AccessDesc()
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = dev
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    try:
+        driver.call("cuMemSetAccess", ptr.value, size, ctypes.byref(access), 1)
+    except KvBrokerError:
+        with contextlib.suppress(KvBrokerError):
+            driver.call("cuMemUnmap", ptr.value, size)
+        with contextlib.suppress(KvBrokerError):
+            driver.call("cuMemAddressFree", ptr.value, size)
+        raise
+    return ptr.value
+
+
+def _open(driver: Driver | None, ordinal: int, size_bytes: int) -> tuple[Driver, int, int]:
+    """Check the size, find the device, retain its primary context: (driver, device, context)."""
+    drv = driver or default_driver()
+    if size_bytes <= 0:
+        raise InvalidArgument("a VRAM buffer must not be empty")
+    dev = drv.device(ordinal)
+    return drv, dev, drv.retain_context(dev)
+
+
+def round_up(size_bytes: int, granularity: int) -> int:
+    return -(-size_bytes // granularity) * granularity
+
+
+def export_buffer(ordinal: int, size_bytes: int, driver: Driver | None = None) -> tuple[VmmMapping, int]:
+    """Allocate at least ``size_bytes`` of VRAM on device ``ordinal``, mapped here, and export it.
+
+    Returns the mapping (its ``size_bytes`` rounded up to the allocation
+    granularity) and a POSIX fd the caller owns (hand it to the broker, then
+    close it). The memory is not zeroed. GPUDirect RDMA is requested when the
+    device supports it with VMM allocations.
+    """
+    drv, dev, ctx = _open(driver, ordinal, size_bytes)
+    handle = 0
+    try:
+        prop = drv.allocation_prop(dev, rdma=drv.rdma_capable(dev))
+        granularity = drv.granularity(prop)
+        size = round_up(size_bytes, granularity)
+        raw_handle = _u64()
+        drv.call("cuMemCreate", ctypes.byref(raw_handle), size, ctypes.byref(prop), 0)
+        handle = raw_handle.value
+        address = _map(drv, dev, handle, size, granularity)
+    except BaseException:
+        _unwind(drv, dev, ctx, handle, 0, 0, mapped=False, quiet=True)
+        raise
+    mapping = VmmMapping(address=address, size_bytes=size, device=dev, handle=handle, context=ctx, driver=drv)
+    fd = ctypes.c_int(-1)
+    try:
+        drv.call("cuMemExportToShareableHandle", ctypes.byref(fd), handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+    except BaseException:
+        with contextlib.suppress(KvBrokerError):
+            mapping.release()
+        raise
+    return mapping, fd.value
+
+
+def import_buffer(fd: int, size_bytes: int, ordinal: int, driver: Driver | None = None) -> VmmMapping:
+    """Import a VMM allocation exported as ``fd`` and map ``size_bytes`` of it for device ``ordinal``.
+
+    ``size_bytes`` must be a multiple of the allocation granularity and at
+    most the allocation's size (the driver refuses a larger mapping, so a
+    buffer cannot claim more than it holds). Does not close ``fd``.
+    """
+    drv, dev, ctx = _open(driver, ordinal, size_bytes)
+    handle = 0
+    try:
+        granularity = drv.granularity(drv.allocation_prop(dev, rdma=False))
+        if size_bytes % granularity:
+            raise InvalidArgument(
+                f"a VRAM buffer of {size_bytes} bytes is not a multiple of device {ordinal}'s "
+                f"allocation granularity ({granularity} bytes)"
+            )
+        raw_handle = _u64()
+        try:
+            drv.call(
+                "cuMemImportFromShareableHandle",
+                ctypes.byref(raw_handle),
+                ctypes.c_void_p(fd),
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        except CudaError as exc:
+            if exc.cuda_code == CUDA_ERROR_INVALID_VALUE:
+                raise InvalidArgument(f"the fd is not an exported CUDA VMM allocation: {exc.message}") from exc
+            raise
+        handle = raw_handle.value
+        try:
+            address = _map(drv, dev, handle, size_bytes, granularity)
+        except CudaError as exc:
+            if exc.cuda_code == CUDA_ERROR_INVALID_VALUE:
+                raise InvalidArgument(
+                    f"cannot map {size_bytes} bytes of the exported VRAM buffer on device {ordinal} "
+                    f"(larger than the allocation?): {exc.message}"
+                ) from exc
+            raise
+    except BaseException:
+        _unwind(drv, dev, ctx, handle, 0, 0, mapped=False, quiet=True)
+        raise
+    return VmmMapping(address=address, size_bytes=size_bytes, device=dev, handle=handle, context=ctx, driver=drv)
+
+
+def device_uuid(ordinal: int, driver: Driver | None = None) -> bytes:
+    """The 16-byte UUID of CUDA device ``ordinal`` (stable across processes, unlike ordinals)."""
+    drv = driver or default_driver()
+    dev = drv.device(ordinal)
+    uuid = ctypes.create_string_buffer(16)
+    drv.call("cuDeviceGetUuid", uuid, dev)
+    return uuid.raw
+
+
+def device_for_uuid(uuid: bytes, driver: Driver | None = None) -> int:
+    """The ordinal of the device with ``uuid`` as this process sees it."""
+    drv = driver or default_driver()
+    for ordinal in range(drv.device_count()):
+        if device_uuid(ordinal, drv) == uuid:
+            return ordinal
+    raise FailedPrecondition(
+        f"no CUDA device with UUID {uuid.hex()} is visible to this broker (check CUDA_VISIBLE_DEVICES: "
+        "the broker must see every GPU its engines use)"
+    )

@@ -1,0 +1,280 @@
+"""A scripted stand-in for the CUDA driver's VMM calls (``libcuda.so.1``).
+
+:class:`FakeCudaLib` has the functions :mod:`kvbroker.cudavmm` calls, with
+the driver's conventions (``CUresult`` return codes, outputs through
+``byref``), and keeps books: physical allocations and their references,
+reserved and mapped address ranges, access grants, exported fds (real
+memfds, so they pass through sockets like the driver's), primary-context
+references. :meth:`FakeCudaLib.leaks` lists whatever is still held, so a
+test can show that every path releases what it took. ``fail`` makes a call
+return an error code, to drive the cleanup paths.
+
+"Device memory" is host memory: each physical allocation is a memfd, and
+``cuMemMap`` maps it (shared, at the reserved address), so an exporter's
+and an importer's mappings show the same bytes, as they would on a GPU.
+That lets the broker's VRAM code paths (import, registration, descriptors,
+release) run against the fake NIXL agent, which copies with ``memmove``.
+:func:`as_fake_vram` turns an engine's host buffer into such an allocation.
+It tests the call sequence, the bookkeeping and the broker's handling of
+VRAM buffers, not CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import mmap
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from kvbroker.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from kvbroker.client.memory import EngineMemory
+
+__all__ = ["FakeCudaLib", "as_fake_vram"]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FIXED = 0x10
+_PROT_NONE = 0
+_MAP_NORESERVE = 0x4000
+_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+
+
+def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int) -> int:
+    out = _libc.mmap(address, size, prot, flags, fd, 0)
+    if out in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return int(out)
+
+_ERROR_NAMES = {1: b"CUDA_ERROR_INVALID_VALUE", 2: b"CUDA_ERROR_OUT_OF_MEMORY", 101: b"CUDA_ERROR_INVALID_DEVICE"}
+
+
+def _value(arg: Any) -> Any:
+    return arg.value if hasattr(arg, "value") else arg
+
+
+def _out(arg: Any) -> Any:
+    """The ctypes object behind a ``byref`` argument."""
+    return arg._obj
+
+
+class FakeCudaLib:
+    """The CUDA driver's VMM surface, in Python, with books kept."""
+
+    def __init__(self, devices: int = 2, granularity: int = 2 << 20, rdma: bool = True) -> None:
+        self.devices = devices
+        self.granularity_bytes = granularity
+        self.rdma = rdma
+        #: call name -> CUresult to return instead of succeeding (once each time it is called).
+        self.fail: dict[str, int] = {}
+        self.calls: list[str] = []
+        self.initialised = False
+        self.sizes: dict[int, int] = {}
+        self.refs: Counter[int] = Counter()
+        self.reserved: dict[int, int] = {}
+        self.mapped: dict[int, tuple[int, int]] = {}
+        self.access: dict[int, tuple[int, int]] = {}
+        self.contexts: Counter[int] = Counter()
+        self.current: int | None = None
+        self.created: list[dict[str, int]] = []
+        self._exported: dict[int, int] = {}
+        #: handle -> the memfd behind the allocation (closed when the last reference goes).
+        self._backing: dict[int, int] = {}
+        self._handles = itertools.count(0x1000)
+
+    def adopt(self, fd: int, size: int) -> int:
+        """Make the memfd ``fd`` (``size`` bytes) a physical allocation and export it: the exported fd."""
+        if size % self.granularity_bytes:
+            raise ValueError(f"{size} is not a multiple of the fake granularity {self.granularity_bytes}")
+        handle = next(self._handles)
+        self.sizes[handle] = size
+        self._backing[handle] = os.dup(fd)
+        exported = os.dup(fd)
+        self._exported[os.fstat(exported).st_ino] = handle
+        return exported
+
+    def _drop(self, handle: int) -> None:
+        self.refs[handle] -= 1
+        if self.refs[handle] <= 0:
+            os.close(self._backing.pop(handle))
+
+    # -- what a test checks ------------------------------------------------
+    def leaks(self) -> list[str]:
+        """What is still held: empty once everything was released."""
+        out = [f"allocation {h:#x} ({n} references)" for h, n in self.refs.items() if n]
+        out += [f"mapping at {a:#x}" for a in self.mapped]
+        out += [f"address range at {a:#x}" for a in self.reserved]
+        out += [f"primary context of device {d} ({n} references)" for d, n in self.contexts.items() if n]
+        return out
+
+    def uuid_of(self, ordinal: int) -> bytes:
+        return bytes([0xC0, ordinal]) + bytes(14)
+
+    # -- the driver's functions -------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        impl = getattr(type(self), "_" + name, None)
+        if impl is None:
+            raise AttributeError(name)
+
+        def call(*args: Any) -> int:
+            self.calls.append(name)
+            code = self.fail.get(name)
+            if code:
+                return code
+            return impl(self, *args) or 0
+
+        return call
+
+    def _cuInit(self, flags: Any) -> None:
+        self.initialised = True
+
+    def _cuGetErrorName(self, code: Any, out: Any) -> int:
+        _out(out).value = _ERROR_NAMES.get(_value(code), b"CUDA_ERROR_UNKNOWN")
+        return 0
+
+    def _cuDeviceGetCount(self, out: Any) -> None:
+        _out(out).value = self.devices
+
+    def _cuDeviceGet(self, out: Any, ordinal: Any) -> int:
+        if not 0 <= _value(ordinal) < self.devices:
+            return 101
+        _out(out).value = _value(ordinal)
+        return 0
+
+    def _cuDeviceGetUuid(self, out: Any, dev: Any) -> None:
+        ctypes.memmove(out, self.uuid_of(_value(dev)), 16)
+
+    def _cuDeviceGetAttribute(self, out: Any, attribute: Any, dev: Any) -> None:
+        _out(out).value = int(self.rdma)
+
+    def _cuDevicePrimaryCtxRetain(self, out: Any, dev: Any) -> None:
+        self.contexts[_value(dev)] += 1
+        _out(out).value = 0xC7000 + _value(dev)
+
+    def _cuDevicePrimaryCtxRelease_v2(self, dev: Any) -> int:
+        if self.contexts[_value(dev)] <= 0:
+            return 1
+        self.contexts[_value(dev)] -= 1
+        return 0
+
+    def _cuCtxSetCurrent(self, ctx: Any) -> None:
+        self.current = _value(ctx)
+
+    def _cuMemGetAllocationGranularity(self, out: Any, prop: Any, option: Any) -> None:
+        _out(out).value = self.granularity_bytes
+
+    def _cuMemCreate(self, out: Any, size: Any, prop: Any, flags: Any) -> int:
+        p = _out(prop)
+        if _value(size) % self.granularity_bytes or self.current is None:
+            return 1
+        handle = next(self._handles)
+        self.sizes[handle] = _value(size)
+        self.refs[handle] += 1
+        backing = os.memfd_create("fake-cuda-allocation", os.MFD_CLOEXEC)
+        os.ftruncate(backing, _value(size))
+        self._backing[handle] = backing
+        self.created.append(
+            {
+                "device": p.location.id,
+                "handle_types": p.requestedHandleTypes,
+                "rdma": p.allocFlags.gpuDirectRDMACapable,
+                "size": _value(size),
+            }
+        )
+        _out(out).value = handle
+        return 0
+
+    def _cuMemRelease(self, handle: Any) -> int:
+        if self.refs[_value(handle)] <= 0:
+            return 1
+        self._drop(_value(handle))
+        return 0
+
+    def _cuMemAddressReserve(self, out: Any, size: Any, align: Any, addr: Any, flags: Any) -> None:
+        address = _mmap(None, _value(size), _PROT_NONE, _RESERVE_FLAGS, -1)
+        self.reserved[address] = _value(size)
+        _out(out).value = address
+
+    def _cuMemAddressFree(self, address: Any, size: Any) -> int:
+        if self.reserved.get(_value(address)) != _value(size) or _value(address) in self.mapped:
+            return 1
+        del self.reserved[_value(address)]
+        _libc.munmap(_value(address), _value(size))
+        return 0
+
+    def _cuMemMap(self, address: Any, size: Any, offset: Any, handle: Any, flags: Any) -> int:
+        a, n, h = _value(address), _value(size), _value(handle)
+        if self.reserved.get(a) != n or self.refs[h] <= 0 or n > self.sizes[h] or n % self.granularity_bytes:
+            return 1
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        _mmap(a, n, prot, mmap.MAP_SHARED | _MAP_FIXED, self._backing[h])
+        self.mapped[a] = (h, n)
+        self.refs[h] += 1
+        return 0
+
+    def _cuMemUnmap(self, address: Any, size: Any) -> int:
+        entry = self.mapped.pop(_value(address), None)
+        if entry is None:
+            return 1
+        # Back to a reserved, inaccessible range.
+        _mmap(_value(address), entry[1], _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1)
+        self._drop(entry[0])
+        self.access.pop(_value(address), None)
+        return 0
+
+    def _cuMemSetAccess(self, address: Any, size: Any, desc: Any, count: Any) -> int:
+        if _value(address) not in self.mapped:
+            return 1
+        d = _out(desc)
+        self.access[_value(address)] = (d.location.id, d.flags)
+        return 0
+
+    def _cuMemExportToShareableHandle(self, out: Any, handle: Any, handle_type: Any, flags: Any) -> int:
+        if self.refs[_value(handle)] <= 0:
+            return 1
+        fd = os.dup(self._backing[_value(handle)])
+        self._exported[os.fstat(fd).st_ino] = _value(handle)
+        _out(out).value = fd
+        return 0
+
+    def _cuMemImportFromShareableHandle(self, out: Any, os_handle: Any, handle_type: Any) -> int:
+        try:
+            handle = self._exported.get(os.fstat(_value(os_handle)).st_ino)
+        except OSError:
+            return 1
+        if handle is None or handle not in self._backing:
+            return 1
+        self.refs[handle] += 1
+        _out(out).value = handle
+        return 0
+
+
+def as_fake_vram(memory: EngineMemory, fake: FakeCudaLib, device: int = 0) -> None:
+    """Hand ``memory``'s host buffer to the broker as a VRAM buffer of ``fake``'s device ``device``.
+
+    The engine's tensors stay views of the same bytes, so a test fills and
+    checks them as usual while the broker imports, registers and moves them as
+    VRAM. ``fake``'s granularity must divide the buffer size (4096 does).
+    """
+    (fd, spec), = memory.take_fds()
+    try:
+        exported = fake.adopt(fd, spec.size_bytes)
+    finally:
+        os.close(fd)
+    memory.buffers = [
+        (
+            exported,
+            common_pb2.BufferSpec(
+                size_bytes=spec.size_bytes,
+                kind=common_pb2.MEMORY_KIND_VRAM,
+                device_id=device,
+                device_uuid=fake.uuid_of(device),
+            ),
+        )
+    ]

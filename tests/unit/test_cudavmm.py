@@ -1,0 +1,159 @@
+"""The CUDA VMM export/import path against a scripted driver (no GPU here).
+
+These check what can be checked without a device: the driver structures'
+layout, the order and arguments of the calls, that every failure releases
+what the steps before it took, and that the broker's importer finds devices
+by UUID and closes the fd. Whether the driver accepts it all on a real GPU
+is tests/test_gpu.py's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+from kvbroker import cudavmm
+from kvbroker.broker.memory import VramImporter, importer_for
+from kvbroker.errors import FailedPrecondition, InvalidArgument
+from kvbroker.testing.fake_cuda import FakeCudaLib
+from kvbroker.v1 import common_pb2
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def fake() -> FakeCudaLib:
+    return FakeCudaLib(devices=2, granularity=2 * MiB)
+
+
+def test_structures_match_cuda_h() -> None:
+    """CUmemAllocationProp and CUmemAccessDesc as cuda.h lays them out on 64-bit Linux."""
+    prop = cudavmm.AllocationProp
+    assert ctypes.sizeof(prop) == 32
+    assert (prop.type.offset, prop.requestedHandleTypes.offset, prop.location.offset) == (0, 4, 8)
+    assert (prop.win32HandleMetaData.offset, prop.allocFlags.offset) == (16, 24)
+    assert cudavmm.AllocFlags.gpuDirectRDMACapable.offset == 1
+    assert ctypes.sizeof(cudavmm.AccessDesc) == 12
+    assert cudavmm.AccessDesc.flags.offset == 8
+
+
+def test_export_then_import_maps_the_same_allocation_and_releases_everything(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    exported, fd = cudavmm.export_buffer(1, 3 * MiB, driver)
+    try:
+        assert exported.size_bytes == 4 * MiB, "rounded up to the granularity"
+        assert fake.created == [
+            {"device": 1, "handle_types": cudavmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "rdma": 1, "size": 4 * MiB}
+        ]
+        assert fake.access[exported.address] == (1, cudavmm.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        imported = cudavmm.import_buffer(fd, 4 * MiB, 1, driver)
+    finally:
+        os.close(fd)
+    assert imported.handle == exported.handle and imported.address != exported.address
+    assert fake.access[imported.address] == (1, cudavmm.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    assert fake.refs[exported.handle] == 4, "two handles, two mappings"
+    exported.release()
+    assert fake.refs[exported.handle] == 2, "the importer still holds the memory after the exporter let go"
+    imported.release()
+    imported.release()  # idempotent
+    assert fake.leaks() == []
+    assert fake.calls[0] == "cuInit" and fake.calls.count("cuInit") == 1
+
+
+def test_no_rdma_flag_when_the_device_cannot(fake: FakeCudaLib) -> None:
+    fake.rdma = False
+    mapping, fd = cudavmm.export_buffer(0, MiB, cudavmm.Driver(fake))
+    os.close(fd)
+    mapping.release()
+    assert fake.created[0]["rdma"] == 0
+    assert fake.leaks() == []
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemExportToShareableHandle", "cuCtxSetCurrent"],
+)
+def test_a_failed_export_step_releases_what_came_before(fake: FakeCudaLib, step: str) -> None:
+    fake.fail[step] = 2
+    with pytest.raises(cudavmm.CudaError, match=f"{step} failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        cudavmm.export_buffer(0, MiB, cudavmm.Driver(fake))
+    assert fake.leaks() == []
+
+
+@pytest.mark.parametrize("step", ["cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
+def test_a_failed_import_step_releases_what_came_before(fake: FakeCudaLib, step: str) -> None:
+    driver = cudavmm.Driver(fake)
+    exported, fd = cudavmm.export_buffer(0, 2 * MiB, driver)
+    fake.fail[step] = 2
+    try:
+        with pytest.raises(cudavmm.CudaError, match=step):
+            cudavmm.import_buffer(fd, 2 * MiB, 0, driver)
+    finally:
+        os.close(fd)
+        exported.release()
+    assert fake.leaks() == []
+
+
+def test_import_refuses_a_size_the_allocation_does_not_hold(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    exported, fd = cudavmm.export_buffer(0, 2 * MiB, driver)
+    try:
+        with pytest.raises(InvalidArgument, match="granularity"):
+            cudavmm.import_buffer(fd, 3 * MiB, 0, driver)
+        with pytest.raises(InvalidArgument, match="larger than the allocation"):
+            cudavmm.import_buffer(fd, 4 * MiB, 0, driver)
+        with pytest.raises(InvalidArgument, match="does not exist"):
+            cudavmm.import_buffer(fd, 2 * MiB, 7, driver)
+    finally:
+        os.close(fd)
+        exported.release()
+    assert fake.leaks() == []
+
+
+def test_devices_are_found_by_uuid(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    assert cudavmm.device_uuid(1, driver) == fake.uuid_of(1)
+    assert cudavmm.device_for_uuid(fake.uuid_of(1), driver) == 1
+    with pytest.raises(FailedPrecondition, match="CUDA_VISIBLE_DEVICES"):
+        cudavmm.device_for_uuid(b"\xee" * 16, driver)
+
+
+def _spec(size: int, uuid: bytes = b"", device_id: int = 0) -> common_pb2.BufferSpec:
+    return common_pb2.BufferSpec(size_bytes=size, kind=common_pb2.MEMORY_KIND_VRAM, device_id=device_id, device_uuid=uuid)
+
+
+def test_broker_importer_maps_on_the_device_named_by_uuid_and_closes_the_fd(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    exported, fd = cudavmm.export_buffer(1, 2 * MiB, driver)
+    # The engine calls the device 0 (its CUDA_VISIBLE_DEVICES), the UUID says 1.
+    buf = importer_for(common_pb2.MEMORY_KIND_VRAM, driver).import_buffer(fd, _spec(2 * MiB, fake.uuid_of(1), device_id=0))
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert (buf.kind, buf.device_id, buf.size_bytes) == (common_pb2.MEMORY_KIND_VRAM, 1, 2 * MiB)
+    assert fake.access[buf.address][0] == 1
+    buf.release()
+    exported.release()
+    assert fake.leaks() == []
+
+
+def test_broker_importer_closes_the_fd_on_refusal(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    exported, fd = cudavmm.export_buffer(0, 2 * MiB, driver)
+    with pytest.raises(InvalidArgument, match="16 bytes"):
+        VramImporter(driver).import_buffer(fd, _spec(2 * MiB, b"short"))
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    exported.release()
+    assert fake.leaks() == []
+
+
+@pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver")
+def test_without_a_driver_vram_is_refused_clearly() -> None:
+    r, w = os.pipe()
+    os.close(w)
+    with pytest.raises(FailedPrecondition, match="libcuda.so.1 cannot be loaded"):
+        VramImporter(cudavmm.Driver()).import_buffer(r, _spec(2 * MiB))
+    with pytest.raises(OSError):
+        os.fstat(r)
