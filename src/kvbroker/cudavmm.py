@@ -151,8 +151,8 @@ class Driver:
                     fn.argtypes = argtypes
                 self._lib = lib
             if not self._initialised:
-                self._initialised = True
                 self._check("cuInit", self._lib.cuInit(0))
+                self._initialised = True
             return self._lib
 
     def call(self, name: str, *args: Any) -> None:
@@ -172,10 +172,10 @@ class Driver:
 
     # -- small helpers ------------------------------------------------------
     def device(self, ordinal: int) -> int:
-        count = ctypes.c_int()
-        self.call("cuDeviceGetCount", ctypes.byref(count))
-        if not 0 <= ordinal < count.value:
-            raise InvalidArgument(f"CUDA device {ordinal} does not exist here ({count.value} visible)")
+        """The ``CUdevice`` of ``ordinal``; ``InvalidArgument`` if there is none."""
+        count = self.device_count()
+        if not 0 <= ordinal < count:
+            raise InvalidArgument(f"CUDA device {ordinal} does not exist here ({count} visible)")
         dev = ctypes.c_int()
         self.call("cuDeviceGet", ctypes.byref(dev), ordinal)
         return dev.value

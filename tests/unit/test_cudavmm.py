@@ -157,3 +157,13 @@ def test_without_a_driver_vram_is_refused_clearly() -> None:
         VramImporter(cudavmm.Driver()).import_buffer(r, _spec(2 * MiB))
     with pytest.raises(OSError):
         os.fstat(r)
+
+
+def test_a_failed_cuinit_is_reported_and_retried(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    fake.fail["cuInit"] = 101
+    with pytest.raises(cudavmm.CudaError, match="cuInit failed: CUDA_ERROR_INVALID_DEVICE"):
+        cudavmm.device_uuid(0, driver)
+    del fake.fail["cuInit"]
+    assert cudavmm.device_uuid(0, driver) == fake.uuid_of(0)
+    assert fake.calls.count("cuInit") == 2
