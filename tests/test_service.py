@@ -6,6 +6,7 @@ byte-exact results as well as states, causes and table sizes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -792,8 +793,15 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
         async def RegisterRoom(self, request, timeout):  # type: ignore[no-untyped-def]
             if not raced:
                 raced.append(request.sender_broker_id)
-                # While this call is out, a handshake finds the new process.
-                await peers.handshake(peers.by_address[p1.address])
+                # While this call is out, a handshake finds the new process
+                # (as the liveness monitor would; it retries while the channel
+                # to the address is still backing off from the old process).
+                for _ in range(100):
+                    try:
+                        await peers.handshake(peers.by_address[p1.address])
+                        break
+                    except errors.Unavailable:
+                        await asyncio.sleep(0.05)
             return await self._stub.RegisterRoom(request, timeout=timeout)
 
     monkeypatch.setattr(peers, "stub", lambda peer: RacingStub(real_stub(peer)))
