@@ -44,6 +44,7 @@ __all__ = [
     "array_at",
     "importer_for",
     "map_anonymous",
+    "map_memory",
     "unmap",
 ]
 
@@ -102,15 +103,14 @@ class DramImporter:
                 )
             # MAP_POPULATE: fault the pages in now, not during the first
             # transfer (measured about 40% slower when faulting inside it).
-            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-            addr = _libc.mmap(None, spec.size_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-            if addr in (None, _MAP_FAILED):
-                err = ctypes.get_errno()
-                raise InvalidArgument(f"cannot map the buffer: {os.strerror(err)}")
+            try:
+                address = map_memory(spec.size_bytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd)
+            except OSError as exc:
+                raise InvalidArgument(f"cannot map the buffer: {exc.strerror}") from None
         except BaseException:
             os.close(fd)
             raise
-        address, size = int(addr), spec.size_bytes
+        size = spec.size_bytes
 
         def unmap_and_close() -> None:
             _libc.munmap(address, size)
@@ -158,13 +158,20 @@ def importer_for(kind: int, cuda_driver: cudavmm.Driver | None = None) -> Memory
     raise InvalidArgument(f"buffer kind {kind} is not DRAM or VRAM")
 
 
+def map_memory(
+    size_bytes: int, flags: int, fd: int = -1, *, address: int | None = None, prot: int = mmap.PROT_READ | mmap.PROT_WRITE
+) -> int:
+    """``mmap(2)`` at any address (or ``address``, with ``MAP_FIXED`` in ``flags``); ``OSError`` on failure."""
+    addr = _libc.mmap(address, size_bytes, prot, flags, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {size_bytes} bytes: {os.strerror(err)}")
+    return int(addr)
+
+
 def map_anonymous(size_bytes: int) -> int:
     """Map ``size_bytes`` of zeroed, populated, shared memory for the broker's own use."""
-    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    addr = _libc.mmap(None, size_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    if addr in (None, _MAP_FAILED):
-        raise OSError(ctypes.get_errno(), f"cannot map {size_bytes} bytes: {os.strerror(ctypes.get_errno())}")
-    return int(addr)
+    return map_memory(size_bytes, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
 
 
 def unmap(address: int, size_bytes: int) -> None:

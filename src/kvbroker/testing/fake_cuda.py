@@ -22,13 +22,13 @@ VRAM buffers, not CUDA.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import itertools
 import mmap
 import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from kvbroker.broker.memory import map_memory, unmap
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -36,22 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = ["FakeCudaLib", "as_fake_vram"]
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FIXED = 0x10
 _PROT_NONE = 0
 _MAP_NORESERVE = 0x4000
 _RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-
-
-def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int) -> int:
-    out = _libc.mmap(address, size, prot, flags, fd, 0)
-    if out in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-    return int(out)
-
 _ERROR_NAMES = {1: b"CUDA_ERROR_INVALID_VALUE", 2: b"CUDA_ERROR_OUT_OF_MEMORY", 101: b"CUDA_ERROR_INVALID_DEVICE"}
 
 
@@ -197,7 +185,7 @@ class FakeCudaLib:
         return 0
 
     def _cuMemAddressReserve(self, out: Any, size: Any, align: Any, addr: Any, flags: Any) -> None:
-        address = _mmap(None, _value(size), _PROT_NONE, _RESERVE_FLAGS, -1)
+        address = map_memory(_value(size), _RESERVE_FLAGS, prot=_PROT_NONE)
         self.reserved[address] = _value(size)
         _out(out).value = address
 
@@ -205,15 +193,14 @@ class FakeCudaLib:
         if self.reserved.get(_value(address)) != _value(size) or _value(address) in self.mapped:
             return 1
         del self.reserved[_value(address)]
-        _libc.munmap(_value(address), _value(size))
+        unmap(_value(address), _value(size))
         return 0
 
     def _cuMemMap(self, address: Any, size: Any, offset: Any, handle: Any, flags: Any) -> int:
         a, n, h = _value(address), _value(size), _value(handle)
         if self.reserved.get(a) != n or self.refs[h] <= 0 or n > self.sizes[h] or n % self.granularity_bytes:
             return 1
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        _mmap(a, n, prot, mmap.MAP_SHARED | _MAP_FIXED, self._backing[h])
+        map_memory(n, mmap.MAP_SHARED | _MAP_FIXED, self._backing[h], address=a)
         self.mapped[a] = (h, n)
         self.refs[h] += 1
         return 0
@@ -223,7 +210,7 @@ class FakeCudaLib:
         if entry is None:
             return 1
         # Back to a reserved, inaccessible range.
-        _mmap(_value(address), entry[1], _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1)
+        map_memory(entry[1], _RESERVE_FLAGS | _MAP_FIXED, address=_value(address), prot=_PROT_NONE)
         self._drop(entry[0])
         self.access.pop(_value(address), None)
         return 0
