@@ -113,7 +113,7 @@ class DramImporter:
         size = spec.size_bytes
 
         def unmap_and_close() -> None:
-            _libc.munmap(address, size)
+            unmap(address, size)
             os.close(fd)
 
         return ImportedBuffer(
