@@ -345,7 +345,7 @@ class RawNixl:
         if isinstance(self.target, bytes):
             self.target = self.target.decode()
         self.conn.send(bytes(self.agent.get_agent_metadata()))
-        # Per-page prepared lists, as the broker prepares them at registration.
+        # Prepared lists of every page, as the broker prepares them at registration.
         lay = Layout.from_proto(layout, rank=RankKey("raw", 0, 0), buffer_sizes=[self.size])
         dram = common_pb2.MEMORY_KIND_DRAM
         src_table = build_descriptor_table(
@@ -362,10 +362,9 @@ class RawNixl:
             ],
             dtype=np.int32,
         )
-        self.local_dlist = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", src_table.descs[dram], "DRAM"
-        )
-        self.remote_dlist = self.agent.prep_xfer_dlist(self.target, dst_table.descs[dram], "DRAM")
+        # The broker's own form: strided rows, one per region.
+        self.local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", src_table.rows[dram], "DRAM")
+        self.remote_dlist = self.agent.prep_xfer_dlist(self.target, dst_table.rows[dram], "DRAM")
         self.num_pages = num_pages
         self._seq = 0
 

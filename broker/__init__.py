@@ -1,13 +1,8 @@
 """The kvbroker service: one broker per GPU host (``kvbroker serve``).
 
-``BrokerServer`` runs one broker; ``BrokerConfig`` configures it. The modules
-behind them, one concept each: ``layout`` (engine layouts), ``descriptors``,
-``segments``, ``slicing`` and ``mapping`` (pure transfer math), ``memory``
-and ``fdsocket`` (buffers by file descriptor), ``staging`` (staging
-buffers), ``nixl_agent`` (the NIXL seam), ``engines``, ``peers``, ``rooms``,
-``sender``, ``transfers`` (posting one chunk), ``receiver``, ``progress``,
-``runtime`` (state and operations), ``service`` (gRPC servicers) and
-``server`` (wiring).
+``BrokerServer`` runs one broker; ``BrokerConfig`` configures it. The module
+map, the threads and one room's path through both brokers are in
+docs/architecture.md.
 """
 
 from __future__ import annotations

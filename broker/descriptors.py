@@ -1,10 +1,12 @@
 """Descriptor math: pure functions from regions and indices to NIXL index lists.
 
-The broker builds, once per engine rank, a table with one descriptor per
-addressable item (KV page of one layer, aux row, state item) of every region,
-grouped by memory kind: those tables become NIXL prepared descriptor lists
-(local ones at registration, remote ones once per peer engine). A chunk's
-transfer is then just two int32 index arrays into those lists.
+The broker describes, once per engine rank, every addressable item (KV page
+of one layer, aux row, state item) of every region, grouped by memory kind:
+those tables become NIXL prepared descriptor lists (local ones at
+registration, remote ones once per peer engine). A table is compact: one
+strided row per region (NIXL's K x 5 form), never one row per item, so an
+engine of millions of pages costs nothing to describe. A chunk's transfer is
+then just two int32 index arrays into those lists.
 
 Items of one region are consecutive in its table, so a run of consecutive
 pages on both sides becomes a run of consecutive indices whose descriptors are
@@ -32,10 +34,9 @@ __all__ = [
     "Segment",
     "TransferPart",
     "build_descriptor_table",
-    "check_index",
-    "check_indices",
     "coalesce_runs",
     "count_runs",
+    "expand_rows",
     "plan_parts",
 ]
 
@@ -52,16 +53,48 @@ class BufferPlacement:
 
 @dataclass(frozen=True)
 class DescriptorTable:
-    """One descriptor per item of every region of one engine rank.
+    """Every item of every region of one engine rank, indexed per memory kind.
 
-    ``descs[kind]`` is an N x 3 uint64 array (address, length, device id) for
-    memory kind ``kind``; region ``r``'s items are rows
-    ``region_base[r] .. region_base[r] + items(r)`` of ``descs[region_kind[r]]``.
+    ``rows[kind]`` is a K x 5 uint64 array of NIXL strided rows (address,
+    item bytes, device id, stride, count), one per region of that kind in
+    region order; item ``i`` of kind ``kind`` is the ``i``-th item when the
+    rows are expanded in order. Region ``r``'s items are indices
+    ``region_base[r] .. region_base[r] + items(r)`` of ``region_kind[r]``'s
+    list; its first item is at ``region_address[r]``.
     """
 
-    descs: dict[int, npt.NDArray[np.uint64]]
+    rows: dict[int, npt.NDArray[np.uint64]]
     region_kind: tuple[int, ...]
     region_base: tuple[int, ...]
+    region_address: tuple[int, ...]
+    region_item_bytes: tuple[int, ...]
+    region_device: tuple[int, ...]
+
+    def items(self, kind: int) -> int:
+        """How many items the list of memory ``kind`` holds."""
+        rows = self.rows.get(kind)
+        return 0 if rows is None else int(rows[:, 4].sum())
+
+    def expand(self, kind: int) -> npt.NDArray[np.uint64]:
+        """The list of memory ``kind`` as N x 3 rows (address, length, device): one per item."""
+        return expand_rows(self.rows[kind])
+
+    def item_addresses(self, region: int, items: IndexArray) -> npt.NDArray[np.uint64]:
+        """Addresses of ``items`` of region ``region``."""
+        return np.uint64(self.region_address[region]) + items.astype(np.uint64) * np.uint64(self.region_item_bytes[region])
+
+
+def expand_rows(rows: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Strided K x 5 rows as the N x 3 list they stand for (tests, the fake agent)."""
+    counts = rows[:, 4].astype(np.int64)
+    out = np.empty((int(counts.sum()), 3), dtype=np.uint64)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else np.zeros(0, dtype=np.int64)
+    for (address, length, device, stride, count), start in zip(rows.tolist(), first.tolist()):
+        block = out[start : start + count]
+        block[:, 0] = address + np.arange(count, dtype=np.uint64) * np.uint64(stride)
+        block[:, 1] = length
+        block[:, 2] = device
+    return out
 
 
 @dataclass(frozen=True)
@@ -86,45 +119,30 @@ class TransferPart:
     bytes: int
 
 
-def check_indices(indices: IndexArray, count: int, what: str) -> None:
-    """Raise ``InvalidArgument`` unless every index is in ``[0, count)``.
-
-    This runs before any descriptor exists: an index outside a registered
-    region must never reach NIXL.
-    """
-    if indices.size == 0:
-        return
-    low, high = int(indices.min()), int(indices.max())
-    if low < 0:
-        raise InvalidArgument(f"{what}: index {low} is negative")
-    if high >= count:
-        raise InvalidArgument(f"{what}: index {high} is out of range (the region holds {count})")
-
-
-def check_index(index: int, count: int, what: str) -> None:
-    """:func:`check_indices` for a single index (an aux row)."""
-    check_indices(np.array([index], dtype=np.int64), count, what)
-
-
 def build_descriptor_table(layout: Layout, buffers: Sequence[BufferPlacement]) -> DescriptorTable:
-    """The descriptor table of an engine rank whose buffers sit at ``buffers``."""
-    per_kind: dict[int, list[npt.NDArray[np.uint64]]] = {}
+    """The descriptor table of an engine rank whose buffers sit at ``buffers`` (one row per region)."""
+    per_kind: dict[int, list[tuple[int, int, int, int, int]]] = {}
     counts: dict[int, int] = {}
     region_kind: list[int] = []
     region_base: list[int] = []
+    region_address: list[int] = []
     for region in layout.regions:
         buf = buffers[region.buffer]
         start = buf.address + region.offset_bytes
-        block = np.empty((region.items, 3), dtype=np.uint64)
-        block[:, 0] = start + np.arange(region.items, dtype=np.uint64) * np.uint64(region.item_bytes)
-        block[:, 1] = region.item_bytes
-        block[:, 2] = buf.device_id
+        per_kind.setdefault(buf.kind, []).append((start, region.item_bytes, buf.device_id, region.item_bytes, region.items))
         region_kind.append(buf.kind)
         region_base.append(counts.get(buf.kind, 0))
+        region_address.append(start)
         counts[buf.kind] = counts.get(buf.kind, 0) + region.items
-        per_kind.setdefault(buf.kind, []).append(block)
-    descs = {kind: np.concatenate(blocks) for kind, blocks in per_kind.items()}
-    return DescriptorTable(descs=descs, region_kind=tuple(region_kind), region_base=tuple(region_base))
+    rows = {kind: np.array(r, dtype=np.uint64).reshape(-1, 5) for kind, r in per_kind.items()}
+    return DescriptorTable(
+        rows=rows,
+        region_kind=tuple(region_kind),
+        region_base=tuple(region_base),
+        region_address=tuple(region_address),
+        region_item_bytes=tuple(r.item_bytes for r in layout.regions),
+        region_device=tuple(buffers[r.buffer].device_id for r in layout.regions),
+    )
 
 
 def plan_parts(src: DescriptorTable, dst: DescriptorTable, segments: Sequence[Segment]) -> list[TransferPart]:

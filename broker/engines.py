@@ -1,9 +1,12 @@
 """Registered engine ranks: their buffers, layouts and local descriptor lists.
 
-Registration maps every buffer, registers it with NIXL and prepares one local
-descriptor list per memory kind (DESIGN.md section 10); unregistration
-releases them in reverse order. Room bookkeeping lives elsewhere
-(``rooms``); the runtime fails an engine's rooms before it releases the engine.
+Registration maps every buffer (on the memory thread: a ``MAP_POPULATE`` of
+gigabytes takes seconds), registers it with NIXL and prepares one local
+descriptor list per memory kind (on the data-plane thread, docs/design.md
+section 10); unregistration releases them in reverse order, the same way.
+The control loop only awaits: other engines' rooms go on meanwhile. Room
+bookkeeping lives elsewhere (``rooms``); the dispatcher fails an engine's
+rooms before it releases the engine.
 """
 
 from __future__ import annotations
@@ -13,27 +16,28 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
 import structlog
 
 from kvbroker import cudavmm
 from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_descriptor_table
 from kvbroker.broker.layout import Layout, RankKey, rank_key
-from kvbroker.broker.memory import ImportedBuffer, array_at, importer_for
+from kvbroker.broker.memory import ImportedBuffer, importer_for
 from kvbroker.broker.nixl_agent import Agent
+from kvbroker.broker.workers import Workers
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
     KvBrokerError,
     NotFound,
-    Unimplemented,
 )
 from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = ["Engine", "EngineTable"]
+
+if TYPE_CHECKING:
+    from kvbroker.broker.dataplane import DataPlane
 
 log = structlog.get_logger(__name__)
 
@@ -69,19 +73,11 @@ class Engine:
     def registered_bytes(self) -> int:
         return sum(b.size_bytes for b in self.buffers)
 
-    def region_array(self, index: int) -> npt.NDArray[np.uint8]:
-        """Region ``index`` as a ``[items, item_bytes]`` uint8 view of the broker's mapping.
-
-        For the broker's own copies (staging gather/scatter). Host memory only.
-        """
+    def region_address(self, index: int) -> tuple[int, int, int, int]:
+        """(address, bytes, memory kind, device) of region ``index`` in this broker."""
         region = self.layout.regions[index]
         buf = self.buffers[region.buffer]
-        if buf.kind != common_pb2.MEMORY_KIND_DRAM:
-            raise Unimplemented(
-                "staging copies of VRAM regions are not built (a sender stages only host memory; VRAM head slices "
-                "go as per-token descriptors)"
-            )
-        return array_at(buf.address + region.offset_bytes, region.length_bytes).reshape(region.items, region.item_bytes)
+        return buf.address + region.offset_bytes, region.length_bytes, buf.kind, buf.device_id
 
     def descriptor(self) -> peer_pb2.EngineDescriptor:
         """How peers see this rank (handshake)."""
@@ -97,14 +93,17 @@ class Engine:
 
 
 class EngineTable:
-    """Engines of this broker, by id and by rank. Event-loop thread only."""
+    """Engines of this broker, by id and by rank. Control loop only."""
 
-    def __init__(self, agent: Agent, cuda_driver: cudavmm.Driver | None = None) -> None:
-        self._agent = agent
+    def __init__(self, dataplane: DataPlane, workers: Workers, cuda_driver: cudavmm.Driver | None = None) -> None:
+        self._dataplane = dataplane
+        self._workers = workers
         #: The CUDA driver VRAM imports use (None: libcuda.so.1, loaded on first use).
         self.cuda_driver = cuda_driver
         self.by_id: dict[str, Engine] = {}
         self.by_key: dict[RankKey, Engine] = {}
+        #: Ranks whose registration is under way.
+        self._pending: set[RankKey] = set()
         #: Bumped on every registration change; peers are re-handshaken when
         #: the epoch they saw is older.
         self.epoch = 0
@@ -117,7 +116,7 @@ class EngineTable:
         except KeyError:
             raise NotFound(f"engine {engine_id!r} is not registered with this broker") from None
 
-    def register(
+    async def register(
         self,
         *,
         rank: common_pb2.EngineRankId,
@@ -131,39 +130,61 @@ class EngineTable:
 
         Takes ownership of ``fds`` (closed on failure). Raises
         ``AlreadyExists`` for a registered rank and ``InvalidArgument`` for a
-        bad layout; nothing stays registered after a failure.
+        bad layout; nothing stays registered after a failure. The log line
+        ``engine_registered`` gives the time of each step.
         """
         key = rank_key(rank)
         buffers: list[ImportedBuffer] = []
         registrations: list[Any] = []
         dlists: dict[int, Any] = {}
         pending = list(fds)
+        started = time.monotonic()
+        timings: dict[str, float] = {}
+        if key in self.by_key or key in self._pending:
+            for fd in pending:
+                os.close(fd)
+            holder = f"engine {self.by_key[key].engine_id}" if key in self.by_key else "a registration is under way"
+            raise AlreadyExists(f"engine rank {key} is already registered ({holder})")
+        self._pending.add(key)
         try:
-            if key in self.by_key:
-                raise AlreadyExists(f"engine rank {key} is already registered (engine {self.by_key[key].engine_id})")
             layout = Layout.from_proto(layout_msg, rank=key, buffer_sizes=[s.size_bytes for s in specs])
-            while pending:
-                fd = pending.pop(0)
-                spec = specs[len(buffers)]
-                buffers.append(importer_for(spec.kind, self.cuda_driver).import_buffer(fd, spec))
-            for buf in buffers:
-                registrations.append(self._agent.register(buf.address, buf.size_bytes, buf.kind, buf.device_id))
+            driver = self.cuda_driver
+
+            def import_all() -> None:
+                while pending:
+                    fd = pending.pop(0)
+                    spec = specs[len(buffers)]
+                    buffers.append(importer_for(spec.kind, driver).import_buffer(fd, spec))
+
+            step = time.monotonic()
+            await self._workers.memory(import_all)
+            timings["import_s"] = time.monotonic() - step
             table = build_descriptor_table(
                 layout,
                 [BufferPlacement(b.address, b.size_bytes, b.kind, b.device_id) for b in buffers],
             )
-            for kind, descs in table.descs.items():
-                dlists[kind] = self._agent.prep_dlist(None, descs, kind)
+
+            def register_all(agent: Agent) -> None:
+                for buf in buffers:
+                    registrations.append(agent.register(buf.address, buf.size_bytes, buf.kind, buf.device_id))
+
+            def prepare_all(agent: Agent) -> None:
+                for kind, rows in table.rows.items():
+                    dlists[kind] = agent.prep_dlist(None, rows, kind)
+
+            step = time.monotonic()
+            await self._dataplane.call(register_all)
+            timings["register_s"] = time.monotonic() - step
+            step = time.monotonic()
+            await self._dataplane.call(prepare_all)
+            timings["prepare_s"] = time.monotonic() - step
         except BaseException:
-            for dlist in dlists.values():
-                self._agent.release_dlist(dlist)
-            for reg in reversed(registrations):
-                self._agent.deregister(reg)
-            for buf in buffers:
-                buf.release()
+            self._pending.discard(key)
+            await self._release_resources(dlists, registrations, buffers)
             for fd in pending:
                 os.close(fd)
             raise
+        self._pending.discard(key)
         engine = Engine(
             # The engine_id is the capability of the session that registered:
             # unguessable, never listed, required by every room call.
@@ -190,28 +211,43 @@ class EngineTable:
             buffers=len(buffers),
             bytes=engine.registered_bytes,
             regions=len(layout.regions),
+            total_s=round(time.monotonic() - started, 6),
+            **{k: round(v, 6) for k, v in timings.items()},
         )
         return engine
 
-    def release(self, engine: Engine) -> None:
+    async def release(self, engine: Engine) -> None:
         """Forget ``engine`` and release its NIXL resources and mappings (reverse order)."""
         if self.by_id.pop(engine.engine_id, None) is None:
             return
         del self.by_key[engine.key]
         self.epoch += 1
-        errors: list[KvBrokerError] = []
-        for dlist in engine.dlists.values():
-            self._agent.release_dlist(dlist)
-        for reg in reversed(engine.registrations):
-            try:
-                self._agent.deregister(reg)
-            except KvBrokerError as exc:
-                errors.append(exc)
-        for buf in engine.buffers:
-            buf.release()
-        engine.dlists.clear()
-        engine.registrations.clear()
+        await self._release_resources(engine.dlists, engine.registrations, engine.buffers)
         log.info("engine_released", engine=engine.label, rank=str(engine.key))
+
+    async def _release_resources(self, dlists: dict[int, Any], registrations: list[Any], buffers: list[ImportedBuffer]) -> None:
+        """Release descriptor lists and registrations (data plane), then mappings (memory thread)."""
+        errors: list[KvBrokerError] = []
+
+        def deregister_all(agent: Agent) -> None:
+            for dlist in dlists.values():
+                agent.release_dlist(dlist)
+            for reg in reversed(registrations):
+                try:
+                    agent.deregister(reg)
+                except KvBrokerError as exc:
+                    errors.append(exc)
+
+        if dlists or registrations:
+            await self._dataplane.call(deregister_all)
+        dlists.clear()
+        registrations.clear()
+        if buffers:
+            def unmap_all() -> None:
+                for buf in buffers:
+                    buf.release()
+
+            await self._workers.memory(unmap_all)
         if errors:
             raise errors[0]
 

@@ -4,9 +4,9 @@ Every ``peer_heartbeat_seconds`` the monitor pings each handshaken peer that
 has open rooms or transfers in flight with this broker. A peer that answers
 as a different broker (it restarted) is lost at once; one that has not
 answered for ``peer_dead_after_seconds`` is lost then. Losing a peer is the
-runtime's business (``BrokerRuntime.on_peer_lost``): fail its rooms with a
-cause naming it, cancel transfers to it, drop its handshake and NIXL remote
-agent. A restarted peer is handshaken afresh by the next room that needs it.
+dispatcher's business (``Broker.peer_lost``): fail its rooms with a cause
+naming it, cancel transfers to it, drop its handshake and NIXL remote agent.
+A restarted peer is handshaken afresh by the next room that needs it.
 
 UCX's "peer" error mode reports a dead peer on the data path too (a failed
 transfer fails its room); the heartbeat also covers rooms with nothing in
@@ -22,9 +22,9 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from kvbroker.broker.peer_client import PeerClient
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.errors import from_rpc_error
-from kvbroker.v1 import peer_pb2
 
 __all__ = ["PeerMonitor"]
 
@@ -37,6 +37,7 @@ class PeerMonitor:
     def __init__(
         self,
         peers: PeerTable,
+        client: PeerClient,
         *,
         interval_seconds: float,
         dead_after_seconds: float,
@@ -44,6 +45,7 @@ class PeerMonitor:
         on_lost: Callable[[Peer, str], None],
     ) -> None:
         self._peers = peers
+        self._client = client
         self._interval = interval_seconds
         self._dead_after = dead_after_seconds
         self._has_business = has_business
@@ -63,9 +65,7 @@ class PeerMonitor:
     async def _check(self, peer: Peer) -> None:
         known = peer.broker_id
         try:
-            reply = await self._peers.stub(peer).Ping(
-                peer_pb2.PingRequest(from_broker_id=self._peers.broker_id), timeout=self._interval
-            )
+            answered_by = await self._client.ping(peer, timeout_seconds=self._interval)
         except grpc.RpcError as exc:
             silent = time.monotonic() - peer.last_seen
             if silent > self._dead_after and peer.broker_id == known:
@@ -73,7 +73,7 @@ class PeerMonitor:
             return
         if peer.broker_id != known:
             return  # lost and dropped meanwhile
-        if reply.broker_id != known:
-            self._on_lost(peer, f"restarted (it is now broker {reply.broker_id})")
+        if answered_by != known:
+            self._on_lost(peer, f"restarted (it is now broker {answered_by})")
             return
         peer.last_seen = time.monotonic()

@@ -5,10 +5,18 @@ This is the only module that imports ``nixl``. The broker talks to an
 the same protocol.
 
 Thread-safety: NIXL is not guaranteed thread-safe. An agent has one owner, the
-broker's event-loop thread, and every call below runs there. Progress is
-driven by that thread (``check`` and ``get_notifs``); NIXL's own progress
-thread is off, because on small hosts it costs notification round trips of
-8-24 ms and half the throughput (PERF_NOTES.md).
+broker's data-plane thread (:mod:`kvbroker.broker.dataplane`), and every
+call below runs there. Progress is driven by that thread (``check`` and
+``get_notifs``); NIXL's own progress thread is off, because on small hosts
+it costs notification round trips of 8-24 ms and half the throughput
+(docs/performance.md). The calls that move bytes (``transfer``) or register
+memory release the GIL while NIXL works, so the event loop keeps answering
+gRPC meanwhile (``bench/nixl_gil_probe.py``).
+
+Prepared descriptor lists are passed to NIXL in its strided form: one row
+``(address, item_bytes, device, stride, count)`` per region stands for all
+of the region's items, so preparing the list of an engine of 2^24 pages costs
+microseconds rather than the seconds an N x 3 array takes to convert.
 
 Ownership: every handle an agent returns has one owner and an explicit
 release (``deregister``, ``release_dlist``, ``release_xfer``,
@@ -29,7 +37,7 @@ from kvbroker.errors import Internal, InvalidArgument, Unavailable
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2
 
-__all__ = ["Agent", "AgentConfig", "NixlError", "UcxAgent", "XferState"]
+__all__ = ["Agent", "AgentConfig", "NixlError", "UcxAgent", "XferState", "import_nixl"]
 
 
 class NixlError(Unavailable):
@@ -77,9 +85,12 @@ class Agent(Protocol):
 
     def remove_remote(self, name: str) -> None: ...
 
-    def prep_dlist(self, agent: str | None, descs: np.ndarray, kind: int) -> Any:
-        """Prepare an N x 3 descriptor list: ``agent`` None for local memory,
-        a remote agent's name (or our own, for loopback) for remote memory."""
+    def prep_dlist(self, agent: str | None, rows: np.ndarray, kind: int) -> Any:
+        """Prepare a descriptor list from strided rows (K x 5 uint64:
+        address, item bytes, device, stride, count; item ``i`` of the list is
+        the ``i``-th item when the rows are expanded in order): ``agent`` None
+        for local memory, a remote agent's name (or our own, for loopback) for
+        remote memory."""
 
     def release_dlist(self, dlist: Any) -> None: ...
 
@@ -123,6 +134,42 @@ class Agent(Protocol):
     def close(self) -> None: ...
 
 
+def import_nixl() -> Any:
+    """NIXL's Python API module, without importing torch where it can be avoided.
+
+    ``import nixl`` picks the build for the CUDA version of the host's torch;
+    when torch is a CPU build it finds none on disk and imports torch (about
+    240 MiB of resident memory) only to learn that. Here the choice is:
+    ``KVBROKER_NIXL_MODULE`` if set (e.g. ``nixl_cu12``); ``nixl`` when a CUDA
+    stack is already loaded or torch on disk is a CUDA build (its own
+    detection, which then reads torch's version without importing it); else
+    the first installed build of ``nixl_cu13``, ``nixl_cu12`` (a CPU host).
+    """
+    import importlib
+    import sys
+
+    forced = os.environ.get("KVBROKER_NIXL_MODULE")
+    if forced:
+        return importlib.import_module(f"{forced}._api")
+    if any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy")) or _torch_on_disk_is_cuda():
+        return importlib.import_module("nixl._api")
+    for name in ("nixl_cu13", "nixl_cu12"):
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    return importlib.import_module("nixl._api")
+
+
+def _torch_on_disk_is_cuda() -> bool:
+    try:
+        from nixl_meta_utils import _torch_cuda_version_from_disk
+    except ImportError:
+        return False
+    return bool(_torch_cuda_version_from_disk())
+
+
 _MEM_TYPE: dict[int, str] = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
 
@@ -137,7 +184,8 @@ class UcxAgent:
     """The real agent: ``nixl`` with the UCX backend, no progress thread."""
 
     def __init__(self, config: AgentConfig) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        nixl_api = import_nixl()
+        nixl_agent, nixl_agent_config = nixl_api.nixl_agent, nixl_api.nixl_agent_config
 
         # NIXL configures its own logger at import (INFO, plain text, stdout)
         # and logs every agent and backend creation; keep that out of our
@@ -196,13 +244,14 @@ class UcxAgent:
             self._remotes.discard(name)
             self._agent.remove_remote_agent(name)
 
-    def prep_dlist(self, agent: str | None, descs: np.ndarray, kind: int) -> Any:
+    def prep_dlist(self, agent: str | None, rows: np.ndarray, kind: int) -> Any:
         try:
-            return self._agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, _mem_type(kind))
+            return self._agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", rows, _mem_type(kind))
         except InvalidArgument:
             raise
         except Exception as exc:
-            raise NixlError(f"NIXL could not prepare {len(descs)} descriptors for {agent or 'local'}: {exc}") from exc
+            items = int(rows[:, 4].sum()) if len(rows) else 0
+            raise NixlError(f"NIXL could not prepare {items} descriptors for {agent or 'local'}: {exc}") from exc
 
     def release_dlist(self, dlist: Any) -> None:
         self._agent.release_dlist_handle(dlist)

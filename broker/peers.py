@@ -1,52 +1,43 @@
-"""Peer brokers: handshakes, remote engines and their prepared descriptor lists.
+"""Peer brokers as this broker knows them: identities, remote engines, staging.
 
 A peer is another broker (or this one: when both ends of a room sit on one
-host, the broker is its own peer and NIXL writes loopback). The handshake
-exchanges NIXL agent metadata and engine layouts; a broker repeats it when
-its own engines changed since the peer last saw them (``EngineTable.epoch``),
-because a peer can only address memory that was registered when it loaded
-our metadata. Remote descriptor lists are prepared once per (remote engine
-generation, memory kind), on first use, and released when the engine
-changes or the peer goes.
+host, the broker is its own peer and NIXL writes loopback). A handshake
+(``peer_client.PeerClient.handshake`` as the caller, :meth:`PeerTable.answer`
+as the callee) exchanges NIXL agent metadata, engine layouts and staging
+buffers; a broker repeats it when its own engines changed since the peer
+last saw them (``EngineTable.epoch``), because a peer can only address
+memory that was registered when it loaded our metadata.
+
+The table lives on the control loop. What it holds of NIXL (a peer's agent
+metadata, the prepared descriptor lists of its engines) is created and
+released on the data-plane thread: :meth:`PeerTable.apply` awaits the
+metadata load there, :meth:`PeerTable.drop` queues the releases.
+Remote descriptor lists are prepared on first use (by the data plane, when
+it posts) and released when the engine changes or the peer goes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import structlog
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-from kvbroker.broker import telemetry
+from kvbroker.broker.dataplane import DataPlane
 from kvbroker.broker.descriptors import BufferPlacement, DescriptorTable, build_descriptor_table
-from kvbroker.broker.engines import EngineTable
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.nixl_agent import Agent
-from kvbroker.errors import (
-    Aborted,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    KvBrokerError,
-    Unavailable,
-    from_rpc_error,
-)
-from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-__all__ = ["PROTOCOL_VERSION", "Peer", "PeerTable", "RemoteEngine"]
-
-#: Version of the broker-to-broker protocol (peer.proto and the notices).
-#: History: 1 — first release.
-PROTOCOL_VERSION = 1
+__all__ = ["Peer", "PeerTable", "RemoteEngine", "announced_staging"]
 
 log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -57,8 +48,26 @@ class RemoteEngine:
     generation: int
     layout: Layout
     table: DescriptorTable
-    #: Prepared remote descriptor lists by memory kind (lazily built).
+    #: Prepared remote descriptor lists by memory kind. Data-plane thread only:
+    #: made on first use, released (and ``released`` set) when dropped.
     dlists: dict[int, Any] = field(default_factory=dict)
+    released: bool = False
+
+    def dlist(self, agent: Agent, agent_name: str, kind: int) -> Any:
+        """The prepared list of this engine's items of memory ``kind`` (data plane)."""
+        if self.released:
+            raise FailedPrecondition(f"receiver {self.key} generation {self.generation} is gone")
+        dlist = self.dlists.get(kind)
+        if dlist is None:
+            dlist = self.dlists[kind] = agent.prep_dlist(agent_name, self.table.rows[kind], kind)
+        return dlist
+
+    def release(self, agent: Agent) -> None:
+        """Release the prepared lists (data plane)."""
+        self.released = True
+        for dlist in self.dlists.values():
+            agent.release_dlist(dlist)
+        self.dlists.clear()
 
 
 @dataclass(eq=False)
@@ -72,8 +81,8 @@ class Peer:
     engines: dict[RankKey, RemoteEngine] = field(default_factory=dict)
     #: Our EngineTable.epoch when this peer last received our handshake.
     announced_epoch: int = -1
-    #: The peer's staging buffer, if it stages.
-    staging: peer_pb2.RemoteBuffer | None = None
+    #: The peer's receive staging buffers by (memory kind, device).
+    receive_staging: dict[tuple[int, int], peer_pb2.RemoteBuffer] = field(default_factory=dict)
     #: When the peer last answered (or called) us: liveness.
     last_seen: float = field(default_factory=time.monotonic)
     #: Bytes this broker wrote to the peer, and the moving average of the
@@ -91,125 +100,69 @@ class Peer:
     def group_layouts(self, group: str) -> list[Layout]:
         return [e.layout for k, e in sorted(self.engines.items()) if k.group == group]
 
+    def staging_bytes(self, kind: int) -> int:
+        """The largest receive staging buffer of memory ``kind`` (0: none)."""
+        return max((b.size_bytes for (k, _), b in self.receive_staging.items() if k == kind), default=0)
+
 
 class PeerTable:
-    """Peers by address and by broker id. Event-loop thread only."""
+    """Peers by address and by broker id. Control loop only."""
 
     def __init__(
         self,
         *,
-        agent: Agent,
-        engines: EngineTable,
         broker_id: str,
-        rpc_timeout_seconds: float,
-        channel_options: list[tuple[str, Any]],
-        staging: peer_pb2.RemoteBuffer | None = None,
-        on_restart: Callable[[Peer, str], None] | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        agent_name: str,
+        dataplane: DataPlane,
+        on_restart: Callable[[Peer, str], None],
     ) -> None:
-        self._credentials = credentials
-        self._agent = agent
-        self._staging = staging
-        self._on_restart = on_restart
-        self._engines = engines
         self.broker_id = broker_id
+        self.agent_name = agent_name
         self.address = ""
-        self._timeout = rpc_timeout_seconds
-        self._options = channel_options
+        self._dataplane = dataplane
+        self._on_restart = on_restart
         self.by_address: dict[str, Peer] = {}
         self.by_id: dict[str, Peer] = {}
 
     def identity(self) -> peer_pb2.BrokerIdentity:
-        return peer_pb2.BrokerIdentity(broker_id=self.broker_id, nixl_agent_name=self._agent.name, address=self.address)
+        return peer_pb2.BrokerIdentity(broker_id=self.broker_id, nixl_agent_name=self.agent_name, address=self.address)
 
-    def _handshake_message(self) -> tuple[bytes, list[peer_pb2.EngineDescriptor]]:
-        return self._agent.metadata(), [e.descriptor() for e in self._engines.by_id.values()]
-
-    # -- the caller side ------------------------------------------------
-    async def connect(self, address: str) -> Peer:
-        """The peer at ``address``, handshaken with our current engines."""
+    def at(self, address: str) -> Peer:
+        """The peer record for ``address`` ("" means this broker), made if new."""
         address = address or self.address
         peer = self.by_address.get(address)
         if peer is None:
-            peer = Peer(address=address)
-            self.by_address[address] = peer
-        if peer.announced_epoch != self._engines.epoch or peer.broker_id is None:
-            await self.handshake(peer)
+            peer = self.by_address[address] = Peer(address=address)
         return peer
 
-    async def handshake(self, peer: Peer) -> None:
-        """(Re)do the handshake with ``peer``; raises ``Unavailable`` if it fails."""
-        async with peer.lock:
-            with telemetry.tracer().start_as_current_span("kvbroker.handshake", attributes={"kvbroker.peer": peer.address}):
-                await self._handshake_locked(peer)
+    def get(self, broker_id: str) -> Peer:
+        """The handshaken peer ``broker_id``; ``Aborted`` (handshake again) if unknown."""
+        peer = self.by_id.get(broker_id)
+        if peer is None:
+            raise Aborted(f"broker {broker_id} has not handshaken with this broker; handshake again")
+        return peer
 
-    async def _handshake_locked(self, peer: Peer) -> None:
-        epoch = self._engines.epoch
-        metadata, engines = self._handshake_message()
-        request = peer_pb2.HandshakeRequest(
-            protocol_version=PROTOCOL_VERSION,
-            caller=self.identity(),
-            nixl_agent_metadata=metadata,
-            engines=engines,
-            staging=self._staging,
-        )
-        try:
-            response = await self._stub(peer).Handshake(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-            raise Unavailable(f"handshake with the broker at {peer.address} failed: {err.message}") from exc
-        if response.protocol_version != PROTOCOL_VERSION:
-            raise FailedPrecondition(
-                f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
-            )
-        self._apply(peer, response.callee, response.nixl_agent_metadata, response.engines, response.staging)
-        peer.announced_epoch = epoch
-        log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
+    def peers(self) -> list[Peer]:
+        """Every peer record once (by address and by id)."""
+        return list({id(p): p for p in (*self.by_address.values(), *self.by_id.values())}.values())
 
-    def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
-        """A stub for calls to ``peer`` (deadline: use :attr:`timeout`)."""
-        return self._stub(peer)
+    # -- what the sender's state machine reads (sender.PeerView) --------------
+    def remote_engine(self, broker_id: str, rank: RankKey) -> RemoteEngine | None:
+        peer = self.by_id.get(broker_id)
+        return peer.engines.get(rank) if peer is not None else None
 
-    @property
-    def timeout(self) -> float:
-        return self._timeout
+    def receive_staging_bytes(self, broker_id: str, kind: int) -> int:
+        peer = self.by_id.get(broker_id)
+        return peer.staging_bytes(kind) if peer is not None else 0
 
-    async def deliver(
+    # -- handshakes -----------------------------------------------------------
+    async def answer(
         self,
-        broker_id: str,
-        what: str,
-        call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[T]],
-        attempts: int = 4,
-        on_unreachable: Callable[[], None] | None = None,
-    ) -> T | None:
-        """Make a one-way call (a report, an abort) to peer ``broker_id``, retrying
-        while it is unreachable. The response, or None (logged) if it could not
-        be delivered; a peer that stays unreachable is handled by the liveness
-        monitor. ``on_unreachable`` is called when the peer is gone or did not
-        answer (not when it answered with an error)."""
-        delay = 0.05
-        for attempt in range(attempts):
-            try:
-                return await call(self.stub(self.get(broker_id)))
-            except KvBrokerError as exc:
-                log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
-                unreachable = True
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-                unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
-                if unreachable and attempt + 1 < attempts:
-                    await asyncio.sleep(delay)
-                    delay *= 4
-                    continue
-                log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
-            if unreachable and on_unreachable is not None:
-                on_unreachable()
-            return None
-        return None
-
-    # -- the callee side ------------------------------------------------
-    def on_handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
-        """Serve a peer's handshake: load its metadata and engines, answer with ours."""
+        request: peer_pb2.HandshakeRequest,
+        ours: tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.RemoteBuffer], int],
+    ) -> peer_pb2.HandshakeResponse:
+        """Serve a peer's handshake: load its metadata and engines, answer with
+        ``ours`` (our metadata, engines, receive staging buffers, engine epoch)."""
         if request.protocol_version != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"protocol version {request.protocol_version} is not supported; this broker speaks {PROTOCOL_VERSION}"
@@ -220,91 +173,40 @@ class PeerTable:
             peer = Peer(address=caller.address)
             if caller.address:
                 self.by_address.setdefault(caller.address, peer)
-        self._apply(peer, caller, request.nixl_agent_metadata, request.engines, request.staging)
+        await self.apply(peer, caller, request.nixl_agent_metadata, request.engines, announced_staging(request))
         log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="callee")
-        metadata, engines = self._handshake_message()
+        metadata, engines, staging, _epoch = ours
+        host = next((b for b in staging if b.kind == common_pb2.MEMORY_KIND_DRAM), None)
         return peer_pb2.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,
             callee=self.identity(),
             nixl_agent_metadata=metadata,
             engines=engines,
-            staging=self._staging,
+            staging=host,
+            receive_staging=staging,
         )
 
-    def get(self, broker_id: str) -> Peer:
-        """The handshaken peer ``broker_id``; ``Aborted`` (handshake again) if unknown."""
-        peer = self.by_id.get(broker_id)
-        if peer is None:
-            raise Aborted(f"broker {broker_id} has not handshaken with this broker; handshake again")
-        return peer
-
-    # -- remote descriptor lists ---------------------------------------
-    def remote_dlist(self, peer: Peer, engine: RemoteEngine, kind: int) -> Any:
-        """The prepared list of ``engine``'s items of memory ``kind`` (built once)."""
-        dlist = engine.dlists.get(kind)
-        if dlist is None:
-            assert peer.agent_name is not None
-            dlist = self._agent.prep_dlist(peer.agent_name, engine.table.descs[kind], kind)
-            engine.dlists[kind] = dlist
-        return dlist
-
-    def drop(self, peer: Peer) -> None:
-        """Forget ``peer``: its remote agent, engines and descriptor lists."""
-        for engine in peer.engines.values():
-            self._release_engine(engine)
-        peer.engines.clear()
-        if peer.agent_name and not peer.is_self:
-            self._agent.remove_remote(peer.agent_name)
-        if peer.broker_id:
-            self.by_id.pop(peer.broker_id, None)
-        peer.broker_id = None
-        peer.agent_name = None
-        peer.announced_epoch = -1
-
-    async def close(self) -> None:
-        for peer in list(self.by_address.values()) + list(self.by_id.values()):
-            self.drop(peer)
-            if peer.channel is not None:
-                await peer.channel.close()
-                peer.channel = None
-        self.by_address.clear()
-        self.by_id.clear()
-
-    # -- internals ------------------------------------------------------
-    def _stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
-        if peer.stub is None:
-            if not peer.address:
-                raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
-            interceptors = aio_client_interceptors()
-            if self._credentials is not None:
-                peer.channel = grpc.aio.secure_channel(
-                    peer.address, self._credentials, options=self._options, interceptors=interceptors
-                )
-            else:
-                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options, interceptors=interceptors)
-            peer.stub = peer_pb2_grpc.PeerBrokerStub(peer.channel)
-        return peer.stub
-
-    def _apply(
+    async def apply(
         self,
         peer: Peer,
         identity: peer_pb2.BrokerIdentity,
         metadata: bytes,
-        descriptors: Any,
-        staging: peer_pb2.RemoteBuffer,
+        descriptors: Iterable[peer_pb2.EngineDescriptor],
+        staging: Iterable[peer_pb2.RemoteBuffer],
     ) -> None:
+        """Take what a handshake said of ``peer``. A peer that answers as another
+        broker than before restarted: its rooms fail and its state goes first."""
         if peer.broker_id is not None and peer.broker_id != identity.broker_id:
             log.warning("peer_restarted", peer=peer.address, old=peer.broker_id, new=identity.broker_id)
-            if self._on_restart is not None:
-                # Fails the rooms with the old process and drops its state.
-                self._on_restart(peer, f"restarted (it is now broker {identity.broker_id})")
+            # Fails the rooms with the old process and drops its state.
+            self._on_restart(peer, f"restarted (it is now broker {identity.broker_id})")
             self.drop(peer)
         peer.last_seen = time.monotonic()
         is_self = identity.broker_id == self.broker_id
         if is_self:
-            agent_name = self._agent.name
+            agent_name = self.agent_name
         else:
-            agent_name = self._agent.add_remote(metadata)
+            agent_name = await self._dataplane.call(lambda agent: agent.add_remote(metadata))
             if agent_name != identity.nixl_agent_name:
                 raise FailedPrecondition(
                     f"broker {identity.broker_id} announced agent {identity.nixl_agent_name!r} but its metadata "
@@ -313,7 +215,7 @@ class PeerTable:
         peer.broker_id = identity.broker_id
         peer.agent_name = agent_name
         peer.is_self = is_self
-        peer.staging = staging if staging.size_bytes else None
+        peer.receive_staging = {(b.kind, b.device_id): b for b in staging if b.size_bytes}
         if identity.address:
             peer.address = peer.address or identity.address
         self.by_id[identity.broker_id] = peer
@@ -325,7 +227,7 @@ class PeerTable:
             if current is not None and current.generation == desc.generation:
                 continue
             if current is not None:
-                self._release_engine(current)
+                self._release(current)
             try:
                 peer.engines[key] = _remote_engine(key, desc)
             except (KvBrokerError, MemoryError, OverflowError, ValueError) as exc:
@@ -333,12 +235,30 @@ class PeerTable:
                 message = exc.message if isinstance(exc, KvBrokerError) else repr(exc)
                 log.warning("peer_engine_rejected", peer=identity.broker_id, rank=str(key), error=message)
         for key in [k for k in peer.engines if k not in seen]:
-            self._release_engine(peer.engines.pop(key))
+            self._release(peer.engines.pop(key))
 
-    def _release_engine(self, engine: RemoteEngine) -> None:
-        for dlist in engine.dlists.values():
-            self._agent.release_dlist(dlist)
-        engine.dlists.clear()
+    def drop(self, peer: Peer) -> None:
+        """Forget ``peer``: its remote agent, engines and descriptor lists."""
+        for engine in peer.engines.values():
+            self._release(engine)
+        peer.engines.clear()
+        if peer.agent_name and not peer.is_self:
+            name = peer.agent_name
+            self._dataplane.call(lambda agent: agent.remove_remote(name))
+        if peer.broker_id:
+            self.by_id.pop(peer.broker_id, None)
+        peer.broker_id = None
+        peer.agent_name = None
+        peer.announced_epoch = -1
+        peer.receive_staging = {}
+
+    def _release(self, engine: RemoteEngine) -> None:
+        self._dataplane.call(engine.release)
+
+
+def announced_staging(message: peer_pb2.HandshakeRequest | peer_pb2.HandshakeResponse) -> list[peer_pb2.RemoteBuffer]:
+    """The receive staging buffers a handshake announces (older builds: only ``staging``)."""
+    return list(message.receive_staging) or ([message.staging] if message.staging.size_bytes else [])
 
 
 def _remote_engine(key: RankKey, desc: peer_pb2.EngineDescriptor) -> RemoteEngine:
@@ -350,3 +270,4 @@ def _remote_engine(key: RankKey, desc: peer_pb2.EngineDescriptor) -> RemoteEngin
         layout, [BufferPlacement(b.address, b.size_bytes, b.kind, b.device_id) for b in desc.buffers]
     )
     return RemoteEngine(key=key, generation=desc.generation, layout=layout, table=table)
+

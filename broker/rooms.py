@@ -1,11 +1,13 @@
-"""Room records and the room state machine.
+"""Room records: one side of a room, the room tables, eviction and tombstones.
 
 A room has a sender side (prefill ranks) and a receiver side (decode ranks);
 both may sit on one broker. Each side keeps one record per room id
-(:class:`SenderRoom`, :class:`ReceiverRoom`) holding one progress record per
-local engine rank (:class:`SourceProgress`, :class:`ReceiverProgress`).
+(:class:`SenderRoom`, :class:`ReceiverRoom`) holding one :class:`Side` per
+local engine rank: a ``Source`` (``kvbroker.broker.sender``) or a
+``Receiver`` (``kvbroker.broker.receiver``), whose modules hold their state
+machines.
 
-State rules (DESIGN.md section 1): states only move forward,
+State rules (docs/design.md section 1): states only move forward,
 ``FAILED < BOOTSTRAPPING < WAITING_FOR_INPUT < TRANSFERRING < SUCCESS``;
 FAILED is terminal and keeps the first cause; SUCCESS is terminal.
 
@@ -13,10 +15,10 @@ Every per-room table is a field of :class:`RoomTables`, and
 :meth:`RoomTables.sizes` reports each one (``GetStats.per_room_state``): a
 table that does not return to zero when the broker is idle is a leak.
 Removal happens in one place, :meth:`RoomTables.evict`. A message for a
-room id that is not here never creates a record, except the two calls that
-open a side (ExpectRoom, BeginSend) and the transfer info that may precede
-BeginSend; evicted ids are remembered (tombstones) so late messages for
-them are refused.
+room id that is not here never creates a record, except the calls that
+open a side (ExpectRoom, BeginSend) and the transfer info or abort that may
+precede BeginSend; evicted ids are remembered (tombstones) so late messages
+for them are refused (lesson 6).
 """
 
 from __future__ import annotations
@@ -26,12 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvbroker.broker.layout import RankKey
-from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.nixl_agent import NixlError
-from kvbroker.broker.staging import Reservation
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -40,25 +38,25 @@ from kvbroker.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from kvbroker.broker.engines import Engine
+    from kvbroker.broker.receiver import Receiver
+    from kvbroker.broker.sender import Source, TransferInfo
 
 __all__ = [
-    "Chunk",
-    "Destination",
-    "Progress",
-    "ReceiverProgress",
+    "BOOTSTRAPPING",
+    "FAILED",
+    "SUCCESS",
+    "TRANSFERRING",
+    "WAITING_FOR_INPUT",
     "ReceiverRoom",
     "RoomTables",
     "SenderRoom",
-    "SourceExpectation",
-    "SourceProgress",
-    "TransferInfo",
+    "Side",
     "cause",
     "cause_of",
 ]
@@ -89,19 +87,23 @@ def cause_of(error: KvBrokerError, origin: str) -> common_pb2.FailureCause:
 
 
 @dataclass(eq=False)
-class Progress:
-    """One engine rank's side of one room: its state and first failure cause."""
+class Side:
+    """One engine rank's side of one room: its state and first failure cause.
+
+    ``listener`` is called after every change (the state machine that owns
+    the record turns it into effects: a published status, the room's end).
+    """
 
     room: int
     engine: Engine
-    listener: Callable[[Progress], None]
+    listener: Callable[[Side], None]
     state: int = BOOTSTRAPPING
     cause: common_pb2.FailureCause | None = None
     opened_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     chunks: int = 0
     bytes: int = 0
-    #: Whether no posted transfer can still touch this rank's pages.
+    #: Whether nothing posted can still touch this rank's pages.
     pages_settled: bool = False
     #: When ``pages_settled`` became true (monotonic): a finished room stays
     #: pollable for the finished-room TTL from the later of this and
@@ -116,8 +118,8 @@ class Progress:
     span: Span | None = None
     #: The span of a wait in progress (for transfer info, or for data).
     wait_span: Span | None = None
-    #: The room span ended and the canonical log line was written.
-    closed: bool = False
+    #: The room's end was handed on (span closed, canonical log line written).
+    ended: bool = False
 
     def __post_init__(self) -> None:
         self.timeline.append(("opened", self.opened_ns / 1e9))
@@ -126,14 +128,14 @@ class Progress:
     def key(self) -> RankKey:
         return self.engine.key
 
+    @property
+    def terminal(self) -> bool:
+        return self.state in (FAILED, SUCCESS)
+
     def mark(self, event: str) -> None:
         """Note ``event`` on the timeline (the first time only)."""
         if all(name != event for name, _ in self.timeline):
             self.timeline.append((event, time.time()))
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in (FAILED, SUCCESS)
 
     def advance(self, state: int) -> bool:
         """Move forward to ``state``; False (no change) if not forward or terminal."""
@@ -186,89 +188,21 @@ class Progress:
             status.cause.CopyFrom(self.cause)
         return status
 
+    def holds_resources(self) -> bool:
+        """Whether the record must stay because something still refers to it
+        (transfers in flight, staging reservations)."""
+        return False
 
-# -- sender side ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One SendChunk of a source: pages fill the receiver's pages from ``page_offset``."""
-
-    index: int
-    pages: IndexArray
-    page_offset: int
-    is_last: bool
-    aux_row: int | None
-    state: dict[str, IndexArray]
-
-
-@dataclass(frozen=True)
-class TransferInfo:
-    """A receiver rank's registration of a room with the sender's broker."""
-
-    room: int
-    receiver_broker_id: str
-    receiver: RankKey
-    receiver_generation: int
-    sender_group: str
-    pages: IndexArray
-    aux_row: int | None
-    state: dict[str, IndexArray]
-    sources: tuple[SourcePlan, ...]
-    received_at: float = field(default_factory=time.monotonic)
-    #: The trace context of the RegisterRoom call (the receiver's room span
-    #: is its ancestor): the sender's room span joins that trace.
-    trace_context: Any = None
-
-    def plan_for(self, source: RankKey) -> SourcePlan | None:
-        for plan in self.sources:
-            if plan.rank == source:
-                return plan
-        return None
-
-
-@dataclass(eq=False)
-class Destination:
-    """What one source owes one receiver rank, and how far it got."""
-
-    info: TransferInfo
-    plan: SourcePlan
-    #: Chunks of the source handed to NIXL for this receiver.
-    posted_chunks: int = 0
-    inflight: int = 0
-    #: The last chunk (or the completion-only notice) was posted.
-    last_posted: bool = False
-    #: Every posted transfer finished DONE after the last one was posted.
-    complete: bool = False
-    #: The receiver was told of this source's failure.
-    failure_reported: bool = False
-    #: The receiver was told nothing is in flight any more.
-    settle_reported: bool = False
-    #: Prefetch requests made for staged parts: (chunk, part) -> offset in
-    #: the receiver's staging buffer. Dropped when the part's write settles.
-    prefetch: dict[tuple[int, int], int] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class SourceProgress(Progress):
-    """A sender engine rank's side of a room."""
-
-    num_pages: int = 0
-    chunk_list: list[Chunk] = field(default_factory=list)
-    #: Pages accepted so far (the next chunk's page offset).
-    cursor: int = 0
-    last_received: bool = False
-    destinations: dict[RankKey, Destination] = field(default_factory=dict)
-    #: How many receiver ranks this source serves (known from the first plan).
-    expected_destinations: int | None = None
-    inflight: int = 0
-    #: The trace context of BeginSend, and whether the engine sent its own.
-    begin_context: Any = None
-    engine_traced: bool = False
-
-    def ready(self) -> bool:
-        """All receivers this source serves have registered."""
-        return self.expected_destinations is not None and len(self.destinations) >= self.expected_destinations
+    def expired(self, now: float, ttl_seconds: float, unsettled_ttl_seconds: float) -> bool:
+        """Whether eviction may drop this record now."""
+        if not self.terminal or self.finished_at is None or self.holds_resources():
+            return False
+        if not self.pages_settled:
+            return now - self.finished_at >= unsettled_ttl_seconds
+        # Pollable for the TTL after it ended AND its pages settled: a room that
+        # settles late must not vanish before its engine could see it settle.
+        since = self.finished_at if self.settled_at is None else max(self.finished_at, self.settled_at)
+        return now - since >= ttl_seconds
 
 
 @dataclass(eq=False)
@@ -276,7 +210,7 @@ class SenderRoom:
     """The sender side of one room on this broker."""
 
     room: int
-    sources: dict[RankKey, SourceProgress] = field(default_factory=dict)
+    sources: dict[RankKey, Source] = field(default_factory=dict)
     #: Transfer infos by receiver rank; they may arrive before BeginSend.
     infos: dict[RankKey, TransferInfo] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
@@ -287,9 +221,12 @@ class SenderRoom:
     #: A receiver's broker aborted the room (first cause); sources that open
     #: it later fail at once.
     aborted: common_pb2.FailureCause | None = None
-    #: (receiver, source) pairs whose receiver was told the source will never
-    #: open the room (its engine died first, or it never came).
-    abandoned: set[tuple[RankKey, RankKey]] = field(default_factory=set)
+    #: (receiver, source) -> the cause the receiver was told when it learned
+    #: that the source would never open the room (its engine went away
+    #: first, or it did not come within the orphan timeout). That receiver
+    #: may have reused its pages since: its transfer info is never attached
+    #: to that source again.
+    abandoned: dict[tuple[RankKey, RankKey], common_pb2.FailureCause] = field(default_factory=dict)
 
     def unserved(self) -> Iterator[tuple[TransferInfo, RankKey]]:
         """(transfer info, source rank) pairs whose source never opened the
@@ -300,69 +237,13 @@ class SenderRoom:
                     yield info, plan.rank
 
 
-# -- receiver side -------------------------------------------------------
-
-
-@dataclass(eq=False)
-class SourceExpectation:
-    """What a receiver rank waits for from one source."""
-
-    plan: SourcePlan
-    expects_aux: bool
-    expected_components: frozenset[str]
-    #: chunk index -> parts received.
-    parts_received: dict[int, set[int]] = field(default_factory=dict)
-    parts_expected: dict[int, int] = field(default_factory=dict)
-    pages_by_chunk: dict[int, int] = field(default_factory=dict)
-    total_chunks: int | None = None
-    aux_seen: bool = False
-    components_seen: set[str] = field(default_factory=set)
-    complete: bool = False
-    #: The source told us nothing of its is in flight (after a failure).
-    settled: bool = False
-
-    def chunks_landed(self) -> int:
-        return sum(1 for c, parts in self.parts_received.items() if len(parts) == self.parts_expected.get(c, -1))
-
-    def pages_landed(self) -> int:
-        return sum(self.pages_by_chunk.values())
-
-
-@dataclass(eq=False)
-class ReceiverProgress(Progress):
-    """A receiver engine rank's side of a room."""
-
-    sender_address: str = ""
-    sender_group: str = ""
-    pages: IndexArray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    aux_row: int | None = None
-    state_indices: dict[str, IndexArray] = field(default_factory=dict)
-    #: Sources this rank waits for; None until the plan is made.
-    expected: dict[RankKey, SourceExpectation] | None = None
-    #: The sender's broker may have the transfer info (so it may write).
-    registered_with_sender: bool = False
-    #: A RegisterRoom call is out: which sender process it reaches is not
-    #: known until it returns, so a peer loss meanwhile leaves the rank to it.
-    registering: bool = False
-    #: When the sender's broker accepted the room (the data timeout runs from here).
-    registered_at: float | None = None
-    peer_broker_id: str | None = None
-    #: Staging reservations made for senders' parts: (source, chunk, part) ->
-    #: reservation in this broker's staging buffer. Released after the
-    #: part is scattered, or when the rank ends and its pages are settled.
-    staging: dict[tuple[RankKey, int, int], Reservation] = field(default_factory=dict)
-
-
 @dataclass(eq=False)
 class ReceiverRoom:
     """The receiver side of one room on this broker."""
 
     room: int
-    ranks: dict[RankKey, ReceiverProgress] = field(default_factory=dict)
+    ranks: dict[RankKey, Receiver] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
-
-
-# -- the tables ------------------------------------------------------------
 
 
 @dataclass
@@ -374,11 +255,11 @@ class RoomTables:
     #: (side, room) -> when the tombstone expires.
     tombstones: dict[tuple[str, int], float] = field(default_factory=dict)
     #: (sender's broker address, room) -> (cause, when): a receiver rank of
-    #: the room failed because the sender's broker process it registered
-    #: with went away. Whichever broker answers at that address next is told
-    #: (``ReceiverSide.tell_successors``), so a source opened there does not
-    #: wait for a transfer info that will never come. Dropped when told, or
-    #: after the sender-info timeout (the wait it saves).
+    #: the room failed without the sender's broker process it registered
+    #: with hearing of it (that process went away, or could not be reached).
+    #: Whichever broker answers at that address next is told, so a source
+    #: opened there does not wait for a transfer info that will never come.
+    #: Dropped when told, or after the sender-info timeout (the wait it saves).
     successor_notices: dict[tuple[str, int], tuple[common_pb2.FailureCause, float]] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
@@ -401,11 +282,11 @@ class RoomTables:
             "successor_notices": len(self.successor_notices),
         }
 
-    def all_sources(self) -> Iterator[SourceProgress]:
+    def all_sources(self) -> Iterator[Source]:
         for room in self.sender.values():
             yield from room.sources.values()
 
-    def all_receivers(self) -> Iterator[ReceiverProgress]:
+    def all_receivers(self) -> Iterator[Receiver]:
         for room in self.receiver.values():
             yield from room.ranks.values()
 
@@ -419,7 +300,7 @@ class RoomTables:
         tombstone_ttl_seconds: float,
         orphan_seconds: float,
         unsettled_ttl_seconds: float | None = None,
-        on_evict: Callable[[Progress], None] | None = None,
+        on_evict: Callable[[Side], None] | None = None,
         notice_ttl_seconds: float | None = None,
     ) -> int:
         """Drop terminal records older than ``ttl_seconds``, then empty rooms.
@@ -441,7 +322,7 @@ class RoomTables:
             for room_id in list(table):
                 room = table[room_id]
                 members: dict[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
-                for member in [k for k, p in members.items() if _expired(p, now, ttl_seconds, unsettled)]:
+                for member in [k for k, p in members.items() if p.expired(now, ttl_seconds, unsettled)]:
                     if on_evict is not None:
                         on_evict(members[member])
                     del members[member]
@@ -469,21 +350,3 @@ class RoomTables:
         for notice in [k for k, (_, at) in self.successor_notices.items() if now - at >= notice_ttl]:
             del self.successor_notices[notice]
         return removed
-
-
-def _expired(progress: Progress, now: float, ttl_seconds: float, unsettled_ttl_seconds: float) -> bool:
-    if not progress.terminal or progress.finished_at is None:
-        return False
-    if isinstance(progress, SourceProgress) and progress.inflight:
-        return False
-    if isinstance(progress, ReceiverProgress):
-        if progress.staging and not progress.pages_settled:
-            # Its reservations go first, once no write can still land in them.
-            return False
-        if not progress.pages_settled:
-            return now - progress.finished_at >= unsettled_ttl_seconds
-    # Pollable for the TTL after it ended AND its pages settled: a room that
-    # settles late must not vanish before its engine could see it settle.
-    since = progress.finished_at if progress.settled_at is None else max(progress.finished_at, progress.settled_at)
-    return now - since >= ttl_seconds
-

@@ -1,55 +1,68 @@
-"""The sender side of rooms: BeginSend, SendChunk, transfer infos, posting.
+"""The sender side of rooms, as a state machine without I/O.
 
-A source (one prefill engine rank in one room) accepts chunks from its engine
-and transfer infos from receivers' brokers, in either order, and posts every
-accepted chunk to every known destination in chunk order. Each posted
-transfer carries a ``TransferNotice``; the receiver counts them per source
-(explicit completion, DESIGN.md section 4). The source is SUCCESS when every
-receiver it serves has registered and every transfer, through the last chunk,
-finished DONE.
+A **source** is one prefill engine rank's side of one room. Its life:
 
-On failure (abort, NIXL error, mismatch) the source fails with the first
-cause and tells each receiver's broker with a ``CompletionReport``; once no
-transfer of the source is in flight any more it says so (``settled``), so the
-receiver knows its pages are safe to reuse.
+1. ``begin`` (BeginSend) opens it; it is BOOTSTRAPPING until every receiver
+   rank it serves has registered the room here (their transfer infos,
+   ``transfer_info``, may come before or after BeginSend), then
+   WAITING_FOR_INPUT.
+2. ``chunk`` (SendChunk) accepts chunks of source pages, validated against
+   the engine's regions; the last one carries the aux row and state.
+3. Every accepted chunk is posted to every registered destination, in chunk
+   order: :func:`~kvbroker.broker.parts.plan_chunk` splits it into parts,
+   each a NIXL write with a ``TransferNotice`` (explicit completion,
+   docs/design.md section 4). A staged part first reserves room at the
+   receiver (``ReserveStaging`` -> ``staging_reserved``). The source counts
+   its parts in flight until each settles (``part_settled``); TRANSFERRING
+   meanwhile.
+4. SUCCESS when every destination registered and every part through the
+   last chunk settled DONE.
+5. Failure (an abort from the engine, the operator or the receiver's broker;
+   a NIXL error; a mismatch; a timeout; a lost peer or engine) keeps the
+   first cause, stops posting, and tells each receiver's broker with a
+   ``CompletionReport``; once no part of the source is in flight any more it
+   says so (``settled``), so the receiver knows its pages are safe to reuse.
+
+Transfer infos whose source never opens the room are answered too: when the
+source's engine goes away (``engine_gone``) or after the orphan timeout
+(``tick``), the receiver is told that source will never come, and that
+receiver's info is never attached to that source again (its pages may have
+been reused since).
+
+Every method returns nothing but leaves effects (``kvbroker.broker.effects``)
+in the outbox; :meth:`SenderCore.take` hands them to the executor.
 """
 
 from __future__ import annotations
 
-import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.counters import Counters
-from kvbroker.broker.descriptors import check_index, check_indices
-from kvbroker.broker.engines import Engine
+from kvbroker.broker.effects import Effect, PostPart, Publish, ReserveStaging, RoomEnded, SendReport
 from kvbroker.broker.layout import RankKey
-from kvbroker.broker.metrics import BrokerMetrics
-from kvbroker.broker.nixl_agent import Agent, XferState
-from kvbroker.broker.peers import Peer, PeerTable
-from kvbroker.broker.progress import ProgressLoop
+from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.nixl_agent import XferState
+from kvbroker.broker.parts import PartKind, PartSpec, StagePolicy, plan_chunk
 from kvbroker.broker.rooms import (
     FAILED,
     SUCCESS,
     TRANSFERRING,
     WAITING_FOR_INPUT,
-    Chunk,
-    Destination,
-    Progress,
     RoomTables,
     SenderRoom,
-    SourceProgress,
-    TransferInfo,
+    Side,
     cause,
     cause_of,
 )
-from kvbroker.broker.staging import StagingPool
-from kvbroker.broker.tasks import TaskSet
-from kvbroker.broker.transfers import ChunkPoster
+from kvbroker.broker.segments import ChunkShape, state_regions
+from kvbroker.broker.validation import check_room_indices
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -60,60 +73,178 @@ from kvbroker.errors import (
     PermissionDenied,
 )
 from kvbroker.indices import IndexArray
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["SenderSide"]
+if TYPE_CHECKING:
+    from kvbroker.broker.engines import Engine
+    from kvbroker.broker.peers import RemoteEngine
 
-_FLUSH_FALLBACK_SECONDS = 0.002
+__all__ = ["Chunk", "Destination", "Part", "PeerView", "SenderCore", "Source", "TransferInfo"]
 
 log = structlog.get_logger(__name__)
 
 
-class SenderSide:
-    """Sender-side room logic. Event-loop thread only."""
+# -- records -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One SendChunk of a source: pages fill the receiver's pages from ``page_offset``."""
+
+    index: int
+    pages: IndexArray
+    page_offset: int
+    is_last: bool
+    aux_row: int | None
+    state: dict[str, IndexArray]
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """A receiver rank's registration of a room with the sender's broker."""
+
+    room: int
+    receiver_broker_id: str
+    receiver: RankKey
+    receiver_generation: int
+    sender_group: str
+    pages: IndexArray
+    aux_row: int | None
+    state: dict[str, IndexArray]
+    sources: tuple[SourcePlan, ...]
+    received_at: float = field(default_factory=time.monotonic)
+    #: The trace context of the RegisterRoom call (the receiver's room span
+    #: is its ancestor): the sender's room span joins that trace.
+    trace_context: Any = None
+
+    def plan_for(self, source: RankKey) -> SourcePlan | None:
+        for plan in self.sources:
+            if plan.rank == source:
+                return plan
+        return None
+
+
+@dataclass(eq=False)
+class Destination:
+    """What one source owes one receiver rank, and how far it got."""
+
+    info: TransferInfo
+    plan: SourcePlan
+    #: Chunks of the source handed on for this receiver.
+    posted_chunks: int = 0
+    #: Parts posted (or being staged) and not settled yet.
+    inflight: int = 0
+    #: The last chunk (or the completion-only notice) was posted.
+    last_posted: bool = False
+    #: Every posted part settled DONE after the last one was posted.
+    complete: bool = False
+    #: The receiver was told of this source's failure.
+    failure_reported: bool = False
+    #: The receiver was told nothing is in flight any more.
+    settle_reported: bool = False
+    #: Prefetch requests answered for staged parts: (chunk, part) -> offset
+    #: in the receiver's staging buffer. Dropped when the part settles.
+    prefetch: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Source(Side):
+    """A sender engine rank's side of a room."""
+
+    num_pages: int = 0
+    chunk_list: list[Chunk] = field(default_factory=list)
+    #: Pages accepted so far (the next chunk's page offset).
+    cursor: int = 0
+    last_received: bool = False
+    destinations: dict[RankKey, Destination] = field(default_factory=dict)
+    #: How many receiver ranks this source serves (known from the first plan).
+    expected_destinations: int | None = None
+    #: Parts in flight over all destinations.
+    inflight: int = 0
+    #: The trace context of BeginSend, and whether the engine sent its own.
+    begin_context: Any = None
+    engine_traced: bool = False
+
+    def ready(self) -> bool:
+        """All receivers this source serves have registered."""
+        return self.expected_destinations is not None and len(self.destinations) >= self.expected_destinations
+
+    def holds_resources(self) -> bool:
+        return self.inflight > 0
+
+
+@dataclass(eq=False)
+class Part:
+    """One part of one chunk to one receiver, from planning until it settles."""
+
+    source: Source
+    dest: Destination
+    chunk: Chunk
+    index: int
+    spec: PartSpec
+    notice: peer_pb2.TransferNotice
+    #: The receiver rank as its broker described it (layout, descriptor table).
+    remote: RemoteEngine
+    #: STAGED: where the receiver reserved room for the packed block.
+    staging_buffer: peer_pb2.RemoteBuffer | None = None
+    staging_offset: int = 0
+
+    @property
+    def kind(self) -> PartKind:
+        return self.spec.kind
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.notice.chunk_index, self.index)
+
+
+class PeerView(Protocol):
+    """What the sender state machine may read of the peer table."""
+
+    def remote_engine(self, broker_id: str, rank: RankKey) -> RemoteEngine | None:
+        """The receiver rank as broker ``broker_id`` last described it."""
+
+    def receive_staging_bytes(self, broker_id: str, kind: int) -> int:
+        """Size of the peer's receive staging buffer for memory ``kind`` (0: none)."""
+
+
+# -- the state machine ---------------------------------------------------------
+
+
+class SenderCore:
+    """Every source of this broker. No I/O: calls leave effects (:meth:`take`)."""
 
     def __init__(
         self,
         *,
         broker_id: str,
-        agent: Agent,
-        peers: PeerTable,
         rooms: RoomTables,
-        progress: ProgressLoop,
         counters: Counters,
-        tasks: TaskSet,
-        publish: Callable[[Progress], None],
-        staging: StagingPool | None,
-        staging_wait_seconds: float,
-        metrics: BrokerMetrics,
-        vram_slow_gbps: float,
+        peers: PeerView,
+        send_staging_bytes: Callable[[int, int], int],
+        on_bytes: Callable[[int], None] = lambda _n: None,
     ) -> None:
         self._id = broker_id
-        self._metrics = metrics
-        self._peers = peers
-        self._poster = ChunkPoster(
-            broker_id=broker_id,
-            agent=agent,
-            peers=peers,
-            progress=progress,
-            counters=counters,
-            tasks=tasks,
-            staging=staging,
-            staging_wait_seconds=staging_wait_seconds,
-            on_settled=self._settled,
-            metrics=metrics,
-            vram_slow_gbps=vram_slow_gbps,
-        )
         self._rooms = rooms
         self._counters = counters
-        self._tasks = tasks
-        self._publish = publish
-        #: Sources with chunks to post after the current call (insertion-ordered set).
-        self._scheduled: dict[SourceProgress, None] = {}
+        self._peers = peers
+        self._send_staging_bytes = send_staging_bytes
+        self._on_bytes = on_bytes
+        self._out: list[Effect] = []
+
+    def take(self) -> list[Effect]:
+        """The effects of the calls so far, in order; the outbox is emptied."""
+        out, self._out = self._out, []
+        return out
 
     # -- engine calls ----------------------------------------------------
-    def begin(self, engine: Engine, room_id: int, num_pages: int) -> SourceProgress:
-        """Open ``room_id`` for sending from ``engine``."""
+    def begin(self, engine: Engine, room_id: int, num_pages: int) -> Source:
+        """Open ``room_id`` for sending from ``engine`` (BeginSend)."""
         if self._rooms.is_tombstoned("sender", room_id):
             raise AlreadyExists(f"room {room_id} already ended on this broker; room ids must be unique")
         room = self._rooms.sender.get(room_id)
@@ -124,8 +255,8 @@ class SenderSide:
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
         room.opened.add(engine.key)
-        source = SourceProgress(room=room_id, engine=engine, listener=self._publish, num_pages=num_pages)
-        source.begin_context = otel_context.get_current()
+        source = Source(room=room_id, engine=engine, listener=self._changed, num_pages=num_pages)
+        source.begin_context = telemetry.current_context()
         source.engine_traced = telemetry.has_remote_parent(trace.get_current_span())
         if source.engine_traced:
             # The engine passed its request's trace: the room joins it.
@@ -135,13 +266,25 @@ class SenderSide:
         if room.aborted is not None:
             self.fail(source, room.aborted)
             return source
+        gave_up = [(info, room.abandoned[(info.receiver, engine.key)]) for info in room.infos.values()
+                   if (info.receiver, engine.key) in room.abandoned]
+        if gave_up:
+            info, told = gave_up[0]
+            self.fail(
+                source,
+                cause(
+                    told.kind,
+                    f"room {room_id} cannot be opened again: receiver {info.receiver} was told that this source "
+                    f"would never open it ({told.message}) and may have reused its pages",
+                    self._id,
+                ),
+            )
         for info in list(room.infos.values()):
-            plan = info.plan_for(engine.key)
-            if plan is not None:
+            if info.plan_for(engine.key) is not None and (info.receiver, engine.key) not in room.abandoned:
                 self._attach(source, info)
         return source
 
-    def send_chunk(
+    def chunk(
         self,
         engine: Engine,
         room_id: int,
@@ -150,8 +293,8 @@ class SenderSide:
         is_last: bool,
         aux_row: int | None,
         state: dict[str, IndexArray],
-    ) -> tuple[int, SourceProgress]:
-        """Accept one chunk and post it to every known destination.
+    ) -> tuple[int, Source]:
+        """Accept one chunk (SendChunk) and post it to every known destination.
 
         Returns the chunk index and the source. A chunk for a FAILED source is
         accepted and dropped (the status says why); everything is validated
@@ -183,22 +326,21 @@ class SenderSide:
         source.cursor += int(pages.size)
         source.chunks += 1
         source.last_received = is_last
-        self._schedule(source)
-        self._update(source)
+        self._pump_all(source)
         return chunk.index, source
 
-    def abort(self, engine: Engine, room_id: int, reason: str) -> SourceProgress | None:
+    def abort(self, engine: Engine, room_id: int, reason: str, *, by: str = "engine") -> Source | None:
         """Fail the engine's side of the room and tell its receivers. Idempotent."""
         room = self._rooms.sender.get(room_id)
         source = room.sources.get(engine.key) if room is not None else None
         if source is not None:
             why = reason or "aborted by the sending engine"
             self.ensure_span(source)
-            telemetry.child_done(source.span, "kvbroker.abort", {"kvbroker.reason": why, "kvbroker.by": "engine"})
+            telemetry.child_done(source.span, "kvbroker.abort", {"kvbroker.reason": why, "kvbroker.by": by})
             self.fail(source, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
         return source
 
-    def fail(self, source: SourceProgress, why: common_pb2.FailureCause) -> None:
+    def fail(self, source: Source, why: common_pb2.FailureCause) -> None:
         """Fail ``source`` (first cause wins) and report to every receiver."""
         if not source.terminal:
             self.ensure_span(source)
@@ -216,12 +358,22 @@ class SenderSide:
         for dest in source.destinations.values():
             self._report(source, dest)
 
+    def engine_gone(self, engine: Engine, why: common_pb2.FailureCause) -> int:
+        """``engine`` unregistered or died: fail its sources, and tell receivers
+        waiting for it in rooms it never opened that it never will. Returns the
+        sources failed."""
+        sources = [s for s in self._rooms.all_sources() if s.engine is engine]
+        for source in sources:
+            self.fail(source, why)
+        self.abandon(engine.key, why)
+        return sum(1 for s in sources if s.cause is why)
+
     # -- peer calls ------------------------------------------------------
-    def on_register_room(self, info: TransferInfo, peer: Peer) -> None:
-        """A receiver rank's transfer info. Idempotent for the same receiver."""
+    def transfer_info(self, info: TransferInfo) -> None:
+        """A receiver rank's transfer info (RegisterRoom). Idempotent for the same receiver."""
         if self._rooms.is_tombstoned("sender", info.room):
             raise FailedPrecondition(f"room {info.room} already ended on this broker")
-        remote = peer.engines.get(info.receiver)
+        remote = self._peers.remote_engine(info.receiver_broker_id, info.receiver)
         if remote is None or remote.generation != info.receiver_generation:
             raise Aborted(
                 f"receiver {info.receiver} generation {info.receiver_generation} is not in this broker's view of "
@@ -230,14 +382,9 @@ class SenderSide:
         # The receiver's broker checked these against its engine; check again
         # against what it announced, so no index outside a region it
         # registered can ever become a descriptor here.
-        layout = remote.layout
-        check_indices(info.pages, layout.num_pages, f"receiver {info.receiver} pages")
-        if info.aux_row is not None:
-            check_index(info.aux_row, layout.aux_rows, f"receiver {info.receiver} aux_row")
-        for name, indices in info.state.items():
-            if name not in layout.state_components:
-                raise InvalidArgument(f"receiver {info.receiver} has no state component {name!r}")
-            check_indices(indices, layout.state_items[name], f"receiver {info.receiver} state {name!r}")
+        check_room_indices(
+            remote.layout, pages=info.pages, aux_row=info.aux_row, state=info.state, who=f"receiver {info.receiver} "
+        )
         room = self._rooms.sender.get(info.room)
         if room is None:
             room = self._rooms.sender[info.room] = SenderRoom(info.room)
@@ -255,13 +402,13 @@ class SenderSide:
             if source is not None:
                 self._attach(source, info)
 
-    def on_peer_abort(self, room_id: int, why: common_pb2.FailureCause, from_broker: str | None = None) -> bool:
+    def peer_abort(self, room_id: int, why: common_pb2.FailureCause, from_broker: str | None = None) -> bool:
         """A receiver's broker aborted the room: fail every local source of it.
 
         The room is remembered as aborted (until evicted), so a source that
         opens it afterwards fails at once with the same cause instead of
         waiting for a transfer info that will never come. Returns whether no
-        transfer of the room is in flight from here any more.
+        part of the room is in flight from here any more.
         """
         if self._rooms.is_tombstoned("sender", room_id):
             return True
@@ -313,7 +460,7 @@ class SenderSide:
                     continue
                 if older_than is not None and info.received_at > older_than:
                     continue
-                room.abandoned.add(pair)
+                room.abandoned[pair] = why
                 report = peer_pb2.CompletionReport(
                     room=room.room,
                     sender_broker_id=self._id,
@@ -322,25 +469,60 @@ class SenderSide:
                     failure=why,
                     settled=True,
                 )
-                self._tasks.spawn(self._send_report(info.receiver_broker_id, report), name=f"abandon-{room.room}")
+                self._out.append(SendReport(info.receiver_broker_id, report))
                 told += 1
         return told
 
-    def abandon_orphans(self, now: float, orphan_seconds: float) -> None:
-        """Receivers whose sources never opened the room within ``orphan_seconds`` learn so."""
-        for room in list(self._rooms.sender.values()):
-            for info, rank in list(room.unserved()):
-                if now - info.received_at <= orphan_seconds:
-                    continue
-                why = cause(
-                    common_pb2.FAILURE_KIND_TIMEOUT,
-                    f"source rank {rank} did not open the room (BeginSend) within {orphan_seconds:g} s",
-                    self._id,
-                )
-                self.abandon(rank, why, older_than=now - orphan_seconds)
+    # -- transfers -------------------------------------------------------
+    def staging_reserved(self, part: Part, buffer: peer_pb2.RemoteBuffer, offset: int) -> None:
+        """The receiver reserved room for a staged part: gather and post it."""
+        source, dest = part.source, part.dest
+        dest.prefetch[part.key] = offset
+        if source.state == FAILED:
+            self.part_settled(part, XferState.ERR, None, FailedPrecondition("the room failed before its staged part was written"))
+            return
+        part.staging_buffer = buffer
+        part.staging_offset = offset
+        part.notice.staged = True
+        part.notice.staging_offset = offset
+        part.notice.staging_bytes = part.nbytes
+        self._out.append(PostPart(part))
 
-    def time_out(self, now: float, info_timeout_seconds: float) -> None:
-        """Fail sources that waited longer than the timeout for their receivers' transfer infos."""
+    def part_settled(self, part: Part, state: XferState, descriptors: int | None, error: KvBrokerError | None) -> None:
+        """A part finished (DONE or ERR), or could not be posted or staged (``error``)."""
+        source, dest = part.source, part.dest
+        source.inflight -= 1
+        dest.inflight -= 1
+        dest.prefetch.pop(part.key, None)
+        self._counters.descriptors_transferred += descriptors or 0
+        if state is XferState.DONE:
+            source.bytes += part.nbytes
+            self._counters.bytes_sent += part.nbytes
+            self._on_bytes(part.nbytes)
+            source.mark("first_byte")
+        elif error is not None:
+            self.fail(source, cause_of(error, self._id))
+        else:
+            self.fail(
+                source,
+                cause(
+                    common_pb2.FAILURE_KIND_TRANSFER,
+                    f"a NIXL write to receiver {dest.info.receiver} at broker {dest.info.receiver_broker_id} failed",
+                    self._id,
+                ),
+            )
+        if source.state == FAILED:
+            if source.inflight == 0:
+                source.mark_settled()
+            if dest.inflight == 0 and dest.failure_reported and not dest.settle_reported:
+                self._report(source, dest)
+            return
+        self._check_complete(source, dest)
+        self._update(source)
+
+    # -- timers ----------------------------------------------------------
+    def tick(self, now: float, *, info_timeout_seconds: float, orphan_timeout_seconds: float) -> None:
+        """Time out sources waiting for transfer infos; answer infos whose source never came."""
         for source in list(self._rooms.all_sources()):
             if source.terminal or source.ready() or now - source.opened_at <= info_timeout_seconds:
                 continue
@@ -355,11 +537,29 @@ class SenderSide:
                     self._id,
                 ),
             )
+        for room in list(self._rooms.sender.values()):
+            for info, rank in list(room.unserved()):
+                if now - info.received_at <= orphan_timeout_seconds:
+                    continue
+                why = cause(
+                    common_pb2.FAILURE_KIND_TIMEOUT,
+                    f"source rank {rank} did not open the room (BeginSend) within {orphan_timeout_seconds:g} s",
+                    self._id,
+                )
+                self.abandon(rank, why, older_than=now - orphan_timeout_seconds)
+
+    # -- queries ---------------------------------------------------------
+    def has_business(self, broker_id: str) -> bool:
+        """Whether a source still serves (or writes to) a receiver at ``broker_id``."""
+        return any(
+            (not s.terminal or s.inflight) and any(d.info.receiver_broker_id == broker_id for d in s.destinations.values())
+            for s in self._rooms.all_sources()
+        )
 
     # -- internals ---------------------------------------------------------
     def _validate_chunk(
         self,
-        source: SourceProgress,
+        source: Source,
         pages: IndexArray,
         *,
         is_last: bool,
@@ -367,28 +567,20 @@ class SenderSide:
         state: dict[str, IndexArray],
     ) -> None:
         layout = source.engine.layout
-        check_indices(pages, layout.num_pages, "pages")
         total = source.cursor + int(pages.size)
+        if not is_last and (aux_row is not None or state):
+            raise InvalidArgument("aux_row and state go on the last chunk (is_last)")
+        check_room_indices(layout, pages=pages, aux_row=aux_row, state=state)
         if source.num_pages and total > source.num_pages:
             raise InvalidArgument(f"this chunk brings the room to {total} pages; BeginSend declared {source.num_pages}")
         if not is_last:
-            if aux_row is not None or state:
-                raise InvalidArgument("aux_row and state go on the last chunk (is_last)")
             return
         if source.num_pages and total != source.num_pages:
             raise InvalidArgument(f"the last chunk brings the room to {total} pages; BeginSend declared {source.num_pages}")
         if layout.aux_regions and aux_row is None:
             raise InvalidArgument("the last chunk must carry aux_row: this engine registered aux regions")
-        if aux_row is not None:
-            if not layout.aux_regions:
-                raise InvalidArgument("aux_row given but this engine registered no aux regions")
-            check_index(aux_row, layout.aux_rows, "aux_row")
-        for name, indices in state.items():
-            if name not in layout.state_components:
-                raise InvalidArgument(f"state component {name!r} is not in this engine's layout")
-            check_indices(indices, layout.state_items[name], f"state {name!r}")
 
-    def _attach(self, source: SourceProgress, info: TransferInfo) -> None:
+    def _attach(self, source: Source, info: TransferInfo) -> None:
         plan = info.plan_for(source.key)
         if plan is None or info.receiver in source.destinations:
             return
@@ -411,43 +603,20 @@ class SenderSide:
                 ),
             )
             return
-        self._schedule(source)
+        self._pump(source, dest)
         self._update(source)
 
-    def _schedule(self, source: SourceProgress) -> None:
-        """Post the source's pending chunks once the current RPC has answered.
+    def _pump_all(self, source: Source) -> None:
+        for dest in list(source.destinations.values()):
+            self._pump(source, dest)
+        self._update(source)
 
-        Posting may copy the bytes synchronously (UCX's cma transport copies
-        inside the post), so the RPC that accepted a chunk answers first
-        (the servicers call :meth:`flush` when their RPC is done) and the
-        engine prepares its next chunk while this broker copies. A short
-        timer flushes anyway, for calls that do not come through an RPC.
-        """
-        if not self._scheduled:
-            asyncio.get_running_loop().call_later(_FLUSH_FALLBACK_SECONDS, self.flush)
-        self._scheduled[source] = None
-
-    def flush(self) -> None:
-        """Post every scheduled source's pending chunks now."""
-        if not self._scheduled:
-            return
-        scheduled, self._scheduled = self._scheduled, {}
-        for source in scheduled:
-            try:
-                for dest in list(source.destinations.values()):
-                    self._pump(source, dest)
-                self._update(source)
-            except Exception as exc:
-                # Runs from an RPC's done-callback: nothing above would log it.
-                log.exception("post_failed", room=source.room, engine=source.engine.label)
-                self.fail(source, cause(common_pb2.FAILURE_KIND_UNSPECIFIED, f"posting failed inside the broker: {exc!r}", self._id))
-
-    def _pump(self, source: SourceProgress, dest: Destination) -> None:
+    def _pump(self, source: Source, dest: Destination) -> None:
         """Post every accepted chunk not yet posted to ``dest``, in order."""
         while dest.posted_chunks < len(source.chunk_list) and source.state != FAILED:
             chunk = source.chunk_list[dest.posted_chunks]
             try:
-                self._poster.post(source, dest, chunk)
+                self._post_chunk(source, dest, chunk)
             except KvBrokerError as exc:
                 self.fail(source, cause_of(exc, self._id))
                 return
@@ -455,60 +624,99 @@ class SenderSide:
             dest.last_posted = chunk.is_last
         self._check_complete(source, dest)
 
-    def _settled(
-        self,
-        source: SourceProgress,
-        dest: Destination,
-        nbytes: int,
-        state: XferState,
-        descs: int | None,
-        error: KvBrokerError | None,
-    ) -> None:
-        """A posted part finished (DONE or ERR), or could not be posted (``error``)."""
-        source.inflight -= 1
-        dest.inflight -= 1
-        self._counters.descriptors_transferred += descs or 0
-        if state is XferState.DONE:
-            source.bytes += nbytes
-            self._counters.bytes_sent += nbytes
-            self._metrics.bytes.add(nbytes, {"direction": "sent"})
-            source.mark("first_byte")
-        elif error is not None:
-            self.fail(source, cause_of(error, self._id))
-        else:
-            peer = self._peers.by_id.get(dest.info.receiver_broker_id)
-            where = f"broker {peer.address if peer else '?'} ({dest.info.receiver_broker_id})"
-            self.fail(
-                source,
-                cause(common_pb2.FAILURE_KIND_TRANSFER, f"a NIXL write to receiver {dest.info.receiver} at {where} failed", self._id),
-            )
-        if source.state == FAILED:
-            if source.inflight == 0:
-                source.mark_settled()
-            if dest.inflight == 0 and dest.failure_reported and not dest.settle_reported:
-                self._report(source, dest)
+    def _post_chunk(self, source: Source, dest: Destination, chunk: Chunk) -> None:
+        """Plan ``chunk``'s parts for ``dest`` and hand them on. Raises
+        ``KvBrokerError`` if nothing could be planned."""
+        info, plan = dest.info, dest.plan
+        remote = self._peers.remote_engine(info.receiver_broker_id, info.receiver)
+        if remote is None or remote.generation != info.receiver_generation:
+            raise FailedPrecondition(f"receiver {info.receiver} is gone from broker {info.receiver_broker_id}")
+        if not plan.writes_data:
+            if chunk.is_last:
+                notice = self._notice(source, dest, chunk, total_chunks=1, pages=0)
+                self._send_parts(source, dest, chunk, remote, [PartSpec(kind=PartKind.NOTICE, nbytes=0)], notice)
             return
-        self._check_complete(source, dest)
-        self._update(source)
+        end = chunk.page_offset + int(chunk.pages.size)
+        if end > info.pages.size or (chunk.is_last and end != info.pages.size):
+            raise FailedPrecondition(
+                f"the sender sent {end} pages{' in all' if chunk.is_last else ' so far'}, "
+                f"receiver {info.receiver} expects {info.pages.size}"
+            )
+        shape = ChunkShape(
+            src_pages=chunk.pages,
+            dst_pages=info.pages[chunk.page_offset : end],
+            aux_rows=_aux_rows(chunk, dest),
+            state=_state_pairs(chunk, dest, remote),
+        )
+        specs = plan_chunk(
+            source.engine.layout, source.engine.table, remote.layout, remote.table, plan, shape, self._stage_policy(dest)
+        )
+        notice = self._notice(
+            source, dest, chunk, total_chunks=len(source.chunk_list) if chunk.is_last else 0, pages=int(chunk.pages.size)
+        )
+        notice.aux = shape.aux_rows is not None
+        notice.state_components.extend(sorted(shape.state))
+        self._send_parts(source, dest, chunk, remote, specs, notice)
 
-    def _check_complete(self, source: SourceProgress, dest: Destination) -> None:
+    def _send_parts(
+        self,
+        source: Source,
+        dest: Destination,
+        chunk: Chunk,
+        remote: RemoteEngine,
+        specs: list[PartSpec],
+        notice: peer_pb2.TransferNotice,
+    ) -> None:
+        for i, spec in enumerate(specs):
+            part_notice = peer_pb2.TransferNotice()
+            part_notice.CopyFrom(notice)
+            part_notice.part, part_notice.parts, part_notice.bytes = i, len(specs), spec.nbytes
+            part = Part(source=source, dest=dest, chunk=chunk, index=i, spec=spec, notice=part_notice, remote=remote)
+            source.inflight += 1
+            dest.inflight += 1
+            self._out.append(ReserveStaging(part) if spec.kind is PartKind.STAGED else PostPart(part))
+
+    def _stage_policy(self, dest: Destination) -> StagePolicy:
+        def stage(nbytes: int, src_kind: int, src_device: int, dst_kind: int) -> bool:
+            local = self._send_staging_bytes(src_kind, src_device)
+            remote = self._peers.receive_staging_bytes(dest.info.receiver_broker_id, dst_kind)
+            if not local or not remote:
+                return False
+            if nbytes > min(local, remote):
+                log.warning(
+                    "staging_block_too_large",
+                    bytes=nbytes,
+                    local_buffer=local,
+                    peer_buffer=remote,
+                    fallback="per-token descriptors",
+                )
+                return False
+            return True
+
+        return stage
+
+    def _notice(
+        self, source: Source, dest: Destination, chunk: Chunk, *, total_chunks: int, pages: int
+    ) -> peer_pb2.TransferNotice:
+        writes = dest.plan.writes_data
+        return peer_pb2.TransferNotice(
+            protocol_version=PROTOCOL_VERSION,
+            room=source.room,
+            sender_broker_id=self._id,
+            source=source.key.to_proto(),
+            receiver=dest.info.receiver.to_proto(),
+            chunk_index=chunk.index if writes else 0,
+            is_last=chunk.is_last,
+            total_chunks=total_chunks,
+            pages=pages,
+            page_offset=chunk.page_offset if writes else 0,
+        )
+
+    def _check_complete(self, source: Source, dest: Destination) -> None:
         if not dest.complete and dest.last_posted and dest.inflight == 0 and source.state != FAILED:
             dest.complete = True
 
-    def _open_span(self, source: SourceProgress, parent: object) -> None:
-        """The sender's room span (back-dated to BeginSend) and its wait for transfer info."""
-        span = telemetry.open_room_span(source, "sender", parent, start_ns=source.opened_ns)  # type: ignore[arg-type]
-        if not source.ready():
-            source.wait_span = telemetry.start_span(
-                "kvbroker.wait_for_transfer_info", parent=span, start_ns=source.opened_ns
-            )
-
-    def ensure_span(self, source: SourceProgress) -> None:
-        """A room span even for a source that ends before any receiver registered."""
-        if source.span is None:
-            self._open_span(source, source.begin_context)
-
-    def _update(self, source: SourceProgress) -> None:
+    def _update(self, source: Source) -> None:
         if source.terminal or not source.ready():
             return
         if source.wait_span is not None:
@@ -529,7 +737,7 @@ class SenderSide:
         else:
             source.advance(WAITING_FOR_INPUT)
 
-    def _report(self, source: SourceProgress, dest: Destination) -> None:
+    def _report(self, source: Source, dest: Destination) -> None:
         """Tell the receiver's broker this source failed (if it did), and whether it settled."""
         settled = dest.inflight == 0
         dest.failure_reported = source.cause is not None
@@ -543,11 +751,51 @@ class SenderSide:
         )
         if source.cause is not None:
             report.failure.CopyFrom(source.cause)
-        self._tasks.spawn(self._send_report(dest.info.receiver_broker_id, report), name=f"report-{source.room}")
+        self._out.append(SendReport(dest.info.receiver_broker_id, report))
 
-    async def _send_report(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
-        await self._peers.deliver(
-            broker_id,
-            f"ReportCompletion(room {report.room})",
-            lambda stub: stub.ReportCompletion(report, timeout=self._peers.timeout),
+    def _changed(self, side: Side) -> None:
+        self._out.append(Publish(side.engine.engine_id, side.status()))
+        if side.terminal and not side.ended:
+            side.ended = True
+            self._out.append(RoomEnded(side))
+
+    def _open_span(self, source: Source, parent: Any) -> None:
+        """The sender's room span (back-dated to BeginSend) and its wait for transfer info."""
+        span = telemetry.open_room_span(source, "sender", parent, start_ns=source.opened_ns)
+        if not source.ready():
+            source.wait_span = telemetry.start_span(
+                "kvbroker.wait_for_transfer_info", parent=span, start_ns=source.opened_ns
+            )
+
+    def ensure_span(self, source: Source) -> None:
+        """A room span even for a source that ends before any receiver registered."""
+        if source.span is None:
+            self._open_span(source, source.begin_context)
+
+
+def _aux_rows(chunk: Chunk, dest: Destination) -> tuple[int, int] | None:
+    # Lesson 1: aux goes on every last chunk, whether or not there is state
+    # or KV, whenever the receiver asked for a row.
+    if not (chunk.is_last and dest.plan.sends_aux and dest.info.aux_row is not None):
+        return None
+    if chunk.aux_row is None:
+        raise FailedPrecondition(
+            f"receiver {dest.info.receiver} expects aux row {dest.info.aux_row} but the sender has no aux regions"
         )
+    return chunk.aux_row, dest.info.aux_row
+
+
+def _state_pairs(chunk: Chunk, dest: Destination, remote: RemoteEngine) -> dict[str, tuple[IndexArray, IndexArray]]:
+    """(source, destination) indices of every component this source owes the receiver."""
+    plan = dest.plan
+    if not (chunk.is_last and plan.sends_state):
+        return {}
+    pairs = {}
+    for name, dst in dest.info.state.items():
+        if not state_regions(remote.layout, name, plan.layer_begin, plan.layer_end):
+            continue
+        src = chunk.state.get(name)
+        if src is None or src.size == 0:
+            raise FailedPrecondition(f"receiver {dest.info.receiver} expects state component {name!r} but the sender sent none")
+        pairs[name] = (src, dst)
+    return pairs

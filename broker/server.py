@@ -1,4 +1,4 @@
-"""Server wiring: one gRPC server with every service, the fd socket, the runtime.
+"""Server wiring: one gRPC server with every service, the fd socket, the broker.
 
 The same gRPC server listens on TCP (peers, operators, engines that prefer
 TCP) and on the engine unix socket. It exposes ``kvbroker.v1.TransferBroker``,
@@ -21,9 +21,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
+from kvbroker.broker.dispatcher import Broker
 from kvbroker.broker.fdsocket import FdSocketServer
 from kvbroker.broker.nixl_agent import Agent, AgentConfig, UcxAgent
-from kvbroker.broker.runtime import BrokerRuntime, channel_options
+from kvbroker.broker.peer_client import channel_options
 from kvbroker.broker.service import AdminService, PeerService, TransferService
 from kvbroker.broker.tls import server_credentials
 from kvbroker.v1 import (
@@ -59,23 +60,23 @@ class BrokerServer:
             agent = UcxAgent(
                 AgentConfig(name=f"{config.agent_name_prefix}-{broker_id[:12]}", ucx_error_mode=config.ucx_error_mode)
             )
-        self.runtime = BrokerRuntime(config, agent, broker_id=broker_id)
+        self.broker = Broker(config, agent, broker_id=broker_id)
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self.port = 0
 
     @property
     def address(self) -> str:
-        return self.runtime.address
+        return self.broker.address
 
     async def start(self) -> None:
         cfg = self.config
         # The gRPC instrumentation makes the RPC spans and carries trace
         # context in (from engines and peers) and out (to peers).
         server = grpc.aio.server(options=channel_options(cfg), interceptors=[aio_server_interceptor()])
-        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(self.runtime), server)
-        peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(self.runtime), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.runtime), server)
+        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(self.broker), server)
+        peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(self.broker), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.broker), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -104,24 +105,24 @@ class BrokerServer:
                 raise OSError(f"cannot listen on unix:{engine_socket}")
         finally:
             os.umask(old_umask)
-        self.runtime.engine_socket_path = engine_socket
+        self.broker.engine_socket_path = engine_socket
         fd_path = cfg.fd_socket_path or f"{engine_socket.removesuffix('.sock')}.fds"
-        self.runtime.fd_server = FdSocketServer(fd_path, on_close=self.runtime.on_session_closed)
+        self.broker.fd_server = FdSocketServer(fd_path, on_close=self.broker.session_closed)
         await server.start()
         os.chmod(engine_socket, 0o660)
-        self.runtime.fd_server.start()
-        self.runtime.start(address)
+        self.broker.fd_server.start()
+        await self.broker.start(address)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.runtime.on_draining = self._drain_health
+        self.broker.on_draining = self._drain_health
         self._server = server
         log.info(
             "broker_started",
-            broker=self.runtime.broker_id,
+            broker=self.broker.broker_id,
             address=address,
             engine_socket=engine_socket,
             fd_socket=fd_path,
-            agent=self.runtime.agent.name,
+            agent=self.broker.agent.name,
         )
 
     async def _drain_health(self, draining: bool) -> None:
@@ -134,16 +135,16 @@ class BrokerServer:
         """Stop serving, fail open rooms, release every resource."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        await self.runtime.stop()
-        if self.runtime.fd_server is not None:
-            self.runtime.fd_server.close()
+        await self.broker.stop()
+        if self.broker.fd_server is not None:
+            self.broker.fd_server.close()
         if self._server is not None:
             await self._server.stop(grace_seconds)
             self._server = None
-        engine_socket = self.runtime.engine_socket_path
+        engine_socket = self.broker.engine_socket_path
         if engine_socket and os.path.exists(engine_socket):
             os.unlink(engine_socket)
-        log.info("broker_stopped", broker=self.runtime.broker_id)
+        log.info("broker_stopped", broker=self.broker.broker_id)
 
     async def wait(self) -> None:
         if self._server is not None:

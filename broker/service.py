@@ -1,4 +1,4 @@
-"""The gRPC servicers: thin. Validate, call the runtime, map errors.
+"""The gRPC servicers: thin. Hand the request to the dispatcher, map errors.
 
 Errors map to statuses here and only here: a ``KvBrokerError`` becomes its
 own status code and message; anything else is logged with its traceback and
@@ -15,7 +15,7 @@ import grpc
 import structlog
 
 from kvbroker.broker.admin import Admin
-from kvbroker.broker.runtime import BrokerRuntime
+from kvbroker.broker.dispatcher import Broker
 from kvbroker.errors import KvBrokerError
 from kvbroker.v1 import (
     admin_pb2,
@@ -40,8 +40,6 @@ def _unary(
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
-        # Transfers an RPC scheduled are posted once its answer is on its way.
-        context.add_done_callback(self._rt.after_rpc)
         try:
             return await fn(self, request, context)
         except KvBrokerError as exc:
@@ -57,8 +55,8 @@ def _unary(
 class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
     """``kvbroker.v1.TransferBroker``: engines on this host."""
 
-    def __init__(self, runtime: BrokerRuntime) -> None:
-        self._rt = runtime
+    def __init__(self, broker: Broker) -> None:
+        self._rt = broker
 
     @_unary
     async def GetBrokerInfo(self, request: transfer_pb2.GetBrokerInfoRequest, context: Any) -> transfer_pb2.BrokerInfo:
@@ -68,7 +66,7 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
     async def RegisterEngine(
         self, request: transfer_pb2.RegisterEngineRequest, context: Any
     ) -> transfer_pb2.RegisterEngineResponse:
-        engine = self._rt.register_engine(request)
+        engine = await self._rt.register_engine(request)
         return transfer_pb2.RegisterEngineResponse(engine_id=engine.engine_id)
 
     @_unary
@@ -112,12 +110,12 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
 class PeerService(peer_pb2_grpc.PeerBrokerServicer):
     """``kvbroker.v1.PeerBroker``: other brokers."""
 
-    def __init__(self, runtime: BrokerRuntime) -> None:
-        self._rt = runtime
+    def __init__(self, broker: Broker) -> None:
+        self._rt = broker
 
     @_unary
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
-        return self._rt.handshake(request)
+        return await self._rt.handshake(request)
 
     @_unary
     async def RegisterRoom(self, request: peer_pb2.RegisterRoomRequest, context: Any) -> peer_pb2.RegisterRoomResponse:
@@ -147,9 +145,8 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 class AdminService(admin_pb2_grpc.AdminServicer):
     """``kvbroker.v1.Admin``: operators."""
 
-    def __init__(self, runtime: BrokerRuntime) -> None:
-        self._rt = runtime
-        self._admin = Admin(runtime)
+    def __init__(self, broker: Broker) -> None:
+        self._admin = Admin(broker)
 
     @_unary
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.Stats:

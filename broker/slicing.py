@@ -3,16 +3,16 @@
 Pages are token-major ("NHD"): a page of one layer is ``page_size`` tokens,
 each ``heads_per_rank * head_bytes`` long. A head slice of a page is
 therefore ``page_size`` strided pieces of ``num_heads * head_bytes``.
-Two ways to move them (DESIGN.md sections 5 and 6):
+Two ways to move them (docs/design.md sections 5 and 6):
 
 - per-token descriptors (:func:`token_descriptors`): one NIXL descriptor per
   (layer region, page, token); correct, slow;
 - staging: the sender gathers the slice of every page of every layer of a
-  chunk into one packed block (:func:`gather`), writes it in bulk into a
+  chunk into one packed block, writes it in bulk into a
   slot the receiver reserved, and the receiver scatters it into its pages
-  (:func:`scatter`). The packed layout, shared by both sides: for every
-  (layer, kind) pair in :func:`kv_region_pairs` order, ``[pages, page_size,
-  num_heads * head_bytes]``.
+  (``kvbroker.broker.staging``). The packed layout, shared by both sides:
+  for every (layer, kind) pair in :func:`kv_region_pairs` order,
+  ``[pages, page_size, num_heads * head_bytes]``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ from kvbroker.v1 import common_pb2
 __all__ = [
     "HeadSlice",
     "SliceSide",
-    "gather",
     "head_slice",
     "kv_region_pairs",
     "kv_regions",
     "slice_side",
-    "scatter",
     "staged_bytes",
     "token_descriptors",
 ]
@@ -128,50 +126,19 @@ def token_descriptors(
     if len(kinds) != 1:
         raise FailedPrecondition("the KV regions of a head-sliced transfer must share one memory kind per side")
     local_kind, remote_kind = kinds.pop()
-    local = _token_descs(src_table, [s for s, _ in pairs], src_pages, hs.src, local_kind)
-    remote = _token_descs(dst_table, [d for _, d in pairs], dst_pages, hs.dst, remote_kind)
+    local = _token_descs(src_table, [s for s, _ in pairs], src_pages, hs.src)
+    remote = _token_descs(dst_table, [d for _, d in pairs], dst_pages, hs.dst)
     return local_kind, remote_kind, local, remote
 
 
 def _token_descs(
-    table: DescriptorTable, regions: list[int], pages: IndexArray, side: SliceSide, kind: int
+    table: DescriptorTable, regions: list[int], pages: IndexArray, side: SliceSide
 ) -> npt.NDArray[np.uint64]:
-    bases = np.asarray([table.region_base[r] for r in regions], dtype=np.int64)
-    rows = (bases[:, None] + pages.astype(np.int64)[None, :]).ravel()
-    page_addr = table.descs[kind][rows, 0]
+    page_addr = np.concatenate([table.item_addresses(r, pages) for r in regions]) if regions else np.zeros(0, np.uint64)
+    devices = np.repeat(np.asarray([table.region_device[r] for r in regions], dtype=np.uint64), pages.size)
     tokens = np.arange(side.page_size, dtype=np.uint64) * np.uint64(side.token_bytes)
-    out = np.empty((rows.size * side.page_size, 3), dtype=np.uint64)
+    out = np.empty((page_addr.size * side.page_size, 3), dtype=np.uint64)
     out[:, 0] = (page_addr[:, None] + tokens[None, :] + np.uint64(side.offset_bytes)).ravel()
     out[:, 1] = side.slice_bytes
-    out[:, 2] = np.repeat(table.descs[kind][rows, 2], side.page_size)
+    out[:, 2] = np.repeat(devices, side.page_size)
     return out
-
-
-def _token_view(region: npt.NDArray[np.uint8], page_size: int) -> npt.NDArray[np.uint8]:
-    return region.reshape(region.shape[0], page_size, -1)
-
-
-def gather(
-    regions: list[npt.NDArray[np.uint8]],
-    pages: IndexArray,
-    side: SliceSide,
-    out: npt.NDArray[np.uint8],
-) -> None:
-    """Pack the slice of ``pages`` of every region (``[items, item_bytes]`` views) into ``out``."""
-    block = out.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
-    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
-    for i, region in enumerate(regions):
-        block[i] = _token_view(region, side.page_size)[pages, :, lo:hi]
-
-
-def scatter(
-    packed: npt.NDArray[np.uint8],
-    regions: list[npt.NDArray[np.uint8]],
-    pages: IndexArray,
-    side: SliceSide,
-) -> None:
-    """Unpack a block made by :func:`gather` into the slice of ``pages`` of every region."""
-    block = packed.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
-    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
-    for i, region in enumerate(regions):
-        _token_view(region, side.page_size)[pages, :, lo:hi] = block[i]

@@ -1,65 +1,166 @@
-"""Staging buffers (DESIGN.md section 6): broker-owned, registered, carved into reservations.
+"""Staging (docs/design.md section 6): broker-owned buffers, reservations, gather and scatter.
 
-A broker with staging on owns one host buffer, registered with NIXL and
-announced to peers in the handshake. As a sender it gathers head slices into
-reservations of its own buffer; as a receiver it reserves room for a
-sender's packed block (the prefetch, ``PeerBroker.ReserveStaging``) and
-scatters the block into the decode pages when it lands. Reservations are
-first-fit, 4 KiB aligned; a reservation that does not fit now waits until
-another is released.
+Head-sliced KV (different tp sizes) turns every page into ``page_size``
+strided pieces. Staging packs them instead: the sending broker gathers the
+receiver's heads of every page of every layer of a chunk into a reservation
+of its send buffer, writes the packed block with one descriptor into a
+reservation the receiving broker made in its receive buffer (the prefetch,
+``PeerBroker.ReserveStaging``), and the receiving broker scatters it into the
+decode pages.
 
-Owner: the broker's event-loop thread. ``close`` deregisters and unmaps.
+Buffers: each broker has a host (DRAM) send and receive buffer, registered
+with NIXL at start. For engines whose KV is in VRAM, a device send and
+receive buffer is allocated on that GPU (CUDA VMM) and registered as VRAM
+when the first such engine registers, so VRAM head slices are packed on the
+GPU and never cross host memory; it stays until the broker stops.
+
+Gather and scatter (:func:`gather`, :func:`scatter`) are written once over
+"arrays": numpy arrays for host memory, torch CUDA tensors for device memory
+(:class:`ArrayViews` makes them). Both support the same indexing, so the
+same code packs host pages here and device pages on a GPU host. They run on
+the broker's copy thread, never on the control loop; numpy and torch release
+the GIL while they copy.
+
+Reservations (:class:`StagingPool`) are first-fit, 4 KiB aligned; one that
+does not fit waits until another is released. Pools belong to the control
+loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
+from kvbroker import cudavmm
 from kvbroker.broker.memory import array_at, map_anonymous, unmap
-from kvbroker.broker.nixl_agent import Agent
+from kvbroker.broker.slicing import SliceSide
 from kvbroker.errors import DeadlineExceeded, ResourceExhausted
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["Reservation", "StagingPool"]
+__all__ = [
+    "ArrayViews",
+    "Reservation",
+    "StagingBuffer",
+    "StagingPool",
+    "StagingPools",
+    "gather",
+    "scatter",
+]
 
+DRAM = common_pb2.MEMORY_KIND_DRAM
+VRAM = common_pb2.MEMORY_KIND_VRAM
 _ALIGN = 4096
+
+log = structlog.get_logger(__name__)
+
+#: An array over mapped memory: a numpy array (host) or a torch tensor (device).
+Array = Any
+
+
+class ArrayViews:
+    """Makes arrays over memory the broker mapped: numpy for DRAM, torch CUDA
+    tensors for VRAM (torch is imported on the first VRAM view only).
+
+    Tests whose "VRAM" is host memory behind a fake CUDA driver pass
+    ``device_as_host=True``: device memory is then viewed with numpy too.
+    """
+
+    def __init__(self, *, device_as_host: bool = False) -> None:
+        self.device_as_host = device_as_host
+
+    def view(self, address: int, nbytes: int, kind: int, device: int) -> Array:
+        """A uint8 array of ``nbytes`` at ``address`` (no copy; valid while mapped)."""
+        if kind == DRAM or self.device_as_host:
+            return array_at(address, nbytes)
+        import torch  # only a broker with VRAM staging pays for torch
+
+        return torch.as_tensor(_CudaBytes(address, nbytes), device=torch.device("cuda", device))
+
+    def synchronize(self, array: Array) -> None:
+        """Wait until work queued on ``array``'s device is done (no-op for host arrays)."""
+        if isinstance(array, np.ndarray):
+            return
+        import torch
+
+        torch.cuda.synchronize(array.device)
+
+
+class _CudaBytes:
+    """``__cuda_array_interface__`` over device memory the broker mapped (not owned)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": None,
+            "version": 2,
+        }
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """``nbytes`` at ``offset`` of a staging pool, until released."""
+    """``nbytes`` at ``offset`` of one staging buffer, until released."""
 
     offset: int
     nbytes: int
 
 
-class StagingPool:
-    """A registered host buffer handed out in reservations."""
+@dataclass(eq=False)
+class StagingBuffer:
+    """A broker-owned buffer registered with NIXL (host memory, or a GPU's)."""
 
-    def __init__(self, agent: Agent, size_bytes: int) -> None:
-        self.size_bytes = size_bytes
-        self.address = map_anonymous(size_bytes)
-        self._agent = agent
-        try:
-            self._registration: Any = agent.register(self.address, size_bytes, common_pb2.MEMORY_KIND_DRAM, 0)
-        except BaseException:
-            unmap(self.address, size_bytes)
-            raise
-        self._free: list[tuple[int, int]] = [(0, size_bytes)]
+    address: int
+    size_bytes: int
+    kind: int
+    device_id: int
+    #: The NIXL registration; set once the data plane registered it.
+    registration: Any = None
+    #: Unmaps (or frees) the memory; called after deregistration.
+    release_memory: Callable[[], None] | None = None
+
+    @classmethod
+    def host(cls, size_bytes: int) -> StagingBuffer:
+        """Zeroed, populated host memory (not yet registered)."""
+        address = map_anonymous(size_bytes)
+        return cls(address, size_bytes, DRAM, 0, release_memory=lambda: unmap(address, size_bytes))
+
+    @classmethod
+    def device(cls, size_bytes: int, ordinal: int, driver: cudavmm.Driver | None) -> StagingBuffer:
+        """GPU memory on device ``ordinal`` (CUDA VMM; not yet registered)."""
+        import os
+
+        mapping, fd = cudavmm.export_buffer(ordinal, size_bytes, driver)
+        os.close(fd)  # nobody imports it: the mapping keeps the memory
+        return cls(mapping.address, mapping.size_bytes, VRAM, mapping.device, release_memory=mapping.release)
+
+    def descriptor(self) -> peer_pb2.RemoteBuffer:
+        """How peers address this buffer."""
+        return peer_pb2.RemoteBuffer(
+            address=self.address, size_bytes=self.size_bytes, kind=self.kind, device_id=self.device_id  # type: ignore[arg-type]
+        )
+
+    def descriptor_row(self, reservation: Reservation, nbytes: int) -> npt.NDArray[np.uint64]:
+        """One N x 3 descriptor row for the first ``nbytes`` of ``reservation``."""
+        return np.array([[self.address + reservation.offset, nbytes, self.device_id]], dtype=np.uint64)
+
+
+class StagingPool:
+    """Reservations over one staging buffer. Control loop only."""
+
+    def __init__(self, buffer: StagingBuffer) -> None:
+        self.buffer = buffer
+        self.size_bytes = buffer.size_bytes
+        self._free: list[tuple[int, int]] = [(0, buffer.size_bytes)]
         self._released = asyncio.Event()
         self.in_use_bytes = 0
         self.reservations = 0
-
-    def descriptor(self) -> peer_pb2.RemoteBuffer:
-        """How peers address this buffer (handshake)."""
-        return peer_pb2.RemoteBuffer(
-            address=self.address, size_bytes=self.size_bytes, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0
-        )
 
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """A reservation of ``nbytes`` now, or None if no free span fits."""
@@ -116,10 +217,141 @@ class StagingPool:
         self.reservations -= 1
         self._released.set()
 
-    def view(self, reservation: Reservation, nbytes: int | None = None) -> npt.NDArray[np.uint8]:
-        """The reserved bytes as a numpy array (the first ``nbytes`` of them)."""
-        return array_at(self.address + reservation.offset, reservation.nbytes if nbytes is None else nbytes)
 
-    def close(self) -> None:
-        self._agent.deregister(self._registration)
-        unmap(self.address, self.size_bytes)
+# -- gather and scatter: the same code for host and device arrays ---------------
+
+
+def _index(pages: npt.NDArray[np.int32], like: Array) -> Any:
+    """``pages`` as an index for ``like``'s library and device."""
+    if isinstance(like, np.ndarray):
+        return pages.astype(np.intp, copy=False)
+    import torch
+
+    return torch.as_tensor(pages.astype(np.int64, copy=False), device=like.device)
+
+
+def _token_view(region: Array, page_size: int) -> Array:
+    """A ``[items, item_bytes]`` region as ``[items, page_size, token_bytes]``."""
+    return region.reshape(region.shape[0], page_size, -1)
+
+
+def gather(regions: list[Array], pages: npt.NDArray[np.int32], side: SliceSide, out: Array) -> None:
+    """Pack the head slice of ``pages`` of every region (``[items, item_bytes]``
+    arrays) into ``out``: for each region in order, ``[pages, page_size,
+    slice_bytes]``. One vectorised copy per region."""
+    block = out.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
+    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
+    if not regions:
+        return
+    index = _index(pages, regions[0])
+    for i, region in enumerate(regions):
+        block[i] = _token_view(region, side.page_size)[index, :, lo:hi]
+
+
+def scatter(packed: Array, regions: list[Array], pages: npt.NDArray[np.int32], side: SliceSide) -> None:
+    """Unpack a block made by :func:`gather` into the head slice of ``pages`` of every region."""
+    block = packed.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
+    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
+    if not regions:
+        return
+    index = _index(pages, regions[0])
+    for i, region in enumerate(regions):
+        _token_view(region, side.page_size)[index, :, lo:hi] = block[i]
+
+
+class StagingPools:
+    """The broker's staging pools, by direction and (memory kind, device).
+
+    The host send and receive pools exist from :meth:`start` (unless staging
+    is off); a GPU's pair is made by :meth:`ensure_device` when the first
+    engine with VRAM KV on that GPU registers, and freed by
+    :meth:`release_device` when the last one goes. Buffers are allocated on the
+    memory thread and registered on the data-plane thread.
+    """
+
+    def __init__(self, *, send_bytes: int, receive_bytes: int, dataplane: Any, workers: Any) -> None:
+        self._sizes = {"send": send_bytes, "receive": receive_bytes}
+        self._dataplane = dataplane
+        self._workers = workers
+        self._pools: dict[tuple[str, int, int], StagingPool] = {}
+        #: Devices whose pair could not be made (logged once; they stage nothing).
+        self.unavailable: dict[int, str] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return all(self._sizes.values())
+
+    async def start(self) -> None:
+        """Make and register the host pools."""
+        if self.enabled:
+            for direction, size in self._sizes.items():
+                buffer = await self._workers.memory(lambda size=size: StagingBuffer.host(size))
+                await self._register(direction, buffer)
+
+    async def ensure_device(self, device: int, driver: cudavmm.Driver | None) -> None:
+        """Make a GPU's pools if they do not exist yet (``FailedPrecondition`` and
+        logged if the GPU cannot give them: VRAM head slices then go per token)."""
+        if not self.enabled or (VRAM, device) in {(k, d) for _, k, d in self._pools} or device in self.unavailable:
+            return
+        made: list[tuple[str, StagingBuffer]] = []
+        try:
+            for direction, size in self._sizes.items():
+                buffer = await self._workers.memory(lambda size=size: StagingBuffer.device(size, device, driver))
+                made.append((direction, buffer))
+                await self._register(direction, buffer)
+        except Exception as exc:
+            for direction, buffer in made:
+                await self._release(self._pools.pop((direction, VRAM, device), None), buffer)
+            self.unavailable[device] = repr(exc)
+            log.warning("device_staging_unavailable", device=device, error=repr(exc), fallback="per-token descriptors")
+
+    async def release_device(self, device: int) -> None:
+        """Free a GPU's pools (its last VRAM engine went). Reservations still
+        held (a transfer that did not settle) keep them until the broker stops."""
+        keys = [k for k in self._pools if k[1] == VRAM and k[2] == device]
+        if any(self._pools[k].reservations for k in keys):
+            log.warning("device_staging_busy", device=device, kept_until="the broker stops")
+            return
+        for key in keys:
+            pool = self._pools.pop(key)
+            await self._release(pool, pool.buffer)
+        self.unavailable.pop(device, None)
+
+    def pool(self, direction: str, kind: int, device: int) -> StagingPool | None:
+        """The ``"send"`` or ``"receive"`` pool for memory ``kind`` on ``device``."""
+        return self._pools.get((direction, kind, 0 if kind == DRAM else device))
+
+    def send_bytes(self, kind: int, device: int) -> int:
+        """Size of the send pool for this memory (0: none: no staging)."""
+        pool = self.pool("send", kind, device)
+        return pool.size_bytes if pool is not None else 0
+
+    def receive_buffers(self) -> list[peer_pb2.RemoteBuffer]:
+        """The receive buffers peers may write into (handshake)."""
+        return [p.buffer.descriptor() for (d, _, _), p in self._pools.items() if d == "receive"]
+
+    def in_use_bytes(self, direction: str) -> int:
+        return sum(p.in_use_bytes for (d, _, _), p in self._pools.items() if d == direction)
+
+    async def close(self) -> None:
+        for key in list(self._pools):
+            pool = self._pools.pop(key)
+            await self._release(pool, pool.buffer)
+
+    async def _register(self, direction: str, buffer: StagingBuffer) -> None:
+        try:
+            buffer.registration = await self._dataplane.call(
+                lambda agent: agent.register(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
+            )
+        except BaseException:
+            await self._release(None, buffer)
+            raise
+        self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer)
+
+    async def _release(self, _pool: StagingPool | None, buffer: StagingBuffer) -> None:
+        if buffer.registration is not None:
+            registration, buffer.registration = buffer.registration, None
+            await self._dataplane.call(lambda agent: agent.deregister(registration))
+        if buffer.release_memory is not None:
+            release, buffer.release_memory = buffer.release_memory, None
+            await self._workers.memory(release)

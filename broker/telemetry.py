@@ -1,4 +1,4 @@
-"""Tracing, metrics and log correlation (DESIGN.md section 9).
+"""Tracing, metrics and log correlation (docs/design.md section 9).
 
 Tracing: one span per room per broker (``kvbroker.room``) with child spans
 for the handshake, the waits, each posted transfer, staging gather and
@@ -117,6 +117,11 @@ def add_trace_ids(_logger: Any, _method: str, event: MutableMapping[str, Any]) -
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+def current_context() -> otel_context.Context:
+    """The current trace context (to parent spans made later)."""
+    return otel_context.get_current()
 
 
 def start_span(

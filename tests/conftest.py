@@ -81,18 +81,18 @@ class FakeBroker:
         return self.server.address
 
     @property
-    def runtime(self):  # type: ignore[no-untyped-def]
-        return self.server.runtime
+    def broker(self):  # type: ignore[no-untyped-def]
+        return self.server.broker
 
     def tables(self) -> dict[str, int]:
-        return dict(self.loop.call(self.runtime.rooms.sizes))
+        return dict(self.loop.call(self.broker.rooms.sizes))
 
     def evict_now(self) -> None:
         """Evict every finished room and tombstone at once."""
         import time
 
-        self.loop.call(self.runtime.rooms.evict, time.monotonic() + 3600, 0.0, 0.0, 0.0)
-        self.loop.call(self.runtime.rooms.evict, time.monotonic() + 7200, 0.0, 0.0, 0.0)
+        self.loop.call(lambda: self.broker.evict(time.monotonic() + 3600, everything=True))
+        self.loop.call(lambda: self.broker.evict(time.monotonic() + 7200, everything=True))
 
 
 @pytest.fixture

@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from kvbroker.broker.metrics import BrokerMetrics
-from kvbroker.broker.nixl_agent import XferState
+from kvbroker.broker.executor import observe_write
 from kvbroker.broker.peers import Peer
-from kvbroker.broker.transfers import ChunkPoster
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.engine_child import MODEL
@@ -70,15 +68,12 @@ def test_prometheus_endpoint_reports_bytes_rooms_and_latency() -> None:
 
 def test_vram_moving_at_host_speed_is_logged_once() -> None:
     """A transfer touching VRAM below the threshold logs one warning naming the peer (then waits a minute)."""
-    poster = ChunkPoster.__new__(ChunkPoster)
-    poster._metrics = BrokerMetrics()
-    poster._vram_slow_bps = 20e9
     peer = Peer(address="10.0.0.2:50051")
     vram = (common_pb2.MEMORY_KIND_VRAM, common_pb2.MEMORY_KIND_VRAM)
     with capture_logs() as logs:
-        poster._observe(peer, 64 << 20, 0.2, "prepped", vram, XferState.DONE)  # ~0.34 GB/s
-        poster._observe(peer, 64 << 20, 0.2, "prepped", vram, XferState.DONE)
-        poster._observe(peer, 64 << 20, 0.2, "prepped", (common_pb2.MEMORY_KIND_DRAM,) * 2, XferState.DONE)
+        observe_write(peer, 64 << 20, 0.2, vram, 20e9)  # ~0.34 GB/s
+        observe_write(peer, 64 << 20, 0.2, vram, 20e9)
+        observe_write(peer, 64 << 20, 0.2, (common_pb2.MEMORY_KIND_DRAM,) * 2, 20e9)
     warnings = [e for e in logs if e["event"] == "vram_transfer_at_host_speed"]
     assert len(warnings) == 1 and warnings[0]["peer"] == "10.0.0.2:50051" and warnings[0]["memory"] == "VRAM->VRAM"
     assert peer.bytes_sent == 3 * (64 << 20) and 0.3e9 < peer.throughput_bps < 0.4e9

@@ -49,11 +49,10 @@ def test_layout_moves_byte_exact(fake_brokers, scenario: Scenario, staging: bool
     for broker in (p, d):
         broker.evict_now()
         assert not any(broker.tables().values()), broker.tables()
-    counters = p.runtime.counters
+    counters = p.broker.counters
     sliced = scenario.prefill_tp != scenario.decode_tp and not scenario.mla and scenario.kv_heads > min(scenario.prefill_tp, scenario.decode_tp)
     if sliced:
         assert (counters.transfers_staged > 0) == staging and (counters.transfers_per_token > 0) != staging
     else:
         assert counters.transfers_staged == counters.transfers_per_token == 0
-    if d.runtime.receive_staging is not None:
-        assert d.runtime.receive_staging.in_use_bytes == 0 and p.runtime.send_staging.in_use_bytes == 0
+    assert d.broker.pools.in_use_bytes("receive") == 0 and p.broker.pools.in_use_bytes("send") == 0

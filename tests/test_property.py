@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 
 from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef, StateSpec
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import FakeAgent, FakeFabric, LoopThread
 from kvbroker.v1 import (
     admin_pb2,
@@ -71,6 +72,9 @@ STATE = (StateSpec(name="swa", type="swa", item_bytes=32, num_items=STATE_ITEMS)
 #: Legitimate rooms take their ids from here; hostile requests never do.
 LEGIT_ROOMS = range(2**48, 2**48 + 2**20)
 U32, U64, I32 = 2**32 - 1, 2**64 - 1, 2**31 - 1
+#: The protocol version this build speaks; peer messages mostly carry it, sometimes not.
+V = PROTOCOL_VERSION
+versions = st.sampled_from((V, V, V, V, V, 0, V - 1, 99, U32))
 STRANGER_AGENT = "fake_stranger_agent"
 #: Metadata of an agent that is not on the fabric (NIXL cannot load it).
 NOBODY_METADATA = b'{"name": "fake_nobody_agent", "regs": []}'
@@ -614,7 +618,7 @@ def engine_descriptors(draw: st.DrawFn) -> peer_pb2.EngineDescriptor:
 @st.composite
 def handshakes(draw: st.DrawFn) -> list[Op]:
     request = peer_pb2.HandshakeRequest(
-        protocol_version=draw(st.sampled_from((1, 1, 1, 1, 0, 2, 99, U32))),
+        protocol_version=draw(versions),
         caller=peer_pb2.BrokerIdentity(
             broker_id=draw(stranger_ids),
             nixl_agent_name=draw(st.sampled_from((STRANGER_AGENT, STRANGER_AGENT, "", "fake_nobody_agent"))),
@@ -646,6 +650,7 @@ source_plans = st.builds(
 @st.composite
 def register_rooms(draw: st.DrawFn) -> list[Op]:
     request = peer_pb2.RegisterRoomRequest(
+        protocol_version=draw(versions),
         room=draw(rooms),
         receiver_broker_id=draw(stranger_ids),
         receiver=draw(rank_ids),
@@ -671,7 +676,7 @@ def stranger_rooms(draw: st.DrawFn) -> list[Op]:
     receiver = common_pb2.EngineRankId(group="evil")
     generation = draw(st.integers(1, 3))
     handshake = peer_pb2.HandshakeRequest(
-        protocol_version=1,
+        protocol_version=V,
         caller=peer_pb2.BrokerIdentity(
             broker_id=broker_id, nixl_agent_name=STRANGER_AGENT, address=draw(stranger_addresses)
         ),
@@ -702,6 +707,7 @@ def stranger_rooms(draw: st.DrawFn) -> list[Op]:
         num_heads=draw(st.integers(0, 2)),
     )
     register = peer_pb2.RegisterRoomRequest(
+        protocol_version=V,
         room=room,
         receiver_broker_id=broker_id,
         receiver=receiver,
@@ -735,6 +741,7 @@ def stranger_rooms(draw: st.DrawFn) -> list[Op]:
 @st.composite
 def completion_reports(draw: st.DrawFn) -> list[Op]:
     request = peer_pb2.CompletionReport(
+        protocol_version=draw(versions),
         room=draw(rooms),
         sender_broker_id=draw(stranger_ids),
         source=draw(rank_ids),
@@ -748,7 +755,7 @@ def completion_reports(draw: st.DrawFn) -> list[Op]:
 
 @st.composite
 def abort_rooms(draw: st.DrawFn) -> list[Op]:
-    request = peer_pb2.PeerAbortRequest(room=draw(rooms), from_broker_id=draw(stranger_ids))
+    request = peer_pb2.PeerAbortRequest(protocol_version=draw(versions), room=draw(rooms), from_broker_id=draw(stranger_ids))
     if draw(st.booleans()):
         request.cause.CopyFrom(draw(failure_causes))
     return [Op(draw(broker_via), "peer", "AbortRoom", request)]
@@ -757,6 +764,7 @@ def abort_rooms(draw: st.DrawFn) -> list[Op]:
 @st.composite
 def reserve_stagings(draw: st.DrawFn) -> list[Op]:
     request = peer_pb2.ReserveStagingRequest(
+        protocol_version=draw(versions),
         room=draw(rooms),
         sender_broker_id=draw(stranger_ids),
         source=draw(rank_ids),
@@ -902,7 +910,7 @@ def _legit_room(c: Cluster, room: Legit) -> None:
 def _unquiet(c: Cluster) -> list[str]:
     """What is still moving on either broker (runs on the loop thread)."""
     busy = []
-    for name, rt in (("p", c.p.runtime), ("d", c.d.runtime)):
+    for name, rt in (("p", c.p.broker), ("d", c.d.broker)):
         if len(rt.tasks):
             busy.append(f"{name}: {len(rt.tasks)} background tasks")
         for s in rt.rooms.all_sources():
@@ -991,7 +999,7 @@ def _eventually(predicate: Callable[[], bool], timeout_seconds: float) -> None:
 
 def _stranger_handshake(c: Cluster, broker: str, *engines: peer_pb2.EngineDescriptor, metadata: bytes = b"") -> Code:
     request = peer_pb2.HandshakeRequest(
-        protocol_version=1,
+        protocol_version=V,
         caller=peer_pb2.BrokerIdentity(broker_id="stranger-0", nixl_agent_name=STRANGER_AGENT),
         nixl_agent_metadata=metadata or c.stranger.metadata(),
         engines=engines,
@@ -1037,6 +1045,7 @@ def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
             num_heads=1,
         )
         register = peer_pb2.RegisterRoomRequest(
+        protocol_version=V,
             room=room,
             receiver_broker_id="stranger-0",
             receiver=evil,
@@ -1063,6 +1072,7 @@ def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
         sender.init(2, aux_row=1)
         _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT, 5)
         hostile = peer_pb2.PeerAbortRequest(
+        protocol_version=V,
             room=room,
             from_broker_id="stranger-0",
             cause=common_pb2.FailureCause(kind=common_pb2.FAILURE_KIND_ABORTED, message="hostile"),

@@ -20,8 +20,8 @@ from .conftest import SMALL_MODEL
 def test_engine_sockets_are_owner_and_group_only(fake_brokers) -> None:
     """The engine gRPC socket and the fd socket are created mode 0660."""
     b = fake_brokers("s")
-    assert b.runtime.fd_server is not None
-    for path in (b.runtime.engine_socket_path, b.runtime.fd_server.path):
+    assert b.broker.fd_server is not None
+    for path in (b.broker.engine_socket_path, b.broker.fd_server.path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660, path
 
 
@@ -68,7 +68,7 @@ def test_a_session_token_registers_one_engine_only(fake_brokers) -> None:
                 )
         memory = EngineMemory.allocate(RankSpec("g", "prefill"), SMALL_MODEL, num_pages=4)
         engine = client.register_engine(RankSpec("g", "prefill"), memory)
-        token = p.runtime.engines.get(engine.engine_id).session_token
+        token = p.broker.engines.get(engine.engine_id).session_token
         with pytest.raises(errors.NotFound):
             client.call(
                 client.stub.RegisterEngine,

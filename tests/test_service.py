@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from kvbroker import errors
+from kvbroker.broker.dataplane import Notices
 from kvbroker.client import RoomState, SenderRef, StateSpec
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import XferScript
 from kvbroker.v1 import common_pb2, peer_pb2, transfer_pb2
 
@@ -347,7 +349,7 @@ def test_sender_abort_reaches_the_receiver(fake_brokers, make_engine) -> None:
     sender.abort("prefill OOM")
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.message == "prefill OOM"
-    assert status.cause.origin_broker == p.runtime.broker_id
+    assert status.cause.origin_broker == p.broker.broker_id
     _eventually(lambda: receiver.status().pages_settled)
 
 
@@ -421,11 +423,13 @@ def test_finished_rooms_are_evicted_by_ttl_and_late_ids_refused(fake_brokers, ma
 def test_late_notice_never_recreates_a_room(fake_brokers, make_engine) -> None:
     """Lesson 6: a notice for a room that is gone is counted and dropped."""
     d = fake_brokers("d")
-    notice = peer_pb2.TransferNotice(room=4242, receiver=common_pb2.EngineRankId(group="decode-group"), parts=1)
-    d.loop.call(d.runtime.receiver.on_notice, "someone", notice.SerializeToString())
-    d.loop.call(d.runtime.receiver.on_notice, "someone", b"\xff\xffnot a notice")
+    notice = peer_pb2.TransferNotice(
+        protocol_version=PROTOCOL_VERSION, room=4242, receiver=common_pb2.EngineRankId(group="decode-group"), parts=1
+    )
+    d.loop.call(d.broker.executor.on_events, [Notices([("someone", notice.SerializeToString())])])
+    d.loop.call(d.broker.executor.on_events, [Notices([("someone", b"\xff\xffnot a notice")])])
     assert d.tables()["receiver_rooms"] == 0
-    assert d.runtime.counters.late_notices == 1 and d.runtime.counters.bad_notices == 1
+    assert d.broker.counters.late_notices == 1 and d.broker.counters.bad_notices == 1
 
 
 def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_engine) -> None:
@@ -440,7 +444,7 @@ def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_eng
     pe.handle._session.close()  # what the kernel does when the process dies
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
-    _eventually(lambda: p.agent.registrations == 2 and not p.runtime.engines.by_id)
+    _eventually(lambda: p.agent.registrations == 2 and not p.broker.engines.by_id)
     assert not p.agent.live_dlists
 
 
@@ -465,7 +469,7 @@ def test_contiguous_runs_become_one_descriptor(fake_brokers, make_engine) -> Non
     s.send([0, 1, 2, 3, 8, 9])
     de.handle.wait([60], timeout_seconds=10)
     # 2 runs x 4 KV regions (K, V of 2 layers) + 1 aux row.
-    assert p.runtime.counters.descriptors_transferred == 9
+    assert p.broker.counters.descriptors_transferred == 9
 
 
 def test_watch_streams_state_changes(fake_brokers, make_engine) -> None:
@@ -574,8 +578,9 @@ def test_completion_waits_for_every_state_component(fake_brokers, make_engine) -
     receiver.init(DST[:2], aux_row=0, state={"swa": [1], "nsa": [2]})
     _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
     notice = peer_pb2.TransferNotice(
+        protocol_version=PROTOCOL_VERSION,
         room=83,
-        sender_broker_id=p.runtime.broker_id,
+        sender_broker_id=p.broker.broker_id,
         source=common_pb2.EngineRankId(group="prefill-group"),
         receiver=common_pb2.EngineRankId(group="decode-group"),
         chunk_index=0,
@@ -586,7 +591,7 @@ def test_completion_waits_for_every_state_component(fake_brokers, make_engine) -
         state_components=["swa"],
         parts=1,
     )
-    d.loop.call(d.runtime.receiver.on_notice, p.agent.name, notice.SerializeToString())
+    d.loop.call(d.broker.executor.on_events, [Notices([(p.agent.name, notice.SerializeToString())])])
     status = receiver.status()
     assert status.state == RoomState.FAILED and "['nsa']" in status.cause.message
 
@@ -668,7 +673,7 @@ def test_lost_peer_fails_its_rooms_and_is_dropped(fake_brokers, make_engine) -> 
     status = sender.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
     assert d.address in status.cause.message
-    _eventually(lambda: not p.runtime.peers.by_id)
+    _eventually(lambda: not p.broker.peers.by_id)
 
 
 def test_sender_engine_dying_before_it_opens_the_room_fails_the_receiver_at_once(fake_brokers, make_engine) -> None:
@@ -722,7 +727,7 @@ def test_a_finished_source_whose_record_went_is_not_reported_as_never_opening(fa
     (The broker used to tell the receiver ENGINE_LOST for it and fail the room.)"""
     p, d, prefill, de, receiver = _two_sources_one_receiver(fake_brokers, make_engine, 99)
     prefill[0].handle._session.close()  # rank 0 goes away after its part was done
-    _eventually(lambda: p.tables().get("sender_rooms") == 1 and len(p.runtime.engines.by_key) == 1)
+    _eventually(lambda: p.tables().get("sender_rooms") == 1 and len(p.broker.engines.by_key) == 1)
     second = prefill[1].handle.sender(99)
     second.init(len(SRC), aux_row=1)
     second.send(SRC)
@@ -779,8 +784,8 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
     p1.loop.run(p1.server._server.stop(0))  # p1 is gone; p2 takes its address
     p2 = fake_brokers("p2", listen_address=p1.address)
     pe2 = make_engine(p2.address, "prefill")
-    peers = d.runtime.peers
-    real_stub = peers.stub
+    peers, client = d.broker.peers, d.broker.client
+    real_stub = client.stub
     raced: list[str] = []
 
     class RacingStub:
@@ -798,15 +803,15 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
                 # to the address is still backing off from the old process).
                 for _ in range(100):
                     try:
-                        await peers.handshake(peers.by_address[p1.address])
+                        await client.handshake(peers.by_address[p1.address])
                         break
                     except errors.Unavailable:
                         await asyncio.sleep(0.05)
             return await self._stub.RegisterRoom(request, timeout=timeout)
 
-    monkeypatch.setattr(peers, "stub", lambda peer: RacingStub(real_stub(peer)))
+    monkeypatch.setattr(client, "stub", lambda peer: RacingStub(real_stub(peer)))
     _move_room(pe2, de, p1.address, 99)
-    assert raced == [p1.runtime.broker_id] and peers.by_address[p1.address].broker_id == p2.runtime.broker_id
+    assert raced == [p1.broker.broker_id] and peers.by_address[p1.address].broker_id == p2.broker.broker_id
     _assert_moved(pe2, de, SRC, DST)
     del pe1
     _wait_tables_empty(p2, d)
@@ -817,8 +822,8 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     the room fails PEER with its pages settled (nothing of that process can write any more), instead
     of waiting for data that will never come."""
     p, d, _pe, de = _pair(fake_brokers, make_engine)
-    peers = d.runtime.peers
-    real_stub = peers.stub
+    client = d.broker.client
+    real_stub = client.stub
 
     class LosingStub:
         def __init__(self, stub: object, peer: object) -> None:
@@ -829,10 +834,10 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
 
         async def RegisterRoom(self, request, timeout):  # type: ignore[no-untyped-def]
             answer = await self._stub.RegisterRoom(request, timeout=timeout)
-            d.runtime.on_peer_lost(self._peer, "stopped answering (test)")
+            d.broker.peer_lost(self._peer, "stopped answering (test)")
             return answer
 
-    monkeypatch.setattr(peers, "stub", lambda peer: LosingStub(real_stub(peer), peer))
+    monkeypatch.setattr(client, "stub", lambda peer: LosingStub(real_stub(peer), peer))
     receiver = de.handle.receiver(100, SenderRef(p.address, "prefill-group"))
     receiver.init(DST, aux_row=2)
     status = receiver.wait(10)
@@ -864,8 +869,8 @@ def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_b
     sender.init(len(SRC), aux_row=1)
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED and sstat.cause.kind == common_pb2.FAILURE_KIND_PEER, sstat
-    assert f"the receiving broker {d.runtime.broker_id} failed the room" in sstat.cause.message
-    assert p1.runtime.broker_id in sstat.cause.message
+    assert f"the receiving broker {d.broker.broker_id} failed the room" in sstat.cause.message
+    assert p1.broker.broker_id in sstat.cause.message
     _eventually(lambda: d.tables()["successor_notices"] == 0)
     _move_room(pe2, de, p2.address, 102)
     _assert_moved(pe2, de, SRC, DST)
@@ -892,7 +897,7 @@ def test_a_room_registered_again_by_a_restarted_decode_broker_is_refused(fake_br
     again.init(DST, aux_row=2)
     status = again.wait(10)
     assert status.state == RoomState.FAILED, status
-    assert "a room is registered once" in status.cause.message and d1.runtime.broker_id in status.cause.message
+    assert "a room is registered once" in status.cause.message and d1.broker.broker_id in status.cause.message
     _eventually(lambda: again.status().pages_settled)
 
 
@@ -919,7 +924,7 @@ def test_a_room_aborted_while_its_prefill_broker_was_down_fails_at_once_when_it_
     sender.init(len(SRC), aux_row=1)
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED, sstat
-    assert f"the receiving broker {d.runtime.broker_id} failed the room: the request was cancelled" in sstat.cause.message
+    assert f"the receiving broker {d.broker.broker_id} failed the room: the request was cancelled" in sstat.cause.message
     _eventually(lambda: d.tables()["successor_notices"] == 0)
     _wait_tables_empty(p, d)
 

@@ -136,7 +136,7 @@ async def _serve_async(config: object, ready_file: str | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
-        info = server.runtime.broker_info()
+        info = server.broker.broker_info()
         tmp = f"{ready_file}.tmp"
         with open(tmp, "w") as fh:
             json.dump(

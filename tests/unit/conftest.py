@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -174,3 +175,53 @@ def make_layout() -> Callable[..., Layout]:
 def state_spec() -> type[StateSpec]:
     """The ``StateSpec`` class, for the ``state=`` keyword of the builders."""
     return StateSpec
+
+
+# -- stand-ins for the room state machines' unit tests ------------------------
+
+
+@dataclass(eq=False)
+class EngineStub:
+    """What the room state machines read of an engine rank (``engines.Engine``)."""
+
+    key: RankKey
+    engine_id: str
+    layout: Layout
+    table: Any
+    generation: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.key}#{self.generation}"
+
+    @property
+    def role(self) -> int:
+        return self.layout.role
+
+
+def _engine_stub(
+    role: str = "prefill",
+    *,
+    group: str | None = None,
+    memory_kind: int = common_pb2.MEMORY_KIND_DRAM,
+    base_address: int = 1 << 30,
+    **kwargs: Any,
+) -> EngineStub:
+    from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
+
+    role_value = common_pb2.ROLE_PREFILL if role == "prefill" else common_pb2.ROLE_DECODE
+    built = _layout_proto(role=role_value, group=group or f"{role}-group", **kwargs)
+    layout = built.build()
+    placements = [
+        BufferPlacement(base_address + (i << 24), size, memory_kind if i == 0 else common_pb2.MEMORY_KIND_DRAM, 0)
+        for i, size in enumerate(built.buffer_sizes)
+    ]
+    table = build_descriptor_table(layout, placements)
+    return EngineStub(key=built.rank, engine_id=f"eng-{built.rank}", layout=layout, table=table)
+
+
+@pytest.fixture
+def engine_stub() -> Callable[..., EngineStub]:
+    """Builder of an engine rank stand-in with a valid layout and descriptor table
+    (keywords: ``role``, ``group``, ``memory_kind`` of its KV buffer, and any of ``layout_proto``'s)."""
+    return _engine_stub

@@ -16,10 +16,9 @@ from kvbroker.broker.descriptors import (
     DescriptorTable,
     Segment,
     build_descriptor_table,
-    check_index,
-    check_indices,
     coalesce_runs,
     count_runs,
+    expand_rows,
     plan_parts,
 )
 from kvbroker.broker.layout import Layout
@@ -34,58 +33,6 @@ Builder = Callable[..., Any]
 
 def i32(values: list[int] | range) -> np.ndarray:
     return np.array(list(values), dtype=np.int32)
-
-
-# -- bounds -------------------------------------------------------------------
-
-
-def test_check_indices_in_range_ok() -> None:
-    """Indices in [0, count) pass, including both ends of the range."""
-    check_indices(i32([0, 5, 9]), 10, "pages")
-
-
-def test_check_indices_negative() -> None:
-    """A negative index is InvalidArgument mentioning 'negative' and the index."""
-    with pytest.raises(InvalidArgument, match=r"src pages: index -1 is negative"):
-        check_indices(i32([3, -1, 2]), 10, "src pages")
-
-
-def test_check_indices_equal_to_count() -> None:
-    """An index equal to the region's count is out of range."""
-    with pytest.raises(
-        InvalidArgument, match=r"dst pages: index 10 is out of range \(the region holds 10\)"
-    ):
-        check_indices(i32([0, 10]), 10, "dst pages")
-
-
-def test_check_indices_reports_extremes() -> None:
-    """The error names the smallest negative or largest too-large index."""
-    with pytest.raises(InvalidArgument, match="index -7 is negative"):
-        check_indices(i32([-2, -7, 100]), 10, "x")
-    with pytest.raises(InvalidArgument, match="index 100 is out of range"):
-        check_indices(i32([12, 100, 11]), 10, "x")
-
-
-def test_check_indices_empty_ok() -> None:
-    """An empty index list passes, even against an empty region."""
-    check_indices(i32([]), 0, "pages")
-    check_indices(i32([]), 10, "pages")
-
-
-def test_check_indices_any_index_into_empty_region() -> None:
-    """Index 0 into a region holding nothing is out of range."""
-    with pytest.raises(InvalidArgument, match="out of range"):
-        check_indices(i32([0]), 0, "pages")
-
-
-@pytest.mark.parametrize("index,ok", [(0, True), (3, True), (4, False), (-1, False)])
-def test_check_index(index: int, ok: bool) -> None:
-    """check_index applies the same bounds to one index (an aux row)."""
-    if ok:
-        check_index(index, 4, "aux row")
-    else:
-        with pytest.raises(InvalidArgument, match="aux row: index"):
-            check_index(index, 4, "aux row")
 
 
 # -- descriptor tables --------------------------------------------------------
@@ -117,16 +64,18 @@ def _placements(layout: Layout) -> list[BufferPlacement]:
 
 
 def test_descriptor_table_addresses(mixed_layout: Layout) -> None:
-    """Row j of a region is (buffer address + offset + j*item_bytes, item_bytes, device)."""
+    """Item j of a region is (buffer address + offset + j*item_bytes, item_bytes, device)."""
     buffers = _placements(mixed_layout)
     table = build_descriptor_table(mixed_layout, buffers)
-    assert set(table.descs) == {DRAM, VRAM}
+    assert set(table.rows) == {DRAM, VRAM}
     for region in mixed_layout.regions:
         buf = buffers[region.buffer]
         kind = table.region_kind[region.index]
         assert kind == buf.kind
         base = table.region_base[region.index]
-        rows = table.descs[kind][base : base + region.items]
+        rows = table.expand(kind)[base : base + region.items]
+        addresses = table.item_addresses(region.index, np.arange(region.items, dtype=np.int32))
+        assert addresses.tolist() == rows[:, 0].tolist()
         assert rows.dtype == np.uint64
         expected = [
             (
@@ -145,8 +94,24 @@ def test_descriptor_table_region_base_per_kind(mixed_layout: Layout) -> None:
     # Regions: K0 V0 K1 V1 (VRAM, 5 pages each), aux 16 B, aux 8 B (DRAM, 3 rows), mamba (VRAM, 2).
     assert table.region_kind == (VRAM, VRAM, VRAM, VRAM, DRAM, DRAM, VRAM)
     assert table.region_base == (0, 5, 10, 15, 0, 3, 20)
-    assert table.descs[VRAM].shape == (22, 3)
-    assert table.descs[DRAM].shape == (6, 3)
+    assert table.expand(VRAM).shape == (22, 3) and table.items(VRAM) == 22
+    assert table.expand(DRAM).shape == (6, 3) and table.items(DRAM) == 6
+
+
+def test_descriptor_table_is_one_strided_row_per_region(mixed_layout: Layout) -> None:
+    """The table holds NIXL's strided form: (address, item bytes, device, stride, count) per region,
+    so describing an engine costs one row per region, however many pages it has."""
+    buffers = _placements(mixed_layout)
+    table = build_descriptor_table(mixed_layout, buffers)
+    assert table.rows[VRAM].shape == (5, 5) and table.rows[DRAM].shape == (2, 5)
+    first = mixed_layout.regions[0]
+    assert table.rows[VRAM][0].tolist() == [buffers[0].address + first.offset_bytes, first.item_bytes, 3, first.item_bytes, 5]
+
+
+def test_expand_rows_follows_the_strides() -> None:
+    """Expanding strided rows gives one (address, length, device) row per item, in order."""
+    rows = np.array([[100, 8, 1, 16, 3], [1000, 4, 0, 4, 2]], dtype=np.uint64)
+    assert expand_rows(rows).tolist() == [[100, 8, 1], [116, 8, 1], [132, 8, 1], [1000, 4, 0], [1004, 4, 0]]
 
 
 def test_descriptor_table_all_dram(layout_proto: Builder) -> None:
@@ -154,10 +119,10 @@ def test_descriptor_table_all_dram(layout_proto: Builder) -> None:
     layout = layout_proto(num_layers=1, num_pages=4, aux_rows=2, aux_row_bytes=(16,)).build()
     buffers = [BufferPlacement(0, 1 << 20, DRAM, 0), BufferPlacement(1 << 20, 1 << 10, DRAM, 0)]
     table = build_descriptor_table(layout, buffers)
-    assert list(table.descs) == [DRAM]
+    assert list(table.rows) == [DRAM]
     assert table.region_base == (0, 4, 8)
-    assert table.descs[DRAM].shape == (10, 3)
-    assert int(table.descs[DRAM][8, 0]) == 1 << 20
+    assert table.expand(DRAM).shape == (10, 3)
+    assert int(table.expand(DRAM)[8, 0]) == 1 << 20
 
 
 def _table(kinds: list[int], items: list[int], base_address: int = 0) -> DescriptorTable:
@@ -167,8 +132,16 @@ def _table(kinds: list[int], items: list[int], base_address: int = 0) -> Descrip
     for kind, n in zip(kinds, items):
         bases.append(counts.get(kind, 0))
         counts[kind] = counts.get(kind, 0) + n
-    descs = {k: np.zeros((n, 3), dtype=np.uint64) for k, n in counts.items()}
-    return DescriptorTable(descs=descs, region_kind=tuple(kinds), region_base=tuple(bases))
+    rows = {k: np.array([[0, 1, 0, 1, n]], dtype=np.uint64) for k, n in counts.items()}
+    zeros = tuple(0 for _ in kinds)
+    return DescriptorTable(
+        rows=rows,
+        region_kind=tuple(kinds),
+        region_base=tuple(bases),
+        region_address=zeros,
+        region_item_bytes=tuple(1 for _ in kinds),
+        region_device=zeros,
+    )
 
 
 # -- transfer parts -----------------------------------------------------------

@@ -12,20 +12,9 @@ import pytest
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.nixl_agent import NixlError
-from kvbroker.broker.rooms import (
-    Chunk,
-    Destination,
-    Progress,
-    ReceiverProgress,
-    ReceiverRoom,
-    RoomTables,
-    SenderRoom,
-    SourceExpectation,
-    SourceProgress,
-    TransferInfo,
-    cause,
-    cause_of,
-)
+from kvbroker.broker.receiver import Receiver, SourceExpectation
+from kvbroker.broker.rooms import ReceiverRoom, RoomTables, SenderRoom, Side, cause, cause_of
+from kvbroker.broker.sender import Chunk, Destination, Source, TransferInfo
 from kvbroker.broker.staging import Reservation
 from kvbroker.errors import (
     DeadlineExceeded,
@@ -53,15 +42,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, bool]] = []
-        self.progress: list[Progress] = []
+        self.progress: list[Side] = []
 
-    def __call__(self, progress: Progress) -> None:
+    def __call__(self, progress: Side) -> None:
         self.calls.append((progress.state, progress.pages_settled))
         self.progress.append(progress)
 
 
 def engine(group: str = "g", tp: int = 0, pp: int = 0) -> Any:
-    """A stand-in for an Engine: Progress only reads ``key`` (and ``engine_id``)."""
+    """A stand-in for an Engine: Side only reads ``key`` (and ``engine_id``)."""
     return SimpleNamespace(key=RankKey(group, tp, pp), engine_id=f"e-{group}-{tp}-{pp}")
 
 
@@ -71,15 +60,15 @@ def failure(
     return cause(kind, message, "broker-a")
 
 
-def source(room: int = 1, listener: Recorder | None = None, **kwargs: Any) -> SourceProgress:
-    return SourceProgress(room=room, engine=engine(**kwargs), listener=listener or Recorder())
+def source(room: int = 1, listener: Recorder | None = None, **kwargs: Any) -> Source:
+    return Source(room=room, engine=engine(**kwargs), listener=listener or Recorder())
 
 
-def receiver(room: int = 1, listener: Recorder | None = None, **kwargs: Any) -> ReceiverProgress:
-    return ReceiverProgress(room=room, engine=engine(**kwargs), listener=listener or Recorder())
+def receiver(room: int = 1, listener: Recorder | None = None, **kwargs: Any) -> Receiver:
+    return Receiver(room=room, engine=engine(**kwargs), listener=listener or Recorder())
 
 
-PROGRESS_TYPES = [SourceProgress, ReceiverProgress]
+PROGRESS_TYPES = [Source, Receiver]
 
 
 # -- the state machine ---------------------------------------------------------
@@ -92,7 +81,7 @@ def test_state_order_matches_design() -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_new_progress(cls: type[Progress]) -> None:
+def test_new_progress(cls: type[Side]) -> None:
     """A new record is BOOTSTRAPPING, without cause, unsettled, keyed by its engine."""
     listener = Recorder()
     p = cls(room=7, engine=engine("d", 2, 1), listener=listener)
@@ -108,7 +97,7 @@ def test_new_progress(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_advance_forward(cls: type[Progress]) -> None:
+def test_advance_forward(cls: type[Side]) -> None:
     """Forward moves succeed, call the listener once each, and may skip states."""
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
@@ -128,7 +117,7 @@ def test_advance_forward(cls: type[Progress]) -> None:
         (BOOTSTRAPPING, BOOTSTRAPPING),
     ],
 )
-def test_advance_backward_or_same_refused(cls: type[Progress], start: int, target: int) -> None:
+def test_advance_backward_or_same_refused(cls: type[Side], start: int, target: int) -> None:
     """Advancing to a lower or equal state returns False and does not call the listener."""
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
@@ -141,7 +130,7 @@ def test_advance_backward_or_same_refused(cls: type[Progress], start: int, targe
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_advance_to_failed_refused(cls: type[Progress]) -> None:
+def test_advance_to_failed_refused(cls: type[Side]) -> None:
     """advance(FAILED) is refused: failing needs fail() and a cause."""
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
@@ -150,7 +139,7 @@ def test_advance_to_failed_refused(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_fail_keeps_first_cause(cls: type[Progress]) -> None:
+def test_fail_keeps_first_cause(cls: type[Side]) -> None:
     """FAILED keeps the first cause; a second fail returns False without a listener call."""
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
@@ -173,7 +162,7 @@ def test_fail_keeps_first_cause(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_fail_does_not_settle_pages(cls: type[Progress]) -> None:
+def test_fail_does_not_settle_pages(cls: type[Side]) -> None:
     """A failure alone does not mark the pages settled (transfers may still write)."""
     p = cls(room=1, engine=engine(), listener=Recorder())
     p.fail(failure())
@@ -181,7 +170,7 @@ def test_fail_does_not_settle_pages(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_success_is_terminal(cls: type[Progress]) -> None:
+def test_success_is_terminal(cls: type[Side]) -> None:
     """SUCCESS sets pages_settled and finished_at; later advances and fails are refused."""
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
@@ -195,7 +184,7 @@ def test_success_is_terminal(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_mark_settled_once(cls: type[Progress]) -> None:
+def test_mark_settled_once(cls: type[Side]) -> None:
     """mark_settled calls the listener only the first time."""
     listener = Recorder()
     p = cls(room=1, engine=engine(), listener=listener)
@@ -206,7 +195,7 @@ def test_mark_settled_once(cls: type[Progress]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
-def test_status(cls: type[Progress]) -> None:
+def test_status(cls: type[Side]) -> None:
     """status() carries room, state, cause, pages_settled, chunks and bytes."""
     p = cls(room=2**63 + 5, engine=engine(), listener=Recorder())
     p.advance(TRANSFERRING)
@@ -308,7 +297,7 @@ def _info(room: int, receiver_tp: int = 0, created: float = 0.0) -> TransferInfo
     )
 
 
-def _finish(p: Progress, at: float, *, ok: bool = True) -> None:
+def _finish(p: Side, at: float, *, ok: bool = True) -> None:
     if ok:
         p.advance(SUCCESS)
     else:
@@ -354,7 +343,7 @@ def test_sizes_counts_everything() -> None:
             plan=_plan(1), expects_aux=False, expected_components=frozenset()
         ),
     }
-    rcv.staging[(RankKey("p", 0, 0), 0, 0)] = Reservation(offset=0, nbytes=4096)
+    rcv.staging[(RankKey("p", 0, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_DRAM, 0), Reservation(offset=0, nbytes=4096))
     rcv2 = receiver(room=2, group="d", tp=1)  # expected is None: counts 0
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv})
     tables.receiver[2] = ReceiverRoom(room=2, ranks={rcv2.key: rcv2})
@@ -541,7 +530,7 @@ def test_sender_room_stays_for_a_source_that_never_opened_it() -> None:
     assert [rank for _, rank in room.unserved()] == [other.rank]
     tables.evict(100.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert room.sources == {} and tables.sender == {13: room}
-    room.abandoned.add((info.receiver, other.rank))  # the receiver was told
+    room.abandoned[(info.receiver, other.rank)] = failure()  # the receiver was told
     assert list(room.unserved()) == []
     tables.evict(100.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.sender == {} and tables.sizes()["transfer_infos"] == 0

@@ -21,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 
+from kvbroker.broker.descriptors import expand_rows
 from kvbroker.broker.nixl_agent import NixlError, XferState
 from kvbroker.errors import InvalidArgument
 from kvbroker.indices import IndexArray
@@ -127,7 +128,12 @@ class FakeAgent:
     def remove_remote(self, name: str) -> None:
         self._remotes.pop(name, None)
 
-    def prep_dlist(self, agent: str | None, descs: np.ndarray, kind: int) -> _Dlist:
+    def prep_dlist(self, agent: str | None, rows: np.ndarray, kind: int) -> _Dlist:
+        if rows.ndim != 2 or rows.shape[1] != 5:
+            raise NixlError("a prepared list is made of strided K x 5 rows")
+        return self._prep(agent, expand_rows(rows), kind)
+
+    def _prep(self, agent: str | None, descs: np.ndarray, kind: int) -> _Dlist:
         if agent is None or agent == self._name:
             regions = list(self._regs.values())
         elif agent in self._remotes:
@@ -192,8 +198,8 @@ class FakeAgent:
         remote_agent: str,
         notif: bytes,
     ) -> _Xfer:
-        local = self.prep_dlist(None, local_descs, local_kind)
-        remote = self.prep_dlist(remote_agent, remote_descs, remote_kind)
+        local = self._prep(None, local_descs, local_kind)
+        remote = self._prep(remote_agent, remote_descs, remote_kind)
         try:
             return self.post_write(
                 local,

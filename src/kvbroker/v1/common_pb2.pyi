@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
+
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROOM_STATE_FAILED: _ClassVar[RoomState]
@@ -54,6 +60,9 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_ENGINE_LOST: _ClassVar[FailureKind]
     FAILURE_KIND_UNKNOWN_ROOM: _ClassVar[FailureKind]
     FAILURE_KIND_SHUTDOWN: _ClassVar[FailureKind]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_1: ProtocolVersion
+PROTOCOL_VERSION_2: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvbroker.v1 import common_pb2 as kvbroker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/peer.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"M\n\x0e\x42rokerIdentity\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"m\n\x0cRemoteBuffer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.kvbroker.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"\xa6\x01\n\x10\x45ngineDescriptor\x12\'\n\x04rank\x18\x01 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineLayout\x12*\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\xd2\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.kvbroker.v1.BrokerIdentity\x12\x1b\n\x13nixl_agent_metadata\x18\x03 \x01(\x0c\x12.\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x1d.kvbroker.v1.EngineDescriptor\x12*\n\x07staging\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\"\xd3\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63\x61llee\x18\x02 \x01(\x0b\x32\x1b.kvbroker.v1.BrokerIdentity\x12\x1b\n\x13nixl_agent_metadata\x18\x03 \x01(\x0c\x12.\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x1d.kvbroker.v1.EngineDescriptor\x12*\n\x07staging\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\"\x89\x02\n\nSourcePlan\x12\'\n\x04rank\x18\x01 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.kvbroker.v1.SourceMode\x12\x18\n\x10num_destinations\x18\x03 \x01(\r\x12\x13\n\x0blayer_begin\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x11\n\tsends_aux\x18\x06 \x01(\x08\x12\x13\n\x0bsends_state\x18\x07 \x01(\x08\x12\x16\n\x0esrc_head_start\x18\x08 \x01(\r\x12\x16\n\x0e\x64st_head_start\x18\t \x01(\r\x12\x11\n\tnum_heads\x18\n \x01(\r\"\xd8\x02\n\x13RegisterRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x1a\n\x12receiver_broker_id\x18\x02 \x01(\t\x12+\n\x08receiver\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x1b\n\x13receiver_generation\x18\x04 \x01(\x04\x12\x14\n\x0csender_group\x18\x05 \x01(\t\x12\'\n\x05pages\x18\x06 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x14\n\x07\x61ux_row\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x08 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12(\n\x07sources\x18\t \x03(\x0b\x32\x17.kvbroker.v1.SourcePlan\x12\x18\n\x10sender_broker_id\x18\n \x01(\tB\n\n\x08_aux_row\"\x16\n\x14RegisterRoomResponse\"\xc9\x01\n\x15ReserveStagingRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x18\n\x10sender_broker_id\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12+\n\x08receiver\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x0c\n\x04part\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\"7\n\x16ReserveStagingResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\xcf\x01\n\x10\x43ompletionReport\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x18\n\x10sender_broker_id\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12+\n\x08receiver\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12*\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x0f\n\x07settled\x18\x06 \x01(\x08\"\x0f\n\rCompletionAck\"b\n\x10PeerAbortRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x16\n\x0e\x66rom_broker_id\x18\x02 \x01(\t\x12(\n\x05\x63\x61use\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\"$\n\x11PeerAbortResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\"%\n\x0bPingRequest\x12\x16\n\x0e\x66rom_broker_id\x18\x01 \x01(\t\"!\n\x0cPingResponse\x12\x11\n\tbroker_id\x18\x01 \x01(\t\"\x82\x03\n\x0eTransferNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x18\n\x10sender_broker_id\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12+\n\x08receiver\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x0f\n\x07is_last\x18\x06 \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x07 \x01(\r\x12\r\n\x05pages\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x0b\n\x03\x61ux\x18\n \x01(\x08\x12\x18\n\x10state_components\x18\x0b \x03(\t\x12\x0c\n\x04part\x18\x0c \x01(\r\x12\r\n\x05parts\x18\r \x01(\r\x12\x13\n\x0bpage_offset\x18\x0e \x01(\r\x12\x0e\n\x06staged\x18\x0f \x01(\x08\x12\x16\n\x0estaging_offset\x18\x10 \x01(\x04\x12\x15\n\rstaging_bytes\x18\x11 \x01(\x04*\x82\x01\n\nSourceMode\x12\x1b\n\x17SOURCE_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SOURCE_MODE_FULL_PAGES\x10\x01\x12\x1f\n\x1bSOURCE_MODE_COMPLETION_ONLY\x10\x02\x12\x1a\n\x16SOURCE_MODE_HEAD_SLICE\x10\x03\x32\xe0\x03\n\nPeerBroker\x12J\n\tHandshake\x12\x1d.kvbroker.v1.HandshakeRequest\x1a\x1e.kvbroker.v1.HandshakeResponse\x12S\n\x0cRegisterRoom\x12 .kvbroker.v1.RegisterRoomRequest\x1a!.kvbroker.v1.RegisterRoomResponse\x12Y\n\x0eReserveStaging\x12\".kvbroker.v1.ReserveStagingRequest\x1a#.kvbroker.v1.ReserveStagingResponse\x12M\n\x10ReportCompletion\x12\x1d.kvbroker.v1.CompletionReport\x1a\x1a.kvbroker.v1.CompletionAck\x12J\n\tAbortRoom\x12\x1d.kvbroker.v1.PeerAbortRequest\x1a\x1e.kvbroker.v1.PeerAbortResponse\x12;\n\x04Ping\x12\x18.kvbroker.v1.PingRequest\x1a\x19.kvbroker.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/peer.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"M\n\x0e\x42rokerIdentity\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"m\n\x0cRemoteBuffer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.kvbroker.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"\xa6\x01\n\x10\x45ngineDescriptor\x12\'\n\x04rank\x18\x01 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineLayout\x12*\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x86\x02\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x1b.kvbroker.v1.BrokerIdentity\x12\x1b\n\x13nixl_agent_metadata\x18\x03 \x01(\x0c\x12.\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x1d.kvbroker.v1.EngineDescriptor\x12*\n\x07staging\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\x12\x32\n\x0freceive_staging\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\"\x87\x02\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63\x61llee\x18\x02 \x01(\x0b\x32\x1b.kvbroker.v1.BrokerIdentity\x12\x1b\n\x13nixl_agent_metadata\x18\x03 \x01(\x0c\x12.\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x1d.kvbroker.v1.EngineDescriptor\x12*\n\x07staging\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\x12\x32\n\x0freceive_staging\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\"\x89\x02\n\nSourcePlan\x12\'\n\x04rank\x18\x01 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.kvbroker.v1.SourceMode\x12\x18\n\x10num_destinations\x18\x03 \x01(\r\x12\x13\n\x0blayer_begin\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x11\n\tsends_aux\x18\x06 \x01(\x08\x12\x13\n\x0bsends_state\x18\x07 \x01(\x08\x12\x16\n\x0esrc_head_start\x18\x08 \x01(\r\x12\x16\n\x0e\x64st_head_start\x18\t \x01(\r\x12\x11\n\tnum_heads\x18\n \x01(\r\"\xf2\x02\n\x13RegisterRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x1a\n\x12receiver_broker_id\x18\x02 \x01(\t\x12+\n\x08receiver\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x1b\n\x13receiver_generation\x18\x04 \x01(\x04\x12\x14\n\x0csender_group\x18\x05 \x01(\t\x12\'\n\x05pages\x18\x06 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x14\n\x07\x61ux_row\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x08 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12(\n\x07sources\x18\t \x03(\x0b\x32\x17.kvbroker.v1.SourcePlan\x12\x18\n\x10sender_broker_id\x18\n \x01(\t\x12\x18\n\x10protocol_version\x18\x0b \x01(\rB\n\n\x08_aux_row\"\x16\n\x14RegisterRoomResponse\"\xe3\x01\n\x15ReserveStagingRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x18\n\x10sender_broker_id\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12+\n\x08receiver\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x0c\n\x04part\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\"b\n\x16ReserveStagingResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12)\n\x06\x62uffer\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.RemoteBuffer\"\xe9\x01\n\x10\x43ompletionReport\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x18\n\x10sender_broker_id\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12+\n\x08receiver\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12*\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x0f\n\x07settled\x18\x06 \x01(\x08\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\"\x0f\n\rCompletionAck\"|\n\x10PeerAbortRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x16\n\x0e\x66rom_broker_id\x18\x02 \x01(\t\x12(\n\x05\x63\x61use\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\"$\n\x11PeerAbortResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\"%\n\x0bPingRequest\x12\x16\n\x0e\x66rom_broker_id\x18\x01 \x01(\t\"!\n\x0cPingResponse\x12\x11\n\tbroker_id\x18\x01 \x01(\t\"\x9c\x03\n\x0eTransferNotice\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x18\n\x10sender_broker_id\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12+\n\x08receiver\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x0f\n\x07is_last\x18\x06 \x01(\x08\x12\x14\n\x0ctotal_chunks\x18\x07 \x01(\r\x12\r\n\x05pages\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x0b\n\x03\x61ux\x18\n \x01(\x08\x12\x18\n\x10state_components\x18\x0b \x03(\t\x12\x0c\n\x04part\x18\x0c \x01(\r\x12\r\n\x05parts\x18\r \x01(\r\x12\x13\n\x0bpage_offset\x18\x0e \x01(\r\x12\x0e\n\x06staged\x18\x0f \x01(\x08\x12\x16\n\x0estaging_offset\x18\x10 \x01(\x04\x12\x15\n\rstaging_bytes\x18\x11 \x01(\x04\x12\x18\n\x10protocol_version\x18\x12 \x01(\r*\x82\x01\n\nSourceMode\x12\x1b\n\x17SOURCE_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SOURCE_MODE_FULL_PAGES\x10\x01\x12\x1f\n\x1bSOURCE_MODE_COMPLETION_ONLY\x10\x02\x12\x1a\n\x16SOURCE_MODE_HEAD_SLICE\x10\x03\x32\xe0\x03\n\nPeerBroker\x12J\n\tHandshake\x12\x1d.kvbroker.v1.HandshakeRequest\x1a\x1e.kvbroker.v1.HandshakeResponse\x12S\n\x0cRegisterRoom\x12 .kvbroker.v1.RegisterRoomRequest\x1a!.kvbroker.v1.RegisterRoomResponse\x12Y\n\x0eReserveStaging\x12\".kvbroker.v1.ReserveStagingRequest\x1a#.kvbroker.v1.ReserveStagingResponse\x12M\n\x10ReportCompletion\x12\x1d.kvbroker.v1.CompletionReport\x1a\x1a.kvbroker.v1.CompletionAck\x12J\n\tAbortRoom\x12\x1d.kvbroker.v1.PeerAbortRequest\x1a\x1e.kvbroker.v1.PeerAbortResponse\x12;\n\x04Ping\x12\x18.kvbroker.v1.PingRequest\x1a\x19.kvbroker.v1.PingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbroker.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SOURCEMODE']._serialized_start=2580
-  _globals['_SOURCEMODE']._serialized_end=2710
+  _globals['_SOURCEMODE']._serialized_start=2857
+  _globals['_SOURCEMODE']._serialized_end=2987
   _globals['_BROKERIDENTITY']._serialized_start=65
   _globals['_BROKERIDENTITY']._serialized_end=142
   _globals['_REMOTEBUFFER']._serialized_start=144
@@ -41,33 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEDESCRIPTOR']._serialized_start=256
   _globals['_ENGINEDESCRIPTOR']._serialized_end=422
   _globals['_HANDSHAKEREQUEST']._serialized_start=425
-  _globals['_HANDSHAKEREQUEST']._serialized_end=635
-  _globals['_HANDSHAKERESPONSE']._serialized_start=638
-  _globals['_HANDSHAKERESPONSE']._serialized_end=849
-  _globals['_SOURCEPLAN']._serialized_start=852
-  _globals['_SOURCEPLAN']._serialized_end=1117
-  _globals['_REGISTERROOMREQUEST']._serialized_start=1120
-  _globals['_REGISTERROOMREQUEST']._serialized_end=1464
-  _globals['_REGISTERROOMRESPONSE']._serialized_start=1466
-  _globals['_REGISTERROOMRESPONSE']._serialized_end=1488
-  _globals['_RESERVESTAGINGREQUEST']._serialized_start=1491
-  _globals['_RESERVESTAGINGREQUEST']._serialized_end=1692
-  _globals['_RESERVESTAGINGRESPONSE']._serialized_start=1694
-  _globals['_RESERVESTAGINGRESPONSE']._serialized_end=1749
-  _globals['_COMPLETIONREPORT']._serialized_start=1752
-  _globals['_COMPLETIONREPORT']._serialized_end=1959
-  _globals['_COMPLETIONACK']._serialized_start=1961
-  _globals['_COMPLETIONACK']._serialized_end=1976
-  _globals['_PEERABORTREQUEST']._serialized_start=1978
-  _globals['_PEERABORTREQUEST']._serialized_end=2076
-  _globals['_PEERABORTRESPONSE']._serialized_start=2078
-  _globals['_PEERABORTRESPONSE']._serialized_end=2114
-  _globals['_PINGREQUEST']._serialized_start=2116
-  _globals['_PINGREQUEST']._serialized_end=2153
-  _globals['_PINGRESPONSE']._serialized_start=2155
-  _globals['_PINGRESPONSE']._serialized_end=2188
-  _globals['_TRANSFERNOTICE']._serialized_start=2191
-  _globals['_TRANSFERNOTICE']._serialized_end=2577
-  _globals['_PEERBROKER']._serialized_start=2713
-  _globals['_PEERBROKER']._serialized_end=3193
+  _globals['_HANDSHAKEREQUEST']._serialized_end=687
+  _globals['_HANDSHAKERESPONSE']._serialized_start=690
+  _globals['_HANDSHAKERESPONSE']._serialized_end=953
+  _globals['_SOURCEPLAN']._serialized_start=956
+  _globals['_SOURCEPLAN']._serialized_end=1221
+  _globals['_REGISTERROOMREQUEST']._serialized_start=1224
+  _globals['_REGISTERROOMREQUEST']._serialized_end=1594
+  _globals['_REGISTERROOMRESPONSE']._serialized_start=1596
+  _globals['_REGISTERROOMRESPONSE']._serialized_end=1618
+  _globals['_RESERVESTAGINGREQUEST']._serialized_start=1621
+  _globals['_RESERVESTAGINGREQUEST']._serialized_end=1848
+  _globals['_RESERVESTAGINGRESPONSE']._serialized_start=1850
+  _globals['_RESERVESTAGINGRESPONSE']._serialized_end=1948
+  _globals['_COMPLETIONREPORT']._serialized_start=1951
+  _globals['_COMPLETIONREPORT']._serialized_end=2184
+  _globals['_COMPLETIONACK']._serialized_start=2186
+  _globals['_COMPLETIONACK']._serialized_end=2201
+  _globals['_PEERABORTREQUEST']._serialized_start=2203
+  _globals['_PEERABORTREQUEST']._serialized_end=2327
+  _globals['_PEERABORTRESPONSE']._serialized_start=2329
+  _globals['_PEERABORTRESPONSE']._serialized_end=2365
+  _globals['_PINGREQUEST']._serialized_start=2367
+  _globals['_PINGREQUEST']._serialized_end=2404
+  _globals['_PINGRESPONSE']._serialized_start=2406
+  _globals['_PINGRESPONSE']._serialized_end=2439
+  _globals['_TRANSFERNOTICE']._serialized_start=2442
+  _globals['_TRANSFERNOTICE']._serialized_end=2854
+  _globals['_PEERBROKER']._serialized_start=2990
+  _globals['_PEERBROKER']._serialized_end=3470
 # @@protoc_insertion_point(module_scope)

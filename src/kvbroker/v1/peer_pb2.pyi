@@ -54,32 +54,36 @@ class EngineDescriptor(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.EngineLayout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[RemoteBuffer, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("protocol_version", "caller", "nixl_agent_metadata", "engines", "staging")
+    __slots__ = ("protocol_version", "caller", "nixl_agent_metadata", "engines", "staging", "receive_staging")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_STAGING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     caller: BrokerIdentity
     nixl_agent_metadata: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
     staging: RemoteBuffer
-    def __init__(self, protocol_version: _Optional[int] = ..., caller: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., staging: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
+    receive_staging: _containers.RepeatedCompositeFieldContainer[RemoteBuffer]
+    def __init__(self, protocol_version: _Optional[int] = ..., caller: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., staging: _Optional[_Union[RemoteBuffer, _Mapping]] = ..., receive_staging: _Optional[_Iterable[_Union[RemoteBuffer, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "callee", "nixl_agent_metadata", "engines", "staging")
+    __slots__ = ("protocol_version", "callee", "nixl_agent_metadata", "engines", "staging", "receive_staging")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CALLEE_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_STAGING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     callee: BrokerIdentity
     nixl_agent_metadata: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
     staging: RemoteBuffer
-    def __init__(self, protocol_version: _Optional[int] = ..., callee: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., staging: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
+    receive_staging: _containers.RepeatedCompositeFieldContainer[RemoteBuffer]
+    def __init__(self, protocol_version: _Optional[int] = ..., callee: _Optional[_Union[BrokerIdentity, _Mapping]] = ..., nixl_agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., staging: _Optional[_Union[RemoteBuffer, _Mapping]] = ..., receive_staging: _Optional[_Iterable[_Union[RemoteBuffer, _Mapping]]] = ...) -> None: ...
 
 class SourcePlan(_message.Message):
     __slots__ = ("rank", "mode", "num_destinations", "layer_begin", "layer_end", "sends_aux", "sends_state", "src_head_start", "dst_head_start", "num_heads")
@@ -106,7 +110,7 @@ class SourcePlan(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomRequest(_message.Message):
-    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id")
+    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +121,7 @@ class RegisterRoomRequest(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     room: int
     receiver_broker_id: str
     receiver: _common_pb2.EngineRankId
@@ -127,14 +132,15 @@ class RegisterRoomRequest(_message.Message):
     state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
     sources: _containers.RepeatedCompositeFieldContainer[SourcePlan]
     sender_broker_id: str
-    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReserveStagingRequest(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "part", "bytes")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "part", "bytes", "protocol_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +148,7 @@ class ReserveStagingRequest(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -149,45 +156,52 @@ class ReserveStagingRequest(_message.Message):
     chunk_index: int
     part: int
     bytes: int
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., part: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., part: _Optional[int] = ..., bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class ReserveStagingResponse(_message.Message):
-    __slots__ = ("offset", "bytes")
+    __slots__ = ("offset", "bytes", "buffer")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     offset: int
     bytes: int
-    def __init__(self, offset: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    buffer: RemoteBuffer
+    def __init__(self, offset: _Optional[int] = ..., bytes: _Optional[int] = ..., buffer: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
 
 class CompletionReport(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "failure", "settled")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "failure", "settled", "protocol_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
     receiver: _common_pb2.EngineRankId
     failure: _common_pb2.FailureCause
     settled: bool
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., failure: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ..., settled: _Optional[bool] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., failure: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ..., settled: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class CompletionAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PeerAbortRequest(_message.Message):
-    __slots__ = ("room", "from_broker_id", "cause")
+    __slots__ = ("room", "from_broker_id", "cause", "protocol_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     FROM_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     room: int
     from_broker_id: str
     cause: _common_pb2.FailureCause
-    def __init__(self, room: _Optional[int] = ..., from_broker_id: _Optional[str] = ..., cause: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, room: _Optional[int] = ..., from_broker_id: _Optional[str] = ..., cause: _Optional[_Union[_common_pb2.FailureCause, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerAbortResponse(_message.Message):
     __slots__ = ("settled",)
@@ -208,7 +222,7 @@ class PingResponse(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +240,7 @@ class TransferNotice(_message.Message):
     STAGED_FIELD_NUMBER: _ClassVar[int]
     STAGING_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -243,4 +258,5 @@ class TransferNotice(_message.Message):
     staged: bool
     staging_offset: int
     staging_bytes: int
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...

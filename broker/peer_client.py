@@ -1,0 +1,299 @@
+"""Every call this broker makes to other brokers, with its retry policy.
+
+It mirrors the ``PeerBroker`` service (``service.PeerService`` answers the
+same calls):
+
+| call | when | retry policy |
+| --- | --- | --- |
+| ``Handshake`` | first contact, our engines changed, a restart suspected | none here; callers retry |
+| (``find_sender``) | a receiving room bootstraps | handshake and look for the group, with backoff (10 ms doubling to 1 s) until ``--bootstrap-timeout``; the last try is at the deadline |
+| ``RegisterRoom`` | the receiver's plan is made | ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
+| ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
+| ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
+| ``AbortRoom`` | a receiver failed | the same; unreachable: the caller remembers it for the successor |
+| ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
+
+Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
+120 s, which would keep a restarted peer unreachable long after it is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+from kvbroker.broker import telemetry
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.layout import Layout
+from kvbroker.broker.peers import Peer, PeerTable, announced_staging
+from kvbroker.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    KvBrokerError,
+    Unavailable,
+    from_rpc_error,
+)
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+__all__ = ["HandshakeMessage", "PeerClient", "RegistrationError", "channel_options"]
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+#: Our side of a handshake: (NIXL metadata, engines, receive staging buffers, engine epoch).
+HandshakeMessage = tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.RemoteBuffer], int]
+
+# A RegisterRoom that failed with one of these may still have reached the
+# sender, so the sender may write: the pages are not settled.
+_MAYBE_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+
+
+def channel_options(config: BrokerConfig) -> list[tuple[str, int]]:
+    """gRPC options for channels and the server: message size limits, and a
+    channel to a peer that went away tries to connect again at least once per
+    heartbeat."""
+    backoff_ms = max(100, int(config.peer_heartbeat_seconds * 1000))
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
+        ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 1000)),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
+    ]
+
+
+class PeerClient:
+    """Outbound PeerBroker calls. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        peers: PeerTable,
+        config: BrokerConfig,
+        handshake_message: Callable[[], Awaitable[HandshakeMessage]],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._peers = peers
+        self._handshake_message = handshake_message
+        self._timeout = config.peer_rpc_timeout_seconds
+        self._bootstrap_timeout = config.bootstrap_timeout_seconds
+        self._staging_wait = config.staging_wait_seconds
+        self._options = channel_options(config)
+        self._credentials = credentials
+        #: Our engine epoch, as ``handshake_message`` last reported it.
+        self.epoch = 0
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    # -- handshakes ---------------------------------------------------------
+    async def connect(self, address: str) -> Peer:
+        """The peer at ``address``, handshaken with our current engines."""
+        peer = self._peers.at(address)
+        if peer.announced_epoch != self.epoch or peer.broker_id is None:
+            await self.handshake(peer)
+        return peer
+
+    async def handshake(self, peer: Peer) -> None:
+        """(Re)do the handshake with ``peer``; ``Unavailable`` if it fails."""
+        async with peer.lock:
+            with telemetry.tracer().start_as_current_span("kvbroker.handshake", attributes={"kvbroker.peer": peer.address}):
+                metadata, engines, staging, epoch = await self._handshake_message()
+                self.epoch = epoch
+                request = peer_pb2.HandshakeRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    caller=self._peers.identity(),
+                    nixl_agent_metadata=metadata,
+                    engines=engines,
+                    staging=_host(staging),
+                    receive_staging=staging,
+                )
+                try:
+                    response = await self.stub(peer).Handshake(request, timeout=self._timeout)
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    raise Unavailable(f"handshake with the broker at {peer.address} failed: {err.message}") from exc
+                if response.protocol_version != PROTOCOL_VERSION:
+                    raise FailedPrecondition(
+                        f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
+                    )
+                await self._peers.apply(
+                    peer, response.callee, response.nixl_agent_metadata, response.engines, announced_staging(response)
+                )
+                peer.announced_epoch = epoch
+        log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
+
+    async def find_sender(self, address: str, group: str) -> tuple[Peer, list[Layout]]:
+        """Handshake with the broker at ``address`` and find ``group`` there,
+        retrying with backoff until the bootstrap timeout (the sender's broker or
+        engines may still be starting). The last try is at the deadline."""
+        start = time.monotonic()
+        deadline = start + self._bootstrap_timeout
+        delay = 0.01
+        while True:
+            try:
+                peer = await self.connect(address)
+                layouts = peer.group_layouts(group)
+                if not layouts:
+                    # The group may have registered after our last handshake.
+                    await self.handshake(peer)
+                    layouts = peer.group_layouts(group)
+                if layouts:
+                    return peer, layouts
+                error: KvBrokerError = FailedPrecondition(
+                    f"no rank of engine group {group!r} is registered at the broker at {peer.address}"
+                )
+            except Unavailable as exc:
+                error = exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waited = time.monotonic() - start
+                raise type(error)(f"{error.message} (gave up after {waited:.3g} s; --bootstrap-timeout {self._bootstrap_timeout:g} s)")
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, 1.0)
+
+    # -- room calls -----------------------------------------------------------
+    async def register_room(
+        self,
+        peer: Peer,
+        request: peer_pb2.RegisterRoomRequest,
+        *,
+        stale: Callable[[], None],
+        again: Callable[[str], bool],
+    ) -> str | None:
+        """Register a room with ``peer``; returns the broker id that took it.
+
+        ABORTED (the peer's view of us is stale, or it restarted and never met
+        us): ``stale()``, handshake afresh (a restart detected here fails only
+        rooms the old process had), and if ``again(new broker id)`` says so,
+        try once more; None if it said not to. Raises
+        :class:`RegistrationError` otherwise.
+        """
+        for attempt in (1, 2):
+            request.sender_broker_id = peer.broker_id or ""
+            try:
+                await self.stub(peer).RegisterRoom(request, timeout=self._timeout)
+                return request.sender_broker_id
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if attempt == 1 and isinstance(err, Aborted):
+                    stale()
+                    await self.handshake(peer)
+                    if not again(peer.broker_id or ""):
+                        return None
+                    continue
+                raise RegistrationError(err, maybe_delivered=err.code in _MAYBE_DELIVERED) from exc
+        raise AssertionError("unreachable")
+
+    async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
+        """The prefetch: room for one staged part in the receiver's staging buffer."""
+        peer = self._peers.get(broker_id)
+        try:
+            response: peer_pb2.ReserveStagingResponse = await self.stub(peer).ReserveStaging(
+                request, timeout=self._staging_wait + self._timeout
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            raise type(err)(f"the receiver could not reserve staging: {err.message}") from exc
+        return response
+
+    async def report_completion(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
+        await self.deliver(
+            broker_id, f"ReportCompletion(room {report.room})", lambda stub: stub.ReportCompletion(report, timeout=self._timeout)
+        )
+
+    async def abort_room(
+        self, broker_id: str, request: peer_pb2.PeerAbortRequest, on_unreachable: Callable[[], None] | None = None
+    ) -> peer_pb2.PeerAbortResponse | None:
+        response: peer_pb2.PeerAbortResponse | None = await self.deliver(
+            broker_id,
+            f"AbortRoom(room {request.room})",
+            lambda stub: stub.AbortRoom(request, timeout=self._timeout),
+            on_unreachable=on_unreachable,
+        )
+        return response
+
+    async def ping(self, peer: Peer, timeout_seconds: float) -> str:
+        """The broker id that answers at ``peer``'s address (raises ``grpc.RpcError``)."""
+        reply = await self.stub(peer).Ping(peer_pb2.PingRequest(from_broker_id=self._peers.broker_id), timeout=timeout_seconds)
+        return str(reply.broker_id)
+
+    async def deliver(
+        self,
+        broker_id: str,
+        what: str,
+        call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[T]],
+        attempts: int = 4,
+        on_unreachable: Callable[[], None] | None = None,
+    ) -> T | None:
+        """A one-way call (a report, an abort) to peer ``broker_id``, retried
+        while it is unreachable. The response, or None (logged) if it could not
+        be delivered; a peer that stays unreachable is the liveness monitor's
+        business. ``on_unreachable`` runs when the peer is gone or did not
+        answer (not when it answered with an error)."""
+        delay = 0.05
+        for attempt in range(attempts):
+            try:
+                return await call(self.stub(self._peers.get(broker_id)))
+            except KvBrokerError as exc:
+                log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
+                unreachable = True
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
+                if unreachable and attempt + 1 < attempts:
+                    await asyncio.sleep(delay)
+                    delay *= 4
+                    continue
+                log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
+            if unreachable and on_unreachable is not None:
+                on_unreachable()
+            return None
+        return None
+
+    # -- channels ---------------------------------------------------------------
+    def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
+        """A stub for calls to ``peer`` (made once per peer record)."""
+        if peer.stub is None:
+            if not peer.address:
+                raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
+            interceptors: Any = aio_client_interceptors()
+            if self._credentials is not None:
+                peer.channel = grpc.aio.secure_channel(
+                    peer.address, self._credentials, options=self._options, interceptors=interceptors
+                )
+            else:
+                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options, interceptors=interceptors)
+            peer.stub = peer_pb2_grpc.PeerBrokerStub(peer.channel)
+        return peer.stub
+
+    async def close(self) -> None:
+        for peer in self._peers.peers():
+            if peer.channel is not None:
+                await peer.channel.close()
+                peer.channel = None
+                peer.stub = None
+
+
+class RegistrationError(Exception):
+    """RegisterRoom failed with ``error``; ``maybe_delivered``: it may still have
+    reached the sender (a timeout, a broken connection), so the sender may write."""
+
+    def __init__(self, error: KvBrokerError, *, maybe_delivered: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.maybe_delivered = maybe_delivered
+
+
+def _host(staging: list[peer_pb2.RemoteBuffer]) -> peer_pb2.RemoteBuffer | None:
+    return next((b for b in staging if b.kind == common_pb2.MEMORY_KIND_DRAM), None)

@@ -1,0 +1,42 @@
+"""The broker's worker threads: blocking work that must not run on the control loop.
+
+- ``copy``: staging gather and scatter (numpy or torch copies, which release
+  the GIL while they copy);
+- ``memory``: mapping engine buffers (``mmap`` with ``MAP_POPULATE`` of
+  gigabytes), unmapping them, allocating staging buffers.
+
+One thread each, so a long mapping never delays a scatter. NIXL calls do
+not run here: they belong to the data-plane thread (``dataplane``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+__all__ = ["Workers"]
+
+T = TypeVar("T")
+
+
+class Workers:
+    """The copy and memory threads. Await their work from the control loop."""
+
+    def __init__(self) -> None:
+        self._copy = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbroker-copy")
+        self._memory = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbroker-memory")
+
+    async def copy(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the copy thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._copy, fn)
+
+    async def memory(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the memory thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._memory, fn)
+
+    def shutdown(self) -> None:
+        """Finish queued work, then stop both threads."""
+        self._copy.shutdown(wait=True)
+        self._memory.shutdown(wait=True)

@@ -1,0 +1,359 @@
+"""The receiver's state machine, event by event, without gRPC or an agent: ``kvbroker.broker.receiver``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbroker.broker.counters import Counters
+from kvbroker.broker.effects import (
+    AbortAtPeer,
+    Effect,
+    FindSender,
+    Publish,
+    RegisterRoom,
+    ReleaseStaging,
+    RoomEnded,
+    Scatter,
+    TellSuccessor,
+)
+from kvbroker.broker.layout import RankKey
+from kvbroker.broker.receiver import Receiver, ReceiverCore
+from kvbroker.broker.rooms import RoomTables, cause
+from kvbroker.broker.staging import Reservation
+from kvbroker.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2
+
+FAILED = common_pb2.ROOM_STATE_FAILED
+BOOTSTRAPPING = common_pb2.ROOM_STATE_BOOTSTRAPPING
+WAITING = common_pb2.ROOM_STATE_WAITING_FOR_INPUT
+TRANSFERRING = common_pb2.ROOM_STATE_TRANSFERRING
+SUCCESS = common_pb2.ROOM_STATE_SUCCESS
+P = "prefill-broker"
+ADDRESS = "host-a:50051"
+
+Builder = Callable[..., Any]
+
+
+def i32(values: list[int] | range) -> np.ndarray:
+    return np.array(list(values), dtype=np.int32)
+
+
+class World:
+    def __init__(self, engine_stub: Builder) -> None:
+        self.engine_stub = engine_stub
+        self.rooms = RoomTables()
+        self.counters = Counters()
+        self.core = ReceiverCore(broker_id="decode-broker", rooms=self.rooms, counters=self.counters)
+
+    def take(self) -> list[Effect]:
+        return self.core.take()
+
+    def registered(self, room: int = 1, *, senders: list[Any] | None = None, decode: Any = None, **expect: Any) -> Receiver:
+        """A rank that expected ``room``, found its sender group and registered there."""
+        de = decode or self.engine_stub("decode")
+        senders = senders or [self.engine_stub("prefill")]
+        args: dict[str, Any] = {"pages": i32([0, 1, 2]), "aux_row": 1, "state": {}, **expect}
+        rank = self.core.expect(de, room, sender_address=ADDRESS, sender_group=senders[0].key.group, **args)
+        self.core.sender_found(rank, P, [s.layout for s in senders])
+        self.core.room_registered(rank, P, still_known=True)
+        self.take()
+        return rank
+
+
+@pytest.fixture
+def world(engine_stub: Builder) -> World:
+    return World(engine_stub)
+
+
+def notice(rank: Receiver, source: RankKey, *, chunk: int = 0, part: int = 0, parts: int = 1, last: bool = True, total: int = 1,
+           pages: int = 3, aux: bool = True, components: tuple[str, ...] = (), **extra: Any) -> tuple[str, bytes]:
+    message = peer_pb2.TransferNotice(
+        protocol_version=PROTOCOL_VERSION,
+        room=rank.room,
+        sender_broker_id=P,
+        source=source.to_proto(),
+        receiver=rank.key.to_proto(),
+        chunk_index=chunk,
+        is_last=last,
+        total_chunks=total if last else 0,
+        pages=pages,
+        parts=parts,
+        part=part,
+        aux=aux,
+        state_components=list(components),
+        bytes=100,
+        **extra,
+    )
+    return ("prefill-agent", message.SerializeToString())
+
+
+SOURCE = RankKey("prefill-group", 0, 0)
+
+
+# -- a room's whole life ----------------------------------------------------------
+
+
+def test_a_receiver_bootstraps_registers_and_succeeds_on_its_notices(world: World) -> None:
+    """ExpectRoom -> FindSender; the plan made, RegisterRoom; registered: WAITING_FOR_INPUT;
+    notices: TRANSFERRING, then SUCCESS when every part of every chunk and the aux row landed."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([4, 5, 6]), aux_row=2, state={})
+    (find,) = world.take()
+    assert isinstance(find, FindSender) and find.receiver is rank and rank.state == BOOTSTRAPPING
+    world.core.sender_found(rank, P, [pe.layout])
+    (register,) = world.take()
+    assert isinstance(register, RegisterRoom) and register.broker_id == P
+    request = register.request
+    assert request.protocol_version == PROTOCOL_VERSION and request.sender_broker_id == P and request.aux_row == 2
+    assert [s.rank.group for s in request.sources] == ["prefill-group"]
+    assert rank.registered_with_sender and rank.registering
+    world.core.room_registered(rank, P, still_known=True)
+    assert rank.state == WAITING and [type(e) for e in world.take()] == [Publish]
+    world.core.notices([notice(rank, SOURCE, last=False, pages=2, aux=False)])
+    assert rank.state == TRANSFERRING
+    world.core.notices([notice(rank, SOURCE, chunk=1, total=2, pages=1)])
+    effects = world.take()
+    assert rank.state == SUCCESS and rank.pages_settled and rank.chunks == 2
+    assert [type(e) for e in effects] == [Publish, Publish, RoomEnded]
+
+
+def test_lesson2_completion_counts_unique_sources(world: World) -> None:
+    """tp2 -> tp1 with pp 1: two sources of pp rank 0, both awaited (keyed by tp rank too)."""
+    senders = [world.engine_stub("prefill", tp_size=2, tp_rank=r) for r in (0, 1)]
+    rank = world.registered(senders=senders)
+    assert rank.expected is not None and len(rank.expected) == 2
+    world.core.notices([notice(rank, RankKey("prefill-group", 0, 0))])
+    assert rank.state == TRANSFERRING
+    world.core.notices([notice(rank, RankKey("prefill-group", 1, 0), aux=False)])
+    assert rank.state == SUCCESS
+
+
+def test_lesson1_an_empty_state_list_is_not_expected(world: World, state_spec: Any) -> None:
+    """A component listed with no indices is not awaited: the room completes without it."""
+    spec = state_spec("swa", common_pb2.STATE_TYPE_SWA, items=8, item_bytes=32, regions=1)
+    de, pe = world.engine_stub("decode", state=(spec,)), world.engine_stub("prefill", state=(spec,))
+    rank = world.registered(senders=[pe], decode=de, state={"swa": i32([])})
+    assert rank.state_indices == {}
+    world.core.notices([notice(rank, SOURCE)])
+    assert rank.state == SUCCESS
+
+
+def test_a_source_that_forgets_a_component_fails_the_room_naming_it(world: World, state_spec: Any) -> None:
+    """Completion tracks every component it listed; a last notice without one is a MISMATCH."""
+    spec = state_spec("swa", common_pb2.STATE_TYPE_SWA, items=8, item_bytes=32, regions=1)
+    de, pe = world.engine_stub("decode", state=(spec,)), world.engine_stub("prefill", state=(spec,))
+    rank = world.registered(senders=[pe], decode=de, state={"swa": i32([1])})
+    world.core.notices([notice(rank, SOURCE)])
+    assert rank.state == FAILED and rank.cause is not None and "['swa']" in rank.cause.message
+
+
+def test_a_chunk_of_several_parts_lands_when_all_its_parts_did(world: World) -> None:
+    """Parts of one chunk (e.g. VRAM KV and DRAM aux) each carry a notice; duplicates count once."""
+    rank = world.registered()
+    world.core.notices([notice(rank, SOURCE, part=0, parts=2)] * 2)
+    assert rank.state == TRANSFERRING
+    world.core.notices([notice(rank, SOURCE, part=1, parts=2)])
+    assert rank.state == SUCCESS
+
+
+# -- notices that must not create anything -----------------------------------------
+
+
+def test_lesson6_notices_for_unknown_rooms_are_counted_and_dropped(world: World) -> None:
+    """A late notice, a bad payload and another protocol version change no room."""
+    rank = world.registered()
+    stray = peer_pb2.TransferNotice(protocol_version=PROTOCOL_VERSION, room=999, receiver=rank.key.to_proto(), parts=1)
+    old = peer_pb2.TransferNotice(protocol_version=PROTOCOL_VERSION - 1, room=rank.room, receiver=rank.key.to_proto(), parts=1)
+    world.core.notices([("a", stray.SerializeToString()), ("a", b"\xff\xffnot a notice"), ("a", old.SerializeToString())])
+    assert list(world.rooms.receiver) == [1] and rank.state == WAITING
+    assert world.counters.late_notices == 1 and world.counters.bad_notices == 2
+
+
+def test_a_notice_from_an_unexpected_source_fails_the_room(world: World) -> None:
+    """Only planned sources may write: anything else is a MISMATCH."""
+    rank = world.registered()
+    world.core.notices([notice(rank, RankKey("prefill-group", 5, 0))])
+    assert rank.state == FAILED and rank.cause is not None and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
+
+
+# -- staging ----------------------------------------------------------------------
+
+
+def _staged_rank(world: World) -> tuple[Receiver, peer_pb2.ReserveStagingRequest]:
+    rank = world.registered(decode=world.engine_stub("decode", tp_size=2), pages=i32([0, 1]))
+    request = peer_pb2.ReserveStagingRequest(
+        protocol_version=PROTOCOL_VERSION,
+        room=rank.room,
+        sender_broker_id=P,
+        source=SOURCE.to_proto(),
+        receiver=rank.key.to_proto(),
+        chunk_index=0,
+        part=1,
+        bytes=4096,
+    )
+    return rank, request
+
+
+def test_a_staged_part_is_scattered_before_it_counts_and_its_reservation_goes(world: World) -> None:
+    """The prefetch is recorded (idempotently); the staged notice asks for a scatter; only when the
+    scatter is done does the part count, and the reservation is given back."""
+    rank, request = _staged_rank(world)
+    pool, held = world.core.staging_wanted(request)
+    assert held is None and pool == (common_pb2.MEMORY_KIND_DRAM, 0)
+    reservation = Reservation(offset=8192, nbytes=8192)
+    assert world.core.staging_granted(request, pool, reservation) == reservation
+    assert world.core.staging_wanted(request) == (pool, reservation)
+    expect = rank.expected[SOURCE]  # type: ignore[index]
+    nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2  # layers x K,V x pages x page size x heads x head_dim x fp16
+    world.core.notices([
+        notice(rank, SOURCE, part=0, parts=2, pages=2),
+        notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=8192, staging_bytes=nbytes),
+    ])
+    (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
+    assert rank.state == TRANSFERRING and scatter.landing.reservation == reservation and scatter.landing.nbytes == nbytes
+    assert rank.scattering and not expect.complete
+    world.core.scattered(rank, scatter.landing, None)
+    effects = world.take()
+    assert rank.state == SUCCESS and rank.staging == {}
+    assert any(isinstance(e, ReleaseStaging) and e.reservations == ((*pool, reservation),) for e in effects)
+
+
+def test_a_staged_notice_without_a_reservation_fails_the_room(world: World) -> None:
+    """A staged part this broker never reserved is refused (it could be anywhere in the buffer)."""
+    rank, _ = _staged_rank(world)
+    world.core.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=64)])
+    assert rank.state == FAILED and rank.cause is not None and "did not reserve" in rank.cause.message
+
+
+def test_staging_requests_for_ended_or_unknown_rooms_are_refused(world: World) -> None:
+    """No reservation for a room that ended, or that is not expecting that sender."""
+    rank, request = _staged_rank(world)
+    world.core.abort(rank.engine, rank.room, "")
+    with pytest.raises(FailedPrecondition):
+        world.core.staging_wanted(request)
+    request.room = 999
+    with pytest.raises(NotFound):
+        world.core.staging_wanted(request)
+
+
+# -- failures and settling -------------------------------------------------------------
+
+
+def test_an_abort_tells_the_sender_and_settles_only_when_it_says_so(world: World) -> None:
+    """Lesson 7: after an abort the pages are not free while a source may still write; the sender's
+    report that it settled frees them."""
+    rank = world.registered()
+    world.core.abort(rank.engine, rank.room, "client went away")
+    effects = world.take()
+    (abort,) = [e for e in effects if isinstance(e, AbortAtPeer)]
+    assert abort.broker_id == P and abort.cause.message == "client went away"
+    assert rank.state == FAILED and not rank.pages_settled
+    report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
+    world.core.completion_report(report)
+    assert rank.pages_settled
+
+
+def test_a_sources_failure_report_fails_the_room_without_aborting_back(world: World) -> None:
+    """The sender told us: no AbortAtPeer goes back."""
+    rank = world.registered()
+    why = cause(common_pb2.FAILURE_KIND_TRANSFER, "a NIXL write failed", P)
+    report = peer_pb2.CompletionReport(room=1, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), failure=why, settled=True)
+    world.core.completion_report(report)
+    assert rank.state == FAILED and rank.pages_settled and rank.cause == why
+    assert not any(isinstance(e, AbortAtPeer) for e in world.take())
+
+
+def test_a_lost_sender_broker_fails_and_settles_and_its_successor_is_told(world: World) -> None:
+    """A dead broker writes nothing more: FAILED (PEER), settled; the broker at that address next hears of it."""
+    rank = world.registered()
+    why = cause(common_pb2.FAILURE_KIND_PEER, "peer broker gone", "decode-broker")
+    assert world.core.peer_lost(P, why) == 1
+    assert rank.state == FAILED and rank.pages_settled
+    assert (ADDRESS, 1) in world.rooms.successor_notices
+    world.core.tick(rank.opened_at + 1, data_timeout_seconds=100, retry_seconds=1)
+    assert [e for e in world.take() if isinstance(e, TellSuccessor)] == [TellSuccessor(ADDRESS)]
+    assert world.core.successor_notices(ADDRESS) == [(1, why)] and world.rooms.successor_notices == {}
+
+
+def test_a_rank_registering_when_its_peer_is_lost_learns_where_its_room_landed(world: World) -> None:
+    """A loss seen while RegisterRoom is out leaves the rank alone; the answer tells: the process that
+    took it is gone, so the room fails PEER, settled."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.sender_found(rank, P, [pe.layout])
+    assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "gone", "decode-broker")) == 0
+    world.core.room_registered(rank, P, still_known=False)
+    assert rank.state == FAILED and rank.pages_settled and "went away while room 1 registered" in rank.cause.message  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("maybe_delivered", [True, False])
+def test_a_failed_registration_settles_unless_it_may_have_reached_the_sender(world: World, maybe_delivered: bool) -> None:
+    """A timeout may have delivered the room (the sender may write); a refusal did not."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.sender_found(rank, P, [pe.layout])
+    world.core.registration_failed(rank, Unavailable("deadline"), maybe_delivered=maybe_delivered)
+    assert rank.state == FAILED and rank.pages_settled is not maybe_delivered
+
+
+def test_a_sender_that_cannot_be_reached_fails_the_room_and_is_remembered(world: World) -> None:
+    """Bootstrapping gave up: the room fails, and the broker that answers at that address next is told."""
+    de = world.engine_stub("decode")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.bootstrap_failed(rank, Unavailable("nobody home (gave up after 30 s)"))
+    assert rank.state == FAILED and rank.pages_settled and rank.cause.kind == common_pb2.FAILURE_KIND_PEER  # type: ignore[union-attr]
+    assert (ADDRESS, 1) in world.rooms.successor_notices
+
+
+def test_a_registered_rank_times_out_waiting_for_data(world: World) -> None:
+    """The data timeout runs from registration and names the sources not complete."""
+    rank = world.registered()
+    assert rank.registered_at is not None
+    world.core.tick(rank.registered_at + 11, data_timeout_seconds=10, retry_seconds=1)
+    assert rank.state == FAILED and "prefill-group/tp0/pp0" in rank.cause.message  # type: ignore[union-attr]
+
+
+def test_data_still_landing_after_an_abort_settles_the_pages(world: World) -> None:
+    """Once every part of a failed rank's sources landed, nothing of them is in flight: settled."""
+    rank = world.registered()
+    world.core.abort(rank.engine, rank.room, "")
+    assert not rank.pages_settled
+    world.core.notices([notice(rank, SOURCE)])
+    assert rank.pages_settled and rank.state == FAILED
+
+
+def test_an_abort_while_finding_the_sender_is_told_once_it_is_found(world: World) -> None:
+    """The sender's engine may have opened the room already: it hears of the abort."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.abort(de, 1, "cancelled")
+    world.take()
+    world.core.sender_found(rank, P, [pe.layout])
+    assert [type(e) for e in world.take()] == [AbortAtPeer]
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+def test_bad_expectations_are_refused_and_change_nothing(world: World) -> None:
+    """Out-of-range indices, a missing group, a reused room id: refused before any record exists."""
+    de = world.engine_stub("decode")
+    with pytest.raises(InvalidArgument, match="out of range"):
+        world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([16]), aux_row=None, state={})
+    with pytest.raises(InvalidArgument, match="group"):
+        world.core.expect(de, 1, sender_address=ADDRESS, sender_group="", pages=i32([0]), aux_row=None, state={})
+    assert world.rooms.receiver == {} and world.take() == []
+    world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([0]), aux_row=None, state={})
+    with pytest.raises(AlreadyExists):
+        world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([0]), aux_row=None, state={})
