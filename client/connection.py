@@ -14,7 +14,8 @@ from opentelemetry import propagate
 from kvbroker.client.engine import EngineHandle
 from kvbroker.client.memory import EngineMemory, RankSpec
 from kvbroker.client.tracecontext import TraceContextInterceptor
-from kvbroker.errors import InvalidArgument, Unavailable, from_rpc_error
+from kvbroker.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import fdsocket_pb2, transfer_pb2, transfer_pb2_grpc
 
 __all__ = ["BrokerClient"]
@@ -67,6 +68,12 @@ class BrokerClient:
         except BaseException:
             channel.close()
             raise
+        if self.info.protocol_version != PROTOCOL_VERSION:
+            channel.close()
+            raise FailedPrecondition(
+                f"the broker at {address} speaks protocol version {self.info.protocol_version}; this client speaks "
+                f"{PROTOCOL_VERSION} (kvbroker {self.info.version} there): use matching releases"
+            )
         path = self.info.engine_socket_path
         if prefer_unix_socket and path and os.access(path, os.R_OK | os.W_OK):
             channel.close()

@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import numpy.typing as npt
 
 from kvbroker.errors import FailedPrecondition, RoomFailed
-from kvbroker.indices import encode_indices
+from kvbroker.indices import as_index, as_indices, encode_indices
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:
@@ -100,6 +99,8 @@ class KVSender(_Room):
     def init(self, num_pages: int, aux_row: int | None = None) -> common_pb2.RoomStatus:
         """Open the room (BeginSend): ``num_pages`` over all chunks, and the aux
         row sent with the last chunk. ALREADY_EXISTS if the room is open here."""
+        if aux_row is not None:
+            aux_row = as_index(aux_row, "aux_row")
         response: transfer_pb2.BeginSendResponse = self.engine.client.call(
             self.engine.client.stub.BeginSend,
             transfer_pb2.BeginSendRequest(engine_id=self.engine.engine_id, room=self.room, num_pages=num_pages),
@@ -124,7 +125,7 @@ class KVSender(_Room):
         """
         if self._last_sent:
             raise FailedPrecondition(f"room {self.room}: the last chunk was already sent")
-        array = np.asarray(pages, dtype=np.int32)
+        array = as_indices(pages, "pages")
         last = (self._sent + array.size >= self.num_pages) if is_last is None else is_last
         request = transfer_pb2.SendChunkRequest(
             engine_id=self.engine.engine_id, room=self.room, pages=encode_indices(array), is_last=last
@@ -133,7 +134,7 @@ class KVSender(_Room):
             if self.aux_row is not None:
                 request.aux_row = self.aux_row
             for name, indices in (state or {}).items():
-                request.state.add(component=name, indices=encode_indices(np.asarray(indices, dtype=np.int32)))
+                request.state.add(component=name, indices=encode_indices(indices, f"state {name!r}"))
         response: transfer_pb2.SendChunkResponse = self.engine.client.call(self.engine.client.stub.SendChunk, request)
         self._sent += array.size
         self._last_sent = last
@@ -161,11 +162,11 @@ class KVReceiver(_Room):
             engine_id=self.engine.engine_id,
             room=self.room,
             sender=transfer_pb2.SenderRef(broker_address=self.sender.broker_address, group=self.sender.group),
-            pages=encode_indices(np.asarray(pages, dtype=np.int32)),
+            pages=encode_indices(pages, "pages"),
         )
         if aux_row is not None:
-            request.aux_row = aux_row
+            request.aux_row = as_index(aux_row, "aux_row")
         for name, indices in (state or {}).items():
-            request.state.add(component=name, indices=encode_indices(np.asarray(indices, dtype=np.int32)))
+            request.state.add(component=name, indices=encode_indices(indices, f"state {name!r}"))
         response: transfer_pb2.ExpectRoomResponse = self.engine.client.call(self.engine.client.stub.ExpectRoom, request)
         return response.status

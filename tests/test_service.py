@@ -377,14 +377,20 @@ def test_failed_post_fails_both_sides(fake_brokers, make_engine) -> None:
 
 
 def test_unreachable_sender_broker_fails_after_the_bootstrap_timeout(fake_brokers, make_engine) -> None:
-    """A receiver whose sender broker never answers fails with a PEER cause naming it."""
-    d = fake_brokers("d", bootstrap_timeout_seconds=0.3, peer_rpc_timeout_seconds=0.2)
+    """A receiver whose sender broker never answers fails with a PEER cause naming it, once the whole
+    bootstrap timeout has passed (it used to give up up to one retry interval early while saying it
+    waited the whole timeout)."""
+    d = fake_brokers("d", bootstrap_timeout_seconds=0.8, peer_rpc_timeout_seconds=0.2)
     de = make_engine(d.address, "decode")
     receiver = de.handle.receiver(28, SenderRef("127.0.0.1:1", "prefill-group"))
+    started = time.monotonic()
     receiver.init(DST, aux_row=2)
     status = receiver.wait(10)
+    assert time.monotonic() - started >= 0.8
     assert status.state == RoomState.FAILED
     assert status.cause.kind == common_pb2.FAILURE_KIND_PEER and "127.0.0.1:1" in status.cause.message
+    waited = float(status.cause.message.split("gave up after ")[1].split(" s")[0])
+    assert 0.8 <= waited < 0.8 + 0.5, status.cause.message
     assert status.pages_settled
 
 
@@ -952,3 +958,78 @@ def test_an_abort_the_dead_prefill_broker_missed_reaches_its_successor(fake_brok
     assert "failed the room: the request was cancelled" in sstat.cause.message
     _eventually(lambda: d.tables()["successor_notices"] == 0)
     _wait_tables_empty(p2, d)
+
+
+def test_a_room_reopened_after_its_receiver_gave_up_on_the_source_writes_nothing(fake_brokers, make_engine) -> None:
+    """Foreign write: the decode rank expects R; the prefill engine dies before opening R, so R fails
+    (ENGINE_LOST) with its pages settled; the decode engine reuses those pages for R2, which succeeds;
+    then the same prefill rank, restarted, opens R. It used to be accepted with R's old transfer info
+    and write into R2's pages while reporting SUCCESS. Now R fails at once with the cause, and R2's
+    bytes stay as they are."""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    stale = de.handle.receiver(110, SenderRef(p.address, "prefill-group"))
+    stale.init(DST, aux_row=2)
+    _eventually(lambda: stale.poll() == RoomState.WAITING_FOR_INPUT)
+    pe.handle._session.close()  # the prefill engine dies before it opens room 110
+    assert stale.wait(10).cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
+    _eventually(lambda: stale.status().pages_settled)
+    _eventually(lambda: not p.loop.call(lambda: list(p.broker.engines.by_key)))
+    pe2 = make_engine(p.address, "prefill", seed=1)  # the same rank, restarted
+    _move_room(pe2, de, p.address, 111)  # the decode engine reuses DST for room 111
+    _assert_moved(pe2, de, SRC, DST)
+    before = [t.clone() for layer in range(SMALL_MODEL.num_layers) for t in page_bytes(de.memory, layer, DST)]
+    reopened = pe2.handle.sender(110)
+    reopened.init(len(SRC), aux_row=1)
+    other = np.array([12, 13, 14, 15, 16, 17], dtype=np.int32)
+    reopened.send(other)
+    status = reopened.wait(10)
+    assert status.state == RoomState.FAILED, status
+    assert status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST and "cannot be opened again" in status.cause.message
+    after = [t for layer in range(SMALL_MODEL.num_layers) for t in page_bytes(de.memory, layer, DST)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "room 110's bytes landed in room 111's pages"
+    _wait_tables_empty(p, d)
+
+
+def test_indices_wider_than_int32_are_refused_not_wrapped(fake_brokers, make_engine) -> None:
+    """Foreign write: a 64-bit page index (2**32 + 3) given to the client used to be cut to int32 and move
+    page 3. The client refuses it before converting, for pages, state indices and aux rows; the broker
+    refuses one that reaches it through the grpcurl-friendly ``values`` form."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    before = (p.tables(), d.tables())
+    wide = np.array([2**32 + 3], dtype=np.int64)
+    receiver = de.handle.receiver(112, SenderRef(p.address, "prefill-group"))
+    for call in (
+        lambda: receiver.init(wide, aux_row=2),
+        lambda: receiver.init(DST, aux_row=2, state={"mamba": wide}),
+        lambda: receiver.init(DST, aux_row=2**32 + 2),
+    ):
+        with pytest.raises(errors.InvalidArgument, match="int32"):
+            call()
+    sender = pe.handle.sender(112)
+    with pytest.raises(errors.InvalidArgument, match="int32"):
+        sender.init(1, aux_row=2**40)
+    sender.init(1, aux_row=1)
+    with pytest.raises(errors.InvalidArgument, match="int32"):
+        sender.send(wide)
+    with pytest.raises(errors.InvalidArgument, match="4294967299 does not fit in int32"):
+        pe.handle.client.call(
+            pe.handle.client.stub.SendChunk,
+            transfer_pb2.SendChunkRequest(
+                engine_id=pe.handle.engine_id, room=112, pages=common_pb2.PageIndices(values=[2**32 + 3]), is_last=True, aux_row=1
+            ),
+        )
+    assert p.agent.posted == 0 and d.agent.posted == 0
+    sender.abort()
+    assert d.tables() == before[1]
+
+
+def test_the_client_refuses_a_broker_of_another_protocol_version(fake_brokers, monkeypatch) -> None:
+    """A client checks the broker's protocol_version (GetBrokerInfo) before anything else."""
+    from kvbroker.broker import dispatcher
+    from kvbroker.client import BrokerClient
+
+    p = fake_brokers("p")
+    monkeypatch.setattr(dispatcher, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+    with pytest.raises(errors.FailedPrecondition, match=f"speaks protocol version {PROTOCOL_VERSION + 1}"):
+        BrokerClient(p.address)

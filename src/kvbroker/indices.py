@@ -16,27 +16,50 @@ import numpy.typing as npt
 from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
-__all__ = ["IndexArray", "decode_indices", "encode_indices"]
+__all__ = ["IndexArray", "as_index", "as_indices", "decode_indices", "encode_indices"]
 
 IndexArray = npt.NDArray[np.int32]
 
 _LE_INT32 = np.dtype("<i4")
 
 
-def encode_indices(indices: npt.ArrayLike | Sequence[int]) -> common_pb2.PageIndices:
-    """Pack indices into a ``PageIndices`` message (the compact form).
+_I32 = np.iinfo(np.int32)
 
-    Raises ``InvalidArgument`` for values that do not fit int32 or arrays that
-    are not one-dimensional.
+
+def as_indices(values: npt.ArrayLike | Sequence[int], what: str = "page indices") -> IndexArray:
+    """``values`` as an int32 index array, checked before any conversion.
+
+    ``InvalidArgument`` for anything that is not a one-dimensional list of
+    integers, or holds a value outside int32: a 64-bit index such as
+    ``2**32 + 3`` must never wrap to ``3`` and move the wrong page.
     """
-    array = np.asarray(indices)
+    array = np.asarray(values)
     if array.ndim != 1:
-        raise InvalidArgument(f"page indices must be one-dimensional, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iu":
-        raise InvalidArgument(f"page indices must be integers, got dtype {array.dtype}")
-    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
-        raise InvalidArgument("page indices must fit in int32")
-    return common_pb2.PageIndices(packed=array.astype(_LE_INT32, copy=False).tobytes())
+        raise InvalidArgument(f"{what} must be one-dimensional, got shape {array.shape}")
+    if not array.size:
+        return np.zeros(0, dtype=np.int32)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < _I32.min or high > _I32.max:
+        bad = low if low < _I32.min else high
+        raise InvalidArgument(f"{what}: index {bad} does not fit in int32 (indices are 32-bit on the wire)")
+    return array.astype(np.int32, copy=False)
+
+
+def as_index(value: int, what: str) -> int:
+    """One index (an aux row), checked like :func:`as_indices`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
+    if not _I32.min <= int(value) <= _I32.max:
+        raise InvalidArgument(f"{what}: {int(value)} does not fit in int32")
+    return int(value)
+
+
+def encode_indices(indices: npt.ArrayLike | Sequence[int], what: str = "page indices") -> common_pb2.PageIndices:
+    """Pack indices into a ``PageIndices`` message (the compact form), checked
+    by :func:`as_indices` first."""
+    return common_pb2.PageIndices(packed=as_indices(indices, what).astype(_LE_INT32, copy=False).tobytes())
 
 
 def decode_indices(message: common_pb2.PageIndices, *, what: str = "pages") -> IndexArray:
@@ -52,4 +75,4 @@ def decode_indices(message: common_pb2.PageIndices, *, what: str = "pages") -> I
         if len(message.packed) % 4:
             raise InvalidArgument(f"{what}: packed indices must be a multiple of 4 bytes, got {len(message.packed)}")
         return np.frombuffer(message.packed, dtype=_LE_INT32).astype(np.int32, copy=False)
-    return np.asarray(message.values, dtype=np.int32)
+    return as_indices(np.fromiter(message.values, dtype=np.int64, count=len(message.values)), what)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.errors import InvalidArgument
-from kvbroker.indices import decode_indices, encode_indices
+from kvbroker.indices import as_index, decode_indices, encode_indices
 from kvbroker.v1 import common_pb2
 
 INT32_MIN = int(np.iinfo(np.int32).min)
@@ -158,3 +158,20 @@ def test_round_trip_property(values: list[int]) -> None:
     assert packed.tolist() == values
     via_values = decode_indices(common_pb2.PageIndices(values=values))
     assert via_values.tolist() == values
+
+
+def test_values_wider_than_int32_are_refused_when_decoding() -> None:
+    """The broker refuses a ``values`` index that does not fit int32 (grpcurl can send one): it used to
+    arrive cut to 32 bits, 2**32 + 3 becoming page 3."""
+    with pytest.raises(InvalidArgument, match="4294967299 does not fit in int32"):
+        decode_indices(common_pb2.PageIndices(values=[2**32 + 3]))
+    with pytest.raises(InvalidArgument, match="does not fit in int32"):
+        decode_indices(common_pb2.PageIndices(values=[-(2**31) - 1]))
+
+
+@pytest.mark.parametrize("value", [2**32 + 3, -(2**31) - 1, True, 1.0])
+def test_one_index_is_checked_like_a_list(value: object) -> None:
+    """An aux row wider than int32 (or not an integer) is refused before it could be converted."""
+    with pytest.raises(InvalidArgument):
+        as_index(value, "aux_row")  # type: ignore[arg-type]
+    assert as_index(np.int64(7), "aux_row") == 7
