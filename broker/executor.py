@@ -346,7 +346,9 @@ class Executor:
     async def _find_sender(self, rank: Receiver) -> None:
         try:
             with trace.use_span(rank.span, end_on_exit=False) if rank.span is not None else contextlib.nullcontext():
-                peer, layouts = await self._client.find_sender(rank.sender_address, rank.sender_group)
+                peer, layouts = await self._client.find_sender(
+                    rank.sender_address, rank.sender_group, stop=lambda: rank.terminal
+                )
         except KvBrokerError as exc:
             self._receiver.bootstrap_failed(rank, exc)
         else:

@@ -133,10 +133,11 @@ class PeerClient:
                 peer.announced_epoch = epoch
         log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
 
-    async def find_sender(self, address: str, group: str) -> tuple[Peer, list[Layout]]:
+    async def find_sender(self, address: str, group: str, stop: Callable[[], bool] = lambda: False) -> tuple[Peer, list[Layout]]:
         """Handshake with the broker at ``address`` and find ``group`` there,
         retrying with backoff until the bootstrap timeout (the sender's broker or
-        engines may still be starting). The last try is at the deadline."""
+        engines may still be starting). The last try is at the deadline; no
+        retry once ``stop()`` says so (the room ended)."""
         start = time.monotonic()
         deadline = start + self._bootstrap_timeout
         delay = 0.01
@@ -156,7 +157,7 @@ class PeerClient:
             except Unavailable as exc:
                 error = exc
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or stop():
                 waited = time.monotonic() - start
                 raise type(error)(f"{error.message} (gave up after {waited:.3g} s; --bootstrap-timeout {self._bootstrap_timeout:g} s)")
             await asyncio.sleep(min(delay, remaining))

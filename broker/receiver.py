@@ -301,9 +301,13 @@ class ReceiverCore:
         rank.mark("handshaken")
         rank.peer_broker_id = broker_id
         if rank.terminal:
-            # Aborted while we looked for the sender: its engine may have
-            # opened the room there already; tell it.
-            if rank.cause is not None:
+            # Failed while we looked for the sender: its engine may have
+            # opened the room there already; tell it (the way a broker that
+            # was not there when the room failed is told, when it was
+            # remembered for it).
+            if (rank.sender_address, rank.room) in self._rooms.successor_notices:
+                self._tell_successor_now(rank.sender_address)
+            elif rank.cause is not None:
                 self._out.append(AbortAtPeer(broker_id, rank.room, rank.cause))
             return
         try:
@@ -647,13 +651,17 @@ class ReceiverCore:
                 ),
             )
         for address in {a for a, _ in self._rooms.successor_notices}:
-            if address in self._telling or now - self._told_at.get(address, -1e9) < retry_seconds:
-                continue
-            self._telling.add(address)
-            self._told_at[address] = now
-            self._out.append(TellSuccessor(address))
+            if now - self._told_at.get(address, -1e9) >= retry_seconds:
+                self._tell_successor_now(address, now)
         for address in [a for a in self._told_at if now - self._told_at[a] > 10 * retry_seconds]:
             del self._told_at[address]
+
+    def _tell_successor_now(self, address: str, now: float | None = None) -> None:
+        if address in self._telling:
+            return
+        self._telling.add(address)
+        self._told_at[address] = time.monotonic() if now is None else now
+        self._out.append(TellSuccessor(address))
 
     def successor_notices(self, address: str) -> list[tuple[int, common_pb2.FailureCause]]:
         """Take the rooms to tell the broker now at ``address`` (they leave the table)."""

@@ -333,16 +333,6 @@ def test_data_still_landing_after_an_abort_settles_the_pages(world: World) -> No
     assert rank.pages_settled and rank.state == FAILED
 
 
-def test_an_abort_while_finding_the_sender_is_told_once_it_is_found(world: World) -> None:
-    """The sender's engine may have opened the room already: it hears of the abort."""
-    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
-    world.core.abort(de, 1, "cancelled")
-    world.take()
-    world.core.sender_found(rank, P, [pe.layout])
-    assert [type(e) for e in world.take()] == [AbortAtPeer]
-
-
 # -- bad input ------------------------------------------------------------------------
 
 
@@ -357,3 +347,17 @@ def test_bad_expectations_are_refused_and_change_nothing(world: World) -> None:
     world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([0]), aux_row=None, state={})
     with pytest.raises(AlreadyExists):
         world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([0]), aux_row=None, state={})
+
+
+def test_a_rank_that_failed_before_its_sender_was_reachable_tells_the_broker_found_later(world: World) -> None:
+    """Aborted while the sender's broker could not be reached: remembered for whoever answers there; when
+    the bootstrap then finds a broker, that broker is told the remembered way (once), not a second way."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.abort(de, 1, "cancelled")
+    assert (ADDRESS, 1) in world.rooms.successor_notices
+    world.take()
+    world.core.sender_found(rank, P, [pe.layout])
+    assert world.take() == [TellSuccessor(ADDRESS)]
+    world.core.tick(rank.opened_at, data_timeout_seconds=100, retry_seconds=1)
+    assert world.take() == []  # already being told
