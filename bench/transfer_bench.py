@@ -497,6 +497,31 @@ class Samples:
         return statistics.median(self.seconds)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (all its threads) used so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of a broker's threads so far, by role: the control loop (the
+    main thread), the NIXL data plane (kvb-nixl), the other threads."""
+    out = {"loop": 0.0, "nixl": 0.0, "other": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # the thread ended
+        name = stat.split("(", 1)[1].rsplit(")", 1)[0]
+        fields = stat.rsplit(")", 1)[1].split()
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        role = "loop" if int(tid) == pid else "nixl" if name == "kvb-nixl" else "other"
+        out[role] += seconds
+    return out
+
+
 def pct(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
@@ -576,6 +601,9 @@ class BrokerBench:
         ids = self.rooms(len(plans))
         ref = SenderRef(self.prefill_broker.address, PREFILL_GROUP)
         send_rtts = []
+        pids = {"engines (this process)": os.getpid(), "prefill broker": self.prefill_broker.process.pid, "decode broker": self.decode_broker.process.pid}
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        threads0 = {side: thread_cpu_seconds(b.process.pid) for side, b in (("prefill", self.prefill_broker), ("decode", self.decode_broker))}
         t0 = time.perf_counter()
         for rid, plan in zip(ids, plans):
             self.decode.receiver(rid, ref).init(plan.dst)
@@ -590,6 +618,10 @@ class BrokerBench:
         t_sent = time.perf_counter()
         statuses = self.decode.wait(ids, timeout_seconds=self.timeout)
         t_end = time.perf_counter()
+        cpu_ms = {name: (cpu_seconds(pid) - cpu0[name]) * 1e3 for name, pid in pids.items()}
+        for side, b in (("prefill", self.prefill_broker), ("decode", self.decode_broker)):
+            threads = thread_cpu_seconds(b.process.pid)
+            cpu_ms.update({f"{side}/{role}": (threads[role] - threads0[side][role]) * 1e3 for role in threads})
         bad = [(r, s.cause.message) for r, s in statuses.items() if s.state != RoomState.SUCCESS]
         if bad:
             raise BenchError(f"broker: {len(bad)} rooms did not succeed, e.g. {bad[0]}")
@@ -599,6 +631,7 @@ class BrokerBench:
             "end_ms": (t_end - t0) * 1e3,
             "send_chunk_median_us": statistics.median(send_rtts) * 1e6,
             "bytes_reported": sum(s.bytes for s in statuses.values()),
+            "cpu_ms": cpu_ms,
         }
 
     def control_rtts(self, calls: int, pages_per_room: int) -> dict[str, dict[str, float]]:
@@ -1003,6 +1036,15 @@ def print_table(res: dict[str, Any]) -> None:
         "broker timeline (median ms from the first ExpectRoom): "
         f"all ExpectRoom returned {med('broker', 'expect_ms'):.1f}, last SendChunk returned {med('broker', 'sent_ms'):.1f}, "
         f"last SUCCESS {med('broker', 'end_ms'):.1f}; SendChunk under load median {med('broker', 'send_chunk_median_us'):.0f} us"
+    )
+    cpu = {name: statistics.median(d["cpu_ms"][name] for d in r["broker"]["details"]) for name in r["broker"]["details"][0]["cpu_ms"]}
+    wall = med("broker", "end_ms")
+    print(
+        "broker CPU per measurement (median ms; the machine has "
+        f"{c['cpus']} cores = {c['cpus'] * wall:.0f} core-ms in the {wall:.0f} ms): "
+        + ", ".join(f"{name} {ms:.0f}" for name, ms in cpu.items() if "/" not in name)
+        + f"; total {sum(ms for name, ms in cpu.items() if '/' not in name):.0f}; by broker thread: "
+        + ", ".join(f"{name} {ms:.0f}" for name, ms in cpu.items() if "/" in name)
     )
     for key in ("raw_chunked", "raw_single", "raw_prepped"):
         print(

@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kvbroker.broker.nixl_agent import Agent, NixlError, XferState
+from kvbroker.broker.workers import name_thread
 from kvbroker.errors import KvBrokerError, Unavailable
 
 __all__ = ["DataPlane", "Notices", "Posting", "Settled", "TransferTimeout"]
@@ -219,6 +220,7 @@ class DataPlane:
 
     # -- the thread ---------------------------------------------------------
     def _run(self) -> None:
+        name_thread("kvb-nixl")
         wait = _MIN_WAIT_S
         running = True
         while running:

@@ -58,6 +58,9 @@ class Engine:
     registrations: list[Any] = field(default_factory=list)
     #: Local prepared descriptor list per memory kind.
     dlists: dict[int, Any] = field(default_factory=dict)
+    #: How this rank's KV pages map onto receivers' (``parts.kv_pairs``), by
+    #: (receiver broker, rank, generation, layer range): planned once, not per room.
+    kv_plans: dict[Any, Any] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -23,16 +23,19 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvbroker.broker.descriptors import DescriptorTable, Segment, plan_parts
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.mapping import SourcePlan
-from kvbroker.broker.segments import ChunkShape, build_segments
+from kvbroker.broker.segments import ChunkShape, build_segments, same_item_bytes
 from kvbroker.broker.slicing import HeadSlice, head_slice, kv_region_pairs, staged_bytes
 from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
-from kvbroker.v1 import common_pb2
+from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["PartKind", "PartSpec", "plan_chunk", "span_names"]
+__all__ = ["KvPairs", "PartKind", "PartSpec", "kv_pairs", "plan_chunk", "span_names"]
 
 
 class PartKind(enum.Enum):
@@ -68,6 +71,35 @@ class PartSpec:
 StagePolicy = Callable[[int, int, int, int], bool]
 
 
+@dataclass(frozen=True)
+class KvPairs:
+    """The KV regions one source writes whole into one receiver, planned once per
+    (source, receiver): grouped by (local memory kind, remote memory kind), the
+    index of each region's first page in both prepared lists, and the bytes of
+    one page over the group. A chunk's KV then costs two broadcasts per group,
+    not one segment per layer."""
+
+    groups: tuple[tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64], int], ...]
+
+
+def kv_pairs(src: Layout, src_table: DescriptorTable, dst: Layout, dst_table: DescriptorTable, plan: SourcePlan) -> KvPairs:
+    """Plan a FULL_PAGES source's KV regions for one receiver (``FailedPrecondition``
+    if the layouts do not pair)."""
+    grouped: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
+    for s, d in kv_region_pairs(src, dst, plan.layer_begin, plan.layer_end):
+        item = same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
+        sb, db, sizes = grouped.setdefault((src_table.region_kind[s], dst_table.region_kind[d]), ([], [], []))
+        sb.append(src_table.region_base[s])
+        db.append(dst_table.region_base[d])
+        sizes.append(item)
+    return KvPairs(
+        groups=tuple(
+            (lk, rk, np.asarray(sb, dtype=np.int64), np.asarray(db, dtype=np.int64), sum(sizes))
+            for (lk, rk), (sb, db, sizes) in grouped.items()
+        )
+    )
+
+
 def plan_chunk(
     src: Layout,
     src_table: DescriptorTable,
@@ -76,24 +108,43 @@ def plan_chunk(
     plan: SourcePlan,
     shape: ChunkShape,
     stage: StagePolicy,
+    kv: KvPairs | None = None,
 ) -> list[PartSpec]:
     """The parts of one chunk (``shape``) that source ``plan`` sends one receiver.
 
+    ``kv``: the source's :class:`KvPairs` for this receiver, if planned already.
     Raises ``FailedPrecondition`` when the layouts do not pair. Never empty:
     a chunk that moves nothing is one ``NOTICE`` part.
     """
-    segments = build_segments(src, dst, plan, shape)
+    # (local kind, remote kind) -> local index arrays, remote index arrays, bytes; in order of appearance.
+    whole: dict[tuple[int, int], tuple[list[IndexArray], list[IndexArray], list[int]]] = {}
+    pages = int(shape.src_pages.size)
+    if pages and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
+        kv = kv or kv_pairs(src, src_table, dst, dst_table, plan)
+        src_pages, dst_pages = shape.src_pages.astype(np.int64), shape.dst_pages.astype(np.int64)
+        for lk, rk, src_bases, dst_bases, page_bytes in kv.groups:
+            local, remote, sizes = whole.setdefault((lk, rk), ([], [], []))
+            local.append((src_bases[:, None] + src_pages[None, :]).ravel().astype(np.int32))
+            remote.append((dst_bases[:, None] + dst_pages[None, :]).ravel().astype(np.int32))
+            sizes.append(page_bytes * pages)
+    segments = build_segments(src, dst, plan, shape, kv=False)
+    for p in plan_parts(src_table, dst_table, segments):
+        local, remote, sizes = whole.setdefault((p.local_kind, p.remote_kind), ([], [], []))
+        local.append(p.local_indices)
+        remote.append(p.remote_indices)
+        sizes.append(p.bytes)
+    carried = _carried(src, src_table, dst_table, segments)
     parts = [
         PartSpec(
             kind=PartKind.WHOLE,
-            nbytes=p.bytes,
-            local_kind=p.local_kind,
-            remote_kind=p.remote_kind,
-            local_indices=p.local_indices,
-            remote_indices=p.remote_indices,
-            carries=_carried(src, src_table, dst_table, segments).get((p.local_kind, p.remote_kind), ()),
+            nbytes=sum(sizes),
+            local_kind=lk,
+            remote_kind=rk,
+            local_indices=local[0] if len(local) == 1 else np.concatenate(local),
+            remote_indices=remote[0] if len(remote) == 1 else np.concatenate(remote),
+            carries=carried.get((lk, rk), ()),
         )
-        for p in plan_parts(src_table, dst_table, segments)
+        for (lk, rk), (local, remote, sizes) in whole.items()
     ]
     if plan.head_sliced and shape.src_pages.size:
         hs = head_slice(src, dst, plan)

@@ -33,7 +33,7 @@ from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["ChunkShape", "build_segments", "state_regions", "state_segments"]
+__all__ = ["ChunkShape", "build_segments", "same_item_bytes", "state_regions", "state_segments"]
 
 log = structlog.get_logger(__name__)
 
@@ -52,14 +52,15 @@ class ChunkShape:
     state: dict[str, tuple[IndexArray, IndexArray]]
 
 
-def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape) -> list[Segment]:
+def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape, *, kv: bool = True) -> list[Segment]:
     """The segments of one chunk that move whole items: KV pages (unless the
-    plan slices heads: see ``slicing``), aux rows and state items. Raises
+    plan slices heads: see ``slicing``; or ``kv`` is False: the caller plans
+    them, see ``parts.KvPairs``), aux rows and state items. Raises
     ``FailedPrecondition`` on layouts that do not pair."""
     segments: list[Segment] = []
-    if shape.src_pages.size and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
+    if kv and shape.src_pages.size and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
         for s, d in kv_region_pairs(src, dst, plan.layer_begin, plan.layer_end):
-            item = _same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
+            item = same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
             segments.append(Segment(s, d, shape.src_pages, shape.dst_pages, item))
     if shape.aux_rows is not None:
         if len(src.aux_regions) != len(dst.aux_regions):
@@ -69,7 +70,7 @@ def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape
         src_row = np.array([shape.aux_rows[0]], dtype=np.int32)
         dst_row = np.array([shape.aux_rows[1]], dtype=np.int32)
         for i, (s, d) in enumerate(zip(src.aux_regions, dst.aux_regions)):
-            item = _same_item_bytes(src, s, dst, d, f"aux region {i}")
+            item = same_item_bytes(src, s, dst, d, f"aux region {i}")
             segments.append(Segment(s, d, src_row, dst_row, item))
     for name, (src_idx, dst_idx) in shape.state.items():
         segments.extend(state_segments(src, dst, name, src_idx, dst_idx, plan.layer_begin, plan.layer_end))
@@ -121,12 +122,12 @@ def state_segments(
         src_idx, dst_idx = src_idx[:n], dst_idx[:n]
     segments = []
     for i, (s, d) in enumerate(zip(src_regions, dst_regions)):
-        item = _same_item_bytes(src, s, dst, d, f"state {name!r} region {i}")
+        item = same_item_bytes(src, s, dst, d, f"state {name!r} region {i}")
         segments.append(Segment(s, d, src_idx, dst_idx, item))
     return segments
 
 
-def _same_item_bytes(src: Layout, s: int, dst: Layout, d: int, what: str) -> int:
+def same_item_bytes(src: Layout, s: int, dst: Layout, d: int, what: str) -> int:
     a, b = src.regions[s].item_bytes, dst.regions[d].item_bytes
     if a != b:
         raise FailedPrecondition(f"{what}: the sender's items are {a} bytes, the receiver's {b}")

@@ -47,9 +47,9 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.effects import Effect, PostPart, Publish, ReserveStaging, RoomEnded, SendReport
 from kvbroker.broker.layout import RankKey
-from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.mapping import FULL_PAGES, SourcePlan
 from kvbroker.broker.nixl_agent import XferState
-from kvbroker.broker.parts import PartKind, PartSpec, StagePolicy, plan_chunk
+from kvbroker.broker.parts import KvPairs, PartKind, PartSpec, StagePolicy, kv_pairs, plan_chunk
 from kvbroker.broker.rooms import (
     FAILED,
     SUCCESS,
@@ -146,6 +146,9 @@ class Destination:
     #: Prefetch requests answered for staged parts: (chunk, part) -> offset
     #: in the receiver's staging buffer. Dropped when the part settles.
     prefetch: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: The KV regions this source writes whole into this receiver, planned
+    #: on the first chunk (``parts.kv_pairs``) for the receiver's generation.
+    kv: KvPairs | None = None
 
 
 @dataclass(eq=False)
@@ -648,9 +651,16 @@ class SenderCore:
             aux_rows=_aux_rows(chunk, dest),
             state=_state_pairs(chunk, dest, remote),
         )
-        specs = plan_chunk(
-            source.engine.layout, source.engine.table, remote.layout, remote.table, plan, shape, self._stage_policy(dest)
-        )
+        layout, table = source.engine.layout, source.engine.table
+        if dest.kv is None and plan.mode == FULL_PAGES and shape.src_pages.size:
+            # Planned once per (receiver rank generation, layer range) for this engine, not per room.
+            key = (info.receiver_broker_id, info.receiver, remote.generation, plan.layer_begin, plan.layer_end)
+            dest.kv = source.engine.kv_plans.get(key)
+            if dest.kv is None:
+                if len(source.engine.kv_plans) >= 4096:  # receivers come and go: bounded
+                    source.engine.kv_plans.clear()
+                dest.kv = source.engine.kv_plans[key] = kv_pairs(layout, table, remote.layout, remote.table, plan)
+        specs = plan_chunk(layout, table, remote.layout, remote.table, plan, shape, self._stage_policy(dest), dest.kv)
         notice = self._notice(
             source, dest, chunk, total_chunks=len(source.chunk_list) if chunk.is_last else 0, pages=int(chunk.pages.size)
         )

@@ -94,8 +94,16 @@ def configure_metrics(prometheus_port: int | None, prometheus_host: str = "127.0
     return provider
 
 
+_tracer: trace.Tracer | None = None
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    """kvbroker's tracer (made once: ``get_tracer`` builds a new one per call; the
+    one it returns before a provider is installed forwards to it later)."""
+    global _tracer
+    if _tracer is None:
+        _tracer = trace.get_tracer(TRACER_NAME)
+    return _tracer
 
 
 def span_ids(span: Span | None) -> dict[str, str]:
