@@ -93,6 +93,7 @@ class Broker:
             peers=self.peers,
             config=config,
             handshake_message=self._handshake_message,
+            epoch=lambda: self.engines.epoch,
             credentials=channel_credentials(config) if config.tls else None,
         )
         self.sender = SenderCore(

@@ -6,7 +6,13 @@ their buffers over as file descriptors and the broker maps them:
 - DRAM: a memfd (or shm file). :class:`DramImporter` maps it shared, read and
   write, into the broker. The memfd must be sealed against shrinking
   (``F_SEAL_SHRINK``): a buffer its engine could truncate would turn a NIXL
-  access into SIGBUS and take the whole broker down.
+  access into SIGBUS and take the whole broker down. Every page is faulted
+  in at import (:func:`populate`, in steps, never holding the process's
+  memory-map lock for long), so transfers and staging copies never pay
+  page faults, and a host without the memory fails the registration
+  instead of a transfer. Pages the engine never touched are allocated and
+  zeroed then: on this VM that first touch costs about 2-3 s/GiB, while
+  pages the engine already wrote cost about 0.2 s/GiB.
 - VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
   ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter`
   imports it (``cuMemImportFromShareableHandle``), maps it into the broker
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import mmap
 import os
@@ -33,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbroker import cudavmm
-from kvbroker.errors import InvalidArgument
+from kvbroker.errors import InvalidArgument, ResourceExhausted
 from kvbroker.v1 import common_pb2
 
 __all__ = [
@@ -45,6 +52,7 @@ __all__ = [
     "importer_for",
     "map_anonymous",
     "map_memory",
+    "populate",
     "unmap",
 ]
 
@@ -53,6 +61,8 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -101,12 +111,22 @@ class DramImporter:
                     "DRAM buffers must be memfds sealed with F_SEAL_SHRINK (a shrinkable buffer could crash the "
                     "broker); kvbroker.client.memory allocates them that way"
                 )
-            # MAP_POPULATE: fault the pages in now, not during the first
-            # transfer (measured about 40% slower when faulting inside it).
             try:
-                address = map_memory(spec.size_bytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd)
+                address = map_memory(spec.size_bytes, mmap.MAP_SHARED, fd)
             except OSError as exc:
                 raise InvalidArgument(f"cannot map the buffer: {exc.strerror}") from None
+            # Fault the pages in now, not during the first transfer (measured
+            # about 40% slower when faulting inside it). Not with
+            # MAP_POPULATE: that holds this process's memory-map lock for the
+            # whole buffer (seconds for gigabytes), stalling every thread that
+            # allocates meanwhile, the event loop included.
+            try:
+                populate(address, spec.size_bytes)
+            except OSError as exc:
+                unmap(address, spec.size_bytes)
+                raise ResourceExhausted(
+                    f"cannot back the {spec.size_bytes}-byte buffer with memory: {exc.strerror}"
+                ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -167,6 +187,35 @@ def map_memory(
         err = ctypes.get_errno()
         raise OSError(err, f"cannot map {size_bytes} bytes: {os.strerror(err)}")
     return int(addr)
+
+
+_MADV_POPULATE_WRITE = 23
+#: Bytes populated per madvise call: each call holds the memory-map lock (for
+#: reading) about a millisecond here, so other threads' mmap calls wait no longer.
+_POPULATE_STEP = 8 << 20
+_PAGE = mmap.PAGESIZE
+
+
+def populate(address: int, size_bytes: int) -> None:
+    """Fault in every page of a shared mapping, writable, in steps of
+    ``_POPULATE_STEP`` (``MADV_POPULATE_WRITE``; a kernel without it, before
+    5.14, gets one read per page instead). ``OSError`` if the memory cannot
+    be had. The data is never changed."""
+    offset = 0
+    while offset < size_bytes:
+        length = min(_POPULATE_STEP, size_bytes - offset)
+        if _libc.madvise(address + offset, length, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err == errno.EINVAL and offset == 0:
+                _read_every_page(address, size_bytes)
+                return
+            raise OSError(err, os.strerror(err))
+        offset += length
+
+
+def _read_every_page(address: int, size_bytes: int) -> None:
+    pages = array_at(address, size_bytes)[::_PAGE]
+    int(pages.sum())
 
 
 def map_anonymous(size_bytes: int) -> int:

@@ -80,6 +80,7 @@ class PeerClient:
         peers: PeerTable,
         config: BrokerConfig,
         handshake_message: Callable[[], Awaitable[HandshakeMessage]],
+        epoch: Callable[[], int],
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self._peers = peers
@@ -89,8 +90,9 @@ class PeerClient:
         self._staging_wait = config.staging_wait_seconds
         self._options = channel_options(config)
         self._credentials = credentials
-        #: Our engine epoch, as ``handshake_message`` last reported it.
-        self.epoch = 0
+        #: Our engine epoch now (``EngineTable.epoch``): a peer that saw an
+        #: older one does not know all our engines yet.
+        self._epoch = epoch
 
     @property
     def timeout(self) -> float:
@@ -100,16 +102,22 @@ class PeerClient:
     async def connect(self, address: str) -> Peer:
         """The peer at ``address``, handshaken with our current engines."""
         peer = self._peers.at(address)
-        if peer.announced_epoch != self.epoch or peer.broker_id is None:
-            await self.handshake(peer)
+        if self._stale(peer):
+            await self.handshake(peer, only_if_stale=True)
         return peer
 
-    async def handshake(self, peer: Peer) -> None:
-        """(Re)do the handshake with ``peer``; ``Unavailable`` if it fails."""
+    def _stale(self, peer: Peer) -> bool:
+        return peer.announced_epoch != self._epoch() or peer.broker_id is None
+
+    async def handshake(self, peer: Peer, *, only_if_stale: bool = False) -> None:
+        """(Re)do the handshake with ``peer``; ``Unavailable`` if it fails.
+        ``only_if_stale``: not if one that finished while this call waited for
+        the peer's lock already told it our current engines."""
         async with peer.lock:
+            if only_if_stale and not self._stale(peer):
+                return
             with telemetry.tracer().start_as_current_span("kvbroker.handshake", attributes={"kvbroker.peer": peer.address}):
                 metadata, engines, staging, epoch = await self._handshake_message()
-                self.epoch = epoch
                 request = peer_pb2.HandshakeRequest(
                     protocol_version=PROTOCOL_VERSION,
                     caller=self._peers.identity(),
