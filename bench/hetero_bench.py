@@ -1,4 +1,4 @@
-"""Heterogeneous tensor parallelism: staging vs per-token descriptors, in one run.
+"""Heterogeneous tensor parallelism: staging vs per-token descriptors vs raw NIXL, in one run.
 
     python bench/hetero_bench.py [--layers 32] [--pages 32] [--rooms 4] [--chunks 4] [--repeat 3]
 
@@ -10,7 +10,14 @@ process (one memfd each). The time is from the first ExpectRoom to the last
 room SUCCESS on every rank; afterwards every received byte is checked
 against the reference pattern, outside the timing. Printed: GB/s of each
 path, staging/per-token, and the transfers and descriptors the prefill
-broker posted. Compare within one run (this machine varies by 15-30%).
+broker posted.
+
+Raw NIXL of the same bytes (``bench/rawnixl.py``): two bare NIXL agents in
+two processes write the same number of bytes in blocks the size of one
+staged part, back to back. That is the floor a staged transfer (gather, one
+bulk write per part, scatter, and the control calls around them) is
+compared with: staging / raw NIXL. Compare within one run (this machine
+varies by 15-30%).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+from rawnixl import bulk_write_seconds
 
 from kvbroker.testing import BrokerProcess
 from kvbroker.testing.scenario import Scenario, run_scenario
@@ -88,8 +97,19 @@ def main() -> int:
                     f"{transfers:10d} {descriptors:12d}"
                 )
             if len(rates) == 2:
-                print(f"{'':14} staging / per-token = {max(rates['staging']) / max(rates['per-token']):.1f}x (best), "
-                      f"{statistics.median(rates['staging']) / statistics.median(rates['per-token']):.1f}x (median)")
+                nbytes = counts["staging"][0]
+                heads = 8 // max(ps, pd)
+                part = 2 * args.layers * (args.pages // args.chunks) * args.page_size * heads * args.head_dim * 2
+                raw = [nbytes / s / 1e9 for s in bulk_write_seconds(nbytes, part, args.repeat)]
+                print(
+                    f"tp{ps} -> tp{pd}     {'raw NIXL':10} {nbytes / 2**20:8.1f} {max(raw):10.2f} {statistics.median(raw):12.2f} "
+                    f"{len(range(0, nbytes, part)):10d} {'':>12}   (same bytes, {part >> 20} MiB writes)"
+                )
+                stage, token = rates["staging"], rates["per-token"]
+                print(f"{'':14} staging / per-token = {max(stage) / max(token):.1f}x (best), "
+                      f"{statistics.median(stage) / statistics.median(token):.1f}x (median); "
+                      f"staging / raw NIXL = {max(stage) / max(raw):.2f} (best), "
+                      f"{statistics.median(stage) / statistics.median(raw):.2f} (median)")
     finally:
         for broker in (*staged, *plain):
             broker.stop()

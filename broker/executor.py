@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -55,7 +54,7 @@ from kvbroker.broker.effects import (
 from kvbroker.broker.engines import Engine
 from kvbroker.broker.metrics import BrokerMetrics
 from kvbroker.broker.nixl_agent import Agent, XferState
-from kvbroker.broker.parts import PartKind
+from kvbroker.broker.parts import PartKind, page_blocks
 from kvbroker.broker.peer_client import PeerClient, RegistrationError
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.receiver import Receiver, ReceiverCore
@@ -63,8 +62,8 @@ from kvbroker.broker.rooms import FAILED, Side, cause
 from kvbroker.broker.sender import Part, SenderCore, Source
 from kvbroker.broker.slicing import token_descriptors
 from kvbroker.broker.staging import (
-    Array,
     ArrayViews,
+    RegionSet,
     Reservation,
     StagingPool,
     StagingPools,
@@ -211,7 +210,7 @@ class Executor:
         return span
 
     def _post(self, part: Part) -> None:
-        """Hand one part to the data plane (a staged one is gathered first)."""
+        """Hand one part to the data plane (a gathered one is packed first)."""
         span = self._start_part(part)
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
@@ -230,8 +229,11 @@ class Executor:
             if spec.src_pages is not None and spec.slice is not None:
                 span.set_attribute("kvbroker.descriptors_built", len(spec.pairs) * int(spec.src_pages.size) * spec.slice.src.page_size)
             self._dataplane.post(Posting(part, _tokens(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.STAGED:
+            self._counters.transfers_staged += 1
+            self._dataplane.post(Posting(part, _into_staging(part, agent_name, notif), agent_name, part.nbytes))
         else:
-            self._tasks.spawn(self._stage(part, agent_name, notif, span), name=f"stage-{part.source.room}")
+            self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
     async def _reserve(self, part: Part) -> None:
         """The prefetch of a staged part at the receiver."""
@@ -260,11 +262,12 @@ class Executor:
         self._sender.staging_reserved(part, buffer, response.offset)
         self.drain()
 
-    async def _stage(self, part: Part, agent_name: str, notif: bytes, span: Span) -> None:
-        """Reserve in the local send pool, gather on the copy thread, post in bulk."""
+    async def _gather(self, part: Part, agent_name: str, notif: bytes, span: Span) -> None:
+        """Reserve in the local send pool, pack the head slice on the copy thread,
+        write each packed page straight into the receiver's page."""
         spec = part.spec
         engine = part.source.engine
-        assert spec.slice is not None and spec.src_pages is not None and part.staging_buffer is not None
+        assert spec.slice is not None and spec.src_pages is not None and spec.dst_pages is not None
         device = engine.table.region_device[spec.pairs[0][0]]
         pool = self._pools.pool("send", spec.local_kind, device)
         reservation: Reservation | None = None
@@ -276,7 +279,7 @@ class Executor:
                 raise FailedPrecondition("the room failed before its staged part was written")
             buffer = pool.buffer
             out = self._views.view(buffer.address + reservation.offset, part.nbytes, buffer.kind, buffer.device_id)
-            regions = [self._region_view(engine, s) for s, _ in spec.pairs]
+            regions = self._regions(engine, [s for s, _ in spec.pairs])
             pages, side = spec.src_pages, spec.slice.src
             gathering = telemetry.start_span("kvbroker.staging.gather", parent=span, attributes={"kvbroker.bytes": part.nbytes})
 
@@ -288,10 +291,12 @@ class Executor:
                 await self._workers.copy(pack)
             finally:
                 gathering.end()
-            local_row = buffer.descriptor_row(reservation, part.nbytes)
-            remote = part.staging_buffer
-            remote_row = np.array([[remote.address + part.staging_offset, part.nbytes, remote.device_id]], dtype=np.uint64)
-            local_kind, remote_kind = buffer.kind, remote.kind
+            page_bytes = spec.slice.dst.page_size * spec.slice.dst.token_bytes
+            remote_descs, local_descs = page_blocks(
+                part.remote.table, tuple(d for _, d in spec.pairs), spec.dst_pages, page_bytes,
+                buffer.address + reservation.offset, buffer.device_id,
+            )
+            local_kind, remote_kind = buffer.kind, spec.remote_kind
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)
@@ -305,7 +310,7 @@ class Executor:
         self._counters.transfers_staged += 1
 
         def make(agent: Agent) -> Any:
-            return agent.post_write_descs(local_row, local_kind, remote_row, remote_kind, agent_name, notif)
+            return agent.post_write_descs(local_descs, local_kind, remote_descs, remote_kind, agent_name, notif)
 
         self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
 
@@ -407,7 +412,7 @@ class Executor:
                 raise FailedPrecondition("the receive staging pool of this part is gone")
             buffer = pool.buffer
             packed = self._views.view(buffer.address + landing.reservation.offset, landing.nbytes, buffer.kind, buffer.device_id)
-            regions = [self._region_view(rank.engine, r) for r in landing.regions]
+            regions = self._regions(rank.engine, list(landing.regions))
 
             def unpack() -> None:
                 scatter(packed, regions, landing.pages, landing.side)
@@ -489,11 +494,18 @@ class Executor:
         )
 
     # -- helpers -------------------------------------------------------------------
-    def _region_view(self, engine: Engine, region: int) -> Array:
-        """Region ``region`` of ``engine`` as an ``[items, item_bytes]`` array."""
-        address, nbytes, kind, device = engine.region_address(region)
-        item = engine.layout.regions[region].item_bytes
-        return self._views.view(address, nbytes, kind, device).reshape(nbytes // item, item)
+    def _regions(self, engine: Engine, regions: list[int]) -> RegionSet:
+        """KV regions of ``engine`` as arrays for gather and scatter (all in one buffer)."""
+        layout = engine.layout
+        buffers = {layout.regions[r].buffer for r in regions}
+        if len(buffers) != 1:
+            raise FailedPrecondition("the KV regions of a head-sliced transfer must lie in one buffer")
+        buf = engine.buffers[buffers.pop()]
+        first = layout.regions[regions[0]]
+        view = self._views.view(buf.address, buf.size_bytes, buf.kind, buf.device_id)
+        return RegionSet.over(
+            view, [layout.regions[r].offset_bytes for r in regions], first.items, first.item_bytes, layout.page_size_tokens
+        )
 
     def transport(self) -> str:
         """What carries the bytes, as far as the broker can tell (NIXL does not
@@ -555,6 +567,24 @@ def _tokens(part: Part, agent_name: str, notif: bytes) -> Callable[[Agent], Any]
             src_table, dst_table, list(spec.pairs), spec.src_pages, spec.dst_pages, spec.slice
         )
         return agent.post_write_descs(local, local_kind, remote, remote_kind, agent_name, notif)
+
+    return make
+
+
+def _into_staging(part: Part, agent_name: str, notif: bytes) -> Callable[[Agent], Any]:
+    """Write the source's whole pages into the receiver's staging reservation
+    (runs on the data-plane thread)."""
+    spec, table = part.spec, part.source.engine.table
+    remote = part.staging_buffer
+    assert spec.src_pages is not None and spec.slice is not None and remote is not None
+
+    def make(agent: Agent) -> Any:
+        page_bytes = spec.slice.src.page_size * spec.slice.src.token_bytes  # type: ignore[union-attr]
+        local, far = page_blocks(
+            table, tuple(s for s, _ in spec.pairs), spec.src_pages, page_bytes,  # type: ignore[arg-type]
+            remote.address + part.staging_offset, remote.device_id,
+        )
+        return agent.post_write_descs(local, spec.local_kind, far, remote.kind, agent_name, notif)
 
     return make
 

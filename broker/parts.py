@@ -6,10 +6,17 @@ one NIXL write carrying its own ``TransferNotice`` (``part`` of ``parts``):
 - ``WHOLE``: whole items (KV pages of FULL_PAGES sources, aux rows, state
   items), by index into the prepared descriptor lists, one part per
   (local memory kind, remote memory kind) pair;
-- ``STAGED``: the head slices of a HEAD_SLICE source's pages, packed into a
-  staging buffer and written in one descriptor (docs/design.md section 6);
+- head slices of a HEAD_SLICE source's pages (docs/design.md section 6).
+  One side's slice is always its whole token (the rank with fewer heads
+  holds a subset of the other's), so one copy is enough:
+  ``GATHERED`` (the receiver holds fewer heads): this broker packs the slice
+  into its send staging buffer and writes each packed page straight into
+  the receiver's page; ``STAGED`` (the sender holds fewer heads): this
+  broker writes its whole pages into room the receiver reserved in its
+  receive staging buffer, and the receiver unpacks them into the slice of
+  its pages. Either way one descriptor per page (contiguous runs merged);
 - ``TOKENS``: the same head slices with one descriptor per (layer region,
-  page, token), when staging is off or the packed block cannot fit;
+  page, token), when staging is off or the block cannot fit;
 - ``NOTICE``: no bytes, only the notification: a completion-only source, or
   a last chunk with no pages, aux or state, so completion stays explicit.
 
@@ -35,11 +42,12 @@ from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["KvPairs", "PartKind", "PartSpec", "kv_pairs", "plan_chunk", "span_names"]
+__all__ = ["KvPairs", "PartKind", "PartSpec", "kv_pairs", "page_blocks", "plan_chunk", "span_names"]
 
 
 class PartKind(enum.Enum):
     WHOLE = "prepped"
+    GATHERED = "gathered"
     STAGED = "staged"
     TOKENS = "per_token"
     NOTICE = "notice"
@@ -66,9 +74,10 @@ class PartSpec:
     slice: HeadSlice | None = None
 
 
-#: Decides whether a head-sliced block of ``nbytes`` from memory kind
-#: ``src_kind`` (device ``src_device``) to ``dst_kind`` is staged.
-StagePolicy = Callable[[int, int, int, int], bool]
+#: Whether a head-sliced block of ``nbytes`` can be staged, and where:
+#: ``stage(nbytes, "send", kind, device)`` (this broker's send buffer for
+#: that memory) or ``stage(nbytes, "receive", kind, 0)`` (the receiver's).
+StagePolicy = Callable[[int, str, int, int], bool]
 
 
 @dataclass(frozen=True)
@@ -155,10 +164,15 @@ def plan_chunk(
             raise FailedPrecondition("the KV regions of a head-sliced transfer must share one memory kind per side")
         (src_kind, dst_kind) = next(iter(kinds))
         device = src_table.region_device[pairs[0][0]] if pairs else 0
-        staged = stage(nbytes, src_kind, device, dst_kind)
+        if hs.dst.slice_bytes == hs.dst.token_bytes and stage(nbytes, "send", src_kind, device):
+            kind = PartKind.GATHERED
+        elif hs.src.slice_bytes == hs.src.token_bytes and stage(nbytes, "receive", dst_kind, 0):
+            kind = PartKind.STAGED
+        else:
+            kind = PartKind.TOKENS
         parts.append(
             PartSpec(
-                kind=PartKind.STAGED if staged else PartKind.TOKENS,
+                kind=kind,
                 nbytes=nbytes,
                 local_kind=src_kind,
                 remote_kind=dst_kind,
@@ -171,6 +185,28 @@ def plan_chunk(
     if not parts:
         parts.append(PartSpec(kind=PartKind.NOTICE, nbytes=0))
     return parts
+
+
+def page_blocks(
+    table: DescriptorTable, regions: tuple[int, ...], pages: IndexArray, block_bytes: int, base: int, device: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Descriptors pairing whole pages with a packed block: the pages ``pages`` of
+    every region in ``regions`` (in that order, each page ``block_bytes``) and
+    consecutive ``block_bytes`` blocks from address ``base`` (device
+    ``device``). Runs of pages adjacent in memory merge into one descriptor on
+    both sides. Returns (page-side N x 3, block-side N x 3)."""
+    addresses = np.concatenate([table.item_addresses(r, pages) for r in regions]).astype(np.int64)
+    count = addresses.size
+    breaks = np.flatnonzero(np.diff(addresses) != block_bytes) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [count]))) * block_bytes
+    devices = np.asarray([table.region_device[r] for r in regions], dtype=np.uint64).repeat(pages.size)[starts]
+    page_side = np.stack((addresses[starts].astype(np.uint64), lengths.astype(np.uint64), devices), axis=1)
+    block_side = np.empty_like(page_side)
+    block_side[:, 0] = np.uint64(base) + starts.astype(np.uint64) * np.uint64(block_bytes)
+    block_side[:, 1] = page_side[:, 1]
+    block_side[:, 2] = device
+    return page_side, block_side
 
 
 def _carried(

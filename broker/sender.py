@@ -687,18 +687,16 @@ class SenderCore:
             self._out.append(ReserveStaging(part) if spec.kind is PartKind.STAGED else PostPart(part))
 
     def _stage_policy(self, dest: Destination) -> StagePolicy:
-        def stage(nbytes: int, src_kind: int, src_device: int, dst_kind: int) -> bool:
-            local = self._send_staging_bytes(src_kind, src_device)
-            remote = self._peers.receive_staging_bytes(dest.info.receiver_broker_id, dst_kind)
-            if not local or not remote:
+        def stage(nbytes: int, where: str, kind: int, device: int) -> bool:
+            if where == "send":
+                size = self._send_staging_bytes(kind, device)
+            else:
+                size = self._peers.receive_staging_bytes(dest.info.receiver_broker_id, kind)
+            if not size:
                 return False
-            if nbytes > min(local, remote):
+            if nbytes > size:
                 log.warning(
-                    "staging_block_too_large",
-                    bytes=nbytes,
-                    local_buffer=local,
-                    peer_buffer=remote,
-                    fallback="per-token descriptors",
+                    "staging_block_too_large", bytes=nbytes, buffer=size, side=where, fallback="per-token descriptors"
                 )
                 return False
             return True

@@ -16,10 +16,13 @@ GPU and never cross host memory; it stays until the broker stops.
 
 Gather and scatter (:func:`gather`, :func:`scatter`) are written once over
 "arrays": numpy arrays for host memory, torch CUDA tensors for device memory
-(:class:`ArrayViews` makes them). Both support the same indexing, so the
-same code packs host pages here and device pages on a GPU host. They run on
-the broker's copy thread, never on the control loop; numpy and torch release
-the GIL while they copy.
+(:class:`ArrayViews` makes them). Both support the same strided views and
+slicing, so the same code packs host pages here and device pages on a GPU
+host: one strided copy per run of consecutive pages, over every layer at
+once when the regions are equally spaced (measured here: 9.4 GB/s for a
+chunk of 8 pages in 2 runs over 64 regions, 5.7 GB/s beside another copy;
+fancy indexing did 6.3 and 2.3). They run on the broker's copy thread,
+never on the control loop; numpy and torch release the GIL while they copy.
 
 Reservations (:class:`StagingPool`) are first-fit, 4 KiB aligned; one that
 does not fit waits until another is released. Pools belong to the control
@@ -45,6 +48,7 @@ from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = [
     "ArrayViews",
+    "RegionSet",
     "Reservation",
     "StagingBuffer",
     "StagingPool",
@@ -221,42 +225,79 @@ class StagingPool:
 # -- gather and scatter: the same code for host and device arrays ---------------
 
 
-def _index(pages: npt.NDArray[np.int32], like: Array) -> Any:
-    """``pages`` as an index for ``like``'s library and device."""
-    if isinstance(like, np.ndarray):
-        return pages.astype(np.intp, copy=False)
+@dataclass(frozen=True)
+class RegionSet:
+    """The KV regions a staged part touches, in packing order, viewed as
+    ``[items, page_size, token_bytes]`` arrays: ``stacked`` is all of them as
+    one ``[regions, items, page_size, token_bytes]`` view when they lie
+    equally spaced in one buffer (the usual layout: then a run of pages is
+    one strided copy over every layer), ``each`` is one view per region."""
+
+    each: list[Array]
+    stacked: Array | None = None
+
+    @classmethod
+    def over(cls, buffer: Array, offsets: list[int], items: int, item_bytes: int, page_size: int) -> RegionSet:
+        """Regions at ``offsets`` of one uint8 buffer view, each ``items`` items of ``item_bytes``."""
+        token = item_bytes // page_size
+        each = [_strided(buffer, (items, page_size, token), (item_bytes, token, 1), o) for o in offsets]
+        steps = {b - a for a, b in zip(offsets, offsets[1:])}
+        stacked = None
+        if len(offsets) > 1 and len(steps) == 1 and (step := steps.pop()) >= items * item_bytes:
+            stacked = _strided(buffer, (len(offsets), items, page_size, token), (step, item_bytes, token, 1), offsets[0])
+        return cls(each=each, stacked=stacked)
+
+
+def _strided(buffer: Array, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Array:
+    """A strided view (byte strides) of a uint8 buffer view from ``offset``."""
+    if isinstance(buffer, np.ndarray):
+        return np.lib.stride_tricks.as_strided(buffer[offset:], shape=shape, strides=strides)
     import torch
 
-    return torch.as_tensor(pages.astype(np.int64, copy=False), device=like.device)
+    return torch.as_strided(buffer, shape, strides, storage_offset=offset)
 
 
-def _token_view(region: Array, page_size: int) -> Array:
-    """A ``[items, item_bytes]`` region as ``[items, page_size, token_bytes]``."""
-    return region.reshape(region.shape[0], page_size, -1)
+def _copy(dst: Array, src: Array) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
 
 
-def gather(regions: list[Array], pages: npt.NDArray[np.int32], side: SliceSide, out: Array) -> None:
-    """Pack the head slice of ``pages`` of every region (``[items, item_bytes]``
-    arrays) into ``out``: for each region in order, ``[pages, page_size,
-    slice_bytes]``. One vectorised copy per region."""
-    block = out.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
+def _runs(pages: npt.NDArray[np.int32]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive pages: (first page, position in ``pages``, length)."""
+    if not pages.size:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [pages.size]))
+    return [(int(pages[a]), int(a), int(e - a)) for a, e in zip(starts, ends)]
+
+
+def gather(regions: RegionSet, pages: npt.NDArray[np.int32], side: SliceSide, out: Array) -> None:
+    """Pack the head slice of ``pages`` of every region into ``out``: for each
+    region in order, ``[pages, page_size, slice_bytes]``. One strided copy per
+    run of consecutive pages (over every region at once when stacked)."""
+    block = out.reshape(len(regions.each), pages.size, side.page_size, side.slice_bytes)
     lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
-    if not regions:
-        return
-    index = _index(pages, regions[0])
-    for i, region in enumerate(regions):
-        block[i] = _token_view(region, side.page_size)[index, :, lo:hi]
+    for first, at, count in _runs(pages):
+        if regions.stacked is not None:
+            _copy(block[:, at : at + count], regions.stacked[:, first : first + count, :, lo:hi])
+        else:
+            for i, region in enumerate(regions.each):
+                _copy(block[i, at : at + count], region[first : first + count, :, lo:hi])
 
 
-def scatter(packed: Array, regions: list[Array], pages: npt.NDArray[np.int32], side: SliceSide) -> None:
+def scatter(packed: Array, regions: RegionSet, pages: npt.NDArray[np.int32], side: SliceSide) -> None:
     """Unpack a block made by :func:`gather` into the head slice of ``pages`` of every region."""
-    block = packed.reshape(len(regions), pages.size, side.page_size, side.slice_bytes)
+    block = packed.reshape(len(regions.each), pages.size, side.page_size, side.slice_bytes)
     lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
-    if not regions:
-        return
-    index = _index(pages, regions[0])
-    for i, region in enumerate(regions):
-        _token_view(region, side.page_size)[index, :, lo:hi] = block[i]
+    for first, at, count in _runs(pages):
+        if regions.stacked is not None:
+            _copy(regions.stacked[:, first : first + count, :, lo:hi], block[:, at : at + count])
+        else:
+            for i, region in enumerate(regions.each):
+                _copy(region[first : first + count, :, lo:hi], block[i, at : at + count])
 
 
 class StagingPools:

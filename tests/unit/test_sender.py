@@ -370,36 +370,54 @@ def test_timeouts_fail_waiting_sources_and_answer_orphan_infos(world: World) -> 
 
 
 def test_a_staged_part_reserves_at_the_receiver_before_it_is_posted(engine_stub: Builder) -> None:
-    """Head slices (tp1 -> tp2) with staging: ReserveStaging first, the post once the slot is known;
-    the prefetch record goes when the part settles."""
+    """tp2 -> tp1 (the sender's slice is its whole token): the pages are written into room the
+    receiver reserves first (ReserveStaging), the post once the slot is known; the prefetch record
+    goes when the part settles."""
+    world = World(engine_stub, send_staging=1 << 20)
+    pe = engine_stub("prefill", tp_size=2)
+    de = engine_stub("decode")
+    world.peers.add(D, de)
+    world.peers.staging[(D, DRAM)] = 1 << 20
+    source = world.core.begin(pe, 4, 2)
+    world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
+    world.take()
+    world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+    effects = world.take()
+    (part,) = [e.part for e in effects if isinstance(e, ReserveStaging)]
+    assert part.kind is PartKind.STAGED and part not in _posts(effects) and source.inflight == 2
+    world.core.staging_reserved(part, peer_pb2.RemoteBuffer(size_bytes=1 << 20, kind=DRAM), 8192)
+    assert _posts(world.take()) == [part]
+    assert part.notice.staged and part.notice.staging_offset == 8192 and part.notice.staging_bytes == part.nbytes
+    assert source.destinations[de.key].prefetch == {part.key: 8192}
+    _settle_all(world, _posts(effects) + [part])
+    assert source.state == SUCCESS and source.destinations[de.key].prefetch == {}
+
+
+def test_a_gathered_part_is_posted_without_the_receivers_staging(engine_stub: Builder) -> None:
+    """tp1 -> tp2 (the receiver's slice is its whole token): the sender packs into its own send
+    staging and writes into the receiver's pages; no ReserveStaging, no staged notice."""
     world = World(engine_stub, send_staging=1 << 20)
     pe = engine_stub("prefill")
     ranks = [engine_stub("decode", tp_size=2, tp_rank=r) for r in (0, 1)]
     for de in ranks:
         world.peers.add(D, de)
-    world.peers.staging[(D, DRAM)] = 1 << 20
     source = world.core.begin(pe, 4, 2)
     for de in ranks:
         world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
     world.take()
     world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
     effects = world.take()
-    staged = [e.part for e in effects if isinstance(e, ReserveStaging)]
-    assert [p.kind for p in staged] == [PartKind.STAGED] * 2 and _posts(effects) and source.inflight == 4
-    for offset, part in enumerate(staged):
-        world.core.staging_reserved(part, peer_pb2.RemoteBuffer(size_bytes=1 << 20, kind=DRAM), 8192 * offset)
-    assert _posts(world.take()) == staged
-    part = staged[1]
-    assert part.notice.staged and part.notice.staging_offset == 8192 and part.notice.staging_bytes == part.nbytes
-    assert source.destinations[ranks[1].key].prefetch == {part.key: 8192}
-    _settle_all(world, _posts(effects) + staged)
-    assert source.state == SUCCESS and all(d.prefetch == {} for d in source.destinations.values())
+    gathered = [p for p in _posts(effects) if p.kind is PartKind.GATHERED]
+    assert len(gathered) == 2 and not any(isinstance(e, ReserveStaging) for e in effects)
+    assert not any(p.notice.staged for p in gathered)
+    _settle_all(world, _posts(effects))
+    assert source.state == SUCCESS
 
 
 def test_a_staged_part_whose_room_failed_meanwhile_is_not_posted(engine_stub: Builder) -> None:
     """The slot arrives after the room failed: the part settles without a write."""
-    world = World(engine_stub, send_staging=1 << 20)
-    pe, de = engine_stub("prefill"), engine_stub("decode", tp_size=2)
+    world = World(engine_stub)
+    pe, de = engine_stub("prefill", tp_size=2), engine_stub("decode")
     world.peers.add(D, de)
     world.peers.staging[(D, DRAM)] = 1 << 20
     source = world.core.begin(pe, 4, 2)
