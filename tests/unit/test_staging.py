@@ -13,7 +13,14 @@ from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.parts import page_blocks
 from kvbroker.broker.slicing import SliceSide
-from kvbroker.broker.staging import RegionSet, Reservation, StagingBuffer, StagingPool, gather, scatter
+from kvbroker.broker.staging import (
+    RegionSet,
+    Reservation,
+    StagingBuffer,
+    StagingPool,
+    gather,
+    scatter,
+)
 from kvbroker.errors import DeadlineExceeded, ResourceExhausted
 
 ITEMS, PAGE, TOKEN = 12, 4, 16  # pages per region, tokens per page, bytes per token
