@@ -19,7 +19,8 @@ idle          ``--seconds`` with nothing happening (engines registered, no
 waiting room  the decode rank opens a room (ExpectRoom on D) whose prefill
               side never sends: D handshakes, registers the room at P and
               then waits for data, which makes it poll NIXL notifications
-              (every millisecond, per the README) and ping P once a second.
+              (backing off to once a millisecond: docs/architecture.md) and
+              ping P once a second.
               After the room reaches WAITING_FOR_INPUT (or later), the same
               measurement over ``--seconds``; then the room is aborted. It
               must still be open at the end of the window, or the run fails.

@@ -37,7 +37,7 @@ At the end: sending stops, every room in flight finishes, the engines
 unregister, and after finished-room TTL + tombstone TTL + 5 s both brokers'
 ``GetStats.per_room_state`` must be all zero. Exit status 1 on any byte
 mismatch, any leaked record, a broker that died unexpectedly (or exited
-non-zero on SIGTERM), or no verified room at all. See bench/README.md.
+non-zero on SIGTERM), or no verified room at all. See docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ How to read it: compare numbers within one run, as ratios (broker/raw NIXL,
 broker/memcpy); this 2-core VM varies by +-15-30% between runs. ``--repeat``
 runs every measurement N times (interleaved) and prints the best and the
 median. The broker path shares 2 cores between 2 broker processes and this
-one; the raw NIXL path between 2 processes. See bench/README.md.
+one; the raw NIXL path between 2 processes. See docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class BrokerConfig:
     #: default_socket_dir() named after the process id.
     fd_socket_path: str | None = None
     #: UCX error handling mode of the NIXL backend: "peer" detects dead peers,
-    #: "none" is faster and blind (PERF_NOTES.md).
+    #: "none" is faster and blind (docs/performance.md).
     ucx_error_mode: str = "peer"
     #: Prefix of the NIXL agent name; a random suffix makes it unique per process.
     agent_name_prefix: str = "kvbroker"

@@ -9,7 +9,7 @@ Let T be the model's total KV heads, Ps and Pd the sender and receiver tp
 sizes. A tp rank r of a group of tp size P holds heads
 ``[r * T/P, (r + 1) * T/P)`` when T >= P, else the single head
 ``r // (P / T)`` (heads replicated over P / T ranks). Head counts always come
-from T, never from per-rank counts (lesson 3 of DESIGN.md).
+from T, never from per-rank counts (lesson 3 of docs/design.md).
 
 - Equal tp sizes (MHA, GQA, MLA): tp rank r sends whole pages to tp rank r.
 - MLA with different tp sizes: the KV is identical on every rank, so exactly
@@ -259,7 +259,7 @@ def plan_sources(
 ) -> list[SourcePlan]:
     """Every source receiver rank (tp ``receiver_tp``, pp ``receiver_pp``) waits for.
 
-    Sources are unique by (group, tp rank, pp rank) (lesson 2 of DESIGN.md).
+    Sources are unique by (group, tp rank, pp rank) (lesson 2 of docs/design.md).
     ``num_destinations`` of each plan counts the receiver ranks of the whole
     receiver group that the source serves, so the sender knows when it is
     done. Raises ``FailedPrecondition`` for incompatible groups and

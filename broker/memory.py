@@ -1,4 +1,4 @@
-"""Importing engine memory from file descriptors (DESIGN.md section 3).
+"""Importing engine memory from file descriptors (docs/design.md section 3).
 
 NIXL only registers memory mapped in the agent's own process, so engines hand
 their buffers over as file descriptors and the broker maps them:

@@ -1,4 +1,4 @@
-"""GPU memory that crosses processes as a file descriptor: CUDA VMM (DESIGN.md section 3).
+"""GPU memory that crosses processes as a file descriptor: CUDA VMM (docs/design.md section 3).
 
 An engine allocates its VRAM KV pool with ``cuMemCreate`` asking for a
 POSIX-fd shareable handle, maps it into its own address space and exports

@@ -333,6 +333,41 @@ def test_data_still_landing_after_an_abort_settles_the_pages(world: World) -> No
     assert rank.pages_settled and rank.state == FAILED
 
 
+def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_handshake(world: World) -> None:
+    """ABORTED (the sender's view of us is stale, or it restarted): until the answer the rank may not be
+    written by anyone; after a fresh handshake it registers with whichever process answers now."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.sender_found(rank, P, [pe.layout])
+    world.core.registration_stale(rank)
+    assert not rank.registered_with_sender and not rank.registering
+    # A loss found by that handshake does not touch the rank: the old process never had the room.
+    assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "restarted", "decode-broker")) == 0
+    assert world.core.register_again(rank, "prefill-broker-2")
+    world.core.room_registered(rank, "prefill-broker-2", still_known=True)
+    assert rank.state == WAITING and rank.peer_broker_id == "prefill-broker-2"
+
+
+def test_a_rank_that_ended_meanwhile_does_not_register_again(world: World) -> None:
+    """Aborted while the registration was being retried: the retry is dropped."""
+    de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
+    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    world.core.sender_found(rank, P, [pe.layout])
+    world.core.registration_stale(rank)
+    world.core.abort(de, 1, "cancelled")
+    assert not world.core.register_again(rank, "prefill-broker-2")
+
+
+def test_the_senders_abort_fails_its_ranks_without_aborting_back(world: World) -> None:
+    """PeerAbort from the sender's broker fails the ranks it feeds; nothing is sent back to it."""
+    rank = world.registered()
+    why = cause(common_pb2.FAILURE_KIND_ABORTED, "prefill OOM", P)
+    assert world.core.peer_abort(rank.room, why, P) == 1
+    assert rank.state == FAILED and rank.cause == why
+    assert not any(isinstance(e, AbortAtPeer) for e in world.take())
+    assert world.core.peer_abort(rank.room, why, "another-broker") == 0
+
+
 # -- bad input ------------------------------------------------------------------------
 
 
