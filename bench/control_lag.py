@@ -24,8 +24,8 @@ all processes) and round trip are sent back at the end and sorted into phases:
                   the buffer (``EngineMemory.allocate``, a sealed memfd; with
                   ``--engine-touch`` it also wrote every page) and connected
                   to P *before* the phase, so only ``register_engine`` (fd
-                  upload + RegisterEngine: the broker maps the buffer, with
-                  MAP_POPULATE, and registers it with NIXL) falls inside;
+                  upload + RegisterEngine: the broker maps the buffer, faults
+                  its pages in, and registers it with NIXL) falls inside;
              (ii) one room of ``--room-mib`` MiB moves from a prefill tp1
                   rank on P to two decode ranks (tp2) on D: 8 KV heads,
                   bfloat16, head dim 128, pages of 16 tokens, ``--layers``
@@ -734,7 +734,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--engine-touch",
         action="store_true",
         help="the registering engine writes every page of its buffer before the phase "
-        "(default: untouched, as right after allocation; then the broker's MAP_POPULATE allocates them)",
+        "(default: untouched, as right after allocation; then the broker's populate allocates them)",
     )
     p.add_argument("--idle-seconds", type=float, default=3.0)
     p.add_argument(

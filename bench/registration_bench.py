@@ -21,8 +21,8 @@ allocate_s    ``EngineMemory.allocate`` (a sealed memfd, mapped here, zero
               do not exist yet and the broker's mapping creates them. This is
               the engine's cost, not the broker's.
 register_s    ``BrokerClient.register_engine``: fd upload over the fd socket
-              and RegisterEngine, in which the broker maps the buffer (today
-              with MAP_POPULATE), registers it with NIXL and prepares the
+              and RegisterEngine, in which the broker maps the buffer
+              and faults its pages in, registers it with NIXL and prepares the
               descriptor lists; until the call returns.
 unregister_s  ``EngineHandle.close()`` (UnregisterEngine): the broker
               deregisters from NIXL and unmaps; until the call returns.
@@ -48,7 +48,8 @@ broker inside RegisterEngine) pays most of the time; run both ways to see
 the split. How fast fresh pages fault in also depends on what the VM did
 with that memory recently (a size right after a bigger one was freed can be
 2-3x faster), so single rounds scatter and the linearity figure with them:
-use ``--repeat 3`` (about 100 s) for figures to quote. No figure is asserted. Exit status 1 on a failed registration or
+use ``--repeat 3`` (about 100 s) for figures to quote. No figure is
+asserted. Exit status 1 on a failed registration or
 unregistration, memory not released, or a broker that died or exited
 non-zero; 130 on Ctrl-C. The broker and the scratch directory are removed on
 exit.

@@ -46,10 +46,6 @@ class BrokerConfig:
     tombstone_ttl_seconds: float = 60.0
     #: Period of the housekeeping pass (eviction, timeouts).
     housekeeping_interval_seconds: float = 0.25
-    #: Sleep between progress polls while rooms wait for data and nothing is
-    #: in flight. While transfers are in flight the broker polls without
-    #: sleeping (UCX moves shared-memory bytes inside those calls).
-    idle_poll_interval_millis: float = 1.0
     #: How long a receiving room retries reaching the sender's broker and
     #: finding its engine group before it fails (the handshake timeout).
     bootstrap_timeout_seconds: float = 30.0
@@ -98,9 +94,6 @@ class BrokerConfig:
     vram_slow_gbps: float = 20.0
     #: Largest gRPC message accepted or sent (page index lists are the bulk).
     max_message_bytes: int = 64 * 1024 * 1024
-    #: Threads of the gRPC server's executor for sync work (the servicers
-    #: themselves are async).
-    grpc_max_workers: int = 4
 
     @property
     def tls(self) -> bool:

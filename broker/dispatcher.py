@@ -536,9 +536,13 @@ class Broker:
 
 
 def _vram_devices(engine: Engine) -> set[int]:
-    """The GPUs holding some of ``engine``'s regions."""
+    """The GPUs holding some of ``engine``'s KV regions (where staging buffers serve it)."""
     table = engine.table
-    return {d for k, d in zip(table.region_kind, table.region_device) if k == common_pb2.MEMORY_KIND_VRAM}
+    return {
+        table.region_device[r]
+        for r in engine.layout.kv_regions.values()
+        if table.region_kind[r] == common_pb2.MEMORY_KIND_VRAM
+    }
 
 
 def _unsettled(side: Side) -> bool:

@@ -1,7 +1,7 @@
 """Registered engine ranks: their buffers, layouts and local descriptor lists.
 
-Registration maps every buffer (on the memory thread: a ``MAP_POPULATE`` of
-gigabytes takes seconds), registers it with NIXL and prepares one local
+Registration maps every buffer and faults its pages in (on the memory
+thread, in 8 MiB steps: gigabytes take seconds), registers it with NIXL and prepares one local
 descriptor list per memory kind (on the data-plane thread, docs/design.md
 section 10); unregistration releases them in reverse order, the same way.
 The control loop only awaits: other engines' rooms go on meanwhile. Room

@@ -163,10 +163,11 @@ def plan_chunk(
         if len(kinds) != 1:
             raise FailedPrecondition("the KV regions of a head-sliced transfer must share one memory kind per side")
         (src_kind, dst_kind) = next(iter(kinds))
-        device = src_table.region_device[pairs[0][0]] if pairs else 0
-        if hs.dst.slice_bytes == hs.dst.token_bytes and stage(nbytes, "send", src_kind, device):
+        src_device = src_table.region_device[pairs[0][0]] if pairs else 0
+        dst_device = dst_table.region_device[pairs[0][1]] if pairs else 0
+        if hs.dst.slice_bytes == hs.dst.token_bytes and stage(nbytes, "send", src_kind, src_device):
             kind = PartKind.GATHERED
-        elif hs.src.slice_bytes == hs.src.token_bytes and stage(nbytes, "receive", dst_kind, 0):
+        elif hs.src.slice_bytes == hs.src.token_bytes and stage(nbytes, "receive", dst_kind, dst_device):
             kind = PartKind.STAGED
         else:
             kind = PartKind.TOKENS

@@ -104,9 +104,11 @@ class Peer:
     def group_layouts(self, group: str) -> list[Layout]:
         return [e.layout for k, e in sorted(self.engines.items()) if k.group == group]
 
-    def staging_bytes(self, kind: int) -> int:
-        """The largest receive staging buffer of memory ``kind`` (0: none)."""
-        return max((b.size_bytes for (k, _), b in self.receive_staging.items() if k == kind), default=0)
+    def staging_bytes(self, kind: int, device: int) -> int:
+        """Size of the receive staging buffer the peer announced for memory
+        ``kind`` on GPU ``device`` (ignored for host memory); 0: none."""
+        buffer = self.receive_staging.get((kind, device if kind == common_pb2.MEMORY_KIND_VRAM else 0))
+        return buffer.size_bytes if buffer is not None else 0
 
 
 class PeerTable:
@@ -155,9 +157,9 @@ class PeerTable:
         peer = self.by_id.get(broker_id)
         return peer.engines.get(rank) if peer is not None else None
 
-    def receive_staging_bytes(self, broker_id: str, kind: int) -> int:
+    def receive_staging_bytes(self, broker_id: str, kind: int, device: int) -> int:
         peer = self.by_id.get(broker_id)
-        return peer.staging_bytes(kind) if peer is not None else 0
+        return peer.staging_bytes(kind, device) if peer is not None else 0
 
     # -- handshakes -----------------------------------------------------------
     async def answer(

@@ -212,8 +212,9 @@ class PeerView(Protocol):
     def remote_engine(self, broker_id: str, rank: RankKey) -> RemoteEngine | None:
         """The receiver rank as broker ``broker_id`` last described it."""
 
-    def receive_staging_bytes(self, broker_id: str, kind: int) -> int:
-        """Size of the peer's receive staging buffer for memory ``kind`` (0: none)."""
+    def receive_staging_bytes(self, broker_id: str, kind: int, device: int) -> int:
+        """Size of the peer's receive staging buffer for memory ``kind`` on GPU
+        ``device`` (0: none)."""
 
 
 # -- the state machine ---------------------------------------------------------
@@ -691,7 +692,7 @@ class SenderCore:
             if where == "send":
                 size = self._send_staging_bytes(kind, device)
             else:
-                size = self._peers.receive_staging_bytes(dest.info.receiver_broker_id, kind)
+                size = self._peers.receive_staging_bytes(dest.info.receiver_broker_id, kind, device)
             if not size:
                 return False
             if nbytes > size:

@@ -7,10 +7,11 @@ Two ways to move them (docs/design.md sections 5 and 6):
 
 - per-token descriptors (:func:`token_descriptors`): one NIXL descriptor per
   (layer region, page, token); correct, slow;
-- staging: the sender gathers the slice of every page of every layer of a
-  chunk into one packed block, writes it in bulk into a
-  slot the receiver reserved, and the receiver scatters it into its pages
-  (``kvbroker.broker.staging``). The packed layout, shared by both sides:
+- staging (``kvbroker.broker.staging``), one copy on the side that holds
+  fewer heads: the sender packs the receiver's slice and writes packed pages
+  into the receiver's pages, or writes its whole pages into a slot the
+  receiver reserved and the receiver unpacks them. The packed layout, shared
+  by both sides:
   for every (layer, kind) pair in :func:`kv_region_pairs` order,
   ``[pages, page_size, num_heads * head_bytes]``.
 """

@@ -1,18 +1,21 @@
 """Staging (docs/design.md section 6): broker-owned buffers, reservations, gather and scatter.
 
 Head-sliced KV (different tp sizes) turns every page into ``page_size``
-strided pieces. Staging packs them instead: the sending broker gathers the
-receiver's heads of every page of every layer of a chunk into a reservation
-of its send buffer, writes the packed block with one descriptor into a
-reservation the receiving broker made in its receive buffer (the prefetch,
-``PeerBroker.ReserveStaging``), and the receiving broker scatters it into the
-decode pages.
+strided pieces. Staging copies once, on the side whose slice is not its
+whole token (``parts.PartKind``): GATHERED (the receiver holds fewer heads)
+packs the receiver's heads of every page of every layer of a chunk into a
+reservation of the sender's send buffer, and each packed page is written
+straight into the receiver's page; STAGED (the sender holds fewer heads)
+writes the sender's whole pages into a reservation the receiving broker made
+in its receive buffer (the prefetch, ``PeerBroker.ReserveStaging``), and the
+receiving broker scatters them into the slice of its pages.
 
 Buffers: each broker has a host (DRAM) send and receive buffer, registered
 with NIXL at start. For engines whose KV is in VRAM, a device send and
 receive buffer is allocated on that GPU (CUDA VMM) and registered as VRAM
 when the first such engine registers, so VRAM head slices are packed on the
-GPU and never cross host memory; it stays until the broker stops.
+GPU and never cross host memory; they are freed when the last engine with
+memory on that GPU unregisters (``StagingPools.release_device``).
 
 Gather and scatter (:func:`gather`, :func:`scatter`) are written once over
 "arrays": numpy arrays for host memory, torch CUDA tensors for device memory

@@ -2,8 +2,9 @@
 
 - ``copy``: staging gather and scatter (numpy or torch copies, which release
   the GIL while they copy);
-- ``memory``: mapping engine buffers (``mmap`` with ``MAP_POPULATE`` of
-  gigabytes), unmapping them, allocating staging buffers.
+- ``memory``: mapping engine buffers and faulting their pages in
+  (``memory.populate``: gigabytes take seconds), unmapping them, allocating
+  staging buffers.
 
 One thread each, so a long mapping never delays a scatter. NIXL calls do
 not run here: they belong to the data-plane thread (``dataplane``).

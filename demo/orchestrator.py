@@ -321,8 +321,9 @@ def _layout_line(args: argparse.Namespace) -> str:
     heads = "MLA" if args.mla else f"{args.kv_heads if args.kv_heads is not None else 8} KV heads"
     text = f"{heads}, prefill tp{args.prefill_tp} pp{args.prefill_pp} -> decode tp{args.decode_tp} pp{args.decode_pp}"
     if args.prefill_tp != args.decode_tp and not args.mla:
-        # Host staging buffers never carry VRAM head slices.
-        text += ", staging" if args.staging and args.device == "cpu" else ", per-token descriptors"
+        # VRAM head slices use staging buffers on the GPU (per-token descriptors
+        # only where the brokers have none, logged by the broker).
+        text += ", staging" if args.staging else ", per-token descriptors"
     if args.state:
         text += f", state {args.state}"
     if args.device != "cpu":

@@ -205,6 +205,7 @@ def _engine_stub(
     *,
     group: str | None = None,
     memory_kind: int = common_pb2.MEMORY_KIND_DRAM,
+    device: int = 0,
     base_address: int = 1 << 30,
     **kwargs: Any,
 ) -> EngineStub:
@@ -214,7 +215,7 @@ def _engine_stub(
     built = _layout_proto(role=role_value, group=group or f"{role}-group", **kwargs)
     layout = built.build()
     placements = [
-        BufferPlacement(base_address + (i << 24), size, memory_kind if i == 0 else common_pb2.MEMORY_KIND_DRAM, 0)
+        BufferPlacement(base_address + (i << 24), size, *((memory_kind, device) if i == 0 else (common_pb2.MEMORY_KIND_DRAM, 0)))
         for i, size in enumerate(built.buffer_sizes)
     ]
     table = build_descriptor_table(layout, placements)
@@ -224,5 +225,5 @@ def _engine_stub(
 @pytest.fixture
 def engine_stub() -> Callable[..., EngineStub]:
     """Builder of an engine rank stand-in with a valid layout and descriptor table
-    (keywords: ``role``, ``group``, ``memory_kind`` of its KV buffer, and any of ``layout_proto``'s)."""
+    (keywords: ``role``, ``group``, ``memory_kind`` and ``device`` of its KV buffer, and any of ``layout_proto``'s)."""
     return _engine_stub

@@ -33,6 +33,7 @@ WAITING = common_pb2.ROOM_STATE_WAITING_FOR_INPUT
 TRANSFERRING = common_pb2.ROOM_STATE_TRANSFERRING
 SUCCESS = common_pb2.ROOM_STATE_SUCCESS
 DRAM = common_pb2.MEMORY_KIND_DRAM
+VRAM = common_pb2.MEMORY_KIND_VRAM
 D = "decode-broker"
 
 Builder = Callable[..., Any]
@@ -47,7 +48,8 @@ class Peers:
 
     def __init__(self) -> None:
         self.remotes: dict[tuple[str, RankKey], RemoteEngine] = {}
-        self.staging: dict[tuple[str, int], int] = {}
+        #: (broker, memory kind, GPU) -> size of the receive staging buffer it announced
+        self.staging: dict[tuple[str, int, int], int] = {}
 
     def add(self, broker_id: str, engine: Any) -> RemoteEngine:
         remote = RemoteEngine(key=engine.key, generation=engine.generation, layout=engine.layout, table=engine.table)
@@ -57,8 +59,8 @@ class Peers:
     def remote_engine(self, broker_id: str, rank: RankKey) -> RemoteEngine | None:
         return self.remotes.get((broker_id, rank))
 
-    def receive_staging_bytes(self, broker_id: str, kind: int) -> int:
-        return self.staging.get((broker_id, kind), 0)
+    def receive_staging_bytes(self, broker_id: str, kind: int, device: int) -> int:
+        return self.staging.get((broker_id, kind, device), 0)
 
 
 class World:
@@ -377,7 +379,7 @@ def test_a_staged_part_reserves_at_the_receiver_before_it_is_posted(engine_stub:
     pe = engine_stub("prefill", tp_size=2)
     de = engine_stub("decode")
     world.peers.add(D, de)
-    world.peers.staging[(D, DRAM)] = 1 << 20
+    world.peers.staging[(D, DRAM, 0)] = 1 << 20
     source = world.core.begin(pe, 4, 2)
     world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
     world.take()
@@ -391,6 +393,27 @@ def test_a_staged_part_reserves_at_the_receiver_before_it_is_posted(engine_stub:
     assert source.destinations[de.key].prefetch == {part.key: 8192}
     _settle_all(world, _posts(effects) + [part])
     assert source.state == SUCCESS and source.destinations[de.key].prefetch == {}
+
+
+def test_a_staged_part_needs_staging_on_the_receivers_own_gpu(engine_stub: Builder) -> None:
+    """The receiver's KV is on GPU 1: a receive buffer the peer announced on GPU 0 does not
+    serve it (the head slice goes per token); one on GPU 1 does."""
+    pe = engine_stub("prefill", tp_size=2)
+    de = engine_stub("decode", memory_kind=VRAM, device=1)
+    kinds = []
+    for announced in (0, 1):
+        world = World(engine_stub)
+        world.peers.add(D, de)
+        world.peers.staging[(D, VRAM, announced)] = 1 << 20
+        world.core.begin(pe, 4, 2)
+        world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
+        world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+        effects = world.take()
+        sliced = [e.part for e in effects if isinstance(e, ReserveStaging)] + [
+            p for p in _posts(effects) if p.kind is not PartKind.WHOLE
+        ]
+        kinds.append([p.kind for p in sliced])
+    assert kinds == [[PartKind.TOKENS], [PartKind.STAGED]]
 
 
 def test_a_gathered_part_is_posted_without_the_receivers_staging(engine_stub: Builder) -> None:
@@ -419,7 +442,7 @@ def test_a_staged_part_whose_room_failed_meanwhile_is_not_posted(engine_stub: Bu
     world = World(engine_stub)
     pe, de = engine_stub("prefill", tp_size=2), engine_stub("decode")
     world.peers.add(D, de)
-    world.peers.staging[(D, DRAM)] = 1 << 20
+    world.peers.staging[(D, DRAM, 0)] = 1 << 20
     source = world.core.begin(pe, 4, 2)
     world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
     world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
