@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvbroker.broker import BrokerConfig, BrokerServer
+from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec
-from kvbroker.testing import FakeAgent, FakeFabric, LoopThread
+from kvbroker.testing import Cleanup, FakeBroker, FakeFabric, LoopThread, start_fake_broker
 
 _ids = itertools.count()
 
@@ -68,59 +68,22 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
-@dataclass
-class FakeBroker:
-    """An in-process broker with a fake NIXL agent."""
-
-    server: BrokerServer
-    agent: FakeAgent
-    loop: LoopThread
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    @property
-    def broker(self):  # type: ignore[no-untyped-def]
-        return self.server.broker
-
-    def tables(self) -> dict[str, int]:
-        return dict(self.loop.call(self.broker.rooms.sizes))
-
-    def evict_now(self) -> None:
-        """Evict every finished room and tombstone at once."""
-        import time
-
-        self.loop.call(lambda: self.broker.evict(time.monotonic() + 3600, everything=True))
-        self.loop.call(lambda: self.broker.evict(time.monotonic() + 7200, everything=True))
-
-
 @pytest.fixture
 def fake_brokers(loop_thread: LoopThread, short_tmp: Path) -> Iterator[Callable[..., FakeBroker]]:
-    """Factory of in-process brokers sharing one fake fabric."""
+    """Factory of in-process brokers sharing one fake fabric; every one is stopped at the end."""
     fabric = FakeFabric()
     started: list[FakeBroker] = []
 
     def start(name: str = "", **config: object) -> FakeBroker:
-        name = name or f"b{next(_ids)}"
-        agent = FakeAgent(f"fake_{name}_agent", fabric)
-        settings: dict[str, object] = {
-            "listen_address": "127.0.0.1:0",
-            "engine_socket_path": str(short_tmp / f"{name}.sock"),
-            "staging_send_bytes": 8 << 20,
-            "staging_receive_bytes": 8 << 20,
-            **config,
-        }
-        cfg = BrokerConfig(**settings)  # type: ignore[arg-type]
-        server = BrokerServer(cfg, agent=agent)
-        loop_thread.run(server.start())
-        broker = FakeBroker(server=server, agent=agent, loop=loop_thread)
+        settings: dict[str, object] = {"staging_send_bytes": 8 << 20, "staging_receive_bytes": 8 << 20, **config}
+        broker = start_fake_broker(loop_thread, fabric, short_tmp, name or f"b{next(_ids)}", **settings)
         started.append(broker)
         return broker
 
     yield start
-    for broker in reversed(started):
-        loop_thread.run(broker.server.stop(grace_seconds=0.1))
+    with Cleanup() as cleanup:
+        for broker in reversed(started):
+            cleanup.run(broker.stop)
 
 
 SMALL_MODEL = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
@@ -131,10 +94,28 @@ class Engine:
     client: BrokerClient
     handle: EngineHandle
     memory: EngineMemory
+    #: What unregistering may fail with because the test took the engine's
+    #: session or broker away on purpose (see :meth:`die`, :meth:`lost_broker`).
+    expected_close_error: type[Exception] | tuple[type[Exception], ...] = ()
+
+    def die(self) -> None:
+        """What the kernel does when the engine process dies: the session closes
+        without unregistering. The broker drops the engine, so unregistering at
+        the end fails as ``NotFound``."""
+        assert self.handle._session is not None
+        self.handle._session.close()
+        self.expected_close_error = errors.NotFound
+
+    def lost_broker(self) -> None:
+        """The test stopped this engine's broker on purpose: unregistering at the
+        end fails as ``Unavailable``."""
+        self.expected_close_error = errors.Unavailable
 
     def close(self) -> None:
-        self.handle.close()
-        self.client.close()
+        """Unregister, then close the connection (that too when unregistering fails)."""
+        with Cleanup() as cleanup:
+            cleanup.run(self.handle.close, expect=self.expected_close_error)
+            cleanup.run(self.client.close)
 
 
 @pytest.fixture
@@ -179,12 +160,14 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
     yield make
     # Guard memory around every region: nothing may have written outside one.
     overwritten = {str(e.handle.rank.group): e.memory.check_guards() for e in engines}
-    for engine in engines:
-        try:
-            engine.close()
-        except Exception:
-            pass
-    assert not any(overwritten.values()), overwritten
+
+    def guards_intact() -> None:
+        assert not any(overwritten.values()), overwritten
+
+    with Cleanup() as cleanup:
+        for engine in engines:
+            cleanup.run(engine.close)
+        cleanup.run(guards_intact)
 
 
 def fill_regions(memory: EngineMemory, seed: int) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess, scratch_dir
+from kvbroker.testing import BrokerProcess, eventually, scratch_dir
 
 from .conftest import fill_regions
 
@@ -97,14 +97,15 @@ def _move_rooms(p: BrokerProcess, d: BrokerProcess, model: ModelSpec, tag: str, 
 
 
 def _tables_empty(*brokers: BrokerProcess, timeout_seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        tables = {b.name: dict(b.stats().per_room_state) for b in brokers}
-        if not any(v for t in tables.values() for v in t.values()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"per-room tables did not return to zero: {tables}")
-        time.sleep(0.1)
+    def tables() -> dict[str, dict[str, int]]:
+        return {b.name: dict(b.stats().per_room_state) for b in brokers}
+
+    eventually(
+        lambda: not any(v for t in tables().values() for v in t.values()),
+        timeout_seconds,
+        interval_seconds=0.1,
+        describe=lambda: f"per-room tables did not return to zero: {tables()}",
+    )
 
 
 def test_mha_rooms_arrive_byte_exact(brokers) -> None:

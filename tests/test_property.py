@@ -31,11 +31,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -47,10 +45,17 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef, StateSpec
 from kvbroker.protocol import PROTOCOL_VERSION
-from kvbroker.testing import FakeAgent, FakeFabric, LoopThread
+from kvbroker.testing import (
+    Cleanup,
+    FakeAgent,
+    FakeBroker,
+    FakeFabric,
+    LoopThread,
+    eventually,
+    start_fake_broker,
+)
 from kvbroker.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -60,7 +65,7 @@ from kvbroker.v1 import (
     transfer_pb2,
 )
 
-from .conftest import SMALL_MODEL, Engine, FakeBroker, fill_regions, page_bytes
+from .conftest import SMALL_MODEL, Engine, fill_regions, page_bytes
 
 NUM_PAGES = 64
 AUX_ROWS = 8
@@ -142,18 +147,6 @@ class Cluster:
         return admin_pb2_grpc.AdminStub(self.tcp[name])
 
 
-def _start_broker(loop: LoopThread, fabric: FakeFabric, sock_dir: str, name: str) -> FakeBroker:
-    agent = FakeAgent(f"fake_{name}_agent", fabric)
-    config = BrokerConfig(
-        listen_address="127.0.0.1:0",
-        engine_socket_path=str(Path(sock_dir) / f"{name}.sock"),
-        **FAST,  # type: ignore[arg-type]
-    )
-    server = BrokerServer(config, agent=agent)
-    loop.run(server.start())
-    return FakeBroker(server=server, agent=agent, loop=loop)
-
-
 def _allocate(role: str, seed: int) -> tuple[RankSpec, EngineMemory]:
     rank = RankSpec(group=f"{role}-group", role=role)  # type: ignore[arg-type]
     memory = EngineMemory.allocate(
@@ -180,24 +173,23 @@ def _cluster() -> Iterator[Cluster]:
     guards: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvb-") as sock_dir:
         try:
-            brokers += [_start_broker(loop, fabric, sock_dir, "p"), _start_broker(loop, fabric, sock_dir, "d")]
+            for name in ("p", "d"):
+                brokers.append(start_fake_broker(loop, fabric, sock_dir, name, **FAST))
             p, d = brokers
             engines += [_register(p.address, "prefill", seed=1), _register(d.address, "decode", seed=2)]
             cluster = Cluster(loop, p, d, engines[0], engines[1], stranger)
             yield cluster
         finally:
-            for channel in cluster.tcp.values() if cluster is not None else ():
-                channel.close()
-            guards = {str(e.handle.rank.group): e.memory.check_guards() for e in engines}
-            for engine in engines:
-                try:
-                    engine.close()
-                except Exception:
-                    pass
-            for broker in reversed(brokers):
-                loop.run(broker.server.stop(grace_seconds=0.1))
-            loop.close()
-            stranger.close()
+            with Cleanup() as cleanup:
+                for channel in cluster.tcp.values() if cluster is not None else ():
+                    cleanup.run(channel.close)
+                cleanup.run(lambda: guards.update({str(e.handle.rank.group): e.memory.check_guards() for e in engines}))
+                for engine in engines:
+                    cleanup.run(engine.close)
+                for broker in reversed(brokers):
+                    cleanup.run(broker.stop)
+                cleanup.run(loop.close)
+                cleanup.run(stranger.close)
     assert not any(guards.values()), guards
 
 
@@ -933,10 +925,11 @@ def _wind_down(c: Cluster, room_ids: set[int]) -> None:
                 engine.client.stub.Abort,
                 transfer_pb2.AbortRequest(engine_id=engine.handle.engine_id, room=room, reason="wind down"),
             )
-    deadline = time.monotonic() + 15
-    while busy := c.loop.call(_unquiet, c):
-        assert time.monotonic() < deadline, f"the brokers did not settle: {busy[:8]}"
-        time.sleep(0.01)
+    eventually(
+        lambda: not c.loop.call(_unquiet, c),
+        15,
+        describe=lambda: f"the brokers did not settle: {c.loop.call(_unquiet, c)[:8]}",
+    )
     for name, broker in (("p", c.p), ("d", c.d)):
         broker.evict_now()
         assert not any(broker.tables().values()), (name, broker.tables())
@@ -989,14 +982,6 @@ def test_hostile_peer_requests_leave_other_rooms_intact(cluster: Cluster, ops: l
 # -- what the properties found: regression tests for the bugs they caught --
 
 
-def _eventually(predicate: Callable[[], bool], timeout_seconds: float) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 def _stranger_handshake(c: Cluster, broker: str, *engines: peer_pb2.EngineDescriptor, metadata: bytes = b"") -> Code:
     request = peer_pb2.HandshakeRequest(
         protocol_version=V,
@@ -1013,13 +998,13 @@ def test_receiver_abort_before_the_sender_opens_settles_pages() -> None:
         room = next(c.rooms)
         receiver = c.de.handle.receiver(room, SenderRef(c.p.address, "prefill-group"))
         receiver.init([40, 41], aux_row=5)
-        _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT, 5)
+        eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT, 5)
         assert receiver.abort("client went away").state == RoomState.FAILED
         # The prefill engine opening the room later fails at once and writes nothing.
         sender = c.pe.handle.sender(room)
         sender.init(2, aux_row=1)
         assert sender.poll() == RoomState.FAILED
-        _eventually(lambda: receiver.status().pages_settled, 3)
+        eventually(lambda: receiver.status().pages_settled, 3)
 
 
 def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
@@ -1059,7 +1044,7 @@ def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
             assert code in EXPECTED  # refused outright: fine
             return
         sender.send([5])
-        _eventually(lambda: sender.poll() == RoomState.FAILED, 3)
+        eventually(lambda: sender.poll() == RoomState.FAILED, 3)
 
 
 def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
@@ -1070,7 +1055,7 @@ def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
         receiver.init([40, 43], aux_row=5)
         sender = c.pe.handle.sender(room)
         sender.init(2, aux_row=1)
-        _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT, 5)
+        eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT, 5)
         hostile = peer_pb2.PeerAbortRequest(
         protocol_version=V,
             room=room,

@@ -20,10 +20,10 @@ from kvbroker import errors
 from kvbroker.broker.dataplane import Notices
 from kvbroker.client import RoomState, SenderRef, StateSpec
 from kvbroker.protocol import PROTOCOL_VERSION
-from kvbroker.testing import XferScript
+from kvbroker.testing import FakeBroker, XferScript, eventually
 from kvbroker.v1 import common_pb2, peer_pb2, transfer_pb2
 
-from .conftest import SMALL_MODEL, Engine, FakeBroker, page_bytes
+from .conftest import SMALL_MODEL, Engine, page_bytes
 
 SRC = np.array([3, 4, 5, 9, 10, 20], dtype=np.int32)
 DST = np.array([0, 1, 2, 7, 8, 30], dtype=np.int32)
@@ -334,7 +334,7 @@ def test_receiver_abort_reaches_the_sender_and_settles(fake_brokers, make_engine
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ABORTED
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED and "client went away" in sstat.cause.message
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     assert receiver.status().cause.message == "client went away"
 
 
@@ -345,12 +345,12 @@ def test_sender_abort_reaches_the_receiver(fake_brokers, make_engine) -> None:
     receiver.init(DST, aux_row=2)
     sender = pe.handle.sender(25)
     sender.init(len(SRC), aux_row=1)
-    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
     sender.abort("prefill OOM")
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.message == "prefill OOM"
     assert status.cause.origin_broker == p.broker.broker_id
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
 
 
 def test_nixl_error_fails_both_sides_promptly(fake_brokers, make_engine) -> None:
@@ -361,7 +361,7 @@ def test_nixl_error_fails_both_sides_promptly(fake_brokers, make_engine) -> None
     sstat, rstat = sender.wait(10), receiver.wait(10)
     assert sstat.state == rstat.state == RoomState.FAILED
     assert sstat.cause.kind == rstat.cause.kind == common_pb2.FAILURE_KIND_TRANSFER
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(p, d)
 
 
@@ -420,7 +420,7 @@ def test_finished_rooms_are_evicted_by_ttl_and_late_ids_refused(fake_brokers, ma
     s.init(len(SRC), aux_row=1)
     s.send(SRC)
     de.handle.wait([40], timeout_seconds=10)
-    _eventually(lambda: d.tables()["receiver_rooms"] == 0 and p.tables()["sender_rooms"] == 0)
+    eventually(lambda: d.tables()["receiver_rooms"] == 0 and p.tables()["sender_rooms"] == 0)
     assert de.handle.poll([40])[40].cause.kind == common_pb2.FAILURE_KIND_UNKNOWN_ROOM
     with pytest.raises(errors.AlreadyExists, match="unique"):
         de.handle.receiver(40, SenderRef(p.address, "prefill-group")).init(DST)
@@ -445,12 +445,12 @@ def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_eng
     receiver.init(DST, aux_row=2)
     sender = pe.handle.sender(50)
     sender.init(len(SRC), aux_row=1)
-    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
     assert p.agent.registrations == 3  # the engine's buffer and the two staging buffers
-    pe.handle._session.close()  # what the kernel does when the process dies
+    pe.die()  # what the kernel does when the process dies
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
-    _eventually(lambda: p.agent.registrations == 2 and not p.broker.engines.by_id)
+    eventually(lambda: p.agent.registrations == 2 and not p.broker.engines.by_id)
     assert not p.agent.live_dlists
 
 
@@ -521,14 +521,6 @@ def test_handshake_refuses_another_protocol_version(fake_brokers) -> None:
     assert "protocol version 99" in info.value.details()
 
 
-def _eventually(predicate: Callable[[], bool], timeout_seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 def test_state_between_different_tp_sizes_is_refused_on_both_sides(fake_brokers, make_engine) -> None:
     """Non-MLA state cannot be sliced: the receiver fails with a clear cause and the sender hears of it."""
     spec = (StateSpec(name="mamba", type="mamba", item_bytes=48, num_items=6),)
@@ -582,7 +574,7 @@ def test_completion_waits_for_every_state_component(fake_brokers, make_engine) -
     p, d, pe, de = _pair(fake_brokers, make_engine, state=spec)
     receiver = de.handle.receiver(83, SenderRef(p.address, "prefill-group"))
     receiver.init(DST[:2], aux_row=0, state={"swa": [1], "nsa": [2]})
-    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
     notice = peer_pb2.TransferNotice(
         protocol_version=PROTOCOL_VERSION,
         room=83,
@@ -614,7 +606,7 @@ def test_hung_transfer_is_cancelled_and_fails_both_sides(fake_brokers, make_engi
     assert sstat.pages_settled
     rstat = receiver.wait(10)
     assert rstat.state == RoomState.FAILED
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     assert not p.agent.live_xfers
     _wait_tables_empty(p, d)
 
@@ -632,7 +624,7 @@ def test_receiver_times_out_waiting_for_data_and_tells_the_sender(fake_brokers, 
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
     assert "prefill-group/tp0/pp0" in status.cause.message
     assert sender.wait(10).cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(p, d)
 
 
@@ -674,12 +666,13 @@ def test_lost_peer_fails_its_rooms_and_is_dropped(fake_brokers, make_engine) -> 
     receiver.init(DST, aux_row=2)
     sender = pe.handle.sender(94)
     sender.init(len(SRC), aux_row=1)
-    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
     d.loop.run(d.server._server.stop(0))  # the decode broker's gRPC goes silent
+    de.lost_broker()
     status = sender.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
     assert d.address in status.cause.message
-    _eventually(lambda: not p.broker.peers.by_id)
+    eventually(lambda: not p.broker.peers.by_id)
 
 
 def test_sender_engine_dying_before_it_opens_the_room_fails_the_receiver_at_once(fake_brokers, make_engine) -> None:
@@ -687,11 +680,11 @@ def test_sender_engine_dying_before_it_opens_the_room_fails_the_receiver_at_once
     p, d, pe, de = _pair(fake_brokers, make_engine)
     receiver = de.handle.receiver(95, SenderRef(p.address, "prefill-group"))
     receiver.init(DST, aux_row=2)
-    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
-    pe.handle._session.close()  # the prefill engine dies; it never opened room 95
+    eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    pe.die()  # the prefill engine dies; it never opened room 95
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
 
 
 def test_a_source_that_never_opens_the_room_is_reported_after_the_orphan_timeout(fake_brokers, make_engine) -> None:
@@ -705,7 +698,7 @@ def test_a_source_that_never_opens_the_room_is_reported_after_the_orphan_timeout
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
     assert "did not open the room" in status.cause.message
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(p, d)
 
 
@@ -722,7 +715,7 @@ def _two_sources_one_receiver(fake_brokers, make_engine, room: int, **prefill_co
     first.init(len(SRC), aux_row=1)
     first.send(SRC)
     assert first.wait(10).state == RoomState.SUCCESS
-    _eventually(lambda: p.tables()["sender_sources"] == 0)
+    eventually(lambda: p.tables()["sender_sources"] == 0)
     assert receiver.poll() == RoomState.TRANSFERRING
     return p, d, prefill, de, receiver
 
@@ -732,8 +725,8 @@ def test_a_finished_source_whose_record_went_is_not_reported_as_never_opening(fa
     is not reported to the receiver as one that never opened the room: the other source still completes it.
     (The broker used to tell the receiver ENGINE_LOST for it and fail the room.)"""
     p, d, prefill, de, receiver = _two_sources_one_receiver(fake_brokers, make_engine, 99)
-    prefill[0].handle._session.close()  # rank 0 goes away after its part was done
-    _eventually(lambda: p.tables().get("sender_rooms") == 1 and len(p.broker.engines.by_key) == 1)
+    prefill[0].die()  # rank 0 goes away after its part was done
+    eventually(lambda: p.tables().get("sender_rooms") == 1 and len(p.broker.engines.by_key) == 1)
     second = prefill[1].handle.sender(99)
     second.init(len(SRC), aux_row=1)
     second.send(SRC)
@@ -753,7 +746,7 @@ def test_a_source_that_never_opens_a_room_another_source_finished_is_reported(fa
     late = prefill[0].handle.sender(100)
     with pytest.raises(errors.AlreadyExists, match="already"):
         late.init(len(SRC), aux_row=1)  # a rank opens a room once
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(p, d)
 
 
@@ -785,9 +778,10 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
     pe1, de = make_engine(p1.address, "prefill"), make_engine(d.address, "decode")
     receiver = de.handle.receiver(98, SenderRef(p1.address, "prefill-group"))
     receiver.init(DST, aux_row=2)
-    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)  # d has handshaken with p1
+    eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)  # d has handshaken with p1
     receiver.abort()
     p1.loop.run(p1.server._server.stop(0))  # p1 is gone; p2 takes its address
+    pe1.lost_broker()
     p2 = fake_brokers("p2", listen_address=p1.address)
     pe2 = make_engine(p2.address, "prefill")
     peers, client = d.broker.peers, d.broker.client
@@ -849,7 +843,7 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
     assert "went away while room 100 registered" in status.cause.message
-    _eventually(lambda: receiver.status().pages_settled)
+    eventually(lambda: receiver.status().pages_settled)
     _wait_tables_empty(d)
 
 
@@ -860,12 +854,13 @@ def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_b
     transfer-info timeout (it used to), and new rooms between them work."""
     p1 = fake_brokers("p1")
     d = fake_brokers("d", peer_heartbeat_seconds=0.1, peer_dead_after_seconds=0.4)
-    make_engine(p1.address, "prefill")
+    pe1 = make_engine(p1.address, "prefill")
     de = make_engine(d.address, "decode")
     receiver = de.handle.receiver(101, SenderRef(p1.address, "prefill-group"))
     receiver.init(DST, aux_row=2)
-    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
     p1.loop.run(p1.server._server.stop(0))  # the prefill broker dies; p2 takes its address
+    pe1.lost_broker()
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
     assert d.tables()["successor_notices"] == 1
@@ -877,7 +872,7 @@ def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_b
     assert sstat.state == RoomState.FAILED and sstat.cause.kind == common_pb2.FAILURE_KIND_PEER, sstat
     assert f"the receiving broker {d.broker.broker_id} failed the room" in sstat.cause.message
     assert p1.broker.broker_id in sstat.cause.message
-    _eventually(lambda: d.tables()["successor_notices"] == 0)
+    eventually(lambda: d.tables()["successor_notices"] == 0)
     _move_room(pe2, de, p2.address, 102)
     _assert_moved(pe2, de, SRC, DST)
     _wait_tables_empty(p2, d)
@@ -893,8 +888,9 @@ def test_a_room_registered_again_by_a_restarted_decode_broker_is_refused(fake_br
     de1.handle.receiver(103, SenderRef(p.address, "prefill-group")).init(DST, aux_row=2)
     sender = pe.handle.sender(103)
     sender.init(len(SRC), aux_row=1)
-    _eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: sender.poll() == RoomState.WAITING_FOR_INPUT)
     d1.loop.run(d1.server._server.stop(0))  # the decode broker dies; d2 takes its address
+    de1.lost_broker()
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED and sstat.cause.kind == common_pb2.FAILURE_KIND_PEER
     d2 = fake_brokers("d2", listen_address=d1.address)
@@ -904,7 +900,7 @@ def test_a_room_registered_again_by_a_restarted_decode_broker_is_refused(fake_br
     status = again.wait(10)
     assert status.state == RoomState.FAILED, status
     assert "a room is registered once" in status.cause.message and d1.broker.broker_id in status.cause.message
-    _eventually(lambda: again.status().pages_settled)
+    eventually(lambda: again.status().pages_settled)
 
 
 def test_a_room_aborted_while_its_prefill_broker_was_down_fails_at_once_when_it_is_back(fake_brokers, make_engine) -> None:
@@ -931,7 +927,7 @@ def test_a_room_aborted_while_its_prefill_broker_was_down_fails_at_once_when_it_
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED, sstat
     assert f"the receiving broker {d.broker.broker_id} failed the room: the request was cancelled" in sstat.cause.message
-    _eventually(lambda: d.tables()["successor_notices"] == 0)
+    eventually(lambda: d.tables()["successor_notices"] == 0)
     _wait_tables_empty(p, d)
 
 
@@ -941,14 +937,15 @@ def test_an_abort_the_dead_prefill_broker_missed_reaches_its_successor(fake_brok
     source there fails at once."""
     p1 = fake_brokers("p1")
     d = fake_brokers("d", peer_heartbeat_seconds=0.1, peer_dead_after_seconds=60)  # no heartbeat notices the death
-    make_engine(p1.address, "prefill")
+    pe1 = make_engine(p1.address, "prefill")
     de = make_engine(d.address, "decode")
     receiver = de.handle.receiver(105, SenderRef(p1.address, "prefill-group"))
     receiver.init(DST, aux_row=2)
-    _eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
     p1.loop.run(p1.server._server.stop(0))
+    pe1.lost_broker()
     receiver.abort("the request was cancelled")
-    _eventually(lambda: d.tables()["successor_notices"] == 1)
+    eventually(lambda: d.tables()["successor_notices"] == 1)
     p2 = fake_brokers("p2", listen_address=p1.address)
     pe2 = make_engine(p2.address, "prefill")
     sender = pe2.handle.sender(105)
@@ -956,7 +953,7 @@ def test_an_abort_the_dead_prefill_broker_missed_reaches_its_successor(fake_brok
     sstat = sender.wait(10)
     assert sstat.state == RoomState.FAILED, sstat
     assert "failed the room: the request was cancelled" in sstat.cause.message
-    _eventually(lambda: d.tables()["successor_notices"] == 0)
+    eventually(lambda: d.tables()["successor_notices"] == 0)
     _wait_tables_empty(p2, d)
 
 
@@ -970,11 +967,11 @@ def test_a_room_reopened_after_its_receiver_gave_up_on_the_source_writes_nothing
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     stale = de.handle.receiver(110, SenderRef(p.address, "prefill-group"))
     stale.init(DST, aux_row=2)
-    _eventually(lambda: stale.poll() == RoomState.WAITING_FOR_INPUT)
-    pe.handle._session.close()  # the prefill engine dies before it opens room 110
+    eventually(lambda: stale.poll() == RoomState.WAITING_FOR_INPUT)
+    pe.die()  # the prefill engine dies before it opens room 110
     assert stale.wait(10).cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
-    _eventually(lambda: stale.status().pages_settled)
-    _eventually(lambda: not p.loop.call(lambda: list(p.broker.engines.by_key)))
+    eventually(lambda: stale.status().pages_settled)
+    eventually(lambda: not p.loop.call(lambda: list(p.broker.engines.by_key)))
     pe2 = make_engine(p.address, "prefill", seed=1)  # the same rank, restarted
     _move_room(pe2, de, p.address, 111)  # the decode engine reuses DST for room 111
     _assert_moved(pe2, de, SRC, DST)

@@ -14,14 +14,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
+from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess, scratch_dir
+from kvbroker.testing import BrokerProcess, Cleanup, eventually, scratch_dir
 from kvbroker.testing.engine_child import MODEL
 from kvbroker.testing.otlp import OtlpReceiver, SpanRecord
 
@@ -49,18 +49,18 @@ def _env(receiver: OtlpReceiver, service: str) -> dict[str, str]:
 def traced() -> Iterator[tuple[OtlpReceiver, dict[str, BrokerProcess]]]:
     receiver = OtlpReceiver()
     with scratch_dir("kvb-trace-") as workdir:
-        brokers = {
-            name: BrokerProcess.launch(name, workdir, COMMON, env=_env(receiver, f"kvbroker-{name}"))
-            for name in ("prefill", "decode", "doomed")
-        }
+        brokers: dict[str, BrokerProcess] = {}
         try:
+            for name in ("prefill", "decode", "doomed"):
+                brokers[name] = BrokerProcess.launch(name, workdir, COMMON, env=_env(receiver, f"kvbroker-{name}"))
             for broker in brokers.values():
                 broker.wait_ready()
             yield receiver, brokers
         finally:
-            for broker in brokers.values():
-                broker.stop()
-            receiver.stop()
+            with Cleanup() as cleanup:
+                for broker in brokers.values():
+                    cleanup.run(broker.stop)
+                cleanup.run(receiver.stop)
 
 
 def _rank(address: str, role: str, group: str) -> tuple[BrokerClient, object, EngineMemory]:
@@ -68,13 +68,6 @@ def _rank(address: str, role: str, group: str) -> tuple[BrokerClient, object, En
     memory = EngineMemory.allocate(spec, MODEL, num_pages=16, aux_rows=2, aux_row_bytes=[16])
     client = BrokerClient(address)
     return client, client.register_engine(spec, memory), memory
-
-
-def _wait(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.05)
 
 
 def test_each_room_is_one_trace_across_both_brokers(traced) -> None:
@@ -99,28 +92,27 @@ def test_each_room_is_one_trace_across_both_brokers(traced) -> None:
         sender_a = prefill.sender(aborted)  # type: ignore[attr-defined]
         sender_a.init(3, aux_row=1)
         sender_a.send([4], is_last=False)
-        _wait(lambda: sender_a.poll() == RoomState.TRANSFERRING)
+        eventually(lambda: sender_a.poll() == RoomState.TRANSFERRING, 15.0, interval_seconds=0.05)
         receiver_a.abort("the user closed the stream")
         assert sender_a.wait(15).state == RoomState.FAILED
         victim.receiver(killed, SenderRef(p.address, "pg")).init([1, 2], aux_row=0)  # type: ignore[attr-defined]
         sender_k = prefill.sender(killed)  # type: ignore[attr-defined]
         sender_k.init(2, aux_row=1)
         sender_k.send([5], is_last=False)
-        _wait(lambda: sender_k.poll() == RoomState.TRANSFERRING)
+        eventually(lambda: sender_k.poll() == RoomState.TRANSFERRING, 15.0, interval_seconds=0.05)
         doomed.kill()
         assert sender_k.wait(15).state == RoomState.FAILED
     finally:
-        for engine, client in ((prefill, pc), (decode, dc)):
-            engine.close()  # type: ignore[attr-defined]
-            client.close()
-        try:
-            victim.close()  # type: ignore[attr-defined]
-        except Exception:
-            pass
-        kc.close()
+        with Cleanup() as cleanup:
+            for engine, client in ((prefill, pc), (decode, dc)):
+                cleanup.run(engine.close)  # type: ignore[attr-defined]
+                cleanup.run(client.close)
+            # The test killed the victim's broker: unregistering there can only fail as Unavailable.
+            cleanup.run(victim.close, expect=errors.Unavailable)  # type: ignore[attr-defined]
+            cleanup.run(kc.close)
     p.stop()
     d.stop()
-    _wait(lambda: len(_rooms(receiver.spans())) >= 5)
+    eventually(lambda: len(_rooms(receiver.spans())) >= 5, 15.0, interval_seconds=0.05)
     spans = receiver.spans()
     by_id = {s.span_id: s for s in spans}
     rooms = _rooms(spans)

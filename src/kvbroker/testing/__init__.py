@@ -2,15 +2,33 @@
 
 - :class:`FakeAgent` — the scripted fake NIXL agent (one fake, in one place);
 - :class:`LoopThread` — an event loop on a thread, for in-process brokers;
+- :func:`start_fake_broker` / :class:`FakeBroker` — an in-process broker with
+  a fake agent, on a :class:`LoopThread`;
 - :class:`~kvbroker.brokerproc.BrokerProcess` — ``kvbroker serve`` as a child;
+- :func:`eventually` — wait until a condition holds (the one polling helper);
+- :class:`Cleanup` — teardown steps that all run and whose errors all surface;
 - :func:`scratch_dir` — a short working directory, removed afterwards.
 """
 
 from __future__ import annotations
 
 from kvbroker.brokerproc import BrokerProcess
+from kvbroker.testing.cleanup import Cleanup
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
+from kvbroker.testing.inprocess import FakeBroker, start_fake_broker
 from kvbroker.testing.loop import LoopThread
 from kvbroker.testing.scratch import scratch_dir
+from kvbroker.testing.waiting import eventually
 
-__all__ = ["BrokerProcess", "FakeAgent", "FakeFabric", "LoopThread", "XferScript", "scratch_dir"]
+__all__ = [
+    "BrokerProcess",
+    "Cleanup",
+    "FakeAgent",
+    "FakeBroker",
+    "FakeFabric",
+    "LoopThread",
+    "XferScript",
+    "eventually",
+    "scratch_dir",
+    "start_fake_broker",
+]

@@ -1,0 +1,81 @@
+"""In-process brokers with fake NIXL agents: the service tests' cluster.
+
+:func:`start_fake_broker` starts a :class:`~kvbroker.broker.BrokerServer` on a
+:class:`~kvbroker.testing.LoopThread`, with a
+:class:`~kvbroker.testing.FakeAgent` on a shared
+:class:`~kvbroker.testing.FakeFabric` (so brokers started on one fabric move
+bytes to each other), listening on a free loopback port and serving engines
+on a unix socket in ``sock_dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbroker.broker import BrokerConfig, BrokerServer
+from kvbroker.broker.dispatcher import Broker
+from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric
+from kvbroker.testing.loop import LoopThread
+
+__all__ = ["FakeBroker", "start_fake_broker"]
+
+
+@dataclass
+class FakeBroker:
+    """An in-process broker with a fake NIXL agent."""
+
+    server: BrokerServer
+    agent: FakeAgent
+    loop: LoopThread
+
+    @property
+    def address(self) -> str:
+        """The broker's gRPC address (``127.0.0.1:<port>``)."""
+        return self.server.address
+
+    @property
+    def broker(self) -> Broker:
+        """The broker's state; touch it on the loop thread (``loop.call``)."""
+        return self.server.broker
+
+    def tables(self) -> dict[str, int]:
+        """The sizes of the broker's room tables."""
+        return dict(self.loop.call(self.broker.rooms.sizes))
+
+    def evict_now(self) -> None:
+        """Evict every finished room and tombstone at once."""
+        self.loop.call(lambda: self.broker.evict(time.monotonic() + 3600, everything=True))
+        self.loop.call(lambda: self.broker.evict(time.monotonic() + 7200, everything=True))
+
+    def stop(self, grace_seconds: float = 0.1) -> None:
+        """Stop serving and release everything (``BrokerServer.stop``)."""
+        self.loop.run(self.server.stop(grace_seconds=grace_seconds))
+
+
+def start_fake_broker(
+    loop: LoopThread, fabric: FakeFabric, sock_dir: str | Path, name: str, **config: Any
+) -> FakeBroker:
+    """Start a broker named ``name`` on ``loop`` and return once it serves.
+
+    Its agent is ``fake_<name>_agent`` on ``fabric``; it listens on
+    ``127.0.0.1:0`` and serves engines on ``<sock_dir>/<name>.sock`` (keep
+    ``sock_dir`` short: unix socket paths must stay under 108 bytes).
+    ``config`` sets any other :class:`~kvbroker.broker.BrokerConfig` field,
+    or overrides those two. Stop it with :meth:`FakeBroker.stop`.
+    """
+    agent = FakeAgent(f"fake_{name}_agent", fabric)
+    settings: dict[str, Any] = {
+        "listen_address": "127.0.0.1:0",
+        "engine_socket_path": str(Path(sock_dir) / f"{name}.sock"),
+        **config,
+    }
+    try:
+        server = BrokerServer(BrokerConfig(**settings), agent=agent)
+        loop.run(server.start())
+    except BaseException:
+        agent.close()
+        raise
+    return FakeBroker(server=server, agent=agent, loop=loop)
