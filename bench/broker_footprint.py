@@ -61,6 +61,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proccpu import cpu_seconds
+
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 KV_HEADS = 8
@@ -80,16 +82,6 @@ class BenchFailed(RuntimeError):
 
 
 # -- /proc --------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the whole process (all threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        text = f.read()
-    # The command name (field 2) may contain spaces: split after its ')'.
-    fields = text[text.rindex(")") + 2 :].split()
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 def status_field(pid: int, name: str) -> int | None:

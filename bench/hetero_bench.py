@@ -6,11 +6,13 @@ Two pairs of ``kvbroker serve`` processes on loopback, one pair with staging
 buffers and one started with ``--no-staging``, move the same rooms of a
 non-MLA model with 8 KV heads from prefill tp Pp to decode tp Pd, for
 (Pp, Pd) = (1, 2) and (2, 1). Every engine rank is registered from this
-process (one memfd each). The time is from the first ExpectRoom to the last
-room SUCCESS on every rank; afterwards every received byte is checked
-against the reference pattern, outside the timing. Printed: GB/s of each
-path, staging/per-token, and the transfers and descriptors the prefill
-broker posted.
+process (one memfd each), and one warm-up room moves first (the handshake
+for the new ranks). The time is from the first ExpectRoom of the timed
+rooms to the last room SUCCESS on every rank; afterwards every received
+byte is checked against the reference pattern, outside the timing. Printed:
+GB/s of each path, staging/per-token, the transfers and descriptors the
+prefill broker posted, and the CPU time of the staging path by process and
+broker thread (loop, nixl, copy, ...) within the timed window.
 
 Raw NIXL of the same bytes (``bench/rawnixl.py``): two bare NIXL agents in
 two processes write the same number of bytes in blocks the size of one
@@ -32,10 +34,19 @@ from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from proccpu import cpu_seconds, thread_cpu_seconds
 from rawnixl import bulk_write_seconds
 
 from kvbroker.testing import BrokerProcess
 from kvbroker.testing.scenario import Scenario, run_scenario
+
+
+def _cpu(p: BrokerProcess, d: BrokerProcess) -> dict[str, float]:
+    """CPU seconds so far: this process (the engines), and each broker by thread role."""
+    out = {"engines": cpu_seconds(os.getpid())}
+    for side, broker in (("prefill", p), ("decode", d)):
+        out.update({f"{side}/{role}": s for role, s in thread_cpu_seconds(broker.process.pid).items()})
+    return out
 
 
 def main() -> int:
@@ -63,10 +74,11 @@ def main() -> int:
         print(f"{'layout':14} {'path':10} {'MiB':>8} {'best GB/s':>10} {'median GB/s':>12} {'transfers':>10} {'descriptors':>12}")
         for ps, pd in ((1, 2), (2, 1)):
             rates: dict[str, list[float]] = {}
+            busy: list[dict[str, float]] = []
+            walls: list[float] = []
             counts: dict[str, tuple[int, int, int]] = {}
             for _ in range(args.repeat):
                 for path, (p, d) in pairs.items():
-                    before = p.stats()
                     scenario = Scenario(
                         prefill_tp=ps,
                         decode_tp=pd,
@@ -75,15 +87,22 @@ def main() -> int:
                         layers=args.layers,
                         page_size=args.page_size,
                         pages=args.pages,
-                        rooms=args.rooms,
+                        rooms=args.rooms + 1,
                         chunks=args.chunks,
                     )
-                    result = run_scenario(p.address, d.address, scenario, timeout_seconds=600)
+                    result = run_scenario(
+                        p.address, d.address, scenario, timeout_seconds=600, probe=lambda p=p, d=d: (_cpu(p, d), p.stats()),
+                        warmup_rooms=1,
+                    )
                     if not result.ok:
                         print("\n".join(result.problems[:10]), file=sys.stderr)
                         failed = True
                         continue
-                    after = p.stats()
+                    assert result.probes is not None
+                    (cpu0, before), (cpu1, after) = result.probes
+                    if path == "staging":
+                        busy.append({k: (cpu1[k] - cpu0[k]) * 1e3 for k in cpu1})
+                        walls.append(result.transfer_seconds * 1e3)
                     rates.setdefault(path, []).append(result.bytes / result.transfer_seconds / 1e9)
                     counts[path] = (
                         result.bytes,
@@ -110,6 +129,12 @@ def main() -> int:
                       f"{statistics.median(stage) / statistics.median(token):.1f}x (median); "
                       f"staging / raw NIXL = {max(stage) / max(raw):.2f} (best), "
                       f"{statistics.median(stage) / statistics.median(raw):.2f} (median)")
+            if busy:
+                cpu = {k: statistics.median(b[k] for b in busy) for k in busy[0]}
+                wall = statistics.median(walls)
+                print(f"{'':14} staging CPU per run (median ms, {os.cpu_count()} cores = "
+                      f"{(os.cpu_count() or 1) * wall:.0f} core-ms in the {wall:.0f} ms of the scenario): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items() if v >= 0.5))
     finally:
         for broker in (*staged, *plain):
             broker.stop()

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from proccpu import cpu_seconds, thread_cpu_seconds
 
 PREFILL_GROUP = "bench-prefill"
 DECODE_GROUP = "bench-decode"
@@ -495,31 +496,6 @@ class Samples:
 
     def median(self) -> float:
         return statistics.median(self.seconds)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` (all its threads) used so far."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds of a broker's threads so far, by role: the control loop (the
-    main thread), the NIXL data plane (kvb-nixl), the other threads."""
-    out = {"loop": 0.0, "nixl": 0.0, "other": 0.0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # the thread ended
-        name = stat.split("(", 1)[1].rsplit(")", 1)[0]
-        fields = stat.rsplit(")", 1)[1].split()
-        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        role = "loop" if int(tid) == pid else "nixl" if name == "kvb-nixl" else "other"
-        out[role] += seconds
-    return out
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -1044,7 +1020,7 @@ def print_table(res: dict[str, Any]) -> None:
         f"{c['cpus']} cores = {c['cpus'] * wall:.0f} core-ms in the {wall:.0f} ms): "
         + ", ".join(f"{name} {ms:.0f}" for name, ms in cpu.items() if "/" not in name)
         + f"; total {sum(ms for name, ms in cpu.items() if '/' not in name):.0f}; by broker thread: "
-        + ", ".join(f"{name} {ms:.0f}" for name, ms in cpu.items() if "/" in name)
+        + ", ".join(f"{name} {ms:.0f}" for name, ms in cpu.items() if "/" in name and ms >= 0.5)
     )
     for key in ("raw_chunked", "raw_single", "raw_prepped"):
         print(

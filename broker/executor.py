@@ -65,6 +65,7 @@ from kvbroker.broker.staging import (
     ArrayViews,
     RegionSet,
     Reservation,
+    StagingBuffer,
     StagingPool,
     StagingPools,
     gather,
@@ -291,12 +292,6 @@ class Executor:
                 await self._workers.copy(pack)
             finally:
                 gathering.end()
-            page_bytes = spec.slice.dst.page_size * spec.slice.dst.token_bytes
-            remote_descs, local_descs = page_blocks(
-                part.remote.table, tuple(d for _, d in spec.pairs), spec.dst_pages, page_bytes,
-                buffer.address + reservation.offset, buffer.device_id,
-            )
-            local_kind, remote_kind = buffer.kind, spec.remote_kind
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)
@@ -308,10 +303,7 @@ class Executor:
         assert pool is not None and reservation is not None
         self._sending[part] = (pool, reservation)
         self._counters.transfers_staged += 1
-
-        def make(agent: Agent) -> Any:
-            return agent.post_write_descs(local_descs, local_kind, remote_descs, remote_kind, agent_name, notif)
-
+        make = _from_staging(part, pool.buffer, reservation.offset, agent_name, notif)
         self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
 
     def _fail_part(self, part: Part, error: KvBrokerError) -> None:
@@ -585,6 +577,25 @@ def _into_staging(part: Part, agent_name: str, notif: bytes) -> Callable[[Agent]
             remote.address + part.staging_offset, remote.device_id,
         )
         return agent.post_write_descs(local, spec.local_kind, far, remote.kind, agent_name, notif)
+
+    return make
+
+
+def _from_staging(
+    part: Part, buffer: StagingBuffer, offset: int, agent_name: str, notif: bytes
+) -> Callable[[Agent], Any]:
+    """Write each packed page at ``offset`` of the local send ``buffer`` into the
+    receiver's page (descriptors built on the data-plane thread)."""
+    spec, table = part.spec, part.remote.table
+    assert spec.dst_pages is not None and spec.slice is not None
+
+    def make(agent: Agent) -> Any:
+        page_bytes = spec.slice.dst.page_size * spec.slice.dst.token_bytes  # type: ignore[union-attr]
+        far, local = page_blocks(
+            table, tuple(d for _, d in spec.pairs), spec.dst_pages, page_bytes,  # type: ignore[arg-type]
+            buffer.address + offset, buffer.device_id,
+        )
+        return agent.post_write_descs(local, buffer.kind, far, spec.remote_kind, agent_name, notif)
 
     return make
 

@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,6 +101,8 @@ class ScenarioResult:
     bytes: int = 0
     #: From the first ExpectRoom to the last room SUCCESS on every rank.
     transfer_seconds: float = 0.0
+    #: What ``run_scenario``'s ``probe`` returned as that window opened and as it closed.
+    probes: tuple[Any, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -131,12 +134,20 @@ def run_scenario(
     sender_address: str | None = None,
     timeout_seconds: float = 60.0,
     prepare: Prepare | None = None,
+    probe: Callable[[], Any] | None = None,
+    warmup_rooms: int = 0,
 ) -> ScenarioResult:
     """Run ``scenario``; the result lists every problem (empty: byte-exact).
 
     ``sender_address`` is what decode ranks put in SenderRef (default
     ``prefill_address``; "" for "my own broker"). ``prepare`` sees each
-    rank's memory after allocation, before it is registered.
+    rank's memory after allocation, before it is registered. ``probe`` is
+    called right before the first ExpectRoom and right after the last
+    SUCCESS (``ScenarioResult.probes``): a benchmark reads CPU counters there.
+    The first ``warmup_rooms`` of the scenario's rooms move before that
+    window (the brokers handshake for the new engines then, as they would
+    once in service) and are verified but neither timed nor counted in
+    ``ScenarioResult.bytes``.
     """
     model = scenario.model()
     tag = secrets.token_hex(4)
@@ -164,16 +175,26 @@ def run_scenario(
             for i in range(scenario.rooms)
         ]
         ref = SenderRef(prefill_address if sender_address is None else sender_address, groups[0])
+
+        def move(rooms: list[RoomPlan], into: ScenarioResult) -> None:
+            for plan in rooms:
+                for rank in decode:
+                    rank.engine.receiver(plan.room, ref).init(
+                        plan.dst_pages, aux_row=plan.slot, state={n: state_indices(n, plan.slot, 1) for n in _state_on(rank)}
+                    )
+            for plan in rooms:
+                _send(prefill, plan)
+            _collect(decode, prefill, rooms, timeout_seconds, into)
+
+        if warmup_rooms:
+            move(plans[:warmup_rooms], result)
+            result.bytes = 0
+        opened = probe() if probe is not None else None
         start = time.perf_counter()
-        for plan in plans:
-            for rank in decode:
-                rank.engine.receiver(plan.room, ref).init(
-                    plan.dst_pages, aux_row=plan.slot, state={n: state_indices(n, plan.slot, 1) for n in _state_on(rank)}
-                )
-        for plan in plans:
-            _send(prefill, plan)
-        _collect(decode, prefill, plans, timeout_seconds, result)
+        move(plans[warmup_rooms:], result)
         result.transfer_seconds = time.perf_counter() - start
+        if probe is not None:
+            result.probes = (opened, probe())
         for plan in plans:
             for rank in decode:
                 problems = verify_room(
