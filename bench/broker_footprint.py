@@ -48,7 +48,6 @@ process and the scratch directory are removed on exit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -61,6 +60,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from outcome import finish
 from proccpu import cpu_seconds
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -432,18 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"broker_footprint: broker logs kept in {workdir}", file=sys.stderr)
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
-    if interrupted:
-        print("broker_footprint: interrupted", file=sys.stderr)
-        return 130
-    if result is not None:
-        result["failures"] = problems
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print_report(result)
-    for problem in problems:
-        print(f"broker_footprint: FAILED: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    return finish(
+        "broker_footprint", result, problems, interrupted=interrupted, as_json=args.json, print_report=print_report
+    )
 
 
 if __name__ == "__main__":

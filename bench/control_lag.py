@@ -69,7 +69,6 @@ Ctrl-C. Every process and the scratch directory are removed on exit.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing
 import os
@@ -87,6 +86,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+from outcome import finish
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -789,21 +790,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"control_lag: broker logs kept in {workdir}", file=sys.stderr)
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
-    if interrupted:
-        print("control_lag: interrupted", file=sys.stderr)
-        return 130
-    if result is not None:
-        result["failures"] = problems
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print_report(result)
-    if result is None or args.json:
-        for problem in problems:
-            print(f"control_lag: FAILED: {problem}", file=sys.stderr)
-    if problems and not args.keep_logs:
+    if problems and not args.keep_logs and not interrupted:
         print("control_lag: run again with --keep-logs to keep the broker logs", file=sys.stderr)
-    return 1 if problems else 0
+    return finish(
+        "control_lag", result, problems, interrupted=interrupted, as_json=args.json, print_report=print_report, report_lists_failures=True
+    )
 
 
 if __name__ == "__main__":

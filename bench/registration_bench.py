@@ -72,6 +72,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from outcome import finish
+
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 KV_HEADS = 8
@@ -416,18 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"registration_bench: broker log kept in {workdir}", file=sys.stderr)
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
-    if interrupted:
-        print("registration_bench: interrupted", file=sys.stderr)
-        return 130
-    if result is not None:
-        result["failures"] = problems
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print_report(result)
-    for problem in problems:
-        print(f"registration_bench: FAILED: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    return finish(
+        "registration_bench", result, problems, interrupted=interrupted, as_json=args.json, print_report=print_report
+    )
 
 
 if __name__ == "__main__":
