@@ -12,6 +12,8 @@ from __future__ import annotations
 import multiprocessing
 import random
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -323,3 +325,45 @@ def test_abort_racing_the_last_chunk(brokers) -> None:
     _tables_empty(p, d)
     for b in (p, d):
         assert b.stop() == 0, b.log_tail()
+
+
+def test_broker_exits_with_the_process_that_started_it(workdir: Path) -> None:
+    """``BrokerProcess`` starts brokers with ``--exit-with-parent``: when the harness dies
+    (here a child that launched a broker and was then SIGKILLed), its broker gets
+    SIGTERM and exits instead of staying behind. Set after exec, not in a
+    ``preexec_fn``, which ran Python in the forked child of a process with gRPC threads."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from kvbroker.testing import BrokerProcess\n"
+        "b = BrokerProcess.launch('orphan', Path(sys.argv[1]), ['--log-level', 'warning'])\n"
+        "b.wait_ready()\n"
+        "print(b.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script, str(workdir)], stdout=subprocess.PIPE, text=True) as harness:
+        try:
+            assert harness.stdout is not None
+            broker_pid = int(harness.stdout.readline())
+        finally:
+            harness.kill()
+    eventually(lambda: not _alive(broker_pid), BOUND_SECONDS, interval_seconds=POLL_SECONDS)
+
+
+def test_broker_refuses_to_start_for_a_parent_that_is_gone(workdir: Path) -> None:
+    """``--exit-with-parent`` naming a process that is not the parent: exit 1 at once."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "serve", "--listen", "127.0.0.1:0", "--uds", str(workdir / "x.sock"),
+         "--exit-with-parent", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1 and "parent process 1 is gone" in done.stderr
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, reaped by init later, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

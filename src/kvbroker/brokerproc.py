@@ -8,8 +8,6 @@ environment says otherwise, so no test or demo traffic leaves loopback.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import signal
@@ -25,16 +23,6 @@ import grpc
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 __all__ = ["BrokerProcess"]
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux), so a
-    crashed test run or demo does not leave brokers behind."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 @dataclass
@@ -70,11 +58,15 @@ class BrokerProcess:
             str(ready),
             "--log-format",
             "json",
+            # SIGTERM if this process dies, so a crashed test run or demo does
+            # not leave brokers behind.
+            "--exit-with-parent",
+            str(os.getpid()),
             *extra_args,
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, preexec_fn=_die_with_parent
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env
             )
         return cls(name=name, process=process, ready_file=ready, log_path=log_path)
 

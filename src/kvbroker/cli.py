@@ -52,6 +52,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line with the broker's addresses here once it serves")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help="auto: console on a terminal, JSON otherwise")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="get SIGTERM when the process that started this broker (PID, its parent) exits (Linux; for harnesses)",
+    )
 
 
 def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -89,6 +96,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kvbroker.broker.telemetry import configure_metrics, configure_tracing
     from kvbroker.logconfig import configure_logging
 
+    if args.exit_with_parent is not None and not _exit_with_parent(args.exit_with_parent):
+        print(f"kvbroker serve: the parent process {args.exit_with_parent} is gone", file=sys.stderr)
+        return 1
     configure_logging(args.log_format, args.log_level)
     # Tracing follows the OTEL_* environment variables (nothing is exported
     # unless OTEL_TRACES_EXPORTER says so); metrics are scraped if asked.
@@ -124,6 +134,22 @@ def _serve(args: argparse.Namespace) -> int:
         # Flush spans still batched (OTLP) before the process goes.
         tracer_provider.shutdown()
         meter_provider.shutdown()
+
+
+def _exit_with_parent(parent: int) -> bool:
+    """Ask the kernel for SIGTERM when the parent exits (``PR_SET_PDEATHSIG``);
+    False if ``parent`` is not (or no longer) this process's parent.
+
+    Set here, after exec, rather than by the parent between fork and exec: a
+    parent with gRPC threads must not run Python in a forked child (gRPC's fork
+    handlers start threads there that ``close_fds`` then breaks)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        pass
+    return os.getppid() == parent
 
 
 async def _serve_async(config: object, ready_file: str | None) -> int:
