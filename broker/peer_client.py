@@ -191,7 +191,11 @@ class PeerClient:
         for attempt in (1, 2):
             request.sender_broker_id = peer.broker_id or ""
             try:
-                await self.stub(peer).RegisterRoom(request, timeout=self._timeout)
+                # wait_for_ready: while the address does not answer (a broker
+                # restarting there, or the channel still backing off from the
+                # old process), wait for it up to the timeout instead of failing
+                # the room at once; the room is still bootstrapping.
+                await self.stub(peer).RegisterRoom(request, timeout=self._timeout, wait_for_ready=True)
                 return request.sender_broker_id
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)

@@ -795,7 +795,7 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        async def RegisterRoom(self, request, timeout):  # type: ignore[no-untyped-def]
+        async def RegisterRoom(self, request, **kwargs):  # type: ignore[no-untyped-def]
             if not raced:
                 raced.append(request.sender_broker_id)
                 # While this call is out, a handshake finds the new process
@@ -807,13 +807,40 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
                         break
                     except errors.Unavailable:
                         await asyncio.sleep(0.05)
-            return await self._stub.RegisterRoom(request, timeout=timeout)
+            return await self._stub.RegisterRoom(request, **kwargs)
 
     monkeypatch.setattr(client, "stub", lambda peer: RacingStub(real_stub(peer)))
     _move_room(pe2, de, p1.address, 99)
     assert raced == [p1.broker.broker_id] and peers.by_address[p1.address].broker_id == p2.broker.broker_id
     _assert_moved(pe2, de, SRC, DST)
     del pe1
+    _wait_tables_empty(p2, d)
+
+
+def test_a_room_opened_while_its_prefill_broker_restarts_registers_with_the_new_process(fake_brokers, make_engine) -> None:
+    """The decode broker knows the prefill broker, which is down for a moment (restarting on the
+    same address): a room opened then waits for the address to answer (up to the peer timeout),
+    registers with the new process and completes. (It used to fail PEER at once with "failed to
+    connect", also for a while after the new process was up, while the channel backed off; the
+    ten-minute soak showed such rooms.)"""
+    p1 = fake_brokers("p1")
+    d = fake_brokers("d", peer_heartbeat_seconds=60)  # no heartbeat: only the registration meets p2
+    pe1, de = make_engine(p1.address, "prefill"), make_engine(d.address, "decode")
+    _move_room(pe1, de, p1.address, 106)
+    p1.loop.run(p1.server._server.stop(0))
+    pe1.lost_broker()
+    receiver = de.handle.receiver(107, SenderRef(p1.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    time.sleep(0.5)  # RegisterRoom finds nothing listening
+    assert receiver.poll() == RoomState.BOOTSTRAPPING, receiver.status()
+    p2 = fake_brokers("p2", listen_address=p1.address)
+    pe2 = make_engine(p2.address, "prefill")
+    sender = pe2.handle.sender(107)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert receiver.wait(15).state == RoomState.SUCCESS, receiver.status()
+    assert sender.wait(10).state == RoomState.SUCCESS
+    _assert_moved(pe2, de, SRC, DST)
     _wait_tables_empty(p2, d)
 
 
@@ -832,8 +859,8 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        async def RegisterRoom(self, request, timeout):  # type: ignore[no-untyped-def]
-            answer = await self._stub.RegisterRoom(request, timeout=timeout)
+        async def RegisterRoom(self, request, **kwargs):  # type: ignore[no-untyped-def]
+            answer = await self._stub.RegisterRoom(request, **kwargs)
             d.broker.peer_lost(self._peer, "stopped answering (test)")
             return answer
 
