@@ -2,12 +2,29 @@
 
 ``BrokerServer`` runs one broker; ``BrokerConfig`` configures it. The module
 map, the threads and one room's path through both brokers are in
-docs/architecture.md.
+docs/architecture.md. Both load on first use, so the client can import the
+few pure modules it shares with the broker (``layout``, ``validation``)
+without loading the service.
 """
 
 from __future__ import annotations
 
-from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.server import BrokerServer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvbroker.broker.config import BrokerConfig
+    from kvbroker.broker.server import BrokerServer
 
 __all__ = ["BrokerConfig", "BrokerServer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BrokerConfig":
+        from kvbroker.broker.config import BrokerConfig
+
+        return BrokerConfig
+    if name == "BrokerServer":
+        from kvbroker.broker.server import BrokerServer
+
+        return BrokerServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,9 +18,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import structlog
 from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
 from kvbroker import __version__
 from kvbroker.broker.config import BrokerConfig
@@ -39,6 +41,7 @@ from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.receiver import Receiver, ReceiverCore
 from kvbroker.broker.rooms import RoomTables, Side, cause
 from kvbroker.broker.sender import SenderCore, Source, TransferInfo
+from kvbroker.broker.sessions import SessionStream
 from kvbroker.broker.staging import ArrayViews, StagingPools
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.telemetry import child_done
@@ -48,7 +51,9 @@ from kvbroker.broker.workers import Workers
 from kvbroker.errors import (
     Aborted,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
+    KvBrokerError,
     NotFound,
     PermissionDenied,
     Unavailable,
@@ -60,6 +65,9 @@ from kvbroker.v1 import common_pb2, peer_pb2, transfer_pb2
 __all__ = ["Broker"]
 
 log = structlog.get_logger(__name__)
+
+#: The context of a session command that carries none: no parent span.
+_NO_TRACE = otel_context.Context()
 
 
 class Broker:
@@ -133,6 +141,13 @@ class Broker:
             has_business=self._has_business,
             on_lost=self.peer_lost,
         )
+        #: Session commands by name (``SessionCommand.command``).
+        self._engine_commands: dict[str, Callable[[Any], object]] = {
+            "expect_room": self.expect_room,
+            "begin_send": self.begin_send,
+            "send_chunk": self.send_chunk,
+            "abort": self.abort,
+        }
         self.draining = False
         #: Called with the draining flag (the server points it at its health service).
         self.on_draining: Callable[[bool], Awaitable[None]] | None = None
@@ -297,6 +312,91 @@ class Broker:
         finally:
             self.hub.unsubscribe(engine.engine_id, sub)
 
+    # -- engine session streams ------------------------------------------------
+    def open_session(self, opening: transfer_pb2.SessionOpen) -> tuple[Engine, SessionStream]:
+        """Start a Session stream for the engine in ``opening``; a previous one ends."""
+        _check_version(opening.protocol_version, "Session")
+        engine = self.engines.get(opening.engine_id)
+        if engine.session is not None:
+            engine.session.end(Aborted("another session stream of this engine rank replaced this one"))
+            self.hub.unsubscribe(engine.engine_id, engine.session)
+        if engine.applied == 0:
+            engine.applied = opening.resume_after
+        elif opening.resume_after > engine.applied:
+            raise FailedPrecondition(
+                f"the engine says command {opening.resume_after} was applied; this broker applied up to {engine.applied}"
+            )
+        stream = SessionStream(engine.engine_id)
+        engine.session = stream
+        self.hub.add(engine.engine_id, stream)
+        for room in opening.rooms:
+            stream.offer(self.status(engine, room))
+        stream.applied(engine.applied)
+        return engine, stream
+
+    def close_session(self, engine: Engine, stream: SessionStream) -> None:
+        self.hub.unsubscribe(engine.engine_id, stream)
+        if engine.session is stream:
+            engine.session = None
+
+    def apply_commands(self, engine: Engine, stream: SessionStream, commands: Iterable[transfer_pb2.SessionCommand]) -> None:
+        """Apply a session message's commands in order. A command sent again
+        after a reconnect (seq already applied) is skipped; a gap in the
+        numbering ends the stream (INVALID_ARGUMENT). A refused command is
+        reported on the stream, and fails its room if the room was open."""
+        if self.engines.by_id.get(engine.engine_id) is not engine:
+            raise NotFound(f"engine {engine.engine_id} is no longer registered")
+        for command in commands:
+            if command.seq <= engine.applied:
+                continue
+            if command.seq != engine.applied + 1:
+                raise InvalidArgument(f"session command {command.seq} follows {engine.applied}: commands were lost")
+            which = command.WhichOneof("command")
+            request = getattr(command, which) if which else None
+            room = request.room if request is not None else 0
+            # The room's spans join the engine's trace, or start their own:
+            # never the long-lived stream's.
+            token = otel_context.attach(propagate.extract(command.trace_context) if command.trace_context else _NO_TRACE)
+            error: KvBrokerError | None = None
+            try:
+                if request is None:
+                    raise InvalidArgument(f"session command {command.seq} carries no command")
+                request.engine_id = engine.engine_id
+                self._engine_commands[which](request)
+            except KvBrokerError as exc:
+                error = exc
+            except Exception:
+                log.exception("session_command_failed", engine=engine.label, command=which, room=room)
+                error = Internal(f"{which} failed inside the broker; see its log")
+            finally:
+                otel_context.detach(token)
+            if error is not None:
+                failed, settled = self._refused(engine, which or "", room, error)
+                stream.refuse(command.seq, room, error, room_failed=failed, pages_settled=settled)
+            engine.applied = command.seq
+        stream.applied(engine.applied)
+
+    def _refused(self, engine: Engine, which: str, room: int, error: KvBrokerError) -> tuple[bool, bool]:
+        """After a refused command: (the room was open and is failed now, its pages are settled).
+
+        A refused opening (ExpectRoom, BeginSend) leaves any room already there
+        alone; a refused chunk or abort of an open room fails the room: the
+        engine's stream of commands for it has a hole.
+        """
+        side = self._side(engine, room)
+        if which in ("expect_room", "begin_send"):
+            return False, side is None or _settled(side)
+        if side is None or side.terminal:
+            return False, side is None or _settled(side)
+        why = cause(common_pb2.FAILURE_KIND_REFUSED, f"{which} refused: {error.message}", self.broker_id)
+        if isinstance(side, Source):
+            self.sender.fail(side, why)
+        else:
+            assert isinstance(side, Receiver)
+            self.receiver.fail(side, why)
+        self.executor.drain()
+        return True, _settled(side)
+
     def abort(self, request: transfer_pb2.AbortRequest) -> common_pb2.RoomStatus:
         engine = self.engines.get(request.engine_id)
         if engine.role == common_pb2.ROLE_PREFILL:
@@ -306,15 +406,17 @@ class Broker:
         self.executor.drain()
         return self.status(engine, request.room)
 
-    def status(self, engine: Engine, room: int) -> common_pb2.RoomStatus:
-        """The status of ``engine``'s side of ``room`` (FAILED UNKNOWN_ROOM if it has none)."""
-        side: Side | None
+    def _side(self, engine: Engine, room: int) -> Side | None:
+        """``engine``'s side of ``room``, if it has one here."""
         if engine.role == common_pb2.ROLE_PREFILL:
             sroom = self.rooms.sender.get(room)
-            side = sroom.sources.get(engine.key) if sroom is not None else None
-        else:
-            rroom = self.rooms.receiver.get(room)
-            side = rroom.ranks.get(engine.key) if rroom is not None else None
+            return sroom.sources.get(engine.key) if sroom is not None else None
+        rroom = self.rooms.receiver.get(room)
+        return rroom.ranks.get(engine.key) if rroom is not None else None
+
+    def status(self, engine: Engine, room: int) -> common_pb2.RoomStatus:
+        """The status of ``engine``'s side of ``room`` (FAILED UNKNOWN_ROOM if it has none)."""
+        side = self._side(engine, room)
         if side is None:
             return common_pb2.RoomStatus(
                 room=room,
@@ -543,6 +645,11 @@ def _vram_devices(engine: Engine) -> set[int]:
         for r in engine.layout.kv_regions.values()
         if table.region_kind[r] == common_pb2.MEMORY_KIND_VRAM
     }
+
+
+def _settled(side: Side) -> bool:
+    """No transfer can still write into this side's pages (a source's are only read)."""
+    return isinstance(side, Source) or side.pages_settled
 
 
 def _unsettled(side: Side) -> bool:

@@ -62,6 +62,10 @@ class Engine:
     #: (receiver broker, rank, generation, layer range): planned once, not per room.
     kv_plans: dict[Any, Any] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.monotonic)
+    #: The last session command applied (``SessionCommand.seq``).
+    applied: int = 0
+    #: The engine's live Session stream, if any (``sessions.SessionStream``).
+    session: Any = None
 
     @property
     def role(self) -> int:

@@ -206,8 +206,10 @@ class ReceiverCore:
         return out
 
     def awaiting_data(self) -> bool:
-        """Whether a rank still waits for notices (the data plane polls for them then)."""
-        for rank in [r for r in self._open if r.terminal]:
+        """Whether a rank still waits for notices (the data plane polls for them
+        then): an open one, or a failed one whose pages may still be written
+        (the notice of a write in flight settles them)."""
+        for rank in [r for r in self._open if r.terminal and r.pages_settled]:
             self._open.discard(rank)
         return bool(self._open)
 

@@ -62,7 +62,7 @@ from kvbroker.broker.rooms import (
     cause_of,
 )
 from kvbroker.broker.segments import ChunkShape, state_regions
-from kvbroker.broker.validation import check_room_indices
+from kvbroker.broker.validation import check_chunk, check_room_indices
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -570,19 +570,15 @@ class SenderCore:
         aux_row: int | None,
         state: dict[str, IndexArray],
     ) -> None:
-        layout = source.engine.layout
-        total = source.cursor + int(pages.size)
-        if not is_last and (aux_row is not None or state):
-            raise InvalidArgument("aux_row and state go on the last chunk (is_last)")
-        check_room_indices(layout, pages=pages, aux_row=aux_row, state=state)
-        if source.num_pages and total > source.num_pages:
-            raise InvalidArgument(f"this chunk brings the room to {total} pages; BeginSend declared {source.num_pages}")
-        if not is_last:
-            return
-        if source.num_pages and total != source.num_pages:
-            raise InvalidArgument(f"the last chunk brings the room to {total} pages; BeginSend declared {source.num_pages}")
-        if layout.aux_regions and aux_row is None:
-            raise InvalidArgument("the last chunk must carry aux_row: this engine registered aux regions")
+        check_chunk(
+            source.engine.layout,
+            declared=source.num_pages,
+            sent=source.cursor,
+            pages=pages,
+            is_last=is_last,
+            aux_row=aux_row,
+            state=state,
+        )
 
     def _attach(self, source: Source, info: TransferInfo) -> None:
         plan = info.plan_for(source.key)

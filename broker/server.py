@@ -40,8 +40,10 @@ __all__ = ["BrokerServer"]
 
 log = structlog.get_logger(__name__)
 
-#: TransferBroker calls that make no RPC span (hot paths; see BrokerServer.start).
-_UNTRACED = ("SendChunk", "Poll")
+#: TransferBroker calls that make no RPC span (hot paths, and the Session
+#: stream, which lives as long as its engine: each command it carries joins
+#: the engine's trace or starts its own; see BrokerServer.start).
+_UNTRACED = ("SendChunk", "Poll", "Session")
 
 SERVICE_NAMES = (
     transfer_pb2.DESCRIPTOR.services_by_name["TransferBroker"].full_name,

@@ -7,6 +7,7 @@ becomes INTERNAL, so a bug never leaks a Python trace to the caller.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -16,7 +17,8 @@ import structlog
 
 from kvbroker.broker.admin import Admin
 from kvbroker.broker.dispatcher import Broker
-from kvbroker.errors import KvBrokerError
+from kvbroker.broker.sessions import SessionStream
+from kvbroker.errors import Internal, InvalidArgument, KvBrokerError
 from kvbroker.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -105,6 +107,49 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
     @_unary
     async def Abort(self, request: transfer_pb2.AbortRequest, context: Any) -> transfer_pb2.AbortResponse:
         return transfer_pb2.AbortResponse(status=self._rt.abort(request))
+
+    async def Session(
+        self, requests: AsyncIterator[transfer_pb2.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[transfer_pb2.SessionEvent]:
+        try:
+            first = await requests.__anext__()
+            if not first.HasField("open"):
+                raise InvalidArgument("the first request of a session stream must carry SessionOpen")
+            engine, stream = self._rt.open_session(first.open)
+        except StopAsyncIteration:
+            return
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+        reader = asyncio.get_running_loop().create_task(self._commands(engine, stream, requests), name="session-reader")
+        try:
+            while True:
+                event = await stream.next_event()
+                if event is None:
+                    return
+                yield event
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            reader.cancel()
+            self._rt.close_session(engine, stream)
+
+    async def _commands(self, engine: Any, stream: SessionStream, requests: AsyncIterator[transfer_pb2.SessionRequest]) -> None:
+        """Apply the stream's commands as they come; end the stream when the engine half-closes."""
+        try:
+            async for request in requests:
+                if request.HasField("open"):
+                    raise InvalidArgument("SessionOpen may only be the first request of a stream")
+                self._rt.apply_commands(engine, stream, request.commands)
+        except KvBrokerError as exc:
+            stream.end(exc)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("session_reader_failed", engine=engine.label)
+            stream.end(Internal("the session failed inside the broker; see its log"))
+            return
+        stream.end()
 
 
 class PeerService(peer_pb2_grpc.PeerBrokerServicer):

@@ -20,7 +20,7 @@ from kvbroker.broker.layout import Layout
 from kvbroker.errors import InvalidArgument
 from kvbroker.indices import IndexArray
 
-__all__ = ["check_index", "check_indices", "check_room_indices"]
+__all__ = ["check_chunk", "check_index", "check_indices", "check_room_indices"]
 
 
 def check_indices(indices: IndexArray, count: int, what: str) -> None:
@@ -62,3 +62,30 @@ def check_room_indices(
         if name not in layout.state_components:
             raise InvalidArgument(f"state component {name!r} is not in the layout of {owner.strip()}")
         check_indices(indices, layout.state_items[name], f"{who}state {name!r}")
+
+
+def check_chunk(
+    layout: Layout,
+    *,
+    declared: int,
+    sent: int,
+    pages: IndexArray,
+    is_last: bool,
+    aux_row: int | None,
+    state: Mapping[str, IndexArray],
+) -> None:
+    """Check one chunk of a sending room: its indices, and its page count
+    against the ``declared`` total (0: not declared) after ``sent`` pages.
+    The client checks a chunk here before it queues it; the broker again."""
+    total = sent + int(pages.size)
+    if not is_last and (aux_row is not None or state):
+        raise InvalidArgument("aux_row and state go on the last chunk (is_last)")
+    check_room_indices(layout, pages=pages, aux_row=aux_row, state=state)
+    if declared and total > declared:
+        raise InvalidArgument(f"this chunk brings the room to {total} pages; BeginSend declared {declared}")
+    if not is_last:
+        return
+    if declared and total != declared:
+        raise InvalidArgument(f"the last chunk brings the room to {total} pages; BeginSend declared {declared}")
+    if layout.aux_regions and aux_row is None:
+        raise InvalidArgument("the last chunk must carry aux_row: this engine registered aux regions")

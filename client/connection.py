@@ -89,6 +89,7 @@ class BrokerClient:
         *,
         wait_for_ready: bool = False,
         trace_context: Mapping[str, str] | None = None,
+        timeout_seconds: float | None = None,
     ) -> T:
         """Call ``method``; a failure raises the matching ``kvbroker.errors`` class.
 
@@ -98,7 +99,8 @@ class BrokerClient:
         """
         token = otel_context.attach(propagate.extract(trace_context)) if trace_context else None
         try:
-            return method(request, timeout=self.timeout_seconds, wait_for_ready=wait_for_ready)
+            timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+            return method(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         finally:
@@ -109,17 +111,32 @@ class BrokerClient:
         """Register an engine rank and its memory with the broker.
 
         Uploads the buffers' fds over the broker's fd socket, then calls
-        RegisterEngine. The returned handle keeps the fd connection open: it
-        is the engine's session, and the broker releases everything the engine
-        registered when it closes (``EngineHandle.close`` or process exit).
+        RegisterEngine, and opens the engine's session stream. The returned
+        handle keeps the fd connection open: the broker releases everything
+        the engine registered when it closes (``EngineHandle.close`` or
+        process exit). The memory keeps its own fds, so the handle can
+        register again if the broker restarts.
         """
+        engine_id, fd_sock = self.upload_and_register(rank, memory)
+        return EngineHandle(self, engine_id, rank, memory, fd_sock, self.info.broker_id)
+
+    def refresh_info(self, *, timeout_seconds: float | None = None) -> transfer_pb2.BrokerInfo:
+        """Ask the broker for its info again (after a restart: a new broker_id),
+        waiting up to ``timeout_seconds`` (the client's timeout) for it to answer."""
+        self.info = self.call(
+            self.stub.GetBrokerInfo, transfer_pb2.GetBrokerInfoRequest(), wait_for_ready=True, timeout_seconds=timeout_seconds
+        )
+        return self.info
+
+    def upload_and_register(self, rank: RankSpec, memory: EngineMemory) -> tuple[str, socket.socket]:
+        """Upload ``memory``'s fds and call RegisterEngine: (engine_id, fd socket)."""
         fd_sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
                 fd_sock.connect(self.info.fd_socket_path)
             except OSError as exc:
                 raise Unavailable(f"cannot reach the broker's fd socket {self.info.fd_socket_path}: {exc}") from exc
-            buffers = memory.take_fds()
+            buffers = memory.export_fds()
             try:
                 upload = fdsocket_pb2.FdUpload(buffers=[spec for _, spec in buffers])
                 socket.send_fds(fd_sock, [upload.SerializeToString()], [fd for fd, _ in buffers])
@@ -138,7 +155,7 @@ class BrokerClient:
         except BaseException:
             fd_sock.close()
             raise
-        return EngineHandle(self, response.engine_id, rank, memory, fd_sock)
+        return response.engine_id, fd_sock
 
     def close(self) -> None:
         self._channel.close()

@@ -295,9 +295,18 @@ class EngineMemory:
         return [self.k[layer], self.v[layer]]
 
     def take_fds(self) -> list[tuple[int, common_pb2.BufferSpec]]:
-        """Hand the buffers' fds to the caller (the client closes them after upload)."""
+        """Hand the buffers' fds to the caller, who closes them (the memory keeps none)."""
         buffers, self.buffers = self.buffers, []
         return buffers
+
+    def export_fds(self) -> list[tuple[int, common_pb2.BufferSpec]]:
+        """Duplicates of the buffers' fds, for one upload (the caller closes
+        them); the memory keeps its own until ``close``, so the engine can
+        register again with a restarted broker."""
+        return [(os.dup(fd), spec) for fd, spec in self.buffers]
+
+    def buffer_sizes(self) -> list[int]:
+        return [spec.size_bytes for _, spec in self.buffers]
 
     def close(self) -> None:
         """Close fds and, once no tensor views remain, the mapping."""

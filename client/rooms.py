@@ -4,28 +4,39 @@ They follow SGLang's KVSender/KVReceiver: construct, ``init``, then
 ``send`` (sender) or wait (receiver), ``poll`` until SUCCESS or FAILED,
 ``failure_exception`` to raise the cause, ``abort`` to give up.
 
-Every method is one broker call (none is cached), raises the typed errors of
-``kvbroker.errors`` carrying the gRPC status, and may be called from any
-thread, though one room should be driven by one.
+``init``, ``send`` and ``abort`` do not wait for the broker: they check what
+can be checked here (indices against the engine's own layout, a room opened
+twice, pages beyond the declared count, a chunk after the last) and raise
+that at once, then queue the command on the engine's session and return. What
+the broker refuses later fails the room: ``poll`` says FAILED and
+``failure_exception`` raises ``RoomFailed`` with the broker's message
+(``FAILURE_KIND_REFUSED``). ``poll``, ``status`` and ``failure_exception`` read
+the session's table and make no call. Threading: see ``EngineHandle``; drive
+one room from one thread.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy.typing as npt
 
-from kvbroker.errors import FailedPrecondition, RoomFailed
-from kvbroker.indices import as_index, as_indices, encode_indices
+from kvbroker.broker.validation import check_chunk, check_room_indices
+from kvbroker.client.tracecontext import current_trace_context
+from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, RoomFailed
+from kvbroker.indices import IndexArray, as_index, as_indices, encode_indices
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:
     from kvbroker.client.engine import EngineHandle
 
 __all__ = ["KVReceiver", "KVSender", "RoomState", "SenderRef"]
+
+#: Builds a session command from its seq.
+MakeCommand = Callable[[int], transfer_pb2.SessionCommand]
 
 
 class RoomState(enum.IntEnum):
@@ -57,7 +68,7 @@ class _Room:
         self.room = room
 
     def status(self) -> common_pb2.RoomStatus:
-        """The broker's status of this room for this engine rank."""
+        """This room's status for this engine rank, as the session knows it."""
         return self.engine.poll([self.room])[self.room]
 
     def poll(self) -> RoomState:
@@ -65,25 +76,31 @@ class _Room:
         return RoomState(self.status().state)
 
     def failure_exception(self) -> None:
-        """Raise ``RoomFailed`` with the broker's first cause if the room failed."""
+        """Raise ``RoomFailed`` with the room's first cause if the room failed."""
         status = self.status()
         if RoomState(status.state) is RoomState.FAILED:
             raise RoomFailed(self.room, status.cause)
 
-    def abort(self, reason: str = "") -> common_pb2.RoomStatus:
-        """Fail the room here and at the peer broker. Idempotent.
+    def abort(self, reason: str = "") -> None:
+        """Fail the room here and at the peer broker (queued; idempotent).
 
         On a receiver, the pages may be reused once ``status().pages_settled``.
         """
-        response: transfer_pb2.AbortResponse = self.engine.client.call(
-            self.engine.client.stub.Abort,
-            transfer_pb2.AbortRequest(engine_id=self.engine.engine_id, room=self.room, reason=reason),
-        )
-        return response.status
+        request = transfer_pb2.AbortRequest(room=self.room, reason=reason)
+        self.engine.session.submit_many([(self.room, lambda seq: transfer_pb2.SessionCommand(seq=seq, abort=request))], always=True)
 
     def wait(self, timeout_seconds: float) -> common_pb2.RoomStatus:
-        """Poll until SUCCESS or FAILED; ``DeadlineExceeded`` after the timeout."""
+        """Block until SUCCESS or FAILED; ``DeadlineExceeded`` after the timeout."""
         return self.engine.wait([self.room], timeout_seconds=timeout_seconds)[self.room]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A checked chunk, ready to queue (``KVSender.prepare``)."""
+
+    size: int
+    last: bool
+    make: MakeCommand
 
 
 class KVSender(_Room):
@@ -93,21 +110,30 @@ class KVSender(_Room):
         super().__init__(engine, room)
         self.num_pages = 0
         self.aux_row: int | None = None
+        self._opened = False
         self._sent = 0
+        self._chunks = 0
         self._last_sent = False
 
     def init(self, num_pages: int, aux_row: int | None = None) -> common_pb2.RoomStatus:
         """Open the room (BeginSend): ``num_pages`` over all chunks, and the aux
-        row sent with the last chunk. ALREADY_EXISTS if the room is open here."""
+        row sent with the last chunk. ``AlreadyExists`` if this engine rank
+        opened the room before. Returns the room's status as known now."""
+        self.engine.check_role(common_pb2.ROLE_PREFILL, "send rooms")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidArgument(f"num_pages must be a non-negative integer, got {num_pages!r}")
         if aux_row is not None:
             aux_row = as_index(aux_row, "aux_row")
-        response: transfer_pb2.BeginSendResponse = self.engine.client.call(
-            self.engine.client.stub.BeginSend,
-            transfer_pb2.BeginSendRequest(engine_id=self.engine.engine_id, room=self.room, num_pages=num_pages),
+            check_room_indices(self.engine.layout, pages=_NO_PAGES, aux_row=aux_row, state={})
+        request = transfer_pb2.BeginSendRequest(room=self.room, num_pages=num_pages)
+        trace = current_trace_context()
+        (status,) = self.engine.session.open_rooms(
+            [(self.room, lambda seq: transfer_pb2.SessionCommand(seq=seq, begin_send=request, trace_context=trace))]
         )
         self.num_pages = num_pages
         self.aux_row = aux_row
-        return response.status
+        self._opened = True
+        return status
 
     def send(
         self,
@@ -123,22 +149,43 @@ class KVSender(_Room):
         ``state`` (component -> indices). Returns at once; the broker posts
         the transfer as soon as the receiver's transfer info is there.
         """
+        chunk = self.prepare(pages, state=state, is_last=is_last)
+        self.engine.session.submit_many([(self.room, chunk.make)])
+        return self.commit(chunk)
+
+    def prepare(self, pages: Pages, *, state: Mapping[str, Pages] | None = None, is_last: bool | None = None) -> _Chunk:
+        """Check one chunk and build its command (``send`` without queueing it)."""
+        if not self._opened:
+            raise NotFound(f"room {self.room} is not open for sending on this engine rank; call BeginSend (init) first")
         if self._last_sent:
             raise FailedPrecondition(f"room {self.room}: the last chunk was already sent")
         array = as_indices(pages, "pages")
         last = (self._sent + array.size >= self.num_pages) if is_last is None else is_last
-        request = transfer_pb2.SendChunkRequest(
-            engine_id=self.engine.engine_id, room=self.room, pages=encode_indices(array), is_last=last
+        states = {name: as_indices(indices, f"state {name!r}") for name, indices in (state or {}).items()} if last else {}
+        check_chunk(
+            self.engine.layout,
+            declared=self.num_pages,
+            sent=self._sent,
+            pages=array,
+            is_last=last,
+            aux_row=self.aux_row if last else None,
+            state=states,
         )
+        request = transfer_pb2.SendChunkRequest(room=self.room, pages=encode_indices(array), is_last=last)
         if last:
             if self.aux_row is not None:
                 request.aux_row = self.aux_row
-            for name, indices in (state or {}).items():
+            for name, indices in states.items():
                 request.state.add(component=name, indices=encode_indices(indices, f"state {name!r}"))
-        response: transfer_pb2.SendChunkResponse = self.engine.client.call(self.engine.client.stub.SendChunk, request)
-        self._sent += array.size
-        self._last_sent = last
-        return response.chunk_index
+        return _Chunk(array.size, last, lambda seq: transfer_pb2.SessionCommand(seq=seq, send_chunk=request))
+
+    def commit(self, chunk: _Chunk) -> int:
+        """Count a queued chunk; its index."""
+        index = self._chunks
+        self._chunks += 1
+        self._sent += chunk.size
+        self._last_sent = chunk.last
+        return index
 
 
 class KVReceiver(_Room):
@@ -158,15 +205,28 @@ class KVReceiver(_Room):
         sender's chunks fill them, the aux row, and state indices per
         component (components with no indices are not expected).
         Returns at once; the room bootstraps in the background."""
+        (status,) = self.engine.session.open_rooms([(self.room, self.command(pages, aux_row, state))])
+        return status
+
+    def command(self, pages: Pages, aux_row: int | None = None, state: Mapping[str, Pages] | None = None) -> MakeCommand:
+        """Check the room's indices and build its ExpectRoom command."""
+        self.engine.check_role(common_pb2.ROLE_DECODE, "expect rooms")
+        array = as_indices(pages, "pages")
+        if aux_row is not None:
+            aux_row = as_index(aux_row, "aux_row")
+        states = {name: as_indices(indices, f"state {name!r}") for name, indices in (state or {}).items()}
+        check_room_indices(self.engine.layout, pages=array, aux_row=aux_row, state=states)
         request = transfer_pb2.ExpectRoomRequest(
-            engine_id=self.engine.engine_id,
             room=self.room,
             sender=transfer_pb2.SenderRef(broker_address=self.sender.broker_address, group=self.sender.group),
-            pages=encode_indices(pages, "pages"),
+            pages=encode_indices(array),
         )
         if aux_row is not None:
-            request.aux_row = as_index(aux_row, "aux_row")
-        for name, indices in (state or {}).items():
+            request.aux_row = aux_row
+        for name, indices in states.items():
             request.state.add(component=name, indices=encode_indices(indices, f"state {name!r}"))
-        response: transfer_pb2.ExpectRoomResponse = self.engine.client.call(self.engine.client.stub.ExpectRoom, request)
-        return response.status
+        trace = current_trace_context()
+        return lambda seq: transfer_pb2.SessionCommand(seq=seq, expect_room=request, trace_context=trace)
+
+
+_NO_PAGES: IndexArray = as_indices([], "pages")

@@ -1,4 +1,4 @@
-"""Carry the caller's OpenTelemetry trace context into every unary broker call.
+"""Carry the caller's OpenTelemetry trace context into broker calls.
 
 A small gRPC client interceptor: it injects the current context (W3C
 ``traceparent``/``tracestate``) into the call's metadata, so the broker's
@@ -15,7 +15,14 @@ from typing import Any, NamedTuple
 import grpc
 from opentelemetry import propagate
 
-__all__ = ["TraceContextInterceptor"]
+__all__ = ["TraceContextInterceptor", "current_trace_context"]
+
+
+def current_trace_context() -> dict[str, str]:
+    """The caller's current trace context as a W3C carrier (empty with no active trace)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
 
 
 class _CallDetails(NamedTuple):
@@ -33,8 +40,7 @@ class TraceContextInterceptor(grpc.UnaryUnaryClientInterceptor):
     def intercept_unary_unary(
         self, continuation: Callable[[Any, Any], Any], client_call_details: Any, request: Any
     ) -> Any:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
+        carrier = current_trace_context()
         if carrier:
             metadata = list(client_call_details.metadata or ()) + list(carrier.items())
             client_call_details = _CallDetails(

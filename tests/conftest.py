@@ -102,8 +102,8 @@ class Engine:
         """What the kernel does when the engine process dies: the session closes
         without unregistering. The broker drops the engine, so unregistering at
         the end fails as ``NotFound``."""
-        assert self.handle._session is not None
-        self.handle._session.close()
+        assert self.handle._fd_session is not None
+        self.handle._fd_session.close()
         self.expected_close_error = errors.NotFound
 
     def lost_broker(self) -> None:

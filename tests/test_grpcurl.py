@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvbroker.testing import BrokerProcess, scratch_dir
+from kvbroker.v1 import common_pb2
 
 pytestmark = pytest.mark.nixl
 
@@ -157,8 +158,13 @@ def test_abort_room_and_drain(rooms) -> None:
     assert drained["draining"] and drained["drained"]
     health = json.loads(grpcurl("-d", json.dumps({"service": "kvbroker.v1.TransferBroker"}), d.address, "grpc.health.v1.Health/Check"))
     assert health["status"] == "NOT_SERVING"
-    with pytest.raises(errors.Unavailable, match="draining"):
-        rooms["decode"].receiver(13, SenderRef(p.address, "ops-prefill")).init([6], aux_row=0)
+    refused = rooms["decode"].receiver(13, SenderRef(p.address, "ops-prefill"))
+    refused.init([6], aux_row=0)
+    status = refused.wait(10)
+    assert status.cause.kind == common_pb2.FAILURE_KIND_REFUSED and "UNAVAILABLE" in status.cause.message
+    assert "draining" in status.cause.message and status.pages_settled
+    with pytest.raises(errors.RoomFailed, match="draining"):
+        refused.failure_exception()
     assert _call(d.address, "GetStats")["draining"] is True
     assert _call(d.address, "Drain", {"resume": True}) == {"draining": False, "open_rooms": 0, "drained": True}
     health = json.loads(grpcurl("-d", json.dumps({"service": "kvbroker.v1.TransferBroker"}), d.address, "grpc.health.v1.Health/Check"))

@@ -999,11 +999,12 @@ def test_receiver_abort_before_the_sender_opens_settles_pages() -> None:
         receiver = c.de.handle.receiver(room, SenderRef(c.p.address, "prefill-group"))
         receiver.init([40, 41], aux_row=5)
         eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT, 5)
-        assert receiver.abort("client went away").state == RoomState.FAILED
+        receiver.abort("client went away")
+        assert receiver.wait(5).state == RoomState.FAILED
         # The prefill engine opening the room later fails at once and writes nothing.
         sender = c.pe.handle.sender(room)
         sender.init(2, aux_row=1)
-        assert sender.poll() == RoomState.FAILED
+        assert sender.wait(5).state == RoomState.FAILED
         eventually(lambda: receiver.status().pages_settled, 3)
 
 

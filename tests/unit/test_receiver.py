@@ -333,6 +333,18 @@ def test_data_still_landing_after_an_abort_settles_the_pages(world: World) -> No
     assert rank.pages_settled and rank.state == FAILED
 
 
+def test_the_data_plane_listens_until_a_failed_ranks_pages_settle(world: World) -> None:
+    """A failed rank whose source may still write keeps the data plane polling for
+    notices: the notice of that write is what settles the pages (it was left for
+    the once-a-second drain, so an aborted room's pages settled up to 1 s late)."""
+    rank = world.registered()
+    assert world.core.awaiting_data()
+    world.core.abort(rank.engine, rank.room, "")
+    assert rank.state == FAILED and world.core.awaiting_data()
+    world.core.notices([notice(rank, SOURCE)])
+    assert rank.pages_settled and not world.core.awaiting_data()
+
+
 def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_handshake(world: World) -> None:
     """ABORTED (the sender's view of us is stale, or it restarted): until the answer the rank may not be
     written by anyone; after a fresh handshake it registers with whichever process answers now."""

@@ -12,6 +12,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
 
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -60,9 +61,12 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_KIND_ENGINE_LOST: _ClassVar[FailureKind]
     FAILURE_KIND_UNKNOWN_ROOM: _ClassVar[FailureKind]
     FAILURE_KIND_SHUTDOWN: _ClassVar[FailureKind]
+    FAILURE_KIND_REFUSED: _ClassVar[FailureKind]
+    FAILURE_KIND_BROKER_LOST: _ClassVar[FailureKind]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
+PROTOCOL_VERSION_3: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState
@@ -93,6 +97,8 @@ FAILURE_KIND_MISMATCH: FailureKind
 FAILURE_KIND_ENGINE_LOST: FailureKind
 FAILURE_KIND_UNKNOWN_ROOM: FailureKind
 FAILURE_KIND_SHUTDOWN: FailureKind
+FAILURE_KIND_REFUSED: FailureKind
+FAILURE_KIND_BROKER_LOST: FailureKind
 
 class FailureCause(_message.Message):
     __slots__ = ("kind", "message", "origin_broker")

@@ -164,3 +164,72 @@ class AbortResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: _common_pb2.RoomStatus
     def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "commands")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    open: SessionOpen
+    commands: _containers.RepeatedCompositeFieldContainer[SessionCommand]
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[SessionCommand, _Mapping]]] = ...) -> None: ...
+
+class SessionOpen(_message.Message):
+    __slots__ = ("engine_id", "protocol_version", "resume_after", "rooms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    protocol_version: int
+    resume_after: int
+    rooms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., resume_after: _Optional[int] = ..., rooms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionCommand(_message.Message):
+    __slots__ = ("seq", "expect_room", "begin_send", "send_chunk", "abort", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_ROOM_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_SEND_FIELD_NUMBER: _ClassVar[int]
+    SEND_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    expect_room: ExpectRoomRequest
+    begin_send: BeginSendRequest
+    send_chunk: SendChunkRequest
+    abort: AbortRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, seq: _Optional[int] = ..., expect_room: _Optional[_Union[ExpectRoomRequest, _Mapping]] = ..., begin_send: _Optional[_Union[BeginSendRequest, _Mapping]] = ..., send_chunk: _Optional[_Union[SendChunkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("applied", "statuses", "refused")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    statuses: _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomStatus]
+    refused: _containers.RepeatedCompositeFieldContainer[CommandRefused]
+    def __init__(self, applied: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[_common_pb2.RoomStatus, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[CommandRefused, _Mapping]]] = ...) -> None: ...
+
+class CommandRefused(_message.Message):
+    __slots__ = ("seq", "room", "code", "message", "room_failed", "pages_settled")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SETTLED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    room: int
+    code: int
+    message: str
+    room_failed: bool
+    pages_settled: bool
+    def __init__(self, seq: _Optional[int] = ..., room: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., room_failed: _Optional[bool] = ..., pages_settled: _Optional[bool] = ...) -> None: ...

@@ -82,6 +82,11 @@ class TransferBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_transfer__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_transfer__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvbroker.v1.TransferBroker/Session',
+                request_serializer=kvbroker_dot_v1_dot_transfer__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_transfer__pb2.SessionEvent.FromString,
+                _registered_method=True)
 
 
 class TransferBrokerServicer:
@@ -166,6 +171,20 @@ class TransferBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One engine's session: a bidirectional stream. The engine sends its room
+        commands (ExpectRoom, BeginSend, SendChunk, Abort), numbered; the broker
+        applies them in that order and sends back how far it got, the commands it
+        refused, and the latest status of each of the engine's rooms whose state
+        changed (a newer status replaces one not yet sent). The first request
+        carries SessionOpen. A second stream of the same engine ends the first
+        (ABORTED). NOT_FOUND: the broker does not know the engine (it restarted,
+        or unregistered the engine). The stream ends when the engine unregisters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +232,11 @@ def add_TransferBrokerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvbroker_dot_v1_dot_transfer__pb2.AbortRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_transfer__pb2.AbortResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvbroker_dot_v1_dot_transfer__pb2.SessionRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_transfer__pb2.SessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -460,6 +484,33 @@ class TransferBroker:
             '/kvbroker.v1.TransferBroker/Abort',
             kvbroker_dot_v1_dot_transfer__pb2.AbortRequest.SerializeToString,
             kvbroker_dot_v1_dot_transfer__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvbroker.v1.TransferBroker/Session',
+            kvbroker_dot_v1_dot_transfer__pb2.SessionRequest.SerializeToString,
+            kvbroker_dot_v1_dot_transfer__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,324 @@
+"""The engine session stream: ordering, refusals, backpressure, resuming, a restarted broker.
+
+In-process brokers with the fake NIXL agent (``fake_brokers``), except the
+restart test, which runs ``kvbroker serve`` processes over real NIXL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvbroker import errors
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
+from kvbroker.client.engine import ExpectSpec
+from kvbroker.testing import BrokerProcess, Cleanup, eventually, scratch_dir
+from kvbroker.v1 import common_pb2, transfer_pb2
+
+from .conftest import SMALL_MODEL, fill_regions, page_bytes
+from .test_service import DST, SRC, _assert_moved, _pair, _wait_tables_empty
+
+
+def test_each_rooms_commands_arrive_in_order_from_many_threads(fake_brokers, make_engine) -> None:
+    """Eight threads each drive their own rooms (open, three chunks, the last with aux) at
+    once through one session per engine: every room succeeds, byte-exact, and the
+    broker applied every command exactly once."""
+    p, d, pe, de = _pair(fake_brokers, make_engine, num_pages=64)
+    ref = SenderRef(p.address, "prefill-group")
+    threads, rooms_per_thread = 8, 12
+    errors_seen: list[BaseException] = []
+
+    def drive(t: int) -> None:
+        try:
+            for i in range(rooms_per_thread):
+                room = 1000 + t * rooms_per_thread + i
+                de.handle.receiver(room, ref).init(DST, aux_row=2)
+                sender = pe.handle.sender(room)
+                sender.init(len(SRC), aux_row=1)
+                sender.send(SRC[:2], is_last=False)
+                sender.send(SRC[2:4], is_last=False)
+                sender.send(SRC[4:])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors_seen.append(exc)
+
+    workers = [threading.Thread(target=drive, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors_seen
+    rooms = [1000 + i for i in range(threads * rooms_per_thread)]
+    finished = de.handle.wait(rooms, timeout_seconds=30)
+    assert all(s.state == RoomState.SUCCESS for s in finished.values()), [s for s in finished.values() if s.state != RoomState.SUCCESS][:2]
+    assert all(s.state == RoomState.SUCCESS for s in pe.handle.wait(rooms, timeout_seconds=30).values())
+    _assert_moved(pe, de, SRC, DST)
+    pe.handle.flush()
+    # 1 BeginSend + 3 SendChunk per room, each applied once.
+    assert p.loop.call(lambda: p.broker.engines.get(pe.handle.engine_id).applied) == 4 * len(rooms)
+
+
+def test_a_refused_chunk_fails_its_room_once_with_the_brokers_message(fake_brokers, make_engine) -> None:
+    """A command only the broker can refuse (here a chunk built by hand past the local
+    checks) fails the room on both sides with FAILURE_KIND_REFUSED and the broker's
+    message; the first cause stays, and ``failure_exception`` raises it."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    receiver = de.handle.receiver(30, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(30)
+    sender.init(len(SRC), aux_row=1)
+    bad = transfer_pb2.SendChunkRequest(room=30, pages=common_pb2.PageIndices(values=[1, 99]), is_last=False)
+    pe.handle.session.submit_many([(30, lambda seq: transfer_pb2.SessionCommand(seq=seq, send_chunk=bad))])
+    status = sender.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_REFUSED
+    assert "INVALID_ARGUMENT" in status.cause.message and "out of range" in status.cause.message
+    with pytest.raises(errors.RoomFailed, match="out of range"):
+        sender.failure_exception()
+    # The decode side hears of it as the sender's failure; nothing was written.
+    rstat = receiver.wait(10)
+    assert rstat.state == RoomState.FAILED and "out of range" in rstat.cause.message
+    eventually(lambda: receiver.status().pages_settled)
+    # Later commands of the failed room are dropped here, and the cause does not change.
+    sender.send(SRC[:2], is_last=False)
+    pe.handle.flush()
+    assert sender.status().cause == status.cause
+    assert p.agent.posted == 0
+
+
+def test_a_refused_opening_fails_only_that_room(fake_brokers, make_engine) -> None:
+    """ExpectRoom refused by the broker (its peer address is malformed... here: a draining
+    broker) fails that room with the refusal; the engine's other rooms carry on."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    ref = SenderRef(p.address, "prefill-group")
+    d.loop.run(d.broker.set_draining(True))
+    refused = de.handle.receiver(40, ref)
+    refused.init(DST, aux_row=2)
+    status = refused.wait(10)
+    assert status.cause.kind == common_pb2.FAILURE_KIND_REFUSED and "draining" in status.cause.message
+    assert status.pages_settled
+    d.loop.run(d.broker.set_draining(False))
+    de.handle.receiver(41, ref).init(DST, aux_row=2)
+    sender = pe.handle.sender(41)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert de.handle.wait([41], timeout_seconds=10)[41].state == RoomState.SUCCESS
+
+
+def test_local_checks_raise_at_once_and_queue_nothing(fake_brokers, make_engine) -> None:
+    """What the client can check against the engine's own layout raises in the calling
+    thread, before anything is queued."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    ref = SenderRef(p.address, "prefill-group")
+    before = de.handle.session._next_seq
+    with pytest.raises(errors.InvalidArgument, match="out of range"):
+        de.handle.receiver(50, ref).init([0, 32], aux_row=2)
+    with pytest.raises(errors.InvalidArgument, match="aux_row"):
+        de.handle.receiver(50, ref).init([0, 1], aux_row=4)
+    with pytest.raises(errors.FailedPrecondition, match="ROLE_DECODE"):
+        pe.handle.receiver(50, ref).init([0, 1])
+    assert de.handle.session._next_seq == before
+    de.handle.receiver(50, ref).init([0, 1], aux_row=2)
+    with pytest.raises(errors.AlreadyExists):
+        de.handle.receiver(50, ref).init([0, 1], aux_row=2)
+    sender = pe.handle.sender(50)
+    with pytest.raises(errors.NotFound, match="BeginSend"):
+        sender.send([0])
+    sender.init(2, aux_row=1)
+    with pytest.raises(errors.InvalidArgument, match="declared 2"):
+        sender.send([0, 1, 2])
+    with pytest.raises(errors.InvalidArgument, match="aux_row"):
+        pe.handle.sender(51).init(1, aux_row=9)
+    sender.send([0, 1])
+    with pytest.raises(errors.FailedPrecondition, match="last chunk"):
+        sender.send([0])
+    assert de.handle.wait([50], timeout_seconds=10)[50].state == RoomState.SUCCESS
+
+
+def test_send_returns_without_waiting_for_the_broker(fake_brokers, make_engine) -> None:
+    """While the broker's loop is stalled, init and send still return at once: the
+    calls queue, and the room completes once the broker catches up."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    de.handle.receiver(60, SenderRef(p.address, "prefill-group")).init(DST, aux_row=2)
+    de.handle.flush()
+    stall = threading.Event()
+    p.loop.loop.call_soon_threadsafe(stall.wait, 5.0)  # blocks both brokers' loop
+    try:
+        t = time.perf_counter()
+        sender = pe.handle.sender(60)
+        sender.init(len(SRC), aux_row=1)
+        sender.send(SRC)
+        took = time.perf_counter() - t
+        assert sender.poll() == RoomState.BOOTSTRAPPING
+    finally:
+        stall.set()
+    assert took < 1.0, took  # a bound far above the microseconds it takes, far below the stall
+    assert de.handle.wait([60], timeout_seconds=10)[60].state == RoomState.SUCCESS
+
+
+def test_a_flooding_engine_blocks_at_its_bound_then_gets_resource_exhausted(fake_brokers, make_engine) -> None:
+    """At most ``max_pending`` commands wait for the broker; the next call blocks for
+    the client's timeout and then raises RESOURCE_EXHAUSTED. Nothing queued is lost."""
+    p = fake_brokers("p")
+    pe = make_engine(p.address, "prefill")
+    pe.handle.session._max_pending = 8
+    pe.handle.client.timeout_seconds = 0.3
+    stall = threading.Event()
+    p.loop.loop.call_soon_threadsafe(stall.wait, 10.0)
+    try:
+        for room in range(70, 78):
+            pe.handle.sender(room).init(2, aux_row=1)
+        t = time.monotonic()
+        with pytest.raises(errors.ResourceExhausted, match="8 commands"):
+            pe.handle.sender(78).init(2, aux_row=1)
+        assert time.monotonic() - t >= 0.25
+    finally:
+        stall.set()
+    pe.handle.client.timeout_seconds = 30.0
+    pe.handle.flush()
+    statuses = pe.handle.poll(list(range(70, 78)))
+    assert all(s.state == RoomState.BOOTSTRAPPING for s in statuses.values())
+    assert p.tables()["sender_sources"] == 8
+    for room in range(70, 78):
+        pe.handle.sender(room).abort("test over")
+
+
+def test_a_broken_stream_to_the_same_broker_resumes_without_losing_rooms(fake_brokers, make_engine) -> None:
+    """The stream breaks (here cancelled under the session) while rooms are open: the
+    session reconnects to the same broker process, sends again what was not applied
+    (the broker skips what was), and the rooms complete."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    ref = SenderRef(p.address, "prefill-group")
+    for room in (80, 81):
+        de.handle.receiver(room, ref).init(DST if room == 80 else DST[:2], aux_row=2)
+    senders = {room: pe.handle.sender(room) for room in (80, 81)}
+    senders[80].init(len(SRC), aux_row=1)
+    senders[80].send(SRC[:3], is_last=False)
+    pe.handle.flush()
+    call = pe.handle.session._call
+    assert call is not None
+    call.cancel()
+    senders[80].send(SRC[3:])
+    senders[81].init(2, aux_row=1)
+    senders[81].send(SRC[:2])
+    final = de.handle.wait([80, 81], timeout_seconds=15)
+    assert all(s.state == RoomState.SUCCESS for s in final.values()), final
+    sent = pe.handle.wait([80, 81], timeout_seconds=15)
+    assert all(s.state == RoomState.SUCCESS for s in sent.values()), sent
+    _assert_moved(pe, de, SRC, DST)
+    assert pe.handle.session._call is not call
+    assert p.loop.call(lambda: p.broker.engines.get(pe.handle.engine_id).applied) == 5
+
+
+def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine) -> None:
+    """``EngineHandle.expect`` and ``EngineHandle.send`` take a batch: checked as a
+    whole (one bad room queues none), then each room behaves as if opened alone."""
+    p, d, pe, de = _pair(fake_brokers, make_engine, num_pages=64)
+    ref = SenderRef(p.address, "prefill-group")
+    with pytest.raises(errors.InvalidArgument, match="out of range"):
+        de.handle.expect([ExpectSpec(90, ref, DST, aux_row=2), ExpectSpec(91, ref, [0, 99], aux_row=2)])
+    assert not de.handle.session.is_tracked(90)
+    rooms = list(range(90, 100))
+    receivers = de.handle.expect([ExpectSpec(r, ref, DST, aux_row=2) for r in rooms])
+    assert [r.room for r in receivers] == rooms
+    senders = [pe.handle.sender(r) for r in rooms]
+    for s in senders:
+        s.init(len(SRC), aux_row=1)
+    assert pe.handle.send([(s, SRC[:3]) for s in senders]) == [0] * len(rooms)
+    # Defaults as for KVSender.send: the chunk that reaches num_pages is the last.
+    assert pe.handle.send([(s, SRC[3:]) for s in senders]) == [1] * len(rooms)
+    assert all(s.state == RoomState.SUCCESS for s in de.handle.wait(rooms, timeout_seconds=15).values())
+    _assert_moved(pe, de, SRC, DST)
+
+
+def test_finished_rooms_are_forgotten_beyond_the_window(fake_brokers, make_engine) -> None:
+    """The session keeps the statuses of the newest finished rooms only; an older one is
+    asked of the broker, so an engine that runs forever holds bounded memory."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    de.handle.session._finished_kept = 2
+    ref = SenderRef(p.address, "prefill-group")
+    for room in (110, 111, 112):
+        de.handle.receiver(room, ref).init(DST, aux_row=2)
+        sender = pe.handle.sender(room)
+        sender.init(len(SRC), aux_row=1)
+        sender.send(SRC)
+        assert de.handle.wait([room], timeout_seconds=10)[room].state == RoomState.SUCCESS
+    assert not de.handle.session.is_tracked(110)
+    assert de.handle.session.is_tracked(111) and de.handle.session.is_tracked(112)
+    assert de.handle.poll([110])[110].state == RoomState.SUCCESS  # from the broker (Poll)
+    _wait_tables_empty(p, d)
+
+
+# -- a restarted broker: real processes -------------------------------------------------
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with scratch_dir("kvb-session-") as path:
+        yield path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _engine(address: str, role: str, group: str) -> tuple[BrokerClient, object, EngineMemory]:
+    rank = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=32, aux_rows=4, aux_row_bytes=[16])
+    if role == "prefill":
+        fill_regions(memory, 3)
+    client = BrokerClient(address)
+    return client, client.register_engine(rank, memory), memory
+
+
+@pytest.mark.nixl
+def test_a_restarted_broker_fails_the_open_rooms_and_the_engine_registers_again(workdir: Path) -> None:
+    """The prefill broker is killed and started again on the same addresses while the
+    prefill engine has a room open: that room fails BROKER_LOST (its pages settled: the
+    old process is gone), the session registers the engine with the new process by
+    itself, and the next room moves byte-exact."""
+    port = _free_port()
+    extra = ["--log-level", "warning", "--peer-heartbeat", "0.2", "--peer-dead-after", "1"]
+    d = BrokerProcess.start_many(["d"], workdir, extra)[0]
+    p = BrokerProcess.start_many(["p"], workdir, [*extra, "--listen", f"127.0.0.1:{port}"])[0]
+    pc, prefill, pmem = _engine(p.address, "prefill", "pg")
+    dc, decode, dmem = _engine(d.address, "decode", "dg")
+    try:
+        ref = SenderRef(p.address, "pg")
+        decode.receiver(1, ref).init([0, 1], aux_row=0)  # type: ignore[attr-defined]
+        sender = prefill.sender(1)  # type: ignore[attr-defined]
+        sender.init(2, aux_row=1)
+        sender.send([5], is_last=False)
+        prefill.flush()  # type: ignore[attr-defined]
+        eventually(lambda: decode.poll([1])[1].state == RoomState.WAITING_FOR_INPUT, 20)  # type: ignore[attr-defined]
+        old_id = prefill.broker_id  # type: ignore[attr-defined]
+        p.kill()
+        p = BrokerProcess.start_many(["p"], workdir, [*extra, "--listen", f"127.0.0.1:{port}"])[0]
+        status = sender.wait(20)
+        assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_BROKER_LOST
+        assert status.pages_settled and "restarted" in status.cause.message
+        assert decode.wait([1], timeout_seconds=20)[1].cause.kind == common_pb2.FAILURE_KIND_PEER  # type: ignore[attr-defined]
+        eventually(lambda: prefill.broker_id == p.broker_id != old_id, 20)  # type: ignore[attr-defined]
+        decode.receiver(2, ref).init([2, 3], aux_row=0)  # type: ignore[attr-defined]
+        again = prefill.sender(2)  # type: ignore[attr-defined]
+        again.init(2, aux_row=1)
+        again.send([6, 7])
+        assert decode.wait([2], timeout_seconds=20)[2].state == RoomState.SUCCESS  # type: ignore[attr-defined]
+        for layer in range(SMALL_MODEL.num_layers):
+            for a, b in zip(page_bytes(pmem, layer, np.array([6, 7])), page_bytes(dmem, layer, np.array([2, 3]))):
+                assert torch.equal(a, b)
+    finally:
+        with Cleanup() as cleanup:
+            for engine, client in ((prefill, pc), (decode, dc)):
+                cleanup.run(engine.close)  # type: ignore[attr-defined]
+                cleanup.run(client.close)
+            cleanup.run(p.stop)
+            cleanup.run(d.stop)
