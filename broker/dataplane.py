@@ -27,6 +27,8 @@ Polling, without a busy loop:
 - transfers in flight, or rooms waiting for notifications (``listening``):
   it polls, sleeping between passes with a backoff that starts at
   ``_MIN_WAIT_S`` and doubles up to ``_MAX_WAIT_S`` while nothing happens
+  (at most ``_HURRY_WAIT_S`` for a moment after a room registered with its
+  sender, :meth:`DataPlane.hurry`: its data is due within milliseconds)
   (``_SLOW_WAIT_S`` once every transfer in flight is older than
   ``_SLOW_AFTER_S``: a hung transfer costs a few hundred cheap checks a
   second, not a core, until the transfer timeout cancels it). Any result or
@@ -64,6 +66,10 @@ _MAX_WAIT_S = 1e-3
 _SLOW_WAIT_S = 5e-3
 _SLOW_AFTER_S = 0.1
 _IDLE_WAIT_S = 1.0
+#: After a room registers its data comes within milliseconds: poll at most
+#: this far apart for ``_HURRY_S`` (the backoff would have grown to 1 ms).
+_HURRY_WAIT_S = 200e-6
+_HURRY_S = 0.05
 
 
 class TransferTimeout(NixlError):
@@ -134,6 +140,7 @@ class DataPlane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._listening = False
+        self._hurry_until = 0.0
         #: Passes over the agent (for tests and the idle-CPU benchmark).
         self.passes = 0
 
@@ -162,6 +169,13 @@ class DataPlane:
         if value and not self._listening and self._thread is not None:
             self._jobs.put(_noop)  # wake a thread asleep in its idle wait
         self._listening = value
+
+    def hurry(self) -> None:
+        """Data is expected soon (a room just registered with its sender): poll
+        for notifications closely for a moment."""
+        self._hurry_until = time.monotonic() + _HURRY_S
+        if self._thread is not None:
+            self._jobs.put(_noop)  # wake the thread and reset its backoff
 
     @property
     def inflight(self) -> int:
@@ -251,7 +265,9 @@ class DataPlane:
             if all(now - t.posted_at > _SLOW_AFTER_S for t in self._inflight):
                 return _SLOW_WAIT_S
             return backoff
-        return backoff if self._listening else _IDLE_WAIT_S
+        if not self._listening:
+            return _IDLE_WAIT_S
+        return min(backoff, _HURRY_WAIT_S) if time.monotonic() < self._hurry_until else backoff
 
     def _run_job(self, job: Callable[[], None]) -> None:
         try:

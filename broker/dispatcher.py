@@ -66,6 +66,8 @@ __all__ = ["Broker"]
 
 log = structlog.get_logger(__name__)
 
+#: Housekeeping passes per pass that scans every record (eviction, gauges).
+_SLOW_PASSES = 4
 #: The context of a session command that carries none: no parent span.
 _NO_TRACE = otel_context.Context()
 
@@ -433,6 +435,23 @@ class Broker:
     async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
         return await self.peers.answer(request, await self._handshake_message())
 
+    def register_rooms(self, request: peer_pb2.RegisterRoomsRequest) -> peer_pb2.RegisterRoomsResponse:
+        """Many RegisterRoom in one call: each succeeds or fails on its own, in
+        its room's trace."""
+        _check_version(request.protocol_version, "RegisterRooms")
+        response = peer_pb2.RegisterRoomsResponse()
+        for item in request.rooms:
+            item.protocol_version = item.protocol_version or request.protocol_version
+            token = otel_context.attach(propagate.extract(item.trace_context) if item.trace_context else _NO_TRACE)
+            try:
+                self.register_room(item)
+                response.results.add()
+            except KvBrokerError as exc:
+                response.results.add(code=exc.code.value[0], message=exc.message)
+            finally:
+                otel_context.detach(token)
+        return response
+
     def register_room(self, request: peer_pb2.RegisterRoomRequest) -> None:
         _check_version(request.protocol_version, "RegisterRoom")
         if request.sender_broker_id and request.sender_broker_id != self.broker_id:
@@ -590,18 +609,28 @@ class Broker:
         log.warning("settle_timeout", engines=[e.label for e in engines], timeout_seconds=timeout_seconds)
 
     async def _housekeep(self) -> None:
+        """Timeouts of open rooms every housekeeping interval; what scans every
+        record (eviction, orphaned transfer infos, the gauges) every
+        ``_SLOW_PASSES`` intervals, so its cost does not grow with the rate."""
         cfg = self.config
+        slow_every = cfg.housekeeping_interval_seconds * _SLOW_PASSES
+        slow_at = 0.0
         while True:
             await asyncio.sleep(cfg.housekeeping_interval_seconds)
             try:
                 now = time.monotonic()
                 self.sender.tick(
-                    now, info_timeout_seconds=cfg.sender_info_timeout_seconds, orphan_timeout_seconds=cfg.orphan_room_timeout_seconds
+                    now,
+                    info_timeout_seconds=cfg.sender_info_timeout_seconds,
+                    orphan_timeout_seconds=cfg.orphan_room_timeout_seconds,
+                    orphans_every=slow_every,
                 )
                 self.receiver.tick(now, data_timeout_seconds=cfg.receiver_data_timeout_seconds, retry_seconds=cfg.peer_heartbeat_seconds)
-                self.evict(time.monotonic())
+                if now - slow_at >= slow_every:
+                    slow_at = now
+                    self.evict(now)
+                    self._refresh_gauges()
                 self.executor.drain()
-                self._refresh_gauges()
             except Exception:
                 log.exception("housekeeping_failed")
 

@@ -371,6 +371,7 @@ class Executor:
         else:
             if took is not None:
                 self._receiver.room_registered(rank, took, still_known=took in self._peers.by_id)
+                self._dataplane.hurry()
         self.drain()
 
     async def _abort_at_peer(self, effect: AbortAtPeer) -> None:

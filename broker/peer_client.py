@@ -7,11 +7,17 @@ same calls):
 | --- | --- | --- |
 | ``Handshake`` | first contact, our engines changed, a restart suspected | none here; callers retry |
 | (``find_sender``) | a receiving room bootstraps | handshake and look for the group, with backoff (10 ms doubling to 1 s) until ``--bootstrap-timeout``; the last try is at the deadline |
-| ``RegisterRoom`` | the receiver's plan is made | ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
+| ``RegisterRooms`` | the receiver's plan is made | per room: ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
 | ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
 | ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
 | ``AbortRoom`` | a receiver failed | the same; unreachable: the caller remembers it for the successor |
 | ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
+
+Room registrations are batched per peer: while one RegisterRooms call to a
+peer is in flight, the registrations for it queue, and the next call carries
+them all (at most ``_MAX_BATCH``); a lone registration goes at once. Each
+carries its room's trace context, so the sender's room spans join the room's
+trace as with a call of its own.
 
 Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 120 s, which would keep a restarted peer unreachable long after it is back).
@@ -20,13 +26,15 @@ Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 import structlog
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
+from opentelemetry import propagate
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
@@ -36,9 +44,11 @@ from kvbroker.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
+    Internal,
     KvBrokerError,
     Unavailable,
     from_rpc_error,
+    from_status,
 )
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
@@ -51,6 +61,9 @@ T = TypeVar("T")
 
 #: Our side of a handshake: (NIXL metadata, engines, receive staging buffers, engine epoch).
 HandshakeMessage = tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.RemoteBuffer], int]
+
+#: Registrations per RegisterRooms call.
+_MAX_BATCH = 512
 
 # A RegisterRoom that failed with one of these may still have reached the
 # sender, so the sender may write: the pages are not settled.
@@ -93,6 +106,10 @@ class PeerClient:
         #: Our engine epoch now (``EngineTable.epoch``): a peer that saw an
         #: older one does not know all our engines yet.
         self._epoch = epoch
+        #: Registrations waiting for the next RegisterRooms call, by peer address.
+        self._registrations: dict[str, list[tuple[Peer, peer_pb2.RegisterRoomRequest, asyncio.Future[None]]]] = {}
+        self._flushing: set[str] = set()
+        self._flushers: set[asyncio.Task[None]] = set()
 
     @property
     def timeout(self) -> float:
@@ -195,18 +212,62 @@ class PeerClient:
                 # restarting there, or the channel still backing off from the
                 # old process), wait for it up to the timeout instead of failing
                 # the room at once; the room is still bootstrapping.
-                await self.stub(peer).RegisterRoom(request, timeout=self._timeout, wait_for_ready=True)
+                await self._registered(peer, request)
                 return request.sender_broker_id
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
+            except KvBrokerError as err:
                 if attempt == 1 and isinstance(err, Aborted):
                     stale()
                     await self.handshake(peer)
                     if not again(peer.broker_id or ""):
                         return None
                     continue
-                raise RegistrationError(err, maybe_delivered=err.code in _MAYBE_DELIVERED) from exc
+                raise RegistrationError(err, maybe_delivered=err.code in _MAYBE_DELIVERED) from err
         raise AssertionError("unreachable")
+
+    async def _registered(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> None:
+        """Queue ``request`` for the next RegisterRooms call to ``peer`` and wait
+        for its own result (raised as the typed error)."""
+        request.trace_context.clear()
+        propagate.inject(request.trace_context)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        queue = self._registrations.setdefault(peer.address, [])
+        queue.append((peer, request, done))
+        if peer.address not in self._flushing:
+            self._flushing.add(peer.address)
+            # The call's own span belongs to no room: start it in an empty context.
+            task = contextvars.Context().run(loop.create_task, self._flush(peer.address), name=f"register-{peer.address}")
+            self._flushers.add(task)
+            task.add_done_callback(self._flushers.discard)
+        await done
+
+    async def _flush(self, address: str) -> None:
+        """Send the registrations queued for ``address``, batch after batch."""
+        try:
+            while queue := self._registrations.get(address):
+                batch, self._registrations[address] = queue[:_MAX_BATCH], queue[_MAX_BATCH:]
+                peer = batch[-1][0]
+                request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=[r for _, r, _ in batch])
+                try:
+                    response = await self.stub(peer).RegisterRooms(request, timeout=self._timeout, wait_for_ready=True)
+                    results = [from_status(r.code, r.message) if r.code else None for r in response.results]
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    results = [type(err)(err.message) for _ in batch]
+                except KvBrokerError as err:
+                    results = [type(err)(err.message) for _ in batch]
+                results += [Internal("the peer answered fewer registrations than it was sent")] * (len(batch) - len(results))
+                for (_, _, done), error in zip(batch, results):
+                    if done.done():
+                        continue
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
+        finally:
+            self._flushing.discard(address)
+            if not self._registrations.get(address):
+                self._registrations.pop(address, None)
 
     async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """The prefetch: room for one staged part in the receiver's staging buffer."""
@@ -280,7 +341,9 @@ class PeerClient:
         if peer.stub is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
-            interceptors: Any = aio_client_interceptors()
+            # No span of its own for the batched registrations: each room's
+            # trace goes in its registration (RegisterRoomRequest.trace_context).
+            interceptors: Any = aio_client_interceptors(filter_=filters.negate(filters.method_name("RegisterRooms")))
             if self._credentials is not None:
                 peer.channel = grpc.aio.secure_channel(
                     peer.address, self._credentials, options=self._options, interceptors=interceptors
@@ -291,6 +354,14 @@ class PeerClient:
         return peer.stub
 
     async def close(self) -> None:
+        for task in list(self._flushers):
+            task.cancel()
+        await asyncio.gather(*self._flushers, return_exceptions=True)
+        for queue in self._registrations.values():
+            for _, _, done in queue:
+                if not done.done():
+                    done.set_exception(Unavailable("the broker is shutting down"))
+        self._registrations.clear()
         for peer in self._peers.peers():
             if peer.channel is not None:
                 await peer.channel.close()

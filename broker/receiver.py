@@ -209,9 +209,14 @@ class ReceiverCore:
         """Whether a rank still waits for notices (the data plane polls for them
         then): an open one, or a failed one whose pages may still be written
         (the notice of a write in flight settles them)."""
-        for rank in [r for r in self._open if r.terminal and r.pages_settled]:
+        for rank in [r for r in self._open if r.terminal and (r.pages_settled or not self._recorded(r))]:
             self._open.discard(rank)
         return bool(self._open)
+
+    def _recorded(self, rank: Receiver) -> bool:
+        """Whether ``rank`` is still in the room table (not evicted)."""
+        room = self._rooms.receiver.get(rank.room)
+        return room is not None and room.ranks.get(rank.key) is rank
 
     # -- engine calls ----------------------------------------------------
     def expect(
@@ -640,7 +645,7 @@ class ReceiverCore:
     # -- timers ----------------------------------------------------------------
     def tick(self, now: float, *, data_timeout_seconds: float, retry_seconds: float) -> None:
         """Time out ranks waiting for data; tell successors of lost rooms (every ``retry_seconds``)."""
-        for rank in list(self._rooms.all_receivers()):
+        for rank in list(self._open):
             if rank.terminal or rank.registered_at is None or now - rank.registered_at <= data_timeout_seconds:
                 continue
             pending = [str(k) for k, e in (rank.expected or {}).items() if not e.complete]

@@ -240,6 +240,9 @@ class SenderCore:
         self._send_staging_bytes = send_staging_bytes
         self._on_bytes = on_bytes
         self._out: list[Effect] = []
+        #: Sources that were open at the last look (the timeouts scan these, not every record).
+        self._open: set[Source] = set()
+        self._orphans_checked_at = 0.0
 
     def take(self) -> list[Effect]:
         """The effects of the calls so far, in order; the outbox is emptied."""
@@ -266,6 +269,7 @@ class SenderCore:
             # The engine passed its request's trace: the room joins it.
             self._open_span(source, source.begin_context)
         room.sources[engine.key] = source
+        self._open.add(source)
         log.debug("send_opened", room=room_id, engine=engine.label, num_pages=num_pages)
         if room.aborted is not None:
             self.fail(source, room.aborted)
@@ -525,10 +529,14 @@ class SenderCore:
         self._update(source)
 
     # -- timers ----------------------------------------------------------
-    def tick(self, now: float, *, info_timeout_seconds: float, orphan_timeout_seconds: float) -> None:
-        """Time out sources waiting for transfer infos; answer infos whose source never came."""
-        for source in list(self._rooms.all_sources()):
-            if source.terminal or source.ready() or now - source.opened_at <= info_timeout_seconds:
+    def tick(self, now: float, *, info_timeout_seconds: float, orphan_timeout_seconds: float, orphans_every: float = 0.0) -> None:
+        """Time out sources waiting for transfer infos; answer infos whose source
+        never came (that scan of every room at most every ``orphans_every`` s)."""
+        for source in list(self._open):
+            if source.terminal:
+                self._open.discard(source)
+                continue
+            if source.ready() or now - source.opened_at <= info_timeout_seconds:
                 continue
             want = source.expected_destinations
             self.fail(
@@ -541,6 +549,9 @@ class SenderCore:
                     self._id,
                 ),
             )
+        if now - self._orphans_checked_at < orphans_every:
+            return
+        self._orphans_checked_at = now
         for room in list(self._rooms.sender.values()):
             for info, rank in list(room.unserved()):
                 if now - info.received_at <= orphan_timeout_seconds:

@@ -168,6 +168,10 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         return peer_pb2.RegisterRoomResponse()
 
     @_unary
+    async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
+        return self._rt.register_rooms(request)
+
+    @_unary
     async def ReserveStaging(
         self, request: peer_pb2.ReserveStagingRequest, context: Any
     ) -> peer_pb2.ReserveStagingResponse:

@@ -775,7 +775,7 @@ def test_room_spans_and_the_canonical_log_line(fake_brokers, make_engine, finish
 
 
 def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fake_brokers, make_engine, monkeypatch) -> None:
-    """A room whose RegisterRoom is out when the decode broker learns that the prefill broker restarted:
+    """A room whose registration (RegisterRooms) is out when the decode broker learns that the prefill broker restarted:
     the new process refuses a registration addressed to the old one, the decode broker registers again
     with the new one, and the room completes. (It used to fail PEER on the decode side while the new
     process, which had accepted the room, wrote into its pages.)"""
@@ -801,9 +801,9 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        async def RegisterRoom(self, request, **kwargs):  # type: ignore[no-untyped-def]
+        async def RegisterRooms(self, request, **kwargs):  # type: ignore[no-untyped-def]
             if not raced:
-                raced.append(request.sender_broker_id)
+                raced.append(request.rooms[0].sender_broker_id)
                 # While this call is out, a handshake finds the new process
                 # (as the liveness monitor would; it retries while the channel
                 # to the address is still backing off from the old process).
@@ -813,7 +813,7 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
                         break
                     except errors.Unavailable:
                         await asyncio.sleep(0.05)
-            return await self._stub.RegisterRoom(request, **kwargs)
+            return await self._stub.RegisterRooms(request, **kwargs)
 
     monkeypatch.setattr(client, "stub", lambda peer: RacingStub(real_stub(peer)))
     _move_room(pe2, de, p1.address, 99)
@@ -851,7 +851,7 @@ def test_a_room_opened_while_its_prefill_broker_restarts_registers_with_the_new_
 
 
 def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settled(fake_brokers, make_engine, monkeypatch) -> None:
-    """RegisterRoom is accepted, but the sender's broker is found lost before the answer is handled:
+    """A room registration (RegisterRooms) is accepted, but the sender's broker is found lost before the answer is handled:
     the room fails PEER with its pages settled (nothing of that process can write any more), instead
     of waiting for data that will never come."""
     p, d, _pe, de = _pair(fake_brokers, make_engine)
@@ -865,8 +865,8 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        async def RegisterRoom(self, request, **kwargs):  # type: ignore[no-untyped-def]
-            answer = await self._stub.RegisterRoom(request, **kwargs)
+        async def RegisterRooms(self, request, **kwargs):  # type: ignore[no-untyped-def]
+            answer = await self._stub.RegisterRooms(request, **kwargs)
             d.broker.peer_lost(self._peer, "stopped answering (test)")
             return answer
 

@@ -31,6 +31,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "from_rpc_error",
+    "from_status",
 ]
 
 
@@ -152,6 +153,15 @@ _BY_CODE: dict[grpc.StatusCode, type[KvBrokerError]] = {
 
 def code_name(code: grpc.StatusCode) -> str:
     return str(code.name)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(code: int, message: str) -> KvBrokerError:
+    """The typed error for a status code carried in a message (a batched call's
+    per-item result; ``Internal`` for unmapped codes)."""
+    return _BY_CODE.get(_CODES.get(code, grpc.StatusCode.UNKNOWN), Internal)(message)
 
 
 def from_rpc_error(error: grpc.RpcError) -> KvBrokerError:

@@ -110,7 +110,14 @@ class SourcePlan(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomRequest(_message.Message):
-    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version")
+    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROOM_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +129,7 @@ class RegisterRoomRequest(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     room: int
     receiver_broker_id: str
     receiver: _common_pb2.EngineRankId
@@ -133,11 +141,34 @@ class RegisterRoomRequest(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[SourcePlan]
     sender_broker_id: str
     protocol_version: int
-    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterRoomResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RegisterRoomsRequest(_message.Message):
+    __slots__ = ("protocol_version", "rooms")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    rooms: _containers.RepeatedCompositeFieldContainer[RegisterRoomRequest]
+    def __init__(self, protocol_version: _Optional[int] = ..., rooms: _Optional[_Iterable[_Union[RegisterRoomRequest, _Mapping]]] = ...) -> None: ...
+
+class RegisterRoomsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RegistrationResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RegistrationResult, _Mapping]]] = ...) -> None: ...
+
+class RegistrationResult(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReserveStagingRequest(_message.Message):
     __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "part", "bytes", "protocol_version")

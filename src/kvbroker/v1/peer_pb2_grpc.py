@@ -44,6 +44,11 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.FromString,
                 _registered_method=True)
+        self.RegisterRooms = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/RegisterRooms',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsResponse.FromString,
+                _registered_method=True)
         self.ReserveStaging = channel.unary_unary(
                 '/kvbroker.v1.PeerBroker/ReserveStaging',
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReserveStagingRequest.SerializeToString,
@@ -81,6 +86,16 @@ class PeerBrokerServicer:
     def RegisterRoom(self, request, context):
         """Receiver's broker -> sender's broker: the transfer info of one receiving
         engine rank for one room. Idempotent for the same (room, receiver).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterRooms(self, request, context):
+        """RegisterRoom for many rooms in one call (what a broker sends: the
+        registrations for one peer that queued while its previous call was in
+        flight). Each registration succeeds or fails on its own, as the unary
+        call would; a failure of the call itself concerns them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +148,11 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.RegisterRoom,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.SerializeToString,
+            ),
+            'RegisterRooms': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRooms,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsResponse.SerializeToString,
             ),
             'ReserveStaging': grpc.unary_unary_rpc_method_handler(
                     servicer.ReserveStaging,
@@ -209,6 +229,33 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/RegisterRoom',
             kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRooms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/RegisterRooms',
+            kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsResponse.FromString,
             options,
             channel_credentials,
             insecure,
