@@ -1,4 +1,4 @@
-"""CPU time of processes and of a broker's threads, read from /proc (Linux).
+"""CPU time and memory of processes, and CPU of a broker's threads, read from /proc (Linux).
 
 Shared by the benchmark scripts (they import it as a sibling module).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cpu_seconds", "thread_cpu_seconds", "THREAD_ROLES"]
+__all__ = ["cpu_seconds", "rss_bytes", "thread_cpu_seconds", "THREAD_ROLES"]
 
 #: A broker's threads by role: its control loop (the main thread), the NIXL
 #: data plane (kvb-nixl), the copy thread (kvb-copy: staging gather and
@@ -42,3 +42,15 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         role = "loop" if int(tid) == pid else _BY_NAME.get(name, "other")
         out[role] += _ticks(stat) / os.sysconf("SC_CLK_TCK")
     return out
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of process ``pid`` (VmRSS), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

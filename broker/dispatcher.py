@@ -170,6 +170,11 @@ class Broker:
     async def stop(self) -> None:
         """Fail open rooms, let in-flight transfers settle, release everything in reverse order."""
         why = cause(common_pb2.FAILURE_KIND_SHUTDOWN, "the broker is shutting down", self.broker_id)
+        for engine in self.engines.by_id.values():
+            if engine.session is not None:
+                # An error, not a clean end: the engine's session reconnects
+                # and registers again with the next process at this address.
+                engine.session.end(Unavailable("the broker is shutting down"))
         for source in list(self.rooms.all_sources()):
             self.sender.fail(source, why)
         for rank in list(self.rooms.all_receivers()):
@@ -502,6 +507,18 @@ class Broker:
         _check_version(request.protocol_version, "ReportCompletion")
         self.receiver.completion_report(request)
         self.executor.drain()
+
+    def peer_aborts(self, request: peer_pb2.PeerAbortRoomsRequest) -> peer_pb2.PeerAbortRoomsResponse:
+        """Many AbortRoom in one call: each succeeds or fails on its own."""
+        _check_version(request.protocol_version, "AbortRooms")
+        response = peer_pb2.PeerAbortRoomsResponse()
+        for item in request.aborts:
+            item.protocol_version = item.protocol_version or request.protocol_version
+            try:
+                response.results.add(settled=self.peer_abort(item).settled)
+            except KvBrokerError as exc:
+                response.results.add(code=exc.code.value[0], message=exc.message)
+        return response
 
     def peer_abort(self, request: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:
         _check_version(request.protocol_version, "AbortRoom")

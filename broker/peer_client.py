@@ -10,14 +10,16 @@ same calls):
 | ``RegisterRooms`` | the receiver's plan is made | per room: ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
 | ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
 | ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
-| ``AbortRoom`` | a receiver failed | the same; unreachable: the caller remembers it for the successor |
+| ``AbortRooms`` | a receiver failed | per room as ReportCompletion; unreachable: the caller remembers it for the successor |
 | ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
 
-Room registrations are batched per peer: while one RegisterRooms call to a
-peer is in flight, the registrations for it queue, and the next call carries
-them all (at most ``_MAX_BATCH``); a lone registration goes at once. Each
-carries its room's trace context, so the sender's room spans join the room's
-trace as with a call of its own.
+Room registrations and aborts are batched per peer (:class:`PerPeerBatches`):
+while one RegisterRooms (AbortRooms) call to a peer is in flight, the next
+ones for it queue, and the following call carries them all (at most
+``_MAX_BATCH``); a lone one goes at once. Each registration carries its
+room's trace context, so the sender's room spans join the room's trace as
+with a call of its own. (A burst of thousands of single calls would queue at
+the peer until they time out.)
 
 Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 120 s, which would keep a restarted peer unreachable long after it is back).
@@ -29,7 +31,7 @@ import asyncio
 import contextvars
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -53,7 +55,7 @@ from kvbroker.errors import (
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-__all__ = ["HandshakeMessage", "PeerClient", "RegistrationError", "channel_options"]
+__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "RegistrationError", "channel_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -106,10 +108,13 @@ class PeerClient:
         #: Our engine epoch now (``EngineTable.epoch``): a peer that saw an
         #: older one does not know all our engines yet.
         self._epoch = epoch
-        #: Registrations waiting for the next RegisterRooms call, by peer address.
-        self._registrations: dict[str, list[tuple[Peer, peer_pb2.RegisterRoomRequest, asyncio.Future[None]]]] = {}
-        self._flushing: set[str] = set()
-        self._flushers: set[asyncio.Task[None]] = set()
+        #: Registrations and aborts, batched per peer (see the module docstring).
+        self._registrations: PerPeerBatches[peer_pb2.RegisterRoomRequest, None] = PerPeerBatches(
+            "RegisterRooms", self._send_registrations
+        )
+        self._aborts: PerPeerBatches[peer_pb2.PeerAbortRequest, peer_pb2.PeerAbortResponse] = PerPeerBatches(
+            "AbortRooms", self._send_aborts
+        )
 
     @property
     def timeout(self) -> float:
@@ -225,49 +230,24 @@ class PeerClient:
         raise AssertionError("unreachable")
 
     async def _registered(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> None:
-        """Queue ``request`` for the next RegisterRooms call to ``peer`` and wait
-        for its own result (raised as the typed error)."""
+        """Send ``request`` in the next RegisterRooms call to ``peer``; raises its own error."""
         request.trace_context.clear()
         propagate.inject(request.trace_context)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        queue = self._registrations.setdefault(peer.address, [])
-        queue.append((peer, request, done))
-        if peer.address not in self._flushing:
-            self._flushing.add(peer.address)
-            # The call's own span belongs to no room: start it in an empty context.
-            task = contextvars.Context().run(loop.create_task, self._flush(peer.address), name=f"register-{peer.address}")
-            self._flushers.add(task)
-            task.add_done_callback(self._flushers.discard)
-        await done
+        await self._registrations.submit(peer, request)
 
-    async def _flush(self, address: str) -> None:
-        """Send the registrations queued for ``address``, batch after batch."""
-        try:
-            while queue := self._registrations.get(address):
-                batch, self._registrations[address] = queue[:_MAX_BATCH], queue[_MAX_BATCH:]
-                peer = batch[-1][0]
-                request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=[r for _, r, _ in batch])
-                try:
-                    response = await self.stub(peer).RegisterRooms(request, timeout=self._timeout, wait_for_ready=True)
-                    results = [from_status(r.code, r.message) if r.code else None for r in response.results]
-                except grpc.RpcError as exc:
-                    err = from_rpc_error(exc)
-                    results = [type(err)(err.message) for _ in batch]
-                except KvBrokerError as err:
-                    results = [type(err)(err.message) for _ in batch]
-                results += [Internal("the peer answered fewer registrations than it was sent")] * (len(batch) - len(results))
-                for (_, _, done), error in zip(batch, results):
-                    if done.done():
-                        continue
-                    if error is None:
-                        done.set_result(None)
-                    else:
-                        done.set_exception(error)
-        finally:
-            self._flushing.discard(address)
-            if not self._registrations.get(address):
-                self._registrations.pop(address, None)
+    async def _send_registrations(self, peer: Peer, batch: list[peer_pb2.RegisterRoomRequest]) -> list[None | KvBrokerError]:
+        request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=batch)
+        response = await self.stub(peer).RegisterRooms(request, timeout=self._timeout, wait_for_ready=True)
+        return [from_status(r.code, r.message) if r.code else None for r in response.results]
+
+    async def _send_aborts(
+        self, peer: Peer, batch: list[peer_pb2.PeerAbortRequest]
+    ) -> list[peer_pb2.PeerAbortResponse | KvBrokerError]:
+        request = peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=batch)
+        response = await self.stub(peer).AbortRooms(request, timeout=self._timeout)
+        return [
+            from_status(r.code, r.message) if r.code else peer_pb2.PeerAbortResponse(settled=r.settled) for r in response.results
+        ]
 
     async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """The prefetch: room for one staged part in the receiver's staging buffer."""
@@ -283,16 +263,19 @@ class PeerClient:
 
     async def report_completion(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
         await self.deliver(
-            broker_id, f"ReportCompletion(room {report.room})", lambda stub: stub.ReportCompletion(report, timeout=self._timeout)
+            broker_id,
+            f"ReportCompletion(room {report.room})",
+            lambda peer: self.stub(peer).ReportCompletion(report, timeout=self._timeout),
         )
 
     async def abort_room(
         self, broker_id: str, request: peer_pb2.PeerAbortRequest, on_unreachable: Callable[[], None] | None = None
     ) -> peer_pb2.PeerAbortResponse | None:
+        """Abort one room at the peer, in its next AbortRooms call."""
         response: peer_pb2.PeerAbortResponse | None = await self.deliver(
             broker_id,
             f"AbortRoom(room {request.room})",
-            lambda stub: stub.AbortRoom(request, timeout=self._timeout),
+            lambda peer: self._aborts.submit(peer, request),
             on_unreachable=on_unreachable,
         )
         return response
@@ -306,7 +289,7 @@ class PeerClient:
         self,
         broker_id: str,
         what: str,
-        call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[T]],
+        call: Callable[[Peer], Awaitable[T]],
         attempts: int = 4,
         on_unreachable: Callable[[], None] | None = None,
     ) -> T | None:
@@ -318,21 +301,26 @@ class PeerClient:
         delay = 0.05
         for attempt in range(attempts):
             try:
-                return await call(self.stub(self._peers.get(broker_id)))
+                peer = self._peers.get(broker_id)
             except KvBrokerError as exc:
                 log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
                 unreachable = True
+                break
+            try:
+                return await call(peer)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
-                unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
-                if unreachable and attempt + 1 < attempts:
-                    await asyncio.sleep(delay)
-                    delay *= 4
-                    continue
-                log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
-            if unreachable and on_unreachable is not None:
-                on_unreachable()
-            return None
+            except KvBrokerError as exc:
+                err = exc
+            unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
+            if unreachable and attempt + 1 < attempts:
+                await asyncio.sleep(delay)
+                delay *= 4
+                continue
+            log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
+            break
+        if unreachable and on_unreachable is not None:
+            on_unreachable()
         return None
 
     # -- channels ---------------------------------------------------------------
@@ -354,19 +342,79 @@ class PeerClient:
         return peer.stub
 
     async def close(self) -> None:
-        for task in list(self._flushers):
-            task.cancel()
-        await asyncio.gather(*self._flushers, return_exceptions=True)
-        for queue in self._registrations.values():
-            for _, _, done in queue:
-                if not done.done():
-                    done.set_exception(Unavailable("the broker is shutting down"))
-        self._registrations.clear()
+        await self._registrations.close()
+        await self._aborts.close()
         for peer in self._peers.peers():
             if peer.channel is not None:
                 await peer.channel.close()
                 peer.channel = None
                 peer.stub = None
+
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+class PerPeerBatches(Generic[Item, Result]):
+    """One kind of peer call, batched per peer: a call waits in its peer's
+    queue while that peer's previous batch is in flight; the next batch takes
+    everything queued (at most ``_MAX_BATCH``). ``send(peer, items)`` makes the
+    batched call and returns one result (or typed error) per item; a failure
+    of the call itself is every item's error. A lone call goes at once."""
+
+    def __init__(self, name: str, send: Callable[[Peer, list[Item]], Awaitable[list[Result | KvBrokerError]]]) -> None:
+        self._name = name
+        self._send = send
+        self._queues: dict[str, list[tuple[Peer, Item, asyncio.Future[Result]]]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def submit(self, peer: Peer, item: Item) -> Result:
+        """Queue ``item`` for ``peer``'s next batch; its result (or its error, raised)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Result] = loop.create_future()
+        self._queues.setdefault(peer.address, []).append((peer, item, done))
+        if peer.address not in self._tasks:
+            # The batch call's own span belongs to no caller: an empty context.
+            task = contextvars.Context().run(loop.create_task, self._flush(peer.address), name=f"{self._name}-{peer.address}")
+            self._tasks[peer.address] = task
+        return await done
+
+    async def _flush(self, address: str) -> None:
+        try:
+            while queue := self._queues.get(address):
+                batch, self._queues[address] = queue[:_MAX_BATCH], queue[_MAX_BATCH:]
+                results: list[Result | KvBrokerError]
+                try:
+                    results = await self._send(batch[-1][0], [item for _, item, _ in batch])
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    results = [type(err)(err.message) for _ in batch]
+                except KvBrokerError as err:
+                    results = [type(err)(err.message) for _ in batch]
+                missing = len(batch) - len(results)
+                results += [Internal(f"the peer answered {len(results)} of {len(batch)} items of {self._name}")] * missing
+                for (_, _, done), result in zip(batch, results):
+                    if done.done():
+                        continue
+                    if isinstance(result, KvBrokerError):
+                        done.set_exception(result)
+                    else:
+                        done.set_result(result)
+        finally:
+            del self._tasks[address]
+            if not self._queues.get(address):
+                self._queues.pop(address, None)
+
+    async def close(self) -> None:
+        """Cancel the batches in flight; every waiting call fails UNAVAILABLE."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        for queue in self._queues.values():
+            for _, _, done in queue:
+                if not done.done():
+                    done.set_exception(Unavailable("the broker is shutting down"))
+        self._queues.clear()
 
 
 class RegistrationError(Exception):

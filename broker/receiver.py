@@ -208,9 +208,9 @@ class ReceiverCore:
     def awaiting_data(self) -> bool:
         """Whether a rank still waits for notices (the data plane polls for them
         then): an open one, or a failed one whose pages may still be written
-        (the notice of a write in flight settles them)."""
-        for rank in [r for r in self._open if r.terminal and (r.pages_settled or not self._recorded(r))]:
-            self._open.discard(rank)
+        (the notice of a write in flight settles them). Ranks leave ``_open``
+        as they settle (``_changed``), or in ``tick`` once evicted unsettled:
+        this is called after every batch of events and must not scan."""
         return bool(self._open)
 
     def _recorded(self, rank: Receiver) -> bool:
@@ -254,9 +254,10 @@ class ReceiverCore:
         )
         room.ranks[engine.key] = rank
         self._open.add(rank)
-        # The room span is a child of the engine's ExpectRoom call; the
-        # bootstrap runs in it, so the handshake and RegisterRoom (and,
-        # through RegisterRoom, the sender's side) join the trace.
+        # The room span continues the engine's trace (the context its
+        # ExpectRoom came with) or starts one; the bootstrap runs in it, so
+        # the handshake and the registration (and, through the registration,
+        # the sender's side) join the trace.
         telemetry.open_room_span(rank, "receiver", None)
         self._out.append(FindSender(rank))
         return rank
@@ -646,6 +647,9 @@ class ReceiverCore:
     def tick(self, now: float, *, data_timeout_seconds: float, retry_seconds: float) -> None:
         """Time out ranks waiting for data; tell successors of lost rooms (every ``retry_seconds``)."""
         for rank in list(self._open):
+            if rank.terminal and not self._recorded(rank):
+                self._open.discard(rank)  # evicted before its pages settled
+                continue
             if rank.terminal or rank.registered_at is None or now - rank.registered_at <= data_timeout_seconds:
                 continue
             pending = [str(k) for k, e in (rank.expected or {}).items() if not e.complete]
@@ -716,6 +720,8 @@ class ReceiverCore:
             self._rooms.successor_notices.setdefault((address, room_id), (why, time.monotonic()))
 
     def _changed(self, side: Side) -> None:
+        if side.terminal and side.pages_settled:
+            self._open.discard(side)
         self._out.append(Publish(side.engine.engine_id, side.status()))
         if side.terminal and not side.ended:
             side.ended = True

@@ -183,6 +183,10 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         return peer_pb2.CompletionAck()
 
     @_unary
+    async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
+        return self._rt.peer_aborts(request)
+
+    @_unary
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
         return peer_pb2.PingResponse(broker_id=self._rt.broker_id)
 

@@ -20,7 +20,7 @@ and on a decode rank::
 from __future__ import annotations
 
 from kvbroker.client.connection import BrokerClient
-from kvbroker.client.engine import EngineHandle
+from kvbroker.client.engine import EngineHandle, ExpectSpec
 from kvbroker.client.memory import (
     EngineMemory,
     ModelSpec,
@@ -34,6 +34,7 @@ __all__ = [
     "BrokerClient",
     "EngineHandle",
     "EngineMemory",
+    "ExpectSpec",
     "KVReceiver",
     "KVSender",
     "ModelSpec",

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from kvbroker import errors
-from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.client.engine import ExpectSpec
+from kvbroker.client import BrokerClient, EngineMemory, ExpectSpec, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, Cleanup, eventually, scratch_dir
 from kvbroker.v1 import common_pb2, transfer_pb2
 
@@ -332,6 +331,17 @@ def test_a_restarted_broker_fails_the_open_rooms_and_the_engine_registers_again(
         for layer in range(SMALL_MODEL.num_layers):
             for a, b in zip(page_bytes(pmem, layer, np.array([6, 7])), page_bytes(dmem, layer, np.array([2, 3]))):
                 assert torch.equal(a, b)
+        # A stop (SIGTERM: a rolling restart) ends the session with an error, not
+        # a clean end: the engine registers with the next process the same way.
+        second_id = p.broker_id
+        assert p.stop() == 0
+        p = BrokerProcess.start_many(["p"], workdir, [*extra, "--listen", f"127.0.0.1:{port}"])[0]
+        eventually(lambda: prefill.broker_id == p.broker_id != second_id, 20)  # type: ignore[attr-defined]
+        decode.receiver(3, ref).init([4], aux_row=0)  # type: ignore[attr-defined]
+        third = prefill.sender(3)  # type: ignore[attr-defined]
+        third.init(1, aux_row=1)
+        third.send([8])
+        assert decode.wait([3], timeout_seconds=20)[3].state == RoomState.SUCCESS  # type: ignore[attr-defined]
     finally:
         with Cleanup() as cleanup:
             for engine, client in ((prefill, pc), (decode, dc)):

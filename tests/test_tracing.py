@@ -71,6 +71,11 @@ ENGINE_SPAN = SpanContext(
     trace_id=0x5EED0000000000000000000000000001, span_id=0x00000000000000E1, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)
 )
 
+#: The prefill engine's span in the same request trace.
+PREFILL_SPAN = SpanContext(
+    trace_id=ENGINE_SPAN.trace_id, span_id=0x00000000000000E2, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+)
+
 
 def _rank(address: str, role: str, group: str) -> tuple[BrokerClient, object, EngineMemory]:
     spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
@@ -104,7 +109,12 @@ def test_each_room_is_one_trace_across_both_brokers(traced) -> None:
         finally:
             otel_context.detach(token)
         sender_a = prefill.sender(aborted)  # type: ignore[attr-defined]
-        sender_a.init(3, aux_row=1)
+        # The prefill engine opens its side in the same request trace, from a span of its own.
+        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(PREFILL_SPAN)))
+        try:
+            sender_a.init(3, aux_row=1)
+        finally:
+            otel_context.detach(token)
         sender_a.send([4], is_last=False)
         eventually(lambda: sender_a.poll() == RoomState.TRANSFERRING, 15.0, interval_seconds=0.05)
         receiver_a.abort("the user closed the stream")
@@ -154,6 +164,7 @@ def test_each_room_is_one_trace_across_both_brokers(traced) -> None:
     sides = {s.attributes["kvbroker.side"]: s for s in rooms[aborted]}
     assert sides["sender"].trace_id == sides["receiver"].trace_id == f"{ENGINE_SPAN.trace_id:032x}"
     assert sides["receiver"].parent_span_id == f"{ENGINE_SPAN.span_id:016x}"
+    assert sides["sender"].parent_span_id == f"{PREFILL_SPAN.span_id:016x}"
     for span in sides.values():
         assert not span.ok and span.attributes["kvbroker.failure.kind"] == "FAILURE_KIND_ABORTED"
         assert span.attributes["kvbroker.failure.message"] == "the user closed the stream"

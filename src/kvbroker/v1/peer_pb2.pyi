@@ -240,6 +240,30 @@ class PeerAbortResponse(_message.Message):
     settled: bool
     def __init__(self, settled: _Optional[bool] = ...) -> None: ...
 
+class PeerAbortRoomsRequest(_message.Message):
+    __slots__ = ("protocol_version", "aborts")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    aborts: _containers.RepeatedCompositeFieldContainer[PeerAbortRequest]
+    def __init__(self, protocol_version: _Optional[int] = ..., aborts: _Optional[_Iterable[_Union[PeerAbortRequest, _Mapping]]] = ...) -> None: ...
+
+class PeerAbortRoomsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PeerAbortResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PeerAbortResult, _Mapping]]] = ...) -> None: ...
+
+class PeerAbortResult(_message.Message):
+    __slots__ = ("code", "message", "settled")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    settled: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., settled: _Optional[bool] = ...) -> None: ...
+
 class PingRequest(_message.Message):
     __slots__ = ("from_broker_id",)
     FROM_BROKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
                 _registered_method=True)
+        self.AbortRooms = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/AbortRooms',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRoomsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRoomsResponse.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/kvbroker.v1.PeerBroker/Ping',
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
@@ -128,6 +133,13 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortRooms(self, request, context):
+        """AbortRoom for many rooms in one call (batched per peer, as RegisterRooms).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """Liveness: brokers ping the peers they have open rooms with. The answer
         names the callee's broker_id, so a restarted peer shows at once.
@@ -168,6 +180,11 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.AbortRoom,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'AbortRooms': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRooms,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRoomsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRoomsResponse.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -337,6 +354,33 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/AbortRoom',
             kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRooms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/AbortRooms',
+            kvbroker_dot_v1_dot_peer__pb2.PeerAbortRoomsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.PeerAbortRoomsResponse.FromString,
             options,
             channel_credentials,
             insecure,
