@@ -12,11 +12,11 @@ room (excluded from timing) uses its own pages.
              decode broker), a prefill and a decode engine registered from
              this process through the client API (each EngineMemory is its own
              memfd; the brokers map them). Timed from the first ExpectRoom to
-             the last room SUCCESS seen on the decode engine's WatchRooms
-             stream (``EngineHandle.wait``); all control calls (ExpectRoom,
-             BeginSend, SendChunk) are issued one after another from this
-             process, so their round trips are part of the time, as they would
-             be for one engine.
+             the last room SUCCESS seen by the decode engine's session
+             (``EngineHandle.wait``); all room commands (ExpectRoom,
+             BeginSend, SendChunk) are made one after another from this
+             process, as one engine would; they queue on the engines' session
+             streams.
 (b) raw NIXL two bare NIXL agents (this process initiates, a spawned child is
              the target), no progress thread, both polled, same UCX backend
              params as the brokers, same buffers (the source is the prefill
@@ -35,9 +35,10 @@ room (excluded from timing) uses its own pages.
 (c) memcpy   one thread, numpy slice assignment of the same runs between two
              buffers of this process: what one core can do.
 
-Also: the round trip of SendChunk for a 1-page chunk on rooms whose receiver
-has registered (the broker posts a NIXL transfer inside the call), the same on
-rooms with no receiver yet (nothing is posted), and of Poll for one room.
+Also: how long ``KVSender.send`` of a 1-page chunk blocks the engine (it
+queues the chunk on the engine's session stream) on rooms whose receiver has
+registered and on rooms with no receiver yet, and the round trip of a bare
+unary Poll of one room.
 
 Every method's destination is zeroed before and checked after each
 measurement: the chosen pages must equal the source pages byte for byte
@@ -663,11 +664,13 @@ class BrokerBench:
                 queued.append(time.perf_counter() - t)
             sender.abort("benchmark: RTT room without a receiver")
 
+        from kvbroker.v1 import transfer_pb2
+
         poll = []
-        one = [ids[0]]
+        request = transfer_pb2.PollRequest(engine_id=self.prefill.engine_id, rooms=[ids[0]])
         for _ in range(calls):
             t = time.perf_counter()
-            self.prefill.poll(one)
+            self.prefill.client.call(self.prefill.client.stub.Poll, request)
             poll.append(time.perf_counter() - t)
         return {
             "send_chunk": rtt_stats(posting),
@@ -993,15 +996,15 @@ def print_table(res: dict[str, Any]) -> None:
         t = res["rtt"]
         s, q, p = t["send_chunk"], t["send_chunk_no_receiver"], t["poll"]
         print(
-            f"SendChunk RTT, 1 page, receiver registered (posts a NIXL WRITE): median {s['median_us']:.0f} us, "
+            f"KVSender.send blocks, 1 page, receiver registered:     median {s['median_us']:.0f} us, "
             f"p90 {s['p90_us']:.0f} us (n={s['n']})"
         )
         print(
-            f"SendChunk RTT, 1 page, no receiver (nothing posted):            median {q['median_us']:.0f} us, "
+            f"KVSender.send blocks, 1 page, no receiver yet:         median {q['median_us']:.0f} us, "
             f"p90 {q['p90_us']:.0f} us (n={q['n']})"
         )
         print(
-            f"Poll RTT, 1 room:                                                median {p['median_us']:.0f} us, p90 {p['p90_us']:.0f} us (n={p['n']})"
+            f"unary Poll round trip, 1 room:                         median {p['median_us']:.0f} us, p90 {p['p90_us']:.0f} us (n={p['n']})"
         )
 
     def med(key: str, name: str) -> float:
