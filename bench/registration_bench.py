@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from outcome import finish
+from proccpu import rss_bytes
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -97,17 +98,6 @@ def meminfo_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise BenchFailed(f"/proc/meminfo has no {field}")
-
-
-def rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def step_timings(

@@ -116,6 +116,8 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             if not first.HasField("open"):
                 raise InvalidArgument("the first request of a session stream must carry SessionOpen")
             engine, stream = self._rt.open_session(first.open)
+            # Commands may come with the opening too.
+            self._rt.apply_commands(engine, stream, first.commands)
         except StopAsyncIteration:
             return
         except KvBrokerError as exc:

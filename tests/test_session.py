@@ -349,3 +349,72 @@ def test_a_restarted_broker_fails_the_open_rooms_and_the_engine_registers_again(
                 cleanup.run(client.close)
             cleanup.run(p.stop)
             cleanup.run(d.stop)
+
+
+def _raw_session(handle: object, *requests: transfer_pb2.SessionRequest) -> tuple[object, list[transfer_pb2.SessionEvent]]:
+    """Send ``requests`` on a new Session stream of ``handle``'s connection; (status code, events)."""
+    import grpc
+
+    call = handle.client.stub.Session(iter(requests), timeout=10)  # type: ignore[attr-defined]
+    events: list[transfer_pb2.SessionEvent] = []
+    try:
+        for event in call:
+            events.append(event)
+    except grpc.RpcError as exc:
+        return exc.code(), events
+    return grpc.StatusCode.OK, events
+
+
+def test_malformed_session_streams_are_refused_and_change_nothing(fake_brokers, make_engine) -> None:
+    """What a broken or hostile client may send on a Session stream: each gets its
+    status, the broker stays consistent, and the engine's real session carries on.
+    (A separate engine rank takes the raw streams: a second stream of an engine
+    replaces its first, which is the library's own business.)"""
+    import grpc
+
+    from kvbroker.protocol import PROTOCOL_VERSION
+
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    raw = make_engine(d.address, "decode", "raw-decode")
+    ref = transfer_pb2.SenderRef(broker_address=p.address, group="prefill-group")
+    engine_id = raw.handle.engine_id
+    raw.handle.session.close(5)  # the raw streams below are this rank's only ones
+
+    def opening(**kw: object) -> transfer_pb2.SessionRequest:
+        fields = {"engine_id": engine_id, "protocol_version": PROTOCOL_VERSION, **kw}
+        return transfer_pb2.SessionRequest(open=transfer_pb2.SessionOpen(**fields))  # type: ignore[arg-type]
+
+    def expect(seq: int, room: int, pages: list[int]) -> transfer_pb2.SessionCommand:
+        return transfer_pb2.SessionCommand(
+            seq=seq, expect_room=transfer_pb2.ExpectRoomRequest(room=room, sender=ref, pages=common_pb2.PageIndices(values=pages), aux_row=0)
+        )
+
+    before = d.tables()
+    commands = transfer_pb2.SessionRequest(commands=[expect(1, 500, [0])])
+    assert _raw_session(raw.handle, commands)[0] == grpc.StatusCode.INVALID_ARGUMENT  # no SessionOpen first
+    assert _raw_session(raw.handle, opening(protocol_version=1))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert _raw_session(raw.handle, opening(engine_id="eng-" + "0" * 32))[0] == grpc.StatusCode.NOT_FOUND
+    assert _raw_session(raw.handle, opening(), transfer_pb2.SessionRequest(commands=[expect(2, 501, [0])]))[0] == (
+        grpc.StatusCode.INVALID_ARGUMENT  # seq 2 after 0: a gap
+    )
+    assert d.tables() == before
+    # Commands in the opening message are applied; an empty command and a bad
+    # index are refused one by one; a command sent twice is applied once.
+    first = transfer_pb2.SessionRequest(
+        open=transfer_pb2.SessionOpen(engine_id=engine_id, protocol_version=PROTOCOL_VERSION),
+        commands=[expect(1, 502, [0]), transfer_pb2.SessionCommand(seq=2), expect(3, 503, [99])],
+    )
+    code, events = _raw_session(raw.handle, first, transfer_pb2.SessionRequest(commands=[expect(1, 502, [0]), expect(4, 504, [1])]))
+    assert code == grpc.StatusCode.OK
+    refused = {r.seq: r for e in events for r in e.refused}
+    assert set(refused) == {2, 3} and "out of range" in refused[3].message and refused[3].pages_settled
+    assert max(e.applied for e in events) == 4
+    assert d.tables()["receiver_ranks"] == before["receiver_ranks"] + 2  # rooms 502 and 504
+    # The real engines' session is untouched: a room still moves.
+    de.handle.receiver(505, SenderRef(p.address, "prefill-group")).init(DST, aux_row=2)
+    sender = pe.handle.sender(505)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC)
+    assert de.handle.wait([505], timeout_seconds=10)[505].state == RoomState.SUCCESS
+    for room in (502, 504):
+        d.loop.call(d.broker.admin_abort, room, "test over")
