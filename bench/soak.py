@@ -200,7 +200,7 @@ class PrefillEngine:
 
     def session_closed(self) -> bool:
         """Whether the broker closed our fd-socket session (it died)."""
-        session: socket.socket | None = getattr(self.engine, "_session", None)
+        session: socket.socket | None = getattr(self.engine, "_fd_session", None)
         if session is None:
             return True
         readable, _, _ = select.select([session], [], [], 0)
