@@ -82,9 +82,11 @@ class BrokerServer:
         # transfer children cover them, and a span per call costs the control
         # loop about a tenth of a millisecond each.
         untraced = filters.any_of(
-            *(filters.full_method_name(f"{SERVICE_NAMES[0]}/{m}") for m in _UNTRACED),
+            # Full method names start with "/" (without it nothing matched,
+            # and every call made a span).
+            *(filters.full_method_name(f"/{SERVICE_NAMES[0]}/{m}") for m in _UNTRACED),
             # A batch of room registrations: each carries its room's trace.
-            filters.full_method_name(f"{SERVICE_NAMES[1]}/RegisterRooms"),
+            filters.full_method_name(f"/{SERVICE_NAMES[1]}/RegisterRooms"),
         )
         server = grpc.aio.server(
             options=channel_options(cfg), interceptors=[aio_server_interceptor(filter_=filters.negate(untraced))]
