@@ -357,6 +357,7 @@ class Broker:
             if command.seq <= engine.applied:
                 continue
             if command.seq != engine.applied + 1:
+                stream.applied(engine.applied)  # the commands before the gap were applied
                 raise InvalidArgument(f"session command {command.seq} follows {engine.applied}: commands were lost")
             which = command.WhichOneof("command")
             request = getattr(command, which) if which else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -116,13 +116,15 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             if not first.HasField("open"):
                 raise InvalidArgument("the first request of a session stream must carry SessionOpen")
             engine, stream = self._rt.open_session(first.open)
-            # Commands may come with the opening too.
-            self._rt.apply_commands(engine, stream, first.commands)
         except StopAsyncIteration:
             return
         except KvBrokerError as exc:
             await context.abort(exc.code, exc.message)
-        reader = asyncio.get_running_loop().create_task(self._commands(engine, stream, requests), name="session-reader")
+        # The reader applies the commands, the opening's first: whatever they
+        # do, the stream ends below and lets go of the engine.
+        reader = asyncio.get_running_loop().create_task(
+            self._commands(engine, stream, first.commands, requests), name="session-reader"
+        )
         try:
             while True:
                 event = await stream.next_event()
@@ -135,9 +137,17 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             reader.cancel()
             self._rt.close_session(engine, stream)
 
-    async def _commands(self, engine: Any, stream: SessionStream, requests: AsyncIterator[transfer_pb2.SessionRequest]) -> None:
-        """Apply the stream's commands as they come; end the stream when the engine half-closes."""
+    async def _commands(
+        self,
+        engine: Any,
+        stream: SessionStream,
+        opening: Iterable[transfer_pb2.SessionCommand],
+        requests: AsyncIterator[transfer_pb2.SessionRequest],
+    ) -> None:
+        """Apply the stream's commands as they come (those of the opening first: they
+        may come with it); end the stream when the engine half-closes."""
         try:
+            self._rt.apply_commands(engine, stream, opening)
             async for request in requests:
                 if request.HasField("open"):
                     raise InvalidArgument("SessionOpen may only be the first request of a stream")

@@ -17,6 +17,12 @@ example: prefill memory is bit-for-bit untouched (nothing ever writes to a
 sender), the reserved decode memory holds exactly what the legitimate rooms
 wrote, and every canary guard is intact.
 
+Engine Session streams (``TransferBroker.Session``) get their own test: two
+more engine ranks, one on each broker ("raw-prefill", "raw-decode", their
+library sessions closed), take raw streams of well-formed and hostile
+messages. A raw-prefill engine's memory is never written either; the
+raw-decode engine's is its own allocation, so only its guards are checked.
+
 Strangers never impersonate the two real brokers (their broker ids,
 addresses or NIXL agents): mutual TLS authenticates peers in production, and
 a handshaken peer is trusted with its own memory. The regression tests at
@@ -34,7 +40,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -42,7 +48,7 @@ import pytest
 import torch
 from google.protobuf import text_format
 from google.protobuf.message import Message
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef, StateSpec
@@ -117,28 +123,40 @@ EXTRA = {"Handshake": frozenset({Code.UNAVAILABLE}), "ReserveStaging": frozenset
 
 
 class Cluster:
-    """Two brokers, one engine on each, and a NIXL agent for strangers.
+    """Two brokers, one engine on each (and one for raw Session streams on
+    each), and a NIXL agent for strangers.
 
     Not a dataclass: hypothesis prints dataclass arguments field by field."""
 
     def __init__(
-        self, loop: LoopThread, p: FakeBroker, d: FakeBroker, pe: Engine, de: Engine, stranger: FakeAgent
+        self,
+        loop: LoopThread,
+        p: FakeBroker,
+        d: FakeBroker,
+        engines: dict[str, Engine],
+        stranger: FakeAgent,
     ) -> None:
-        self.loop, self.p, self.d, self.pe, self.de = loop, p, d, pe, de
+        self.loop, self.p, self.d = loop, p, d
+        self.engines = engines
+        self.pe, self.de = engines["pe"], engines["de"]
         #: On the fabric but registers nothing: strangers' handshakes name it,
         #: so any write the brokers aim at a stranger fails instead of landing.
         self.stranger = stranger
         self.tcp = {"p": grpc.insecure_channel(p.address), "d": grpc.insecure_channel(d.address)}
         self.rooms = iter(LEGIT_ROOMS)
-        assert pe.memory.raw is not None
-        self.prefill_snapshot = pe.memory.raw.clone()
-        self.reserved_snapshot = _reserved(de.memory)
+        #: Nothing ever writes into a sender's memory.
+        self.prefill_snapshots = {name: _raw_memory(engines[name]).clone() for name in ("pe", RAW_PREFILL)}
+        self.reserved_snapshot = _reserved(self.de.memory)
 
     def __repr__(self) -> str:
         return f"Cluster(p={self.p.address}, d={self.d.address})"
 
     def engine(self, name: str) -> Engine:
-        return {"pe": self.pe, "de": self.de}[name]
+        return self.engines[name]
+
+    def broker_of(self, name: str) -> FakeBroker:
+        """The broker engine ``name`` is registered with."""
+        return {"p": self.p, "d": self.d}[ENGINES[name][0]]
 
     def peer(self, name: str) -> peer_pb2_grpc.PeerBrokerStub:
         return peer_pb2_grpc.PeerBrokerStub(self.tcp[name])
@@ -147,8 +165,20 @@ class Cluster:
         return admin_pb2_grpc.AdminStub(self.tcp[name])
 
 
-def _allocate(role: str, seed: int) -> tuple[RankSpec, EngineMemory]:
-    rank = RankSpec(group=f"{role}-group", role=role)  # type: ignore[arg-type]
+#: The engines: their broker, role and group. The first two serve the legitimate
+#: rooms (through the client library) and ordinary requests; the raw ones take
+#: the raw Session streams.
+ENGINES = {
+    "pe": ("p", "prefill", "prefill-group"),
+    "de": ("d", "decode", "decode-group"),
+    "rp": ("p", "prefill", "raw-prefill"),
+    "rd": ("d", "decode", "raw-decode"),
+}
+RAW_PREFILL, RAW_DECODE = RAW = ("rp", "rd")
+
+
+def _allocate(role: str, seed: int, group: str = "") -> tuple[RankSpec, EngineMemory]:
+    rank = RankSpec(group=group or f"{role}-group", role=role)  # type: ignore[arg-type]
     memory = EngineMemory.allocate(
         rank, SMALL_MODEL, num_pages=NUM_PAGES, aux_rows=AUX_ROWS, aux_row_bytes=(16,), state=STATE
     )
@@ -156,10 +186,26 @@ def _allocate(role: str, seed: int) -> tuple[RankSpec, EngineMemory]:
     return rank, memory
 
 
-def _register(address: str, role: str, seed: int) -> Engine:
-    rank, memory = _allocate(role, seed)
+def _register(address: str, role: str, seed: int, group: str = "") -> Engine:
+    rank, memory = _allocate(role, seed, group)
     client = BrokerClient(address)
     return Engine(client, client.register_engine(rank, memory), memory)
+
+
+def _raw_memory(engine: Engine) -> torch.Tensor:
+    assert engine.memory.raw is not None
+    return engine.memory.raw
+
+
+def _take_raw(engine: Engine) -> None:
+    """Make ``engine`` a rank for raw Session streams: close its library session
+    (a second stream of a rank replaces its first), and open its first stream
+    with resume_after 1, so that no later stream's resume_after is its first
+    (a huge one would leave no seq to apply, ever)."""
+    engine.handle.session.close(5)
+    opening = transfer_pb2.SessionOpen(engine_id=engine.handle.engine_id, protocol_version=V, resume_after=1)
+    code, _ = _stream(engine, (transfer_pb2.SessionRequest(open=opening),))
+    assert code == Code.OK, code
 
 
 @contextmanager
@@ -176,8 +222,12 @@ def _cluster() -> Iterator[Cluster]:
             for name in ("p", "d"):
                 brokers.append(start_fake_broker(loop, fabric, sock_dir, name, **FAST))
             p, d = brokers
-            engines += [_register(p.address, "prefill", seed=1), _register(d.address, "decode", seed=2)]
-            cluster = Cluster(loop, p, d, engines[0], engines[1], stranger)
+            for seed, (at, role, group) in enumerate(ENGINES.values(), start=1):
+                engines.append(_register({"p": p, "d": d}[at].address, role, seed, group))
+            cluster = Cluster(loop, p, d, dict(zip(ENGINES, engines)), stranger)
+            for name in RAW:
+                _take_raw(cluster.engine(name))
+                assert _session_left(cluster, name) == 1
             yield cluster
         finally:
             with Cleanup() as cleanup:
@@ -238,38 +288,75 @@ def _layout_msg(role: str) -> common_pb2.EngineLayout:
 
 
 class Op:
-    """One request: ``via`` is an engine ("pe", "de": its own connection) or a
-    broker ("p", "d": TCP, as a stranger). Engine ids "@pe"/"@de", sender
-    addresses "@p"/"@d" and metadata b"@stranger" are filled in when sent."""
+    """One request: ``via`` is an engine ("pe", "de", "rp", "rd": its own
+    connection) or a broker ("p", "d": TCP, as a stranger). A Session op's
+    request is the tuple of messages its stream sends. Engine ids "@pe", "@de",
+    "@rp", "@rd", sender addresses "@p"/"@d", metadata b"@stranger" and a
+    Session op's seqs (:func:`_seq`) are filled in when sent."""
 
     __slots__ = ("via", "service", "method", "request")
 
-    def __init__(self, via: str, service: str, method: str, request: Message) -> None:
+    def __init__(self, via: str, service: str, method: str, request: Message | tuple[Message, ...]) -> None:
         self.via, self.service, self.method, self.request = via, service, method, request
+
+    def messages(self) -> tuple[Message, ...]:
+        return self.request if isinstance(self.request, tuple) else (self.request,)
+
+    def text(self, one_line: bool = False) -> str:
+        return (" | " if one_line else "--\n").join(
+            text_format.MessageToString(message, as_one_line=one_line) for message in self.messages()
+        )
 
     def __repr__(self) -> str:
         # Short: hypothesis prints every op of a failing example (the
         # assertion message prints the offending requests in full).
-        text = text_format.MessageToString(self.request, as_one_line=True)
+        text = self.text(one_line=True)
         return f"Op({self.via}, {self.method}, {text[:240]}{' ...' if len(text) > 240 else ''})"
 
 
-def _resolve(c: Cluster, op: Op) -> Message:
-    request = type(op.request)()
-    request.CopyFrom(op.request)
+#: Session ops are drawn before it is known how far the broker got with the
+#: engine's commands: their seqs and resume_after from 1 to below RELATIVE
+#: count from the last seq the broker applied; 0 and larger ones are sent as is.
+RELATIVE = 2**32
+
+
+def _seq(value: int, applied: int) -> int:
+    return applied + value if 0 < value < RELATIVE else value
+
+
+def _resolve(c: Cluster, message: Message, applied: int = 0) -> Message:
+    """A copy of ``message`` with its placeholders filled in (``applied``: see :func:`_seq`)."""
+    request = type(message)()
+    request.CopyFrom(message)
+    _fill(c, request, applied)
+    return request
+
+
+def _fill(c: Cluster, request: Message, applied: int) -> None:
     engine_id = getattr(request, "engine_id", None)
-    if engine_id in ("@pe", "@de"):
+    if engine_id in {f"@{name}" for name in ENGINES}:
         request.engine_id = c.engine(engine_id[1:]).handle.engine_id  # type: ignore[attr-defined]
     if isinstance(request, transfer_pb2.ExpectRoomRequest):
         addresses = {"@p": c.p.address, "@d": c.d.address}
         request.sender.broker_address = addresses.get(request.sender.broker_address, request.sender.broker_address)
     if isinstance(request, peer_pb2.HandshakeRequest) and request.nixl_agent_metadata == b"@stranger":
         request.nixl_agent_metadata = c.stranger.metadata()
-    return request
+    if isinstance(request, transfer_pb2.SessionRequest):
+        if request.HasField("open"):
+            _fill(c, request.open, applied)
+            request.open.resume_after = _seq(request.open.resume_after, applied)
+        for command in request.commands:
+            command.seq = _seq(command.seq, applied)
+            which = command.WhichOneof("command")
+            if which is not None:
+                _fill(c, getattr(command, which), applied)
 
 
 def _call(c: Cluster, op: Op) -> Code:
-    request = _resolve(c, op)
+    if op.service == "session":
+        return _session(c, op)
+    assert not isinstance(op.request, tuple)
+    request = _resolve(c, op.request)
     stub: Any
     if op.service == "transfer":
         stub = c.engine(op.via).handle.client.stub
@@ -296,6 +383,66 @@ def _call(c: Cluster, op: Op) -> Code:
     except grpc.RpcError as exc:
         return exc.code()  # type: ignore[no-any-return]
     return Code.OK
+
+
+def _stream(engine: Engine, messages: tuple[Message, ...]) -> tuple[Code, list[transfer_pb2.SessionEvent]]:
+    """Send ``messages`` on a new Session stream of ``engine``'s connection, half-close,
+    and read the events until the stream ends: (its status, the events)."""
+    call = engine.handle.client.stub.Session(iter(messages), timeout=10)
+    events: list[transfer_pb2.SessionEvent] = []
+    try:
+        for reply in call:
+            events.append(reply)
+    except grpc.RpcError as exc:
+        return exc.code(), events  # type: ignore[no-any-return]
+    return Code.OK, events
+
+
+def _session_left(c: Cluster, name: str) -> int:
+    """Once engine ``name``'s broker holds no Session stream of it (the last one
+    ended, and a stream never outlives its call): the last seq it applied."""
+    broker, engine_id = c.broker_of(name).broker, c.engine(name).handle.engine_id
+
+    def look() -> tuple[int, bool]:
+        record = broker.engines.get(engine_id)
+        return record.applied, record.session is not None
+
+    eventually(
+        lambda: not c.loop.call(look)[1], 5, describe=lambda: f"engine {name}'s broker still holds an ended Session stream"
+    )
+    return c.loop.call(look)[0]  # type: ignore[no-any-return]
+
+
+#: What a refused session command may carry (google.rpc.Code numbers).
+REFUSED = frozenset(code.value[0] for code in EXPECTED - {Code.OK})
+
+
+def _session(c: Cluster, op: Op) -> Code:
+    """Run a Session op on its raw engine's connection. Its events must hold
+    up: ``applied`` grows, never past the highest seq sent (nor below what
+    the broker had applied before), and ends where the broker got to on a
+    clean end; every refusal names an expected status and a seq this stream
+    applied. Returns the stream's status."""
+    before = _session_left(c, op.via)
+    messages = tuple(_resolve(c, message, before) for message in op.messages())
+    code, events = _stream(c.engine(op.via), messages)
+    after = _session_left(c, op.via)
+    sent = max([before, *(command.seq for message in messages for command in message.commands)])  # type: ignore[attr-defined]
+    applied = [reply.applied for reply in events]
+    problems = []
+    if applied != sorted(applied) or not all(before <= seq <= sent for seq in [*applied, after]):
+        problems.append(f"applied {applied}, then {after}: {before} before the stream, {sent} the highest seq sent")
+    if code == Code.OK and applied[-1:] != [after]:
+        problems.append(f"the stream ended cleanly with applied {applied[-1:]}, but the broker applied up to {after}")
+    for reply in events:
+        for refusal in reply.refused:
+            if refusal.code not in REFUSED or not before < refusal.seq <= reply.applied:
+                problems.append(f"refused with applied {reply.applied}: {text_format.MessageToString(refusal, as_one_line=True)}")
+    event(f"Session stream: {code.name}")
+    event(f"Session stream: {'some' if after > before else 'no'} commands applied")
+    resolved = Op(op.via, op.service, op.method, messages)
+    assert not problems, "\n".join(problems) + f"\nSession via {op.via} answered {code.name}:\n{resolved.text()}"
+    return code
 
 
 def _flatten(groups: list[list[Op]]) -> list[Op]:
@@ -373,44 +520,69 @@ states = st.lists(
 )
 
 
+_AuxRequest = TypeVar("_AuxRequest", transfer_pb2.ExpectRoomRequest, transfer_pb2.SendChunkRequest)
+
+
+def _with_aux(draw: st.DrawFn, request: _AuxRequest) -> _AuxRequest:
+    """``request`` with an aux row (good or bad), or none."""
+    aux_row = draw(aux_rows)
+    if aux_row is not None:
+        request.aux_row = aux_row
+    return request
+
+
+# The bodies of the room requests: everything but the engine id (on a Session
+# stream, the broker fills that in).
+
+
 @st.composite
-def expect_rooms(draw: st.DrawFn) -> list[Op]:
-    via, engine_id = _engine(draw)
+def expect_room_bodies(draw: st.DrawFn, sender_groups: st.SearchStrategy[str] = groups) -> transfer_pb2.ExpectRoomRequest:
     request = transfer_pb2.ExpectRoomRequest(
-        engine_id=engine_id,
         room=draw(rooms),
-        sender=transfer_pb2.SenderRef(broker_address=draw(sender_addresses), group=draw(groups)),
+        sender=transfer_pb2.SenderRef(broker_address=draw(sender_addresses), group=draw(sender_groups)),
         pages=draw(page_indices),
         state=draw(states),
     )
-    aux_row = draw(aux_rows)
-    if aux_row is not None:
-        request.aux_row = aux_row
-    return [Op(via, "transfer", "ExpectRoom", request)]
+    return _with_aux(draw, request)
+
+
+begin_send_bodies = st.builds(
+    lambda room, num_pages: transfer_pb2.BeginSendRequest(room=room, num_pages=num_pages),
+    rooms,
+    st.one_of(st.sampled_from((0, 1, 2, 3, NUM_PAGES, NUM_PAGES + 1, U32)), st.integers(0, U32)),
+)
 
 
 @st.composite
-def begin_sends(draw: st.DrawFn) -> list[Op]:
-    num_pages = draw(st.one_of(st.sampled_from((0, 1, 2, 3, NUM_PAGES, NUM_PAGES + 1, U32)), st.integers(0, U32)))
-    via, engine_id = _engine(draw)
-    request = transfer_pb2.BeginSendRequest(engine_id=engine_id, room=draw(rooms), num_pages=num_pages)
-    return [Op(via, "transfer", "BeginSend", request)]
-
-
-@st.composite
-def send_chunks(draw: st.DrawFn) -> list[Op]:
-    via, engine_id = _engine(draw)
+def send_chunk_bodies(draw: st.DrawFn) -> transfer_pb2.SendChunkRequest:
     request = transfer_pb2.SendChunkRequest(
-        engine_id=engine_id,
-        room=draw(rooms),
-        pages=draw(page_indices),
-        is_last=draw(st.booleans()),
-        state=draw(states),
+        room=draw(rooms), pages=draw(page_indices), is_last=draw(st.booleans()), state=draw(states)
     )
-    aux_row = draw(aux_rows)
-    if aux_row is not None:
-        request.aux_row = aux_row
-    return [Op(via, "transfer", "SendChunk", request)]
+    return _with_aux(draw, request)
+
+
+abort_bodies = st.builds(
+    lambda room, reason: transfer_pb2.AbortRequest(room=room, reason=reason), rooms, st.text(max_size=20)
+)
+
+
+def _engine_ops(method: str, bodies: st.SearchStrategy[Any]) -> st.SearchStrategy[list[Op]]:
+    """One ``method`` call with a body from ``bodies``, on an engine's connection (:func:`_engine`)."""
+
+    @st.composite
+    def ops(draw: st.DrawFn) -> list[Op]:
+        via, engine_id = _engine(draw)
+        request = draw(bodies)
+        request.engine_id = engine_id
+        return [Op(via, "transfer", method, request)]
+
+    return ops()
+
+
+expect_rooms = _engine_ops("ExpectRoom", expect_room_bodies())
+begin_sends = _engine_ops("BeginSend", begin_send_bodies)
+send_chunks = _engine_ops("SendChunk", send_chunk_bodies())
+aborts = _engine_ops("Abort", abort_bodies)
 
 
 @st.composite
@@ -472,13 +644,6 @@ def watches(draw: st.DrawFn) -> list[Op]:
     via, engine_id = _engine(draw)
     request = transfer_pb2.WatchRoomsRequest(engine_id=engine_id, rooms=draw(st.lists(rooms, max_size=3)))
     return [Op(via, "transfer", "WatchRooms", request)]
-
-
-@st.composite
-def aborts(draw: st.DrawFn) -> list[Op]:
-    via, engine_id = _engine(draw)
-    request = transfer_pb2.AbortRequest(engine_id=engine_id, room=draw(rooms), reason=draw(st.text(max_size=20)))
-    return [Op(via, "transfer", "Abort", request)]
 
 
 @st.composite
@@ -777,14 +942,14 @@ engine_requests = st.lists(
     st.one_of(
         room_pairs(),
         room_pairs(),
-        expect_rooms(),
-        expect_rooms(),
-        begin_sends(),
-        send_chunks(),
-        send_chunks(),
+        expect_rooms,
+        expect_rooms,
+        begin_sends,
+        send_chunks,
+        send_chunks,
         polls(),
         watches(),
-        aborts(),
+        aborts,
         unregisters(),
         register_engines(),
         broker_infos(),
@@ -807,13 +972,154 @@ peer_requests = st.lists(
         reserve_stagings(),
         pings(),
         room_pairs(),
-        begin_sends(),
-        send_chunks(),
+        begin_sends,
+        send_chunks,
         admin_calls(),
     ),
     min_size=1,
     max_size=8,
 ).map(_flatten)
+
+
+# -- Session streams -----------------------------------------------------------
+
+raw_via = st.sampled_from(RAW)
+#: Engines a raw engine's broker does not know: those of the other broker.
+STRANGE_ENGINES = {RAW_PREFILL: ("@rd", "@de"), RAW_DECODE: ("@rp", "@pe")}
+#: A session command's field for each unary method.
+COMMANDS = {"ExpectRoom": "expect_room", "BeginSend": "begin_send", "SendChunk": "send_chunk", "Abort": "abort"}
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+trace_contexts: st.SearchStrategy[dict[str, str]] = st.one_of(
+    st.just({}),
+    st.just({}),
+    st.dictionaries(
+        st.one_of(st.sampled_from(("traceparent", "tracestate", "baggage")), st.text(max_size=8)),
+        st.one_of(st.sampled_from((TRACEPARENT, "00-" + "0" * 32 + "-" + "0" * 16 + "-01", "ff-zz", "")), st.text(max_size=40)),
+        max_size=3,
+    ),
+)
+command_bodies = st.sampled_from(
+    (
+        ("expect_room", expect_room_bodies(st.one_of(st.just(ENGINES[RAW_PREFILL][2]), groups))),
+        ("begin_send", begin_send_bodies),
+        ("send_chunk", send_chunk_bodies()),
+        ("send_chunk", send_chunk_bodies()),
+        ("abort", abort_bodies),
+        ("", st.none()),  # a command with none of the oneof set
+    )
+)
+
+
+@st.composite
+def session_commands(draw: st.DrawFn, pool: list[int]) -> transfer_pb2.SessionCommand:
+    """A command (the caller numbers it), mostly for a room of ``pool``: so that
+    the streams of an example meet in the same rooms."""
+    command = transfer_pb2.SessionCommand(trace_context=draw(trace_contexts))
+    field, bodies = draw(command_bodies)
+    if field:
+        body: Any = draw(bodies)
+        if draw(st.integers(0, 3)):
+            body.room = draw(st.sampled_from(pool))
+        body.engine_id = draw(st.one_of(st.just(""), st.just(""), bogus_engine_ids))  # the broker ignores it
+        getattr(command, field).CopyFrom(body)
+    return command
+
+
+@st.composite
+def numberings(draw: st.DrawFn, n: int) -> list[int]:
+    """Seqs (relative: :func:`_seq`) for ``n`` commands: mostly 1, 2, ...; sometimes from
+    one command on a gap, a command sent again, all sent again, a 0 or a huge seq."""
+    seqs = list(range(1, n + 1))
+    if n and not draw(st.integers(0, 3)):
+        i = draw(st.integers(0, n - 1))
+        how = draw(st.sampled_from(("gap", "again", "restart", "zero", "huge")))
+        if how == "gap":
+            gap = draw(st.integers(1, 3))
+            seqs[i:] = [seq + gap for seq in seqs[i:]]
+        elif how == "again":
+            seqs[i:] = [seq - 1 for seq in seqs[i:]]
+        elif how == "restart":
+            seqs[i:] = range(1, n - i + 1)
+        elif how == "zero":
+            seqs[i] = 0
+        else:
+            seqs[i] = draw(st.sampled_from((RELATIVE, 2**63, U64)))
+    return seqs
+
+
+@st.composite
+def session_messages(
+    draw: st.DrawFn, opening: transfer_pb2.SessionOpen, commands: list[transfer_pb2.SessionCommand], opens: str = "first"
+) -> tuple[transfer_pb2.SessionRequest, ...]:
+    """``commands`` over 1 to 4 messages (the first may carry some); ``opening``
+    in the first ("first"), in none ("none"), or in the first and a later one ("twice")."""
+    n = draw(st.integers(1, 4))
+    cuts = sorted(draw(st.lists(st.integers(0, len(commands)), min_size=n - 1, max_size=n - 1)))
+    bounds = [0, *cuts, len(commands)]
+    messages = [transfer_pb2.SessionRequest(commands=commands[a:b]) for a, b in zip(bounds, bounds[1:])]
+    if opens != "none":
+        messages[0].open.CopyFrom(opening)
+    if opens == "twice":
+        if n == 1:
+            messages.append(transfer_pb2.SessionRequest())
+        messages[draw(st.integers(1, len(messages) - 1))].open.CopyFrom(opening)
+    return tuple(messages)
+
+
+@st.composite
+def session_requests(draw: st.DrawFn, pool: list[int]) -> list[Op]:
+    """One raw Session stream of a raw engine: mostly well-formed, with one flaw
+    in the opening at times (an engine its broker does not know or a made-up
+    one, another protocol version, a resume_after past what the broker
+    applied, no SessionOpen, SessionOpen twice) and, independently, flawed
+    seqs (:func:`numberings`); commands' bodies good and bad."""
+    via = draw(raw_via)
+    flaw = draw(st.sampled_from((None,) * 6 + ("engine", "version", "resume", "no open", "open twice")))
+    engine_id = f"@{via}"
+    if flaw == "engine":
+        engine_id = draw(st.one_of(st.sampled_from(STRANGE_ENGINES[via]), bogus_engine_ids))
+    opening = transfer_pb2.SessionOpen(
+        engine_id=engine_id,
+        protocol_version=draw(versions) if flaw == "version" else V,
+        resume_after=draw(st.sampled_from((1, 3, RELATIVE, U64))) if flaw == "resume" else 0,
+        rooms=draw(st.lists(st.one_of(st.sampled_from(pool), rooms), max_size=3)),
+    )
+    commands = draw(st.lists(session_commands(pool), max_size=6))
+    for command, seq in zip(commands, draw(numberings(len(commands)))):
+        command.seq = seq
+    opens = {"no open": "none", "open twice": "twice"}.get(flaw or "", "first")
+    return [Op(via, "session", "Session", draw(session_messages(opening, commands, opens)))]
+
+
+@st.composite
+def session_room_pairs(draw: st.DrawFn) -> list[Op]:
+    """A :func:`room_pairs` room between the raw engines: each side's commands on a
+    well-formed stream of its own, the decode side's first or the prefill side's."""
+    streams: dict[str, list[transfer_pb2.SessionCommand]] = {RAW_DECODE: [], RAW_PREFILL: []}
+    ops = draw(room_pairs())
+    for op in ops:
+        request: Any = op.request
+        request.engine_id = ""
+        if isinstance(request, transfer_pb2.ExpectRoomRequest):
+            request.sender.group = ENGINES[RAW_PREFILL][2]
+        commands = streams[RAW_DECODE if op.via == "de" else RAW_PREFILL]
+        commands.append(transfer_pb2.SessionCommand(seq=len(commands) + 1))
+        getattr(commands[-1], COMMANDS[op.method]).CopyFrom(request)
+    order = (RAW_DECODE, RAW_PREFILL) if ops[0].via == "de" else (RAW_PREFILL, RAW_DECODE)
+    openings = {via: transfer_pb2.SessionOpen(engine_id=f"@{via}", protocol_version=V) for via in order}
+    return [Op(via, "session", "Session", draw(session_messages(openings[via], streams[via]))) for via in order]
+
+
+@st.composite
+def _session_streams(draw: st.DrawFn) -> list[Op]:
+    pool = draw(st.lists(rooms, min_size=1, max_size=3, unique=True))
+    streams = st.one_of(session_requests(pool), session_requests(pool), session_room_pairs())
+    return _flatten(draw(st.lists(streams, min_size=1, max_size=4)))
+
+
+#: One to four groups of Session streams (a room pair is two) whose commands
+#: mostly name the same few rooms.
+session_requests_list = _session_streams()
 
 
 # -- the legitimate room and the checks ----------------------------------------------
@@ -920,7 +1226,7 @@ def _wind_down(c: Cluster, room_ids: set[int]) -> None:
     """Abort every room the example touched, wait until the brokers are quiet,
     evict, and check the tables, the stats and the memory."""
     for room in sorted(room_ids):
-        for engine in (c.pe, c.de):
+        for engine in c.engines.values():
             engine.client.call(
                 engine.client.stub.Abort,
                 transfer_pb2.AbortRequest(engine_id=engine.handle.engine_id, room=room, reason="wind down"),
@@ -936,11 +1242,25 @@ def _wind_down(c: Cluster, room_ids: set[int]) -> None:
         stats = c.admin(name).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
         assert not any(stats.per_room_state.values()), (name, dict(stats.per_room_state))
         assert stats.staging_send_bytes_in_use == stats.staging_receive_bytes_in_use == 0, name
-    assert c.pe.memory.raw is not None
-    assert torch.equal(c.pe.memory.raw, c.prefill_snapshot), "something wrote into the sender's memory"
+    for name, snapshot in c.prefill_snapshots.items():
+        assert torch.equal(_raw_memory(c.engine(name)), snapshot), f"something wrote into sender {name}'s memory"
     for now, then in zip(_reserved(c.de.memory), c.reserved_snapshot):
         assert torch.equal(now, then), "something wrote into memory that only legitimate rooms name"
-    assert c.pe.memory.check_guards() == [] and c.de.memory.check_guards() == []
+    assert {name: e.memory.check_guards() for name, e in c.engines.items()} == dict.fromkeys(ENGINES, [])
+
+
+def _rooms(op: Op) -> set[int]:
+    """The rooms ``op`` names (a Session op's: those of its commands)."""
+    named: set[int] = set()
+    for message in op.messages():
+        if isinstance(message, transfer_pb2.SessionRequest):
+            for command in message.commands:
+                which = command.WhichOneof("command")
+                if which is not None:
+                    named.add(getattr(command, which).room)
+        elif hasattr(message, "room"):
+            named.add(message.room)
+    return named
 
 
 def _exercise(c: Cluster, ops: list[Op], room: Legit) -> None:
@@ -948,10 +1268,10 @@ def _exercise(c: Cluster, ops: list[Op], room: Legit) -> None:
     for op in ops:
         code = _call(c, op)
         if code not in EXPECTED | EXTRA.get(op.method, frozenset()):
-            wrong.append(f"{op.service}.{op.method} via {op.via} answered {code.name}:\n{op.request}")
+            wrong.append(f"{op.service}.{op.method} via {op.via} answered {code.name}:\n{op.text()}")
     assert not wrong, "\n".join(wrong)
     _legit_room(c, room)
-    _wind_down(c, {op.request.room for op in ops if hasattr(op.request, "room")})  # type: ignore[attr-defined]
+    _wind_down(c, set().union(*map(_rooms, ops)))
 
 
 #: No shrinking: every example drives live brokers, and hypothesis may shrink
@@ -976,6 +1296,15 @@ def test_hostile_engine_requests_leave_other_rooms_intact(cluster: Cluster, ops:
 @given(ops=peer_requests, room=legit_rooms())
 def test_hostile_peer_requests_leave_other_rooms_intact(cluster: Cluster, ops: list[Op], room: Legit) -> None:
     """Random peer-API calls from strangers get expected statuses; a normal room still completes; tables empty."""
+    _exercise(cluster, ops, room)
+
+
+@SETTINGS
+@given(ops=session_requests_list, room=legit_rooms())
+def test_hostile_session_streams_leave_other_rooms_intact(cluster: Cluster, ops: list[Op], room: Legit) -> None:
+    """Raw Session streams, well-formed and hostile, of two more engine ranks: each
+    ends with an expected status and events that add up (:func:`_session`), and
+    leaves no stream behind; a normal room still arrives byte-exact; tables empty."""
     _exercise(cluster, ops, room)
 
 
@@ -1135,3 +1464,28 @@ def test_malformed_agent_metadata_is_not_internal() -> None:
         blobs = (b"\xff\x00", b"[1]", b"{}", b'{"name": "fake_stranger_agent", "regs": [[1]]}')
         codes = [_stranger_handshake(c, "d", metadata=blob) for blob in blobs]
         assert Code.INTERNAL not in codes, codes
+
+
+def test_a_gap_in_the_commands_reports_those_before_it_and_leaves_no_stream_behind() -> None:
+    """A Session stream whose commands have a gap reports what it applied
+    before the gap, ends with INVALID_ARGUMENT, and its broker lets go of it:
+    with the commands in the opening message, or in a later one. (With them
+    in the opening, neither happened: they were applied before the stream's
+    reader started, so the error ended the call with no event, and the stream
+    stayed the engine's, unread, until its next one. In a later message, the
+    refusals before the gap were sent but not the applied seq.)"""
+    with _cluster() as c:
+        opening = transfer_pb2.SessionRequest(
+            open=transfer_pb2.SessionOpen(engine_id=f"@{RAW_PREFILL}", protocol_version=V)
+        )
+        gap = [transfer_pb2.SessionCommand(seq=1), transfer_pb2.SessionCommand(seq=3)]
+        for messages in (
+            (transfer_pb2.SessionRequest(open=opening.open, commands=gap),),
+            (opening, transfer_pb2.SessionRequest(commands=gap)),
+        ):
+            before = _session_left(c, RAW_PREFILL)
+            code, events = _stream(c.engine(RAW_PREFILL), tuple(_resolve(c, m, before) for m in messages))
+            assert code == Code.INVALID_ARGUMENT, code
+            assert [reply.applied for reply in events][-1:] == [before + 1], events
+            assert [refusal.seq for reply in events for refusal in reply.refused] == [before + 1]
+            assert _session_left(c, RAW_PREFILL) == before + 1
