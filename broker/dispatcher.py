@@ -15,6 +15,7 @@ them and never blocks on them.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -22,7 +23,7 @@ from typing import Any
 
 import structlog
 from opentelemetry import context as otel_context
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
 
 from kvbroker import __version__
 from kvbroker.broker.config import BrokerConfig
@@ -269,8 +270,9 @@ class Broker:
         rank = self.receiver.expect(
             engine,
             request.room,
-            sender_address=request.sender.broker_address,
-            sender_group=request.sender.group,
+            # Interned: every room of a sender group names the same two strings.
+            sender_address=sys.intern(request.sender.broker_address),
+            sender_group=sys.intern(request.sender.group),
             pages=decode_indices(request.pages),
             aux_row=request.aux_row if request.HasField("aux_row") else None,
             state=_state(request.state),
@@ -472,12 +474,12 @@ class Broker:
         if not request.sources:
             raise InvalidArgument("a room registration must list its sources")
         info = TransferInfo(
-            trace_context=otel_context.get_current(),
+            trace_context=trace.get_current_span(),
             room=request.room,
-            receiver_broker_id=request.receiver_broker_id,
+            receiver_broker_id=sys.intern(request.receiver_broker_id),
             receiver=rank_key(request.receiver),
             receiver_generation=request.receiver_generation,
-            sender_group=request.sender_group,
+            sender_group=sys.intern(request.sender_group),
             pages=decode_indices(request.pages),
             aux_row=request.aux_row if request.HasField("aux_row") else None,
             state=_state(request.state),

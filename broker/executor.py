@@ -23,6 +23,7 @@ the effects it causes are carried out in turn.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -168,7 +169,7 @@ class Executor:
         elif isinstance(effect, FindSender):
             self._tasks.spawn(self._find_sender(effect.receiver), name=f"bootstrap-{effect.receiver.room}")
         elif isinstance(effect, RegisterRoom):
-            self._tasks.spawn(self._register(effect), name=f"register-{effect.receiver.room}")
+            self._register_soon(effect)
         elif isinstance(effect, AbortAtPeer):
             self._tasks.spawn(self._abort_at_peer(effect), name=f"abort-{effect.room}")
         elif isinstance(effect, Scatter):
@@ -352,16 +353,47 @@ class Executor:
             self._receiver.sender_found(rank, peer.broker_id or "", layouts)
         self.drain()
 
-    async def _register(self, effect: RegisterRoom) -> None:
+    def _register_soon(self, effect: RegisterRoom) -> None:
+        """The first attempt of a registration, queued for the peer's next
+        batch without a task: a task (and its frames) per room was most of a
+        broker's memory while a burst of rooms registered (scale_rooms). A
+        registration that does not simply succeed goes on in ``_register``."""
+        rank = effect.receiver
+        peer = self._peers.by_id.get(effect.broker_id)
+        if peer is None:
+            self._tasks.spawn(self._register(effect), name=f"register-{rank.room}")
+            return
+        with trace.use_span(rank.span, end_on_exit=False) if rank.span is not None else contextlib.nullcontext():
+            first = self._client.submit_registration(peer, effect.request)
+
+        def answered(done: asyncio.Future[None]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                self._tasks.spawn(self._register(effect, first=(peer, done)), name=f"register-{rank.room}")
+                return
+            self._registered(rank, effect.request.sender_broker_id)
+            self.drain()
+
+        first.add_done_callback(answered)
+
+    def _registered(self, rank: Receiver, took: str) -> None:
+        self._receiver.room_registered(rank, took, still_known=took in self._peers.by_id)
+        self._dataplane.hurry()
+
+    async def _register(self, effect: RegisterRoom, first: tuple[Peer, asyncio.Future[None]] | None = None) -> None:
+        """A registration, or the rest of one whose first attempt (``first``:
+        the peer it went to, and its outcome) did not simply succeed."""
         rank = effect.receiver
         try:
-            peer = self._peers.get(effect.broker_id)
+            # The peer record of the first attempt: a handshake meanwhile may
+            # have found a new process at its address (and re-keyed it).
+            peer = first[0] if first is not None else self._peers.get(effect.broker_id)
             with trace.use_span(rank.span, end_on_exit=False) if rank.span is not None else contextlib.nullcontext():
                 took = await self._client.register_room(
                     peer,
                     effect.request,
                     stale=lambda: self._receiver.registration_stale(rank),
                     again=lambda broker_id: self._receiver.register_again(rank, broker_id),
+                    first=first[1] if first is not None else None,
                 )
         except RegistrationError as exc:
             self._receiver.registration_failed(rank, exc.error, maybe_delivered=exc.maybe_delivered)
@@ -370,8 +402,7 @@ class Executor:
             self._receiver.bootstrap_failed(rank, exc)
         else:
             if took is not None:
-                self._receiver.room_registered(rank, took, still_known=took in self._peers.by_id)
-                self._dataplane.hurry()
+                self._registered(rank, took)
         self.drain()
 
     async def _abort_at_peer(self, effect: AbortAtPeer) -> None:

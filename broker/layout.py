@@ -8,6 +8,7 @@ registration; later code trusts a :class:`Layout`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,8 +63,14 @@ class RankKey(NamedTuple):
 
 
 def rank_key(rank: common_pb2.EngineRankId) -> RankKey:
-    """The key of an ``EngineRankId`` message."""
-    return RankKey(rank.group, rank.tp_rank, rank.pp_rank)
+    """The key of an ``EngineRankId`` message (one shared object per rank:
+    records of many rooms hold it)."""
+    return _shared_key(rank.group, rank.tp_rank, rank.pp_rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_key(group: str, tp_rank: int, pp_rank: int) -> RankKey:
+    return RankKey(group, tp_rank, pp_rank)
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,11 @@ refused (:func:`check_state_supported`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
-from kvbroker.broker.layout import Layout, RankKey
+from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.errors import FailedPrecondition, Unimplemented
 from kvbroker.v1 import peer_pb2
 
@@ -80,7 +82,7 @@ class GroupShape:
         return begins[pp_rank], end
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourcePlan:
     """One sender rank a receiver rank waits for, and what it owes."""
 
@@ -119,18 +121,25 @@ class SourcePlan:
 
     @classmethod
     def from_proto(cls, msg: peer_pb2.SourcePlan) -> SourcePlan:
-        return cls(
-            rank=RankKey(msg.rank.group, msg.rank.tp_rank, msg.rank.pp_rank),
-            mode=msg.mode,
-            num_destinations=msg.num_destinations,
-            layer_begin=msg.layer_begin,
-            layer_end=msg.layer_end,
-            sends_aux=msg.sends_aux,
-            sends_state=msg.sends_state,
-            src_head_start=msg.src_head_start,
-            dst_head_start=msg.dst_head_start,
-            num_heads=msg.num_heads,
+        """The plan a registration carries; equal plans are one shared object
+        (every room of a group pair carries the same few)."""
+        return _shared_plan(
+            rank_key(msg.rank),
+            msg.mode,
+            msg.num_destinations,
+            msg.layer_begin,
+            msg.layer_end,
+            msg.sends_aux,
+            msg.sends_state,
+            msg.src_head_start,
+            msg.dst_head_start,
+            msg.num_heads,
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_plan(*fields: Any) -> SourcePlan:
+    return SourcePlan(*fields)
 
 
 def rank_heads(total_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -250,20 +259,22 @@ def _sources_without_counts(
     return plans
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_sources(
     sender: GroupShape,
     sender_group: str,
     receiver: GroupShape,
     receiver_tp: int,
     receiver_pp: int,
-) -> list[SourcePlan]:
+) -> tuple[SourcePlan, ...]:
     """Every source receiver rank (tp ``receiver_tp``, pp ``receiver_pp``) waits for.
 
     Sources are unique by (group, tp rank, pp rank) (lesson 2 of docs/design.md).
     ``num_destinations`` of each plan counts the receiver ranks of the whole
     receiver group that the source serves, so the sender knows when it is
     done. Raises ``FailedPrecondition`` for incompatible groups and
-    ``Unimplemented`` for mappings this broker cannot do.
+    ``Unimplemented`` for mappings this broker cannot do. Cached: the plans
+    depend on the two groups' shapes only, so a group's rooms share them.
     """
     check_compatible(sender, receiver)
     plans = _sources_without_counts(sender, sender_group, receiver, receiver_tp, receiver_pp)
@@ -272,7 +283,7 @@ def plan_sources(
         for pp in range(receiver.pp_size):
             for plan in _sources_without_counts(sender, sender_group, receiver, tp, pp):
                 served[plan.rank] = served.get(plan.rank, 0) + 1
-    return [
+    return tuple(
         SourcePlan(
             rank=p.rank,
             mode=p.mode,
@@ -286,4 +297,4 @@ def plan_sources(
             num_heads=p.num_heads,
         )
         for p in plans
-    ]
+    )

@@ -42,7 +42,12 @@ from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["KvPairs", "PartKind", "PartSpec", "kv_pairs", "page_blocks", "plan_chunk", "span_names"]
+__all__ = ["MAX_PARTS", "KvPairs", "PartKind", "PartSpec", "kv_pairs", "page_blocks", "plan_chunk", "span_names"]
+
+#: A chunk has one part per (local, remote) pair of memory kinds, plus at most
+#: one head-sliced part: a handful. A receiver refuses a notice whose part
+#: index or count goes beyond this (it tracks parts as bits of an int).
+MAX_PARTS = 1024
 
 
 class PartKind(enum.Enum):

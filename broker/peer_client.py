@@ -201,6 +201,7 @@ class PeerClient:
         *,
         stale: Callable[[], None],
         again: Callable[[str], bool],
+        first: asyncio.Future[None] | None = None,
     ) -> str | None:
         """Register a room with ``peer``; returns the broker id that took it.
 
@@ -208,16 +209,16 @@ class PeerClient:
         us): ``stale()``, handshake afresh (a restart detected here fails only
         rooms the old process had), and if ``again(new broker id)`` says so,
         try once more; None if it said not to. Raises
-        :class:`RegistrationError` otherwise.
+        :class:`RegistrationError` otherwise. ``first``: the first attempt,
+        already made with :meth:`submit_registration`.
         """
         for attempt in (1, 2):
-            request.sender_broker_id = peer.broker_id or ""
             try:
                 # wait_for_ready: while the address does not answer (a broker
                 # restarting there, or the channel still backing off from the
                 # old process), wait for it up to the timeout instead of failing
                 # the room at once; the room is still bootstrapping.
-                await self._registered(peer, request)
+                await (first if attempt == 1 and first is not None else self.submit_registration(peer, request))
                 return request.sender_broker_id
             except KvBrokerError as err:
                 if attempt == 1 and isinstance(err, Aborted):
@@ -229,11 +230,15 @@ class PeerClient:
                 raise RegistrationError(err, maybe_delivered=err.code in _MAYBE_DELIVERED) from err
         raise AssertionError("unreachable")
 
-    async def _registered(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> None:
-        """Send ``request`` in the next RegisterRooms call to ``peer``; raises its own error."""
+    def submit_registration(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> asyncio.Future[None]:
+        """Queue ``request`` (with the sender's broker id as we know it, and the
+        current trace context) for the next RegisterRooms call to ``peer``; the
+        future of its outcome (its own error). No task per room: a burst of
+        rooms waits in the peer's queue as a request and a future each."""
+        request.sender_broker_id = peer.broker_id or ""
         request.trace_context.clear()
         propagate.inject(request.trace_context)
-        await self._registrations.submit(peer, request)
+        return self._registrations.submit_nowait(peer, request)
 
     async def _send_registrations(self, peer: Peer, batch: list[peer_pb2.RegisterRoomRequest]) -> list[None | KvBrokerError]:
         request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=batch)
@@ -370,6 +375,10 @@ class PerPeerBatches(Generic[Item, Result]):
 
     async def submit(self, peer: Peer, item: Item) -> Result:
         """Queue ``item`` for ``peer``'s next batch; its result (or its error, raised)."""
+        return await self.submit_nowait(peer, item)
+
+    def submit_nowait(self, peer: Peer, item: Item) -> asyncio.Future[Result]:
+        """Queue ``item`` for ``peer``'s next batch; the future of its result (or error)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Result] = loop.create_future()
         self._queues.setdefault(peer.address, []).append((peer, item, done))
@@ -377,7 +386,7 @@ class PerPeerBatches(Generic[Item, Result]):
             # The batch call's own span belongs to no caller: an empty context.
             task = contextvars.Context().run(loop.create_task, self._flush(peer.address), name=f"{self._name}-{peer.address}")
             self._tasks[peer.address] = task
-        return await done
+        return done
 
     async def _flush(self, address: str) -> None:
         try:

@@ -57,6 +57,7 @@ from kvbroker.broker.effects import (
 )
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.mapping import GroupShape, SourcePlan, check_state_supported, plan_sources
+from kvbroker.broker.parts import MAX_PARTS
 from kvbroker.broker.rooms import (
     FAILED,
     SUCCESS,
@@ -94,31 +95,40 @@ log = structlog.get_logger(__name__)
 PoolKey = tuple[int, int]
 #: (source, chunk, part) of a staged part.
 StagingKey = tuple[RankKey, int, int]
+#: ``components_seen`` of a source that sent no state yet (shared: most never do).
+NO_COMPONENTS: frozenset[str] = frozenset()
 
 
 # -- records -----------------------------------------------------------------
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SourceExpectation:
     """What a receiver rank waits for from one source."""
 
     plan: SourcePlan
     expects_aux: bool
     expected_components: frozenset[str]
-    #: chunk index -> parts received.
-    parts_received: dict[int, set[int]] = field(default_factory=dict)
+    #: chunk index -> the parts received, as a bit mask (bit ``i``: part ``i``;
+    #: a notice's part index is checked against ``MAX_PARTS`` first).
+    parts_received: dict[int, int] = field(default_factory=dict)
     parts_expected: dict[int, int] = field(default_factory=dict)
     pages_by_chunk: dict[int, int] = field(default_factory=dict)
     total_chunks: int | None = None
     aux_seen: bool = False
-    components_seen: set[str] = field(default_factory=set)
+    components_seen: frozenset[str] = NO_COMPONENTS
     complete: bool = False
     #: The source told us nothing of its is in flight (after a failure).
     settled: bool = False
 
+    def has_part(self, chunk: int, part: int) -> bool:
+        return bool(self.parts_received.get(chunk, 0) >> part & 1)
+
+    def parts_of(self, chunk: int) -> int:
+        return self.parts_received.get(chunk, 0).bit_count()
+
     def chunks_landed(self) -> int:
-        return sum(1 for c, parts in self.parts_received.items() if len(parts) == self.parts_expected.get(c, -1))
+        return sum(1 for c, mask in self.parts_received.items() if mask.bit_count() == self.parts_expected.get(c, -1))
 
     def pages_landed(self) -> int:
         return sum(self.pages_by_chunk.values())
@@ -127,11 +137,11 @@ class SourceExpectation:
         """Every part of every chunk of the source's last notice's count has landed."""
         assert self.total_chunks is not None
         return all(
-            len(self.parts_received.get(chunk, ())) == self.parts_expected.get(chunk, -1) for chunk in range(self.total_chunks)
+            self.parts_of(chunk) == self.parts_expected.get(chunk, -1) for chunk in range(self.total_chunks)
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Receiver(Side):
     """A receiver engine rank's side of a room."""
 
@@ -154,14 +164,15 @@ class Receiver(Side):
     #: (pool, reservation) in this broker's receive staging. Released after
     #: the part is scattered, or when the rank ends and its pages are settled.
     staging: dict[StagingKey, tuple[PoolKey, Reservation]] = field(default_factory=dict)
-    #: Staged parts being scattered into the pages right now.
-    scattering: set[StagingKey] = field(default_factory=set)
+    #: Staged parts being scattered into the pages right now (a dict used as
+    #: a set: an empty dict is a quarter of an empty set's size).
+    scattering: dict[StagingKey, None] = field(default_factory=dict)
 
     def holds_resources(self) -> bool:
         return bool(self.scattering) or (bool(self.staging) and not self.pages_settled)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Landing:
     """A staged part that landed in the receive staging buffer, to scatter."""
 
@@ -334,7 +345,8 @@ class ReceiverCore:
                     name
                     for name in rank.state_indices
                     if p.sends_state and state_regions(rank.engine.layout, name, p.layer_begin, p.layer_end)
-                ),
+                )
+                or NO_COMPONENTS,
             )
             for p in plans
         }
@@ -442,7 +454,17 @@ class ReceiverCore:
             )
             return
         key = (source_key, notice.chunk_index, notice.part)
-        if notice.part in exp.parts_received.get(notice.chunk_index, ()) or key in rank.scattering:
+        if not notice.part < max(1, notice.parts) <= MAX_PARTS:
+            self.fail(
+                rank,
+                cause(
+                    common_pb2.FAILURE_KIND_MISMATCH,
+                    f"source {source_key} sent a notice for part {notice.part} of {notice.parts} (at most {MAX_PARTS})",
+                    self._id,
+                ),
+            )
+            return
+        if exp.has_part(notice.chunk_index, notice.part) or key in rank.scattering:
             return
         if notice.staged and not rank.terminal:
             try:
@@ -450,14 +472,14 @@ class ReceiverCore:
             except KvBrokerError as exc:
                 self.fail(rank, cause_of(exc, self._id))
                 return
-            rank.scattering.add(key)
+            rank.scattering[key] = None
             self._out.append(Scatter(rank, landing))
             return
         self._landed(rank, source_key, exp, notice)
 
     def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None) -> None:
         """A staged part was unpacked into the pages (or could not be)."""
-        rank.scattering.discard(landing.key)
+        rank.scattering.pop(landing.key, None)
         held = rank.staging.pop(landing.key, None)
         if held is not None:
             self._out.append(ReleaseStaging(((*held[0], held[1]),)))
@@ -470,11 +492,12 @@ class ReceiverCore:
             self._maybe_settled(rank)
 
     def _landed(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
-        exp.parts_received.setdefault(notice.chunk_index, set()).add(notice.part)
+        exp.parts_received[notice.chunk_index] = exp.parts_received.get(notice.chunk_index, 0) | 1 << notice.part
         exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
         exp.pages_by_chunk[notice.chunk_index] = notice.pages
         exp.aux_seen |= notice.aux
-        exp.components_seen.update(notice.state_components)
+        if notice.state_components:
+            exp.components_seen = exp.components_seen.union(notice.state_components)
         if notice.is_last:
             exp.total_chunks = notice.total_chunks
         rank.bytes += notice.bytes

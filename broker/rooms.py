@@ -23,7 +23,9 @@ for them are refused (lesson 6).
 
 from __future__ import annotations
 
+import math
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,7 +88,19 @@ def cause_of(error: KvBrokerError, origin: str) -> common_pb2.FailureCause:
     return cause(kind, error.message, origin)
 
 
-@dataclass(eq=False)
+#: The events of a side's timeline, in the order they can happen.
+EVENTS = ("opened", "handshaken", "registered", "ready", "first_byte", "last_byte", "success", "failed", "settled")
+_EVENT_INDEX = {name: i for i, name in enumerate(EVENTS)}
+
+
+def _no_marks() -> array[float]:
+    return array("d", (math.nan,) * len(EVENTS))
+
+
+# Per-room records use __slots__ (slots=True) and compact fields: a broker
+# holds one of each per open room, and their size is the broker's memory
+# per room (bench/scale_rooms.py measures it).
+@dataclass(eq=False, slots=True)
 class Side:
     """One engine rank's side of one room: its state and first failure cause.
 
@@ -111,9 +125,9 @@ class Side:
     settled_at: float | None = None
     #: Wall-clock (ns) when the side opened: span start times.
     opened_ns: int = field(default_factory=time.time_ns)
-    #: (event, wall-clock seconds) in order: opened, handshaken, registered,
-    #: ready, first_byte, last_byte, success/failed, settled (GetRoom).
-    timeline: list[tuple[str, float]] = field(default_factory=list)
+    #: Wall-clock seconds of each of ``EVENTS`` (NaN: not yet); read it
+    #: through ``timeline``.
+    marks: array[float] = field(default_factory=_no_marks)
     #: The room span of this side (``telemetry``); None until it exists.
     span: Span | None = None
     #: The span of a wait in progress (for transfer info, or for data).
@@ -122,7 +136,7 @@ class Side:
     ended: bool = False
 
     def __post_init__(self) -> None:
-        self.timeline.append(("opened", self.opened_ns / 1e9))
+        self.marks[0] = self.opened_ns / 1e9
 
     @property
     def key(self) -> RankKey:
@@ -134,8 +148,17 @@ class Side:
 
     def mark(self, event: str) -> None:
         """Note ``event`` on the timeline (the first time only)."""
-        if all(name != event for name, _ in self.timeline):
-            self.timeline.append((event, time.time()))
+        i = _EVENT_INDEX[event]
+        if math.isnan(self.marks[i]):
+            self.marks[i] = time.time()
+
+    @property
+    def timeline(self) -> list[tuple[str, float]]:
+        """(event, wall-clock seconds) of the events so far, in order (GetRoom):
+        opened, handshaken, registered, ready, first_byte, last_byte,
+        success/failed, settled."""
+        marked = [(at, i) for i, at in enumerate(self.marks) if not math.isnan(at)]
+        return [(EVENTS[i], at) for at, i in sorted(marked)]
 
     def advance(self, state: int) -> bool:
         """Move forward to ``state``; False (no change) if not forward or terminal."""
@@ -205,7 +228,7 @@ class Side:
         return now - since >= ttl_seconds
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SenderRoom:
     """The sender side of one room on this broker."""
 
@@ -217,7 +240,7 @@ class SenderRoom:
     #: Source ranks that opened this room here (BeginSend), kept after
     #: their records are evicted: a rank opens a room once, and a receiver
     #: is never told that a source which did open it never will.
-    opened: set[RankKey] = field(default_factory=set)
+    opened: tuple[RankKey, ...] = ()
     #: A receiver's broker aborted the room (first cause); sources that open
     #: it later fail at once.
     aborted: common_pb2.FailureCause | None = None
@@ -237,7 +260,7 @@ class SenderRoom:
                     yield info, plan.rank
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ReceiverRoom:
     """The receiver side of one room on this broker."""
 

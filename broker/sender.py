@@ -88,7 +88,7 @@ log = structlog.get_logger(__name__)
 # -- records -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One SendChunk of a source: pages fill the receiver's pages from ``page_offset``."""
 
@@ -100,7 +100,7 @@ class Chunk:
     state: dict[str, IndexArray]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TransferInfo:
     """A receiver rank's registration of a room with the sender's broker."""
 
@@ -114,7 +114,7 @@ class TransferInfo:
     state: dict[str, IndexArray]
     sources: tuple[SourcePlan, ...]
     received_at: float = field(default_factory=time.monotonic)
-    #: The trace context of the RegisterRoom call (the receiver's room span
+    #: The span current in the RegisterRoom call (the receiver's room span
     #: is its ancestor): the sender's room span joins that trace.
     trace_context: Any = None
 
@@ -125,7 +125,7 @@ class TransferInfo:
         return None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Destination:
     """What one source owes one receiver rank, and how far it got."""
 
@@ -151,7 +151,7 @@ class Destination:
     kv: KvPairs | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Source(Side):
     """A sender engine rank's side of a room."""
 
@@ -165,7 +165,7 @@ class Source(Side):
     expected_destinations: int | None = None
     #: Parts in flight over all destinations.
     inflight: int = 0
-    #: The trace context of BeginSend, and whether the engine sent its own.
+    #: The span current in BeginSend, and whether the engine sent its own.
     begin_context: Any = None
     engine_traced: bool = False
 
@@ -177,7 +177,7 @@ class Source(Side):
         return self.inflight > 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Part:
     """One part of one chunk to one receiver, from planning until it settles."""
 
@@ -261,9 +261,9 @@ class SenderCore:
             raise InvalidArgument(f"num_pages {num_pages} exceeds the engine's {engine.layout.num_pages} pages")
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
-        room.opened.add(engine.key)
+        room.opened += (engine.key,)
         source = Source(room=room_id, engine=engine, listener=self._changed, num_pages=num_pages)
-        source.begin_context = telemetry.current_context()
+        source.begin_context = telemetry.current_span()
         source.engine_traced = telemetry.has_remote_parent(trace.get_current_span())
         if source.engine_traced:
             # The engine passed its request's trace: the room joins it.

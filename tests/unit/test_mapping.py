@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.layout import RankKey
+from kvbroker.broker.layout import RankKey, rank_key
 from kvbroker.broker.mapping import GroupShape, SourcePlan, plan_sources
 from kvbroker.errors import FailedPrecondition, Unimplemented
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -444,3 +444,13 @@ def test_group_shape_of_layout(make_layout: Callable[..., Any]) -> None:
         page_size_tokens=4,
     )
     assert [got.layer_range(p) for p in range(3)] == [(0, 2), (2, 3), (3, 6)]
+
+
+def test_rooms_of_a_group_pair_share_their_plans_and_keys() -> None:
+    """A broker holds plans and rank keys per room: equal ones are one object (memory per room)."""
+    group = shape()
+    assert plan_sources(group, SENDER, group, 0, 0) is plan_sources(group, SENDER, group, 0, 0)
+    (plan,) = plan_sources(group, SENDER, group, 0, 0)
+    again = SourcePlan.from_proto(plan.to_proto())
+    assert again == plan and again is SourcePlan.from_proto(plan.to_proto())
+    assert again.rank is rank_key(plan.rank.to_proto())

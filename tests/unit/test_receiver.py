@@ -21,6 +21,7 @@ from kvbroker.broker.effects import (
     TellSuccessor,
 )
 from kvbroker.broker.layout import RankKey
+from kvbroker.broker.parts import MAX_PARTS
 from kvbroker.broker.receiver import Receiver, ReceiverCore
 from kvbroker.broker.rooms import RoomTables, cause
 from kvbroker.broker.staging import Reservation
@@ -165,6 +166,18 @@ def test_a_chunk_of_several_parts_lands_when_all_its_parts_did(world: World) -> 
     assert rank.state == TRANSFERRING
     world.core.notices([notice(rank, SOURCE, part=1, parts=2)])
     assert rank.state == SUCCESS
+
+
+@pytest.mark.parametrize(("part", "parts"), [(2, 2), (0, MAX_PARTS + 1), (2**32 - 1, 2**32 - 1)])
+def test_a_notice_for_a_part_beyond_its_count_fails_the_room(world: World, part: int, parts: int) -> None:
+    """Parts are tracked as bits of an int: a part index at or past the notice's count, or a
+    count beyond MAX_PARTS, is a MISMATCH (a hostile peer cannot make the broker allocate a
+    4-Gbit mask), and nothing of it counts as landed."""
+    rank = world.registered()
+    world.core.notices([notice(rank, SOURCE, part=part, parts=parts)])
+    assert rank.state == FAILED and rank.cause is not None and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
+    assert "at most" in rank.cause.message
+    assert rank.expected is not None and all(not e.parts_received for e in rank.expected.values())
 
 
 # -- notices that must not create anything -----------------------------------------

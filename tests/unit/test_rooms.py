@@ -97,6 +97,31 @@ def test_new_progress(cls: type[Side]) -> None:
 
 
 @pytest.mark.parametrize("cls", PROGRESS_TYPES)
+def test_timeline_keeps_the_first_time_of_each_event_in_order(cls: type[Side], monkeypatch: pytest.MonkeyPatch) -> None:
+    """mark() notes an event once; the timeline lists events by time, ties in their canonical order."""
+    p = cls(room=7, engine=engine(), listener=Recorder())
+    t0 = p.opened_ns / 1e9
+    clock = iter([t0 + 1, t0 + 2, t0 + 3, t0 + 3])
+    monkeypatch.setattr("kvbroker.broker.rooms.time.time", lambda: next(clock))
+    p.mark("registered")
+    p.mark("registered")  # noted once: the clock is not read again
+    p.mark("first_byte")
+    p.mark("settled")
+    p.mark("success")  # the same instant as "settled": listed before it
+    events = [name for name, _ in p.timeline]
+    assert events == ["opened", "registered", "first_byte", "success", "settled"]
+    assert dict(p.timeline)["registered"] == t0 + 1 and p.timeline[0][1] == t0
+    with pytest.raises(KeyError):
+        p.mark("no such event")
+
+
+def test_per_room_records_have_no_instance_dict() -> None:
+    """Every per-room record is slotted: a broker holds one of each per open room (scale_rooms)."""
+    for record in (source(), receiver(), SenderRoom(1), ReceiverRoom(1), _info(1), Destination(info=_info(1), plan=_plan())):
+        assert not hasattr(record, "__dict__"), type(record).__name__
+
+
+@pytest.mark.parametrize("cls", PROGRESS_TYPES)
 def test_advance_forward(cls: type[Side]) -> None:
     """Forward moves succeed, call the listener once each, and may skip states."""
     listener = Recorder()
@@ -585,9 +610,10 @@ def test_source_expectation_counts() -> None:
     """chunks_landed counts chunks with every part in; pages_landed sums pages."""
     exp = SourceExpectation(plan=_plan(), expects_aux=True, expected_components=frozenset())
     exp.parts_expected = {0: 2, 1: 1}
-    exp.parts_received = {0: {0}, 1: {0}}
+    exp.parts_received = {0: 0b01, 1: 0b01}  # bit i: part i
     exp.pages_by_chunk = {0: 4, 1: 3}
     assert exp.chunks_landed() == 1
-    exp.parts_received[0].add(1)
-    assert exp.chunks_landed() == 2
+    assert exp.has_part(0, 0) and not exp.has_part(0, 1) and exp.parts_of(0) == 1
+    exp.parts_received[0] |= 0b10
+    assert exp.chunks_landed() == 2 and exp.parts_of(0) == 2
     assert exp.pages_landed() == 7

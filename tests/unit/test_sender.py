@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -329,7 +330,7 @@ def test_transfer_infos_are_checked_against_what_the_receiver_announced(world: W
     again = world.info(pe, de, 1, [0])
     world.peers.add("another-decode-broker", de)
     with pytest.raises(FailedPrecondition, match="registered once"):
-        world.core.transfer_info(TransferInfo(**{**again.__dict__, "receiver_broker_id": "another-decode-broker"}))
+        world.core.transfer_info(dataclasses.replace(again, receiver_broker_id="another-decode-broker"))
 
 
 # -- sources that never come ------------------------------------------------------
