@@ -71,6 +71,7 @@ from kvbroker.broker.rooms import (
 )
 from kvbroker.broker.segments import state_regions
 from kvbroker.broker.slicing import SliceSide, kv_regions, slice_side, staged_bytes
+from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.staging import Reservation
 from kvbroker.broker.validation import check_room_indices
 from kvbroker.errors import (
@@ -151,7 +152,7 @@ class Receiver(Side):
     aux_row: int | None = None
     state_indices: dict[str, IndexArray] = field(default_factory=dict)
     #: Sources this rank waits for; None until the plan is made.
-    expected: dict[RankKey, SourceExpectation] | None = None
+    expected: SmallMap[RankKey, SourceExpectation] | None = None
     #: The sender's broker may have the transfer info (so it may write).
     registered_with_sender: bool = False
     #: A RegisterRoom call is out: which sender process it reaches is not
@@ -337,19 +338,7 @@ class ReceiverCore:
         except KvBrokerError as exc:
             self.fail(rank, cause_of(exc, self._id))
             return
-        rank.expected = {
-            p.rank: SourceExpectation(
-                plan=p,
-                expects_aux=p.sends_aux and rank.aux_row is not None,
-                expected_components=frozenset(
-                    name
-                    for name in rank.state_indices
-                    if p.sends_state and state_regions(rank.engine.layout, name, p.layer_begin, p.layer_end)
-                )
-                or NO_COMPONENTS,
-            )
-            for p in plans
-        }
+        rank.expected = SmallMap((p.rank, _expectation(rank, p)) for p in plans)
         request = peer_pb2.RegisterRoomRequest(
             protocol_version=PROTOCOL_VERSION,
             room=rank.room,
@@ -759,6 +748,20 @@ def _pool_of(rank: Receiver) -> PoolKey:
     if not kv:
         return (common_pb2.MEMORY_KIND_DRAM, 0)
     return (table.region_kind[kv[0]], table.region_device[kv[0]])
+
+
+def _expectation(rank: Receiver, plan: SourcePlan) -> SourceExpectation:
+    """What ``rank`` waits for from the source of ``plan``."""
+    return SourceExpectation(
+        plan=plan,
+        expects_aux=plan.sends_aux and rank.aux_row is not None,
+        expected_components=frozenset(
+            name
+            for name in rank.state_indices
+            if plan.sends_state and state_regions(rank.engine.layout, name, plan.layer_begin, plan.layer_end)
+        )
+        or NO_COMPONENTS,
+    )
 
 
 def _nothing_in_flight(rank: Receiver) -> bool:

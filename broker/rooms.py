@@ -26,12 +26,13 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.nixl_agent import NixlError
+from kvbroker.broker.smallmap import SmallMap
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -233,9 +234,9 @@ class SenderRoom:
     """The sender side of one room on this broker."""
 
     room: int
-    sources: dict[RankKey, Source] = field(default_factory=dict)
+    sources: SmallMap[RankKey, Source] = field(default_factory=SmallMap)
     #: Transfer infos by receiver rank; they may arrive before BeginSend.
-    infos: dict[RankKey, TransferInfo] = field(default_factory=dict)
+    infos: SmallMap[RankKey, TransferInfo] = field(default_factory=SmallMap)
     created_at: float = field(default_factory=time.monotonic)
     #: Source ranks that opened this room here (BeginSend), kept after
     #: their records are evicted: a rank opens a room once, and a receiver
@@ -265,7 +266,7 @@ class ReceiverRoom:
     """The receiver side of one room on this broker."""
 
     room: int
-    ranks: dict[RankKey, Receiver] = field(default_factory=dict)
+    ranks: SmallMap[RankKey, Receiver] = field(default_factory=SmallMap)
     created_at: float = field(default_factory=time.monotonic)
 
 
@@ -344,7 +345,7 @@ class RoomTables:
         for side, table in (("sender", self.sender), ("receiver", self.receiver)):
             for room_id in list(table):
                 room = table[room_id]
-                members: dict[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
+                members: MutableMapping[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
                 for member in [k for k, p in members.items() if p.expired(now, ttl_seconds, unsettled)]:
                     if on_evict is not None:
                         on_evict(members[member])

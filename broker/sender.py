@@ -62,6 +62,7 @@ from kvbroker.broker.rooms import (
     cause_of,
 )
 from kvbroker.broker.segments import ChunkShape, state_regions
+from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.validation import check_chunk, check_room_indices
 from kvbroker.errors import (
     Aborted,
@@ -160,7 +161,7 @@ class Source(Side):
     #: Pages accepted so far (the next chunk's page offset).
     cursor: int = 0
     last_received: bool = False
-    destinations: dict[RankKey, Destination] = field(default_factory=dict)
+    destinations: SmallMap[RankKey, Destination] = field(default_factory=SmallMap)
     #: How many receiver ranks this source serves (known from the first plan).
     expected_destinations: int | None = None
     #: Parts in flight over all destinations.
