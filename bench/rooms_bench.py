@@ -21,6 +21,9 @@ and 64-page rooms of a 32-layer model) it prints:
   one succeeds; the prefill side opens and sends the next as one of its rooms
   finishes), over ``--rooms`` rooms; timed on the decode engine from its first
   ExpectRoom to its last SUCCESS;
+- where a single room's time goes: the median of each event of the latency
+  rooms' ``GetRoom`` timelines on both brokers, in ms after the decode broker
+  opened the room;
 - how long ``KVSender.send`` blocked the prefill engine's calling thread
   (median, p99, over every room of the run);
 - CPU seconds per room of each broker, and of each engine process.
@@ -335,6 +338,7 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
         "p90_rtts": _pct(latencies, 0.9) / poll_rtt,
         "p99_rtts": _pct(latencies, 0.99) / poll_rtt,
     }
+    out["latency"]["timeline_ms"] = _timelines(pair, base, args.latency_rooms)
     all_blocked = list(blocked)
     out["windows"] = {}
     for window in args.windows:
@@ -364,6 +368,36 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
     return out
 
 
+def _timelines(pair: Pair, base: int, count: int) -> dict[str, float]:
+    """Median time of each event of the latency rooms' GetRoom timelines on
+    both brokers ("decode.registered", "prefill.ready", ...), in ms after the
+    decode broker opened the room: where a single room's time goes."""
+    import grpc
+
+    from kvbroker.v1 import admin_pb2, admin_pb2_grpc
+
+    offsets: dict[str, list[float]] = {}
+    channels = {b.name: grpc.insecure_channel(b.address) for b in pair.brokers}
+    try:
+        stubs = {name: admin_pb2_grpc.AdminStub(channel) for name, channel in channels.items()}
+        for room in range(base, base + count):
+            events = {
+                f"{name}.{event.event}": event.at
+                for name, stub in stubs.items()
+                for side in stub.GetRoom(admin_pb2.GetRoomRequest(room=room), timeout=10).sides
+                for event in side.timeline
+            }
+            opened = events.get("decode.opened")
+            if opened is None:
+                continue
+            for name, at in events.items():
+                offsets.setdefault(name, []).append((at - opened) * 1e3)
+    finally:
+        for channel in channels.values():
+            channel.close()
+    return dict(sorted(((name, statistics.median(v)) for name, v in offsets.items()), key=lambda kv: kv[1]))
+
+
 def _digest_prefill(pair: Pair, shape: Shape, slots: int) -> list[str]:
     """The prefill pool's digest, computed here from the same seed the prefill engine used."""
     import numpy as np
@@ -389,6 +423,8 @@ def print_report(result: dict[str, Any]) -> None:
             f"  single-room latency: median {lat['median_us']:.0f} us ({lat['median_rtts']:.1f} Poll RTTs), "
             f"p90 {lat['p90_us']:.0f} us ({lat['p90_rtts']:.1f}), p99 {lat['p99_us']:.0f} us ({lat['p99_rtts']:.1f})"
         )
+        steps = ", ".join(f"{name} {ms:.2f}" for name, ms in lat["timeline_ms"].items() if not name.endswith(".opened") or name.startswith("prefill"))
+        print(f"  where it goes (median ms after the decode broker opened the room, GetRoom timelines): {steps}")
         blocked = shape["send_blocked"]
         print(f"  KVSender.send blocked the caller: median {blocked['median_us']:.0f} us, p99 {blocked['p99_us']:.0f} us ({blocked['calls']} calls)")
         print("  W     rooms   rooms/s   CPU ms per room: prefill broker / decode broker / prefill engine / decode engine")
