@@ -22,8 +22,9 @@ and 64-page rooms of a 32-layer model) it prints:
   finishes), over ``--rooms`` rooms; timed on the decode engine from its first
   ExpectRoom to its last SUCCESS;
 - where a single room's time goes: the median of each event of the latency
-  rooms' ``GetRoom`` timelines on both brokers, in ms after the decode broker
-  opened the room;
+  rooms' ``GetRoom`` timelines on both brokers, and of the decode engine's
+  ``init`` and its seeing SUCCESS, in ms after the decode broker opened the
+  room;
 - how long ``KVSender.send`` blocked the prefill engine's calling thread
   (median, p99, over every room of the run);
 - CPU seconds per room of each broker, and of each engine process.
@@ -183,16 +184,19 @@ def decode_main(conn: Any, peer: Any, address: str, prefill_address: str, shape:
         elif cmd == "latency":
             base, count = arg
             latencies = []
+            walls = []  # (wall clock at init, at SUCCESS seen): placed on the brokers' timelines
             bad = []
             for index in range(count):
+                wall = time.time()
                 t = time.perf_counter()
                 engine.receiver(base + index, ref).init(_slot_pages(shape, index, slots))
                 peer.send(index)
                 status = engine.wait([base + index], timeout_seconds=60)[base + index]
                 latencies.append(time.perf_counter() - t)
+                walls.append((wall, wall + latencies[-1]))
                 if status.state != RoomState.SUCCESS:
                     bad.append(f"room {base + index}: {status.cause.message}")
-            conn.send(("latency", (latencies, bad)))
+            conn.send(("latency", (latencies, walls, bad)))
         elif cmd == "window":
             base, count, window = arg
             bad = []
@@ -326,7 +330,7 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
 
     base = pair.rooms(args.latency_rooms)
     pair.p_conn.send(("latency", (base, args.latency_rooms)))
-    latencies, bad = pair.ask(pair.d_conn, "latency", (base, args.latency_rooms))
+    latencies, walls, bad = pair.ask(pair.d_conn, "latency", (base, args.latency_rooms))
     pair.p_conn.recv()
     problems.extend(f"{shape.name} latency: {b}" for b in bad[:3])
     blocked = pair.blocked()
@@ -338,7 +342,7 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
         "p90_rtts": _pct(latencies, 0.9) / poll_rtt,
         "p99_rtts": _pct(latencies, 0.99) / poll_rtt,
     }
-    out["latency"]["timeline_ms"] = _timelines(pair, base, args.latency_rooms)
+    out["latency"]["timeline_ms"] = _timelines(pair, base, walls)
     all_blocked = list(blocked)
     out["windows"] = {}
     for window in args.windows:
@@ -368,10 +372,12 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
     return out
 
 
-def _timelines(pair: Pair, base: int, count: int) -> dict[str, float]:
+def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]]) -> dict[str, float]:
     """Median time of each event of the latency rooms' GetRoom timelines on
-    both brokers ("decode.registered", "prefill.ready", ...), in ms after the
-    decode broker opened the room: where a single room's time goes."""
+    both brokers ("decode.registered", "prefill.ready", ...), and of the decode
+    engine's init call and its seeing SUCCESS ("engine.init", "engine.success";
+    one host, one wall clock), in ms after the decode broker opened the room:
+    where a single room's time goes."""
     import grpc
 
     from kvbroker.v1 import admin_pb2, admin_pb2_grpc
@@ -380,8 +386,9 @@ def _timelines(pair: Pair, base: int, count: int) -> dict[str, float]:
     channels = {b.name: grpc.insecure_channel(b.address) for b in pair.brokers}
     try:
         stubs = {name: admin_pb2_grpc.AdminStub(channel) for name, channel in channels.items()}
-        for room in range(base, base + count):
-            events = {
+        for room, (init, seen) in zip(range(base, base + len(walls)), walls):
+            events = {"engine.init": init, "engine.success": seen}
+            events |= {
                 f"{name}.{event.event}": event.at
                 for name, stub in stubs.items()
                 for side in stub.GetRoom(admin_pb2.GetRoomRequest(room=room), timeout=10).sides
@@ -423,7 +430,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"  single-room latency: median {lat['median_us']:.0f} us ({lat['median_rtts']:.1f} Poll RTTs), "
             f"p90 {lat['p90_us']:.0f} us ({lat['p90_rtts']:.1f}), p99 {lat['p99_us']:.0f} us ({lat['p99_rtts']:.1f})"
         )
-        steps = ", ".join(f"{name} {ms:.2f}" for name, ms in lat["timeline_ms"].items() if not name.endswith(".opened") or name.startswith("prefill"))
+        steps = ", ".join(f"{name} {ms:.2f}" for name, ms in lat["timeline_ms"].items() if name != "decode.opened")
         print(f"  where it goes (median ms after the decode broker opened the room, GetRoom timelines): {steps}")
         blocked = shape["send_blocked"]
         print(f"  KVSender.send blocked the caller: median {blocked['median_us']:.0f} us, p99 {blocked['p99_us']:.0f} us ({blocked['calls']} calls)")
