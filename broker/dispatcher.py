@@ -276,6 +276,7 @@ class Broker:
             pages=decode_indices(request.pages),
             aux_row=request.aux_row if request.HasField("aux_row") else None,
             state=_state(request.state),
+            prefix_pages=request.prefix_pages,
         )
         self.executor.drain()
         return rank
@@ -298,6 +299,7 @@ class Broker:
             is_last=request.is_last,
             aux_row=request.aux_row if request.HasField("aux_row") else None,
             state=_state(request.state),
+            room_page=request.room_page if request.HasField("room_page") else None,
         )
         self.executor.drain()
         return result
@@ -484,6 +486,7 @@ class Broker:
             aux_row=request.aux_row if request.HasField("aux_row") else None,
             state=_state(request.state),
             sources=tuple(SourcePlan.from_proto(s) for s in request.sources),
+            prefix_pages=request.prefix_pages,
         )
         self.sender.transfer_info(info)
         self.executor.drain()

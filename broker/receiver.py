@@ -151,6 +151,9 @@ class Receiver(Side):
     pages: IndexArray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     aux_row: int | None = None
     state_indices: dict[str, IndexArray] = field(default_factory=dict)
+    #: The leading pages of the room this rank already holds (its prefix
+    #: cache): ``pages`` are the room's pages after them.
+    prefix_pages: int = 0
     #: Sources this rank waits for; None until the plan is made.
     expected: SmallMap[RankKey, SourceExpectation] | None = None
     #: The sender's broker may have the transfer info (so it may write).
@@ -171,6 +174,9 @@ class Receiver(Side):
 
     def holds_resources(self) -> bool:
         return bool(self.scattering) or (bool(self.staging) and not self.pages_settled)
+
+    def known_prefix(self) -> int:
+        return self.prefix_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +247,10 @@ class ReceiverCore:
         pages: IndexArray,
         aux_row: int | None,
         state: dict[str, IndexArray],
+        prefix_pages: int = 0,
     ) -> Receiver:
-        """Open ``room_id`` for receiving into ``engine`` (ExpectRoom) and start bootstrapping."""
+        """Open ``room_id`` for receiving into ``engine`` (ExpectRoom) and start
+        bootstrapping; ``prefix_pages``: the leading pages of the room it holds."""
         if not sender_group:
             raise InvalidArgument("sender.group must name the prefill engine group")
         if self._rooms.is_tombstoned("receiver", room_id):
@@ -261,6 +269,7 @@ class ReceiverCore:
             sender_group=sender_group,
             pages=pages,
             aux_row=aux_row,
+            prefix_pages=prefix_pages,
             # Lesson 1: a component listed with no indices is not expected.
             state_indices={name: indices for name, indices in state.items() if indices.size},
         )
@@ -350,6 +359,7 @@ class ReceiverCore:
             state=[common_pb2.StateIndices(component=n, indices=encode_indices(i)) for n, i in rank.state_indices.items()],
             sources=[p.to_proto() for p in plans],
             sender_broker_id=broker_id,
+            prefix_pages=rank.prefix_pages,
         )
         if rank.aux_row is not None:
             request.aux_row = rank.aux_row

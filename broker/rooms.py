@@ -207,10 +207,15 @@ class Side:
             pages_settled=self.pages_settled,
             chunks=self.chunks,
             bytes=self.bytes,
+            prefix_pages=self.known_prefix(),
         )
         if self.cause is not None:
             status.cause.CopyFrom(self.cause)
         return status
+
+    def known_prefix(self) -> int:
+        """``RoomStatus.prefix_pages`` of this side (incremental transfer)."""
+        return 0
 
     def holds_resources(self) -> bool:
         """Whether the record must stay because something still refers to it

@@ -114,6 +114,9 @@ class TransferInfo:
     aux_row: int | None
     state: dict[str, IndexArray]
     sources: tuple[SourcePlan, ...]
+    #: The leading pages of the room the receiver already holds: ``pages``
+    #: are the room's pages after them (incremental transfer).
+    prefix_pages: int = 0
     received_at: float = field(default_factory=time.monotonic)
     #: The span current in the RegisterRoom call (the receiver's room span
     #: is its ancestor): the sender's room span joins that trace.
@@ -157,6 +160,9 @@ class Source(Side):
     """A sender engine rank's side of a room."""
 
     num_pages: int = 0
+    #: The room page the first chunk starts at (its ``room_page``; 0 unless
+    #: the sender sends only the pages after its receivers' prefix).
+    first_page: int = 0
     chunk_list: list[Chunk] = field(default_factory=list)
     #: Pages accepted so far (the next chunk's page offset).
     cursor: int = 0
@@ -169,6 +175,10 @@ class Source(Side):
     #: The span current in BeginSend, and whether the engine sent its own.
     begin_context: Any = None
     engine_traced: bool = False
+
+    def known_prefix(self) -> int:
+        """The smallest prefix its receivers hold (0 until one registered)."""
+        return min((d.info.prefix_pages for d in self.destinations.values()), default=0)
 
     def ready(self) -> bool:
         """All receivers this source serves have registered."""
@@ -252,7 +262,8 @@ class SenderCore:
 
     # -- engine calls ----------------------------------------------------
     def begin(self, engine: Engine, room_id: int, num_pages: int) -> Source:
-        """Open ``room_id`` for sending from ``engine`` (BeginSend)."""
+        """Open ``room_id`` for sending from ``engine`` (BeginSend): ``num_pages``
+        over all chunks (0: not said)."""
         if self._rooms.is_tombstoned("sender", room_id):
             raise AlreadyExists(f"room {room_id} already ended on this broker; room ids must be unique")
         room = self._rooms.sender.get(room_id)
@@ -302,12 +313,14 @@ class SenderCore:
         is_last: bool,
         aux_row: int | None,
         state: dict[str, IndexArray],
+        room_page: int | None = None,
     ) -> tuple[int, Source]:
         """Accept one chunk (SendChunk) and post it to every known destination.
 
         Returns the chunk index and the source. A chunk for a FAILED source is
         accepted and dropped (the status says why); everything is validated
-        before anything is recorded.
+        before anything is recorded. ``room_page``: the room page the chunk
+        starts at; only the first chunk may move it (incremental transfer).
         """
         room = self._rooms.sender.get(room_id)
         source = room.sources.get(engine.key) if room is not None else None
@@ -316,6 +329,14 @@ class SenderCore:
         if source.last_received:
             raise FailedPrecondition(f"room {room_id} already received its last chunk")
         self._validate_chunk(source, pages, is_last=is_last, aux_row=aux_row, state=state)
+        first = source.chunks == 0
+        if room_page is not None and not first and room_page != source.first_page + source.cursor:
+            raise InvalidArgument(
+                f"room {room_id}: chunk {source.chunks} starts at room page {room_page}, but it follows on at "
+                f"{source.first_page + source.cursor} (only the first chunk may say where it starts)"
+            )
+        if first and room_page:
+            source.first_page = room_page
         if source.state == FAILED:
             # Accepted and dropped: keep counting, so the engine's later
             # chunks validate as they would have.
@@ -335,6 +356,13 @@ class SenderCore:
         source.cursor += int(pages.size)
         source.chunks += 1
         source.last_received = is_last
+        if first:
+            # Where the source starts is known now: check it against the receivers that registered.
+            for dest in list(source.destinations.values()):
+                problem = _room_mismatch(source, dest.info) if dest.plan.writes_data else None
+                if problem:
+                    self.fail(source, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+                    return chunk.index, source
         self._pump_all(source)
         return chunk.index, source
 
@@ -605,15 +633,9 @@ class SenderCore:
         if source.state == FAILED:
             self._report(source, dest)
             return
-        if source.num_pages and plan.writes_data and source.num_pages != info.pages.size:
-            self.fail(
-                source,
-                cause(
-                    common_pb2.FAILURE_KIND_MISMATCH,
-                    f"the sender will send {source.num_pages} pages, receiver {info.receiver} expects {info.pages.size}",
-                    self._id,
-                ),
-            )
+        problem = _room_mismatch(source, info) if plan.writes_data else None
+        if problem:
+            self.fail(source, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
             return
         self._pump(source, dest)
         self._update(source)
@@ -648,15 +670,23 @@ class SenderCore:
                 notice = self._notice(source, dest, chunk, total_chunks=1, pages=0)
                 self._send_parts(source, dest, chunk, remote, [PartSpec(kind=PartKind.NOTICE, nbytes=0)], notice)
             return
-        end = chunk.page_offset + int(chunk.pages.size)
-        if end > info.pages.size or (chunk.is_last and end != info.pages.size):
+        # Room pages [start, end) of this chunk; the receiver holds the room's
+        # first prefix_pages pages, its `pages` are the rest.
+        start = source.first_page + chunk.page_offset
+        end = start + int(chunk.pages.size)
+        expected = info.prefix_pages + int(info.pages.size)
+        if end > expected or (chunk.is_last and end != expected):
             raise FailedPrecondition(
-                f"the sender sent {end} pages{' in all' if chunk.is_last else ' so far'}, "
-                f"receiver {info.receiver} expects {info.pages.size}"
+                f"the sender sent room pages up to {end}{' in all' if chunk.is_last else ' so far'}, "
+                f"receiver {info.receiver} expects {expected} ({info.prefix_pages} of them held already)"
             )
+        # Its first `skip` pages are the receiver's already; the rest fill the
+        # receiver's pages from dst_start.
+        skip = min(int(chunk.pages.size), max(0, info.prefix_pages - start))
+        dst_start = max(0, start - info.prefix_pages)
         shape = ChunkShape(
-            src_pages=chunk.pages,
-            dst_pages=info.pages[chunk.page_offset : end],
+            src_pages=chunk.pages[skip:],
+            dst_pages=info.pages[dst_start : max(0, end - info.prefix_pages)],
             aux_rows=_aux_rows(chunk, dest),
             state=_state_pairs(chunk, dest, remote),
         )
@@ -671,7 +701,12 @@ class SenderCore:
                 dest.kv = source.engine.kv_plans[key] = kv_pairs(layout, table, remote.layout, remote.table, plan)
         specs = plan_chunk(layout, table, remote.layout, remote.table, plan, shape, self._stage_policy(dest), dest.kv)
         notice = self._notice(
-            source, dest, chunk, total_chunks=len(source.chunk_list) if chunk.is_last else 0, pages=int(chunk.pages.size)
+            source,
+            dest,
+            chunk,
+            total_chunks=len(source.chunk_list) if chunk.is_last else 0,
+            pages=int(shape.src_pages.size),
+            page_offset=dst_start,
         )
         notice.aux = shape.aux_rows is not None
         notice.state_components.extend(sorted(shape.state))
@@ -713,8 +748,10 @@ class SenderCore:
         return stage
 
     def _notice(
-        self, source: Source, dest: Destination, chunk: Chunk, *, total_chunks: int, pages: int
+        self, source: Source, dest: Destination, chunk: Chunk, *, total_chunks: int, pages: int, page_offset: int = 0
     ) -> peer_pb2.TransferNotice:
+        """The notice of one chunk to one receiver: ``pages`` written from the
+        receiver's page ``page_offset`` (in its ``pages``)."""
         writes = dest.plan.writes_data
         return peer_pb2.TransferNotice(
             protocol_version=PROTOCOL_VERSION,
@@ -726,7 +763,7 @@ class SenderCore:
             is_last=chunk.is_last,
             total_chunks=total_chunks,
             pages=pages,
-            page_offset=chunk.page_offset if writes else 0,
+            page_offset=page_offset if writes else 0,
         )
 
     def _check_complete(self, source: Source, dest: Destination) -> None:
@@ -789,6 +826,28 @@ class SenderCore:
         if source.span is None:
             self._open_span(source, source.begin_context)
 
+
+def _room_mismatch(source: Source, info: TransferInfo) -> str | None:
+    """Why ``source`` cannot fill receiver ``info`` (None if it can, or if
+    that is not known yet): it must start at or below the receiver's prefix,
+    and end where the room ends. Where it starts is known with its first chunk."""
+    if not source.chunks:
+        return (
+            f"the sender will send {source.num_pages} pages, receiver {info.receiver} expects {info.pages.size}"
+            if source.num_pages and not info.prefix_pages and source.num_pages != info.pages.size
+            else None
+        )
+    if source.first_page > info.prefix_pages:
+        return (
+            f"the sender starts at room page {source.first_page}, receiver {info.receiver} holds only the first "
+            f"{info.prefix_pages}"
+        )
+    if source.num_pages and source.first_page + source.num_pages != info.prefix_pages + info.pages.size:
+        return (
+            f"the sender will send {source.num_pages} pages from room page {source.first_page}, receiver "
+            f"{info.receiver} expects {info.pages.size} after the {info.prefix_pages} it holds"
+        )
+    return None
 
 def _aux_rows(chunk: Chunk, dest: Destination) -> tuple[int, int] | None:
     # Lesson 1: aux goes on every last chunk, whether or not there is state

@@ -120,8 +120,7 @@ class KVSender(_Room):
         row sent with the last chunk. ``AlreadyExists`` if this engine rank
         opened the room before. Returns the room's status as known now."""
         self.engine.check_role(common_pb2.ROLE_PREFILL, "send rooms")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise InvalidArgument(f"num_pages must be a non-negative integer, got {num_pages!r}")
+        num_pages = _count(num_pages, "num_pages")
         if aux_row is not None:
             aux_row = as_index(aux_row, "aux_row")
             check_room_indices(self.engine.layout, pages=_NO_PAGES, aux_row=aux_row, state={})
@@ -141,20 +140,36 @@ class KVSender(_Room):
         *,
         state: Mapping[str, Pages] | None = None,
         is_last: bool | None = None,
+        room_page: int | None = None,
     ) -> int:
         """Send one chunk of source pages; returns its chunk index.
 
         ``is_last`` defaults to "this chunk reaches ``num_pages``" (SGLang's
         rule). The last chunk carries the aux row given to ``init`` and
-        ``state`` (component -> indices). Returns at once; the broker posts
-        the transfer as soon as the receiver's transfer info is there.
+        ``state`` (component -> indices). ``room_page``, on the first chunk
+        only: the room page it starts at, for a sender that sends only the
+        pages after its receivers' prefix (``status().prefix_pages``); by
+        default the chunks are the whole room and the broker skips what each
+        receiver holds. Returns at once; the broker posts the transfer as
+        soon as the receiver's transfer info is there.
         """
-        chunk = self.prepare(pages, state=state, is_last=is_last)
+        chunk = self.prepare(pages, state=state, is_last=is_last, room_page=room_page)
         self.engine.session.submit_many([(self.room, chunk.make)])
         return self.commit(chunk)
 
-    def prepare(self, pages: Pages, *, state: Mapping[str, Pages] | None = None, is_last: bool | None = None) -> _Chunk:
+    def prepare(
+        self,
+        pages: Pages,
+        *,
+        state: Mapping[str, Pages] | None = None,
+        is_last: bool | None = None,
+        room_page: int | None = None,
+    ) -> _Chunk:
         """Check one chunk and build its command (``send`` without queueing it)."""
+        if room_page is not None:
+            room_page = _count(room_page, "room_page")
+            if self._chunks:
+                raise InvalidArgument(f"room {self.room}: only the first chunk may say where in the room it starts")
         if not self._opened:
             raise NotFound(f"room {self.room} is not open for sending on this engine rank; call BeginSend (init) first")
         if self._last_sent:
@@ -172,6 +187,8 @@ class KVSender(_Room):
             state=states,
         )
         request = transfer_pb2.SendChunkRequest(room=self.room, pages=encode_indices(array), is_last=last)
+        if room_page is not None:
+            request.room_page = room_page
         if last:
             if self.aux_row is not None:
                 request.aux_row = self.aux_row
@@ -200,17 +217,24 @@ class KVReceiver(_Room):
         pages: Pages,
         aux_row: int | None = None,
         state: Mapping[str, Pages] | None = None,
+        prefix_pages: int = 0,
     ) -> common_pb2.RoomStatus:
         """Open the room (ExpectRoom): destination pages in the order the
         sender's chunks fill them, the aux row, and state indices per
         component (components with no indices are not expected).
-        Returns at once; the room bootstraps in the background."""
-        (status,) = self.engine.session.open_rooms([(self.room, self.command(pages, aux_row, state))])
+        ``prefix_pages``: the leading pages of the room this rank already
+        holds (its prefix cache); ``pages`` are then the pages after them, and
+        only those are written. Returns at once; the room bootstraps in the
+        background."""
+        (status,) = self.engine.session.open_rooms([(self.room, self.command(pages, aux_row, state, prefix_pages))])
         return status
 
-    def command(self, pages: Pages, aux_row: int | None = None, state: Mapping[str, Pages] | None = None) -> MakeCommand:
+    def command(
+        self, pages: Pages, aux_row: int | None = None, state: Mapping[str, Pages] | None = None, prefix_pages: int = 0
+    ) -> MakeCommand:
         """Check the room's indices and build its ExpectRoom command."""
         self.engine.check_role(common_pb2.ROLE_DECODE, "expect rooms")
+        prefix_pages = _count(prefix_pages, "prefix_pages")
         array = as_indices(pages, "pages")
         if aux_row is not None:
             aux_row = as_index(aux_row, "aux_row")
@@ -220,6 +244,7 @@ class KVReceiver(_Room):
             room=self.room,
             sender=transfer_pb2.SenderRef(broker_address=self.sender.broker_address, group=self.sender.group),
             pages=encode_indices(array),
+            prefix_pages=prefix_pages,
         )
         if aux_row is not None:
             request.aux_row = aux_row
@@ -230,3 +255,10 @@ class KVReceiver(_Room):
 
 
 _NO_PAGES: IndexArray = as_indices([], "pages")
+
+
+def _count(value: int, name: str) -> int:
+    """A page count on the wire (uint32), checked."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise InvalidArgument(f"{name} must be a non-negative integer below 2**32, got {value!r}")
+    return value

@@ -61,7 +61,18 @@ def _pages(rng: np.random.Generator, n: int, start: int = 0) -> np.ndarray:
     return np.concatenate([runs[i] for i in rng.permutation(len(runs))]).astype(np.int32)
 
 
-def _move_rooms(p: BrokerProcess, d: BrokerProcess, model: ModelSpec, tag: str, rooms: int = 6, sender_address: str | None = None) -> None:
+def _move_rooms(
+    p: BrokerProcess,
+    d: BrokerProcess,
+    model: ModelSpec,
+    tag: str,
+    rooms: int = 6,
+    sender_address: str | None = None,
+    prefixed: bool = False,
+) -> None:
+    """Chunked rooms of random pages, checked byte for byte. ``prefixed``: each
+    decode rank holds a random number of the room's leading pages already
+    (incremental transfer); the prefill rank sends the whole room."""
     prefill = _Rank(p.address, "prefill", model, f"p-{tag}", seed=len(tag))
     decode = _Rank(d.address, "decode", model, f"d-{tag}")
     try:
@@ -73,13 +84,17 @@ def _move_rooms(p: BrokerProcess, d: BrokerProcess, model: ModelSpec, tag: str, 
             # Rooms in flight together must not share destination pages.
             src, dst = _pages(rng, n, start=20 * (i % 2)), _pages(rng, n, start=20 * i)
             room = base + i
-            decode.engine.receiver(room, SenderRef(sender_address if sender_address is not None else p.address, f"p-{tag}")).init(dst, aux_row=i % 8)
+            held = int(rng.integers(0, n + 1)) if prefixed else 0
+            dst = dst[held:]
+            decode.engine.receiver(room, SenderRef(sender_address if sender_address is not None else p.address, f"p-{tag}")).init(
+                dst, aux_row=i % 8, prefix_pages=held
+            )
             sender = prefill.engine.sender(room)
             sender.init(num_pages=n, aux_row=(i + 3) % 8)
             cuts = sorted(set(rng.integers(0, n, size=2).tolist()) | {0, n})
             for a, b in zip(cuts, cuts[1:]):
                 sender.send(src[a:b], is_last=b == n)
-            plans.append((room, src, dst, (i + 3) % 8, i % 8))
+            plans.append((room, src[held:], dst, (i + 3) % 8, i % 8))
         statuses = decode.engine.wait([r for r, *_ in plans], timeout_seconds=30)
         assert all(s.state == RoomState.SUCCESS for s in statuses.values()), statuses
         sent = prefill.engine.wait([r for r, *_ in plans], timeout_seconds=30)
@@ -119,6 +134,13 @@ def test_mla_rooms_arrive_byte_exact(brokers) -> None:
     """MLA layouts (one latent region per layer) move byte-exact too."""
     p, d = brokers
     _move_rooms(p, d, MLA, "mla")
+    _tables_empty(p, d)
+
+
+def test_incremental_rooms_write_only_the_pages_after_the_prefix(brokers) -> None:
+    """Over real NIXL: decode ranks that hold a room's leading pages get only the rest, byte-exact."""
+    p, d = brokers
+    _move_rooms(p, d, MHA, "prefix", rooms=8, prefixed=True)
     _tables_empty(p, d)
 
 

@@ -535,6 +535,10 @@ def _with_aux(draw: st.DrawFn, request: _AuxRequest) -> _AuxRequest:
 # stream, the broker fills that in).
 
 
+#: Prefixes a receiver holds and room pages a first chunk starts at (incremental transfer).
+room_page_counts = st.one_of(st.sampled_from((0, 0, 0, 1, 2, NUM_PAGES, U32)), st.integers(0, U32))
+
+
 @st.composite
 def expect_room_bodies(draw: st.DrawFn, sender_groups: st.SearchStrategy[str] = groups) -> transfer_pb2.ExpectRoomRequest:
     request = transfer_pb2.ExpectRoomRequest(
@@ -542,6 +546,7 @@ def expect_room_bodies(draw: st.DrawFn, sender_groups: st.SearchStrategy[str] = 
         sender=transfer_pb2.SenderRef(broker_address=draw(sender_addresses), group=draw(sender_groups)),
         pages=draw(page_indices),
         state=draw(states),
+        prefix_pages=draw(room_page_counts),
     )
     return _with_aux(draw, request)
 
@@ -558,6 +563,8 @@ def send_chunk_bodies(draw: st.DrawFn) -> transfer_pb2.SendChunkRequest:
     request = transfer_pb2.SendChunkRequest(
         room=draw(rooms), pages=draw(page_indices), is_last=draw(st.booleans()), state=draw(states)
     )
+    if draw(st.booleans()):
+        request.room_page = draw(room_page_counts)
     return _with_aux(draw, request)
 
 
@@ -604,6 +611,11 @@ def room_pairs(draw: st.DrawFn) -> list[Op]:
     dst_state = draw(st.lists(st.integers(0, ADV_STATE - 1), max_size=2))
     if dst_state:
         expect.state.add(component="swa", indices=common_pb2.PageIndices(values=dst_state))
+    held = draw(st.sampled_from((0, 0, 0, 1, 2, n + 1)))
+    if held:
+        # Incremental: the decode holds the room's first `held` pages (n + 1: more than the room has).
+        expect.prefix_pages = held
+        expect.pages.packed = _packed(dst[held:])
     declared = draw(st.sampled_from((n, n, 0, n + 1, max(n - 1, 0))))
     sends = [
         Op("pe", "transfer", "BeginSend", transfer_pb2.BeginSendRequest(engine_id="@pe", room=room, num_pages=declared))

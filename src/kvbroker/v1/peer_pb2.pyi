@@ -110,7 +110,7 @@ class SourcePlan(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomRequest(_message.Message):
-    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context")
+    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context", "prefix_pages")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class RegisterRoomRequest(_message.Message):
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
     room: int
     receiver_broker_id: str
     receiver: _common_pb2.EngineRankId
@@ -142,7 +143,8 @@ class RegisterRoomRequest(_message.Message):
     sender_broker_id: str
     protocol_version: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prefix_pages: int
+    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_pages: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomResponse(_message.Message):
     __slots__ = ()

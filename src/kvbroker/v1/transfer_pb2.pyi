@@ -66,20 +66,22 @@ class SenderRef(_message.Message):
     def __init__(self, broker_address: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class ExpectRoomRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state")
+    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state", "prefix_pages")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     AUX_ROW_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: int
     sender: SenderRef
     pages: _common_pb2.PageIndices
     aux_row: int
     state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ...) -> None: ...
+    prefix_pages: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., prefix_pages: _Optional[int] = ...) -> None: ...
 
 class ExpectRoomResponse(_message.Message):
     __slots__ = ("status",)
@@ -104,20 +106,22 @@ class BeginSendResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
 
 class SendChunkRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "pages", "is_last", "aux_row", "state")
+    __slots__ = ("engine_id", "room", "pages", "is_last", "aux_row", "state", "room_page")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
     AUX_ROW_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ROOM_PAGE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: int
     pages: _common_pb2.PageIndices
     is_last: bool
     aux_row: int
     state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., is_last: _Optional[bool] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ...) -> None: ...
+    room_page: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., is_last: _Optional[bool] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., room_page: _Optional[int] = ...) -> None: ...
 
 class SendChunkResponse(_message.Message):
     __slots__ = ("chunk_index", "status")
