@@ -31,7 +31,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -231,27 +231,7 @@ class EngineMemory:
         else:
             fd, raw, buffer_spec, mapping = _host_buffer(name, total)
             maps = [mapping]
-        layout = common_pb2.EngineLayout(
-            role=_ROLES[rank.role],
-            tp_size=rank.tp_size,
-            pp_size=rank.pp_size,
-            num_layers=model.num_layers,
-            layer_begin=begin,
-            layer_end=end,
-            page_size_tokens=model.page_size,
-            total_kv_heads=model.total_kv_heads,
-            kv_heads_per_rank=heads,
-            head_dim=model.head_dim,
-            dtype=model.dtype_name,
-            mla=model.mla,
-            regions=regions,
-            state_components=[
-                common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type])
-                for s in state
-                if s.layers_on(begin, end)
-            ],
-            pp_layer_begins=list(rank.layer_begins(model)),
-        )
+        layout = engine_layout(rank, model, regions, state)
         for start, stop in guards:
             raw[start:stop] = _canary(start, stop).to(raw.device)
         if raw.is_cuda:
@@ -277,6 +257,21 @@ class EngineMemory:
                     view(region).view(region.length_bytes // region.item_bytes, region.item_bytes)
                 )
         return memory
+
+    @classmethod
+    def adopt(
+        cls,
+        rank: RankSpec,
+        model: ModelSpec,
+        *,
+        kv: Mapping[int, Sequence[torch.Tensor]],
+        aux: Sequence[torch.Tensor] = (),
+    ) -> EngineMemory:
+        """The engine's own CPU tensors (``kv``: layer -> [k, v] or [mla]; aux
+        rows), moved into sealed memfds in place: see :mod:`kvbroker.client.adopt`."""
+        from kvbroker.client.adopt import adopt
+
+        return adopt(rank, model, kv=kv, aux=aux)
 
     def check_guards(self) -> list[str]:
         """The guard spans whose canary bytes changed (empty: nothing wrote outside a region)."""
@@ -327,13 +322,51 @@ class EngineMemory:
         self._maps.clear()
 
 
-def _host_buffer(name: str, total: int) -> tuple[int, torch.Tensor, common_pb2.BufferSpec, mmap.mmap]:
-    """A sealed memfd of ``total`` zero bytes, mapped here: (fd, bytes, spec, mapping)."""
+def engine_layout(
+    rank: RankSpec, model: ModelSpec, regions: Sequence[common_pb2.Region], state: Sequence[StateSpec] = ()
+) -> common_pb2.EngineLayout:
+    """The layout message of ``rank``'s memory, given its regions."""
+    if rank.role not in _ROLES:
+        raise InvalidArgument(f"role must be 'prefill' or 'decode', got {rank.role!r}")
+    begin, end = rank.layer_range(model)
+    return common_pb2.EngineLayout(
+        role=_ROLES[rank.role],
+        tp_size=rank.tp_size,
+        pp_size=rank.pp_size,
+        num_layers=model.num_layers,
+        layer_begin=begin,
+        layer_end=end,
+        page_size_tokens=model.page_size,
+        total_kv_heads=model.total_kv_heads,
+        kv_heads_per_rank=model.heads_per_rank(rank.tp_size),
+        head_dim=model.head_dim,
+        dtype=model.dtype_name,
+        mla=model.mla,
+        regions=regions,
+        state_components=[
+            common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type]) for s in state if s.layers_on(begin, end)
+        ],
+        pp_layer_begins=list(rank.layer_begins(model)),
+    )
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` zero bytes, sealed so it can neither shrink nor grow
+    (the broker refuses buffers that could shrink under it: SIGBUS)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, total)
-        # The broker refuses buffers that could shrink under it (SIGBUS).
+        os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _host_buffer(name: str, total: int) -> tuple[int, torch.Tensor, common_pb2.BufferSpec, mmap.mmap]:
+    """A sealed memfd of ``total`` zero bytes, mapped here: (fd, bytes, spec, mapping)."""
+    fd = sealed_memfd(name, total)
+    try:
         mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

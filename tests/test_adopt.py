@@ -1,0 +1,123 @@
+"""Memory the engine already has: its own CPU KV tensors, moved into shareable memory in place,
+registered, and moved byte-exact between two brokers."""
+
+from __future__ import annotations
+
+import fcntl
+
+import numpy as np
+import pytest
+import torch
+
+from kvbroker import errors
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
+
+from .conftest import SMALL_MODEL
+
+HEADS, PAGES = SMALL_MODEL.total_kv_heads, 16
+
+
+def _engine_kv(seed: int) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+    """KV as an engine might allocate it: one flat allocation, a K and a V view per layer
+    (SGLang's token-major [tokens, heads, head_dim] buffers), filled with values."""
+    per = PAGES * SMALL_MODEL.page_size * HEADS * SMALL_MODEL.head_dim
+    flat = torch.randn(SMALL_MODEL.num_layers * 2 * per, generator=torch.Generator().manual_seed(seed)).to(SMALL_MODEL.dtype)
+    views = flat.view(SMALL_MODEL.num_layers, 2, PAGES * SMALL_MODEL.page_size, HEADS, SMALL_MODEL.head_dim)
+    kv = {layer: [views[layer, 0], views[layer, 1]] for layer in range(SMALL_MODEL.num_layers)}
+    return flat, kv
+
+
+def test_the_engines_tensors_move_into_a_sealed_memfd_in_place() -> None:
+    """Each tensor object keeps its identity, shape and contents and now lives in a sealed memfd the
+    broker can map; writes through the tensor land in that memory."""
+    flat, kv = _engine_kv(1)
+    before = {layer: [t.clone() for t in ts] for layer, ts in kv.items()}
+    objects = [id(t) for ts in kv.values() for t in ts]
+    aux = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    memory = EngineMemory.adopt(RankSpec("g", "decode"), SMALL_MODEL, kv=kv, aux=[aux])
+    try:
+        assert [id(t) for ts in kv.values() for t in ts] == objects
+        for layer, ts in kv.items():
+            for now, then in zip(ts, before[layer]):
+                assert torch.equal(now, then) and now.untyped_storage().is_shared()
+        assert flat.untyped_storage().is_shared()  # the views' base moved with them
+        assert len(memory.buffers) == 2  # the KV allocation and the aux tensor
+        fd, spec = memory.buffers[0]
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK and spec.size_bytes % 4096 == 0
+        kv[1][0][5, 1, 3] = 7.0  # the engine computes into its tensor...
+        k1 = memory.layout.regions[2]
+        assert (k1.layer_id, k1.kind) == (1, 1) and k1.item_bytes == SMALL_MODEL.page_size * HEADS * SMALL_MODEL.head_dim * 2
+        mirror = np.memmap(f"/proc/self/fd/{fd}", dtype=np.float16, mode="r")  # ...and the shared memory has it
+        index = k1.offset_bytes // 2 + (5 * HEADS + 1) * SMALL_MODEL.head_dim + 3
+        assert mirror[index] == 7.0
+        assert torch.equal(memory.aux[0], aux)
+    finally:
+        memory.close()
+
+
+def test_other_views_of_the_memory_are_refused_before_anything_moves() -> None:
+    """A tensor the engine keeps but did not pass would stay behind on the old memory: refused, naming it."""
+    flat, kv = _engine_kv(2)
+    kept = flat[:100]  # e.g. a scratch view the engine keeps of its KV allocation
+    with pytest.raises(errors.InvalidArgument, match="1 more tensor"):
+        EngineMemory.adopt(RankSpec("g", "decode"), SMALL_MODEL, kv=kv)
+    assert not flat.untyped_storage().is_shared() and kept.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("kv", "message"),
+    [
+        ({0: [torch.zeros(64, 2, 8, dtype=torch.float16)]}, "give"),
+        ({0: [torch.zeros(64, 2, 8, dtype=torch.float32)] * 2, 1: [torch.zeros(64, 2, 8, dtype=torch.float32)] * 2}, "dtype"),
+        ({layer: [torch.zeros(8, 64, 2, dtype=torch.float16).transpose(0, 1)] * 2 for layer in (0, 1)}, "not contiguous"),
+        ({layer: [torch.zeros(63, 2, 8, dtype=torch.float16)] * 2 for layer in (0, 1)}, "whole pages"),
+    ],
+    ids=["one-tensor", "dtype", "strided", "partial-page"],
+)
+def test_tensors_the_broker_cannot_address_are_refused(kv: dict[int, list[torch.Tensor]], message: str) -> None:
+    with pytest.raises(errors.InvalidArgument, match=message):
+        EngineMemory.adopt(RankSpec("g", "decode"), SMALL_MODEL, kv=kv)
+
+
+@pytest.mark.nixl
+def test_adopted_memory_moves_byte_exact_between_two_broker_processes(tmp_path) -> None:
+    """Real NIXL between two `kvbroker serve` processes: both engines' own KV tensors, adopted."""
+    from kvbroker.testing import BrokerProcess
+
+    brokers = BrokerProcess.start_many(["prefill", "decode"], tmp_path, ["--log-level", "warning"])
+    memories, clients = [], []
+    try:
+        engines = []
+        for broker, role, seed in ((brokers[0], "prefill", 3), (brokers[1], "decode", 4)):
+            flat, kv = _engine_kv(seed)
+            del flat
+            aux = torch.full((4, 16), seed, dtype=torch.uint8)
+            memory = EngineMemory.adopt(RankSpec(f"{role}-adopted", role), SMALL_MODEL, kv=kv, aux=[aux])  # type: ignore[arg-type]
+            client = BrokerClient(broker.address)
+            memories.append((memory, kv, aux))
+            clients.append(client)
+            engines.append(client.register_engine(RankSpec(f"{role}-adopted", role), memory))  # type: ignore[arg-type]
+        pe, de = engines
+        src, dst = np.array([1, 2, 9], dtype=np.int32), np.array([7, 0, 12], dtype=np.int32)
+        receiver = de.receiver(1, SenderRef(brokers[0].address, "prefill-adopted"))
+        receiver.init(dst, aux_row=3)
+        sender = pe.sender(1)
+        sender.init(3, aux_row=0)
+        sender.send(src)
+        assert receiver.wait(20).state == RoomState.SUCCESS
+        (pm, pkv, paux), (dm, dkv, daux) = memories
+        ps = SMALL_MODEL.page_size
+        for layer in range(SMALL_MODEL.num_layers):
+            for a, b in zip(pkv[layer], dkv[layer]):
+                for s, d in zip(src, dst):
+                    assert torch.equal(a[s * ps : (s + 1) * ps], b[d * ps : (d + 1) * ps]), f"layer {layer}"
+        assert torch.equal(daux[3], paux[0])
+        for engine in engines:
+            engine.close()
+    finally:
+        for client in clients:
+            client.close()
+        for memory, _, _ in memories:
+            memory.close()
+        for broker in brokers:
+            broker.stop()
