@@ -114,7 +114,8 @@ class SourceExpectation:
     #: a notice's part index is checked against ``MAX_PARTS`` first).
     parts_received: dict[int, int] = field(default_factory=dict)
     parts_expected: dict[int, int] = field(default_factory=dict)
-    pages_by_chunk: dict[int, int] = field(default_factory=dict)
+    #: chunk index -> (offset in the receiver's pages, pages) of the chunk.
+    chunk_pages: dict[int, tuple[int, int]] = field(default_factory=dict)
     total_chunks: int | None = None
     aux_seen: bool = False
     components_seen: frozenset[str] = NO_COMPONENTS
@@ -132,7 +133,16 @@ class SourceExpectation:
         return sum(1 for c, mask in self.parts_received.items() if mask.bit_count() == self.parts_expected.get(c, -1))
 
     def pages_landed(self) -> int:
-        return sum(self.pages_by_chunk.values())
+        return sum(pages for _, pages in self.chunk_pages.values())
+
+    def landed_positions(self) -> set[int]:
+        """Positions in the receiver's pages of the chunks every part of which landed."""
+        return {
+            position
+            for chunk, (offset, pages) in self.chunk_pages.items()
+            if self.parts_of(chunk) == self.parts_expected.get(chunk, -1)
+            for position in range(offset, offset + pages)
+        }
 
     def all_parts_landed(self) -> bool:
         """Every part of every chunk of the source's last notice's count has landed."""
@@ -177,6 +187,26 @@ class Receiver(Side):
 
     def known_prefix(self) -> int:
         return self.prefix_pages
+
+    def status(self) -> common_pb2.RoomStatus:
+        status = Side.status(self)
+        if self.state == FAILED and self.pages_settled and self.pages.size:
+            status.landed_pages.packed = encode_indices(self.pages[sorted(self.landed_positions())]).packed
+        return status
+
+    def landed_positions(self) -> set[int]:
+        """Positions in ``pages`` that arrived whole: every source that writes
+        them delivered them (all the parts of a chunk that covers them).
+        Meaningful once the pages are settled (nothing can still land)."""
+        if self.state == SUCCESS:
+            return set(range(int(self.pages.size)))
+        writers = [e for e in (self.expected or {}).values() if e.plan.writes_data]
+        if not writers or not self.registered_with_sender:
+            return set()
+        landed = writers[0].landed_positions()
+        for exp in writers[1:]:
+            landed &= exp.landed_positions()
+        return landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,7 +523,7 @@ class ReceiverCore:
     def _landed(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
         exp.parts_received[notice.chunk_index] = exp.parts_received.get(notice.chunk_index, 0) | 1 << notice.part
         exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
-        exp.pages_by_chunk[notice.chunk_index] = notice.pages
+        exp.chunk_pages[notice.chunk_index] = (notice.page_offset, notice.pages)
         exp.aux_seen |= notice.aux
         if notice.state_components:
             exp.components_seen = exp.components_seen.union(notice.state_components)

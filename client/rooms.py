@@ -27,7 +27,7 @@ import numpy.typing as npt
 from kvbroker.broker.validation import check_chunk, check_room_indices
 from kvbroker.client.tracecontext import current_trace_context
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, RoomFailed
-from kvbroker.indices import IndexArray, as_index, as_indices, encode_indices
+from kvbroker.indices import IndexArray, as_index, as_indices, decode_indices, encode_indices
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:
@@ -228,6 +228,14 @@ class KVReceiver(_Room):
         background."""
         (status,) = self.engine.session.open_rooms([(self.room, self.command(pages, aux_row, state, prefix_pages))])
         return status
+
+    def landed_pages(self) -> IndexArray:
+        """The room's pages that arrived whole, known once the room FAILED and
+        its pages are settled (``RoomStatus.landed_pages``): the engine need
+        recompute only the others. Empty before that; on SUCCESS every page
+        arrived. Aux and state come with the last chunk: after a failure, do
+        not trust them."""
+        return decode_indices(self.status().landed_pages, what="landed pages")
 
     def command(
         self, pages: Pages, aux_row: int | None = None, state: Mapping[str, Pages] | None = None, prefix_pages: int = 0

@@ -607,13 +607,14 @@ def test_transfer_info_plan_for() -> None:
 
 
 def test_source_expectation_counts() -> None:
-    """chunks_landed counts chunks with every part in; pages_landed sums pages."""
+    """chunks_landed counts chunks with every part in; pages_landed sums pages; landed_positions
+    lists the positions of the chunks with every part in."""
     exp = SourceExpectation(plan=_plan(), expects_aux=True, expected_components=frozenset())
     exp.parts_expected = {0: 2, 1: 1}
     exp.parts_received = {0: 0b01, 1: 0b01}  # bit i: part i
-    exp.pages_by_chunk = {0: 4, 1: 3}
-    assert exp.chunks_landed() == 1
+    exp.chunk_pages = {0: (0, 4), 1: (4, 3)}
+    assert exp.chunks_landed() == 1 and exp.landed_positions() == {4, 5, 6}
     assert exp.has_part(0, 0) and not exp.has_part(0, 1) and exp.parts_of(0) == 1
     exp.parts_received[0] |= 0b10
     assert exp.chunks_landed() == 2 and exp.parts_of(0) == 2
-    assert exp.pages_landed() == 7
+    assert exp.pages_landed() == 7 and exp.landed_positions() == set(range(7))

@@ -209,7 +209,7 @@ class StateIndices(_message.Message):
     def __init__(self, component: _Optional[str] = ..., indices: _Optional[_Union[PageIndices, _Mapping]] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
-    __slots__ = ("room", "state", "cause", "pages_settled", "chunks", "bytes", "prefix_pages")
+    __slots__ = ("room", "state", "cause", "pages_settled", "chunks", "bytes", "prefix_pages", "landed_pages")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class RoomStatus(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LANDED_PAGES_FIELD_NUMBER: _ClassVar[int]
     room: int
     state: RoomState
     cause: FailureCause
@@ -224,4 +225,5 @@ class RoomStatus(_message.Message):
     chunks: int
     bytes: int
     prefix_pages: int
-    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[RoomState, str]] = ..., cause: _Optional[_Union[FailureCause, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., prefix_pages: _Optional[int] = ...) -> None: ...
+    landed_pages: PageIndices
+    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[RoomState, str]] = ..., cause: _Optional[_Union[FailureCause, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., prefix_pages: _Optional[int] = ..., landed_pages: _Optional[_Union[PageIndices, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,76 @@
+"""The transfer outcome per page: after a failure, once its pages are settled, a receiver learns
+which of its pages arrived whole, so an engine recomputes only the others."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvbroker.client import RoomState, SenderRef
+from kvbroker.testing import eventually
+
+from .conftest import SMALL_MODEL, page_bytes
+
+SRC = np.array([3, 4, 5, 9, 10, 20], dtype=np.int32)
+DST = np.array([0, 1, 2, 7, 8, 30], dtype=np.int32)
+
+
+def test_pages_of_the_chunks_that_landed_are_reported_after_an_abort(fake_brokers, make_engine) -> None:
+    """Two of three chunks land, then the prefill engine aborts: the receiver's settled status lists
+    exactly the pages of those two chunks, and they hold the sender's bytes."""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    receiver = de.handle.receiver(60, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    sender = pe.handle.sender(60)
+    sender.init(len(SRC), aux_row=1)
+    sender.send(SRC[:2])
+    sender.send(SRC[2:4])
+    # (The session hears of state changes; chunks landing within TRANSFERRING show in the broker's record.)
+    def chunks_landed() -> list[int]:
+        room = d.broker.rooms.receiver.get(60)
+        return [r.chunks for r in room.ranks.values()] if room is not None else []
+
+    eventually(lambda: d.loop.call(chunks_landed) == [2], 10)
+    assert receiver.landed_pages().size == 0  # not failed: nothing to report
+    sender.abort("prefill preempted")
+    eventually(lambda: receiver.status().pages_settled, 10)
+    status = receiver.status()
+    assert status.state == RoomState.FAILED
+    assert receiver.landed_pages().tolist() == DST[:4].tolist()
+    for layer in range(SMALL_MODEL.num_layers):
+        for a, b in zip(page_bytes(pe.memory, layer, SRC[:4]), page_bytes(de.memory, layer, DST[:4])):
+            assert torch.equal(a, b)
+
+
+def test_a_page_is_whole_only_when_every_source_that_writes_it_delivered_it(fake_brokers, make_engine) -> None:
+    """Prefill tp 2 -> decode tp 1: each prefill rank writes half the heads of every page. One rank
+    sends both chunks, the other only the first, then aborts: only the first chunk's pages are whole."""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    pes = [make_engine(p.address, "prefill", tp_size=2, tp_rank=r, seed=r + 1) for r in range(2)]
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(61, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    senders = [e.handle.sender(61) for e in pes]
+    for sender in senders:
+        sender.init(len(SRC), aux_row=1)
+        sender.send(SRC[:3])
+    senders[0].send(SRC[3:])
+    assert senders[0].wait(10).state == RoomState.SUCCESS
+    senders[1].abort("prefill rank 1 preempted")
+    eventually(lambda: receiver.status().pages_settled, 10)
+    assert receiver.status().state == RoomState.FAILED
+    assert receiver.landed_pages().tolist() == DST[:3].tolist()
+
+
+def test_a_room_that_never_registered_reports_no_page(fake_brokers, make_engine) -> None:
+    """Aborted before the sender's broker had it: nothing can have landed."""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    de = make_engine(d.address, "decode")
+    make_engine(p.address, "prefill")
+    receiver = de.handle.receiver(62, SenderRef(p.address, "no-such-group"))
+    receiver.init(DST, aux_row=2)
+    receiver.abort("client went away")
+    assert receiver.wait(10).state == RoomState.FAILED
+    eventually(lambda: receiver.status().pages_settled, 10)
+    assert receiver.landed_pages().size == 0
