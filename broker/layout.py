@@ -38,7 +38,22 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
 }
 
-_KV_KINDS = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA)
+_KV_KINDS = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA, common_pb2.REGION_KIND_KV)
+FUSED = common_pb2.KV_LAYOUT_HND_FUSED
+
+
+def kv_kinds_of(mla: bool, kv_layout: int) -> tuple[int, ...]:
+    """Region kinds holding one layer's KV: (MLA,), (KV,) fused, or (KEY, VALUE)."""
+    if mla:
+        return (common_pb2.REGION_KIND_MLA,)
+    if kv_layout == FUSED:
+        return (common_pb2.REGION_KIND_KV,)
+    return (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+
+
+def kv_page_bytes_of(page_size: int, heads: int, head_dim: int, dtype_bytes: int, kv_layout: int) -> int:
+    """Bytes of one KV page of one layer region (a fused region holds keys and values)."""
+    return page_size * heads * head_dim * dtype_bytes * (2 if kv_layout == FUSED else 1)
 
 #: Limits that keep one registration or handshake from exhausting the broker.
 MAX_LAYERS = 1 << 16
@@ -122,6 +137,8 @@ class Layout:
     aux_rows: int
     #: component name -> items per region of that component.
     state_items: dict[str, int]
+    #: common_pb2.KvLayout: how each layer's KV lies in memory.
+    kv_layout: int = common_pb2.KV_LAYOUT_NHD
 
     @property
     def dtype_bytes(self) -> int:
@@ -130,13 +147,11 @@ class Layout:
     @property
     def kv_page_bytes(self) -> int:
         """Bytes of one KV page of one layer region on this rank."""
-        return self.page_size_tokens * self.kv_heads_per_rank * self.head_dim * self.dtype_bytes
+        return kv_page_bytes_of(self.page_size_tokens, self.kv_heads_per_rank, self.head_dim, self.dtype_bytes, self.kv_layout)
 
     def kv_kinds(self) -> tuple[int, ...]:
-        """Region kinds holding KV: (MLA,) or (KEY, VALUE)."""
-        if self.mla:
-            return (common_pb2.REGION_KIND_MLA,)
-        return (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+        """Region kinds holding KV: (MLA,), (KV,) or (KEY, VALUE)."""
+        return kv_kinds_of(self.mla, self.kv_layout)
 
     def layer_range_of_pp_rank(self, pp_rank: int) -> tuple[int, int]:
         """[begin, end) of the layers that pp rank ``pp_rank`` of this group holds."""
@@ -190,6 +205,10 @@ class Layout:
             raise InvalidArgument("page_size_tokens and head_dim must be at least 1")
         if msg.dtype not in DTYPE_BYTES:
             raise InvalidArgument(f"unknown dtype {msg.dtype!r}; known: {sorted(DTYPE_BYTES)}")
+        if msg.kv_layout not in common_pb2.KvLayout.values():
+            raise InvalidArgument(f"unknown kv_layout {msg.kv_layout}")
+        if msg.mla and msg.kv_layout != common_pb2.KV_LAYOUT_NHD:
+            raise InvalidArgument("an MLA layout has one latent region per layer: kv_layout must be KV_LAYOUT_NHD")
         _check_heads(msg)
 
         regions = tuple(_region_view(i, r, buffer_sizes) for i, r in enumerate(msg.regions))
@@ -224,6 +243,7 @@ class Layout:
             num_pages=num_pages,
             aux_rows=aux_rows,
             state_items=state_items,
+            kv_layout=msg.kv_layout,
         )
 
 
@@ -282,14 +302,15 @@ def _check_no_overlap(regions: tuple[RegionView, ...]) -> None:
 
 
 def _index_kv(msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...]) -> tuple[dict[tuple[int, int], int], int]:
-    kinds = (common_pb2.REGION_KIND_MLA,) if msg.mla else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+    kinds = kv_kinds_of(msg.mla, msg.kv_layout)
     kv: dict[tuple[int, int], int] = {}
     for region in regions:
         if region.kind not in _KV_KINDS:
             continue
         name = common_pb2.RegionKind.Name(region.kind)
         if region.kind not in kinds:
-            raise InvalidArgument(f"region {region.index}: {name} does not belong in an {'MLA' if msg.mla else 'MHA/GQA'} layout")
+            what = "an MLA" if msg.mla else "a fused (KV_LAYOUT_HND_FUSED)" if msg.kv_layout == FUSED else "an MHA/GQA"
+            raise InvalidArgument(f"region {region.index}: {name} does not belong in {what} layout")
         if not msg.layer_begin <= region.layer_id < msg.layer_end:
             raise InvalidArgument(
                 f"region {region.index}: layer {region.layer_id} is outside this rank's layers [{msg.layer_begin}, {msg.layer_end})"
@@ -306,14 +327,15 @@ def _index_kv(msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...]) -> 
             break
     if missing:
         raise InvalidArgument(f"KV regions missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    page_bytes = msg.page_size_tokens * msg.kv_heads_per_rank * msg.head_dim * DTYPE_BYTES[msg.dtype]
+    page_bytes = kv_page_bytes_of(msg.page_size_tokens, msg.kv_heads_per_rank, msg.head_dim, DTYPE_BYTES[msg.dtype], msg.kv_layout)
     counts = set()
     for index in kv.values():
         region = regions[index]
         if region.item_bytes != page_bytes:
             raise InvalidArgument(
                 f"region {index}: item_bytes {region.item_bytes} is not one page "
-                f"({msg.page_size_tokens} tokens x {msg.kv_heads_per_rank} heads x {msg.head_dim} x {msg.dtype} = {page_bytes})"
+                f"({msg.page_size_tokens} tokens x {msg.kv_heads_per_rank} heads x {msg.head_dim}"
+                f"{' x 2 (keys and values)' if msg.kv_layout == FUSED else ''} x {msg.dtype} = {page_bytes})"
             )
         counts.add(region.items)
     if len(counts) != 1:

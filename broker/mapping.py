@@ -39,13 +39,14 @@ from typing import Any
 
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.errors import FailedPrecondition, Unimplemented
-from kvbroker.v1 import peer_pb2
+from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = ["GroupShape", "SourcePlan", "check_compatible", "check_state_supported", "rank_heads", "plan_sources"]
 
 FULL_PAGES = peer_pb2.SOURCE_MODE_FULL_PAGES
 HEAD_SLICE = peer_pb2.SOURCE_MODE_HEAD_SLICE
 COMPLETION_ONLY = peer_pb2.SOURCE_MODE_COMPLETION_ONLY
+_FUSED = common_pb2.KV_LAYOUT_HND_FUSED
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class GroupShape:
     head_dim: int
     dtype: str
     page_size_tokens: int
+    kv_layout: int = 0
 
     @classmethod
     def of(cls, layout: Layout) -> GroupShape:
@@ -74,6 +76,7 @@ class GroupShape:
             head_dim=layout.head_dim,
             dtype=layout.dtype,
             page_size_tokens=layout.page_size_tokens,
+            kv_layout=layout.kv_layout,
         )
 
     def layer_range(self, pp_rank: int) -> tuple[int, int]:
@@ -156,7 +159,7 @@ def check_compatible(sender: GroupShape, receiver: GroupShape) -> None:
     problems = []
     if sender.mla != receiver.mla:
         problems.append(f"mla {sender.mla} vs {receiver.mla}")
-    for field in ("num_layers", "page_size_tokens", "dtype", "head_dim", "total_kv_heads"):
+    for field in ("num_layers", "page_size_tokens", "dtype", "head_dim", "total_kv_heads", "kv_layout"):
         a, b = getattr(sender, field), getattr(receiver, field)
         if a != b:
             problems.append(f"{field} {a} vs {b}")
@@ -202,6 +205,10 @@ def _tp_sources(sender: GroupShape, receiver: GroupShape, receiver_tp: int) -> l
         if pd % ps:
             raise Unimplemented(f"MLA tp {ps} -> {pd}: the larger tp size must be a multiple of the smaller")
         return [_TpSource(receiver_tp // (pd // ps), FULL_PAGES)]
+    if sender.kv_layout == _FUSED:
+        raise Unimplemented(
+            f"KV_LAYOUT_HND_FUSED tp {ps} -> {pd}: head slices of the fused layout are not implemented; use equal tp sizes"
+        )
     total = sender.total_kv_heads
     for p in (ps, pd):
         if (total >= p and total % p) or (total < p and p % total):

@@ -103,6 +103,8 @@ def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) 
     """(source region, receiver region) of every KV kind of every layer in the range, paired by layer id."""
     if src.mla != dst.mla:
         raise FailedPrecondition("one side is MLA and the other is not")
+    if src.kv_layout != dst.kv_layout:
+        raise FailedPrecondition("the two sides lay out their KV differently (kv_layout)")
     return list(zip(kv_regions(src, layer_begin, layer_end, "sender"), kv_regions(dst, layer_begin, layer_end, "receiver")))
 
 

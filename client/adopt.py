@@ -19,10 +19,11 @@ into memory the broker never sees. :func:`adopt` counts the storage's
 users before it moves anything and refuses with ``InvalidArgument`` naming
 what to pass instead. It never copies at transfer time.
 
-KV tensors are in kvbroker's page layout (``EngineMemory``'s: per layer a
-K and a V tensor, or one MLA tensor, ``[num_pages, page_size, heads,
-head_dim]``, or any contiguous tensor of whole such pages, such as
-SGLang's ``[tokens, heads, head_dim]`` buffers). Aux tensors are
+KV tensors are whole pages of the model's ``kv_layout``: "nhd" (per layer
+a K and a V tensor, or one MLA tensor, ``[num_pages, page_size, heads,
+head_dim]``, or any contiguous tensor of whole such pages, such as SGLang's
+``[tokens, heads, head_dim]`` buffers) or "hnd_fused" (one tensor per
+layer, ``[num_pages, heads, page_size, 2 * head_dim]``: vLLM's CPU cache). Aux tensors are
 ``[rows, ...]``, one row per request slot. CUDA tensors are not taken here
 (VRAM goes through ``EngineMemory.allocate(device="cuda")`` for now).
 """
@@ -64,26 +65,28 @@ def adopt(
     kv: Mapping[int, Sequence[torch.Tensor]],
     aux: Sequence[torch.Tensor] = (),
 ) -> EngineMemory:
-    """The engine's own KV (``kv``: layer -> [k, v], or [mla]) and aux tensors,
+    """The engine's own KV (``kv``: layer -> [k, v], [mla], or [kv] for
+    the fused layout) and aux tensors,
     moved into sealed memfds in place, as an :class:`EngineMemory` to
     register. See the module docstring for what is checked."""
     begin, end = rank.layer_range(model)
     if sorted(kv) != list(range(begin, end)):
         raise InvalidArgument(f"kv must give layers {begin}..{end - 1} of this rank, got {sorted(kv)}")
-    heads = model.heads_per_rank(rank.tp_size)
-    page_elems = model.page_size * heads * model.head_dim
-    per_layer = 1 if model.mla else 2
+    if model.mla and model.fused:
+        raise InvalidArgument("an MLA model has one latent tensor per layer: kv_layout must be 'nhd'")
+    page_shape = model.page_shape(rank.tp_size)
+    page_elems = page_shape[0] * page_shape[1] * page_shape[2]
+    kinds = model.kv_kinds()
+    per_layer = len(kinds)
     num_pages = None
     for layer, tensors in kv.items():
         if len(tensors) != per_layer:
-            raise InvalidArgument(f"layer {layer}: give {'[mla]' if model.mla else '[k, v]'}, got {len(tensors)} tensors")
+            want = "[mla]" if model.mla else "[kv]" if model.fused else "[k, v]"
+            raise InvalidArgument(f"layer {layer}: give {want}, got {len(tensors)} tensors")
         for tensor in tensors:
             _check(tensor, f"layer {layer}", model.dtype)
             if tensor.numel() % page_elems:
-                raise InvalidArgument(
-                    f"layer {layer}: {tuple(tensor.shape)} is not whole pages of {model.page_size} tokens x {heads} heads x "
-                    f"{model.head_dim}"
-                )
+                raise InvalidArgument(f"layer {layer}: {tuple(tensor.shape)} is not whole pages of {page_shape}")
             pages = tensor.numel() // page_elems
             if num_pages is None:
                 num_pages = pages
@@ -129,12 +132,10 @@ def adopt(
     buffer_of = {id(t): entry.buffer for entry in storages for t in entry.tensors}
     regions: list[common_pb2.Region] = []
     memory = EngineMemory(layout=common_pb2.EngineLayout(), buffers=buffers)
-    kinds = (common_pb2.REGION_KIND_MLA,) if model.mla else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
     for layer in sorted(kv):
         for kind, tensor in zip(kinds, kv[layer]):
             regions.append(_region(kind, tensor, buffer_of[id(tensor)], page_elems * tensor.element_size(), layer))
-            target = {common_pb2.REGION_KIND_KEY: memory.k, common_pb2.REGION_KIND_VALUE: memory.v}.get(kind, memory.mla)
-            target[layer] = tensor.view(-1, model.page_size, heads, model.head_dim)
+            memory.kv_target(kind)[layer] = tensor.view(-1, *page_shape)
     for rows in aux:
         row_bytes = rows.numel() // rows.shape[0] * rows.element_size()
         regions.append(_region(common_pb2.REGION_KIND_AUX, rows, buffer_of[id(rows)], row_bytes))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -59,6 +60,8 @@ class BrokerClient:
     ) -> None:
         self.address = address
         self.timeout_seconds = timeout_seconds
+        #: Engines registered through this client (their sessions use its channel).
+        self._handles: weakref.WeakSet[EngineHandle] = weakref.WeakSet()
         channel = _channel(address, credentials)
         try:
             stub = transfer_pb2_grpc.TransferBrokerStub(channel)
@@ -118,7 +121,9 @@ class BrokerClient:
         register again if the broker restarts.
         """
         engine_id, fd_sock = self.upload_and_register(rank, memory)
-        return EngineHandle(self, engine_id, rank, memory, fd_sock, self.info.broker_id)
+        handle = EngineHandle(self, engine_id, rank, memory, fd_sock, self.info.broker_id)
+        self._handles.add(handle)
+        return handle
 
     def refresh_info(self, *, timeout_seconds: float | None = None) -> transfer_pb2.BrokerInfo:
         """Ask the broker for its info again (after a restart: a new broker_id),
@@ -158,6 +163,11 @@ class BrokerClient:
         return response.engine_id, fd_sock
 
     def close(self) -> None:
+        """Close the channel. The session streams of engines still registered
+        through it stop first (their threads would otherwise call into a closed
+        channel); closing does not unregister them (``EngineHandle.close`` does)."""
+        for handle in list(self._handles):
+            handle.session.close(1.0)
         self._channel.close()
 
     def __enter__(self) -> BrokerClient:

@@ -45,6 +45,7 @@ __all__ = ["EngineMemory", "ModelSpec", "RankSpec", "StateSpec", "even_pp_layer_
 
 _ALIGN = 4096
 _ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+_KV_KINDS = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA, common_pb2.REGION_KIND_KV)
 _STATE_TYPES = {"mamba": common_pb2.STATE_TYPE_MAMBA, "swa": common_pb2.STATE_TYPE_SWA, "nsa": common_pb2.STATE_TYPE_NSA}
 
 
@@ -60,10 +61,34 @@ class ModelSpec:
     #: Tokens per page.
     page_size: int
     mla: bool = False
+    #: How each layer's KV lies in memory: "nhd" (a K and a V tensor per
+    #: layer, ``[pages, page_size, heads, head_dim]``; SGLang) or "hnd_fused"
+    #: (one tensor per layer, ``[pages, heads, page_size, 2 * head_dim]``,
+    #: keys before values; vLLM's CPU KV cache: equal tp sizes only).
+    kv_layout: Literal["nhd", "hnd_fused"] = "nhd"
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def fused(self) -> bool:
+        return self.kv_layout == "hnd_fused"
+
+    def kv_kinds(self) -> tuple[int, ...]:
+        """The region kinds of one layer's KV."""
+        if self.mla:
+            return (common_pb2.REGION_KIND_MLA,)
+        if self.fused:
+            return (common_pb2.REGION_KIND_KV,)
+        return (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+
+    def page_shape(self, tp_size: int) -> tuple[int, int, int]:
+        """The shape of one page of one KV tensor on a rank of ``tp_size``."""
+        heads = self.heads_per_rank(tp_size)
+        if self.fused:
+            return (heads, self.page_size, 2 * self.head_dim)
+        return (self.page_size, heads, self.head_dim)
 
     def heads_per_rank(self, tp_size: int) -> int:
         return 1 if self.mla else max(1, self.total_kv_heads // tp_size)
@@ -137,6 +162,8 @@ class EngineMemory:
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
     mla: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: KV_LAYOUT_HND_FUSED: one tensor per layer, ``[pages, heads, page_size, 2 * head_dim]``.
+    kv: dict[int, torch.Tensor] = field(default_factory=dict)
     aux: list[torch.Tensor] = field(default_factory=list)
     state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: The whole buffer as uint8 (for tests that check bytes around regions).
@@ -175,10 +202,10 @@ class EngineMemory:
         if aux_row_bytes and aux_rows < 1:
             raise InvalidArgument("aux_rows must be at least 1 when aux_row_bytes is given")
         begin, end = rank.layer_range(model)
-        heads = model.heads_per_rank(rank.tp_size)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
-        page_bytes = model.page_size * heads * model.head_dim * itemsize
-        kinds = (common_pb2.REGION_KIND_MLA,) if model.mla else (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+        page_shape = model.page_shape(rank.tp_size)
+        page_bytes = page_shape[0] * page_shape[1] * page_shape[2] * itemsize
+        kinds = model.kv_kinds()
 
         regions: list[common_pb2.Region] = []
         if guard_bytes % _ALIGN:
@@ -242,14 +269,8 @@ class EngineMemory:
             return raw[region.offset_bytes : region.offset_bytes + region.length_bytes]
 
         for region in regions:
-            if region.kind in (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA):
-                tensor = view(region).view(model.dtype).view(num_pages, model.page_size, heads, model.head_dim)
-                target = {
-                    common_pb2.REGION_KIND_KEY: memory.k,
-                    common_pb2.REGION_KIND_VALUE: memory.v,
-                    common_pb2.REGION_KIND_MLA: memory.mla,
-                }[region.kind]
-                target[region.layer_id] = tensor
+            if region.kind in _KV_KINDS:
+                memory.kv_target(region.kind)[region.layer_id] = view(region).view(model.dtype).view(num_pages, *page_shape)
             elif region.kind == common_pb2.REGION_KIND_AUX:
                 memory.aux.append(view(region).view(aux_rows, region.item_bytes))
             else:
@@ -284,10 +305,22 @@ class EngineMemory:
         ]
 
     def kv_tensors(self, layer: int) -> list[torch.Tensor]:
-        """The KV tensors of ``layer``: [k, v], or [mla]."""
+        """The KV tensors of ``layer``: [k, v], [mla], or [kv] (fused)."""
         if layer in self.mla:
             return [self.mla[layer]]
+        if layer in self.kv:
+            return [self.kv[layer]]
         return [self.k[layer], self.v[layer]]
+
+    def kv_target(self, kind: int) -> dict[int, torch.Tensor]:
+        """The dict of KV tensors of region kind ``kind``."""
+        targets: dict[int, dict[int, torch.Tensor]] = {
+            common_pb2.REGION_KIND_KEY: self.k,
+            common_pb2.REGION_KIND_VALUE: self.v,
+            common_pb2.REGION_KIND_MLA: self.mla,
+            common_pb2.REGION_KIND_KV: self.kv,
+        }
+        return targets[kind]
 
     def take_fds(self) -> list[tuple[int, common_pb2.BufferSpec]]:
         """Hand the buffers' fds to the caller, who closes them (the memory keeps none)."""
@@ -310,6 +343,7 @@ class EngineMemory:
         self.k.clear()
         self.v.clear()
         self.mla.clear()
+        self.kv.clear()
         self.aux.clear()
         self.state.clear()
         self.raw = None
@@ -347,6 +381,7 @@ def engine_layout(
             common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type]) for s in state if s.layers_on(begin, end)
         ],
         pp_layer_begins=list(rank.layer_begins(model)),
+        kv_layout=common_pb2.KV_LAYOUT_HND_FUSED if model.fused else common_pb2.KV_LAYOUT_NHD,
     )
 
 

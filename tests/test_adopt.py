@@ -79,20 +79,42 @@ def test_tensors_the_broker_cannot_address_are_refused(kv: dict[int, list[torch.
         EngineMemory.adopt(RankSpec("g", "decode"), SMALL_MODEL, kv=kv)
 
 
+def _vllm_cpu_kv(seed: int) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+    """KV as vLLM's CPU worker allocates it: one flat int8 allocation, one view per layer of
+    [num_blocks, heads, block_size, 2 * head_dim] (keys, then values, for every token)."""
+    shape = (PAGES, HEADS, SMALL_MODEL.page_size, 2 * SMALL_MODEL.head_dim)
+    per = int(np.prod(shape)) * 2
+    flat = torch.randint(-128, 128, (SMALL_MODEL.num_layers * per,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    kv = {layer: [flat[layer * per : (layer + 1) * per].view(SMALL_MODEL.dtype).view(shape)] for layer in range(SMALL_MODEL.num_layers)}
+    return flat, kv
+
+
+def _block(tensor: torch.Tensor, layout: str, page: int) -> torch.Tensor:
+    """The bytes of one page of one KV tensor, whatever its layout (random bytes hold NaNs:
+    compare bytes, not values)."""
+    ps = SMALL_MODEL.page_size
+    return (tensor[page] if layout == "hnd_fused" else tensor[page * ps : (page + 1) * ps]).contiguous().view(torch.uint8)
+
+
 @pytest.mark.nixl
-def test_adopted_memory_moves_byte_exact_between_two_broker_processes(tmp_path) -> None:
-    """Real NIXL between two `kvbroker serve` processes: both engines' own KV tensors, adopted."""
+@pytest.mark.parametrize("layout", ["nhd", "hnd_fused"])
+def test_adopted_memory_moves_byte_exact_between_two_broker_processes(tmp_path, layout: str) -> None:
+    """Real NIXL between two `kvbroker serve` processes: both engines' own KV tensors, adopted:
+    SGLang-shaped K and V buffers, or vLLM's CPU cache (one fused tensor per layer)."""
+    from dataclasses import replace
+
     from kvbroker.testing import BrokerProcess
 
+    model = replace(SMALL_MODEL, kv_layout=layout)
     brokers = BrokerProcess.start_many(["prefill", "decode"], tmp_path, ["--log-level", "warning"])
     memories, clients = [], []
     try:
         engines = []
         for broker, role, seed in ((brokers[0], "prefill", 3), (brokers[1], "decode", 4)):
-            flat, kv = _engine_kv(seed)
+            flat, kv = _vllm_cpu_kv(seed) if layout == "hnd_fused" else _engine_kv(seed)
             del flat
             aux = torch.full((4, 16), seed, dtype=torch.uint8)
-            memory = EngineMemory.adopt(RankSpec(f"{role}-adopted", role), SMALL_MODEL, kv=kv, aux=[aux])  # type: ignore[arg-type]
+            memory = EngineMemory.adopt(RankSpec(f"{role}-adopted", role), model, kv=kv, aux=[aux])  # type: ignore[arg-type]
             client = BrokerClient(broker.address)
             memories.append((memory, kv, aux))
             clients.append(client)
@@ -106,11 +128,10 @@ def test_adopted_memory_moves_byte_exact_between_two_broker_processes(tmp_path) 
         sender.send(src)
         assert receiver.wait(20).state == RoomState.SUCCESS
         (pm, pkv, paux), (dm, dkv, daux) = memories
-        ps = SMALL_MODEL.page_size
         for layer in range(SMALL_MODEL.num_layers):
             for a, b in zip(pkv[layer], dkv[layer]):
                 for s, d in zip(src, dst):
-                    assert torch.equal(a[s * ps : (s + 1) * ps], b[d * ps : (d + 1) * ps]), f"layer {layer}"
+                    assert torch.equal(_block(a, layout, s), _block(b, layout, d)), f"layer {layer}"
         assert torch.equal(daux[3], paux[0])
         for engine in engines:
             engine.close()

@@ -422,3 +422,25 @@ def test_malformed_session_streams_are_refused_and_change_nothing(fake_brokers, 
     assert de.handle.wait([505], timeout_seconds=10)[505].state == RoomState.SUCCESS
     for room in (502, 504):
         d.loop.call(d.broker.admin_abort, room, "test over")
+
+
+def test_closing_the_client_stops_its_engines_sessions_first(fake_brokers) -> None:
+    """BrokerClient.close with an engine still registered through it: the session stream stops
+    before the channel closes (its thread used to reconnect through the closed channel, and
+    grpc crashed the process once the broker went away)."""
+    from kvbroker.client import BrokerClient, EngineMemory, RankSpec
+
+    from .conftest import SMALL_MODEL
+
+    d = fake_brokers("d")
+    rank = RankSpec("closing-decode", "decode")
+    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=4)
+    client = BrokerClient(d.address)
+    handle = client.register_engine(rank, memory)
+    try:
+        client.close()
+        assert not handle.session._reader.is_alive()
+        d.stop()  # the engine's fd socket is still open: the broker drops it as it stops
+    finally:
+        handle._fd_session.close()  # type: ignore[union-attr]
+        memory.close()

@@ -510,3 +510,34 @@ def test_overlapping_regions_are_rejected(layout_proto: Builder) -> None:
     built = layout_proto()
     built.proto.regions[1].offset_bytes = built.proto.regions[0].offset_bytes
     _reject(built, "overlap")
+
+
+# -- the fused layout (vLLM's CPU KV cache) -------------------------------------
+
+
+def test_a_fused_layout_has_one_region_of_keys_and_values_per_layer() -> None:
+    """KV_LAYOUT_HND_FUSED: one KV region per layer whose pages hold keys and values
+    ([heads, page_size, 2 * head_dim]); KEY/VALUE regions, or MLA with it, are refused."""
+    import torch
+
+    from kvbroker.client import EngineMemory, ModelSpec, RankSpec
+
+    model = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4, kv_layout="hnd_fused")
+    memory = EngineMemory.allocate(RankSpec("g", "decode"), model, num_pages=8, guard_bytes=0)
+    try:
+        layout = Layout.from_proto(memory.layout, rank=RankKey("g", 0, 0), buffer_sizes=memory.buffer_sizes())
+        assert layout.kv_kinds() == (common_pb2.REGION_KIND_KV,) and layout.num_pages == 8
+        assert layout.kv_page_bytes == 2 * 4 * 2 * 8 * 2  # heads x tokens x (keys + values) x head_dim x fp16
+        assert memory.kv[1].shape == (8, 2, 4, 16) and memory.kv_tensors(1) == [memory.kv[1]]
+        keyed = common_pb2.EngineLayout()
+        keyed.CopyFrom(memory.layout)
+        keyed.regions[0].kind = common_pb2.REGION_KIND_KEY
+        with pytest.raises(InvalidArgument, match="REGION_KIND_KEY does not belong in a fused"):
+            Layout.from_proto(keyed, rank=RankKey("g", 0, 0), buffer_sizes=memory.buffer_sizes())
+        mla = common_pb2.EngineLayout()
+        mla.CopyFrom(memory.layout)
+        mla.mla, mla.total_kv_heads, mla.kv_heads_per_rank = True, 1, 1
+        with pytest.raises(InvalidArgument, match="kv_layout must be KV_LAYOUT_NHD"):
+            Layout.from_proto(mla, rank=RankKey("g", 0, 0), buffer_sizes=memory.buffer_sizes())
+    finally:
+        memory.close()

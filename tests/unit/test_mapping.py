@@ -454,3 +454,17 @@ def test_rooms_of_a_group_pair_share_their_plans_and_keys() -> None:
     again = SourcePlan.from_proto(plan.to_proto())
     assert again == plan and again is SourcePlan.from_proto(plan.to_proto())
     assert again.rank is rank_key(plan.rank.to_proto())
+
+
+def test_the_fused_layout_moves_between_equal_tp_only() -> None:
+    """KV_LAYOUT_HND_FUSED pairs only with itself, and only at equal tp sizes (head slices of it
+    are not implemented): the refusals name why."""
+    from kvbroker.errors import FailedPrecondition, Unimplemented
+    from kvbroker.v1 import common_pb2
+
+    fused = common_pb2.KV_LAYOUT_HND_FUSED
+    assert plan_sources(replace(shape(), kv_layout=fused), SENDER, replace(shape(), kv_layout=fused), 0, 0)
+    with pytest.raises(FailedPrecondition, match="kv_layout 0 vs 1"):
+        plan_sources(shape(), SENDER, replace(shape(), kv_layout=fused), 0, 0)
+    with pytest.raises(Unimplemented, match="head slices of the fused layout"):
+        plan_sources(replace(shape(tp=2), kv_layout=fused), SENDER, replace(shape(), kv_layout=fused), 0, 0)

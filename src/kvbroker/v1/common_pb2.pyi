@@ -42,6 +42,12 @@ class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGION_KIND_MLA: _ClassVar[RegionKind]
     REGION_KIND_AUX: _ClassVar[RegionKind]
     REGION_KIND_STATE: _ClassVar[RegionKind]
+    REGION_KIND_KV: _ClassVar[RegionKind]
+
+class KvLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_LAYOUT_NHD: _ClassVar[KvLayout]
+    KV_LAYOUT_HND_FUSED: _ClassVar[KvLayout]
 
 class StateType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -84,6 +90,9 @@ REGION_KIND_VALUE: RegionKind
 REGION_KIND_MLA: RegionKind
 REGION_KIND_AUX: RegionKind
 REGION_KIND_STATE: RegionKind
+REGION_KIND_KV: RegionKind
+KV_LAYOUT_NHD: KvLayout
+KV_LAYOUT_HND_FUSED: KvLayout
 STATE_TYPE_UNSPECIFIED: StateType
 STATE_TYPE_MAMBA: StateType
 STATE_TYPE_SWA: StateType
@@ -159,7 +168,7 @@ class StateComponent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[StateType, str]] = ...) -> None: ...
 
 class EngineLayout(_message.Message):
-    __slots__ = ("role", "tp_size", "pp_size", "num_layers", "layer_begin", "layer_end", "page_size_tokens", "total_kv_heads", "kv_heads_per_rank", "head_dim", "dtype", "mla", "regions", "state_components", "pp_layer_begins")
+    __slots__ = ("role", "tp_size", "pp_size", "num_layers", "layer_begin", "layer_end", "page_size_tokens", "total_kv_heads", "kv_heads_per_rank", "head_dim", "dtype", "mla", "regions", "state_components", "pp_layer_begins", "kv_layout")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +184,7 @@ class EngineLayout(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     STATE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     PP_LAYER_BEGINS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     role: Role
     tp_size: int
     pp_size: int
@@ -190,7 +200,8 @@ class EngineLayout(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[Region]
     state_components: _containers.RepeatedCompositeFieldContainer[StateComponent]
     pp_layer_begins: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_size_tokens: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., mla: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., state_components: _Optional[_Iterable[_Union[StateComponent, _Mapping]]] = ..., pp_layer_begins: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_layout: KvLayout
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_size_tokens: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., mla: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., state_components: _Optional[_Iterable[_Union[StateComponent, _Mapping]]] = ..., pp_layer_begins: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ...) -> None: ...
 
 class PageIndices(_message.Message):
     __slots__ = ("packed", "values")
