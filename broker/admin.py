@@ -54,6 +54,7 @@ class Admin:
             staging_receive_bytes_in_use=q.staging_in_use("receive"),
             late_notices=c.late_notices,
             bad_notices=c.bad_notices,
+            checksum_mismatches=c.checksum_mismatches,
             uptime_seconds=int(q.uptime_seconds()),
             draining=q.draining,
             open_rooms=q.open_rooms(),

@@ -66,6 +66,9 @@ class BrokerConfig:
     peer_dead_after_seconds: float = 5.0
     #: Deadline of broker-to-broker calls.
     peer_rpc_timeout_seconds: float = 10.0
+    #: Verify every room this broker receives end to end (chunk checksums;
+    #: ExpectRoomRequest.verify_checksum asks for it per room).
+    verify_checksums: bool = False
     #: How long UnregisterEngine waits for posted transfers to settle before
     #: it deregisters anyway.
     unregister_settle_timeout_seconds: float = 10.0

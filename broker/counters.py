@@ -25,3 +25,5 @@ class Counters:
     late_notices: int = 0
     #: Notifications that were not a TransferNotice.
     bad_notices: int = 0
+    #: Chunks whose bytes differed from the sender's checksum (or came without one).
+    checksum_mismatches: int = 0

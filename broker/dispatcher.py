@@ -277,6 +277,7 @@ class Broker:
             aux_row=request.aux_row if request.HasField("aux_row") else None,
             state=_state(request.state),
             prefix_pages=request.prefix_pages,
+            verify_checksum=request.verify_checksum or self.config.verify_checksums,
         )
         self.executor.drain()
         return rank
@@ -487,6 +488,7 @@ class Broker:
             state=_state(request.state),
             sources=tuple(SourcePlan.from_proto(s) for s in request.sources),
             prefix_pages=request.prefix_pages,
+            verify_checksum=request.verify_checksum,
         )
         self.sender.transfer_info(info)
         self.executor.drain()

@@ -43,6 +43,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.checksum import chunk_checksum
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.effects import (
     AbortAtPeer,
@@ -164,6 +165,8 @@ class Receiver(Side):
     #: The leading pages of the room this rank already holds (its prefix
     #: cache): ``pages`` are the room's pages after them.
     prefix_pages: int = 0
+    #: Every chunk is checked against the sender's checksum (``checksum``).
+    verify_checksum: bool = False
     #: Sources this rank waits for; None until the plan is made.
     expected: SmallMap[RankKey, SourceExpectation] | None = None
     #: The sender's broker may have the transfer info (so it may write).
@@ -278,6 +281,7 @@ class ReceiverCore:
         aux_row: int | None,
         state: dict[str, IndexArray],
         prefix_pages: int = 0,
+        verify_checksum: bool = False,
     ) -> Receiver:
         """Open ``room_id`` for receiving into ``engine`` (ExpectRoom) and start
         bootstrapping; ``prefix_pages``: the leading pages of the room it holds."""
@@ -300,6 +304,7 @@ class ReceiverCore:
             pages=pages,
             aux_row=aux_row,
             prefix_pages=prefix_pages,
+            verify_checksum=verify_checksum,
             # Lesson 1: a component listed with no indices is not expected.
             state_indices={name: indices for name, indices in state.items() if indices.size},
         )
@@ -390,6 +395,7 @@ class ReceiverCore:
             sources=[p.to_proto() for p in plans],
             sender_broker_id=broker_id,
             prefix_pages=rank.prefix_pages,
+            verify_checksum=rank.verify_checksum,
         )
         if rank.aux_row is not None:
             request.aux_row = rank.aux_row
@@ -529,6 +535,8 @@ class ReceiverCore:
             exp.components_seen = exp.components_seen.union(notice.state_components)
         if notice.is_last:
             exp.total_chunks = notice.total_chunks
+        if rank.verify_checksum and exp.parts_of(notice.chunk_index) == exp.parts_expected[notice.chunk_index]:
+            self._verify(rank, source_key, exp, notice)
         rank.bytes += notice.bytes
         self._counters.bytes_received += notice.bytes
         self._on_bytes(notice.bytes)
@@ -752,6 +760,33 @@ class ReceiverCore:
         exp.complete = True
         if problem:
             self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+
+    def _verify(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
+        """Check a chunk whose parts all landed against the sender's checksum (fails the rank on a difference)."""
+        if rank.terminal:
+            return
+        if not notice.HasField("checksum"):
+            problem = f"source {source_key} sent chunk {notice.chunk_index} without the checksum this rank asked for"
+        else:
+            plan = exp.plan
+            try:
+                head = (
+                    slice_side(rank.engine.layout, plan.dst_head_start, plan.num_heads, "receiver") if plan.head_sliced else None
+                )
+                pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
+                aux_row = rank.aux_row if notice.is_last and exp.expects_aux else None
+                got = chunk_checksum(rank.engine, plan, pages, head, aux_row, "receiver")
+            except KvBrokerError as exc:
+                self.fail(rank, cause_of(exc, self._id))
+                return
+            if got == notice.checksum:
+                return
+            problem = (
+                f"chunk {notice.chunk_index} from source {source_key} arrived with checksum {got:08x}, the sender read "
+                f"{notice.checksum:08x}: the transport corrupted it"
+            )
+        self._counters.checksum_mismatches += 1
+        self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
 
     def _maybe_settled(self, rank: Receiver) -> None:
         if not rank.pages_settled and rank.state == FAILED and _nothing_in_flight(rank):

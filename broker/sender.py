@@ -44,6 +44,7 @@ import structlog
 from opentelemetry import trace
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.checksum import chunk_checksum
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.effects import Effect, PostPart, Publish, ReserveStaging, RoomEnded, SendReport
 from kvbroker.broker.layout import RankKey
@@ -62,6 +63,7 @@ from kvbroker.broker.rooms import (
     cause_of,
 )
 from kvbroker.broker.segments import ChunkShape, state_regions
+from kvbroker.broker.slicing import slice_side
 from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.validation import check_chunk, check_room_indices
 from kvbroker.errors import (
@@ -117,6 +119,8 @@ class TransferInfo:
     #: The leading pages of the room the receiver already holds: ``pages``
     #: are the room's pages after them (incremental transfer).
     prefix_pages: int = 0
+    #: The receiver checks every chunk against a checksum of what was read.
+    verify_checksum: bool = False
     received_at: float = field(default_factory=time.monotonic)
     #: The span current in the RegisterRoom call (the receiver's room span
     #: is its ancestor): the sender's room span joins that trace.
@@ -710,6 +714,10 @@ class SenderCore:
         )
         notice.aux = shape.aux_rows is not None
         notice.state_components.extend(sorted(shape.state))
+        if info.verify_checksum:
+            head = slice_side(layout, plan.src_head_start, plan.num_heads, "sender") if plan.head_sliced else None
+            aux_row = shape.aux_rows[0] if shape.aux_rows is not None else None
+            notice.checksum = chunk_checksum(source.engine, plan, shape.src_pages, head, aux_row, "sender")
         self._send_parts(source, dest, chunk, remote, specs, notice)
 
     def _send_parts(

@@ -34,6 +34,8 @@ class ExpectSpec:
     state: Mapping[str, Pages] | None = None
     #: The leading pages of the room the rank already holds (``KVReceiver.init``).
     prefix_pages: int = 0
+    #: Check every chunk end to end (``KVReceiver.init``).
+    verify_checksum: bool = False
 
 
 class EngineHandle:
@@ -87,7 +89,7 @@ class EngineHandle:
         """Open many receiving rooms (decode ranks): ``KVReceiver.init`` for
         each, checked first as a whole (nothing is queued if one is invalid)."""
         receivers = [(KVReceiver(self, spec.room, spec.sender), spec) for spec in rooms]
-        commands = [(r, r.command(spec.pages, spec.aux_row, spec.state, spec.prefix_pages)) for r, spec in receivers]
+        commands = [(r, r.command(spec.pages, spec.aux_row, spec.state, spec.prefix_pages, spec.verify_checksum)) for r, spec in receivers]
         self.session.open_rooms([(r.room, make) for r, make in commands])
         return [r for r, _ in receivers]
 

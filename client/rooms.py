@@ -218,15 +218,19 @@ class KVReceiver(_Room):
         aux_row: int | None = None,
         state: Mapping[str, Pages] | None = None,
         prefix_pages: int = 0,
+        verify_checksum: bool = False,
     ) -> common_pb2.RoomStatus:
         """Open the room (ExpectRoom): destination pages in the order the
         sender's chunks fill them, the aux row, and state indices per
         component (components with no indices are not expected).
         ``prefix_pages``: the leading pages of the room this rank already
         holds (its prefix cache); ``pages`` are then the pages after them, and
-        only those are written. Returns at once; the room bootstraps in the
-        background."""
-        (status,) = self.engine.session.open_rooms([(self.room, self.command(pages, aux_row, state, prefix_pages))])
+        only those are written. ``verify_checksum``: check every chunk end to
+        end against a checksum the sending broker computes (a mismatch fails
+        the room with MISMATCH; host memory only). Returns at once; the room
+        bootstraps in the background."""
+        command = self.command(pages, aux_row, state, prefix_pages, verify_checksum)
+        (status,) = self.engine.session.open_rooms([(self.room, command)])
         return status
 
     def landed_pages(self) -> IndexArray:
@@ -238,7 +242,12 @@ class KVReceiver(_Room):
         return decode_indices(self.status().landed_pages, what="landed pages")
 
     def command(
-        self, pages: Pages, aux_row: int | None = None, state: Mapping[str, Pages] | None = None, prefix_pages: int = 0
+        self,
+        pages: Pages,
+        aux_row: int | None = None,
+        state: Mapping[str, Pages] | None = None,
+        prefix_pages: int = 0,
+        verify_checksum: bool = False,
     ) -> MakeCommand:
         """Check the room's indices and build its ExpectRoom command."""
         self.engine.check_role(common_pb2.ROLE_DECODE, "expect rooms")
@@ -253,6 +262,7 @@ class KVReceiver(_Room):
             sender=transfer_pb2.SenderRef(broker_address=self.sender.broker_address, group=self.sender.group),
             pages=encode_indices(array),
             prefix_pages=prefix_pages,
+            verify_checksum=verify_checksum,
         )
         if aux_row is not None:
             request.aux_row = aux_row

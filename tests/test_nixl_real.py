@@ -69,6 +69,7 @@ def _move_rooms(
     rooms: int = 6,
     sender_address: str | None = None,
     prefixed: bool = False,
+    verify: bool = False,
 ) -> None:
     """Chunked rooms of random pages, checked byte for byte. ``prefixed``: each
     decode rank holds a random number of the room's leading pages already
@@ -87,7 +88,7 @@ def _move_rooms(
             held = int(rng.integers(0, n + 1)) if prefixed else 0
             dst = dst[held:]
             decode.engine.receiver(room, SenderRef(sender_address if sender_address is not None else p.address, f"p-{tag}")).init(
-                dst, aux_row=i % 8, prefix_pages=held
+                dst, aux_row=i % 8, prefix_pages=held, verify_checksum=verify
             )
             sender = prefill.engine.sender(room)
             sender.init(num_pages=n, aux_row=(i + 3) % 8)
@@ -141,6 +142,14 @@ def test_incremental_rooms_write_only_the_pages_after_the_prefix(brokers) -> Non
     """Over real NIXL: decode ranks that hold a room's leading pages get only the rest, byte-exact."""
     p, d = brokers
     _move_rooms(p, d, MHA, "prefix", rooms=8, prefixed=True)
+    _tables_empty(p, d)
+
+
+def test_verified_rooms_over_nixl(brokers) -> None:
+    """Over real NIXL, chunk checksums computed by the sending broker match what landed."""
+    p, d = brokers
+    _move_rooms(p, d, MHA, "verify", rooms=4, prefixed=True, verify=True)
+    assert d.stats().checksum_mismatches == 0
     _tables_empty(p, d)
 
 

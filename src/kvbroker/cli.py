@@ -41,6 +41,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--peer-heartbeat", type=float, default=d.peer_heartbeat_seconds, metavar="SECONDS", help="ping interval to peers with open rooms")
     p.add_argument("--unregister-settle-timeout", type=float, default=d.unregister_settle_timeout_seconds, metavar="SECONDS", help="how long unregistering (or stopping) waits for posted transfers to settle")
     p.add_argument("--peer-dead-after", type=float, default=d.peer_dead_after_seconds, metavar="SECONDS", help="a peer silent this long is lost: its rooms fail")
+    p.add_argument(
+        "--verify-checksums",
+        action="store_true",
+        help="verify every room this broker receives against chunk checksums the sender computes (a pass over the bytes on both sides)",
+    )
     p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
     p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
     p.add_argument("--agent-name-prefix", default=d.agent_name_prefix, help="prefix of the NIXL agent name")
@@ -121,6 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
         transfer_timeout_seconds=args.transfer_timeout,
         peer_heartbeat_seconds=args.peer_heartbeat,
         peer_dead_after_seconds=args.peer_dead_after,
+        verify_checksums=args.verify_checksums,
         unregister_settle_timeout_seconds=args.unregister_settle_timeout,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,

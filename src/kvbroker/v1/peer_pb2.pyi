@@ -110,7 +110,7 @@ class SourcePlan(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomRequest(_message.Message):
-    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context", "prefix_pages")
+    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context", "prefix_pages", "verify_checksum")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class RegisterRoomRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     room: int
     receiver_broker_id: str
     receiver: _common_pb2.EngineRankId
@@ -144,7 +145,8 @@ class RegisterRoomRequest(_message.Message):
     protocol_version: int
     trace_context: _containers.ScalarMap[str, str]
     prefix_pages: int
-    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_pages: _Optional[int] = ...) -> None: ...
+    verify_checksum: bool
+    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ...) -> None: ...
 
 class RegisterRoomResponse(_message.Message):
     __slots__ = ()
@@ -279,7 +281,7 @@ class PingResponse(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +300,7 @@ class TransferNotice(_message.Message):
     STAGING_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -316,4 +319,5 @@ class TransferNotice(_message.Message):
     staging_offset: int
     staging_bytes: int
     protocol_version: int
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...

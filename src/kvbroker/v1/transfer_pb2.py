@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker.v1 import common_pb2 as kvbroker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbroker/v1/transfer.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x16\n\x14GetBrokerInfoRequest\"\xaf\x01\n\nBrokerInfo\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x64_socket_path\x18\x04 \x01(\t\x12\x1a\n\x12\x65ngine_socket_path\x18\x05 \x01(\t\x12\x16\n\x0elisten_address\x18\x06 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x07 \x01(\t\"\x82\x01\n\x15RegisterEngineRequest\x12\x15\n\rsession_token\x18\x01 \x01(\t\x12\'\n\x04rank\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineLayout\"+\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"0\n\x18UnregisterEngineResponse\x12\x14\n\x0crooms_failed\x18\x01 \x01(\r\"2\n\tSenderRef\x12\x16\n\x0e\x62roker_address\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"\xe7\x01\n\x11\x45xpectRoomRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12&\n\x06sender\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.SenderRef\x12\'\n\x05pages\x18\x04 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x14\n\x0cprefix_pages\x18\x07 \x01(\rB\n\n\x08_aux_row\"=\n\x12\x45xpectRoomResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"F\n\x10\x42\x65ginSendRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\"<\n\x11\x42\x65ginSendResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"\xdf\x01\n\x10SendChunkRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\'\n\x05pages\x18\x03 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x16\n\troom_page\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_aux_rowB\x0c\n\n_room_page\"Q\n\x11SendChunkResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"/\n\x0bPollRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"9\n\x0cPollResponse\x12)\n\x08statuses\x18\x01 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\"5\n\x11WatchRoomsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"?\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\rAbortResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"g\n\x0eSessionRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.kvbroker.v1.SessionOpen\x12-\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1b.kvbroker.v1.SessionCommand\"_\n\x0bSessionOpen\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x14\n\x0cresume_after\x18\x03 \x01(\x04\x12\r\n\x05rooms\x18\x04 \x03(\x04\"\xf0\x02\n\x0eSessionCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x35\n\x0b\x65xpect_room\x18\x02 \x01(\x0b\x32\x1e.kvbroker.v1.ExpectRoomRequestH\x00\x12\x33\n\nbegin_send\x18\x03 \x01(\x0b\x32\x1d.kvbroker.v1.BeginSendRequestH\x00\x12\x33\n\nsend_chunk\x18\x04 \x01(\x0b\x32\x1d.kvbroker.v1.SendChunkRequestH\x00\x12*\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.AbortRequestH\x00\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.kvbroker.v1.SessionCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"x\n\x0cSessionEvent\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\x12)\n\x08statuses\x18\x02 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\x12,\n\x07refused\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.CommandRefused\"v\n\x0e\x43ommandRefused\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x13\n\x0broom_failed\x18\x05 \x01(\x08\x12\x15\n\rpages_settled\x18\x06 \x01(\x08\x32\x8d\x06\n\x0eTransferBroker\x12K\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\x17.kvbroker.v1.BrokerInfo\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12M\n\nExpectRoom\x12\x1e.kvbroker.v1.ExpectRoomRequest\x1a\x1f.kvbroker.v1.ExpectRoomResponse\x12J\n\tBeginSend\x12\x1d.kvbroker.v1.BeginSendRequest\x1a\x1e.kvbroker.v1.BeginSendResponse\x12J\n\tSendChunk\x12\x1d.kvbroker.v1.SendChunkRequest\x1a\x1e.kvbroker.v1.SendChunkResponse\x12;\n\x04Poll\x12\x18.kvbroker.v1.PollRequest\x1a\x19.kvbroker.v1.PollResponse\x12G\n\nWatchRooms\x12\x1e.kvbroker.v1.WatchRoomsRequest\x1a\x17.kvbroker.v1.RoomStatus0\x01\x12>\n\x05\x41\x62ort\x12\x19.kvbroker.v1.AbortRequest\x1a\x1a.kvbroker.v1.AbortResponse\x12\x45\n\x07Session\x12\x1b.kvbroker.v1.SessionRequest\x1a\x19.kvbroker.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbroker/v1/transfer.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x16\n\x14GetBrokerInfoRequest\"\xaf\x01\n\nBrokerInfo\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x64_socket_path\x18\x04 \x01(\t\x12\x1a\n\x12\x65ngine_socket_path\x18\x05 \x01(\t\x12\x16\n\x0elisten_address\x18\x06 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x07 \x01(\t\"\x82\x01\n\x15RegisterEngineRequest\x12\x15\n\rsession_token\x18\x01 \x01(\t\x12\'\n\x04rank\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineLayout\"+\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"0\n\x18UnregisterEngineResponse\x12\x14\n\x0crooms_failed\x18\x01 \x01(\r\"2\n\tSenderRef\x12\x16\n\x0e\x62roker_address\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"\x80\x02\n\x11\x45xpectRoomRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12&\n\x06sender\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.SenderRef\x12\'\n\x05pages\x18\x04 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x14\n\x0cprefix_pages\x18\x07 \x01(\r\x12\x17\n\x0fverify_checksum\x18\x08 \x01(\x08\x42\n\n\x08_aux_row\"=\n\x12\x45xpectRoomResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"F\n\x10\x42\x65ginSendRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\"<\n\x11\x42\x65ginSendResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"\xdf\x01\n\x10SendChunkRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\'\n\x05pages\x18\x03 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x16\n\troom_page\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_aux_rowB\x0c\n\n_room_page\"Q\n\x11SendChunkResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"/\n\x0bPollRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"9\n\x0cPollResponse\x12)\n\x08statuses\x18\x01 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\"5\n\x11WatchRoomsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"?\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\rAbortResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"g\n\x0eSessionRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.kvbroker.v1.SessionOpen\x12-\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1b.kvbroker.v1.SessionCommand\"_\n\x0bSessionOpen\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x14\n\x0cresume_after\x18\x03 \x01(\x04\x12\r\n\x05rooms\x18\x04 \x03(\x04\"\xf0\x02\n\x0eSessionCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x35\n\x0b\x65xpect_room\x18\x02 \x01(\x0b\x32\x1e.kvbroker.v1.ExpectRoomRequestH\x00\x12\x33\n\nbegin_send\x18\x03 \x01(\x0b\x32\x1d.kvbroker.v1.BeginSendRequestH\x00\x12\x33\n\nsend_chunk\x18\x04 \x01(\x0b\x32\x1d.kvbroker.v1.SendChunkRequestH\x00\x12*\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.AbortRequestH\x00\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.kvbroker.v1.SessionCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"x\n\x0cSessionEvent\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\x12)\n\x08statuses\x18\x02 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\x12,\n\x07refused\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.CommandRefused\"v\n\x0e\x43ommandRefused\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x13\n\x0broom_failed\x18\x05 \x01(\x08\x12\x15\n\rpages_settled\x18\x06 \x01(\x08\x32\x8d\x06\n\x0eTransferBroker\x12K\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\x17.kvbroker.v1.BrokerInfo\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12M\n\nExpectRoom\x12\x1e.kvbroker.v1.ExpectRoomRequest\x1a\x1f.kvbroker.v1.ExpectRoomResponse\x12J\n\tBeginSend\x12\x1d.kvbroker.v1.BeginSendRequest\x1a\x1e.kvbroker.v1.BeginSendResponse\x12J\n\tSendChunk\x12\x1d.kvbroker.v1.SendChunkRequest\x1a\x1e.kvbroker.v1.SendChunkResponse\x12;\n\x04Poll\x12\x18.kvbroker.v1.PollRequest\x1a\x19.kvbroker.v1.PollResponse\x12G\n\nWatchRooms\x12\x1e.kvbroker.v1.WatchRoomsRequest\x1a\x17.kvbroker.v1.RoomStatus0\x01\x12>\n\x05\x41\x62ort\x12\x19.kvbroker.v1.AbortRequest\x1a\x1a.kvbroker.v1.AbortResponse\x12\x45\n\x07Session\x12\x1b.kvbroker.v1.SessionRequest\x1a\x19.kvbroker.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,39 +49,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDERREF']._serialized_start=545
   _globals['_SENDERREF']._serialized_end=595
   _globals['_EXPECTROOMREQUEST']._serialized_start=598
-  _globals['_EXPECTROOMREQUEST']._serialized_end=829
-  _globals['_EXPECTROOMRESPONSE']._serialized_start=831
-  _globals['_EXPECTROOMRESPONSE']._serialized_end=892
-  _globals['_BEGINSENDREQUEST']._serialized_start=894
-  _globals['_BEGINSENDREQUEST']._serialized_end=964
-  _globals['_BEGINSENDRESPONSE']._serialized_start=966
-  _globals['_BEGINSENDRESPONSE']._serialized_end=1026
-  _globals['_SENDCHUNKREQUEST']._serialized_start=1029
-  _globals['_SENDCHUNKREQUEST']._serialized_end=1252
-  _globals['_SENDCHUNKRESPONSE']._serialized_start=1254
-  _globals['_SENDCHUNKRESPONSE']._serialized_end=1335
-  _globals['_POLLREQUEST']._serialized_start=1337
-  _globals['_POLLREQUEST']._serialized_end=1384
-  _globals['_POLLRESPONSE']._serialized_start=1386
-  _globals['_POLLRESPONSE']._serialized_end=1443
-  _globals['_WATCHROOMSREQUEST']._serialized_start=1445
-  _globals['_WATCHROOMSREQUEST']._serialized_end=1498
-  _globals['_ABORTREQUEST']._serialized_start=1500
-  _globals['_ABORTREQUEST']._serialized_end=1563
-  _globals['_ABORTRESPONSE']._serialized_start=1565
-  _globals['_ABORTRESPONSE']._serialized_end=1621
-  _globals['_SESSIONREQUEST']._serialized_start=1623
-  _globals['_SESSIONREQUEST']._serialized_end=1726
-  _globals['_SESSIONOPEN']._serialized_start=1728
-  _globals['_SESSIONOPEN']._serialized_end=1823
-  _globals['_SESSIONCOMMAND']._serialized_start=1826
-  _globals['_SESSIONCOMMAND']._serialized_end=2194
-  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_start=2132
-  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_end=2183
-  _globals['_SESSIONEVENT']._serialized_start=2196
-  _globals['_SESSIONEVENT']._serialized_end=2316
-  _globals['_COMMANDREFUSED']._serialized_start=2318
-  _globals['_COMMANDREFUSED']._serialized_end=2436
-  _globals['_TRANSFERBROKER']._serialized_start=2439
-  _globals['_TRANSFERBROKER']._serialized_end=3220
+  _globals['_EXPECTROOMREQUEST']._serialized_end=854
+  _globals['_EXPECTROOMRESPONSE']._serialized_start=856
+  _globals['_EXPECTROOMRESPONSE']._serialized_end=917
+  _globals['_BEGINSENDREQUEST']._serialized_start=919
+  _globals['_BEGINSENDREQUEST']._serialized_end=989
+  _globals['_BEGINSENDRESPONSE']._serialized_start=991
+  _globals['_BEGINSENDRESPONSE']._serialized_end=1051
+  _globals['_SENDCHUNKREQUEST']._serialized_start=1054
+  _globals['_SENDCHUNKREQUEST']._serialized_end=1277
+  _globals['_SENDCHUNKRESPONSE']._serialized_start=1279
+  _globals['_SENDCHUNKRESPONSE']._serialized_end=1360
+  _globals['_POLLREQUEST']._serialized_start=1362
+  _globals['_POLLREQUEST']._serialized_end=1409
+  _globals['_POLLRESPONSE']._serialized_start=1411
+  _globals['_POLLRESPONSE']._serialized_end=1468
+  _globals['_WATCHROOMSREQUEST']._serialized_start=1470
+  _globals['_WATCHROOMSREQUEST']._serialized_end=1523
+  _globals['_ABORTREQUEST']._serialized_start=1525
+  _globals['_ABORTREQUEST']._serialized_end=1588
+  _globals['_ABORTRESPONSE']._serialized_start=1590
+  _globals['_ABORTRESPONSE']._serialized_end=1646
+  _globals['_SESSIONREQUEST']._serialized_start=1648
+  _globals['_SESSIONREQUEST']._serialized_end=1751
+  _globals['_SESSIONOPEN']._serialized_start=1753
+  _globals['_SESSIONOPEN']._serialized_end=1848
+  _globals['_SESSIONCOMMAND']._serialized_start=1851
+  _globals['_SESSIONCOMMAND']._serialized_end=2219
+  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_start=2157
+  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_end=2208
+  _globals['_SESSIONEVENT']._serialized_start=2221
+  _globals['_SESSIONEVENT']._serialized_end=2341
+  _globals['_COMMANDREFUSED']._serialized_start=2343
+  _globals['_COMMANDREFUSED']._serialized_end=2461
+  _globals['_TRANSFERBROKER']._serialized_start=2464
+  _globals['_TRANSFERBROKER']._serialized_end=3245
 # @@protoc_insertion_point(module_scope)

@@ -66,7 +66,7 @@ class SenderRef(_message.Message):
     def __init__(self, broker_address: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class ExpectRoomRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state", "prefix_pages")
+    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state", "prefix_pages", "verify_checksum")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class ExpectRoomRequest(_message.Message):
     AUX_ROW_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: int
     sender: SenderRef
@@ -81,7 +82,8 @@ class ExpectRoomRequest(_message.Message):
     aux_row: int
     state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
     prefix_pages: int
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., prefix_pages: _Optional[int] = ...) -> None: ...
+    verify_checksum: bool
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ...) -> None: ...
 
 class ExpectRoomResponse(_message.Message):
     __slots__ = ("status",)
