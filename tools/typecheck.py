@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAPPED = {"broker": "broker", "client": "client", "demo": "demo"}
+MAPPED = {"broker": "broker", "client": "client", "demo": "demo", "adapters": "adapters"}
 
 
 def main() -> int:

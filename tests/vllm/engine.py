@@ -1,0 +1,88 @@
+"""One vLLM engine of tests/test_vllm.py, in its own process.
+
+``python -m tests.vllm.engine JOB.json``: the job says the role (baseline,
+prefill or decode), the model, the broker, the prompts, and where to put
+results. A prefill engine writes the kv_transfer_params of its requests and
+then stays up (its worker sends when the decode registers) until the file
+``stop`` appears; a decode engine reads those parameters, first runs the
+``warm`` prompts without them (its own prefix cache), says so (the file
+``decode.ready``), then generates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# One OpenMP thread: two engines share two cores, and OpenMP's spin-waits
+# starve the other engine's start (its profiling run) for minutes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+MAX_TOKENS = 8
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    work = Path(job["workdir"])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict = dict(model=job["model"], skip_tokenizer_init=True, max_model_len=512, enforce_eager=True, dtype="bfloat16", seed=0)
+    role = job["role"]
+    if role != "baseline":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=job.get("connector", "KVBrokerConnector"),
+            kv_connector_module_path=job.get("module", "kvbroker.adapters.vllm"),
+            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+            kv_connector_extra_config={"broker": job["broker"], "group": job["group"]},
+            kv_load_failure_policy=job.get("policy", "fail"),
+        )
+    llm = LLM(**kwargs)
+    prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+
+    def greedy(extra: list[dict] | None = None, max_tokens: int = MAX_TOKENS) -> list[SamplingParams]:
+        return [
+            SamplingParams(
+                temperature=0,
+                max_tokens=max_tokens,
+                detokenize=False,
+                extra_args={"kv_transfer_params": extra[i]} if extra else None,
+            )
+            for i in range(len(prompts))
+        ]
+
+    if role == "baseline":
+        outs = llm.generate(prompts, greedy())
+        (work / "baseline.json").write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+        return
+    if role == "prefill":
+        outs = llm.generate(prompts, greedy([{"do_remote_decode": True}] * len(prompts), max_tokens=1))
+        (work / "params.tmp").write_text(json.dumps([o.kv_transfer_params for o in outs]))
+        (work / "params.tmp").rename(work / "params.json")
+        _wait_for(work / "stop", 600)
+        return
+    if job.get("warm"):
+        llm.generate([{"prompt_token_ids": p} for p in job["warm"]], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
+    (work / "decode.ready").touch()
+    _wait_for(work / "params.json", 600)
+    params = json.loads((work / "params.json").read_text())
+    outs = llm.generate(prompts, greedy(params))
+    (work / "finish.json").write_text(json.dumps([o.outputs[0].finish_reason for o in outs]))
+    (work / "decode.json").write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+
+if __name__ == "__main__":
+    main()
