@@ -343,7 +343,7 @@ class Executor:
     # -- receiving ----------------------------------------------------------------
     async def _find_sender(self, rank: Receiver) -> None:
         try:
-            with trace.use_span(rank.span, end_on_exit=False) if rank.span is not None else contextlib.nullcontext():
+            with _in_span(rank.span):
                 peer, layouts = await self._client.find_sender(
                     rank.sender_address, rank.sender_group, stop=lambda: rank.terminal
                 )
@@ -363,7 +363,7 @@ class Executor:
         if peer is None:
             self._tasks.spawn(self._register(effect), name=f"register-{rank.room}")
             return
-        with trace.use_span(rank.span, end_on_exit=False) if rank.span is not None else contextlib.nullcontext():
+        with _in_span(rank.span):
             first = self._client.submit_registration(peer, effect.request)
 
         def answered(done: asyncio.Future[None]) -> None:
@@ -387,7 +387,7 @@ class Executor:
             # The peer record of the first attempt: a handshake meanwhile may
             # have found a new process at its address (and re-keyed it).
             peer = first[0] if first is not None else self._peers.get(effect.broker_id)
-            with trace.use_span(rank.span, end_on_exit=False) if rank.span is not None else contextlib.nullcontext():
+            with _in_span(rank.span):
                 took = await self._client.register_room(
                     peer,
                     effect.request,
@@ -642,3 +642,7 @@ def _between(times: dict[str, float], start: str, end: str) -> float | None:
         return round(times[end] - times[start], 6)
     return None
 
+
+def _in_span(span: trace.Span | None) -> contextlib.AbstractContextManager[object]:
+    """Run a block with ``span`` current (calls it makes carry its trace), if there is one."""
+    return trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext()

@@ -38,15 +38,21 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kvbroker.client.memory import EngineMemory, ModelSpec, RankSpec, engine_layout, sealed_memfd
+from kvbroker.client.memory import (
+    ALIGN,
+    EngineMemory,
+    ModelSpec,
+    RankSpec,
+    align,
+    engine_layout,
+    sealed_memfd,
+)
 from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
 __all__ = ["adopt"]
 
 log = structlog.get_logger(__name__)
-
-_ALIGN = 4096
 
 
 @dataclass
@@ -104,7 +110,7 @@ def adopt(
     started, moved = time.perf_counter(), 0
     try:
         for entry in storages:
-            size = max(_align(entry.storage.nbytes()), _ALIGN)
+            size = max(align(entry.storage.nbytes()), ALIGN)
             fd = sealed_memfd(f"{name}-{entry.buffer}", size)
             buffers.append((fd, common_pb2.BufferSpec(size_bytes=size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0)))
             # torch's own way to map an fd it is handed (its multiprocessing
@@ -191,6 +197,3 @@ def _region(kind: int, tensor: torch.Tensor, buffer: int, item_bytes: int, layer
         layer_id=layer,
     )
 
-
-def _align(value: int) -> int:
-    return (value + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -38,12 +38,13 @@ from typing import Literal
 import torch
 
 from kvbroker import cudavmm
+from kvbroker.broker.layout import kv_kinds_of
 from kvbroker.errors import FailedPrecondition, InvalidArgument
 from kvbroker.v1 import common_pb2
 
 __all__ = ["EngineMemory", "ModelSpec", "RankSpec", "StateSpec", "even_pp_layer_begins"]
 
-_ALIGN = 4096
+ALIGN = 4096
 _ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
 _KV_KINDS = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA, common_pb2.REGION_KIND_KV)
 _STATE_TYPES = {"mamba": common_pb2.STATE_TYPE_MAMBA, "swa": common_pb2.STATE_TYPE_SWA, "nsa": common_pb2.STATE_TYPE_NSA}
@@ -75,13 +76,14 @@ class ModelSpec:
     def fused(self) -> bool:
         return self.kv_layout == "hnd_fused"
 
+    @property
+    def kv_layout_enum(self) -> int:
+        """``kv_layout`` as ``common_pb2.KvLayout``."""
+        return common_pb2.KV_LAYOUT_HND_FUSED if self.fused else common_pb2.KV_LAYOUT_NHD
+
     def kv_kinds(self) -> tuple[int, ...]:
         """The region kinds of one layer's KV."""
-        if self.mla:
-            return (common_pb2.REGION_KIND_MLA,)
-        if self.fused:
-            return (common_pb2.REGION_KIND_KV,)
-        return (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
+        return kv_kinds_of(self.mla, self.kv_layout_enum)
 
     def page_shape(self, tp_size: int) -> tuple[int, int, int]:
         """The shape of one page of one KV tensor on a rank of ``tp_size``."""
@@ -208,8 +210,8 @@ class EngineMemory:
         kinds = model.kv_kinds()
 
         regions: list[common_pb2.Region] = []
-        if guard_bytes % _ALIGN:
-            raise InvalidArgument(f"guard_bytes must be a multiple of {_ALIGN}")
+        if guard_bytes % ALIGN:
+            raise InvalidArgument(f"guard_bytes must be a multiple of {ALIGN}")
         offset = guard_bytes
         guards: list[tuple[int, int]] = [(0, guard_bytes)] if guard_bytes else []
 
@@ -225,7 +227,7 @@ class EngineMemory:
                 component=component,
             )
             regions.append(region)
-            end = _align(offset + length)
+            end = align(offset + length)
             if guard_bytes:
                 # The slack up to the alignment boundary and a guard after it.
                 guards.append((offset + length, end + guard_bytes))
@@ -249,7 +251,7 @@ class EngineMemory:
                         layer=layer,
                         component=spec.name,
                     )
-        total = max(offset, _ALIGN)
+        total = max(offset, ALIGN)
 
         name = f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}"
         if where.type == "cuda":
@@ -381,7 +383,7 @@ def engine_layout(
             common_pb2.StateComponent(name=s.name, type=_STATE_TYPES[s.type]) for s in state if s.layers_on(begin, end)
         ],
         pp_layer_begins=list(rank.layer_begins(model)),
-        kv_layout=common_pb2.KV_LAYOUT_HND_FUSED if model.fused else common_pb2.KV_LAYOUT_NHD,
+        kv_layout=model.kv_layout_enum,  # type: ignore[arg-type]
     )
 
 
@@ -454,8 +456,9 @@ def _device_buffer(device: torch.device, total: int) -> tuple[int, torch.Tensor,
     return fd, raw, spec
 
 
-def _align(value: int) -> int:
-    return (value + _ALIGN - 1) // _ALIGN * _ALIGN
+def align(value: int) -> int:
+    """``value`` rounded up to the 4 KiB region alignment."""
+    return (value + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _canary(start: int, stop: int) -> torch.Tensor:
