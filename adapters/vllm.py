@@ -27,7 +27,8 @@ arrive (``get_block_ids_with_load_errors``), so vLLM's load-failure policy
 The KV cache is vLLM's CPU layout: one tensor per layer, ``[blocks, kv
 heads, block_size, 2 * head_dim]``, moved into shared memory in place at
 registration (``EngineMemory.adopt``). Equal tensor-parallel sizes on both
-sides; CUDA tensors are refused (not written yet).
+sides; the block sizes may differ (the broker moves tokens then). CUDA
+tensors are refused (not written yet).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class _Recv:
     request_id: str
     local_block_ids: list[int]
     params: dict[str, Any]
+    #: Leading blocks of the prompt this engine holds already (its prefix cache).
+    prefix_blocks: int = 0
 
 
 @dataclass
@@ -97,6 +100,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._broker = str(extra.get("broker", "127.0.0.1:50051"))
         self._group = str(extra.get("group") or self._kv_transfer_config.engine_id or "vllm")
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._block_size = vllm_config.cache_config.block_size
         self._producer = self._kv_transfer_config.is_kv_producer
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
@@ -181,7 +185,10 @@ class _Scheduler:
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         (local,) = blocks.get_unhashed_block_ids_all_groups()
-        self._recvs[request.request_id] = _Recv(request.request_id, list(local), dict(params))
+        # The prompt's blocks (this engine's size) that are not new are its prefix-cache hits.
+        prompt_blocks = -(-len(request.prompt_token_ids or []) // self.c._block_size)
+        held = max(0, prompt_blocks - len(local))
+        self._recvs[request.request_id] = _Recv(request.request_id, list(local), dict(params), held)
         params["do_remote_prefill"] = False  # a second call (after the load) changes nothing
 
     def meta(self) -> KVBrokerMetadata:
@@ -224,7 +231,7 @@ class _Scheduler:
             self._held.discard(rid)
 
     def pending(self) -> bool:
-        return bool(self._held or self._sends or self._recvs)
+        return bool(self._sends or self._recvs)
 
 
 class _Worker:
@@ -289,13 +296,11 @@ class _Worker:
             self._sending[send.request_id] = sender
         for recv in meta.recvs:
             try:
-                remote = [int(b) for b in recv.params.get("remote_block_ids", [])]
-                held = max(0, len(remote) - len(recv.local_block_ids))
                 receiver = self._engine.receiver(
                     room_of(recv.params["remote_request_id"]),
                     SenderRef(recv.params["remote_broker"], recv.params["remote_group"]),
                 )
-                receiver.init(recv.local_block_ids, prefix_pages=held)
+                receiver.init(recv.local_block_ids, prefix_pages=recv.prefix_blocks)
             except (KvBrokerError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("kvbroker: receiving request %s refused: %s", recv.request_id, exc)
                 self._load_errors |= set(recv.local_block_ids)

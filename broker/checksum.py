@@ -12,7 +12,8 @@ Both sides hash the same logical stream, each over its own memory:
 - KV: for each KV region of the source's layer range (layer order, then
   kind order: the order ``slicing.kv_region_pairs`` pairs them in), each
   page of the chunk in order: the page, or, for a head slice, each token's
-  slice of heads;
+  slice of heads; between different page sizes, the chunk's room tokens
+  [begin, end) in token order, wherever each side's pages hold them;
 - aux: on the last chunk, when the source sends aux, the row of every aux
   region in listed order.
 
@@ -32,6 +33,7 @@ from kvbroker.broker.engines import Engine
 from kvbroker.broker.layout import FUSED
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.slicing import SliceSide, kv_regions
+from kvbroker.broker.tokens import TokenRange, token_geometry
 from kvbroker.errors import Unimplemented
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2
@@ -46,23 +48,33 @@ def chunk_checksum(
     head: SliceSide | None,
     aux_row: int | None,
     who: str,
+    tokens: TokenRange | None = None,
 ) -> int:
     """The CRC-32 of one chunk as ``engine`` holds it: ``pages`` of the KV
     regions of ``plan``'s layers (``head``: only that slice of heads of each
-    token), then ``aux_row`` of every aux region (None: no aux)."""
+    token; ``tokens``: those room tokens instead of whole pages), then
+    ``aux_row`` of every aux region (None: no aux)."""
     layout = engine.layout
     crc = 0
     if plan.writes_data and pages.size:
         for region in kv_regions(layout, plan.layer_begin, plan.layer_end, who):
             data = _region_bytes(engine, region).reshape(layout.num_pages, -1)[pages]
             if head is not None and layout.kv_layout != FUSED:
-                tokens = data.reshape(pages.size, head.page_size, head.token_bytes)
-                data = tokens[:, :, head.offset_bytes : head.offset_bytes + head.slice_bytes]
+                rows = data.reshape(pages.size, head.page_size, head.token_bytes)
+                data = rows[:, :, head.offset_bytes : head.offset_bytes + head.slice_bytes]
             crc = zlib.crc32(np.ascontiguousarray(data).data, crc)
+    if plan.writes_data and tokens is not None and tokens.end > tokens.begin:
+        geom = token_geometry(layout)
+        room = np.arange(tokens.begin, tokens.end, dtype=np.int64)
+        page_ids = tokens.pages[room // geom.page_size - tokens.first]
+        offsets = room % geom.page_size
+        for region in kv_regions(layout, plan.layer_begin, plan.layer_end, who):
+            region_tokens = _region_bytes(engine, region).reshape(layout.num_pages, geom.page_size, geom.token_bytes)
+            crc = zlib.crc32(np.ascontiguousarray(region_tokens[page_ids, offsets]).data, crc)
     if aux_row is not None:
         for region in layout.aux_regions:
-            rows = _region_bytes(engine, region).reshape(layout.aux_rows, -1)
-            crc = zlib.crc32(rows[aux_row].data, crc)
+            aux = _region_bytes(engine, region).reshape(layout.aux_rows, -1)
+            crc = zlib.crc32(aux[aux_row].data, crc)
     return crc
 
 

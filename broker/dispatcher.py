@@ -476,6 +476,7 @@ class Broker:
             raise Unavailable("this broker is draining: it accepts no new rooms")
         if not request.sources:
             raise InvalidArgument("a room registration must list its sources")
+        remote = self.peers.remote_engine(request.receiver_broker_id, rank_key(request.receiver))
         info = TransferInfo(
             trace_context=trace.get_current_span(),
             room=request.room,
@@ -489,6 +490,7 @@ class Broker:
             sources=tuple(SourcePlan.from_proto(s) for s in request.sources),
             prefix_pages=request.prefix_pages,
             verify_checksum=request.verify_checksum,
+            page_size=remote.layout.page_size_tokens if remote is not None else 0,
         )
         self.sender.transfer_info(info)
         self.executor.drain()

@@ -73,6 +73,7 @@ from kvbroker.broker.staging import (
     scatter,
 )
 from kvbroker.broker.tasks import TaskSet
+from kvbroker.broker.tokens import run_descriptors
 from kvbroker.broker.watch import WatchHub
 from kvbroker.broker.workers import Workers
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
@@ -231,6 +232,8 @@ class Executor:
             if spec.src_pages is not None and spec.slice is not None:
                 span.set_attribute("kvbroker.descriptors_built", len(spec.pairs) * int(spec.src_pages.size) * spec.slice.src.page_size)
             self._dataplane.post(Posting(part, _tokens(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.RUNS:
+            self._dataplane.post(Posting(part, _runs(part, agent_name, notif), agent_name, part.nbytes))
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1
             self._dataplane.post(Posting(part, _into_staging(part, agent_name, notif), agent_name, part.nbytes))
@@ -591,6 +594,18 @@ def _tokens(part: Part, agent_name: str, notif: bytes) -> Callable[[Agent], Any]
             src_table, dst_table, list(spec.pairs), spec.src_pages, spec.dst_pages, spec.slice
         )
         return agent.post_write_descs(local, local_kind, remote, remote_kind, agent_name, notif)
+
+    return make
+
+
+def _runs(part: Part, agent_name: str, notif: bytes) -> Callable[[Agent], Any]:
+    """Build one descriptor per (region, token run), merged where adjacent, and post (data-plane thread)."""
+    spec, src_table, dst_table = part.spec, part.source.engine.table, part.remote.table
+
+    def make(agent: Agent) -> Any:
+        assert spec.runs is not None and spec.geometry is not None
+        local, remote = run_descriptors(src_table, dst_table, spec.pairs, spec.runs, *spec.geometry)
+        return agent.post_write_descs(local, spec.local_kind, remote, spec.remote_kind, agent_name, notif)
 
     return make
 

@@ -23,6 +23,10 @@ from T, never from per-rank counts (lesson 3 of docs/design.md).
   sides) and the others only report completion.
 - Pipeline parallel on either side: a sender pp rank is a source of a
   receiver rank when their layer ranges overlap; layers pair by layer id.
+- Page sizes may differ where whole tokens move (equal tp sizes, or MLA)
+  in token-major pages: the sender moves token runs
+  (``kvbroker.broker.tokens``); head slices between different page sizes,
+  and fused pages (whose inside is the attention kernel's), are refused.
 
 Aux rows come from one writing source per receiver rank: the lowest writing
 tp rank at the sender's last pp rank (which produced the output). State
@@ -159,7 +163,7 @@ def check_compatible(sender: GroupShape, receiver: GroupShape) -> None:
     problems = []
     if sender.mla != receiver.mla:
         problems.append(f"mla {sender.mla} vs {receiver.mla}")
-    for field in ("num_layers", "page_size_tokens", "dtype", "head_dim", "total_kv_heads", "kv_layout"):
+    for field in ("num_layers", "dtype", "head_dim", "total_kv_heads", "kv_layout"):
         a, b = getattr(sender, field), getattr(receiver, field)
         if a != b:
             problems.append(f"{field} {a} vs {b}")
@@ -285,6 +289,18 @@ def plan_sources(
     """
     check_compatible(sender, receiver)
     plans = _sources_without_counts(sender, sender_group, receiver, receiver_tp, receiver_pp)
+    if sender.page_size_tokens != receiver.page_size_tokens and sender.kv_layout == _FUSED:
+        raise Unimplemented(
+            f"KV_LAYOUT_HND_FUSED pages of {sender.page_size_tokens} and {receiver.page_size_tokens} tokens: the order "
+            "of tokens inside a fused page is the attention kernel's (vLLM's CPU kernel stores keys transposed, and "
+            "packs tiles with AMX), so fused pages move whole only; use equal block sizes"
+        )
+    if sender.page_size_tokens != receiver.page_size_tokens and any(p.head_sliced for p in plans):
+        raise Unimplemented(
+            f"page sizes {sender.page_size_tokens} and {receiver.page_size_tokens} tokens with tp {sender.tp_size} -> "
+            f"{receiver.tp_size}: head slices between different page sizes are not implemented; use equal page sizes "
+            "or equal tp sizes"
+        )
     served: dict[RankKey, int] = {}
     for tp in range(receiver.tp_size):
         for pp in range(receiver.pp_size):

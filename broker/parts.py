@@ -17,6 +17,8 @@ one NIXL write carrying its own ``TransferNotice`` (``part`` of ``parts``):
   its pages. Either way one descriptor per page (contiguous runs merged);
 - ``TOKENS``: the same head slices with one descriptor per (layer region,
   page, token), when staging is off or the block cannot fit;
+- ``RUNS``: whole tokens between different page sizes, one descriptor per
+  (layer region, token run) (``kvbroker.broker.tokens``);
 - ``NOTICE``: no bytes, only the notification: a completion-only source, or
   a last chunk with no pages, aux or state, so completion stays explicit.
 
@@ -38,6 +40,7 @@ from kvbroker.broker.layout import Layout
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.segments import ChunkShape, build_segments, same_item_bytes
 from kvbroker.broker.slicing import HeadSlice, head_slice, kv_region_pairs, staged_bytes
+from kvbroker.broker.tokens import TOKENS, TokenGeometry, check_alike, token_geometry
 from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -55,6 +58,7 @@ class PartKind(enum.Enum):
     GATHERED = "gathered"
     STAGED = "staged"
     TOKENS = "per_token"
+    RUNS = "token_runs"
     NOTICE = "notice"
 
 
@@ -77,6 +81,9 @@ class PartSpec:
     src_pages: IndexArray | None = None
     dst_pages: IndexArray | None = None
     slice: HeadSlice | None = None
+    #: RUNS: the token runs (``tokens.token_runs``) and both sides' geometry.
+    runs: npt.NDArray[np.int64] | None = None
+    geometry: tuple[TokenGeometry, TokenGeometry] | None = None
 
 
 #: Whether a head-sliced block of ``nbytes`` can be staged, and where:
@@ -188,9 +195,28 @@ def plan_chunk(
                 slice=hs,
             )
         )
+    if shape.runs is not None and shape.runs.size and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
+        parts.append(_runs_part(src, src_table, dst, dst_table, plan, shape.runs))
     if not parts:
         parts.append(PartSpec(kind=PartKind.NOTICE, nbytes=0))
     return parts
+
+
+def _runs_part(
+    src: Layout, src_table: DescriptorTable, dst: Layout, dst_table: DescriptorTable, plan: SourcePlan, runs: npt.NDArray[np.int64]
+) -> PartSpec:
+    """The part that moves a FULL_PAGES source's KV as token runs."""
+    pairs = tuple(kv_region_pairs(src, dst, plan.layer_begin, plan.layer_end))
+    kinds = {(src_table.region_kind[s], dst_table.region_kind[d]) for s, d in pairs}
+    if len(kinds) != 1:
+        raise FailedPrecondition("the KV regions of a token-run transfer must share one memory kind per side")
+    geometry = (token_geometry(src), token_geometry(dst))
+    check_alike(*geometry)
+    (src_kind, dst_kind) = kinds.pop()
+    nbytes = len(pairs) * geometry[0].token_bytes * int(runs[:, TOKENS].sum())
+    return PartSpec(
+        kind=PartKind.RUNS, nbytes=nbytes, local_kind=src_kind, remote_kind=dst_kind, pairs=pairs, runs=runs, geometry=geometry
+    )
 
 
 def page_blocks(

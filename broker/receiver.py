@@ -74,6 +74,7 @@ from kvbroker.broker.segments import state_regions
 from kvbroker.broker.slicing import SliceSide, kv_regions, slice_side, staged_bytes
 from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.staging import Reservation
+from kvbroker.broker.tokens import NO_PAGES, TokenRange
 from kvbroker.broker.validation import check_room_indices
 from kvbroker.errors import (
     AlreadyExists,
@@ -115,8 +116,12 @@ class SourceExpectation:
     #: a notice's part index is checked against ``MAX_PARTS`` first).
     parts_received: dict[int, int] = field(default_factory=dict)
     parts_expected: dict[int, int] = field(default_factory=dict)
-    #: chunk index -> (offset in the receiver's pages, pages) of the chunk.
+    #: chunk index -> (offset in the receiver's pages, pages) of the chunk
+    #: (the pages it completed, when the page sizes differ).
     chunk_pages: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: Different page sizes: chunk index -> the room tokens it wrote
+    #: [begin, end) (chunks that wrote none are absent). None otherwise.
+    chunk_tokens: dict[int, tuple[int, int]] | None = None
     total_chunks: int | None = None
     aux_seen: bool = False
     components_seen: frozenset[str] = NO_COMPONENTS
@@ -136,14 +141,32 @@ class SourceExpectation:
     def pages_landed(self) -> int:
         return sum(pages for _, pages in self.chunk_pages.values())
 
-    def landed_positions(self) -> set[int]:
-        """Positions in the receiver's pages of the chunks every part of which landed."""
+    def landed_positions(self, first: int, page_size: int) -> set[int]:
+        """Positions in the receiver's pages (which hold room pages from
+        ``first``, of ``page_size`` tokens) that this source wrote whole: of the
+        chunks every part of which landed, and, when the page sizes differ,
+        whose earlier tokens came with chunks that landed too."""
+        done = {chunk for chunk in self.chunk_pages if self.parts_of(chunk) == self.parts_expected.get(chunk, -1)}
         return {
             position
-            for chunk, (offset, pages) in self.chunk_pages.items()
-            if self.parts_of(chunk) == self.parts_expected.get(chunk, -1)
-            for position in range(offset, offset + pages)
+            for chunk in done
+            for position in range(self.chunk_pages[chunk][0], sum(self.chunk_pages[chunk]))
+            if self.chunk_tokens is None or self._whole(chunk, (first + position) * page_size, done)
         }
+
+    def _whole(self, chunk: int, page_begin: int, done: set[int]) -> bool:
+        """Whether every chunk that wrote tokens of the page beginning at room
+        token ``page_begin`` (``chunk`` wrote its last ones) landed. Chunks
+        are consecutive in tokens, so those are ``chunk`` and the ones before
+        it back to the one that wrote ``page_begin``."""
+        assert self.chunk_tokens is not None
+        while True:
+            span = self.chunk_tokens.get(chunk)
+            if chunk not in done or span is None:
+                return False
+            if span[0] <= page_begin:
+                return True
+            chunk -= 1
 
     def all_parts_landed(self) -> bool:
         """Every part of every chunk of the source's last notice's count has landed."""
@@ -206,9 +229,10 @@ class Receiver(Side):
         writers = [e for e in (self.expected or {}).values() if e.plan.writes_data]
         if not writers or not self.registered_with_sender:
             return set()
-        landed = writers[0].landed_positions()
+        first, size = self.prefix_pages, self.engine.layout.page_size_tokens
+        landed = writers[0].landed_positions(first, size)
         for exp in writers[1:]:
-            landed &= exp.landed_positions()
+            landed &= exp.landed_positions(first, size)
         return landed
 
 
@@ -501,6 +525,9 @@ class ReceiverCore:
             return
         if exp.has_part(notice.chunk_index, notice.part) or key in rank.scattering:
             return
+        if notice.token_end and (problem := _token_problem(rank, notice)):
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, f"source {source_key} {problem}", self._id))
+            return
         if notice.staged and not rank.terminal:
             try:
                 landing = self._landing(rank, key, exp, notice)
@@ -530,6 +557,10 @@ class ReceiverCore:
         exp.parts_received[notice.chunk_index] = exp.parts_received.get(notice.chunk_index, 0) | 1 << notice.part
         exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
         exp.chunk_pages[notice.chunk_index] = (notice.page_offset, notice.pages)
+        if notice.token_end > notice.token_begin:
+            if exp.chunk_tokens is None:
+                exp.chunk_tokens = {}
+            exp.chunk_tokens[notice.chunk_index] = (notice.token_begin, notice.token_end)
         exp.aux_seen |= notice.aux
         if notice.state_components:
             exp.components_seen = exp.components_seen.union(notice.state_components)
@@ -773,9 +804,13 @@ class ReceiverCore:
                 head = (
                     slice_side(rank.engine.layout, plan.dst_head_start, plan.num_heads, "receiver") if plan.head_sliced else None
                 )
-                pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
+                if notice.token_end:
+                    pages = NO_PAGES
+                    tokens = TokenRange(rank.pages, rank.prefix_pages, notice.token_begin, notice.token_end)
+                else:
+                    pages, tokens = rank.pages[notice.page_offset : notice.page_offset + notice.pages], None
                 aux_row = rank.aux_row if notice.is_last and exp.expects_aux else None
-                got = chunk_checksum(rank.engine, plan, pages, head, aux_row, "receiver")
+                got = chunk_checksum(rank.engine, plan, pages, head, aux_row, "receiver", tokens)
             except KvBrokerError as exc:
                 self.fail(rank, cause_of(exc, self._id))
                 return
@@ -848,3 +883,15 @@ def _nothing_in_flight(rank: Receiver) -> bool:
     if not rank.registered_with_sender or rank.expected is None:
         return True
     return all(e.complete or e.settled or not e.plan.writes_data for e in rank.expected.values())
+
+
+def _token_problem(rank: Receiver, notice: peer_pb2.TransferNotice) -> str | None:
+    """What is wrong with a token-run notice (different page sizes), if anything:
+    its tokens must be among the rank's pages, the pages it completes too."""
+    size = rank.engine.layout.page_size_tokens
+    lo, hi = rank.prefix_pages * size, (rank.prefix_pages + int(rank.pages.size)) * size
+    if not lo <= notice.token_begin <= notice.token_end <= hi:
+        return f"wrote room tokens [{notice.token_begin}, {notice.token_end}); this rank's pages hold [{lo}, {hi})"
+    if notice.page_offset + notice.pages > rank.pages.size:
+        return f"completed pages {notice.page_offset}..{notice.page_offset + notice.pages - 1}; this rank has {rank.pages.size}"
+    return None

@@ -23,12 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from kvbroker.broker.descriptors import Segment
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.slicing import kv_region_pairs
+from kvbroker.broker.tokens import TokenRange
 from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -50,6 +52,11 @@ class ChunkShape:
     aux_rows: tuple[int, int] | None
     #: component -> (source indices, destination indices) when it carries state.
     state: dict[str, tuple[IndexArray, IndexArray]]
+    #: Different page sizes: the KV moves as token runs, the sender's room
+    #: tokens ``tokens`` in ``runs`` (``tokens.token_runs``); ``src_pages``
+    #: and ``dst_pages`` are empty then.
+    tokens: TokenRange | None = None
+    runs: npt.NDArray[np.int64] | None = None
 
 
 def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape, *, kv: bool = True) -> list[Segment]:

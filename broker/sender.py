@@ -65,6 +65,14 @@ from kvbroker.broker.rooms import (
 from kvbroker.broker.segments import ChunkShape, state_regions
 from kvbroker.broker.slicing import slice_side
 from kvbroker.broker.smallmap import SmallMap
+from kvbroker.broker.tokens import (
+    NO_PAGES,
+    TokenRange,
+    completed_pages,
+    held_pages,
+    same_token_count,
+    token_runs,
+)
 from kvbroker.broker.validation import check_chunk, check_room_indices
 from kvbroker.errors import (
     Aborted,
@@ -121,6 +129,9 @@ class TransferInfo:
     prefix_pages: int = 0
     #: The receiver checks every chunk against a checksum of what was read.
     verify_checksum: bool = False
+    #: Tokens per page of the receiver (its room pages count in these); 0:
+    #: not known (its engine was not described), taken as the sender's.
+    page_size: int = 0
     received_at: float = field(default_factory=time.monotonic)
     #: The span current in the RegisterRoom call (the receiver's room span
     #: is its ancestor): the sender's room span joins that trace.
@@ -157,6 +168,9 @@ class Destination:
     #: The KV regions this source writes whole into this receiver, planned
     #: on the first chunk (``parts.kv_pairs``) for the receiver's generation.
     kv: KvPairs | None = None
+    #: Different page sizes: the receiver's pages the chunks posted so far
+    #: complete (``tokens.completed_pages``).
+    completed: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -181,8 +195,10 @@ class Source(Side):
     engine_traced: bool = False
 
     def known_prefix(self) -> int:
-        """The smallest prefix its receivers hold (0 until one registered)."""
-        return min((d.info.prefix_pages for d in self.destinations.values()), default=0)
+        """The smallest prefix its receivers hold, in this source's pages (0
+        until one registered): whole pages of it when the page sizes differ."""
+        size = self.engine.layout.page_size_tokens
+        return min((held_pages(d.info.prefix_pages, d.info.page_size or size, size) for d in self.destinations.values()), default=0)
 
     def ready(self) -> bool:
         """All receivers this source serves have registered."""
@@ -674,27 +690,47 @@ class SenderCore:
                 notice = self._notice(source, dest, chunk, total_chunks=1, pages=0)
                 self._send_parts(source, dest, chunk, remote, [PartSpec(kind=PartKind.NOTICE, nbytes=0)], notice)
             return
-        # Room pages [start, end) of this chunk; the receiver holds the room's
-        # first prefix_pages pages, its `pages` are the rest.
+        layout, table = source.engine.layout, source.engine.table
+        # Room pages [start, end) of this chunk (in the sender's pages); the
+        # receiver holds the room's first prefix_pages pages (in its own), its
+        # `pages` are the rest.
+        ps, pd = layout.page_size_tokens, remote.layout.page_size_tokens
         start = source.first_page + chunk.page_offset
         end = start + int(chunk.pages.size)
         expected = info.prefix_pages + int(info.pages.size)
-        if end > expected or (chunk.is_last and end != expected):
+        if (end > start and (end - 1) * ps >= expected * pd) or (chunk.is_last and not same_token_count(end, ps, expected, pd)):
+            sizes = "" if ps == pd else f" (pages of {ps} and {pd} tokens)"
             raise FailedPrecondition(
                 f"the sender sent room pages up to {end}{' in all' if chunk.is_last else ' so far'}, "
-                f"receiver {info.receiver} expects {expected} ({info.prefix_pages} of them held already)"
+                f"receiver {info.receiver} expects {expected} ({info.prefix_pages} of them held already){sizes}"
             )
-        # Its first `skip` pages are the receiver's already; the rest fill the
-        # receiver's pages from dst_start.
-        skip = min(int(chunk.pages.size), max(0, info.prefix_pages - start))
-        dst_start = max(0, start - info.prefix_pages)
+        tokens: TokenRange | None = None
+        runs = None
+        if ps != pd and plan.mode != FULL_PAGES:
+            raise FailedPrecondition(f"head slices between pages of {ps} and {pd} tokens are not implemented")
+        if ps == pd:
+            # Its first `skip` pages are the receiver's already; the rest fill the
+            # receiver's pages from dst_start.
+            skip = min(int(chunk.pages.size), max(0, info.prefix_pages - start))
+            dst_start = max(0, start - info.prefix_pages)
+            src_pages, dst_pages = chunk.pages[skip:], info.pages[dst_start : max(0, end - info.prefix_pages)]
+            completes = int(src_pages.size)
+        else:
+            # Different page sizes: the tokens of its pages the receiver lacks.
+            begin, stop = max(start * ps, info.prefix_pages * pd), min(end * ps, expected * pd)
+            runs = token_runs(chunk.pages, start, ps, info.pages, info.prefix_pages, pd, begin, stop)
+            dst_start, completes = completed_pages(dest.completed, int(info.pages.size), info.prefix_pages, pd, stop, chunk.is_last)
+            dest.completed = dst_start + completes
+            tokens = TokenRange(chunk.pages, start, begin, max(begin, stop))
+            src_pages = dst_pages = NO_PAGES
         shape = ChunkShape(
-            src_pages=chunk.pages[skip:],
-            dst_pages=info.pages[dst_start : max(0, end - info.prefix_pages)],
+            src_pages=src_pages,
+            dst_pages=dst_pages,
             aux_rows=_aux_rows(chunk, dest),
             state=_state_pairs(chunk, dest, remote),
+            tokens=tokens,
+            runs=runs,
         )
-        layout, table = source.engine.layout, source.engine.table
         if dest.kv is None and plan.mode == FULL_PAGES and shape.src_pages.size:
             # Planned once per (receiver rank generation, layer range) for this engine, not per room.
             key = (info.receiver_broker_id, info.receiver, remote.generation, plan.layer_begin, plan.layer_end)
@@ -709,15 +745,17 @@ class SenderCore:
             dest,
             chunk,
             total_chunks=len(source.chunk_list) if chunk.is_last else 0,
-            pages=int(shape.src_pages.size),
+            pages=completes,
             page_offset=dst_start,
         )
         notice.aux = shape.aux_rows is not None
         notice.state_components.extend(sorted(shape.state))
+        if tokens is not None:
+            notice.token_begin, notice.token_end = tokens.begin, tokens.end
         if info.verify_checksum:
             head = slice_side(layout, plan.src_head_start, plan.num_heads, "sender") if plan.head_sliced else None
             aux_row = shape.aux_rows[0] if shape.aux_rows is not None else None
-            notice.checksum = chunk_checksum(source.engine, plan, shape.src_pages, head, aux_row, "sender")
+            notice.checksum = chunk_checksum(source.engine, plan, shape.src_pages, head, aux_row, "sender", tokens)
         self._send_parts(source, dest, chunk, remote, specs, notice)
 
     def _send_parts(
@@ -838,22 +876,28 @@ class SenderCore:
 def _room_mismatch(source: Source, info: TransferInfo) -> str | None:
     """Why ``source`` cannot fill receiver ``info`` (None if it can, or if
     that is not known yet): it must start at or below the receiver's prefix,
-    and end where the room ends. Where it starts is known with its first chunk."""
+    and end where the room ends (the same tokens, when the page sizes
+    differ). Where it starts is known with its first chunk."""
+    ps = source.engine.layout.page_size_tokens
+    pd = info.page_size or ps
+    sizes = "" if ps == pd else f" (pages of {ps} and {pd} tokens)"
     if not source.chunks:
         return (
-            f"the sender will send {source.num_pages} pages, receiver {info.receiver} expects {info.pages.size}"
-            if source.num_pages and not info.prefix_pages and source.num_pages != info.pages.size
+            f"the sender will send {source.num_pages} pages, receiver {info.receiver} expects {info.pages.size}{sizes}"
+            if source.num_pages and not info.prefix_pages and not same_token_count(source.num_pages, ps, int(info.pages.size), pd)
             else None
         )
-    if source.first_page > info.prefix_pages:
+    if source.first_page * ps > info.prefix_pages * pd:
         return (
             f"the sender starts at room page {source.first_page}, receiver {info.receiver} holds only the first "
-            f"{info.prefix_pages}"
+            f"{info.prefix_pages}{sizes}"
         )
-    if source.num_pages and source.first_page + source.num_pages != info.prefix_pages + info.pages.size:
+    if source.num_pages and not same_token_count(
+        source.first_page + source.num_pages, ps, info.prefix_pages + int(info.pages.size), pd
+    ):
         return (
             f"the sender will send {source.num_pages} pages from room page {source.first_page}, receiver "
-            f"{info.receiver} expects {info.pages.size} after the {info.prefix_pages} it holds"
+            f"{info.receiver} expects {info.pages.size} after the {info.prefix_pages} it holds{sizes}"
         )
     return None
 

@@ -23,7 +23,8 @@ KV tensors are whole pages of the model's ``kv_layout``: "nhd" (per layer
 a K and a V tensor, or one MLA tensor, ``[num_pages, page_size, heads,
 head_dim]``, or any contiguous tensor of whole such pages, such as SGLang's
 ``[tokens, heads, head_dim]`` buffers) or "hnd_fused" (one tensor per
-layer, ``[num_pages, heads, page_size, 2 * head_dim]``: vLLM's CPU cache). Aux tensors are
+layer, ``[num_pages, heads, page_size, 2 * head_dim]``, per head the keys then the values
+of the page's tokens in the attention kernel's order: vLLM's CPU cache). Aux tensors are
 ``[rows, ...]``, one row per request slot. CUDA tensors are not taken here
 (VRAM goes through ``EngineMemory.allocate(device="cuda")`` for now).
 """

@@ -65,7 +65,9 @@ class ModelSpec:
     #: How each layer's KV lies in memory: "nhd" (a K and a V tensor per
     #: layer, ``[pages, page_size, heads, head_dim]``; SGLang) or "hnd_fused"
     #: (one tensor per layer, ``[pages, heads, page_size, 2 * head_dim]``,
-    #: keys before values; vLLM's CPU KV cache: equal tp sizes only).
+    #: which holds, per head, the page's keys then its values in the
+    #: attention kernel's order; vLLM's CPU KV cache: whole pages only, so
+    #: equal tp sizes and equal page sizes).
     kv_layout: Literal["nhd", "hnd_fused"] = "nhd"
 
     @property
@@ -164,7 +166,8 @@ class EngineMemory:
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
     mla: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: KV_LAYOUT_HND_FUSED: one tensor per layer, ``[pages, heads, page_size, 2 * head_dim]``.
+    #: KV_LAYOUT_HND_FUSED: one tensor per layer, ``[pages, heads, page_size, 2 * head_dim]``
+    #: (per head: the page's keys, then its values, in the attention kernel's order).
     kv: dict[int, torch.Tensor] = field(default_factory=dict)
     aux: list[torch.Tensor] = field(default_factory=list)
     state: dict[str, list[torch.Tensor]] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec
 from kvbroker.testing import Cleanup, FakeBroker, FakeFabric, LoopThread, start_fake_broker
+from kvbroker.v1 import common_pb2
 
 _ids = itertools.count()
 
@@ -183,3 +184,14 @@ def page_bytes(memory: EngineMemory, layer: int, pages) -> list[torch.Tensor]:  
     """The bytes of ``pages`` of every KV tensor of ``layer`` (for comparisons)."""
     index = torch.as_tensor(pages, dtype=torch.int64)
     return [t.view(torch.uint8)[index] for t in memory.kv_tensors(layer)]
+
+
+def token_bytes(memory: EngineMemory, layer: int, pages, first: int, begin: int, end: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Room tokens [begin, end) of every KV tensor of ``layer``, gathered from ``pages`` (which hold
+    room pages from ``first``): [tokens, bytes of a token] per tensor (token-major pages)."""
+    size = memory.layout.page_size_tokens
+    room = torch.arange(begin, end)
+    ids = torch.as_tensor(pages, dtype=torch.int64)[room // size - first]
+    offsets = room % size
+    assert memory.layout.kv_layout == common_pb2.KV_LAYOUT_NHD, "tokens are rows of token-major pages only"
+    return [t.view(torch.uint8)[ids, offsets].reshape(end - begin, -1) for t in memory.kv_tensors(layer)]

@@ -81,7 +81,7 @@ def test_tensors_the_broker_cannot_address_are_refused(kv: dict[int, list[torch.
 
 def _vllm_cpu_kv(seed: int) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
     """KV as vLLM's CPU worker allocates it: one flat int8 allocation, one view per layer of
-    [num_blocks, heads, block_size, 2 * head_dim] (keys, then values, for every token)."""
+    [num_blocks, heads, block_size, 2 * head_dim] (per head, the block's keys, then its values)."""
     shape = (PAGES, HEADS, SMALL_MODEL.page_size, 2 * SMALL_MODEL.head_dim)
     per = int(np.prod(shape)) * 2
     flat = torch.randint(-128, 128, (SMALL_MODEL.num_layers * per,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import torch
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, eventually, scratch_dir
 
-from .conftest import fill_regions
+from .conftest import fill_regions, token_bytes
 
 pytestmark = pytest.mark.nixl
 
@@ -150,6 +151,45 @@ def test_verified_rooms_over_nixl(brokers) -> None:
     p, d = brokers
     _move_rooms(p, d, MHA, "verify", rooms=4, prefixed=True, verify=True)
     assert d.stats().checksum_mismatches == 0
+    _tables_empty(p, d)
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+def test_rooms_between_different_page_sizes_over_nixl(brokers, layout: str) -> None:
+    """Prefill pages of 8 tokens, decode pages of 6: token runs over real NIXL, chunked, with a held
+    prefix and checksums, byte-exact."""
+    p, d = brokers
+    model = MHA if layout == "mha" else MLA
+    prefill = _Rank(p.address, "prefill", model, f"p-sizes-{layout}", seed=3)
+    decode = _Rank(d.address, "decode", replace(model, page_size=6), f"d-sizes-{layout}")
+    try:
+        rng = np.random.default_rng(11)
+        base = int(time.time() * 1000) % (1 << 40) << 8
+        rooms = []
+        for i, (tokens, prefix) in enumerate([(61, 0), (48, 3), (7, 0), (100, 5)]):
+            src = rng.permutation(np.arange(40 * i, 40 * i + -(-tokens // 8))).astype(np.int32)
+            dst = rng.permutation(np.arange(40 * i, 40 * i + -(-tokens // 6) - prefix)).astype(np.int32)
+            decode.engine.receiver(base + i, SenderRef(p.address, f"p-sizes-{layout}")).init(
+                dst, aux_row=i, prefix_pages=prefix, verify_checksum=True
+            )
+            sender = prefill.engine.sender(base + i)
+            sender.init(int(src.size), aux_row=i + 1)
+            half = max(1, src.size // 2)
+            sender.send(src[:half], is_last=half == src.size)
+            if half < src.size:
+                sender.send(src[half:])
+            rooms.append((base + i, tokens, prefix, src, dst))
+        statuses = decode.engine.wait([r for r, *_ in rooms], timeout_seconds=30)
+        assert all(s.state == RoomState.SUCCESS for s in statuses.values()), statuses
+        for room, tokens, prefix, src, dst in rooms:
+            for layer in range(model.num_layers):
+                a = token_bytes(prefill.memory, layer, src, 0, prefix * 6, tokens)
+                b = token_bytes(decode.memory, layer, dst, prefix, prefix * 6, tokens)
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"room {room} layer {layer}"
+        assert d.stats().checksum_mismatches == 0
+    finally:
+        prefill.close()
+        decode.close()
     _tables_empty(p, d)
 
 

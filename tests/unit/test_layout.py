@@ -517,7 +517,7 @@ def test_overlapping_regions_are_rejected(layout_proto: Builder) -> None:
 
 def test_a_fused_layout_has_one_region_of_keys_and_values_per_layer() -> None:
     """KV_LAYOUT_HND_FUSED: one KV region per layer whose pages hold keys and values
-    ([heads, page_size, 2 * head_dim]); KEY/VALUE regions, or MLA with it, are refused."""
+    (per head, the page's keys then its values); KEY/VALUE regions, or MLA with it, are refused."""
     import torch
 
     from kvbroker.client import EngineMemory, ModelSpec, RankSpec

@@ -333,7 +333,6 @@ def test_heads_that_do_not_divide_are_unimplemented() -> None:
     "field,value",
     [
         ("num_layers", 6),
-        ("page_size_tokens", 32),
         ("dtype", "float16"),
         ("head_dim", 64),
         ("total_kv_heads", 4),
@@ -345,6 +344,36 @@ def test_incompatible_groups(field: str, value: object) -> None:
     receiver = replace(sender, **{field: value})
     with pytest.raises(FailedPrecondition, match=rf"{field} {getattr(sender, field)} vs {value}"):
         plans(sender, receiver, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "sender,receiver",
+    [
+        (shape(tp=2, page_size=16), shape(tp=2, page_size=64)),  # equal tp: whole tokens
+        (shape(tp=2, mla=True, total_kv_heads=1, page_size=64), shape(tp=4, mla=True, total_kv_heads=1, page_size=1)),
+        (shape(tp=2, pp=2, page_size=32), shape(tp=2, page_size=16)),
+    ],
+)
+def test_page_sizes_may_differ_where_whole_tokens_move(sender: GroupShape, receiver: GroupShape) -> None:
+    """Different page sizes plan as equal ones do (the sender moves token runs) when no head is sliced."""
+    same = replace(receiver, page_size_tokens=sender.page_size_tokens)
+    assert all_plans(sender, receiver) == all_plans(sender, same)
+
+
+def test_fused_pages_of_different_sizes_are_refused() -> None:
+    """The fused layout moves whole pages only: different page sizes are UNIMPLEMENTED, naming why."""
+    fused = replace(shape(), kv_layout=common_pb2.KV_LAYOUT_HND_FUSED)
+    with pytest.raises(Unimplemented, match="order of tokens inside a fused page is the attention kernel's"):
+        plans(fused, replace(fused, page_size_tokens=32), 0, 0)
+
+
+def test_head_slices_between_page_sizes_are_refused() -> None:
+    """Head slices (different tp sizes, not MLA) between different page sizes: UNIMPLEMENTED, naming both."""
+    with pytest.raises(Unimplemented, match="page sizes 16 and 32 tokens with tp 2 -> 4: head slices"):
+        plans(shape(tp=2), shape(tp=4, page_size=32), 0, 0)
+    # Whole pages between tp 4 and tp 2 are still head slices on the receiver's side.
+    with pytest.raises(Unimplemented, match="head slices between different page sizes"):
+        plans(shape(tp=4), shape(tp=2, page_size=32), 0, 0)
 
 
 def test_incompatible_mla_flag() -> None:

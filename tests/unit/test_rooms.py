@@ -51,7 +51,9 @@ class Recorder:
 
 def engine(group: str = "g", tp: int = 0, pp: int = 0) -> Any:
     """A stand-in for an Engine: Side only reads ``key`` (and ``engine_id``)."""
-    return SimpleNamespace(key=RankKey(group, tp, pp), engine_id=f"e-{group}-{tp}-{pp}")
+    return SimpleNamespace(
+        key=RankKey(group, tp, pp), engine_id=f"e-{group}-{tp}-{pp}", layout=SimpleNamespace(page_size_tokens=16)
+    )
 
 
 def failure(
@@ -613,8 +615,8 @@ def test_source_expectation_counts() -> None:
     exp.parts_expected = {0: 2, 1: 1}
     exp.parts_received = {0: 0b01, 1: 0b01}  # bit i: part i
     exp.chunk_pages = {0: (0, 4), 1: (4, 3)}
-    assert exp.chunks_landed() == 1 and exp.landed_positions() == {4, 5, 6}
+    assert exp.chunks_landed() == 1 and exp.landed_positions(0, 16) == {4, 5, 6}
     assert exp.has_part(0, 0) and not exp.has_part(0, 1) and exp.parts_of(0) == 1
     exp.parts_received[0] |= 0b10
     assert exp.chunks_landed() == 2 and exp.parts_of(0) == 2
-    assert exp.pages_landed() == 7 and exp.landed_positions() == set(range(7))
+    assert exp.pages_landed() == 7 and exp.landed_positions(0, 16) == set(range(7))

@@ -41,6 +41,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     kwargs: dict = dict(model=job["model"], skip_tokenizer_init=True, max_model_len=512, enforce_eager=True, dtype="bfloat16", seed=0)
+    if job.get("block_size"):
+        kwargs["block_size"] = job["block_size"]
     role = job["role"]
     if role != "baseline":
         kwargs["kv_transfer_config"] = KVTransferConfig(

@@ -281,7 +281,7 @@ class PingResponse(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum", "token_begin", "token_end")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,8 @@ class TransferNotice(_message.Message):
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -320,4 +322,6 @@ class TransferNotice(_message.Message):
     staging_bytes: int
     protocol_version: int
     checksum: int
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    token_begin: int
+    token_end: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ..., token_begin: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
