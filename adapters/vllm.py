@@ -26,9 +26,10 @@ arrive (``get_block_ids_with_load_errors``), so vLLM's load-failure policy
 
 The KV cache is vLLM's CPU layout: one tensor per layer, ``[blocks, kv
 heads, block_size, 2 * head_dim]``, moved into shared memory in place at
-registration (``EngineMemory.adopt``). Equal tensor-parallel sizes on both
-sides; the block sizes may differ (the broker moves tokens then). CUDA
-tensors are refused (not written yet).
+registration (``EngineMemory.adopt``). The tensor-parallel sizes of the two
+sides may differ (the broker moves each head's part of a block); the block
+sizes may not (inside a block the attention kernel orders the tokens).
+CUDA tensors are refused (not written yet).
 """
 
 from __future__ import annotations

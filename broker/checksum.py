@@ -30,7 +30,6 @@ import zlib
 import numpy as np
 
 from kvbroker.broker.engines import Engine
-from kvbroker.broker.layout import FUSED
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.slicing import SliceSide, kv_regions
 from kvbroker.broker.tokens import TokenRange, token_geometry
@@ -59,7 +58,7 @@ def chunk_checksum(
     if plan.writes_data and pages.size:
         for region in kv_regions(layout, plan.layer_begin, plan.layer_end, who):
             data = _region_bytes(engine, region).reshape(layout.num_pages, -1)[pages]
-            if head is not None and layout.kv_layout != FUSED:
+            if head is not None:
                 rows = data.reshape(pages.size, head.page_size, head.token_bytes)
                 data = rows[:, :, head.offset_bytes : head.offset_bytes + head.slice_bytes]
             crc = zlib.crc32(np.ascontiguousarray(data).data, crc)

@@ -209,10 +209,6 @@ def _tp_sources(sender: GroupShape, receiver: GroupShape, receiver_tp: int) -> l
         if pd % ps:
             raise Unimplemented(f"MLA tp {ps} -> {pd}: the larger tp size must be a multiple of the smaller")
         return [_TpSource(receiver_tp // (pd // ps), FULL_PAGES)]
-    if sender.kv_layout == _FUSED:
-        raise Unimplemented(
-            f"KV_LAYOUT_HND_FUSED tp {ps} -> {pd}: head slices of the fused layout are not implemented; use equal tp sizes"
-        )
     total = sender.total_kv_heads
     for p in (ps, pd):
         if (total >= p and total % p) or (total < p and p % total):

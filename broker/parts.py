@@ -16,7 +16,8 @@ one NIXL write carrying its own ``TransferNotice`` (``part`` of ``parts``):
   receive staging buffer, and the receiver unpacks them into the slice of
   its pages. Either way one descriptor per page (contiguous runs merged);
 - ``TOKENS``: the same head slices with one descriptor per (layer region,
-  page, token), when staging is off or the block cannot fit;
+  page, token), when staging is off or the block cannot fit; always for
+  fused pages, where a head slice is one piece per page;
 - ``RUNS``: whole tokens between different page sizes, one descriptor per
   (layer region, token run) (``kvbroker.broker.tokens``);
 - ``NOTICE``: no bytes, only the notification: a completion-only source, or
@@ -177,7 +178,10 @@ def plan_chunk(
         (src_kind, dst_kind) = next(iter(kinds))
         src_device = src_table.region_device[pairs[0][0]] if pairs else 0
         dst_device = dst_table.region_device[pairs[0][1]] if pairs else 0
-        if hs.dst.slice_bytes == hs.dst.token_bytes and stage(nbytes, "send", src_kind, src_device):
+        if hs.src.page_size == 1:
+            # Fused pages: the slice is one contiguous piece per page already.
+            kind = PartKind.TOKENS
+        elif hs.dst.slice_bytes == hs.dst.token_bytes and stage(nbytes, "send", src_kind, src_device):
             kind = PartKind.GATHERED
         elif hs.src.slice_bytes == hs.src.token_bytes and stage(nbytes, "receive", dst_kind, dst_device):
             kind = PartKind.STAGED

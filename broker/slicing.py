@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbroker.broker.descriptors import DescriptorTable
-from kvbroker.broker.layout import Layout
+from kvbroker.broker.layout import FUSED, Layout
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
@@ -64,15 +64,23 @@ class HeadSlice:
 
 
 def slice_side(layout: Layout, head_start: int, num_heads: int, who: str) -> SliceSide:
-    """The geometry of heads [head_start, head_start + num_heads) of ``layout``'s pages."""
+    """The geometry of heads [head_start, head_start + num_heads) of ``layout``'s pages.
+
+    A fused page (``KV_LAYOUT_HND_FUSED``) is head-major: one head's keys and
+    values are one contiguous part of it, whatever order the attention kernel
+    keeps inside. Its slice is described as one "token" per page (``page_size``
+    1, the head's part of the page as the head's bytes), so every path below
+    moves one contiguous piece per page.
+    """
     if num_heads == 0 or head_start + num_heads > layout.kv_heads_per_rank:
         raise FailedPrecondition(
             f"heads [{head_start}, {head_start + num_heads}) are not inside the {who}'s "
             f"{layout.kv_heads_per_rank} heads per rank"
         )
-    head_bytes = layout.head_dim * layout.dtype_bytes
+    rows = 1 if layout.kv_layout == FUSED else layout.page_size_tokens
+    head_bytes = layout.kv_page_bytes // layout.kv_heads_per_rank // rows
     return SliceSide(
-        page_size=layout.page_size_tokens,
+        page_size=rows,
         token_bytes=layout.kv_heads_per_rank * head_bytes,
         offset_bytes=head_start * head_bytes,
         slice_bytes=num_heads * head_bytes,

@@ -66,8 +66,8 @@ class ModelSpec:
     #: layer, ``[pages, page_size, heads, head_dim]``; SGLang) or "hnd_fused"
     #: (one tensor per layer, ``[pages, heads, page_size, 2 * head_dim]``,
     #: which holds, per head, the page's keys then its values in the
-    #: attention kernel's order; vLLM's CPU KV cache: whole pages only, so
-    #: equal tp sizes and equal page sizes).
+    #: attention kernel's order; vLLM's CPU KV cache: pages move whole, or
+    #: as whole heads between different tp sizes; equal page sizes only).
     kv_layout: Literal["nhd", "hnd_fused"] = "nhd"
 
     @property

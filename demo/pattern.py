@@ -32,7 +32,7 @@ __all__ = [
 
 _MIX1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
-_KIND = {"k": 0, "v": 1, "mla": 2}
+_KIND = {"k": 0, "v": 1, "mla": 2, "kv": 3}
 
 
 def _mix(codes: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -102,7 +102,20 @@ def state_bytes(*, component: str, layer: int, ordinal: int, shard: int, items: 
 def _kv_tensors(memory: EngineMemory, model: ModelSpec, layer: int) -> list[tuple[int, torch.Tensor]]:
     if model.mla:
         return [(_KIND["mla"], memory.mla[layer].view(torch.uint8))]
+    if model.fused:
+        return [(_KIND["kv"], memory.kv[layer].view(torch.uint8))]
     return [(_KIND["k"], memory.k[layer].view(torch.uint8)), (_KIND["v"], memory.v[layer].view(torch.uint8))]
+
+
+def _reference(kind: int, *, layer: int, pages: torch.Tensor, model: ModelSpec, heads: torch.Tensor, dtype_bytes: int) -> torch.Tensor:
+    """The reference bytes of ``pages`` of one KV tensor of ``layer``. A fused page holds, for
+    each head, the keys of its tokens, then their values (vLLM's CPU order with its vec kernel;
+    the broker moves a head's part of a page whole, whatever the order inside)."""
+    args = dict(layer=layer, pages=pages, page_size=model.page_size, heads=heads, head_dim=model.head_dim, dtype_bytes=dtype_bytes)
+    if kind != _KIND["kv"]:
+        return kv_bytes(kind=kind, **args)  # type: ignore[arg-type]
+    k, v = (kv_bytes(kind=_KIND[x], **args).permute(0, 2, 1, 3) for x in ("k", "v"))  # type: ignore[arg-type]
+    return torch.cat((k, v), dim=2).reshape(len(pages), len(heads), model.page_size, -1)
 
 
 def state_items(memory: EngineMemory) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
@@ -132,9 +145,7 @@ def fill_rank(memory: EngineMemory, model: ModelSpec, rank: RankSpec) -> None:
     for layer in range(begin, end):
         for kind, tensor in _kv_tensors(memory, model, layer):
             pool = torch.arange(tensor.shape[0])
-            tensor.copy_(
-                kv_bytes(layer=layer, kind=kind, pages=pool, page_size=model.page_size, heads=heads, head_dim=model.head_dim, dtype_bytes=itemsize)
-            )
+            tensor.copy_(_reference(kind, layer=layer, pages=pool, model=model, heads=heads, dtype_bytes=itemsize))
     for name, regions in state_items(memory).items():
         for layer, ordinal, tensor in regions:
             items = torch.arange(tensor.shape[0])
@@ -168,7 +179,7 @@ def verify_room(
     begin, end = rank.layer_range(model)
     for layer in range(begin, end):
         for kind, tensor in _kv_tensors(memory, model, layer):
-            want = kv_bytes(layer=layer, kind=kind, pages=src, page_size=model.page_size, heads=heads, head_dim=model.head_dim, dtype_bytes=itemsize)
+            want = _reference(kind, layer=layer, pages=src, model=model, heads=heads, dtype_bytes=itemsize)
             got = tensor[dst].cpu()
             if not torch.equal(got, want):
                 problems.append(f"layer {layer} kind {kind}: {int((got != want).sum())} bytes differ")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from kvbroker.client import RoomState, SenderRef
+from kvbroker.client import ModelSpec, RoomState, SenderRef
 from kvbroker.testing.fake_nixl import FakeAgent
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -90,16 +91,20 @@ def test_the_aux_row_is_covered(fake_brokers, make_engine, corrupt) -> None:
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_MISMATCH, status
 
 
-@pytest.mark.parametrize(("ptp", "dtp"), [(1, 2), (2, 1)], ids=["gathered", "staged"])
+@pytest.mark.parametrize(
+    ("ptp", "dtp", "model"),
+    [(1, 2, SMALL_MODEL), (2, 1, SMALL_MODEL), (2, 1, replace(SMALL_MODEL, kv_layout="hnd_fused"))],
+    ids=["gathered", "staged", "fused"],
+)
 def test_head_slices_verify_on_both_sides_and_a_broker_flag_verifies_every_room(
-    fake_brokers, make_engine, corrupt, ptp: int, dtp: int
+    fake_brokers, make_engine, corrupt, ptp: int, dtp: int, model: ModelSpec
 ) -> None:
     """Different tp sizes: each source checksums the heads it sends, the receiver the same heads of its
-    pages; a decode broker started with verify_checksums checks rooms that did not ask (and catches
-    a corrupted one)."""
+    pages (of fused pages too: a head's part of each page); a decode broker started with
+    verify_checksums checks rooms that did not ask (and catches a corrupted one)."""
     p, d = fake_brokers("p"), fake_brokers("d", verify_checksums=True)
-    pes = [make_engine(p.address, "prefill", tp_size=ptp, tp_rank=r, seed=r + 1) for r in range(ptp)]
-    des = [make_engine(d.address, "decode", tp_size=dtp, tp_rank=r) for r in range(dtp)]
+    pes = [make_engine(p.address, "prefill", tp_size=ptp, tp_rank=r, seed=r + 1, model=model) for r in range(ptp)]
+    des = [make_engine(d.address, "decode", tp_size=dtp, tp_rank=r, model=model) for r in range(dtp)]
 
     def room(room_id: int) -> list[common_pb2.RoomStatus]:
         receivers = [e.handle.receiver(room_id, SenderRef(p.address, "prefill-group")) for e in des]

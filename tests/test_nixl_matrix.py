@@ -30,6 +30,7 @@ CI_CASES = [
     (Scenario(prefill_tp=4, decode_tp=1, kv_heads=2), False),
     (Scenario(prefill_tp=4, decode_tp=4, kv_heads=2), True),
     (Scenario(prefill_tp=2, decode_tp=1, mla=True, head_dim=40), True),
+    (Scenario(prefill_tp=1, decode_tp=2, kv_layout="hnd_fused"), True),
     (Scenario(prefill_pp=2, decode_pp=1), True),
     (Scenario(prefill_pp=1, decode_pp=2), True),
     (Scenario(state=("mamba", "swa", "nsa"), prefill_pp=2, decode_pp=1), True),

@@ -34,6 +34,11 @@ CASES = [
     Scenario(state=("nsa",)),
     Scenario(state=("mamba", "swa", "nsa"), prefill_pp=2, decode_pp=1),
     Scenario(state=("nsa",), prefill_tp=2, decode_tp=1, mla=True, head_dim=40),
+    # vLLM's CPU layout: a head's part of a page is contiguous, one piece per page.
+    Scenario(prefill_tp=2, decode_tp=1, kv_layout="hnd_fused"),
+    Scenario(prefill_tp=1, decode_tp=2, kv_layout="hnd_fused"),
+    Scenario(prefill_tp=1, decode_tp=4, kv_heads=2, kv_layout="hnd_fused"),
+    Scenario(prefill_tp=4, decode_tp=2, prefill_pp=2, decode_pp=1, kv_layout="hnd_fused"),
 ]
 
 
@@ -51,7 +56,9 @@ def test_layout_moves_byte_exact(fake_brokers, scenario: Scenario, staging: bool
         assert not any(broker.tables().values()), broker.tables()
     counters = p.broker.counters
     sliced = scenario.prefill_tp != scenario.decode_tp and not scenario.mla and scenario.kv_heads > min(scenario.prefill_tp, scenario.decode_tp)
-    if sliced:
+    if sliced and scenario.kv_layout == "hnd_fused":
+        assert counters.transfers_staged == 0 and counters.transfers_per_token > 0  # one piece per page: no staging
+    elif sliced:
         assert (counters.transfers_staged > 0) == staging and (counters.transfers_per_token > 0) != staging
     else:
         assert counters.transfers_staged == counters.transfers_per_token == 0

@@ -485,15 +485,13 @@ def test_rooms_of_a_group_pair_share_their_plans_and_keys() -> None:
     assert again.rank is rank_key(plan.rank.to_proto())
 
 
-def test_the_fused_layout_moves_between_equal_tp_only() -> None:
-    """KV_LAYOUT_HND_FUSED pairs only with itself, and only at equal tp sizes (head slices of it
-    are not implemented): the refusals name why."""
-    from kvbroker.errors import FailedPrecondition, Unimplemented
-    from kvbroker.v1 import common_pb2
-
+def test_the_fused_layout_pairs_only_with_itself_and_slices_heads_like_nhd() -> None:
+    """KV_LAYOUT_HND_FUSED pairs only with itself (the refusal names why); between different tp
+    sizes its plans are those of the token-major layout (the slice geometry differs, not the plan)."""
     fused = common_pb2.KV_LAYOUT_HND_FUSED
     assert plan_sources(replace(shape(), kv_layout=fused), SENDER, replace(shape(), kv_layout=fused), 0, 0)
     with pytest.raises(FailedPrecondition, match="kv_layout 0 vs 1"):
         plan_sources(shape(), SENDER, replace(shape(), kv_layout=fused), 0, 0)
-    with pytest.raises(Unimplemented, match="head slices of the fused layout"):
-        plan_sources(replace(shape(tp=2), kv_layout=fused), SENDER, replace(shape(), kv_layout=fused), 0, 0)
+    for ps, pd in ((2, 1), (1, 4), (4, 2)):
+        sender, receiver = shape(tp=ps), shape(tp=pd)
+        assert all_plans(replace(sender, kv_layout=fused), replace(receiver, kv_layout=fused)) == all_plans(sender, receiver)

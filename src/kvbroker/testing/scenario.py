@@ -56,6 +56,8 @@ class Scenario:
     layers: int = 4
     page_size: int = 4
     mla: bool = False
+    #: "nhd" or "hnd_fused" (vLLM's CPU layout).
+    kv_layout: str = "nhd"
     dtype: str = "bfloat16"
     state: tuple[str, ...] = ()
     rooms: int = 2
@@ -72,6 +74,7 @@ class Scenario:
             dtype=getattr(torch, self.dtype),
             page_size=self.page_size,
             mla=self.mla,
+            kv_layout=self.kv_layout,  # type: ignore[arg-type]
         )
 
     @property
@@ -81,6 +84,8 @@ class Scenario:
             f"pp{self.prefill_pp}->{self.decode_pp}",
             "mla" if self.mla else f"{self.kv_heads}h",
         ]
+        if self.kv_layout != "nhd":
+            parts.append(self.kv_layout)
         if self.state:
             parts.append("+".join(self.state))
         return "-".join(parts)
