@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KVBrokerConnector", "room_of"]
@@ -123,10 +122,6 @@ class KVBrokerConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids)
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None:
-            self._scheduler.output(connector_output)
-
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pending()
 
@@ -170,8 +165,6 @@ class _Scheduler:
         self.c = connector
         self._sends: dict[str, list[int]] = {}
         self._recvs: dict[str, _Recv] = {}
-        #: Prefill requests whose blocks are held until their room is done.
-        self._held: set[str] = set()
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -212,7 +205,6 @@ class _Scheduler:
         if not blocks:
             return False, None
         self._sends[request.request_id] = blocks
-        self._held.add(request.request_id)
         host, _, port = self.c._broker.rpartition(":")
         return True, {
             "do_remote_prefill": True,
@@ -227,11 +219,9 @@ class _Scheduler:
             "tp_size": self.c._tp_size,
         }
 
-    def output(self, output: KVConnectorOutput) -> None:
-        for rid in output.finished_sending or ():
-            self._held.discard(rid)
-
     def pending(self) -> bool:
+        """Rooms not handed to the worker yet. (vLLM steps anyway while a finished
+        request holds its blocks: its scheduler counts it until they are freed.)"""
         return bool(self._sends or self._recvs)
 
 
