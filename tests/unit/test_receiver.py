@@ -180,6 +180,26 @@ def test_a_notice_for_a_part_beyond_its_count_fails_the_room(world: World, part:
     assert rank.expected is not None and all(not e.parts_received for e in rank.expected.values())
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"token_begin": 0, "token_end": 2**40}, "this rank's pages hold"),
+        ({"token_begin": 9, "token_end": 3}, "this rank's pages hold"),
+        ({"token_begin": 0, "token_end": 4, "page_offset": 2, "pages": 5}, "this rank has 3"),
+    ],
+    ids=["tokens-past-the-pages", "begin-after-end", "completes-pages-it-lacks"],
+)
+def test_a_token_run_notice_outside_the_ranks_pages_fails_the_room(world: World, extra: dict[str, int], message: str) -> None:
+    """Different page sizes: a notice naming room tokens outside the rank's pages, or completing
+    pages it does not have, is a MISMATCH naming both, and nothing of it counts as landed (its
+    range would index the pages when the checksum or the landed pages are worked out)."""
+    rank = world.registered()
+    world.core.notices([notice(rank, SOURCE, **{"pages": 3, **extra})])
+    assert rank.state == FAILED and rank.cause is not None and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
+    assert message in rank.cause.message, rank.cause.message
+    assert rank.expected is not None and all(not e.parts_received for e in rank.expected.values())
+
+
 # -- notices that must not create anything -----------------------------------------
 
 
