@@ -716,12 +716,16 @@ class SenderCore:
             src_pages, dst_pages = chunk.pages[skip:], info.pages[dst_start : max(0, end - info.prefix_pages)]
             completes = int(src_pages.size)
         else:
-            # Different page sizes: the tokens of its pages the receiver lacks.
-            begin, stop = max(start * ps, info.prefix_pages * pd), min(end * ps, expected * pd)
+            # Different page sizes: the tokens of its pages the receiver lacks,
+            # [begin, stop) inside the receiver's [lo, hi) (empty for a chunk
+            # wholly inside its prefix, or a zero-page last chunk).
+            lo, hi = info.prefix_pages * pd, expected * pd
+            begin = min(max(start * ps, lo), hi)
+            stop = max(begin, min(end * ps, hi))
             runs = token_runs(chunk.pages, start, ps, info.pages, info.prefix_pages, pd, begin, stop)
             dst_start, completes = completed_pages(dest.completed, int(info.pages.size), info.prefix_pages, pd, stop, chunk.is_last)
             dest.completed = dst_start + completes
-            tokens = TokenRange(chunk.pages, start, begin, max(begin, stop))
+            tokens = TokenRange(chunk.pages, start, begin, stop)
             src_pages = dst_pages = NO_PAGES
         shape = ChunkShape(
             src_pages=src_pages,

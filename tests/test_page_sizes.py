@@ -137,6 +137,22 @@ def test_a_held_prefix_in_the_decodes_pages_is_not_written(
     assert_only_listed_pages_written(de, before, dst)
 
 
+@pytest.mark.parametrize("ps,pd,tokens", [(8, 6, 5), (4, 8, 12), (6, 4, 23)])
+def test_a_zero_page_last_chunk_completes_the_room(fake_brokers, make_engine, ps: int, pd: int, tokens: int) -> None:
+    """Every page sent, then a last chunk with none (it still brings aux): SUCCESS, the tokens
+    moved; also where the prefill's last page reaches past the decode's (8 tokens vs 6)."""
+    p, pe, de, _ = pair(fake_brokers, make_engine, NHD, ps, pd)
+    src, dst = _pages(room_pages(tokens, ps), 3, 3), _pages(room_pages(tokens, pd), 60, -2)
+    receiver, sender = open_room(p, pe, de, 77, dst, int(src.size), verify_checksum=True)
+    sender.send(src, is_last=False)
+    sender.send(src[:0], is_last=True)
+    status = receiver.wait(10)
+    assert status.state == RoomState.SUCCESS, status
+    assert_tokens_moved(pe, src, 0, de, dst, 0, 0, tokens)
+    for a, b in zip(pe.memory.aux, de.memory.aux):
+        assert torch.equal(a[1], b[2]), "the aux row did not come"
+
+
 def test_checksums_cover_token_runs(fake_brokers, make_engine) -> None:
     """A verified room between page sizes succeeds (both sides hash the same tokens, each from its own pages)."""
     p, pe, de, _ = pair(fake_brokers, make_engine, NHD, 6, 4)
