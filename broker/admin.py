@@ -50,6 +50,7 @@ class Admin:
             descriptors_transferred=c.descriptors_transferred,
             transfers_staged=c.transfers_staged,
             transfers_per_token=c.transfers_per_token,
+            transfers_token_runs=c.transfers_token_runs,
             staging_send_bytes_in_use=q.staging_in_use("send"),
             staging_receive_bytes_in_use=q.staging_in_use("receive"),
             late_notices=c.late_notices,

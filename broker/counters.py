@@ -19,6 +19,8 @@ class Counters:
     #: Head-sliced parts written through staging, and with per-token descriptors.
     transfers_staged: int = 0
     transfers_per_token: int = 0
+    #: Parts that moved token runs between different page sizes.
+    transfers_token_runs: int = 0
     #: Descriptors NIXL used for finished transfers (telemetry).
     descriptors_transferred: int = 0
     #: Notifications for rooms this broker no longer (or never) had.

@@ -233,6 +233,7 @@ class Executor:
                 span.set_attribute("kvbroker.descriptors_built", len(spec.pairs) * int(spec.src_pages.size) * spec.slice.src.page_size)
             self._dataplane.post(Posting(part, _tokens(part, agent_name, notif), agent_name, part.nbytes))
         elif part.kind is PartKind.RUNS:
+            self._counters.transfers_token_runs += 1
             self._dataplane.post(Posting(part, _runs(part, agent_name, notif), agent_name, part.nbytes))
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1

@@ -104,6 +104,7 @@ def test_tokens_move_between_page_sizes(fake_brokers, make_engine, layout: str, 
     for a, b in zip(pe.memory.aux, de.memory.aux):
         assert torch.equal(a[1], b[2]), "the aux row did not come"
     assert_only_listed_pages_written(de, before, dst)
+    assert p.broker.counters.transfers_token_runs == len(chunks)
 
 
 @pytest.mark.parametrize("ps,pd,prefix", [(4, 8, 1), (8, 4, 3), (6, 4, 2), (4, 6, 3)])
