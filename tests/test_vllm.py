@@ -5,7 +5,8 @@ A tiny Llama written here (tests/vllm/tiny_model.py: seeded random weights, so g
 prompts as token ids, greedy decoding. The decode engine's tokens must equal a single engine's for
 prompts shorter than a block, over several blocks, not a multiple of the block size (vLLM's CPU
 block is 128 tokens), and one whose first two blocks the decode already holds in its prefix cache
-(only the rest moves: the decode broker's byte count proves it). Prefill blocks of 64 tokens
+(only the rest moves: the decode broker's byte count proves it), and with a decode engine of
+tp 2 (each rank takes its head of every block). Prefill blocks of 64 tokens
 and decode blocks of 128 are refused by name (vLLM's CPU blocks move whole only) and vLLM
 recomputes them. The negative control overwrites
 the prefill's KV before it moves: the tokens must change. A prefill engine killed before its KV
@@ -190,6 +191,19 @@ def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, mod
     assert tokens == baseline, _diagnosis(work, *brokers)
     # The decode held HELD's first two blocks: 1 + 2 + 3 + 1 blocks moved, no more.
     assert brokers[1].stats().bytes_received == 7 * BLOCK_BYTES, _diagnosis(work, *brokers)
+    _tables_empty(*brokers)
+
+
+def test_prefill_tp1_to_decode_tp2_moves_each_rank_its_heads(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
+    """Different tensor-parallel sizes: the decode engine runs tp 2 (one KV head per rank), each of
+    its workers registers its rank, and each takes its head's part of every prefill block (one
+    piece per block and layer). The tokens equal one engine's; the two ranks together received
+    the 2 + 3 blocks of the prompts."""
+    work = workdir / "tp"
+    tokens = _pd(work, model, brokers, [ODD, LONG], decode={"tp": 2})
+    assert tokens == [baseline[PROMPTS.index(ODD)], baseline[PROMPTS.index(LONG)]], _diagnosis(work, *brokers)
+    assert brokers[1].stats().bytes_received == 5 * BLOCK_BYTES, _diagnosis(work, *brokers)
+    assert brokers[0].stats().transfers_per_token > 0  # head slices of fused blocks
     _tables_empty(*brokers)
 
 

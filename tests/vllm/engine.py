@@ -37,12 +37,17 @@ def _wait_for(path: Path, timeout: float) -> None:
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     work = Path(job["workdir"])
+    if job.get("tp", 1) > 1:
+        # vLLM's CPU workers bind to one NUMA node each unless told which cores to use.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(job["tp"])))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kwargs: dict = dict(model=job["model"], skip_tokenizer_init=True, max_model_len=512, enforce_eager=True, dtype="bfloat16", seed=0)
     if job.get("block_size"):
         kwargs["block_size"] = job["block_size"]
+    if job.get("tp", 1) > 1:
+        kwargs["tensor_parallel_size"] = job["tp"]
     role = job["role"]
     if role != "baseline":
         kwargs["kv_transfer_config"] = KVTransferConfig(
