@@ -74,7 +74,7 @@ from kvbroker.broker.segments import state_regions
 from kvbroker.broker.slicing import SliceSide, kv_regions, slice_side, staged_bytes
 from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.staging import Reservation
-from kvbroker.broker.tokens import NO_PAGES, TokenRange
+from kvbroker.broker.tokens import TokenRange
 from kvbroker.broker.validation import check_room_indices
 from kvbroker.errors import (
     AlreadyExists,
@@ -83,7 +83,7 @@ from kvbroker.errors import (
     KvBrokerError,
     NotFound,
 )
-from kvbroker.indices import IndexArray, encode_indices
+from kvbroker.indices import NO_INDICES, IndexArray, encode_indices
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -805,7 +805,7 @@ class ReceiverCore:
                     slice_side(rank.engine.layout, plan.dst_head_start, plan.num_heads, "receiver") if plan.head_sliced else None
                 )
                 if notice.token_end:
-                    pages = NO_PAGES
+                    pages = NO_INDICES
                     tokens = TokenRange(rank.pages, rank.prefix_pages, notice.token_begin, notice.token_end)
                 else:
                     pages, tokens = rank.pages[notice.page_offset : notice.page_offset + notice.pages], None

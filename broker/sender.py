@@ -66,7 +66,6 @@ from kvbroker.broker.segments import ChunkShape, state_regions
 from kvbroker.broker.slicing import slice_side
 from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.tokens import (
-    NO_PAGES,
     TokenRange,
     completed_pages,
     held_pages,
@@ -83,7 +82,7 @@ from kvbroker.errors import (
     NotFound,
     PermissionDenied,
 )
-from kvbroker.indices import IndexArray
+from kvbroker.indices import NO_INDICES, IndexArray
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -699,10 +698,9 @@ class SenderCore:
         end = start + int(chunk.pages.size)
         expected = info.prefix_pages + int(info.pages.size)
         if (end > start and (end - 1) * ps >= expected * pd) or (chunk.is_last and not same_token_count(end, ps, expected, pd)):
-            sizes = "" if ps == pd else f" (pages of {ps} and {pd} tokens)"
             raise FailedPrecondition(
                 f"the sender sent room pages up to {end}{' in all' if chunk.is_last else ' so far'}, "
-                f"receiver {info.receiver} expects {expected} ({info.prefix_pages} of them held already){sizes}"
+                f"receiver {info.receiver} expects {expected} ({info.prefix_pages} of them held already){_sizes(ps, pd)}"
             )
         tokens: TokenRange | None = None
         runs = None
@@ -726,7 +724,7 @@ class SenderCore:
             dst_start, completes = completed_pages(dest.completed, int(info.pages.size), info.prefix_pages, pd, stop, chunk.is_last)
             dest.completed = dst_start + completes
             tokens = TokenRange(chunk.pages, start, begin, stop)
-            src_pages = dst_pages = NO_PAGES
+            src_pages = dst_pages = NO_INDICES
         shape = ChunkShape(
             src_pages=src_pages,
             dst_pages=dst_pages,
@@ -877,6 +875,11 @@ class SenderCore:
             self._open_span(source, source.begin_context)
 
 
+def _sizes(ps: int, pd: int) -> str:
+    """What to add to a page-count message when the two sides' page sizes differ."""
+    return "" if ps == pd else f" (pages of {ps} and {pd} tokens)"
+
+
 def _room_mismatch(source: Source, info: TransferInfo) -> str | None:
     """Why ``source`` cannot fill receiver ``info`` (None if it can, or if
     that is not known yet): it must start at or below the receiver's prefix,
@@ -884,7 +887,7 @@ def _room_mismatch(source: Source, info: TransferInfo) -> str | None:
     differ). Where it starts is known with its first chunk."""
     ps = source.engine.layout.page_size_tokens
     pd = info.page_size or ps
-    sizes = "" if ps == pd else f" (pages of {ps} and {pd} tokens)"
+    sizes = _sizes(ps, pd)
     if not source.chunks:
         return (
             f"the sender will send {source.num_pages} pages, receiver {info.receiver} expects {info.pages.size}{sizes}"

@@ -35,7 +35,6 @@ from kvbroker.errors import FailedPrecondition
 from kvbroker.indices import IndexArray
 
 __all__ = [
-    "NO_PAGES",
     "TokenGeometry",
     "TokenRange",
     "check_alike",
@@ -48,8 +47,6 @@ __all__ = [
     "token_runs",
 ]
 
-#: The pages of a chunk whose KV moves as token runs (no whole pages).
-NO_PAGES: IndexArray = np.zeros(0, dtype=np.int32)
 #: Columns of a runs array.
 SRC_PAGE, SRC_OFFSET, DST_PAGE, DST_OFFSET, TOKENS = range(5)
 

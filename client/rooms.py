@@ -27,7 +27,14 @@ import numpy.typing as npt
 from kvbroker.broker.validation import check_chunk, check_room_indices
 from kvbroker.client.tracecontext import current_trace_context
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, RoomFailed
-from kvbroker.indices import IndexArray, as_index, as_indices, decode_indices, encode_indices
+from kvbroker.indices import (
+    NO_INDICES,
+    IndexArray,
+    as_index,
+    as_indices,
+    decode_indices,
+    encode_indices,
+)
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:
@@ -123,7 +130,7 @@ class KVSender(_Room):
         num_pages = _count(num_pages, "num_pages")
         if aux_row is not None:
             aux_row = as_index(aux_row, "aux_row")
-            check_room_indices(self.engine.layout, pages=_NO_PAGES, aux_row=aux_row, state={})
+            check_room_indices(self.engine.layout, pages=NO_INDICES, aux_row=aux_row, state={})
         request = transfer_pb2.BeginSendRequest(room=self.room, num_pages=num_pages)
         trace = current_trace_context()
         (status,) = self.engine.session.open_rooms(
@@ -271,8 +278,6 @@ class KVReceiver(_Room):
         trace = current_trace_context()
         return lambda seq: transfer_pb2.SessionCommand(seq=seq, expect_room=request, trace_context=trace)
 
-
-_NO_PAGES: IndexArray = as_indices([], "pages")
 
 
 def _count(value: int, name: str) -> int:

@@ -16,9 +16,13 @@ import numpy.typing as npt
 from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
-__all__ = ["IndexArray", "as_index", "as_indices", "decode_indices", "encode_indices"]
+__all__ = ["NO_INDICES", "IndexArray", "as_index", "as_indices", "decode_indices", "encode_indices"]
 
 IndexArray = npt.NDArray[np.int32]
+
+#: No indices (an empty int32 array; shared, never written).
+NO_INDICES: IndexArray = np.zeros(0, dtype=np.int32)
+NO_INDICES.flags.writeable = False
 
 _LE_INT32 = np.dtype("<i4")
 
