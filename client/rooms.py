@@ -141,6 +141,17 @@ class KVSender(_Room):
         self._opened = True
         return status
 
+    def set_aux_row(self, aux_row: int | None) -> None:
+        """The aux row the last chunk carries, for an engine that learns it
+        after opening the room (SGLang gives it after the handshake). Before
+        the last chunk only; checked like ``init``'s."""
+        if self._last_sent:
+            raise FailedPrecondition(f"room {self.room}: the last chunk was already sent")
+        if aux_row is not None:
+            aux_row = as_index(aux_row, "aux_row")
+            check_room_indices(self.engine.layout, pages=NO_INDICES, aux_row=aux_row, state={})
+        self.aux_row = aux_row
+
     def send(
         self,
         pages: Pages,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvbroker.broker.admin import Admin
 from kvbroker.client import RoomState, SenderRef
 from kvbroker.testing import eventually
 
@@ -57,6 +58,14 @@ def test_a_page_is_whole_only_when_every_source_that_writes_it_delivered_it(fake
         sender.send(SRC[:3])
     senders[0].send(SRC[3:])
     assert senders[0].wait(10).state == RoomState.SUCCESS
+
+    def rank1_first_chunk_delivered() -> bool:
+        # Rank 1's first chunk must have landed before it aborts (a loaded host may take a while).
+        sides = p.loop.call(lambda: Admin(p.broker).get_room(61)).sides
+        (side,) = [s for s in sides if s.info.engine.tp_rank == 1]
+        return all(dest.chunks_posted == 1 and dest.inflight == 0 for dest in side.destinations)
+
+    eventually(rank1_first_chunk_delivered, 10)
     senders[1].abort("prefill rank 1 preempted")
     eventually(lambda: receiver.status().pages_settled, 10)
     assert receiver.status().state == RoomState.FAILED

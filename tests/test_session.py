@@ -138,6 +138,25 @@ def test_local_checks_raise_at_once_and_queue_nothing(fake_brokers, make_engine)
     assert de.handle.wait([50], timeout_seconds=10)[50].state == RoomState.SUCCESS
 
 
+def test_an_aux_row_set_after_opening_goes_with_the_last_chunk(fake_brokers, make_engine) -> None:
+    """SGLang's order: open the room with no page count, learn the aux row later
+    (set_aux_row, checked like init's), end it with an explicit last chunk."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    de.handle.receiver(55, SenderRef(p.address, "prefill-group")).init([0, 1], aux_row=2)
+    sender = pe.handle.sender(55)
+    sender.init(0)
+    with pytest.raises(errors.InvalidArgument, match="aux_row"):
+        sender.set_aux_row(9)
+    sender.set_aux_row(1)
+    sender.send([0], is_last=False)
+    sender.send([1], is_last=True)
+    with pytest.raises(errors.FailedPrecondition, match="last chunk"):
+        sender.set_aux_row(0)
+    status = de.handle.wait([55], timeout_seconds=10)[55]
+    assert status.state == RoomState.SUCCESS
+    assert bytes(de.memory.aux[0][2]) == bytes(pe.memory.aux[0][1])
+
+
 def test_send_returns_without_waiting_for_the_broker(fake_brokers, make_engine) -> None:
     """While the broker's loop is stalled, init and send still return at once: the
     calls queue, and the room completes once the broker catches up."""

@@ -1,0 +1,557 @@
+"""SGLang transfer backend: disaggregated prefill and decode through kvbroker.
+
+Switch it on with ``--disaggregation-transfer-backend kvbroker`` on both
+engines, once kvbroker is installed in SGLang's environment. SGLang's backend
+list is closed (``TransferBackend`` is an enum), so kvbroker registers itself
+through SGLang's plugin framework: the ``sglang.srt.plugins`` entry point
+``kvbroker`` (pyproject.toml) names :func:`install`, which every SGLang
+process runs at start (``load_plugins``). ``install`` patches exactly this:
+
+- adds ``"kvbroker"`` to SGLang's transfer-backend choices
+  (``add_disagg_transfer_backend_choices``) and a ``KVBROKER`` member to
+  ``TransferBackend``;
+- wraps ``get_kv_class`` (AROUND hook, applied by SGLang's ``HookRegistry``
+  to every module that imported it) to answer kvbroker's classes for that
+  member, and SGLang's own for every other backend;
+- wraps ``PrefillBootstrapQueue._init_kv_manager`` and
+  ``DecodePreallocQueue._init_kv_manager`` (AROUND hooks) so that the
+  manager they build sees the queue: it needs the KV pool's tensors and the
+  metadata buffers, where SGLang's managers get raw pointers only.
+
+Environment of each engine process (every tp rank of one engine the same):
+
+- ``KVBROKER_ADDRESS``: this host's broker (its ``--listen``), default
+  ``127.0.0.1:50051``;
+- ``KVBROKER_ADVERTISE_ADDRESS``: the address decode hosts reach that broker
+  at, published to them (prefill only; default ``KVBROKER_ADDRESS``);
+- ``KVBROKER_GROUP``: the engine's group name, unique among the engines of a
+  broker (default ``sglang-<mode>-<http port>``).
+
+The flow, in SGLang's terms: the prefill's ranks register their KV pool with
+their broker and publish ``{broker, group, tp_size, ...}`` to the bootstrap
+server (:mod:`kvbroker.adapters.bootstrap`, on
+``--disaggregation-bootstrap-port``). A prefill sender opens its room at once
+(``BeginSend`` with no page count): it is Bootstrapping until the decode's
+broker has registered the room, then WaitingForInput, and
+``pop_decode_prefix_len`` is the decode's held prefix in tokens. A decode
+receiver's ``init`` reads the prefill's record from the bootstrap server;
+``send_metadata`` opens the room (``ExpectRoom`` with the pages after the
+prefix and the metadata-buffer row as aux row). The brokers move the pages
+and the aux row; both sides report Success when the room is whole. A room
+that fails reports Failed only once the broker says its pages are settled
+(no write in flight), so SGLang frees or reuses them safely.
+
+Memory: the pool's K/V tensors (or MLA tensors) and SGLang's metadata
+buffers are moved into shared memory in place when the manager is built
+(``EngineMemory.adopt``; CPU tensors only). Not supported yet, refused by
+name: CUDA pools (VRAM import of an existing allocation is not written),
+draft (speculative) KV, hybrid-model state (``state_types``), pipeline
+parallelism, attention data parallelism, host (hicache) destinations.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+
+from kvbroker.adapters.bootstrap import BootstrapServer, EngineRecord, fetch_record, publish_rank
+from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
+from kvbroker.client.rooms import KVReceiver, KVSender
+from kvbroker.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvBrokerError,
+    RoomFailed,
+    Unimplemented,
+)
+
+__all__ = [
+    "BACKEND",
+    "KVBrokerBootstrapServer",
+    "KVBrokerKVManager",
+    "KVBrokerKVReceiver",
+    "KVBrokerKVSender",
+    "install",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The value of ``--disaggregation-transfer-backend``.
+BACKEND = "kvbroker"
+ENV_ADDRESS = "KVBROKER_ADDRESS"
+ENV_ADVERTISE = "KVBROKER_ADVERTISE_ADDRESS"
+ENV_GROUP = "KVBROKER_GROUP"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+#: The SGLang queue whose ``_init_kv_manager`` is running (set by the hook).
+_QUEUE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvbroker_sglang_queue", default=None)
+
+_STATES: dict[RoomState, int] = {
+    RoomState.FAILED: int(KVPoll.Failed),
+    RoomState.BOOTSTRAPPING: int(KVPoll.Bootstrapping),
+    RoomState.WAITING_FOR_INPUT: int(KVPoll.WaitingForInput),
+    RoomState.TRANSFERRING: int(KVPoll.Transferring),
+    RoomState.SUCCESS: int(KVPoll.Success),
+}
+
+
+# -- install ------------------------------------------------------------------------
+def install() -> None:
+    """Register the ``kvbroker`` backend with SGLang (the plugin entry point).
+
+    Idempotent. ``load_plugins`` calls it and then applies the hooks; a
+    caller outside SGLang's start-up calls ``HookRegistry.apply_hooks()``
+    after it."""
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([BACKEND])
+    if BACKEND not in TransferBackend._value2member_map_:
+        _add_enum_member(TransferBackend, "KVBROKER", BACKEND)
+    targets = {
+        "sglang.srt.disaggregation.utils.get_kv_class": _get_kv_class,
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": _with_queue,
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": _with_queue,
+    }
+    registered = HookRegistry._hooks
+    for target, hook in targets.items():
+        if all(h is not hook for _, h, _ in registered.get(target, [])):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def _add_enum_member(enum_class: Any, name: str, value: str) -> None:
+    """Add a member to a closed ``Enum`` (what ``TransferBackend(value)`` looks up)."""
+    member = object.__new__(enum_class)
+    member._name_ = name
+    member._value_ = value
+    enum_class._member_map_[name] = member
+    enum_class._value2member_map_[value] = member
+    enum_class._member_names_.append(name)
+    type.__setattr__(enum_class, name, member)
+
+
+def _get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    if getattr(transfer_backend, "value", None) != BACKEND or class_type == KVClassType.KVARGS:
+        return original(transfer_backend, class_type)
+    return {
+        KVClassType.MANAGER: KVBrokerKVManager,
+        KVClassType.SENDER: KVBrokerKVSender,
+        KVClassType.RECEIVER: KVBrokerKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: KVBrokerBootstrapServer,
+    }[class_type]
+
+
+def _with_queue(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
+    token = _QUEUE.set(queue)
+    try:
+        return original(queue, *args, **kwargs)
+    finally:
+        _QUEUE.reset(token)
+
+
+# -- the manager -----------------------------------------------------------------------
+@dataclass
+class PrefillInfo:
+    """A prefill engine, as the decode queue reads it (``prefill_info_table``)."""
+
+    record: EngineRecord
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+class KVBrokerKVManager(BaseKVManager):
+    """One engine rank registered with its broker: its pool, its rooms' home."""
+
+    supports_host_destination = False
+    enable_deferred_decode_kv_release = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False) -> None:
+        from sglang.srt.runtime_context import get_parallel, get_serving
+
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.is_prefill = str(getattr(disaggregation_mode, "value", disaggregation_mode)) == "prefill"
+        # Read by SGLang's queues; kvbroker has no per-room state here.
+        self.transfer_infos: dict[int, Any] = {}
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self.attn_cp_size, self.attn_cp_rank = 1, 0
+        self.enable_all_cp_ranks_for_transfer = False
+        self.is_dummy_cp_rank = False
+
+        queue = _QUEUE.get()
+        if queue is None:
+            raise FailedPrecondition(
+                "kvbroker's SGLang manager was built outside PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager: "
+                "install() was not run in this process or its hooks were not applied (SGLang's load_plugins does both)"
+            )
+        parallel = get_parallel()
+        for name, size in (("pp_size", parallel.pp_size), ("attn_dp_size", parallel.attn_dp_size), ("attn_cp_size", parallel.attn_cp_size)):
+            if size != 1:
+                raise Unimplemented(f"kvbroker's SGLang backend does not support {name} {size} yet")
+        if args.num_draft_entries or getattr(queue, "draft_token_to_kv_pool", None) is not None:
+            raise Unimplemented("kvbroker's SGLang backend does not move draft (speculative decoding) KV yet")
+        if any(t is not None for t in getattr(args, "state_types", []) or []):
+            raise Unimplemented(f"kvbroker's SGLang backend does not move hybrid-model state yet ({args.state_types})")
+
+        mode: Literal["prefill", "decode"] = "prefill" if self.is_prefill else "decode"
+        self.address = os.environ.get(ENV_ADDRESS, DEFAULT_ADDRESS)
+        self.advertise = os.environ.get(ENV_ADVERTISE, self.address)
+        self.group = os.environ.get(ENV_GROUP) or f"sglang-{mode}-{get_serving().port}"
+        self.rank = RankSpec(group=self.group, role=mode, tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank)
+        self.pool = queue.token_to_kv_pool
+        self.page_size = int(self.pool.page_size)
+        self.memory = _adopt(self.rank, self.pool, queue.metadata_buffers, queue.scheduler.model_config, self.is_mla_backend)
+        _point_args_at(args, self.pool, queue.metadata_buffers, self.is_mla_backend)
+        self.client = BrokerClient(self.address)
+        try:
+            self.engine = self.client.register_engine(self.rank, self.memory)
+        except BaseException:
+            self.client.close()
+            raise
+        logger.info(
+            "kvbroker: %s rank tp%d/%d of group %s registered with broker %s (%d layers, page size %d)",
+            mode, self.rank.tp_rank, self.rank.tp_size, self.group, self.address, self.pool.layer_num, self.page_size,
+        )
+        if self.is_prefill:
+            self.register_to_bootstrap()
+
+    # -- bootstrap -------------------------------------------------------------
+    def bootstrap_address(self) -> str:
+        """Where this prefill engine's bootstrap server listens (its first node)."""
+        from sglang.srt.runtime_context import get_disagg, get_parallel
+
+        dist = get_parallel().dist_init_addr
+        host = str(dist).rsplit(":", 1)[0] if dist else "127.0.0.1"
+        return f"{host}:{get_disagg().disaggregation_bootstrap_port}"
+
+    def register_to_bootstrap(self) -> None:
+        publish_rank(
+            self.bootstrap_address(),
+            {
+                "group": self.group,
+                "broker": self.advertise,
+                "tp_size": self.rank.tp_size,
+                "pp_size": 1,
+                "page_size": self.page_size,
+                "rank": self.rank.tp_rank,
+            },
+        )
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Read the prefill engine's record once every rank of it has registered."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            record = fetch_record(bootstrap_addr)
+        except KvBrokerError as exc:
+            logger.warning("kvbroker: %s", exc)
+            return False
+        if record is None or not record.complete:
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(record)
+        return True
+
+    def submit_prefill_recompute(self, receiver: Any, payload: Any) -> None:
+        raise Unimplemented("kvbroker's SGLang backend does not rebootstrap retracted requests yet")
+
+    def close(self) -> None:
+        """Unregister from the broker and release the shared memory (idempotent)."""
+        try:
+            self.engine.close()
+        finally:
+            self.client.close()
+            self.memory.close()
+
+
+def _kv_tensors(pool: Any, mla: bool) -> list[list[torch.Tensor]]:
+    """Per layer of the pool, its KV tensors: [k, v], or [kv] for MLA."""
+    if mla:
+        return [[t] for t in pool.kv_buffer]
+    return [[k, v] for k, v in zip(pool.k_buffer, pool.v_buffer)]
+
+
+def _aux_tensors(metadata: Any) -> list[torch.Tensor]:
+    """The metadata buffers in ``get_buf_infos`` order (one row per request slot)."""
+    ptrs = metadata.get_buf_infos()[0]
+    by_ptr = {t.data_ptr(): t for t in vars(metadata).values() if isinstance(t, torch.Tensor)}
+    return [by_ptr[p] for p in ptrs]
+
+
+def _adopt(rank: RankSpec, pool: Any, metadata: Any, model_config: Any, mla: bool) -> EngineMemory:
+    layers = _kv_tensors(pool, mla)
+    first = layers[0][0]
+    if first.device.type != "cpu":
+        raise Unimplemented(
+            "kvbroker's SGLang backend takes CPU KV pools only: importing an existing CUDA allocation is not written yet"
+        )
+    if first.dim() != 3:
+        raise Unimplemented(f"kvbroker's SGLang backend takes token-major [tokens, heads, dim] pools, got {tuple(first.shape)}")
+    heads, head_dim = int(first.shape[1]), int(first.shape[2])
+    model = ModelSpec(
+        num_layers=int(model_config.num_hidden_layers),
+        total_kv_heads=1 if mla else int(model_config.get_total_num_kv_heads()),
+        head_dim=head_dim,
+        dtype=first.dtype,
+        page_size=int(pool.page_size),
+        mla=mla,
+    )
+    if not mla and model.heads_per_rank(rank.tp_size) != heads:
+        raise InvalidArgument(f"the pool holds {heads} KV heads per rank; {model.total_kv_heads} heads over tp {rank.tp_size} give {model.heads_per_rank(rank.tp_size)}")
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    memory = EngineMemory.adopt(rank, model, kv={start + i: tensors for i, tensors in enumerate(layers)}, aux=_aux_tensors(metadata))
+    # The pool keeps tables of its buffers' addresses (for its copy kernels): rebuild them.
+    refresh = getattr(pool, "_init_data_ptrs_and_strides", None)
+    if refresh is not None:
+        refresh()
+    return memory
+
+
+def _point_args_at(args: KVArgs, pool: Any, metadata: Any, mla: bool) -> None:
+    """The memory moved: give SGLang's KVArgs the new addresses."""
+    layers = _kv_tensors(pool, mla)
+    kinds = 1 if mla else 2
+    args.kv_data_ptrs = [layer[kind].data_ptr() for kind in range(kinds) for layer in layers]
+    args.aux_data_ptrs = [t.data_ptr() for t in _aux_tensors(metadata)]
+
+
+# -- rooms --------------------------------------------------------------------------
+class _RoomSide:
+    """What a sender and a receiver share: the room, a local error, the state."""
+
+    kv_mgr: KVBrokerKVManager
+    bootstrap_room: int
+    _room: KVSender | KVReceiver | None
+
+    def _init_side(self, mgr: KVBrokerKVManager, bootstrap_room: int | None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.conclude_state: int | None = None
+        self._room = None
+        self._error: KvBrokerError | None = None
+        self._started = time.monotonic()
+        self._status: Any = None
+
+    def _fail(self, error: KvBrokerError) -> None:
+        """A local refusal: fail the room here and at the peer, once."""
+        logger.warning("kvbroker: room %d: %s", self.bootstrap_room, error)
+        if self._error is None:
+            self._error = error
+            if self._room is not None:
+                self._room.abort(f"refused on the {'prefill' if self.kv_mgr.is_prefill else 'decode'} engine: {error}")
+
+    def _poll_room(self, before: int) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._room is None:
+            if self._error is not None:
+                self.conclude_state = int(KVPoll.Failed)
+                return self.conclude_state
+            return before
+        status = self._room.status()
+        self._status = status
+        state = RoomState(status.state)
+        if state is RoomState.FAILED and not status.pages_settled:
+            # The broker may still be writing or reading these pages: not yet.
+            return int(KVPoll.Transferring)
+        if state in (RoomState.FAILED, RoomState.SUCCESS):
+            self.conclude_state = _STATES[state]
+        return _STATES[state]
+
+    def failure_exception(self) -> None:
+        if self._error is not None:
+            raise self._error
+        status = self._status if self._status is not None else (self._room.status() if self._room is not None else None)
+        if status is not None and RoomState(status.state) is RoomState.FAILED:
+            raise RoomFailed(self.bootstrap_room, status.cause)
+        raise FailedPrecondition(f"room {self.bootstrap_room} has not failed")
+
+    def abort(self) -> None:
+        if self._room is None:
+            self.conclude_state = int(KVPoll.Failed)
+            if self._error is None:
+                self._error = FailedPrecondition(f"room {self.bootstrap_room} aborted by SGLang before it opened")
+            return
+        self._room.abort("aborted by SGLang")
+
+    def clear(self) -> None:
+        self._room = None
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        status = self._status
+        if status is None or RoomState(status.state) is not RoomState.SUCCESS:
+            return KVTransferMetric()
+        return KVTransferMetric(transfer_latency_s=time.monotonic() - self._started, transfer_total_bytes=int(status.bytes))
+
+
+class KVBrokerKVSender(_RoomSide, BaseKVSender):
+    """The prefill side of one room (one SGLang request) on one rank."""
+
+    def __init__(self, mgr: KVBrokerKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self._init_side(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self._early_send_wait_event: Any = None
+        self._num_pages: int | None = None
+        self._prefix_pages = 0
+        self._sent = 0
+        self._chunks = 0
+        #: The scheduler's word on the next chunk (should_send_kv_chunk's last_chunk).
+        self._next_last: bool | None = None
+        room = mgr.engine.sender(self.bootstrap_room)
+        try:
+            # No page count yet: SGLang gives it after the handshake (init).
+            room.init(0)
+        except KvBrokerError as exc:
+            self._fail(exc)
+            return
+        self._room = room
+
+    def poll(self) -> int:
+        return self._poll_room(int(KVPoll.Bootstrapping))
+
+    def pop_decode_prefix_len(self) -> int:
+        """The decode's held prefix, in tokens: whole pages of this engine."""
+        if self._room is None:
+            return 0
+        self._prefix_pages = int(self._room.status().prefix_pages)
+        return self._prefix_pages * self.kv_mgr.page_size
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self._num_pages = int(num_kv_indices)
+        if self._room is None:
+            return
+        assert isinstance(self._room, KVSender)
+        try:
+            self._room.set_aux_row(aux_index)
+        except KvBrokerError as exc:
+            self._fail(exc)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # SGLang asks this right before each send: remember which one is last.
+        # A zero-page last chunk still carries the aux row and ends the room.
+        self._next_last = last_chunk
+        return num_pages > 0 or last_chunk
+
+    def mark_prefill_complete(self) -> None:
+        return
+
+    def send(self, kv_indices: Any, state_indices: Sequence[Any] | None = None, num_kv_tokens: int | None = None, **_: Any) -> None:
+        if self._room is None or self._error is not None:
+            return
+        assert isinstance(self._room, KVSender)
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        try:
+            if self._num_pages is None:
+                raise FailedPrecondition(f"room {self.bootstrap_room}: send before init")
+            if state_indices and any(s is not None for s in state_indices):
+                raise Unimplemented("kvbroker's SGLang backend does not move hybrid-model state yet")
+            # The scheduler says which chunk is last: a chunk that reaches the
+            # page count may be followed by a zero-page last one. Without its
+            # word, SGLang's rule: the chunk that reaches the count.
+            last = self._sent + pages.size >= self._num_pages if self._next_last is None else self._next_last
+            self._next_last = None
+            room_page = self._prefix_pages if self._chunks == 0 else None
+            self._room.send(pages, is_last=last, room_page=room_page)
+        except KvBrokerError as exc:
+            self._fail(exc)
+            return
+        self._sent += pages.size
+        self._chunks += 1
+
+
+class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
+    """The decode side of one room (one SGLang request) on one rank."""
+
+    def __init__(self, mgr: KVBrokerKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        self._init_side(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.abort_notified = False
+        self.require_staging = False
+        self.bootstrap_infos: list[EngineRecord] = []
+        self._sender: SenderRef | None = None
+
+    def init(self, prefill_dp_rank: int) -> None:
+        mgr = self.kv_mgr
+        if not mgr.try_ensure_parallel_info(self.bootstrap_addr):
+            self._fail(FailedPrecondition(f"no complete kvbroker record of the prefill engine at {self.bootstrap_addr} yet"))
+            return
+        record = mgr.prefill_info_table[self.bootstrap_addr].record
+        self.bootstrap_infos = [record]
+        self._sender = SenderRef(record.broker, record.group)
+
+    def poll(self) -> int:
+        before = int(KVPoll.Bootstrapping if self._sender is None else KVPoll.WaitingForInput)
+        state = self._poll_room(before)
+        # The room opens in the broker's handshake: still waiting, for SGLang.
+        return int(KVPoll.WaitingForInput) if state == KVPoll.Bootstrapping and self._room is not None else state
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Sequence[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = KVTransferDestination.DEVICE,
+        **_: Any,
+    ) -> None:
+        if self._error is not None or self._room is not None:
+            return
+        try:
+            if self._sender is None:
+                raise FailedPrecondition(f"room {self.bootstrap_room}: send_metadata before init")
+            if destination != KVTransferDestination.DEVICE:
+                raise Unimplemented("kvbroker's SGLang backend does not receive into host (hicache) destinations yet")
+            if state_indices and any(s is not None for s in state_indices):
+                raise Unimplemented("kvbroker's SGLang backend does not move hybrid-model state yet")
+            prefix = int(decode_prefix_len or 0)
+            if prefix % self.kv_mgr.page_size:
+                raise InvalidArgument(f"decode prefix of {prefix} tokens is not whole pages of {self.kv_mgr.page_size}")
+            room = self.kv_mgr.engine.receiver(self.bootstrap_room, self._sender)
+            room.init(np.asarray(kv_indices, dtype=np.int64).reshape(-1), aux_row=aux_index, prefix_pages=prefix // self.kv_mgr.page_size)
+        except KvBrokerError as exc:
+            self._fail(exc)
+            return
+        self._room = room
+
+    def is_abort_release_safe(self) -> bool:
+        return self._room is None or bool(self._room.status().pages_settled)
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Aborting the room tells the prefill's broker; nothing more to arm."""
+        return
+
+
+class KVBrokerBootstrapServer(BootstrapServer, BaseKVBootstrapServer):
+    """SGLang starts it on the prefill at ``--disaggregation-bootstrap-port``."""
+
+    def __init__(self, host: str, port: int) -> None:
+        BootstrapServer.__init__(self, host or "0.0.0.0", port)
+
+    def poll(self) -> int:
+        return int(KVPoll.Success)

@@ -1,0 +1,300 @@
+"""SGLang's own disaggregation queues drive kvbroker's SGLang backend, byte-exact through two brokers.
+
+The backend is found the way SGLang finds it in production: the ``sglang.srt.plugins`` entry
+point runs ``kvbroker.adapters.sglang.install`` when SGLang loads its plugins. The prefill side is
+SGLang's ``PrefillBootstrapQueue`` and its prefill scheduler mixin (``send_kv_chunk`` with its own
+chunking, ``process_disagg_prefill_inflight_queue``); the decode side is ``DecodePreallocQueue``
+(bootstrap, radix-cache prefix match, allocation, ``send_metadata``) and ``DecodeTransferQueue``
+(polling with SGLang's metadata gate, committing the first token that came in the aux row).
+tests/sglang/harness.py builds them on SGLang's real CPU KV pools; only the model's forward pass is
+stood in for (a known KV pattern). Checked: the decode's KV pages equal the prefill's byte for byte,
+the first token arrives, a prefix the decode's radix cache holds is not sent again, a zero-page last
+chunk still ends the room, an abort and a prefill that never comes fail the request through
+SGLang's own failure paths with kvbroker's cause, and no broker table is left behind.
+
+Runs in a virtual environment with SGLang (``.ci/sglang`` builds one); skipped without sglang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvbroker.testing import BrokerProcess, eventually
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (.ci/run's SGLang step)"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def h() -> Any:
+    """The harness module (importing it imports SGLang and loads its plugins). SGLang's and
+    torch's own modules warn as they import (deprecations, "only CUDA supports AWQ"): not ours."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from tests.sglang import harness
+    return harness
+
+
+@pytest.fixture(scope="module")
+def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
+    work = tmp_path_factory.mktemp("sglang-brokers")
+    args = ["--finished-room-ttl", "1", "--tombstone-ttl", "1", "--orphan-timeout", "3"]
+    pair = BrokerProcess.start_many(["p-broker", "d-broker"], work, args)
+    yield pair[0], pair[1]
+    for broker in pair:
+        broker.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(h: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
+    """A prefill and a decode engine rank, each registered with its own broker."""
+    from sglang.srt.managers.disagg_service import start_disagg_service
+
+    bootstrap_port = _free_port()
+    server_args = h.publish(bootstrap_port=bootstrap_port, port=_free_port())
+    server = start_disagg_service()  # SGLang starts the backend's bootstrap server: ours
+    saved = os.environ.get("KVBROKER_ADDRESS")
+    try:
+        os.environ["KVBROKER_ADDRESS"] = brokers[0].address
+        prefill = h.PrefillScheduler(server_args)
+        os.environ["KVBROKER_ADDRESS"] = brokers[1].address
+        decode = h.DecodeScheduler(server_args)
+    finally:
+        if saved is None:
+            os.environ.pop("KVBROKER_ADDRESS", None)
+        else:
+            os.environ["KVBROKER_ADDRESS"] = saved
+    yield h.Pair(prefill, decode, bootstrap_port)
+    for sched in (prefill, decode):
+        queue = getattr(sched, "disagg_prefill_bootstrap_queue", None) or sched.disagg_decode_prealloc_queue
+        queue.kv_manager.close()
+    server.close()
+
+
+def _tables_empty(*brokers: BrokerProcess) -> None:
+    def left() -> dict[str, dict[str, int]]:
+        return {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
+
+    eventually(lambda: not any(left().values()), 30, describe=lambda: f"per-room tables not empty: {left()}")
+
+
+def _bytes(brokers: tuple[BrokerProcess, BrokerProcess]) -> int:
+    return int(brokers[1].stats().bytes_received)
+
+
+#: Bytes of one page of the harness's pool (both layers, K and V): 2 x 2 x 4 tokens x 2 heads x 8 x bf16.
+PAGE_BYTES = 2 * 2 * 4 * 2 * 8 * 2
+
+
+def test_the_plugin_registers_the_backend(h: Any) -> None:
+    """SGLang's plugin loading made "kvbroker" a transfer backend, and left the others as they were."""
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.disaggregation import decode, prefill, utils
+    from sglang.srt.disaggregation.fake import FakeKVSender
+
+    from kvbroker.adapters import sglang as backend
+
+    assert "kvbroker" in DISAGG_TRANSFER_BACKEND_CHOICES
+    member = utils.TransferBackend("kvbroker")
+    assert member is utils.TransferBackend.KVBROKER
+    for module in (utils, prefill, decode):  # every module that imported get_kv_class sees the hook
+        assert module.get_kv_class(member, utils.KVClassType.SENDER) is backend.KVBrokerKVSender
+        assert module.get_kv_class(member, utils.KVClassType.BOOTSTRAP_SERVER) is backend.KVBrokerBootstrapServer
+        assert module.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER) is FakeKVSender
+    # The operator's flag: SGLang's own argument parser takes it.
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbroker"])
+    assert args.disaggregation_transfer_backend == "kvbroker"
+    backend.install()  # twice is harmless: one hook per target
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert len(HookRegistry._hooks["sglang.srt.disaggregation.utils.get_kv_class"]) == 1
+
+
+def test_prompts_move_byte_exact_through_sglangs_queues(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
+    """Shorter than a page, whole pages, a partial last page and a chunked prefill, all at once."""
+    prompts = {
+        "short": list(range(1000, 1003)),  # 3 tokens: less than a page
+        "whole": list(range(1100, 1116)),  # 4 pages exactly
+        "partial": list(range(1200, 1210)),  # 2 pages and 2 tokens
+        "chunked": list(range(1300, 1330)),  # 8 pages minus 2 tokens, sent in 3 chunks
+    }
+    before = _bytes(brokers)
+    reqs = {name: pair.request(f"exact-{name}", 100 + i, ids) for i, (name, ids) in enumerate(prompts.items())}
+    pair.run_until(lambda: len(pair.bootstrapped) == len(prompts), what="every prefill request bootstrapped")
+    for i, (name, (preq, _)) in enumerate(reqs.items()):
+        # SGLang's own chunking: a chunk that ends inside a page holds that page back.
+        pair.prefill_and_send(preq, first_token=7000 + i, chunk_ends=(9, 21) if name == "chunked" else ())
+    pair.run_until(lambda: len(pair.received) == len(prompts) and len(pair.prefilled) == len(prompts), what="every room done")
+    for i, (name, (preq, dreq)) in enumerate(reqs.items()):
+        assert dreq in pair.received, name
+        expected = h.kv_pattern(prompts[name])
+        assert torch.equal(pair.decode_kv(dreq).view(torch.int16), expected.view(torch.int16)), name
+        assert list(dreq.output_ids) == [7000 + i], name  # the first token, from the aux row
+        assert preq.disagg_kv_sender.poll() == h.sg_prefill.KVPoll.Success
+    pages = sum(-(-len(ids) // h.PAGE) for ids in prompts.values())
+    aux_bytes = sum(pair.decode.disagg_metadata_buffers.get_buf_infos()[2])
+    assert _bytes(brokers) - before == pages * PAGE_BYTES + len(prompts) * aux_bytes
+    pair.bootstrapped.clear(), pair.prefilled.clear(), pair.received.clear()
+    _tables_empty(*brokers)
+
+
+def test_a_prefix_in_the_decodes_radix_cache_is_not_sent_again(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
+    """decode_prefix_len: the decode's cache holds 2 pages; the prefill starts its sends after them."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    first = list(range(2000, 2010))
+    preq, dreq = pair.request("prefix-first", 200, first)
+    pair.run_until(lambda: preq in pair.bootstrapped)
+    pair.prefill_and_send(preq, first_token=1)
+    pair.run_until(lambda: dreq in pair.received and preq in pair.prefilled)
+    # The decode finishes the request; its radix cache keeps the prompt's whole pages.
+    dreq.finished_reason = FINISH_LENGTH(length=1)
+    release_kv_cache(dreq, pair.decode.tree_cache, checkpoint=True)
+
+    second = first[:8] + list(range(2100, 2105))  # 2 pages held, then 5 new tokens
+    before = _bytes(brokers)
+    preq2, dreq2 = pair.request("prefix-second", 201, second)
+    pair.run_until(lambda: preq2 in pair.bootstrapped)
+    assert preq2.start_send_idx == 8  # pop_decode_prefix_len: the decode's prefix, in tokens
+    pair.prefill_and_send(preq2, first_token=2)
+    pair.run_until(lambda: dreq2 in pair.received and preq2 in pair.prefilled)
+    assert torch.equal(pair.decode_kv(dreq2).view(torch.int16), h.kv_pattern(second).view(torch.int16))
+    assert list(dreq2.output_ids) == [2]
+    aux_bytes = sum(pair.decode.disagg_metadata_buffers.get_buf_infos()[2])
+    assert _bytes(brokers) - before == 2 * PAGE_BYTES + aux_bytes  # pages 2 and 3 only
+    _tables_empty(*brokers)
+
+
+def test_a_zero_page_last_chunk_still_carries_the_first_token(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
+    """Every page went in a non-last chunk; the last has none, and must still end the room."""
+    ids = list(range(3000, 3008))
+    preq, dreq = pair.request("zero-page-last", 300, ids)
+    pair.run_until(lambda: preq in pair.bootstrapped)
+    pair.prefill_and_send(preq, first_token=33, chunk_ends=(8,))
+    pair.run_until(lambda: dreq in pair.received and preq in pair.prefilled)
+    assert torch.equal(pair.decode_kv(dreq).view(torch.int16), h.kv_pattern(ids).view(torch.int16))
+    assert list(dreq.output_ids) == [33]
+    _tables_empty(*brokers)
+
+
+def test_a_prefill_abort_fails_the_request_on_both_engines(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
+    """The prefill aborts after the handshake (as SGLang does for a request aborted mid-flight):
+    both sides fail through SGLang's own paths, with kvbroker's cause, once the pages are settled;
+    the decode gets its pages back."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    allocator = pair.decode.token_to_kv_pool_allocator
+    free_before = allocator.available_size()
+    preq, dreq = pair.request("abort", 400, list(range(4000, 4010)))
+    pair.run_until(lambda: preq in pair.bootstrapped and not pair.decode.disagg_decode_prealloc_queue.queue)
+    assert allocator.available_size() < free_before  # the decode allocated its pages
+    pair.prefill_only(preq, first_token=4)
+    preq.disagg_kv_sender.abort()
+    pair.run_until(lambda: preq in pair.prefilled and dreq not in pair.decode.disagg_decode_transfer_queue.queue)
+    assert dreq not in pair.received
+    assert isinstance(dreq.finished_reason, FINISH_ABORT)
+    assert "aborted" in dreq.finished_reason.message, dreq.finished_reason.message
+    assert isinstance(preq.finished_reason, FINISH_ABORT)
+    with pytest.raises(Exception, match="ABORTED"):
+        preq.disagg_kv_sender.failure_exception()
+    eventually(lambda: allocator.available_size() == free_before, 10)
+    _tables_empty(*brokers)
+
+
+def test_a_prefill_that_never_comes_fails_the_decode_request(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
+    """Only the decode engine gets the request: the prefill's broker gives up on the room that its
+    engine never opens after ``--orphan-timeout`` (3 s here), and SGLang's decode queues fail the
+    request and free its pages."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    allocator = pair.decode.token_to_kv_pool_allocator
+    free_before = allocator.available_size()
+    dreq = h.Req(
+        "orphan", "", h.array("q", range(5000, 5006)), h.SamplingParams(max_new_tokens=4),
+        bootstrap_host="127.0.0.1", bootstrap_port=pair.bootstrap_port, bootstrap_room=500,
+    )
+    pair.decode.disagg_decode_prealloc_queue.add(dreq)
+    pair.run_until(
+        lambda: isinstance(dreq.finished_reason, FINISH_ABORT) and not pair.decode.disagg_decode_transfer_queue.queue,
+        timeout_seconds=30,
+        what="the orphan request failed",
+    )
+    assert "500" in dreq.finished_reason.message
+    eventually(lambda: allocator.available_size() == free_before, 10)
+    _tables_empty(*brokers)
+
+
+def test_a_manager_built_outside_sglangs_queues_is_refused(h: Any, pair: Any) -> None:
+    """Without the queue hooks the manager could not find the pool's tensors: it says so."""
+    from kvbroker.adapters.sglang import KVBrokerKVManager
+    from kvbroker.errors import FailedPrecondition
+
+    args = pair.prefill.disagg_prefill_bootstrap_queue.kv_manager.kv_args
+    with pytest.raises(FailedPrecondition, match="install"):
+        KVBrokerKVManager(args, "prefill", pair.prefill.server_args)
+
+
+
+class _Room:
+    """A stand-in kvbroker room whose status the test sets."""
+
+    def __init__(self, state: int, settled: bool) -> None:
+        from kvbroker.v1 import common_pb2
+
+        self.status_value = common_pb2.RoomStatus(room=9, state=state, pages_settled=settled)
+        self.status_value.cause.kind = common_pb2.FAILURE_KIND_PEER
+        self.status_value.cause.message = "the peer broker is gone"
+
+    def status(self) -> Any:
+        from kvbroker.v1 import common_pb2
+
+        copy = common_pb2.RoomStatus()
+        copy.CopyFrom(self.status_value)
+        return copy
+
+
+def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(h: Any, pair: Any) -> None:
+    """SGLang frees a failed request's pages at once: until the broker says no write is in flight
+    into them (``pages_settled``), the receiver and the sender say Transferring."""
+    from kvbroker.adapters.sglang import KVBrokerKVReceiver
+    from kvbroker.errors import RoomFailed
+    from kvbroker.v1 import common_pb2
+
+    KVPoll = h.sg_prefill.KVPoll
+    receiver = KVBrokerKVReceiver(pair.decode.disagg_decode_prealloc_queue.kv_manager, "127.0.0.1:1", 9)
+    assert receiver.poll() == KVPoll.Bootstrapping  # before init
+    room = _Room(common_pb2.ROOM_STATE_FAILED, settled=False)
+    receiver._room = room  # as send_metadata leaves it
+    assert receiver.poll() == KVPoll.Transferring
+    assert not receiver.is_abort_release_safe()
+    room.status_value.pages_settled = True
+    assert receiver.is_abort_release_safe()
+    assert receiver.poll() == KVPoll.Failed
+    room.status_value.state = common_pb2.ROOM_STATE_SUCCESS  # concluded: stays Failed
+    assert receiver.poll() == KVPoll.Failed
+    with pytest.raises(RoomFailed, match="FAILURE_KIND_PEER.*peer broker is gone"):
+        receiver.failure_exception()
