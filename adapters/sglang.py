@@ -41,11 +41,13 @@ and the aux row; both sides report Success when the room is whole. A room
 that fails reports Failed only once the broker says its pages are settled
 (no write in flight), so SGLang frees or reuses them safely.
 
-Memory: the pool's K/V tensors (or MLA tensors) and SGLang's metadata
-buffers are moved into shared memory in place when the manager is built
-(``EngineMemory.adopt``; CPU tensors only). Not supported yet, refused by
-name: CUDA pools (VRAM import of an existing allocation is not written),
-draft (speculative) KV, hybrid-model state (``state_types``), pipeline
+Memory: when the manager is built, the pool's K/V tensors (or MLA tensors)
+and SGLang's metadata buffers are handed to the broker
+(``EngineMemory.adopt``): host tensors move into shared memory in place;
+a CUDA pool stays where it lies and its allocations are exported (a CUDA
+IPC handle for PyTorch's ``cudaMalloc`` segments, an fd for VMM ones),
+which has never run on a GPU. Not supported yet, refused by name: draft
+(speculative) KV, hybrid-model state (``state_types``), pipeline
 parallelism, attention data parallelism, host (hicache) destinations.
 """
 
@@ -307,10 +309,6 @@ def _aux_tensors(metadata: Any) -> list[torch.Tensor]:
 def _adopt(rank: RankSpec, pool: Any, metadata: Any, model_config: Any, mla: bool) -> EngineMemory:
     layers = _kv_tensors(pool, mla)
     first = layers[0][0]
-    if first.device.type != "cpu":
-        raise Unimplemented(
-            "kvbroker's SGLang backend takes CPU KV pools only: importing an existing CUDA allocation is not written yet"
-        )
     if first.dim() != 3:
         raise Unimplemented(f"kvbroker's SGLang backend takes token-major [tokens, heads, dim] pools, got {tuple(first.shape)}")
     heads, head_dim = int(first.shape[1]), int(first.shape[2])

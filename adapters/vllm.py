@@ -29,7 +29,8 @@ heads, block_size, 2 * head_dim]``, moved into shared memory in place at
 registration (``EngineMemory.adopt``). The tensor-parallel sizes of the two
 sides may differ (the broker moves each head's part of a block); the block
 sizes may not (inside a block the attention kernel orders the tokens).
-CUDA tensors are refused (not written yet).
+On GPUs (written, never run on one): FlashAttention's and MLA's CUDA caches
+are exported where they lie (:func:`kv_layout_of`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
-from kvbroker.errors import KvBrokerError
+from kvbroker.errors import KvBrokerError, Unimplemented
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,9 +59,45 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KVBrokerConnector", "room_of"]
+__all__ = ["KVBrokerConnector", "kv_layout_of", "room_of"]
 
 logger = init_logger(__name__)
+
+
+def kv_layout_of(
+    caches: list[torch.Tensor], *, total_heads: int, block_size: int
+) -> tuple[ModelSpec, dict[int, list[torch.Tensor]]]:
+    """The model's KV layout and kvbroker's view of vLLM's per-layer KV caches.
+
+    - CPU (vLLM's CPU attention): ``[blocks, kv heads, block_size, 2 *
+      head_dim]`` per layer, the fused layout.
+    - CUDA, FlashAttention's layout ``[2, blocks, block_size, kv heads,
+      head_dim]``: K and V are the two halves, token-major pages ("nhd").
+    - CUDA, MLA ``[blocks, block_size, latent dim]``: one latent tensor.
+
+    Other layouts (FlashInfer's ``[blocks, 2, ...]`` interleaves K and V per
+    block; stride-permuted HND caches) raise ``Unimplemented`` naming the
+    shape. CUDA caches are exported where they lie (``EngineMemory.adopt``);
+    that path has not run on a GPU."""
+    first = caches[0]
+    shape = tuple(first.shape)
+    if first.device.type == "cpu":
+        _blocks, _heads, size, fused = shape
+        model = ModelSpec(
+            num_layers=len(caches), total_kv_heads=total_heads, head_dim=fused // 2, dtype=first.dtype,
+            page_size=size, kv_layout="hnd_fused",
+        )
+        return model, {i: [t] for i, t in enumerate(caches)}
+    if first.dim() == 5 and shape[0] == 2 and shape[2] == block_size:
+        model = ModelSpec(num_layers=len(caches), total_kv_heads=total_heads, head_dim=shape[4], dtype=first.dtype, page_size=block_size)
+        return model, {i: [t[0], t[1]] for i, t in enumerate(caches)}
+    if first.dim() == 3 and shape[1] == block_size:
+        model = ModelSpec(num_layers=len(caches), total_kv_heads=1, head_dim=shape[2], dtype=first.dtype, page_size=block_size, mla=True)
+        return model, {i: [t] for i, t in enumerate(caches)}
+    raise Unimplemented(
+        f"vLLM's {first.device.type} KV cache of shape {shape} is not a layout kvbroker moves: it takes "
+        "FlashAttention's (2, blocks, block_size, kv heads, head_dim) and MLA's (blocks, block_size, dim)"
+    )
 
 
 def room_of(request_id: str) -> int:
@@ -247,28 +284,17 @@ class _Worker:
         from vllm.model_executor.models.utils import extract_layer_index
 
         layers = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
-        first = layers[0][1]
-        if first.device.type != "cpu":
-            raise NotImplementedError("kvbroker's vLLM connector takes CPU KV caches only (VRAM: not written yet)")
-        blocks, heads, block_size, fused = first.shape
-        model_config = self._config.model_config
-        total_heads = model_config.get_total_num_kv_heads()
-        model = ModelSpec(
-            num_layers=len(layers),
-            total_kv_heads=total_heads,
-            head_dim=fused // 2,
-            dtype=first.dtype,
-            page_size=block_size,
-            kv_layout="hnd_fused",
-        )
+        block_size = self.c._block_size
+        total_heads = self._config.model_config.get_total_num_kv_heads()
+        model, kv = kv_layout_of([t for _, t in layers], total_heads=total_heads, block_size=block_size)
         role: Literal["prefill", "decode"] = "prefill" if self.c._producer else "decode"
         rank = RankSpec(group=self.c._group, role=role, tp_size=self.c._tp_size, tp_rank=get_tensor_model_parallel_rank())
-        self._memory = EngineMemory.adopt(rank, model, kv={i: [t] for i, (_, t) in enumerate(layers)})
+        self._memory = EngineMemory.adopt(rank, model, kv=kv)
         self._client = BrokerClient(self.c._broker)
         self._engine = self._client.register_engine(rank, self._memory)
         logger.info(
-            "kvbroker: registered %s rank tp%d of group %s with broker %s: %d layers x %d blocks of %d tokens",
-            role, rank.tp_rank, rank.group, self.c._broker, len(layers), blocks, block_size,
+            "kvbroker: registered %s rank tp%d of group %s with broker %s: %d layers, %s, blocks of %d tokens on %s",
+            role, rank.tp_rank, rank.group, self.c._broker, len(layers), model.kv_layout, block_size, layers[0][1].device,
         )
 
     def start(self, meta: KVBrokerMetadata) -> None:

@@ -135,7 +135,8 @@ class EngineTable:
     ) -> Engine:
         """Map, register and prepare an engine rank's buffers.
 
-        Takes ownership of ``fds`` (closed on failure). Raises
+        Takes ownership of ``fds`` (one per spec, -1 where the spec names a
+        CUDA IPC handle; closed on failure). Raises
         ``AlreadyExists`` for a registered rank and ``InvalidArgument`` for a
         bad layout; nothing stays registered after a failure. The log line
         ``engine_registered`` gives the time of each step.
@@ -149,7 +150,8 @@ class EngineTable:
         timings: dict[str, float] = {}
         if key in self.by_key or key in self._pending:
             for fd in pending:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             holder = f"engine {self.by_key[key].engine_id}" if key in self.by_key else "a registration is under way"
             raise AlreadyExists(f"engine rank {key} is already registered ({holder})")
         self._pending.add(key)
@@ -189,7 +191,8 @@ class EngineTable:
             self._pending.discard(key)
             await self._release_resources(dlists, registrations, buffers)
             for fd in pending:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             raise
         self._pending.discard(key)
         engine = Engine(

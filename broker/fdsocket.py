@@ -45,7 +45,8 @@ class FdSession:
     pid: int
     uid: int
     specs: list[common_pb2.BufferSpec] = field(default_factory=list)
-    #: Uploaded fds not yet claimed by RegisterEngine (closed if never claimed).
+    #: Uploaded fds not yet claimed by RegisterEngine (closed if never claimed),
+    #: one per buffer in ``specs`` order; -1 for a buffer without one (CUDA IPC).
     fds: list[int] = field(default_factory=list)
     #: Set once RegisterEngine claimed the fds (the engine owns them then).
     engine_id: str | None = None
@@ -137,11 +138,15 @@ class FdSocketServer:
                 os.close(fd)
             self._reply(conn, error="the datagram is not an FdUpload message")
             return
-        if len(upload.buffers) != len(fds) or not fds:
+        # A buffer that names a CUDA IPC handle comes without an fd.
+        with_fd = [not b.cuda_ipc_handle for b in upload.buffers]
+        if sum(with_fd) != len(fds) or not upload.buffers:
             for fd in fds:
                 os.close(fd)
-            self._reply(conn, error=f"{len(upload.buffers)} buffers described but {len(fds)} fds attached")
+            self._reply(conn, error=f"{sum(with_fd)} buffers need an fd but {len(fds)} fds are attached")
             return
+        received = iter(fds)
+        fds = [next(received) if has_fd else -1 for has_fd in with_fd]
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         session = FdSession(token=secrets.token_hex(16), pid=pid, uid=uid, specs=list(upload.buffers), fds=list(fds))
         self.sessions[session.token] = session
@@ -163,7 +168,8 @@ class FdSocketServer:
             return
         session.closed = True
         for fd in session.fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         session.fds = []
         self.sessions.pop(session.token, None)
         self._on_close(session)

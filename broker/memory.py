@@ -18,8 +18,10 @@ their buffers over as file descriptors and the broker maps them:
   imports it (``cuMemImportFromShareableHandle``), maps it into the broker
   (``cuMemAddressReserve`` + ``cuMemMap`` + ``cuMemSetAccess``) on the device
   named by the buffer's UUID, and closes the fd (the imported handle keeps
-  the memory alive). See :mod:`kvbroker.cudavmm`: unit-tested against a fake
-  driver, never run on a GPU yet.
+  the memory alive). Or, for an engine's ``cudaMalloc`` allocation, a CUDA
+  IPC handle in the buffer's spec (no fd): opened with
+  ``cuIpcOpenMemHandle`` on that device. See :mod:`kvbroker.cudavmm`:
+  unit-tested against a fake driver, never run on a GPU yet.
 
 An importer owns what it maps; ``ImportedBuffer.release`` unmaps and closes.
 """
@@ -142,12 +144,13 @@ class DramImporter:
 
 
 class VramImporter:
-    """Imports CUDA VMM POSIX-fd exports and maps them on their device."""
+    """Imports CUDA VMM POSIX-fd exports and CUDA IPC handles, on their device."""
 
     def __init__(self, driver: cudavmm.Driver | None = None) -> None:
         self._driver = driver
 
     def import_buffer(self, fd: int, spec: common_pb2.BufferSpec) -> ImportedBuffer:
+        mapping: cudavmm.VmmMapping | cudavmm.IpcMapping
         try:
             driver = self._driver or cudavmm.default_driver()
             if spec.device_uuid:
@@ -156,10 +159,14 @@ class VramImporter:
                 ordinal = cudavmm.device_for_uuid(spec.device_uuid, driver)
             else:
                 ordinal = spec.device_id
-            mapping = cudavmm.import_buffer(fd, spec.size_bytes, ordinal, driver)
+            if spec.cuda_ipc_handle:
+                mapping = cudavmm.open_ipc(spec.cuda_ipc_handle, spec.size_bytes, ordinal, driver)
+            else:
+                mapping = cudavmm.import_buffer(fd, spec.size_bytes, ordinal, driver)
         finally:
             # The imported handle holds the memory; the fd is not needed.
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         return ImportedBuffer(
             address=mapping.address,
             size_bytes=mapping.size_bytes,

@@ -25,8 +25,16 @@ head_dim]``, or any contiguous tensor of whole such pages, such as SGLang's
 ``[tokens, heads, head_dim]`` buffers) or "hnd_fused" (one tensor per
 layer, ``[num_pages, heads, page_size, 2 * head_dim]``, per head the keys then the values
 of the page's tokens in the attention kernel's order: vLLM's CPU cache). Aux tensors are
-``[rows, ...]``, one row per request slot. CUDA tensors are not taken here
-(VRAM goes through ``EngineMemory.allocate(device="cuda")`` for now).
+``[rows, ...]``, one row per request slot.
+
+CUDA KV tensors stay where they are: for each device allocation they lie in
+(``cuMemGetAddressRange``), :func:`adopt` exports the whole allocation once
+and the regions are offsets into it. A VMM allocation (``cuMemCreate`` with
+the POSIX-fd handle type: kvbroker's own allocator, the fast path) goes as
+an fd; a ``cudaMalloc`` allocation as a CUDA IPC handle, which the broker
+opens on the device named by its UUID. Aux tensors stay host tensors (moved
+into memfds as above). See :mod:`kvbroker.cudavmm` for what each export
+requires and refuses. Never run on a GPU: tested against the fake driver.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from kvbroker import cudavmm
 from kvbroker.client.memory import (
     ALIGN,
     EngineMemory,
@@ -71,16 +80,25 @@ def adopt(
     *,
     kv: Mapping[int, Sequence[torch.Tensor]],
     aux: Sequence[torch.Tensor] = (),
+    cuda_driver: cudavmm.Driver | None = None,
 ) -> EngineMemory:
     """The engine's own KV (``kv``: layer -> [k, v], [mla], or [kv] for
-    the fused layout) and aux tensors,
-    moved into sealed memfds in place, as an :class:`EngineMemory` to
-    register. See the module docstring for what is checked."""
+    the fused layout) and aux tensors, as an :class:`EngineMemory` to
+    register: host tensors moved into sealed memfds in place, CUDA KV
+    tensors exported where they are (see the module docstring).
+    ``cuda_driver``: the CUDA driver to export with (default libcuda; given,
+    the KV tensors' memory is taken as that driver's device memory, which is
+    how tests stand in for a GPU)."""
     begin, end = rank.layer_range(model)
     if sorted(kv) != list(range(begin, end)):
         raise InvalidArgument(f"kv must give layers {begin}..{end - 1} of this rank, got {sorted(kv)}")
     if model.mla and model.fused:
         raise InvalidArgument("an MLA model has one latent tensor per layer: kv_layout must be 'nhd'")
+    kv_tensors = [t for layer in sorted(kv) for t in kv[layer]]
+    on_device = [t.device.type == "cuda" for t in kv_tensors]
+    if any(on_device) and not all(on_device):
+        raise InvalidArgument("the KV tensors must all be on CUDA devices or all on the host")
+    device = cuda_driver is not None or all(on_device)
     page_shape = model.page_shape(rank.tp_size)
     page_elems = page_shape[0] * page_shape[1] * page_shape[2]
     kinds = model.kv_kinds()
@@ -91,7 +109,7 @@ def adopt(
             want = "[mla]" if model.mla else "[kv]" if model.fused else "[k, v]"
             raise InvalidArgument(f"layer {layer}: give {want}, got {len(tensors)} tensors")
         for tensor in tensors:
-            _check(tensor, f"layer {layer}", model.dtype)
+            _check(tensor, f"layer {layer}", model.dtype, device=device)
             if tensor.numel() % page_elems:
                 raise InvalidArgument(f"layer {layer}: {tuple(tensor.shape)} is not whole pages of {page_shape}")
             pages = tensor.numel() // page_elems
@@ -100,62 +118,110 @@ def adopt(
             elif pages != num_pages:
                 raise InvalidArgument(f"layer {layer}: {pages} pages, other KV tensors have {num_pages}")
     for i, rows in enumerate(aux):
-        _check(rows, f"aux {i}", None)
+        _check(rows, f"aux {i}", None, device=False)
         if rows.dim() < 1 or rows.shape[0] < 1:
             raise InvalidArgument(f"aux {i}: give [rows, ...] with at least one row, got {tuple(rows.shape)}")
 
-    tensors = [t for layer in sorted(kv) for t in kv[layer]] + list(aux)
-    storages = _storages(tensors)
-    name = f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}"
     buffers: list[tuple[int, common_pb2.BufferSpec]] = []
-    started, moved = time.perf_counter(), 0
+    #: id(tensor) -> (buffer index, offset of its first byte in the buffer)
+    placed: dict[int, tuple[int, int]] = {}
     try:
-        for entry in storages:
-            size = max(align(entry.storage.nbytes()), ALIGN)
-            fd = sealed_memfd(f"{name}-{entry.buffer}", size)
-            buffers.append((fd, common_pb2.BufferSpec(size_bytes=size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0)))
-            # torch's own way to map an fd it is handed (its multiprocessing
-            # reductions use it); the storage owns the dup and the mapping.
-            shared = torch.UntypedStorage._new_shared_fd_cpu(os.dup(fd), size)  # type: ignore[attr-defined]
-            old = entry.storage
-            torch.empty(0, dtype=torch.uint8).set_(shared)[: old.nbytes()].copy_(
-                torch.empty(0, dtype=torch.uint8).set_(old)
-            )
-            for tensor in entry.tensors:
-                tensor.set_(shared, tensor.storage_offset(), tensor.shape, tensor.stride())
-            moved += old.nbytes()
+        if device:
+            placed.update(_export_device(kv_tensors, cuda_driver, buffers))
+        host = list(aux) if device else kv_tensors + list(aux)
+        placed.update(_move_to_memfds(rank, host, buffers))
     except BaseException:
         for fd, _ in buffers:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         raise
-    log.info(
-        "engine_memory_adopted",
-        rank=f"{rank.group}/tp{rank.tp_rank}/pp{rank.pp_rank}",
-        buffers=len(buffers),
-        bytes=moved,
-        seconds=round(time.perf_counter() - started, 4),
-    )
 
-    buffer_of = {id(t): entry.buffer for entry in storages for t in entry.tensors}
     regions: list[common_pb2.Region] = []
     memory = EngineMemory(layout=common_pb2.EngineLayout(), buffers=buffers)
     for layer in sorted(kv):
         for kind, tensor in zip(kinds, kv[layer]):
-            regions.append(_region(kind, tensor, buffer_of[id(tensor)], page_elems * tensor.element_size(), layer))
+            regions.append(_region(kind, tensor, placed[id(tensor)], page_elems * tensor.element_size(), layer))
             memory.kv_target(kind)[layer] = tensor.view(-1, *page_shape)
     for rows in aux:
         row_bytes = rows.numel() // rows.shape[0] * rows.element_size()
-        regions.append(_region(common_pb2.REGION_KIND_AUX, rows, buffer_of[id(rows)], row_bytes))
+        regions.append(_region(common_pb2.REGION_KIND_AUX, rows, placed[id(rows)], row_bytes))
         memory.aux.append(rows.view(torch.uint8).view(rows.shape[0], row_bytes))
     memory.layout = engine_layout(rank, model, regions)
     return memory
 
 
-def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype | None) -> None:
-    if tensor.device.type != "cpu":
+def _move_to_memfds(
+    rank: RankSpec, tensors: Sequence[torch.Tensor], buffers: list[tuple[int, common_pb2.BufferSpec]]
+) -> dict[int, tuple[int, int]]:
+    """Host tensors into sealed memfds in place (appended to ``buffers``): where each landed."""
+    if not tensors:
+        return {}
+    storages = _storages(tensors, first_buffer=len(buffers))
+    name = f"kvbroker-{rank.group}-tp{rank.tp_rank}-pp{rank.pp_rank}"
+    started, moved = time.perf_counter(), 0
+    for entry in storages:
+        size = max(align(entry.storage.nbytes()), ALIGN)
+        fd = sealed_memfd(f"{name}-{entry.buffer}", size)
+        buffers.append((fd, common_pb2.BufferSpec(size_bytes=size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0)))
+        # torch's own way to map an fd it is handed (its multiprocessing
+        # reductions use it); the storage owns the dup and the mapping.
+        shared = torch.UntypedStorage._new_shared_fd_cpu(os.dup(fd), size)  # type: ignore[attr-defined]
+        old = entry.storage
+        torch.empty(0, dtype=torch.uint8).set_(shared)[: old.nbytes()].copy_(
+            torch.empty(0, dtype=torch.uint8).set_(old)
+        )
+        for tensor in entry.tensors:
+            tensor.set_(shared, tensor.storage_offset(), tensor.shape, tensor.stride())
+        moved += old.nbytes()
+    log.info(
+        "engine_memory_adopted",
+        rank=f"{rank.group}/tp{rank.tp_rank}/pp{rank.pp_rank}",
+        buffers=len(storages),
+        bytes=moved,
+        seconds=round(time.perf_counter() - started, 4),
+    )
+    return {id(t): (entry.buffer, int(t.storage_offset()) * t.element_size()) for entry in storages for t in entry.tensors}
+
+
+def _export_device(
+    tensors: Sequence[torch.Tensor], driver: cudavmm.Driver | None, buffers: list[tuple[int, common_pb2.BufferSpec]]
+) -> dict[int, tuple[int, int]]:
+    """Export the device allocations ``tensors`` lie in, one buffer each
+    (appended to ``buffers``), without moving anything: where each tensor is."""
+    drv = driver or cudavmm.default_driver()
+    by_base: dict[int, tuple[int, cudavmm.AllocationExport]] = {}
+    placed: dict[int, tuple[int, int]] = {}
+    for tensor in tensors:
+        ptr = tensor.data_ptr()
+        entry = next(((i, e) for i, e in by_base.values() if e.base <= ptr < e.base + e.size_bytes), None)
+        if entry is None:
+            export = cudavmm.export_allocation(ptr, drv)
+            spec = common_pb2.BufferSpec(
+                size_bytes=export.size_bytes,
+                kind=common_pb2.MEMORY_KIND_VRAM,
+                device_id=export.device,
+                device_uuid=cudavmm.device_uuid(export.device, drv),
+                cuda_ipc_handle=export.ipc_handle or b"",
+            )
+            buffers.append((export.fd if export.fd is not None else -1, spec))
+            entry = by_base[export.base] = (len(buffers) - 1, export)
+        index, export = entry
+        if ptr + tensor.numel() * tensor.element_size() > export.base + export.size_bytes:
+            raise InvalidArgument(f"a KV tensor at {ptr:#x} runs past the end of its CUDA allocation")
+        placed[id(tensor)] = (index, ptr - export.base)
+    log.info(
+        "engine_memory_exported",
+        buffers=len(by_base),
+        ipc=sum(1 for _, e in by_base.values() if e.ipc_handle),
+        bytes=sum(e.size_bytes for _, e in by_base.values()),
+    )
+    return placed
+
+
+def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype | None, *, device: bool) -> None:
+    if tensor.device.type not in (("cuda", "cpu") if device else ("cpu",)):
         raise InvalidArgument(
-            f"{what}: a {tensor.device.type} tensor; adopt takes host (CPU) tensors. VRAM: allocate the KV with "
-            "EngineMemory.allocate(device='cuda')"
+            f"{what}: a {tensor.device.type} tensor; adopt takes host (CPU) tensors, and CUDA tensors for the KV"
         )
     if dtype is not None and tensor.dtype != dtype:
         raise InvalidArgument(f"{what}: dtype {tensor.dtype}, the model says {dtype}")
@@ -163,7 +229,7 @@ def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype | None) -> None:
         raise InvalidArgument(f"{what}: not contiguous (strides {tensor.stride()}); the broker addresses whole pages and rows")
 
 
-def _storages(tensors: Sequence[torch.Tensor]) -> list[_Storage]:
+def _storages(tensors: Sequence[torch.Tensor], first_buffer: int = 0) -> list[_Storage]:
     """The storages ``tensors`` view, each with its tensors; refuses a storage
     that other tensors view too (they would be left on the old memory)."""
     by_ptr: dict[int, _Storage] = {}
@@ -171,7 +237,7 @@ def _storages(tensors: Sequence[torch.Tensor]) -> list[_Storage]:
     with_bases = [*tensors, *(t._base for t in tensors if t._base is not None)]
     for tensor in with_bases:
         storage = tensor.untyped_storage()
-        entry = by_ptr.setdefault(storage.data_ptr(), _Storage(storage, [], len(by_ptr)))
+        entry = by_ptr.setdefault(storage.data_ptr(), _Storage(storage, [], first_buffer + len(by_ptr)))
         if all(t is not tensor for t in entry.tensors):
             entry.tensors.append(tensor)
     for entry in by_ptr.values():
@@ -188,11 +254,11 @@ def _storages(tensors: Sequence[torch.Tensor]) -> list[_Storage]:
     return list(by_ptr.values())
 
 
-def _region(kind: int, tensor: torch.Tensor, buffer: int, item_bytes: int, layer: int = 0) -> common_pb2.Region:
+def _region(kind: int, tensor: torch.Tensor, where: tuple[int, int], item_bytes: int, layer: int = 0) -> common_pb2.Region:
     return common_pb2.Region(
         kind=kind,  # type: ignore[arg-type]
-        buffer=buffer,
-        offset_bytes=int(tensor.storage_offset()) * tensor.element_size(),
+        buffer=where[0],
+        offset_bytes=where[1],
         length_bytes=tensor.numel() * tensor.element_size(),
         item_bytes=item_bytes,
         layer_id=layer,

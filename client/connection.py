@@ -144,10 +144,12 @@ class BrokerClient:
             buffers = memory.export_fds()
             try:
                 upload = fdsocket_pb2.FdUpload(buffers=[spec for _, spec in buffers])
-                socket.send_fds(fd_sock, [upload.SerializeToString()], [fd for fd, _ in buffers])
+                # A buffer with a CUDA IPC handle has no fd (-1): none is attached for it.
+                socket.send_fds(fd_sock, [upload.SerializeToString()], [fd for fd, _ in buffers if fd >= 0])
             finally:
                 for fd, _ in buffers:
-                    os.close(fd)
+                    if fd >= 0:
+                        os.close(fd)
             reply = fdsocket_pb2.FdUploadReply.FromString(fd_sock.recv(1 << 16))
             if reply.error:
                 raise InvalidArgument(f"the broker refused the buffers: {reply.error}")

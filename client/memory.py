@@ -161,7 +161,8 @@ class EngineMemory:
     """One engine rank's exportable memory. Build it with :meth:`allocate`."""
 
     layout: common_pb2.EngineLayout
-    #: (fd, spec) per buffer, handed to the broker at registration.
+    #: (fd, spec) per buffer, handed to the broker at registration; fd -1 for
+    #: a buffer that goes as a CUDA IPC handle (``spec.cuda_ipc_handle``).
     buffers: list[tuple[int, common_pb2.BufferSpec]]
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -292,12 +293,14 @@ class EngineMemory:
         *,
         kv: Mapping[int, Sequence[torch.Tensor]],
         aux: Sequence[torch.Tensor] = (),
+        cuda_driver: cudavmm.Driver | None = None,
     ) -> EngineMemory:
-        """The engine's own CPU tensors (``kv``: layer -> [k, v] or [mla]; aux
-        rows), moved into sealed memfds in place: see :mod:`kvbroker.client.adopt`."""
+        """The engine's own tensors (``kv``: layer -> [k, v] or [mla]; aux
+        rows): host tensors moved into sealed memfds in place, CUDA KV
+        tensors exported where they are: see :mod:`kvbroker.client.adopt`."""
         from kvbroker.client.adopt import adopt
 
-        return adopt(rank, model, kv=kv, aux=aux)
+        return adopt(rank, model, kv=kv, aux=aux, cuda_driver=cuda_driver)
 
     def check_guards(self) -> list[str]:
         """The guard spans whose canary bytes changed (empty: nothing wrote outside a region)."""
@@ -336,7 +339,7 @@ class EngineMemory:
         """Duplicates of the buffers' fds, for one upload (the caller closes
         them); the memory keeps its own until ``close``, so the engine can
         register again with a restarted broker."""
-        return [(os.dup(fd), spec) for fd, spec in self.buffers]
+        return [(os.dup(fd) if fd >= 0 else -1, spec) for fd, spec in self.buffers]
 
     def buffer_sizes(self) -> list[int]:
         return [spec.size_bytes for _, spec in self.buffers]
@@ -344,7 +347,8 @@ class EngineMemory:
     def close(self) -> None:
         """Close fds and, once no tensor views remain, the mapping."""
         for fd, _ in self.take_fds():
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.k.clear()
         self.v.clear()
         self.mla.clear()

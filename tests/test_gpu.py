@@ -65,6 +65,39 @@ def test_vram_room_between_two_gpus_is_one_trace() -> None:
             receiver.stop()
 
 
+def test_kv_torch_allocated_moves_from_where_it_lies() -> None:
+    """KV in tensors torch allocated itself (its caching allocator: cudaMalloc segments), adopted
+    where they lie (CUDA IPC handles), moves byte-exact to kvbroker-allocated VRAM on the same GPU."""
+    with scratch_dir("kvb-gpu-") as workdir:
+        broker = BrokerProcess.launch("host", workdir, ["--log-level", "warning"])
+        broker.wait_ready()
+        model = ModelSpec(num_layers=2, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
+        try:
+            prefill = RankSpec(group="own", role="prefill")
+            kv = {layer: [torch.randn(32, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)] for layer in range(2)}
+            aux = torch.arange(32, dtype=torch.uint8).view(2, 16)
+            own = EngineMemory.adopt(prefill, model, kv=kv, aux=[aux])
+            assert own.buffers[0][1].cuda_ipc_handle, "torch's allocations go as CUDA IPC handles"
+            decode = RankSpec(group="vmm", role="decode")
+            target = EngineMemory.allocate(decode, model, num_pages=32, aux_rows=2, aux_row_bytes=[16], device="cuda:0")
+            sender_engine = BrokerClient(broker.address).register_engine(prefill, own)
+            receiver_engine = BrokerClient(broker.address).register_engine(decode, target)
+            torch.cuda.synchronize()
+            receiver_engine.receiver(1, SenderRef("", "own")).init([3, 4], aux_row=0)
+            sender = sender_engine.sender(1)
+            sender.init(2, aux_row=1)
+            sender.send([7, 9])
+            assert receiver_engine.wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
+            for layer in range(2):
+                for a, b in zip(kv[layer], target.kv_tensors(layer)):
+                    assert torch.equal(a[[7, 9]].view(torch.uint8).cpu(), b[[3, 4]].view(torch.uint8).cpu())
+            assert bytes(target.aux[0][0].cpu()) == bytes(aux[1])
+            sender_engine.close()
+            receiver_engine.close()
+        finally:
+            broker.stop()
+
+
 @pytest.mark.parametrize(
     "layout",
     [

@@ -274,3 +274,40 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
         assert "no rank of engine group 'vllm-prefill'" in (run / "decode.engine.log").read_text()
     assert d.stats().bytes_received == 0
     _tables_empty(p, d)
+
+
+class _CudaCache:
+    """Stands in for a CUDA KV cache tensor of vLLM's (shape and device only; no GPU here)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        import torch
+
+        self.shape = shape
+        self.device = torch.device("cuda", 0)
+        self.dtype = torch.bfloat16
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return ("half", index)
+
+
+def test_kv_layouts_of_vllms_gpu_caches_are_read_or_refused_by_name() -> None:
+    """FlashAttention's [2, blocks, block_size, heads, dim] is K and V halves; MLA's [blocks,
+    block_size, dim] one latent tensor; FlashInfer's [blocks, 2, ...] is refused by name."""
+    import warnings
+
+    from kvbroker.errors import Unimplemented
+
+    with warnings.catch_warnings():  # vLLM's and torch's modules warn as they import: not ours
+        warnings.simplefilter("ignore")
+        from kvbroker.adapters.vllm import kv_layout_of
+
+    model, kv = kv_layout_of([_CudaCache((2, 100, 16, 8, 128))] * 3, total_heads=8, block_size=16)  # type: ignore[list-item]
+    assert (model.kv_layout, model.mla, model.head_dim, model.page_size, model.num_layers) == ("nhd", False, 128, 16, 3)
+    assert kv[2] == [("half", 0), ("half", 1)]
+    model, kv = kv_layout_of([_CudaCache((100, 16, 576))], total_heads=1, block_size=16)  # type: ignore[list-item]
+    assert (model.mla, model.head_dim, model.total_kv_heads) == (True, 576, 1) and len(kv[0]) == 1
+    with pytest.raises(Unimplemented, match="FlashAttention"):
+        kv_layout_of([_CudaCache((100, 2, 16, 8, 128))], total_heads=8, block_size=16)  # type: ignore[list-item]

@@ -39,8 +39,13 @@ __all__ = [
     "device_for_uuid",
     "device_uuid",
     "driver_present",
+    "AllocationExport",
+    "IpcMapping",
+    "IpcMemHandle",
+    "export_allocation",
     "export_buffer",
     "import_buffer",
+    "open_ipc",
 ]
 
 # cuda.h constants (stable since CUDA 10.2).
@@ -50,7 +55,10 @@ CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CUDA_ERROR_INVALID_VALUE = 1
+CU_IPC_HANDLE_SIZE = 64
 
 
 class MemLocation(ctypes.Structure):
@@ -88,6 +96,12 @@ class AccessDesc(ctypes.Structure):
     _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
 
 
+class IpcMemHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * CU_IPC_HANDLE_SIZE)]
+
+
 _u64 = ctypes.c_ulonglong
 _SIGNATURES: dict[str, list[Any]] = {
     "cuInit": [ctypes.c_uint],
@@ -109,6 +123,12 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemExportToShareableHandle": [ctypes.c_void_p, _u64, ctypes.c_int, _u64],
     "cuMemImportFromShareableHandle": [ctypes.POINTER(_u64), ctypes.c_void_p, ctypes.c_int],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuMemGetAddressRange_v2": [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_size_t), _u64],
+    "cuPointerGetAttribute": [ctypes.c_void_p, ctypes.c_int, _u64],
+    "cuMemRetainAllocationHandle": [ctypes.POINTER(_u64), ctypes.c_void_p],
+    "cuIpcGetMemHandle": [ctypes.POINTER(IpcMemHandle), _u64],
+    "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_u64), IpcMemHandle, ctypes.c_uint],
+    "cuIpcCloseMemHandle": [_u64],
 }
 
 
@@ -429,3 +449,115 @@ def device_for_uuid(uuid: bytes, driver: Driver | None = None) -> int:
         f"no CUDA device with UUID {uuid.hex()} is visible to this broker (check CUDA_VISIBLE_DEVICES: "
         "the broker must see every GPU its engines use)"
     )
+
+
+# -- an engine's existing allocation --------------------------------------------
+@dataclass(frozen=True)
+class AllocationExport:
+    """The whole VRAM allocation that holds a pointer, exported for the broker:
+    ``fd`` (a VMM allocation with a POSIX-fd handle type; the caller owns it)
+    or ``ipc_handle`` (a ``cudaMalloc`` allocation; 64 bytes)."""
+
+    base: int
+    size_bytes: int
+    #: The device ordinal as this process sees it.
+    device: int
+    fd: int | None = None
+    ipc_handle: bytes | None = None
+
+
+def export_allocation(ptr: int, driver: Driver | None = None) -> AllocationExport:
+    """Export the allocation ``ptr`` lies in (``cuMemGetAddressRange``).
+
+    A VMM allocation (``cuMemCreate``, as PyTorch's expandable segments and
+    kvbroker's own allocator make) is retained and exported as a POSIX fd;
+    the range must be one allocation mapped from its start, and created with
+    the POSIX-fd handle type, or this raises ``FailedPrecondition`` saying so.
+    Any other device allocation (``cudaMalloc``) gets a CUDA IPC handle.
+    """
+    drv = driver or default_driver()
+    base, size = _u64(), ctypes.c_size_t()
+    try:
+        drv.call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
+    except CudaError as exc:
+        raise InvalidArgument(f"{ptr:#x} is not in a CUDA device allocation: {exc.message}") from exc
+    ordinal = ctypes.c_int(-1)
+    drv.call("cuPointerGetAttribute", ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    handle = _u64()
+    try:
+        drv.call("cuMemRetainAllocationHandle", ctypes.byref(handle), base.value)
+    except CudaError:
+        handle.value = 0  # not a VMM allocation
+    if handle.value:
+        fd = ctypes.c_int(-1)
+        try:
+            drv.call("cuMemExportToShareableHandle", ctypes.byref(fd), handle.value, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        except CudaError as exc:
+            raise FailedPrecondition(
+                f"the VMM allocation at {base.value:#x} cannot be exported as a POSIX fd ({exc.message}): it was "
+                "created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; allocate the KV with kvbroker's "
+                "EngineMemory.allocate(device='cuda') or with that handle type"
+            ) from exc
+        finally:
+            drv.call("cuMemRelease", handle.value)
+        return AllocationExport(base=base.value, size_bytes=size.value, device=ordinal.value, fd=fd.value)
+    ipc = IpcMemHandle()
+    drv.call("cuIpcGetMemHandle", ctypes.byref(ipc), base.value)
+    return AllocationExport(base=base.value, size_bytes=size.value, device=ordinal.value, ipc_handle=bytes(ipc))
+
+
+@dataclass(eq=False)
+class IpcMapping:
+    """An engine's ``cudaMalloc`` allocation opened in this process
+    (``cuIpcOpenMemHandle``). ``release`` closes it and drops the primary
+    context; idempotent. The memory lives while the exporting process does."""
+
+    address: int
+    size_bytes: int
+    device: int
+    context: int
+    driver: Driver = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        errors: list[KvBrokerError] = []
+        for name, args in (
+            ("cuCtxSetCurrent", (ctypes.c_void_p(self.context),)),
+            ("cuIpcCloseMemHandle", (self.address,)),
+            ("cuDevicePrimaryCtxRelease_v2", (self.device,)),
+        ):
+            try:
+                self.driver.call(name, *args)
+            except KvBrokerError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def open_ipc(handle: bytes, size_bytes: int, ordinal: int, driver: Driver | None = None) -> IpcMapping:
+    """Open a CUDA IPC handle of an allocation of at least ``size_bytes`` on device ``ordinal``."""
+    if len(handle) != CU_IPC_HANDLE_SIZE:
+        raise InvalidArgument(f"a CUDA IPC handle is {CU_IPC_HANDLE_SIZE} bytes, got {len(handle)}")
+    drv, dev, ctx = _open(driver, ordinal, size_bytes)
+    ptr = _u64()
+    try:
+        try:
+            drv.call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), IpcMemHandle.from_buffer_copy(handle), CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        except CudaError as exc:
+            if exc.cuda_code == CUDA_ERROR_INVALID_VALUE:
+                raise InvalidArgument(f"the CUDA IPC handle does not open on device {ordinal}: {exc.message}") from exc
+            raise
+        base, size = _u64(), ctypes.c_size_t()
+        drv.call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr.value)
+        if size.value < size_bytes:
+            with contextlib.suppress(KvBrokerError):
+                drv.call("cuIpcCloseMemHandle", ptr.value)
+            raise InvalidArgument(f"the buffer claims {size_bytes} bytes but its CUDA allocation holds {size.value}")
+    except BaseException:
+        with contextlib.suppress(KvBrokerError):
+            drv.call("cuDevicePrimaryCtxRelease_v2", dev)
+        raise
+    return IpcMapping(address=ptr.value, size_bytes=size_bytes, device=dev, context=ctx, driver=drv)

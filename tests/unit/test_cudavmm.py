@@ -167,3 +167,71 @@ def test_a_failed_cuinit_is_reported_and_retried(fake: FakeCudaLib) -> None:
     del fake.fail["cuInit"]
     assert cudavmm.device_uuid(0, driver) == fake.uuid_of(0)
     assert fake.calls.count("cuInit") == 2
+
+
+def _cuda_malloc(fake: FakeCudaLib, size: int, device: int = 0) -> int:
+    driver = cudavmm.Driver(fake)
+    driver.retain_context(driver.device(device))
+    ptr = ctypes.c_ulonglong()
+    driver.call("cuMemAlloc_v2", ctypes.byref(ptr), size)
+    return ptr.value
+
+
+def test_structures_of_ipc_are_cuda_h_sized() -> None:
+    assert ctypes.sizeof(cudavmm.IpcMemHandle) == 64
+
+
+def test_an_engines_allocation_exports_whole_from_any_pointer_inside(fake: FakeCudaLib) -> None:
+    """cudaMalloc: an IPC handle of the whole allocation; VMM: an fd, the retained handle released."""
+    driver = cudavmm.Driver(fake)
+    base = _cuda_malloc(fake, 8192, device=1)
+    export = cudavmm.export_allocation(base + 5000, driver)
+    assert (export.base, export.size_bytes, export.device, export.fd) == (base, 8192, 1, None)
+    assert export.ipc_handle is not None and len(export.ipc_handle) == 64
+    mapping, fd = cudavmm.export_buffer(0, 4096, driver)
+    os.close(fd)
+    vmm = cudavmm.export_allocation(mapping.address + 10, driver)
+    assert (vmm.base, vmm.size_bytes, vmm.device, vmm.ipc_handle) == (mapping.address, 2 * MiB, 0, None)  # granularity
+    assert vmm.fd is not None
+    os.close(vmm.fd)
+    assert fake.calls.count("cuMemRetainAllocationHandle") == 2 and "cuMemRelease" in fake.calls
+    mapping.release()
+    driver.call("cuMemFree_v2", base)
+    driver.call("cuDevicePrimaryCtxRelease_v2", 1)
+    assert fake.leaks() == []
+
+
+def test_opening_an_ipc_handle_checks_it_and_releases_on_every_path(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    base = _cuda_malloc(fake, 4096)
+    handle = cudavmm.export_allocation(base, driver).ipc_handle
+    assert handle is not None
+    with pytest.raises(InvalidArgument, match="64 bytes"):
+        cudavmm.open_ipc(handle[:10], 4096, 0, driver)
+    with pytest.raises(InvalidArgument, match="does not open"):
+        cudavmm.open_ipc(bytes(64), 4096, 0, driver)
+    with pytest.raises(InvalidArgument, match="holds 4096"):
+        cudavmm.open_ipc(handle, 8192, 0, driver)
+    opened = cudavmm.open_ipc(handle, 4096, 0, driver)
+    ctypes.memmove(base, b"same bytes", 10)
+    assert ctypes.string_at(opened.address, 10) == b"same bytes"
+    opened.release()
+    opened.release()  # idempotent
+    driver.call("cuMemFree_v2", base)
+    driver.call("cuDevicePrimaryCtxRelease_v2", 0)
+    assert fake.leaks() == []
+
+
+def test_the_broker_importer_opens_ipc_buffers_without_an_fd(fake: FakeCudaLib) -> None:
+    driver = cudavmm.Driver(fake)
+    base = _cuda_malloc(fake, 4096, device=1)
+    export = cudavmm.export_allocation(base, driver)
+    spec = common_pb2.BufferSpec(
+        size_bytes=4096, kind=common_pb2.MEMORY_KIND_VRAM, device_uuid=fake.uuid_of(1), cuda_ipc_handle=export.ipc_handle
+    )
+    buffer = VramImporter(driver).import_buffer(-1, spec)
+    assert buffer.device_id == 1 and buffer.size_bytes == 4096
+    buffer.release()
+    driver.call("cuMemFree_v2", base)
+    driver.call("cuDevicePrimaryCtxRelease_v2", 1)
+    assert fake.leaks() == []

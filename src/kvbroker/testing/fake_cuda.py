@@ -75,6 +75,14 @@ class FakeCudaLib:
         #: handle -> the memfd behind the allocation (closed when the last reference goes).
         self._backing: dict[int, int] = {}
         self._handles = itertools.count(0x1000)
+        #: handle -> the handle types it was created with.
+        self.handle_types: dict[int, int] = {}
+        #: cuMemAlloc allocations (not VMM): base -> (size, device, memfd).
+        self.legacy: dict[int, tuple[int, int, int]] = {}
+        #: IPC handles given out: id -> the base they name.
+        self._ipc: dict[int, int] = {}
+        #: IPC handles opened here: address -> (size, device).
+        self.opened: dict[int, tuple[int, int]] = {}
 
     def adopt(self, fd: int, size: int) -> int:
         """Make the memfd ``fd`` (``size`` bytes) a physical allocation and export it: the exported fd."""
@@ -99,7 +107,11 @@ class FakeCudaLib:
         out += [f"mapping at {a:#x}" for a in self.mapped]
         out += [f"address range at {a:#x}" for a in self.reserved]
         out += [f"primary context of device {d} ({n} references)" for d, n in self.contexts.items() if n]
+        out += [f"opened IPC allocation at {a:#x}" for a in self.opened]
         return out
+
+    def _device_of_current(self) -> int:
+        return (self.current or 0xC7000) - 0xC7000
 
     def uuid_of(self, ordinal: int) -> bytes:
         return bytes([0xC0, ordinal]) + bytes(14)
@@ -167,6 +179,7 @@ class FakeCudaLib:
         backing = os.memfd_create("fake-cuda-allocation", os.MFD_CLOEXEC)
         os.ftruncate(backing, _value(size))
         self._backing[handle] = backing
+        self.handle_types[handle] = p.requestedHandleTypes
         self.created.append(
             {
                 "device": p.location.id,
@@ -225,6 +238,8 @@ class FakeCudaLib:
     def _cuMemExportToShareableHandle(self, out: Any, handle: Any, handle_type: Any, flags: Any) -> int:
         if self.refs[_value(handle)] <= 0:
             return 1
+        if not self.handle_types.get(_value(handle), 1) & _value(handle_type):
+            return 1  # created without that handle type
         fd = os.dup(self._backing[_value(handle)])
         self._exported[os.fstat(fd).st_ino] = _value(handle)
         _out(out).value = fd
@@ -239,6 +254,83 @@ class FakeCudaLib:
             return 1
         self.refs[handle] += 1
         _out(out).value = handle
+        return 0
+
+    # -- allocations the engine made itself ----------------------------------
+    def _cuMemAlloc_v2(self, out: Any, size: Any) -> int:
+        """``cudaMalloc``'s allocation: not VMM; shareable through IPC handles only."""
+        n = _value(size)
+        backing = os.memfd_create("fake-cuda-malloc", os.MFD_CLOEXEC)
+        os.ftruncate(backing, n)
+        address = map_memory(n, mmap.MAP_SHARED, backing)
+        self.legacy[address] = (n, self._device_of_current(), backing)
+        _out(out).value = address
+        return 0
+
+    def _cuMemFree_v2(self, address: Any) -> int:
+        entry = self.legacy.pop(_value(address), None)
+        if entry is None:
+            return 1
+        unmap(_value(address), entry[0])
+        os.close(entry[2])
+        return 0
+
+    def _ranges(self) -> list[tuple[int, int, int]]:
+        """Every device address range known here: (base, size, device)."""
+        out = [(a, n, d) for a, (n, d, _) in self.legacy.items()]
+        out += [(a, n, self.access.get(a, (0, 0))[0]) for a, (_, n) in self.mapped.items()]
+        out += [(a, n, d) for a, (n, d) in self.opened.items()]
+        return out
+
+    def _find(self, ptr: int) -> tuple[int, int, int] | None:
+        return next(((a, n, d) for a, n, d in self._ranges() if a <= ptr < a + n), None)
+
+    def _cuMemGetAddressRange_v2(self, base: Any, size: Any, ptr: Any) -> int:
+        found = self._find(_value(ptr))
+        if found is None:
+            return 1
+        _out(base).value, _out(size).value = found[0], found[1]
+        return 0
+
+    def _cuPointerGetAttribute(self, out: Any, attribute: Any, ptr: Any) -> int:
+        found = self._find(_value(ptr))
+        if found is None:
+            return 1
+        _out(out).value = found[2]
+        return 0
+
+    def _cuMemRetainAllocationHandle(self, out: Any, address: Any) -> int:
+        entry = self.mapped.get(_value(address))
+        if entry is None:
+            return 1  # not the start of a VMM mapping
+        self.refs[entry[0]] += 1
+        _out(out).value = entry[0]
+        return 0
+
+    def _cuIpcGetMemHandle(self, out: Any, address: Any) -> int:
+        if _value(address) not in self.legacy:
+            return 1
+        ident = next(self._handles)
+        self._ipc[ident] = _value(address)
+        ctypes.memmove(ctypes.addressof(_out(out)), b"fake-ipc" + ident.to_bytes(8, "little") + bytes(48), 64)
+        return 0
+
+    def _cuIpcOpenMemHandle_v2(self, out: Any, handle: Any, flags: Any) -> int:
+        raw = bytes(handle)
+        base = self._ipc.get(int.from_bytes(raw[8:16], "little")) if raw.startswith(b"fake-ipc") else None
+        if base is None or base not in self.legacy:
+            return 1
+        n, _, backing = self.legacy[base]
+        address = map_memory(n, mmap.MAP_SHARED, backing)
+        self.opened[address] = (n, self._device_of_current())
+        _out(out).value = address
+        return 0
+
+    def _cuIpcCloseMemHandle(self, address: Any) -> int:
+        entry = self.opened.pop(_value(address), None)
+        if entry is None:
+            return 1
+        unmap(_value(address), entry[0])
         return 0
 
 

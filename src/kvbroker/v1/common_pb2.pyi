@@ -130,16 +130,18 @@ class EngineRankId(_message.Message):
     def __init__(self, group: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ...) -> None: ...
 
 class BufferSpec(_message.Message):
-    __slots__ = ("size_bytes", "kind", "device_id", "device_uuid")
+    __slots__ = ("size_bytes", "kind", "device_id", "device_uuid", "cuda_ipc_handle")
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     size_bytes: int
     kind: MemoryKind
     device_id: int
     device_uuid: bytes
-    def __init__(self, size_bytes: _Optional[int] = ..., kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
+    cuda_ipc_handle: bytes
+    def __init__(self, size_bytes: _Optional[int] = ..., kind: _Optional[_Union[MemoryKind, str]] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[bytes] = ..., cuda_ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("kind", "buffer", "offset_bytes", "length_bytes", "item_bytes", "layer_id", "component")
