@@ -13,6 +13,10 @@ process runs at start (``load_plugins``). ``install`` patches exactly this:
 - wraps ``get_kv_class`` (AROUND hook, applied by SGLang's ``HookRegistry``
   to every module that imported it) to answer kvbroker's classes for that
   member, and SGLang's own for every other backend;
+- wraps ``sglang.srt.mem_cache.utils.maybe_init_custom_mem_pool`` (SGLang's
+  custom memory pool setting): on CUDA, with this backend, KV pools allocate
+  from kvbroker's VMM allocator (:mod:`kvbroker.vmmpool`; ``KVBROKER_VMM_POOL=0``
+  turns it off), for every other backend and on CPU SGLang's own answer;
 - wraps ``PrefillBootstrapQueue._init_kv_manager`` and
   ``DecodePreallocQueue._init_kv_manager`` (AROUND hooks) so that the
   manager they build sees the queue: it needs the KV pool's tensors and the
@@ -44,9 +48,9 @@ that fails reports Failed only once the broker says its pages are settled
 Memory: when the manager is built, the pool's K/V tensors (or MLA tensors)
 and SGLang's metadata buffers are handed to the broker
 (``EngineMemory.adopt``): host tensors move into shared memory in place;
-a CUDA pool stays where it lies and its allocations are exported (a CUDA
-IPC handle for PyTorch's ``cudaMalloc`` segments, an fd for VMM ones),
-which has never run on a GPU. Not supported yet, refused by name: draft
+a CUDA pool stays where it lies and its allocations are exported (fds for
+kvbroker's VMM pool, CUDA IPC handles for PyTorch's ``cudaMalloc``
+segments), which has never run on a GPU. Not supported yet, refused by name: draft
 (speculative) KV, hybrid-model state (``state_types``), pipeline
 parallelism, attention data parallelism, host (hicache) destinations.
 """
@@ -101,6 +105,7 @@ BACKEND = "kvbroker"
 ENV_ADDRESS = "KVBROKER_ADDRESS"
 ENV_ADVERTISE = "KVBROKER_ADVERTISE_ADDRESS"
 ENV_GROUP = "KVBROKER_GROUP"
+ENV_VMM_POOL = "KVBROKER_VMM_POOL"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 #: The SGLang queue whose ``_init_kv_manager`` is running (set by the hook).
@@ -135,6 +140,7 @@ def install() -> None:
         _add_enum_member(TransferBackend, "KVBROKER", BACKEND)
     targets = {
         "sglang.srt.disaggregation.utils.get_kv_class": _get_kv_class,
+        "sglang.srt.mem_cache.utils.maybe_init_custom_mem_pool": _custom_mem_pool,
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": _with_queue,
         "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": _with_queue,
     }
@@ -166,6 +172,25 @@ def _get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_typ
         KVClassType.RECEIVER: KVBrokerKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: KVBrokerBootstrapServer,
     }[class_type]
+
+
+def _custom_mem_pool(original: Callable[..., Any], device: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's custom memory pool setting: on CUDA, with the kvbroker backend,
+    kvbroker's VMM allocator (``KVBROKER_VMM_POOL=0`` leaves SGLang's own)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        ours = get_disagg().disaggregation_transfer_backend == BACKEND
+    except ValueError:  # no config published in this process
+        ours = False
+    if not ours or not str(device).startswith("cuda") or os.environ.get(ENV_VMM_POOL, "1") == "0":
+        return original(device, *args, **kwargs)
+    import torch
+
+    from kvbroker import vmmpool
+
+    index = torch.device(device).index
+    return True, vmmpool.mem_pool(torch.cuda.current_device() if index is None else index), "KVBROKER_VMM"
 
 
 def _with_queue(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -139,6 +140,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._block_size = vllm_config.cache_config.block_size
         self._producer = self._kv_transfer_config.is_kv_producer
+        self._vmm_pool = bool(extra.get("vmm_pool", True))
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
 
@@ -163,6 +165,16 @@ class KVBrokerConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.pending()
 
     # -- worker side ---------------------------------------------------------------
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """On CUDA, kvbroker's VMM allocator for the KV cache (exported to the
+        broker as fds). ``"vmm_pool": false`` in ``kv_connector_extra_config``
+        leaves vLLM's own allocator (its caches then go as CUDA IPC handles)."""
+        if self._worker is None or not self._vmm_pool or not torch.cuda.is_available():
+            return None
+        from kvbroker import vmmpool
+
+        return torch.cuda.use_mem_pool(vmmpool.mem_pool(torch.cuda.current_device()))
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)

@@ -133,6 +133,20 @@ def test_the_plugin_registers_the_backend(h: Any) -> None:
     assert len(HookRegistry._hooks["sglang.srt.disaggregation.utils.get_kv_class"]) == 1
 
 
+def test_cuda_pools_get_kvbrokers_vmm_allocator_and_cpu_pools_sglangs_answer(h: Any, pair: Any) -> None:
+    """SGLang's custom memory pool setting, hooked: a CPU pool gets SGLang's own answer (no
+    custom pool); a CUDA pool with the kvbroker backend asks kvbroker's VMM pool, which needs
+    CUDA (this machine has none, and says so)."""
+    from sglang.srt.mem_cache import memory_pool, utils
+
+    from kvbroker.errors import FailedPrecondition
+
+    for module in (utils, memory_pool):
+        assert module.maybe_init_custom_mem_pool(device="cpu") == (False, None, None)
+        with pytest.raises(FailedPrecondition, match="needs CUDA"):
+            module.maybe_init_custom_mem_pool(device="cuda:0")
+
+
 def test_prompts_move_byte_exact_through_sglangs_queues(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
     """Shorter than a page, whole pages, a partial last page and a chunked prefill, all at once."""
     prompts = {
