@@ -378,7 +378,8 @@ class _RoomSide:
         self.conclude_state: int | None = None
         self._room = None
         self._error: KvBrokerError | None = None
-        self._started = time.monotonic()
+        #: When the transfer started: the first chunk (sender) or the room's opening (receiver).
+        self._started: float | None = None
         self._status: Any = None
 
     def _fail(self, error: KvBrokerError) -> None:
@@ -430,7 +431,8 @@ class _RoomSide:
         status = self._status
         if status is None or RoomState(status.state) is not RoomState.SUCCESS:
             return KVTransferMetric()
-        return KVTransferMetric(transfer_latency_s=time.monotonic() - self._started, transfer_total_bytes=int(status.bytes))
+        latency = None if self._started is None else time.monotonic() - self._started
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=int(status.bytes))
 
 
 class KVBrokerKVSender(_RoomSide, BaseKVSender):
@@ -500,6 +502,8 @@ class KVBrokerKVSender(_RoomSide, BaseKVSender):
             last = self._sent + pages.size >= self._num_pages if self._next_last is None else self._next_last
             self._next_last = None
             room_page = self._prefix_pages if self._chunks == 0 else None
+            if self._started is None:
+                self._started = time.monotonic()
             self._room.send(pages, is_last=last, room_page=room_page)
         except KvBrokerError as exc:
             self._fail(exc)
@@ -561,6 +565,7 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
             self._fail(exc)
             return
         self._room = room
+        self._started = time.monotonic()
 
     def is_abort_release_safe(self) -> bool:
         return self._room is None or bool(self._room.status().pages_settled)

@@ -168,6 +168,8 @@ def test_prompts_move_byte_exact_through_sglangs_queues(h: Any, pair: Any, broke
         assert torch.equal(pair.decode_kv(dreq).view(torch.int16), expected.view(torch.int16)), name
         assert list(dreq.output_ids) == [7000 + i], name  # the first token, from the aux row
         assert preq.disagg_kv_sender.poll() == h.sg_prefill.KVPoll.Success
+        metric = preq.disagg_kv_sender.get_transfer_metric()
+        assert metric.transfer_total_bytes and metric.transfer_latency_s is not None
     pages = sum(-(-len(ids) // h.PAGE) for ids in prompts.values())
     aux_bytes = sum(pair.decode.disagg_metadata_buffers.get_buf_infos()[2])
     assert _bytes(brokers) - before == pages * PAGE_BYTES + len(prompts) * aux_bytes
@@ -262,14 +264,33 @@ def test_a_prefill_that_never_comes_fails_the_decode_request(h: Any, pair: Any, 
     _tables_empty(*brokers)
 
 
-def test_a_manager_built_outside_sglangs_queues_is_refused(h: Any, pair: Any) -> None:
-    """Without the queue hooks the manager could not find the pool's tensors: it says so."""
-    from kvbroker.adapters.sglang import KVBrokerKVManager
-    from kvbroker.errors import FailedPrecondition
+def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> None:
+    """Without the queue hooks the manager could not find the pool's tensors; hybrid-model state
+    and draft KV are not moved yet: each says so when the manager is built, before anything
+    registers."""
+    import copy
 
-    args = pair.prefill.disagg_prefill_bootstrap_queue.kv_manager.kv_args
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    from kvbroker.adapters import sglang as backend
+    from kvbroker.errors import FailedPrecondition, Unimplemented
+
+    queue = pair.prefill.disagg_prefill_bootstrap_queue
+    args = queue.kv_manager.kv_args
     with pytest.raises(FailedPrecondition, match="install"):
-        KVBrokerKVManager(args, "prefill", pair.prefill.server_args)
+        backend.KVBrokerKVManager(args, "prefill", pair.prefill.server_args)
+    token = backend._QUEUE.set(queue)  # as the hook on _init_kv_manager does
+    try:
+        hybrid = copy.copy(args)
+        hybrid.state_types = [StateType.MAMBA]
+        with pytest.raises(Unimplemented, match="hybrid-model state"):
+            backend.KVBrokerKVManager(hybrid, "prefill", pair.prefill.server_args)
+        draft = copy.copy(args)
+        draft.num_draft_entries = 2
+        with pytest.raises(Unimplemented, match="draft"):
+            backend.KVBrokerKVManager(draft, "prefill", pair.prefill.server_args)
+    finally:
+        backend._QUEUE.reset(token)
 
 
 
