@@ -19,6 +19,7 @@ and on a decode rank::
 
 from __future__ import annotations
 
+from kvbroker.client.adopt import StateTensors
 from kvbroker.client.connection import BrokerClient
 from kvbroker.client.engine import EngineHandle, ExpectSpec
 from kvbroker.client.memory import (
@@ -42,5 +43,6 @@ __all__ = [
     "RoomState",
     "SenderRef",
     "StateSpec",
+    "StateTensors",
     "even_pp_layer_begins",
 ]

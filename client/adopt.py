@@ -53,6 +53,7 @@ from kvbroker.client.memory import (
     EngineMemory,
     ModelSpec,
     RankSpec,
+    StateSpec,
     align,
     engine_layout,
     sealed_memfd,
@@ -60,7 +61,7 @@ from kvbroker.client.memory import (
 from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
-__all__ = ["adopt"]
+__all__ = ["StateTensors", "adopt"]
 
 log = structlog.get_logger(__name__)
 
@@ -80,12 +81,14 @@ def adopt(
     *,
     kv: Mapping[int, Sequence[torch.Tensor]],
     aux: Sequence[torch.Tensor] = (),
+    state: Mapping[str, StateTensors] = {},  # noqa: B006 - read only
     cuda_driver: cudavmm.Driver | None = None,
 ) -> EngineMemory:
     """The engine's own KV (``kv``: layer -> [k, v], [mla], or [kv] for
-    the fused layout) and aux tensors, as an :class:`EngineMemory` to
-    register: host tensors moved into sealed memfds in place, CUDA KV
-    tensors exported where they are (see the module docstring).
+    the fused layout), aux and hybrid-model state tensors (``state``:
+    component name -> :class:`StateTensors`), as an :class:`EngineMemory`
+    to register: host tensors moved into sealed memfds in place, CUDA KV
+    and state tensors exported where they are (see the module docstring).
     ``cuda_driver``: the CUDA driver to export with (default libcuda; given,
     the KV tensors' memory is taken as that driver's device memory, which is
     how tests stand in for a GPU)."""
@@ -121,14 +124,16 @@ def adopt(
         _check(rows, f"aux {i}", None, device=False)
         if rows.dim() < 1 or rows.shape[0] < 1:
             raise InvalidArgument(f"aux {i}: give [rows, ...] with at least one row, got {tuple(rows.shape)}")
+    state_specs = [_check_state(name, component, begin, end, device) for name, component in state.items()]
+    state_tensors = [t for component in state.values() for layer in sorted(component.layers) for t in component.layers[layer]]
 
     buffers: list[tuple[int, common_pb2.BufferSpec]] = []
     #: id(tensor) -> (buffer index, offset of its first byte in the buffer)
     placed: dict[int, tuple[int, int]] = {}
     try:
         if device:
-            placed.update(_export_device(kv_tensors, cuda_driver, buffers))
-        host = list(aux) if device else kv_tensors + list(aux)
+            placed.update(_export_device(kv_tensors + state_tensors, cuda_driver, buffers))
+        host = list(aux) if device else kv_tensors + state_tensors + list(aux)
         placed.update(_move_to_memfds(rank, host, buffers))
     except BaseException:
         for fd, _ in buffers:
@@ -146,8 +151,57 @@ def adopt(
         row_bytes = rows.numel() // rows.shape[0] * rows.element_size()
         regions.append(_region(common_pb2.REGION_KIND_AUX, rows, placed[id(rows)], row_bytes))
         memory.aux.append(rows.view(torch.uint8).view(rows.shape[0], row_bytes))
-    memory.layout = engine_layout(rank, model, regions)
+    for name, component in state.items():
+        for layer in sorted(component.layers):
+            for items in component.layers[layer]:
+                item_bytes = items.numel() // items.shape[0] * items.element_size()
+                region = _region(common_pb2.REGION_KIND_STATE, items, placed[id(items)], item_bytes, layer)
+                region.component = name
+                regions.append(region)
+                memory.state.setdefault(name, []).append(items.view(torch.uint8).view(items.shape[0], item_bytes))
+    memory.layout = engine_layout(rank, model, regions, state_specs)
     return memory
+
+
+@dataclass(frozen=True)
+class StateTensors:
+    """One hybrid-model state component as the engine holds it: its type
+    ("mamba", "swa" or "nsa") and, per model layer of this rank that carries
+    it, its tensors (e.g. Mamba's conv and SSM state), each ``[items, ...]``
+    with one item per slot; every tensor of the component has as many items
+    (their sizes may differ). State indices in rooms address those items."""
+
+    type: str
+    layers: Mapping[int, Sequence[torch.Tensor]]
+
+
+def _check_state(name: str, component: StateTensors, begin: int, end: int, device: bool) -> StateSpec:
+    """Check one state component's tensors; its spec for the layout."""
+    if not component.layers:
+        raise InvalidArgument(f"state {name!r}: give at least one layer")
+    outside = [layer for layer in component.layers if not begin <= layer < end]
+    if outside:
+        raise InvalidArgument(f"state {name!r}: layers {outside} are outside this rank's layers {begin}..{end - 1}")
+    counts = {len(tensors) for tensors in component.layers.values()}
+    if len(counts) != 1 or 0 in counts:
+        raise InvalidArgument(f"state {name!r}: every layer needs the same number of tensors (at least one)")
+    items = None
+    for layer, tensors in component.layers.items():
+        for tensor in tensors:
+            _check(tensor, f"state {name!r} layer {layer}", None, device=device)
+            if tensor.dim() < 1 or tensor.shape[0] < 1:
+                raise InvalidArgument(f"state {name!r} layer {layer}: give [items, ...], got {tuple(tensor.shape)}")
+            if items is None:
+                items = int(tensor.shape[0])
+            elif tensor.shape[0] != items:
+                raise InvalidArgument(f"state {name!r} layer {layer}: {tensor.shape[0]} items, other tensors have {items}")
+    assert items is not None
+    if component.type not in ("mamba", "swa", "nsa"):
+        raise InvalidArgument(f"state {name!r}: type must be 'mamba', 'swa' or 'nsa', got {component.type!r}")
+    return StateSpec(
+        name=name, type=component.type, item_bytes=0, num_items=items,  # type: ignore[arg-type]
+        num_regions=counts.pop(), layers=tuple(sorted(component.layers)),
+    )
 
 
 def _move_to_memfds(

@@ -33,7 +33,7 @@ import mmap
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -41,6 +41,9 @@ from kvbroker import cudavmm
 from kvbroker.broker.layout import kv_kinds_of
 from kvbroker.errors import FailedPrecondition, InvalidArgument
 from kvbroker.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from kvbroker.client.adopt import StateTensors
 
 __all__ = ["EngineMemory", "ModelSpec", "RankSpec", "StateSpec", "even_pp_layer_begins"]
 
@@ -293,14 +296,16 @@ class EngineMemory:
         *,
         kv: Mapping[int, Sequence[torch.Tensor]],
         aux: Sequence[torch.Tensor] = (),
+        state: Mapping[str, StateTensors] = {},  # noqa: B006 - read only
         cuda_driver: cudavmm.Driver | None = None,
     ) -> EngineMemory:
         """The engine's own tensors (``kv``: layer -> [k, v] or [mla]; aux
-        rows): host tensors moved into sealed memfds in place, CUDA KV
-        tensors exported where they are: see :mod:`kvbroker.client.adopt`."""
+        rows; ``state``: hybrid-model state components): host tensors moved
+        into sealed memfds in place, CUDA tensors exported where they are:
+        see :mod:`kvbroker.client.adopt`."""
         from kvbroker.client.adopt import adopt
 
-        return adopt(rank, model, kv=kv, aux=aux, cuda_driver=cuda_driver)
+        return adopt(rank, model, kv=kv, aux=aux, state=state, cuda_driver=cuda_driver)
 
     def check_guards(self) -> list[str]:
         """The guard spans whose canary bytes changed (empty: nothing wrote outside a region)."""

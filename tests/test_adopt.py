@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbroker import errors
-from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef, StateTensors
 
 from .conftest import SMALL_MODEL
 
@@ -142,3 +142,69 @@ def test_adopted_memory_moves_byte_exact_between_two_broker_processes(tmp_path, 
             memory.close()
         for broker in brokers:
             broker.stop()
+
+
+def _engine_state(seed: int) -> dict[str, StateTensors]:
+    """Mamba-like state as an engine holds it: per layer a conv and an SSM tensor of different item
+    sizes, one item per request slot (8 slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = {layer: [torch.randn(8, 3, 16, generator=gen), torch.randn(8, 2, 4, 8, generator=gen).to(torch.bfloat16)] for layer in range(2)}
+    return {"mamba": StateTensors("mamba", layers)}
+
+
+def test_adopted_state_moves_by_slot_with_the_kv(fake_brokers) -> None:
+    """Hybrid-model state the engine allocated itself: adopted in place beside its KV, and the
+    slots a room names move with its last chunk, byte-exact."""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    memories, clients, engines, states = [], [], [], []
+    try:
+        for broker, role, seed in ((p, "prefill", 5), (d, "decode", 6)):
+            _, kv = _engine_kv(seed)
+            state = _engine_state(seed)
+            objects = [id(t) for ts in state["mamba"].layers.values() for t in ts]
+            memory = EngineMemory.adopt(RankSpec(f"{role}-s", role), SMALL_MODEL, kv=kv, aux=[torch.zeros(4, 16, dtype=torch.uint8)], state=state)  # type: ignore[arg-type]
+            assert [id(t) for ts in state["mamba"].layers.values() for t in ts] == objects
+            assert all(t.untyped_storage().is_shared() for ts in state["mamba"].layers.values() for t in ts)
+            regions = [r for r in memory.layout.regions if r.kind == 8 or r.component]
+            assert [(r.layer_id, r.item_bytes) for r in regions] == [(0, 3 * 16 * 4), (0, 2 * 4 * 8 * 2), (1, 192), (1, 128)]
+            client = BrokerClient(broker.address)
+            memories.append(memory)
+            clients.append(client)
+            states.append(state)
+            engines.append(client.register_engine(RankSpec(f"{role}-s", role), memory))  # type: ignore[arg-type]
+        pe, de = engines
+        receiver = de.receiver(3, SenderRef(p.address, "prefill-s"))
+        receiver.init([4, 5], aux_row=1, state={"mamba": [6]})
+        sender = pe.sender(3)
+        sender.init(2, aux_row=0)
+        sender.send([0, 1], state={"mamba": [2]})
+        assert receiver.wait(10).state == RoomState.SUCCESS
+        sent, got = states[0]["mamba"].layers, states[1]["mamba"].layers
+        for layer in range(2):
+            for a, b in zip(sent[layer], got[layer]):
+                assert torch.equal(a[2].view(torch.uint8), b[6].view(torch.uint8))
+                assert not torch.equal(a[3].view(torch.uint8), b[3].view(torch.uint8)), "only the named slot"
+        for engine in engines:
+            engine.close()
+    finally:
+        for client in clients:
+            client.close()
+        for memory in memories:
+            memory.close()
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"m": StateTensors("mamba", {})}, "at least one layer"),
+        ({"m": StateTensors("mamba", {7: [torch.zeros(4, 2)]})}, "outside this rank's layers"),
+        ({"m": StateTensors("mamba", {0: [torch.zeros(4, 2)], 1: []})}, "same number of tensors"),
+        ({"m": StateTensors("mamba", {0: [torch.zeros(4, 2), torch.zeros(5, 2)]})}, "5 items, other tensors have 4"),
+        ({"m": StateTensors("rnn", {0: [torch.zeros(4, 2)]})}, "type must be"),
+    ],
+    ids=["no-layers", "outside", "uneven", "items", "type"],
+)
+def test_state_the_broker_cannot_address_is_refused(state: dict[str, StateTensors], message: str) -> None:
+    _, kv = _engine_kv(9)
+    with pytest.raises(errors.InvalidArgument, match=message):
+        EngineMemory.adopt(RankSpec("g", "prefill"), SMALL_MODEL, kv=kv, state=state)
