@@ -139,6 +139,15 @@ class Layout:
     state_items: dict[str, int]
     #: common_pb2.KvLayout: how each layer's KV lies in memory.
     kv_layout: int = common_pb2.KV_LAYOUT_NHD
+    #: The layers of [layer_begin, layer_end) that hold KV (a hybrid model's
+    #: attention layers); None: every one.
+    kv_layers: tuple[int, ...] | None = None
+
+    def kv_layers_in(self, begin: int, end: int) -> list[int]:
+        """The layers of [begin, end) that hold KV on this rank's model."""
+        if self.kv_layers is None:
+            return list(range(begin, end))
+        return [layer for layer in self.kv_layers if begin <= layer < end]
 
     @property
     def dtype_bytes(self) -> int:
@@ -210,6 +219,15 @@ class Layout:
         if msg.mla and msg.kv_layout != common_pb2.KV_LAYOUT_NHD:
             raise InvalidArgument("an MLA layout has one latent region per layer: kv_layout must be KV_LAYOUT_NHD")
         _check_heads(msg)
+        kv_layers = tuple(msg.kv_layers) or None
+        if kv_layers is not None and (
+            any(a >= b for a, b in zip(kv_layers, kv_layers[1:]))
+            or not msg.layer_begin <= kv_layers[0]
+            or kv_layers[-1] >= msg.layer_end
+        ):
+            raise InvalidArgument(
+                f"kv_layers {list(kv_layers)} must increase inside this rank's layers [{msg.layer_begin}, {msg.layer_end})"
+            )
 
         regions = tuple(_region_view(i, r, buffer_sizes) for i, r in enumerate(msg.regions))
         items = sum(r.items for r in regions)
@@ -219,7 +237,7 @@ class Layout:
                 f"{MAX_ITEMS_PER_ENGINE}: use larger pages"
             )
         _check_no_overlap(regions)
-        kv_regions, num_pages = _index_kv(msg, regions)
+        kv_regions, num_pages = _index_kv(msg, regions, kv_layers)
         aux_regions, aux_rows = _index_aux(regions)
         state_components, state_items = _index_state(msg, regions)
         return cls(
@@ -244,6 +262,7 @@ class Layout:
             aux_rows=aux_rows,
             state_items=state_items,
             kv_layout=msg.kv_layout,
+            kv_layers=kv_layers,
         )
 
 
@@ -301,7 +320,9 @@ def _check_no_overlap(regions: tuple[RegionView, ...]) -> None:
             raise InvalidArgument(f"regions {a} and {b} overlap in buffer {buf_a}")
 
 
-def _index_kv(msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...]) -> tuple[dict[tuple[int, int], int], int]:
+def _index_kv(
+    msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...], kv_layers: tuple[int, ...] | None
+) -> tuple[dict[tuple[int, int], int], int]:
     kinds = kv_kinds_of(msg.mla, msg.kv_layout)
     kv: dict[tuple[int, int], int] = {}
     for region in regions:
@@ -315,13 +336,15 @@ def _index_kv(msg: common_pb2.EngineLayout, regions: tuple[RegionView, ...]) -> 
             raise InvalidArgument(
                 f"region {region.index}: layer {region.layer_id} is outside this rank's layers [{msg.layer_begin}, {msg.layer_end})"
             )
+        if kv_layers is not None and region.layer_id not in kv_layers:
+            raise InvalidArgument(f"region {region.index}: layer {region.layer_id} holds no KV (it is not in kv_layers)")
         if (region.kind, region.layer_id) in kv:
             raise InvalidArgument(f"region {region.index}: a second {name} region for layer {region.layer_id}")
         kv[(region.kind, region.layer_id)] = region.index
     if not kv:
         return kv, 0
     missing: list[str] = []
-    for layer in range(msg.layer_begin, msg.layer_end):
+    for layer in kv_layers if kv_layers is not None else range(msg.layer_begin, msg.layer_end):
         missing.extend(f"{common_pb2.RegionKind.Name(k)}/layer {layer}" for k in kinds if (k, layer) not in kv)
         if len(missing) > 8:
             break

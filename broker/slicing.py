@@ -96,9 +96,9 @@ def head_slice(src: Layout, dst: Layout, plan: SourcePlan) -> HeadSlice:
 
 
 def kv_regions(layout: Layout, layer_begin: int, layer_end: int, who: str) -> list[int]:
-    """KV regions of every layer in [layer_begin, layer_end), each layer's kinds in order."""
+    """KV regions of every layer in [layer_begin, layer_end) that holds KV, each layer's kinds in order."""
     out = []
-    for layer in range(layer_begin, layer_end):
+    for layer in layout.kv_layers_in(layer_begin, layer_end):
         for kind in layout.kv_kinds():
             region = layout.kv_regions.get((kind, layer))
             if region is None:
@@ -113,6 +113,12 @@ def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) 
         raise FailedPrecondition("one side is MLA and the other is not")
     if src.kv_layout != dst.kv_layout:
         raise FailedPrecondition("the two sides lay out their KV differently (kv_layout)")
+    held = src.kv_layers_in(layer_begin, layer_end), dst.kv_layers_in(layer_begin, layer_end)
+    if held[0] != held[1]:
+        raise FailedPrecondition(
+            f"the sender holds KV on layers {held[0]} and the receiver on {held[1]} of [{layer_begin}, {layer_end}): "
+            "not the same model (kv_layers)"
+        )
     return list(zip(kv_regions(src, layer_begin, layer_end, "sender"), kv_regions(dst, layer_begin, layer_end, "receiver")))
 
 

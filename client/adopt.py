@@ -93,8 +93,8 @@ def adopt(
     the KV tensors' memory is taken as that driver's device memory, which is
     how tests stand in for a GPU)."""
     begin, end = rank.layer_range(model)
-    if sorted(kv) != list(range(begin, end)):
-        raise InvalidArgument(f"kv must give layers {begin}..{end - 1} of this rank, got {sorted(kv)}")
+    if sorted(kv) != model.kv_layers_in(begin, end):
+        raise InvalidArgument(f"kv must give the layers of this rank that hold KV, {model.kv_layers_in(begin, end)}, got {sorted(kv)}")
     if model.mla and model.fused:
         raise InvalidArgument("an MLA model has one latent tensor per layer: kv_layout must be 'nhd'")
     kv_tensors = [t for layer in sorted(kv) for t in kv[layer]]

@@ -72,6 +72,15 @@ class ModelSpec:
     #: attention kernel's order; vLLM's CPU KV cache: pages move whole, or
     #: as whole heads between different tp sizes; equal page sizes only).
     kv_layout: Literal["nhd", "hnd_fused"] = "nhd"
+    #: The layers that hold KV, ascending (a hybrid model's attention layers;
+    #: its other layers carry state only). None: every layer.
+    kv_layers: tuple[int, ...] | None = None
+
+    def kv_layers_in(self, begin: int, end: int) -> list[int]:
+        """The layers of [begin, end) that hold KV."""
+        if self.kv_layers is None:
+            return list(range(begin, end))
+        return [layer for layer in self.kv_layers if begin <= layer < end]
 
     @property
     def dtype_name(self) -> str:
@@ -241,7 +250,7 @@ class EngineMemory:
             offset = end + guard_bytes
             return region
 
-        for layer in range(begin, end):
+        for layer in model.kv_layers_in(begin, end):
             for kind in kinds:
                 place(kind, num_pages * page_bytes, page_bytes, layer)
         for row_bytes in aux_row_bytes:
@@ -396,6 +405,7 @@ def engine_layout(
         ],
         pp_layer_begins=list(rank.layer_begins(model)),
         kv_layout=model.kv_layout_enum,  # type: ignore[arg-type]
+        kv_layers=[] if model.kv_layers is None else model.kv_layers_in(begin, end),
     )
 
 

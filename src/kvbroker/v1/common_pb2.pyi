@@ -170,7 +170,7 @@ class StateComponent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[StateType, str]] = ...) -> None: ...
 
 class EngineLayout(_message.Message):
-    __slots__ = ("role", "tp_size", "pp_size", "num_layers", "layer_begin", "layer_end", "page_size_tokens", "total_kv_heads", "kv_heads_per_rank", "head_dim", "dtype", "mla", "regions", "state_components", "pp_layer_begins", "kv_layout")
+    __slots__ = ("role", "tp_size", "pp_size", "num_layers", "layer_begin", "layer_end", "page_size_tokens", "total_kv_heads", "kv_heads_per_rank", "head_dim", "dtype", "mla", "regions", "state_components", "pp_layer_begins", "kv_layout", "kv_layers")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class EngineLayout(_message.Message):
     STATE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     PP_LAYER_BEGINS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     tp_size: int
     pp_size: int
@@ -203,7 +204,8 @@ class EngineLayout(_message.Message):
     state_components: _containers.RepeatedCompositeFieldContainer[StateComponent]
     pp_layer_begins: _containers.RepeatedScalarFieldContainer[int]
     kv_layout: KvLayout
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_size_tokens: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., mla: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., state_components: _Optional[_Iterable[_Union[StateComponent, _Mapping]]] = ..., pp_layer_begins: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ...) -> None: ...
+    kv_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_size_tokens: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., mla: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., state_components: _Optional[_Iterable[_Union[StateComponent, _Mapping]]] = ..., pp_layer_begins: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., kv_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PageIndices(_message.Message):
     __slots__ = ("packed", "values")
