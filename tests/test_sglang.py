@@ -266,8 +266,8 @@ def test_a_prefill_that_never_comes_fails_the_decode_request(h: Any, pair: Any, 
 
 def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> None:
     """Without the queue hooks the manager could not find the pool's tensors; hybrid-model state
-    and draft KV are not moved yet: each says so when the manager is built, before anything
-    registers."""
+    other than Mamba's and draft KV are not moved yet: each says so when the manager is built,
+    before anything registers."""
     import copy
 
     from sglang.srt.disaggregation.base.conn import StateType
@@ -282,8 +282,8 @@ def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> N
     token = backend._QUEUE.set(queue)  # as the hook on _init_kv_manager does
     try:
         hybrid = copy.copy(args)
-        hybrid.state_types = [StateType.MAMBA]
-        with pytest.raises(Unimplemented, match="hybrid-model state"):
+        hybrid.state_types = [StateType.SWA]
+        with pytest.raises(Unimplemented, match="Mamba state only"):
             backend.KVBrokerKVManager(hybrid, "prefill", pair.prefill.server_args)
         draft = copy.copy(args)
         draft.num_draft_entries = 2
@@ -333,3 +333,55 @@ def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(h: A
     assert receiver.poll() == KVPoll.Failed
     with pytest.raises(RoomFailed, match="FAILURE_KIND_PEER.*peer broker is gone"):
         receiver.failure_exception()
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
+    """A prefill and a decode engine of a hybrid model (SGLang's HybridLinearKVPool: attention
+    layers 1 and 3, Mamba layers 0 and 2), with a bootstrap server of their own."""
+    from sglang.srt.managers.disagg_service import start_disagg_service
+
+    bootstrap_port = _free_port()
+    server_args = h.publish(bootstrap_port=bootstrap_port, port=_free_port())
+    server = start_disagg_service()
+    saved = os.environ.get("KVBROKER_ADDRESS")
+    try:
+        os.environ["KVBROKER_ADDRESS"] = brokers[0].address
+        prefill = h.PrefillScheduler(server_args, hybrid=True)
+        os.environ["KVBROKER_ADDRESS"] = brokers[1].address
+        decode = h.DecodeScheduler(server_args, hybrid=True)
+    finally:
+        if saved is None:
+            os.environ.pop("KVBROKER_ADDRESS", None)
+        else:
+            os.environ["KVBROKER_ADDRESS"] = saved
+    yield h.Pair(prefill, decode, bootstrap_port)
+    prefill.disagg_prefill_bootstrap_queue.kv_manager.close()
+    decode.disagg_decode_prealloc_queue.kv_manager.close()
+    server.close()
+
+
+def test_a_hybrid_models_kv_and_mamba_state_move_through_sglangs_queues(
+    h: Any, hybrid_pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """State indices per component: SGLang's queues compute each side's Mamba slot (its
+    _mamba_payload); the backend moves the attention layers' pages and the Mamba layers' conv and
+    SSM state of that slot, byte-exact, with the first token."""
+    from kvbroker.v1 import common_pb2
+
+    manager = hybrid_pair.prefill.disagg_prefill_bootstrap_queue.kv_manager
+    assert [str(t.value) for t in manager.kv_args.state_types] == ["mamba"]
+    assert list(manager.memory.layout.kv_layers) == h.ATTENTION_LAYERS
+    assert {r.layer_id for r in manager.memory.layout.regions if r.kind == common_pb2.REGION_KIND_STATE} == set(h.MAMBA_LAYERS)
+    ids = list(range(6000, 6010))
+    preq, dreq = hybrid_pair.request("hybrid", 600, ids)
+    hybrid_pair.run_until(lambda: preq in hybrid_pair.bootstrapped)
+    hybrid_pair.prefill_and_send(preq, first_token=66)
+    hybrid_pair.run_until(lambda: dreq in hybrid_pair.received and preq in hybrid_pair.prefilled)
+    assert torch.equal(hybrid_pair.decode_kv(dreq).view(torch.int16), h.kv_pattern(ids).view(torch.int16))
+    received = h.mamba_of(hybrid_pair.decode, dreq)
+    assert len(received) == 4  # conv and temporal state of both Mamba layers
+    for entry, state in enumerate(received):
+        assert torch.equal(state, h.mamba_pattern(ids, entry, state.shape).to(state.dtype)), f"state entry {entry}"
+    assert list(dreq.output_ids) == [66]
+    _tables_empty(*brokers)

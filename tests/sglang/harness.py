@@ -49,12 +49,27 @@ POOL_TOKENS = 256
 METADATA_ROWS = 8
 
 
+#: The hybrid model: Mamba layers 0 and 2, attention layers 1 and 3.
+HYBRID_LAYERS, MAMBA_LAYERS, ATTENTION_LAYERS = 4, [0, 2], [1, 3]
+
+
 class ModelConfig:
-    num_hidden_layers = LAYERS
-    hf_text_config = SimpleNamespace()
+    def __init__(self, num_hidden_layers: int = LAYERS) -> None:
+        self.num_hidden_layers = num_hidden_layers
+        hybrid = num_hidden_layers == HYBRID_LAYERS
+        self.hf_text_config = SimpleNamespace(full_attention_layer_ids=ATTENTION_LAYERS) if hybrid else SimpleNamespace()
 
     def get_total_num_kv_heads(self) -> int:
         return HEADS
+
+
+def _mamba_params() -> Any:
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=4, head_dim=8, state_size=8, conv_kernel=4
+    )
+    return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
 
 
 def _kv_pool() -> tuple[MHATokenToKVPool, PagedTokenToKVPoolAllocator]:
@@ -79,12 +94,29 @@ class _Metrics:
 
 class _SchedulerParts:
     """What both engines' schedulers hold: the KV pool and its allocator, the
-    metadata buffers, and the bookkeeping SGLang's queues touch."""
+    metadata buffers, and the bookkeeping SGLang's queues touch. ``hybrid``:
+    the hybrid model (SGLang's HybridLinearKVPool over a Mamba pool)."""
 
-    def __init__(self, server_args: Any) -> None:
+    def _req_to_token_pool(self) -> Any:
+        raise NotImplementedError
+
+    def __init__(self, server_args: Any, hybrid: bool = False) -> None:
         self.server_args = server_args
-        self.model_config = ModelConfig()
-        self.token_to_kv_pool, self.token_to_kv_pool_allocator = _kv_pool()
+        self.hybrid = hybrid
+        self.model_config = ModelConfig(HYBRID_LAYERS if hybrid else LAYERS)
+        self.req_to_token_pool = self._req_to_token_pool()
+        if hybrid:
+            from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+            self.token_to_kv_pool = HybridLinearKVPool(
+                size=POOL_TOKENS, dtype=torch.bfloat16, page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM,
+                full_attention_layer_ids=ATTENTION_LAYERS, device="cpu", mamba_pool=self.req_to_token_pool.mamba_pool,
+            )
+            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
+                POOL_TOKENS, PAGE, torch.bfloat16, "cpu", self.token_to_kv_pool, need_sort=False
+            )
+        else:
+            self.token_to_kv_pool, self.token_to_kv_pool_allocator = _kv_pool()
         self.tp_worker = SimpleNamespace(
             model_runner=SimpleNamespace(effective_logical_max_total_num_tokens=POOL_TOKENS, kv_cache_dtype_str="auto"),
             is_hybrid_swa=False,
@@ -115,9 +147,19 @@ class PrefillScheduler(_SchedulerParts, sg_prefill.SchedulerDisaggregationPrefil
 
     _release_aborted_request = Scheduler._release_aborted_request
 
-    def __init__(self, server_args: Any) -> None:
-        super().__init__(server_args)
-        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=POOL_TOKENS, device="cpu", enable_memory_saver=False)
+    def _req_to_token_pool(self) -> Any:
+        if not self.hybrid:
+            return ReqToTokenPool(size=8, max_context_len=POOL_TOKENS, device="cpu", enable_memory_saver=False)
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+        return HybridReqToTokenPool(
+            size=8, mamba_size=8, mamba_spec_state_size=8, max_context_len=POOL_TOKENS, device="cpu",
+            enable_memory_saver=False, cache_params=_mamba_params(), mamba_layer_ids=MAMBA_LAYERS,
+            enable_mamba_extra_buffer=False,
+        )
+
+    def __init__(self, server_args: Any, hybrid: bool = False) -> None:
+        super().__init__(server_args, hybrid)
         self.tree_cache = _tree_cache(self.req_to_token_pool, self.token_to_kv_pool_allocator, enabled=False)
         self.kv_shard_widening = 1
         self.processed_tokens_counter = 0
@@ -140,11 +182,19 @@ class DecodeScheduler(_SchedulerParts, sg_decode.SchedulerDisaggregationDecodeMi
     """The parts of SGLang's Scheduler its decode queues read (a radix cache:
     its prefix hits make ``decode_prefix_len``)."""
 
-    def __init__(self, server_args: Any) -> None:
-        super().__init__(server_args)
-        self.req_to_token_pool = sg_decode.DecodeReqToTokenPool(
-            size=8, max_context_len=POOL_TOKENS, device="cpu", enable_memory_saver=False, pre_alloc_size=8,
+    def _req_to_token_pool(self) -> Any:
+        if not self.hybrid:
+            return sg_decode.DecodeReqToTokenPool(
+                size=8, max_context_len=POOL_TOKENS, device="cpu", enable_memory_saver=False, pre_alloc_size=8,
+            )
+        return sg_decode.HybridMambaDecodeReqToTokenPool(
+            size=8, max_context_len=POOL_TOKENS, device="cpu", enable_memory_saver=False, cache_params=_mamba_params(),
+            mamba_layer_ids=MAMBA_LAYERS, speculative_num_draft_tokens=0, enable_mamba_extra_buffer=False,
+            pre_alloc_size=8, enable_overlap_schedule=False, mamba_size=16,
         )
+
+    def __init__(self, server_args: Any, hybrid: bool = False) -> None:
+        super().__init__(server_args, hybrid)
         self.tree_cache = _tree_cache(self.req_to_token_pool, self.token_to_kv_pool_allocator, enabled=True)
         self.random_seed = 0
         self.last_batch = None
@@ -189,11 +239,26 @@ def kv_pattern(token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
     return ((token + layer * 13 + kv * 5 + head * 3 + dim) % 251).to(torch.bfloat16)
 
 
-def kv_of(pool: MHATokenToKVPool, slots: torch.Tensor) -> torch.Tensor:
-    """What ``pool`` holds at token ``slots``, shaped like :func:`kv_pattern`."""
+def kv_of(pool: Any, slots: torch.Tensor) -> torch.Tensor:
+    """What ``pool`` (or a hybrid pool's attention sub-pool) holds at token
+    ``slots``, shaped like :func:`kv_pattern`."""
+    full = getattr(pool, "full_kv_pool", pool)
     return torch.stack(
-        [torch.stack([pool.k_buffer[layer][slots], pool.v_buffer[layer][slots]]) for layer in range(LAYERS)]
+        [torch.stack([full.k_buffer[layer][slots], full.v_buffer[layer][slots]]) for layer in range(LAYERS)]
     )
+
+
+def mamba_pattern(token_ids: Sequence[int], entry: int, shape: Sequence[int]) -> torch.Tensor:
+    """The Mamba state a prefill leaves for a request (one state entry of SGLang's list)."""
+    seed = (sum(token_ids) * 7 + entry) % (2**31)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def mamba_of(sched: Any, req: Req) -> list[torch.Tensor]:
+    """The request's Mamba state slot, per state entry (SGLang's transfer order)."""
+    pool = sched.req_to_token_pool
+    slot = int(pool.req_index_to_mamba_index_mapping[req.kv.req_pool_idx])
+    return [tensor[slot] for _, tensor, _, _ in pool.mamba_pool._iter_transfer_state_entries()]
 
 
 def prefill_forward(sched: PrefillScheduler, req: Req, first_token: int) -> torch.Tensor:
@@ -207,9 +272,13 @@ def prefill_forward(sched: PrefillScheduler, req: Req, first_token: int) -> torc
     req.kv.kv_allocated_len = req.kv.kv_committed_len = n
     req.extend_end = n
     kv = kv_pattern(req.origin_input_ids)
+    full = getattr(sched.token_to_kv_pool, "full_kv_pool", sched.token_to_kv_pool)
     for layer in range(LAYERS):
-        sched.token_to_kv_pool.k_buffer[layer][slots] = kv[layer, 0]
-        sched.token_to_kv_pool.v_buffer[layer][slots] = kv[layer, 1]
+        full.k_buffer[layer][slots] = kv[layer, 0]
+        full.v_buffer[layer][slots] = kv[layer, 1]
+    if sched.hybrid:
+        for entry, state in enumerate(mamba_of(sched, req)):
+            state.copy_(mamba_pattern(req.origin_input_ids, entry, state.shape).to(state.dtype))
     req.output_ids.append(first_token)
     return slots
 
