@@ -97,6 +97,13 @@ class BrokerConfig:
     vram_slow_gbps: float = 20.0
     #: Largest gRPC message accepted or sent (page index lists are the bulk).
     max_message_bytes: int = 64 * 1024 * 1024
+    #: etcd endpoint (http://HOST:PORT) to keep this broker's record in
+    #: (broker/fleet.py); None: no etcd.
+    etcd_url: str | None = None
+    #: Key prefix of the fleet in etcd.
+    etcd_prefix: str = "/kvbroker"
+    #: TTL of the record's lease: a killed broker's record goes this long after.
+    etcd_ttl_seconds: float = 5.0
 
     @property
     def tls(self) -> bool:

@@ -15,6 +15,7 @@ import itertools
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +116,8 @@ class EngineTable:
         #: the epoch they saw is older.
         self.epoch = 0
         self._generations = itertools.count(1)
+        #: Called after every registration change (the etcd record follows).
+        self.on_change: list[Callable[[], None]] = []
 
     def get(self, engine_id: str) -> Engine:
         """The engine with ``engine_id``; ``NotFound`` otherwise."""
@@ -213,6 +216,8 @@ class EngineTable:
         self.by_id[engine.engine_id] = engine
         self.by_key[key] = engine
         self.epoch += 1
+        for notify in self.on_change:
+            notify()
         log.info(
             "engine_registered",
             engine=engine.label,
@@ -232,6 +237,8 @@ class EngineTable:
             return
         del self.by_key[engine.key]
         self.epoch += 1
+        for notify in self.on_change:
+            notify()
         await self._release_resources(engine.dlists, engine.registrations, engine.buffers)
         log.info("engine_released", engine=engine.label, rank=str(engine.key))
 

@@ -23,6 +23,7 @@ from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.dispatcher import Broker
 from kvbroker.broker.fdsocket import FdSocketServer
+from kvbroker.broker.fleet import FleetRecord, groups_of
 from kvbroker.broker.nixl_agent import Agent, AgentConfig, UcxAgent
 from kvbroker.broker.peer_client import channel_options
 from kvbroker.broker.service import AdminService, PeerService, TransferService
@@ -69,6 +70,7 @@ class BrokerServer:
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self.port = 0
+        self.fleet: FleetRecord | None = None
 
     @property
     def address(self) -> str:
@@ -133,6 +135,14 @@ class BrokerServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.broker.on_draining = self._drain_health
         self._server = server
+        if cfg.etcd_url:
+            engines = self.broker.engines
+            self.fleet = FleetRecord(
+                cfg.etcd_url, cfg.etcd_prefix, cfg.etcd_ttl_seconds,
+                broker_id=self.broker.broker_id, address=address, groups=lambda: groups_of(engines),
+            )
+            engines.on_change.append(self.fleet.changed)
+            await self.fleet.start()
         log.info(
             "broker_started",
             broker=self.broker.broker_id,
@@ -152,6 +162,9 @@ class BrokerServer:
         """Stop serving, fail open rooms, release every resource."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self.fleet is not None:
+            # Out of the fleet first: peers stop choosing this broker.
+            await self.fleet.stop()
         await self.broker.stop()
         if self.broker.fd_server is not None:
             self.broker.fd_server.close()

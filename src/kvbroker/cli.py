@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from kvbroker import __version__
@@ -52,6 +53,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="this broker's certificate chain (mutual TLS on the TCP port)")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="this broker's private key")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signs peer and operator certificates; clients without one are refused")
+    p.add_argument("--etcd", default=None, metavar="URL", help="keep this broker's record in etcd (http://HOST:PORT); off by default")
+    p.add_argument("--etcd-prefix", default=d.etcd_prefix, metavar="PREFIX", help="key prefix of the fleet in etcd")
+    p.add_argument("--etcd-ttl", type=float, default=d.etcd_ttl_seconds, metavar="SECONDS", help="lease TTL of the record: a killed broker's record goes this long after")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address of the Prometheus endpoint")
     p.add_argument("--ready-file", default=None, metavar="PATH", help="write a JSON line with the broker's addresses here once it serves")
@@ -82,15 +86,46 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     add_demo_arguments(p)
 
 
+def _fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("fleet", help="list the brokers registered in etcd", description="Every broker record in etcd: address, groups, lease.")
+    p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint, http://HOST:PORT")
+    p.add_argument("--etcd-prefix", default="/kvbroker", metavar="PREFIX")
+    p.add_argument("--json", action="store_true", help="print the records as JSON")
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from kvbroker.broker.fleet import read_fleet
+
+    try:
+        records = asyncio.run(read_fleet(args.etcd, args.etcd_prefix))
+    except Exception as exc:  # noqa: BLE001 - an operator command: say why and exit 1
+        print(f"kvbroker fleet: cannot read {args.etcd}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(records, indent=2, sort_keys=True))
+        return 0
+    for record in records:
+        up = time.time() - float(record.get("started_at", time.time()))
+        print(f"{record['address']}  broker {record['broker_id'][:12]}  protocol {record['protocol']}  version {record['version']}  up {up:.0f} s  lease {record['lease_ttl']} s")
+        for group, info in sorted(record.get("groups", {}).items()):
+            print(f"    {group}: {info['role']} tp{info['tp_size']} pp{info['pp_size']}  ranks {', '.join(info['ranks'])}")
+    if not records:
+        print("no broker is registered")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbroker", description="A per-host KV-cache transfer broker (NIXL + gRPC).")
     parser.add_argument("--version", action="version", version=f"kvbroker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _demo_parser(sub)
+    _fleet_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "fleet":
+        return _fleet(args)
     from kvbroker.demo.orchestrator import run_demo
 
     return run_demo(args)
@@ -133,6 +168,9 @@ def _serve(args: argparse.Namespace) -> int:
         tls_ca_file=args.tls_ca,
         staging_send_bytes=0 if args.no_staging else args.staging_mib << 20,
         staging_receive_bytes=0 if args.no_staging else args.staging_mib << 20,
+        etcd_url=args.etcd,
+        etcd_prefix=args.etcd_prefix,
+        etcd_ttl_seconds=args.etcd_ttl,
     )
     try:
         return asyncio.run(_serve_async(config, args.ready_file))

@@ -1,0 +1,202 @@
+"""This broker's record in etcd: how brokers and operators see the fleet (``serve --etcd``).
+
+With ``--etcd http://HOST:PORT`` the broker keeps one key,
+``{prefix}/brokers/{broker_id}``, under an etcd lease of ``--etcd-ttl``
+seconds that it refreshes every third of that. The value is JSON: the
+broker id, the address peers dial, the wire protocol version, the package
+version, when it started, and every engine group registered with it (role,
+tp and pp sizes, the ranks it holds here, the model's layers, page size,
+KV heads, dtype). The key is rewritten whenever engines come or go,
+deleted (the lease revoked) on a clean stop, and gone within the TTL after
+a broker is killed.
+
+When etcd cannot be reached the broker goes on serving rooms with the
+peers it knows, logs ``etcd_unreachable`` once, and registers again (a new
+lease) as soon as etcd answers (``etcd_registered``). ``kvbroker fleet``
+reads the records (:func:`read_fleet`).
+
+The client is ``aetcd`` (asyncio, grpcio; it works with this project's
+grpcio and protobuf 7, which the older ``etcd3`` package does not): see
+docs/operations.md. Status: this is the registry half of discovery;
+receivers do not resolve sender groups through it yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from kvbroker import __version__
+from kvbroker.errors import InvalidArgument
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2
+
+__all__ = ["FleetRecord", "broker_key", "parse_endpoint", "read_fleet"]
+
+log = structlog.get_logger(__name__)
+
+
+def parse_endpoint(url: str) -> tuple[str, int]:
+    """``http://HOST:PORT`` (or ``HOST:PORT``) as (host, port)."""
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parsed.scheme not in ("http", "") or not parsed.hostname:
+        raise InvalidArgument(f"--etcd must be http://HOST:PORT, got {url!r} (TLS to etcd is not supported yet)")
+    return parsed.hostname, parsed.port or 2379
+
+
+def broker_key(prefix: str, broker_id: str) -> bytes:
+    return f"{prefix.rstrip('/')}/brokers/{broker_id}".encode()
+
+
+class FleetRecord:
+    """Keeps this broker's key in etcd while it serves (control loop only)."""
+
+    def __init__(
+        self, url: str, prefix: str, ttl_seconds: float, *, broker_id: str, address: str, groups: Callable[[], dict[str, Any]]
+    ) -> None:
+        self.host, self.port = parse_endpoint(url)
+        self.prefix = prefix
+        self.ttl = max(1, round(ttl_seconds))
+        self.key = broker_key(prefix, broker_id)
+        self._broker_id = broker_id
+        self._address = address
+        self._groups = groups
+        self._started = time.time()
+        self._client: Any = None
+        self._lease: Any = None
+        self._dirty = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        #: Whether the key is in etcd as far as this broker knows (health, logs).
+        self.registered = False
+
+    def value(self) -> bytes:
+        return json.dumps(
+            {
+                "broker_id": self._broker_id,
+                "address": self._address,
+                "protocol": PROTOCOL_VERSION,
+                "version": __version__,
+                "started_at": self._started,
+                "groups": self._groups(),
+            },
+            sort_keys=True,
+        ).encode()
+
+    async def start(self) -> None:
+        """Register once (waiting for etcd up to one TTL), then keep the key alive in the background."""
+        try:
+            await asyncio.wait_for(self._register(), self.ttl)
+        except Exception as exc:  # noqa: BLE001 - etcd down at start: serve anyway, keep trying
+            log.warning("etcd_unreachable", etcd=f"{self.host}:{self.port}", error=str(exc) or type(exc).__name__)
+        self._task = asyncio.create_task(self._keep(), name="kvbroker-etcd")
+
+    def changed(self) -> None:
+        """Engines came or went: rewrite the key soon."""
+        self._dirty.set()
+
+    async def stop(self) -> None:
+        """Delete the key (revoke the lease) and close."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._lease is not None:
+            try:
+                await asyncio.wait_for(self._lease.revoke(), 2.0)
+                log.info("etcd_unregistered", key=self.key.decode())
+            except Exception as exc:  # noqa: BLE001 - stopping: the lease expires anyway
+                log.warning("etcd_unregister_failed", error=str(exc) or type(exc).__name__)
+        await self._close()
+
+    async def _register(self) -> None:
+        import aetcd
+
+        await self._close()
+        self._client = aetcd.Client(host=self.host, port=self.port, timeout=self.ttl)
+        self._lease = await self._client.lease(ttl=self.ttl)
+        await self._client.put(self.key, self.value(), lease=self._lease)
+        self.registered = True
+        log.info("etcd_registered", key=self.key.decode(), ttl=self.ttl, lease=self._lease.id)
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        self._lease = None
+        self.registered = False
+        if client is not None:
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001 - a broken connection closes badly
+                pass
+
+    async def _keep(self) -> None:
+        interval = self.ttl / 3
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            dirty = self._dirty.is_set()
+            self._dirty.clear()
+            try:
+                if not self.registered:
+                    await asyncio.wait_for(self._register(), self.ttl)
+                elif dirty:
+                    await asyncio.wait_for(self._client.put(self.key, self.value(), lease=self._lease), self.ttl)
+                else:
+                    await asyncio.wait_for(self._lease.refresh(), self.ttl)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - etcd gone or lease lost: register again later
+                if self.registered:
+                    log.warning("etcd_unreachable", etcd=f"{self.host}:{self.port}", error=str(exc) or type(exc).__name__)
+                await self._close()
+                self._dirty.set()  # the record to write once etcd is back
+                await asyncio.sleep(interval)
+
+
+def groups_of(engines: Any) -> dict[str, Any]:
+    """The engine groups registered with a broker, for its record (``EngineTable``)."""
+    out: dict[str, Any] = {}
+    for engine in engines.by_id.values():
+        layout = engine.layout
+        group = out.setdefault(
+            engine.key.group,
+            {
+                "role": common_pb2.Role.Name(layout.role).removeprefix("ROLE_").lower(),
+                "tp_size": layout.tp_size,
+                "pp_size": layout.pp_size,
+                "num_layers": layout.num_layers,
+                "page_size": layout.page_size_tokens,
+                "kv_heads": layout.total_kv_heads,
+                "dtype": layout.dtype,
+                "mla": layout.mla,
+                "ranks": [],
+            },
+        )
+        group["ranks"].append(f"tp{engine.key.tp_rank}/pp{engine.key.pp_rank}")
+    for group in out.values():
+        group["ranks"].sort()
+    return out
+
+
+async def read_fleet(url: str, prefix: str = "/kvbroker") -> list[dict[str, Any]]:
+    """Every broker record under ``prefix``, with its lease's remaining TTL."""
+    import aetcd
+
+    host, port = parse_endpoint(url)
+    records = []
+    async with aetcd.Client(host=host, port=port, timeout=5) as client:
+        for kv in await client.get_prefix(f"{prefix.rstrip('/')}/brokers/".encode()):
+            record = json.loads(kv.value)
+            ttl = await client.get_lease_info(kv.lease) if kv.lease else None
+            record["lease_ttl"] = getattr(ttl, "TTL", None)
+            records.append(record)
+    return sorted(records, key=lambda r: str(r.get("address")))
