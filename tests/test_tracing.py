@@ -162,7 +162,10 @@ def test_each_room_is_one_trace_across_both_brokers(traced) -> None:
         assert sender.attributes["kvbroker.bytes"] == receiver_span.attributes["kvbroker.bytes"] > 0
         assert any(s.name == "kvbroker.aux" and s.parent_span_id in {t.span_id for t in transfers} for s in spans)
         children = {s.name for s in spans if s.parent_span_id == receiver_span.span_id}
-        assert {"kvbroker.wait_for_data", "kvbroker.completion"} <= children
+        # wait_for_data starts when the sender's broker answers the registration; when the data
+        # (and the room's end) arrives before that answer is handled (seen once in CI), there was
+        # no wait, and no such span.
+        assert "kvbroker.completion" in children
         assert {"kvbroker.completion"} <= {s.name for s in spans if s.parent_span_id == sender.span_id}
 
     sides = {s.attributes["kvbroker.side"]: s for s in rooms[aborted]}
