@@ -269,7 +269,6 @@ class KVBrokerKVManager(BaseKVManager):
         self.pool = queue.token_to_kv_pool
         self.page_size = int(self.pool.page_size)
         self.memory = _adopt(self.rank, self.pool, args, queue.metadata_buffers, queue.scheduler.model_config, self.is_mla_backend)
-        _point_args_at(args, self.pool, queue.metadata_buffers, self.is_mla_backend)
         self.client = BrokerClient(self.address)
         try:
             self.engine = self.client.register_engine(self.rank, self.memory)
@@ -358,6 +357,8 @@ def _mamba_state(pool: Any) -> dict[str, StateTensors]:
 
 
 def _adopt(rank: RankSpec, pool: Any, args: KVArgs, metadata: Any, model_config: Any, mla: bool) -> EngineMemory:
+    """The pool, the metadata buffers and any Mamba state handed to the broker
+    (host memory moves into shared memory); ``args`` then gives their new addresses."""
     layers = _kv_tensors(pool, mla)
     first = layers[0][0]
     if first.dim() != 3:
@@ -381,13 +382,14 @@ def _adopt(rank: RankSpec, pool: Any, args: KVArgs, metadata: Any, model_config:
     if not mla and model.heads_per_rank(rank.tp_size) != heads:
         raise InvalidArgument(f"the pool holds {heads} KV heads per rank; {model.total_kv_heads} heads over tp {rank.tp_size} give {model.heads_per_rank(rank.tp_size)}")
     state = _mamba_state(pool) if any(_state_name(t) for t in getattr(args, "state_types", []) or []) else {}
-    memory = EngineMemory.adopt(
-        rank, model, kv=dict(zip(layer_ids, layers)), aux=_aux_tensors(metadata), state=state
-    )
+    aux = _aux_tensors(metadata)
+    memory = EngineMemory.adopt(rank, model, kv=dict(zip(layer_ids, layers)), aux=aux, state=state)
     # The pool keeps tables of its buffers' addresses (for its copy kernels): rebuild them.
     refresh = getattr(getattr(pool, "full_kv_pool", pool), "_init_data_ptrs_and_strides", None)
     if refresh is not None:
         refresh()
+    args.kv_data_ptrs = [layer[kind].data_ptr() for kind in range(len(layers[0])) for layer in layers]
+    args.aux_data_ptrs = [t.data_ptr() for t in aux]
     if state:
         # SGLang's list of state buffers, in the order it gives them: now in shared memory.
         (index,) = [i for i, t in enumerate(args.state_types) if _state_name(t)]
@@ -400,14 +402,6 @@ def _aux_tensors(metadata: Any) -> list[torch.Tensor]:
     ptrs = metadata.get_buf_infos()[0]
     by_ptr = {t.data_ptr(): t for t in vars(metadata).values() if isinstance(t, torch.Tensor)}
     return [by_ptr[p] for p in ptrs]
-
-
-def _point_args_at(args: KVArgs, pool: Any, metadata: Any, mla: bool) -> None:
-    """The memory moved: give SGLang's KVArgs the new addresses."""
-    layers = _kv_tensors(pool, mla)
-    kinds = 1 if mla else 2
-    args.kv_data_ptrs = [layer[kind].data_ptr() for kind in range(kinds) for layer in layers]
-    args.aux_data_ptrs = [t.data_ptr() for t in _aux_tensors(metadata)]
 
 
 def _state_of(state_types: Sequence[Any], state_indices: Sequence[Any] | None) -> dict[str, np.ndarray]:

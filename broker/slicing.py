@@ -97,8 +97,12 @@ def head_slice(src: Layout, dst: Layout, plan: SourcePlan) -> HeadSlice:
 
 def kv_regions(layout: Layout, layer_begin: int, layer_end: int, who: str) -> list[int]:
     """KV regions of every layer in [layer_begin, layer_end) that holds KV, each layer's kinds in order."""
+    return _regions_of(layout, layout.kv_layers_in(layer_begin, layer_end), who)
+
+
+def _regions_of(layout: Layout, layers: list[int], who: str) -> list[int]:
     out = []
-    for layer in layout.kv_layers_in(layer_begin, layer_end):
+    for layer in layers:
         for kind in layout.kv_kinds():
             region = layout.kv_regions.get((kind, layer))
             if region is None:
@@ -113,13 +117,13 @@ def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) 
         raise FailedPrecondition("one side is MLA and the other is not")
     if src.kv_layout != dst.kv_layout:
         raise FailedPrecondition("the two sides lay out their KV differently (kv_layout)")
-    held = src.kv_layers_in(layer_begin, layer_end), dst.kv_layers_in(layer_begin, layer_end)
-    if held[0] != held[1]:
+    layers, theirs = src.kv_layers_in(layer_begin, layer_end), dst.kv_layers_in(layer_begin, layer_end)
+    if layers != theirs:
         raise FailedPrecondition(
-            f"the sender holds KV on layers {held[0]} and the receiver on {held[1]} of [{layer_begin}, {layer_end}): "
+            f"the sender holds KV on layers {layers} and the receiver on {theirs} of [{layer_begin}, {layer_end}): "
             "not the same model (kv_layers)"
         )
-    return list(zip(kv_regions(src, layer_begin, layer_end, "sender"), kv_regions(dst, layer_begin, layer_end, "receiver")))
+    return list(zip(_regions_of(src, layers, "sender"), _regions_of(dst, layers, "receiver")))
 
 
 def staged_bytes(num_regions: int, num_pages: int, side: SliceSide) -> int:

@@ -62,9 +62,9 @@ def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerPr
         broker.stop()
 
 
-@pytest.fixture(scope="module")
-def pair(h: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
-    """A prefill and a decode engine rank, each registered with its own broker."""
+def _engines(h: Any, brokers: tuple[BrokerProcess, BrokerProcess], *, hybrid: bool) -> Iterator[Any]:
+    """A prefill and a decode engine rank, each registered with its own broker, behind a bootstrap
+    server SGLang starts (ours) on a port of their own."""
     from sglang.srt.managers.disagg_service import start_disagg_service
 
     bootstrap_port = _free_port()
@@ -73,19 +73,24 @@ def pair(h: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
     saved = os.environ.get("KVBROKER_ADDRESS")
     try:
         os.environ["KVBROKER_ADDRESS"] = brokers[0].address
-        prefill = h.PrefillScheduler(server_args)
+        prefill = h.PrefillScheduler(server_args, hybrid=hybrid)
         os.environ["KVBROKER_ADDRESS"] = brokers[1].address
-        decode = h.DecodeScheduler(server_args)
+        decode = h.DecodeScheduler(server_args, hybrid=hybrid)
     finally:
         if saved is None:
             os.environ.pop("KVBROKER_ADDRESS", None)
         else:
             os.environ["KVBROKER_ADDRESS"] = saved
     yield h.Pair(prefill, decode, bootstrap_port)
-    for sched in (prefill, decode):
-        queue = getattr(sched, "disagg_prefill_bootstrap_queue", None) or sched.disagg_decode_prealloc_queue
-        queue.kv_manager.close()
+    prefill.disagg_prefill_bootstrap_queue.kv_manager.close()
+    decode.disagg_decode_prealloc_queue.kv_manager.close()
     server.close()
+
+
+@pytest.fixture(scope="module")
+def pair(h: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
+    """A prefill and a decode engine rank of the plain model."""
+    yield from _engines(h, brokers, hybrid=False)
 
 
 def _tables_empty(*brokers: BrokerProcess) -> None:
@@ -338,27 +343,8 @@ def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(h: A
 @pytest.fixture(scope="module")
 def hybrid_pair(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
     """A prefill and a decode engine of a hybrid model (SGLang's HybridLinearKVPool: attention
-    layers 1 and 3, Mamba layers 0 and 2), with a bootstrap server of their own."""
-    from sglang.srt.managers.disagg_service import start_disagg_service
-
-    bootstrap_port = _free_port()
-    server_args = h.publish(bootstrap_port=bootstrap_port, port=_free_port())
-    server = start_disagg_service()
-    saved = os.environ.get("KVBROKER_ADDRESS")
-    try:
-        os.environ["KVBROKER_ADDRESS"] = brokers[0].address
-        prefill = h.PrefillScheduler(server_args, hybrid=True)
-        os.environ["KVBROKER_ADDRESS"] = brokers[1].address
-        decode = h.DecodeScheduler(server_args, hybrid=True)
-    finally:
-        if saved is None:
-            os.environ.pop("KVBROKER_ADDRESS", None)
-        else:
-            os.environ["KVBROKER_ADDRESS"] = saved
-    yield h.Pair(prefill, decode, bootstrap_port)
-    prefill.disagg_prefill_bootstrap_queue.kv_manager.close()
-    decode.disagg_decode_prealloc_queue.kv_manager.close()
-    server.close()
+    layers 1 and 3, Mamba layers 0 and 2), after the plain pair (its own bootstrap server)."""
+    yield from _engines(h, brokers, hybrid=True)
 
 
 def test_a_hybrid_models_kv_and_mamba_state_move_through_sglangs_queues(

@@ -297,7 +297,6 @@ def _unwind(
     Raises the first failure unless ``quiet`` (cleaning up after another error,
     which is the one to report).
     """
-    errors: list[KvBrokerError] = []
     # The calls need a current context; a release may run on another thread.
     steps: list[tuple[str, tuple[Any, ...]]] = [("cuCtxSetCurrent", (ctypes.c_void_p(ctx),))]
     if mapped:
@@ -307,6 +306,12 @@ def _unwind(
     if handle:
         steps.append(("cuMemRelease", (handle,)))
     steps.append(("cuDevicePrimaryCtxRelease_v2", (dev,)))
+    _attempt_all(driver, steps, quiet=quiet)
+
+
+def _attempt_all(driver: Driver, steps: list[tuple[str, tuple[Any, ...]]], *, quiet: bool = False) -> None:
+    """Call every step, even after one fails; raise the first failure unless ``quiet``."""
+    errors: list[KvBrokerError] = []
     for name, args in steps:
         try:
             driver.call(name, *args)
@@ -523,18 +528,14 @@ class IpcMapping:
         if self._released:
             return
         self._released = True
-        errors: list[KvBrokerError] = []
-        for name, args in (
-            ("cuCtxSetCurrent", (ctypes.c_void_p(self.context),)),
-            ("cuIpcCloseMemHandle", (self.address,)),
-            ("cuDevicePrimaryCtxRelease_v2", (self.device,)),
-        ):
-            try:
-                self.driver.call(name, *args)
-            except KvBrokerError as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        _attempt_all(
+            self.driver,
+            [
+                ("cuCtxSetCurrent", (ctypes.c_void_p(self.context),)),
+                ("cuIpcCloseMemHandle", (self.address,)),
+                ("cuDevicePrimaryCtxRelease_v2", (self.device,)),
+            ],
+        )
 
 
 def open_ipc(handle: bytes, size_bytes: int, ordinal: int, driver: Driver | None = None) -> IpcMapping:
