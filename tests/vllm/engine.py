@@ -40,6 +40,12 @@ def main() -> None:
     if job.get("tp", 1) > 1:
         # vLLM's CPU workers bind to one NUMA node each unless told which cores to use.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(job["tp"])))
+    else:
+        # vLLM's automatic binding ("auto") gives the worker every core of the node and
+        # OMP_NUM_THREADS = their number, overriding the one thread above: two engines'
+        # workers then spin-wait against each other, and a decode step took 120 s in a CI
+        # run (its worker did not read the step for 2 minutes). "nobind" keeps one thread.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
