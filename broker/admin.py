@@ -59,6 +59,7 @@ class Admin:
             uptime_seconds=int(q.uptime_seconds()),
             draining=q.draining,
             open_rooms=q.open_rooms(),
+            etcd=self._broker.etcd_status(),
         )
 
     def list_engines(self) -> list[admin_pb2.EngineInfo]:
@@ -99,6 +100,17 @@ class Admin:
                 )
             )
         return out
+
+    async def fleet(self) -> list[admin_pb2.FleetBroker]:
+        """The fleet in etcd as this broker's watch last saw it (empty without --etcd)."""
+        view = self._broker.fleet_view
+        return await view.describe() if view is not None else []
+
+    def fleet_groups(self) -> list[admin_pb2.FleetGroup]:
+        view = self._broker.fleet_view
+        if view is None:
+            return []
+        return [g for m in sorted(view.members.values(), key=lambda m: m.address) for g in view.groups(m)]
 
     def list_rooms(self, request: admin_pb2.ListRoomsRequest) -> list[admin_pb2.RoomInfo]:
         state = request.state if request.HasField("state") else None

@@ -29,9 +29,11 @@ from kvbroker import __version__
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.dataplane import DataPlane, Event
+from kvbroker.broker.discovery import FleetView, Member
 from kvbroker.broker.engines import Engine, EngineTable
 from kvbroker.broker.executor import Executor
 from kvbroker.broker.fdsocket import FdSession, FdSocketServer
+from kvbroker.broker.fleet import FleetRecord
 from kvbroker.broker.layout import rank_key
 from kvbroker.broker.liveness import PeerMonitor
 from kvbroker.broker.mapping import SourcePlan
@@ -156,6 +158,10 @@ class Broker:
         self.on_draining: Callable[[bool], Awaitable[None]] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
+        #: The fleet in etcd (``serve --etcd``; the server sets both): this
+        #: broker's record, and its view of every broker's.
+        self.fleet_record: FleetRecord | None = None
+        self.fleet_view: FleetView | None = None
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, address: str) -> None:
@@ -601,6 +607,18 @@ class Broker:
         self.peers.drop(peer)
         self.executor.drain()
         log.info("peer_dropped", peer=peer.address, broker=broker_id, sources_failed=sources, receivers_failed=ranks)
+
+    def etcd_status(self) -> str:
+        """"off" (no --etcd), "ok" (registered and watching) or "unreachable"."""
+        if self.fleet_record is None or self.fleet_view is None:
+            return "off"
+        return "ok" if self.fleet_record.registered and self.fleet_view.watching else "unreachable"
+
+    def broker_left(self, member: Member) -> None:
+        """A broker's key left etcd (its lease expired or was revoked): lost, as a silent peer is."""
+        peer = self.peers.by_id.get(member.broker_id)
+        if peer is not None:
+            self.peer_lost(peer, "left the fleet: its etcd lease expired or was revoked")
 
     def session_closed(self, session: FdSession) -> None:
         """The engine's fd connection closed: if it never unregistered, it is gone."""

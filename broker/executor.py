@@ -38,6 +38,7 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled
+from kvbroker.broker.discovery import FleetView, SplitSources, find_in_fleet
 from kvbroker.broker.effects import (
     AbortAtPeer,
     Effect,
@@ -130,6 +131,8 @@ class Executor:
         #: Staged parts' reservations in the local send pool, until they settle.
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
         self._vram_slow_bps = config.vram_slow_gbps * 1e9
+        #: The fleet in etcd (``serve --etcd``): resolves senders named by group alone.
+        self.fleet: FleetView | None = None
 
     # -- the loop -------------------------------------------------------------
     def drain(self) -> None:
@@ -348,9 +351,24 @@ class Executor:
     async def _find_sender(self, rank: Receiver) -> None:
         try:
             with _in_span(rank.span):
-                peer, layouts = await self._client.find_sender(
-                    rank.sender_address, rank.sender_group, stop=lambda: rank.terminal
-                )
+                if rank.sender_address or self.fleet is None:
+                    peer, layouts = await self._client.find_sender(
+                        rank.sender_address, rank.sender_group, stop=lambda: rank.terminal
+                    )
+                else:
+                    # A group and no address: the broker etcd says holds its sources.
+                    peer, layouts = await find_in_fleet(
+                        self._client,
+                        self.fleet,
+                        rank.sender_group,
+                        rank.engine.layout,
+                        rank.key,
+                        timeout_seconds=self._config.bootstrap_timeout_seconds,
+                        stop=lambda: rank.terminal,
+                    )
+                    rank.sender_address = peer.address
+        except SplitSources as exc:
+            self._receiver.bootstrap_failed(rank, exc, tell=exc.addresses)
         except KvBrokerError as exc:
             self._receiver.bootstrap_failed(rank, exc)
         else:

@@ -6,7 +6,9 @@ seconds that it refreshes every third of that. The value is JSON: the
 broker id, the address peers dial, the wire protocol version, the package
 version, when it started, and every engine group registered with it (role,
 tp and pp sizes, the ranks it holds here, the model's layers, page size,
-KV heads, dtype). The key is rewritten whenever engines come or go,
+KV heads, dtype), and whether it is draining (receivers then look for
+the group elsewhere, or wait for it). The key is rewritten whenever
+engines come or go or the broker starts or stops draining,
 deleted (the lease revoked) on a clean stop, and gone within the TTL after
 a broker is killed.
 
@@ -17,8 +19,8 @@ reads the records (:func:`read_fleet`).
 
 The client is ``aetcd`` (asyncio, grpcio; it works with this project's
 grpcio and protobuf 7, which the older ``etcd3`` package does not): see
-docs/operations.md. Status: this is the registry half of discovery;
-receivers do not resolve sender groups through it yet.
+docs/operations.md. Receivers resolve sender groups through these records
+with ``broker.discovery.FleetView``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kvbroker.errors import InvalidArgument
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2
 
-__all__ = ["FleetRecord", "broker_key", "parse_endpoint", "read_fleet"]
+__all__ = ["FleetRecord", "broker_key", "brokers_prefix", "parse_endpoint", "probe_broker", "read_fleet"]
 
 log = structlog.get_logger(__name__)
 
@@ -50,15 +52,28 @@ def parse_endpoint(url: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port or 2379
 
 
+def brokers_prefix(prefix: str) -> str:
+    """The key prefix of the broker records under the fleet prefix ``prefix``."""
+    return f"{prefix.rstrip('/')}/brokers/"
+
+
 def broker_key(prefix: str, broker_id: str) -> bytes:
-    return f"{prefix.rstrip('/')}/brokers/{broker_id}".encode()
+    return f"{brokers_prefix(prefix)}{broker_id}".encode()
 
 
 class FleetRecord:
     """Keeps this broker's key in etcd while it serves (control loop only)."""
 
     def __init__(
-        self, url: str, prefix: str, ttl_seconds: float, *, broker_id: str, address: str, groups: Callable[[], dict[str, Any]]
+        self,
+        url: str,
+        prefix: str,
+        ttl_seconds: float,
+        *,
+        broker_id: str,
+        address: str,
+        groups: Callable[[], dict[str, Any]],
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.host, self.port = parse_endpoint(url)
         self.prefix = prefix
@@ -67,6 +82,7 @@ class FleetRecord:
         self._broker_id = broker_id
         self._address = address
         self._groups = groups
+        self._draining = draining
         self._started = time.time()
         self._client: Any = None
         self._lease: Any = None
@@ -84,6 +100,7 @@ class FleetRecord:
                 "version": __version__,
                 "started_at": self._started,
                 "groups": self._groups(),
+                "draining": self._draining(),
             },
             sort_keys=True,
         ).encode()
@@ -187,16 +204,44 @@ def groups_of(engines: Any) -> dict[str, Any]:
     return out
 
 
-async def read_fleet(url: str, prefix: str = "/kvbroker") -> list[dict[str, Any]]:
-    """Every broker record under ``prefix``, with its lease's remaining TTL."""
+async def read_fleet(url: str, prefix: str = "/kvbroker", *, probe: bool = False) -> list[dict[str, Any]]:
+    """Every broker record under ``prefix``, with its lease's remaining TTL.
+    ``probe``: also ask each broker itself (:func:`probe_broker`)."""
     import aetcd
 
     host, port = parse_endpoint(url)
     records = []
     async with aetcd.Client(host=host, port=port, timeout=5) as client:
-        for kv in await client.get_prefix(f"{prefix.rstrip('/')}/brokers/".encode()):
+        for kv in await client.get_prefix(brokers_prefix(prefix).encode()):
             record = json.loads(kv.value)
             ttl = await client.get_lease_info(kv.lease) if kv.lease else None
             record["lease_ttl"] = getattr(ttl, "TTL", None)
+            record["lease_granted"] = getattr(ttl, "grantedTTL", None)
             records.append(record)
+    if probe:
+        answers = await asyncio.gather(*(probe_broker(str(r["address"])) for r in records))
+        for record, answer in zip(records, answers, strict=True):
+            record.update(answer)
     return sorted(records, key=lambda r: str(r.get("address")))
+
+
+async def probe_broker(address: str, timeout_seconds: float = 3.0) -> dict[str, Any]:
+    """What a broker says of itself: ``health`` (its gRPC health status, or
+    why it did not answer), ``open_rooms``, ``draining`` and ``etcd``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvbroker.v1 import admin_pb2, admin_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_seconds)
+            stats = await admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=timeout_seconds)
+        except grpc.aio.AioRpcError as exc:
+            return {"health": f"UNREACHABLE ({exc.code().name}: {exc.details()})", "open_rooms": None}
+    return {
+        "health": health_pb2.HealthCheckResponse.ServingStatus.Name(health.status),
+        "open_rooms": stats.open_rooms,
+        "draining": stats.draining,
+        "etcd": stats.etcd,
+    }

@@ -427,9 +427,16 @@ class ReceiverCore:
         rank.registering = True
         self._out.append(RegisterRoom(rank, broker_id, request))
 
-    def bootstrap_failed(self, rank: Receiver, error: KvBrokerError) -> None:
-        """The sender's broker or group could not be found within the bootstrap timeout."""
-        self.fail(rank, cause_of(error, self._id))
+    def bootstrap_failed(self, rank: Receiver, error: KvBrokerError, tell: tuple[str, ...] = ()) -> None:
+        """The sender's broker or group could not be found within the bootstrap
+        timeout, or the room cannot be served (``error``). The brokers at
+        ``tell`` may hold the room's senders: they are told it failed, so
+        their engines do not wait for it."""
+        why = cause_of(error, self._id)
+        self.fail(rank, why)
+        for address in tell:
+            self._remember_for_successor(address, rank.room, why)
+            self._tell_successor_now(address)
 
     def registration_stale(self, rank: Receiver) -> None:
         """The sender's broker refused the registration as stale (ABORTED: its view

@@ -9,6 +9,7 @@ HOST:PORT list`` works with no proto files.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
+from kvbroker.broker.discovery import FleetView
 from kvbroker.broker.dispatcher import Broker
 from kvbroker.broker.fdsocket import FdSocketServer
 from kvbroker.broker.fleet import FleetRecord, groups_of
@@ -53,6 +55,10 @@ SERVICE_NAMES = (
 )
 
 
+#: The gRPC health service name that says whether the broker is in etcd (Stats.etcd).
+ETCD_HEALTH = "kvbroker.etcd"
+
+
 class BrokerServer:
     """A running broker: ``await start()``, then ``await stop()``.
 
@@ -71,6 +77,8 @@ class BrokerServer:
         self._health: health_aio.HealthServicer | None = None
         self.port = 0
         self.fleet: FleetRecord | None = None
+        self.fleet_view: FleetView | None = None
+        self._etcd_health: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -140,9 +148,17 @@ class BrokerServer:
             self.fleet = FleetRecord(
                 cfg.etcd_url, cfg.etcd_prefix, cfg.etcd_ttl_seconds,
                 broker_id=self.broker.broker_id, address=address, groups=lambda: groups_of(engines),
+                draining=lambda: self.broker.draining,
             )
             engines.on_change.append(self.fleet.changed)
+            self.fleet_view = FleetView(
+                cfg.etcd_url, cfg.etcd_prefix, self_id=self.broker.broker_id, on_left=self.broker.broker_left
+            )
+            self.broker.executor.fleet = self.broker.fleet_view = self.fleet_view
+            self.broker.fleet_record = self.fleet
             await self.fleet.start()
+            await self.fleet_view.start()
+            self._etcd_health = asyncio.create_task(self._follow_etcd(), name="kvbroker-etcd-health")
         log.info(
             "broker_started",
             broker=self.broker.broker_id,
@@ -152,19 +168,38 @@ class BrokerServer:
             agent=self.broker.agent.name,
         )
 
+    async def _follow_etcd(self) -> None:
+        """The health service "kvbroker.etcd" follows Stats.etcd (SERVING when "ok")."""
+        assert self._health is not None
+        said = None
+        while True:
+            status = self.broker.etcd_status()
+            if status != said:
+                serving = health_pb2.HealthCheckResponse.SERVING if status == "ok" else health_pb2.HealthCheckResponse.NOT_SERVING
+                await self._health.set(ETCD_HEALTH, serving)
+                said = status
+            await asyncio.sleep(0.2)
+
     async def _drain_health(self, draining: bool) -> None:
         """While draining, the engine service reports NOT_SERVING (no new rooms)."""
         assert self._health is not None
         status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
         await self._health.set(SERVICE_NAMES[0], status)
+        if self.fleet is not None:
+            self.fleet.changed()  # the record says so: receivers stop choosing this broker
 
     async def stop(self, grace_seconds: float = 2.0) -> None:
         """Stop serving, fail open rooms, release every resource."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._etcd_health is not None:
+            self._etcd_health.cancel()
+            await asyncio.gather(self._etcd_health, return_exceptions=True)
         if self.fleet is not None:
             # Out of the fleet first: peers stop choosing this broker.
             await self.fleet.stop()
+        if self.fleet_view is not None:
+            await self.fleet_view.stop()
         await self.broker.stop()
         if self.broker.fd_server is not None:
             self.broker.fd_server.close()

@@ -219,11 +219,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @_unary
     async def ListEngines(self, request: admin_pb2.ListEnginesRequest, context: Any) -> admin_pb2.ListEnginesResponse:
-        return admin_pb2.ListEnginesResponse(engines=self._admin.list_engines())
+        return admin_pb2.ListEnginesResponse(engines=self._admin.list_engines(), fleet_groups=self._admin.fleet_groups())
 
     @_unary
     async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Any) -> admin_pb2.ListPeersResponse:
-        return admin_pb2.ListPeersResponse(peers=self._admin.list_peers())
+        return admin_pb2.ListPeersResponse(peers=self._admin.list_peers(), fleet=await self._admin.fleet())
 
     @_unary
     async def ListRooms(self, request: admin_pb2.ListRoomsRequest, context: Any) -> admin_pb2.ListRoomsResponse:

@@ -58,12 +58,23 @@ class RoomState(enum.IntEnum):
 
 @dataclass(frozen=True)
 class SenderRef:
-    """Where a room's sender side lives: the prefill host's broker and engine group."""
+    """Where a room's sender side lives: the prefill engine group, and its broker.
 
-    #: The prefill broker's gRPC address (its ``serve --listen``); "" means
-    #: the receiver's own broker (both ends on one host).
-    broker_address: str
-    group: str
+    ``SenderRef("host-a:50051", "prefill-0")`` names the broker;
+    ``SenderRef(group="prefill-0")`` leaves it to the receiver's broker: one
+    started with ``--etcd`` finds the broker that serves the group in etcd
+    (per receiving rank when the group spans hosts, and the newest broker
+    when the group moved); one without etcd takes itself (both ends on one
+    host).
+    """
+
+    #: The prefill broker's gRPC address (its ``serve --listen``), or "".
+    broker_address: str = ""
+    group: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            raise ValueError("SenderRef needs the prefill engine group")
 
 
 Pages = npt.ArrayLike

@@ -6,6 +6,7 @@ the broker keeps serving and registers again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -18,11 +19,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvbroker.broker.fleet import read_fleet
-from kvbroker.client import BrokerClient, EngineMemory, RankSpec
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
+from kvbroker.demo.pattern import write_aux
+from kvbroker.errors import KvBrokerError
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import BrokerProcess, eventually
+from kvbroker.testing.scenario import (
+    Scenario,
+    ScenarioResult,
+    close_ranks,
+    move_rooms,
+    register_group,
+    room_plans,
+    run_scenario,
+    verify_rooms,
+)
+from kvbroker.v1 import common_pb2
 
 from .conftest import SMALL_MODEL
 
@@ -146,3 +162,302 @@ def test_etcd_down_then_back_the_broker_serves_and_registers_again(tmp_path: Pat
         eventually(lambda: [r["broker_id"] for r in _records(etcd)] == [broker.broker_id], 20)
     finally:
         broker.stop()
+
+
+# -- finding senders by group -------------------------------------------------------------------
+
+SMALL = Scenario(rooms=2, pages=4, chunks=2)
+
+
+def _brokers(tmp_path: Path, etcd: Etcd, names: list[str], *args: str, ttl: float = 2) -> list[BrokerProcess]:
+    flags = ["--etcd", etcd.url, "--etcd-ttl", str(ttl), "--log-level", "info", "--bootstrap-timeout", "15", *args]
+    return BrokerProcess.start_many(names, tmp_path, flags)
+
+
+def _serving(etcd: Etcd, group: str) -> list[str]:
+    """Addresses of the brokers whose record lists ``group``."""
+    return [r["address"] for r in _records(etcd) if group in r["groups"]]
+
+
+def test_receivers_name_senders_by_group_alone_across_three_brokers(tmp_path: Path, etcd: Etcd) -> None:
+    """Prefill groups on two brokers, decode on a third: SenderRef(group=...) finds each one."""
+    brokers = _brokers(tmp_path, etcd, ["p1", "p2", "d"])
+    try:
+        eventually(lambda: len(_records(etcd)) == 3, 15)
+        for prefill in brokers[:2]:
+            result = run_scenario(prefill.address, brokers[2].address, SMALL, sender_address="")
+            assert result.ok, result.problems
+            assert result.bytes > 0
+        peers = {p.address for p in _list_peers(brokers[2])}
+        assert {brokers[0].address, brokers[1].address} <= peers, "the decode broker handshook with both prefill brokers"
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def test_a_group_split_over_two_brokers_resolves_per_rank(tmp_path: Path, etcd: Etcd) -> None:
+    """tp2 prefill with one rank per broker: each decode rank reads from the broker holding its source."""
+    brokers = _brokers(tmp_path, etcd, ["p1", "p2", "d"])
+    try:
+        split = Scenario(prefill_tp=2, decode_tp=2, rooms=2, pages=4, chunks=2)
+        result = run_scenario([b.address for b in brokers[:2]], brokers[2].address, split, sender_address="")
+        assert result.ok, result.problems
+        # A decode rank whose sources live on two hosts is refused with the reason (not half-served).
+        narrow = Scenario(prefill_tp=2, decode_tp=1, rooms=1, pages=4, chunks=1)
+        result = run_scenario([b.address for b in brokers[:2]], brokers[2].address, narrow, sender_address="", timeout_seconds=30)
+        failed = [p for p in result.problems if "FAILED" in p]
+        decode, prefill = ([p for p in failed if f" {role} tp" in p.split(":")[0]] for role in ("decode", "prefill"))
+        assert len(decode) == 1 and "live on 2 brokers" in decode[0], failed
+        # ... and both prefill ranks heard of it (no sender waits for a receiver that will never come).
+        assert len(prefill) == 2 and all("failed the room" in p for p in prefill), failed
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def _admin(broker: BrokerProcess, call: str) -> Any:
+    """``Admin.<call>`` of ``broker`` with an empty request."""
+    import grpc
+
+    from kvbroker.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(broker.address) as channel:
+        return getattr(admin_pb2_grpc.AdminStub(channel), call)(getattr(admin_pb2, f"{call}Request")(), timeout=10)
+
+
+def _list_peers(broker: BrokerProcess) -> list[Any]:
+    return list(_admin(broker, "ListPeers").peers)
+
+
+def _rooms(prefill: list[Any], decode: list[Any], ref: SenderRef, scenario: Scenario = SMALL) -> ScenarioResult:
+    """Move a batch of rooms between registered ranks and verify every byte."""
+    plans = room_plans(scenario)
+    result = ScenarioResult()
+    move_rooms(prefill, decode, plans, ref, result, timeout_seconds=30)
+    verify_rooms(scenario, decode, plans, result)
+    return result
+
+
+def _close_dead(ranks: list[Any]) -> None:
+    """Release ranks whose broker is gone (unregistering there fails: that is expected)."""
+    for rank in ranks:
+        with contextlib.suppress(KvBrokerError):
+            rank.engine.close()
+        rank.client.close()
+        rank.memory.close()
+
+
+def test_a_killed_prefill_brokers_rooms_fail_by_its_lease_and_a_new_broker_takes_the_group(tmp_path: Path, etcd: Etcd) -> None:
+    # The decode broker's heartbeat would call the prefill broker dead after 120 s only: the lease tells it first.
+    old, decode_broker = _brokers(tmp_path, etcd, ["old", "d"], "--peer-dead-after", "120")
+    group, ref = "prefill-moving", SenderRef(group="prefill-moving")
+    prefill = register_group(SMALL, "prefill", group, old.address)
+    decode = register_group(SMALL, "decode", "decode-0", decode_broker.address)
+    new: BrokerProcess | None = None
+    try:
+        result = _rooms(prefill, decode, ref)
+        assert result.ok, result.problems
+        plan = room_plans(SMALL)[0]
+        receiver = decode[0].engine.receiver(plan.room, ref)
+        receiver.init(plan.dst_pages, aux_row=plan.slot)
+        eventually(lambda: receiver.poll() is RoomState.WAITING_FOR_INPUT, 15)
+        os.kill(old.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        status = receiver.wait(15)
+        assert RoomState(status.state) is RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER, status
+        assert old.broker_id in status.cause.message and "etcd lease" in status.cause.message, status.cause.message
+        assert time.monotonic() - killed < 2 + 5, "the room failed about when the lease expired"
+        assert _serving(etcd, group) == []
+        _close_dead(prefill)
+        prefill = []
+        # The group comes back on another broker: the next rooms go there, with no change on the decode side.
+        (new,) = _brokers(tmp_path, etcd, ["new"])
+        prefill = register_group(SMALL, "prefill", group, new.address)
+        eventually(lambda: _serving(etcd, group) == [new.address], 10)
+        result = _rooms(prefill, decode, ref)
+        assert result.ok, result.problems
+    finally:
+        close_ranks(decode)
+        _close_dead(prefill)
+        for broker in (old, decode_broker, new):
+            if broker is not None:
+                broker.stop()
+
+
+def test_a_broker_of_another_protocol_version_is_not_used(tmp_path: Path, etcd: Etcd) -> None:
+    prefill_broker, decode_broker = _brokers(tmp_path, etcd, ["p", "d"], "--bootstrap-timeout", "3")
+    group, ref = "prefill-proto", SenderRef(group="prefill-proto")
+    # A newer broker of another protocol version that claims the group (nothing listens at its address).
+    alien = {
+        "broker_id": "alien", "address": "127.0.0.1:9", "protocol": PROTOCOL_VERSION + 1, "version": "99",
+        "started_at": time.time() + 1000, "groups": {group: {"role": "prefill", "tp_size": 1, "pp_size": 1, "ranks": ["tp0/pp0"]}},
+    }
+    asyncio.run(_put(etcd, "/kvbroker/brokers/alien", json.dumps(alien)))
+    prefill = register_group(SMALL, "prefill", group, prefill_broker.address)
+    decode = register_group(SMALL, "decode", "decode-0", decode_broker.address)
+    try:
+        eventually(lambda: len(_serving(etcd, group)) == 2, 10)
+        result = _rooms(prefill, decode, ref)
+        assert result.ok, result.problems
+        assert "etcd_broker_skipped" in decode_broker.log_tail(50000)
+        close_ranks(prefill)
+        prefill = []
+        eventually(lambda: _serving(etcd, group) == ["127.0.0.1:9"], 10)
+        plan = room_plans(SMALL)[0]
+        receiver = decode[0].engine.receiver(plan.room, ref)
+        receiver.init(plan.dst_pages, aux_row=plan.slot)
+        status = receiver.wait(20)
+        assert RoomState(status.state) is RoomState.FAILED, status
+        assert "another protocol version: 127.0.0.1:9" in status.cause.message, status.cause.message
+    finally:
+        close_ranks(decode)
+        close_ranks(prefill)
+        prefill_broker.stop()
+        decode_broker.stop()
+
+
+def test_etcd_stopped_and_restarted_rooms_go_on_and_brokers_register_again(tmp_path: Path, etcd: Etcd) -> None:
+    brokers = _brokers(tmp_path, etcd, ["p", "d"])
+    prefill_broker, decode_broker = brokers
+    group = "prefill-etcd"
+    prefill = register_group(SMALL, "prefill", group, prefill_broker.address)
+    decode = register_group(SMALL, "decode", "decode-0", decode_broker.address)
+    try:
+        eventually(lambda: _serving(etcd, group) == [prefill_broker.address], 10)
+        eventually(lambda: all(_etcd_health(b) == "SERVING" and b.stats().etcd == "ok" for b in brokers), 10)
+        result = _rooms(prefill, decode, SenderRef(group=group))
+        assert result.ok, result.problems
+        # Which broker serves the group, is it healthy, how many rooms are open on it.
+        (line,) = [x for x in _fleet_cli(etcd, "--group", group).splitlines() if not x.startswith(" ")]
+        assert line.startswith(prefill_broker.address) and "SERVING" in line and "open rooms 0" in line, line
+        # The decode broker's own view of the fleet (Admin ListPeers / ListEngines).
+        fleet = {b.broker_id: b for b in _admin(decode_broker, "ListPeers").fleet}
+        assert set(fleet) == {b.broker_id for b in brokers} and all(b.usable and b.lease_granted_seconds == 2 for b in fleet.values())
+        assert [g.group for g in fleet[prefill_broker.broker_id].groups] == [group]
+        placed = {(g.group, g.address, tuple(g.ranks)) for g in _admin(decode_broker, "ListEngines").fleet_groups}
+        assert (group, prefill_broker.address, ("tp0/pp0",)) in placed and ("decode-0", decode_broker.address, ("tp0/pp0",)) in placed
+        etcd.stop()
+        for broker in brokers:
+            eventually(lambda b=broker: b.stats().etcd == "unreachable" and _etcd_health(b) == "NOT_SERVING", 15)
+            assert "etcd_watch_lost" in broker.log_tail(50000)
+        # Between known peers rooms go on: by group (the last view) and by address.
+        for ref in (SenderRef(group=group), SenderRef(prefill_broker.address, group)):
+            result = _rooms(prefill, decode, ref)
+            assert result.ok, (ref, result.problems)
+        for broker in brokers:
+            eventually(lambda b=broker: '"etcd_unreachable"' in b.log_tail(50000), 15)
+        etcd.start()
+        for broker in brokers:
+            eventually(lambda b=broker: b.stats().etcd == "ok" and _etcd_health(b) == "SERVING", 20)
+            assert broker.log_tail(50000).count('"etcd_registered"') >= 2
+        eventually(lambda: sorted(r["broker_id"] for r in _records(etcd)) == sorted(b.broker_id for b in brokers), 20)
+        result = _rooms(prefill, decode, SenderRef(group=group))
+        assert result.ok, result.problems
+    finally:
+        close_ranks(decode)
+        close_ranks(prefill)
+        for broker in brokers:
+            broker.stop()
+
+
+def test_a_rolling_restart_loses_no_room_that_had_not_started(tmp_path: Path, etcd: Etcd) -> None:
+    """Drain, wait, stop, start (docs/operations.md): rooms open at the drain finish; rooms the decode side
+    opens meanwhile wait for the group and move once it is back, on the new process."""
+    old, decode_broker = _brokers(tmp_path, etcd, ["old", "d"])
+    group, ref = "prefill-rolling", SenderRef(group="prefill-rolling")
+    prefill = register_group(SMALL, "prefill", group, old.address)
+    decode = register_group(SMALL, "decode", "decode-0", decode_broker.address)
+    new: BrokerProcess | None = None
+    try:
+        eventually(lambda: _serving(etcd, group) == [old.address], 10)
+        # Batch A is open on both sides when the drain starts; its chunks come after.
+        batch_a = room_plans(SMALL)
+        senders = {}
+        for plan in batch_a:
+            decode[0].engine.receiver(plan.room, ref).init(plan.dst_pages, aux_row=plan.slot)
+            senders[plan.room] = prefill[0].engine.sender(plan.room)
+            senders[plan.room].init(num_pages=len(plan.src_pages), aux_row=plan.slot)
+        eventually(lambda: all(decode[0].engine.receiver(p.room, ref).poll() is RoomState.WAITING_FOR_INPUT for p in batch_a), 15)
+        assert _drain(old, wait=False).draining
+        eventually(lambda: json.loads(_fleet_cli(etcd, "--group", group, "--json"))[0]["draining"] is True, 10)
+        # Batch B opens on the decode side during the drain: it waits for the group (the draining broker is not chosen).
+        batch_b = room_plans(SMALL)
+        for plan in batch_b:
+            decode[0].engine.receiver(plan.room, ref).init(plan.dst_pages, aux_row=plan.slot)
+        # A new room on the draining broker's engine side is refused at once (the engine sends it after the restart).
+        refused = room_plans(SMALL)[0]
+        prefill[0].engine.sender(refused.room).init(num_pages=len(refused.src_pages), aux_row=refused.slot)
+        status = prefill[0].engine.wait([refused.room], timeout_seconds=10)[refused.room]
+        assert RoomState(status.state) is RoomState.FAILED and "draining" in status.cause.message, status
+        result = ScenarioResult()
+        for plan in batch_a:
+            _finish(prefill, plan, senders[plan.room])
+        _wait_ok(decode + prefill, [p.room for p in batch_a], result)
+        verify_rooms(SMALL, decode, batch_a, result)  # (batch B reuses its slots)
+        assert _drain(old, wait=True).drained
+        assert old.stop() == 0
+        _close_dead(prefill)
+        prefill = []
+        (new,) = _brokers(tmp_path, etcd, ["new"])
+        prefill = register_group(SMALL, "prefill", group, new.address)
+        for plan in batch_b:
+            _finish(prefill, plan)
+        _wait_ok(decode, [p.room for p in batch_b], result)
+        verify_rooms(SMALL, decode, batch_b, result)
+        assert result.ok, result.problems
+    finally:
+        close_ranks(decode)
+        _close_dead(prefill)
+        for broker in (old, decode_broker, new):
+            if broker is not None:
+                broker.stop()
+
+
+def _finish(prefill: list[Any], plan: Any, sender: Any = None) -> None:
+    """Send ``plan``'s chunks from the first prefill rank (``sender``: a room it already began)."""
+    rank = prefill[0]
+    write_aux(rank.memory, plan.room, plan.slot)
+    if sender is None:
+        sender = rank.engine.sender(plan.room)
+        sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot)
+    for a, b in plan.chunks:
+        sender.send(np.asarray(plan.src_pages[a:b]), is_last=b == len(plan.src_pages))
+
+
+def _wait_ok(ranks: list[Any], rooms: list[int], result: ScenarioResult) -> None:
+    for rank in ranks:
+        for room, status in rank.engine.wait(rooms, timeout_seconds=30).items():
+            if RoomState(status.state) is not RoomState.SUCCESS:
+                result.problems.append(f"room {room} {rank.spec.role}: {RoomState(status.state).name} {status.cause.message}")
+
+
+def _drain(broker: BrokerProcess, *, wait: bool) -> Any:
+    import grpc
+
+    from kvbroker.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(broker.address) as channel:
+        return admin_pb2_grpc.AdminStub(channel).Drain(admin_pb2.DrainRequest(wait=wait, timeout_seconds=20), timeout=30)
+
+
+def _etcd_health(broker: BrokerProcess) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(broker.address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvbroker.etcd"), timeout=10)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+
+def _fleet_cli(etcd: Etcd, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "kvbroker", "fleet", "--etcd", etcd.url, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out
+    return out.stdout
+
+
+async def _put(etcd: Etcd, key: str, value: str) -> None:
+    import aetcd
+
+    host, port = etcd.url.removeprefix("http://").split(":")
+    async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
+        await client.put(key.encode(), value.encode())

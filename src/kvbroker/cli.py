@@ -87,9 +87,16 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fleet", help="list the brokers registered in etcd", description="Every broker record in etcd: address, groups, lease.")
+    p = sub.add_parser(
+        "fleet",
+        help="list the brokers registered in etcd",
+        description="Every broker record in etcd (address, groups, lease, version), and what each broker says of "
+        "itself (health, open rooms, draining).",
+    )
     p.add_argument("--etcd", required=True, metavar="URL", help="etcd endpoint, http://HOST:PORT")
     p.add_argument("--etcd-prefix", default="/kvbroker", metavar="PREFIX")
+    p.add_argument("--group", default=None, metavar="GROUP", help="only the brokers that serve this engine group")
+    p.add_argument("--no-probe", action="store_true", help="do not ask the brokers themselves (etcd only)")
     p.add_argument("--json", action="store_true", help="print the records as JSON")
 
 
@@ -97,20 +104,33 @@ def _fleet(args: argparse.Namespace) -> int:
     from kvbroker.broker.fleet import read_fleet
 
     try:
-        records = asyncio.run(read_fleet(args.etcd, args.etcd_prefix))
+        records = asyncio.run(read_fleet(args.etcd, args.etcd_prefix, probe=not args.no_probe))
     except Exception as exc:  # noqa: BLE001 - an operator command: say why and exit 1
         print(f"kvbroker fleet: cannot read {args.etcd}: {exc}", file=sys.stderr)
         return 1
+    if args.group is not None:
+        records = [r for r in records if args.group in r.get("groups", {})]
     if args.json:
         print(json.dumps(records, indent=2, sort_keys=True))
         return 0
     for record in records:
         up = time.time() - float(record.get("started_at", time.time()))
-        print(f"{record['address']}  broker {record['broker_id'][:12]}  protocol {record['protocol']}  version {record['version']}  up {up:.0f} s  lease {record['lease_ttl']} s")
+        line = (
+            f"{record['address']}  broker {record['broker_id'][:12]}  protocol {record['protocol']}  "
+            f"version {record['version']}  up {up:.0f} s  lease {record['lease_ttl']}/{record['lease_granted']} s"
+        )
+        if "health" in record:
+            line += f"  {record['health']}"
+            if record.get("open_rooms") is not None:
+                line += f"  open rooms {record['open_rooms']}"
+        if record.get("draining"):
+            line += "  DRAINING"
+        print(line)
         for group, info in sorted(record.get("groups", {}).items()):
             print(f"    {group}: {info['role']} tp{info['tp_size']} pp{info['pp_size']}  ranks {', '.join(info['ranks'])}")
     if not records:
-        print("no broker is registered")
+        print("no broker is registered" + (f" for group {args.group}" if args.group is not None else ""))
+        return 1 if args.group is not None else 0
     return 0
 
 

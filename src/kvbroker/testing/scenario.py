@@ -10,11 +10,12 @@ Used by the service tests (fake NIXL) and the real-NIXL matrix.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,7 +39,20 @@ from kvbroker.demo.plan import (
     state_specs,
 )
 
-__all__ = ["STATE_KINDS", "Prepare", "Scenario", "run_scenario", "state_indices", "state_specs"]
+__all__ = [
+    "STATE_KINDS",
+    "Prepare",
+    "Scenario",
+    "ScenarioResult",
+    "close_ranks",
+    "move_rooms",
+    "register_group",
+    "room_plans",
+    "run_scenario",
+    "state_indices",
+    "state_specs",
+    "verify_rooms",
+]
 
 #: Called with each rank's memory after allocation, before registration.
 Prepare = Callable[[EngineMemory, RankSpec], None]
@@ -131,9 +145,87 @@ def _register(
     return _Rank(spec, memory, client, client.register_engine(spec, memory))
 
 
+def register_group(
+    scenario: Scenario, role: Literal["prefill", "decode"], group: str, address: str | Sequence[str], prepare: Prepare | None = None
+) -> list[_Rank]:
+    """Register every rank of ``group`` (the scenario's prefill or decode
+    side) with ``address`` (one broker, or one per rank in pp-major, tp-minor
+    order); prefill ranks are filled with the reference pattern. Close them
+    with :func:`close_ranks`."""
+    model = scenario.model()
+    tp_size, pp_size = (scenario.prefill_tp, scenario.prefill_pp) if role == "prefill" else (scenario.decode_tp, scenario.decode_pp)
+    ranks: list[_Rank] = []
+    try:
+        for i, (pp, tp) in enumerate(itertools.product(range(pp_size), range(tp_size))):
+            ranks.append(_register(_at(address, i), RankSpec(group, role, tp_size, tp, pp_size, pp), model, scenario, prepare))
+            if role == "prefill":
+                fill_rank(ranks[-1].memory, model, ranks[-1].spec)
+    except BaseException:
+        close_ranks(ranks)
+        raise
+    return ranks
+
+
+def close_ranks(ranks: list[_Rank]) -> None:
+    """Unregister and release ranks of :func:`register_group`."""
+    for rank in ranks:
+        try:
+            rank.engine.close()
+        finally:
+            rank.client.close()
+            rank.memory.close()
+
+
+def room_plans(scenario: Scenario, first: int = 0) -> list[RoomPlan]:
+    """The scenario's rooms (room ids random, so rooms of several runs never clash)."""
+    room_base = secrets.randbits(40) << 16
+    return [
+        plan_room(seed=scenario.seed, index=i, room_base=room_base, pages=scenario.pages, chunks=scenario.chunks, window=scenario.rooms)
+        for i in range(first, first + scenario.rooms)
+    ]
+
+
+def move_rooms(
+    prefill: list[_Rank],
+    decode: list[_Rank],
+    plans: list[RoomPlan],
+    ref: SenderRef,
+    into: ScenarioResult,
+    timeout_seconds: float = 60.0,
+) -> None:
+    """Open ``plans`` on every decode rank (sender ``ref``), send them from
+    every prefill rank, wait for all; failures go to ``into.problems``."""
+    for plan in plans:
+        for rank in decode:
+            rank.engine.receiver(plan.room, ref).init(
+                plan.dst_pages, aux_row=plan.slot, state={n: state_indices(n, plan.slot, 1) for n in _state_on(rank)}
+            )
+    for plan in plans:
+        _send(prefill, plan)
+    _collect(decode, prefill, plans, timeout_seconds, into)
+
+
+def verify_rooms(scenario: Scenario, decode: list[_Rank], plans: list[RoomPlan], into: ScenarioResult) -> None:
+    """Check every byte the decode ranks received against the reference."""
+    model = scenario.model()
+    for plan in plans:
+        for rank in decode:
+            problems = verify_room(
+                rank.memory,
+                model,
+                rank.spec,
+                src_pages=plan.src_pages,
+                dst_pages=plan.dst_pages,
+                room=plan.room,
+                aux_row=plan.slot,
+                state={n: (state_indices(n, plan.slot, 0), state_indices(n, plan.slot, 1)) for n in _state_on(rank)},
+            )
+            into.problems.extend(f"room {plan.room} {rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: {p}" for p in problems)
+
+
 def run_scenario(
-    prefill_address: str,
-    decode_address: str,
+    prefill_address: str | Sequence[str],
+    decode_address: str | Sequence[str],
     scenario: Scenario,
     *,
     sender_address: str | None = None,
@@ -144,85 +236,52 @@ def run_scenario(
 ) -> ScenarioResult:
     """Run ``scenario``; the result lists every problem (empty: byte-exact).
 
+    ``prefill_address`` and ``decode_address`` are each one broker, or one
+    per rank (in pp-major, tp-minor order: a group spread over hosts).
     ``sender_address`` is what decode ranks put in SenderRef (default
-    ``prefill_address``; "" for "my own broker"). ``prepare`` sees each
-    rank's memory after allocation, before it is registered. ``probe`` is
-    called right before the first ExpectRoom and right after the last
-    SUCCESS (``ScenarioResult.probes``): a benchmark reads CPU counters there.
-    The first ``warmup_rooms`` of the scenario's rooms move before that
-    window (the brokers handshake for the new engines then, as they would
-    once in service) and are verified but neither timed nor counted in
-    ``ScenarioResult.bytes``.
+    ``prefill_address`` when it is one broker; "" for "my own broker", or
+    "the one etcd names" on brokers started with ``--etcd``). ``prepare``
+    sees each rank's memory after allocation, before it is registered.
+    ``probe`` is called right before the first ExpectRoom and right after
+    the last SUCCESS (``ScenarioResult.probes``): a benchmark reads CPU
+    counters there. The first ``warmup_rooms`` of the scenario's rooms move
+    before that window (the brokers handshake for the new engines then, as
+    they would once in service) and are verified but neither timed nor
+    counted in ``ScenarioResult.bytes``.
     """
-    model = scenario.model()
+    if sender_address is None and not isinstance(prefill_address, str):
+        raise ValueError("name the sender_address when the prefill ranks are on several brokers")
     tag = secrets.token_hex(4)
     groups = (f"prefill-{tag}", f"decode-{tag}")
     ranks: list[_Rank] = []
     result = ScenarioResult()
     try:
-        prefill = [
-            _register(prefill_address, RankSpec(groups[0], "prefill", scenario.prefill_tp, tp, scenario.prefill_pp, pp), model, scenario, prepare)
-            for pp in range(scenario.prefill_pp)
-            for tp in range(scenario.prefill_tp)
-        ]
+        prefill = register_group(scenario, "prefill", groups[0], prefill_address, prepare)
         ranks.extend(prefill)
-        for rank in prefill:
-            fill_rank(rank.memory, model, rank.spec)
-        decode = [
-            _register(decode_address, RankSpec(groups[1], "decode", scenario.decode_tp, tp, scenario.decode_pp, pp), model, scenario, prepare)
-            for pp in range(scenario.decode_pp)
-            for tp in range(scenario.decode_tp)
-        ]
+        decode = register_group(scenario, "decode", groups[1], decode_address, prepare)
         ranks.extend(decode)
-        room_base = secrets.randbits(40) << 16
-        plans = [
-            plan_room(seed=scenario.seed, index=i, room_base=room_base, pages=scenario.pages, chunks=scenario.chunks, window=scenario.rooms)
-            for i in range(scenario.rooms)
-        ]
-        ref = SenderRef(prefill_address if sender_address is None else sender_address, groups[0])
-
-        def move(rooms: list[RoomPlan], into: ScenarioResult) -> None:
-            for plan in rooms:
-                for rank in decode:
-                    rank.engine.receiver(plan.room, ref).init(
-                        plan.dst_pages, aux_row=plan.slot, state={n: state_indices(n, plan.slot, 1) for n in _state_on(rank)}
-                    )
-            for plan in rooms:
-                _send(prefill, plan)
-            _collect(decode, prefill, rooms, timeout_seconds, into)
-
+        plans = room_plans(scenario)
+        ref = SenderRef(prefill_address if sender_address is None else sender_address, groups[0])  # type: ignore[arg-type]
         if warmup_rooms:
-            move(plans[:warmup_rooms], result)
+            move_rooms(prefill, decode, plans[:warmup_rooms], ref, result, timeout_seconds)
             result.bytes = 0
         opened = probe() if probe is not None else None
         start = time.perf_counter()
-        move(plans[warmup_rooms:], result)
+        move_rooms(prefill, decode, plans[warmup_rooms:], ref, result, timeout_seconds)
         result.transfer_seconds = time.perf_counter() - start
         if probe is not None:
             result.probes = (opened, probe())
-        for plan in plans:
-            for rank in decode:
-                problems = verify_room(
-                    rank.memory,
-                    model,
-                    rank.spec,
-                    src_pages=plan.src_pages,
-                    dst_pages=plan.dst_pages,
-                    room=plan.room,
-                    aux_row=plan.slot,
-                    state={n: (state_indices(n, plan.slot, 0), state_indices(n, plan.slot, 1)) for n in _state_on(rank)},
-                )
-                result.problems.extend(f"room {plan.room} {rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: {p}" for p in problems)
+        verify_rooms(scenario, decode, plans, result)
         for rank in ranks:
             result.problems.extend(f"{rank.spec.role} tp{rank.spec.tp_rank} pp{rank.spec.pp_rank}: {p}" for p in rank.memory.check_guards())
     finally:
-        for rank in ranks:
-            try:
-                rank.engine.close()
-            finally:
-                rank.client.close()
-                rank.memory.close()
+        close_ranks(ranks)
     return result
+
+
+def _at(address: str | Sequence[str], index: int) -> str:
+    """The broker of the ``index``-th rank: the one broker, or its own."""
+    return address if isinstance(address, str) else address[index]
 
 
 def _state_on(rank: _Rank) -> list[str]:

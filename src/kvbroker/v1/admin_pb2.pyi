@@ -12,7 +12,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token", "draining", "open_rooms", "checksum_mismatches", "transfers_token_runs")
+    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token", "draining", "open_rooms", "checksum_mismatches", "transfers_token_runs", "etcd")
     class PerRoomStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Stats(_message.Message):
     OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_TOKEN_RUNS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     per_room_state: _containers.ScalarMap[str, int]
     engines: int
@@ -62,7 +63,8 @@ class Stats(_message.Message):
     open_rooms: int
     checksum_mismatches: int
     transfers_token_runs: int
-    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ..., draining: _Optional[bool] = ..., open_rooms: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., transfers_token_runs: _Optional[int] = ...) -> None: ...
+    etcd: str
+    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ..., draining: _Optional[bool] = ..., open_rooms: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., transfers_token_runs: _Optional[int] = ..., etcd: _Optional[str] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ()
@@ -87,10 +89,54 @@ class EngineInfo(_message.Message):
     def __init__(self, engine_label: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., open_rooms: _Optional[int] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("engines",)
+    __slots__ = ("engines", "fleet_groups")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    FLEET_GROUPS_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
-    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+    fleet_groups: _containers.RepeatedCompositeFieldContainer[FleetGroup]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., fleet_groups: _Optional[_Iterable[_Union[FleetGroup, _Mapping]]] = ...) -> None: ...
+
+class FleetGroup(_message.Message):
+    __slots__ = ("group", "role", "tp_size", "pp_size", "ranks", "broker_id", "address")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    role: str
+    tp_size: int
+    pp_size: int
+    ranks: _containers.RepeatedScalarFieldContainer[str]
+    broker_id: str
+    address: str
+    def __init__(self, group: _Optional[str] = ..., role: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[str]] = ..., broker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class FleetBroker(_message.Message):
+    __slots__ = ("broker_id", "address", "protocol", "version", "started_at", "lease_ttl_seconds", "lease_granted_seconds", "draining", "groups", "usable")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_GRANTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    USABLE_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    address: str
+    protocol: int
+    version: str
+    started_at: float
+    lease_ttl_seconds: int
+    lease_granted_seconds: int
+    draining: bool
+    groups: _containers.RepeatedCompositeFieldContainer[FleetGroup]
+    usable: bool
+    def __init__(self, broker_id: _Optional[str] = ..., address: _Optional[str] = ..., protocol: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[int] = ..., lease_granted_seconds: _Optional[int] = ..., draining: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[FleetGroup, _Mapping]]] = ..., usable: _Optional[bool] = ...) -> None: ...
 
 class ListPeersRequest(_message.Message):
     __slots__ = ()
@@ -123,10 +169,12 @@ class PeerInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ..., transport: _Optional[str] = ..., memory: _Optional[_Iterable[str]] = ..., bytes_sent: _Optional[int] = ..., throughput_gbps: _Optional[float] = ..., last_seen_seconds: _Optional[float] = ...) -> None: ...
 
 class ListPeersResponse(_message.Message):
-    __slots__ = ("peers",)
+    __slots__ = ("peers", "fleet")
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    fleet: _containers.RepeatedCompositeFieldContainer[FleetBroker]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., fleet: _Optional[_Iterable[_Union[FleetBroker, _Mapping]]] = ...) -> None: ...
 
 class ListRoomsRequest(_message.Message):
     __slots__ = ("state", "engine", "peer")
