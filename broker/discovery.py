@@ -12,8 +12,10 @@ names a group and no broker address is resolved through it
 2. a handshake with the newest one gives the group's layout; the receiving
    rank's sources (``mapping.plan_sources``) are looked up rank by rank, so
    a group whose ranks live on several hosts resolves each receiving rank
-   to the broker that holds its sources;
-3. the room bootstraps with that broker as it would with a named address.
+   to the broker(s) that hold its sources;
+3. the room bootstraps with that broker as it would with a named address;
+   a rank whose sources are on several brokers registers the room with
+   each, for the sources it holds (``receiver.SenderLeg``).
 
 A broker's key leaving etcd (its lease expired: it was killed or cut off;
 or revoked: it stopped) is a lost peer: :class:`FleetView` calls
@@ -39,7 +41,7 @@ import structlog
 from kvbroker.broker.fleet import brokers_prefix, parse_endpoint
 from kvbroker.broker.layout import Layout, RankKey
 from kvbroker.broker.mapping import GroupShape, plan_sources
-from kvbroker.errors import FailedPrecondition, KvBrokerError, Unavailable, Unimplemented
+from kvbroker.errors import FailedPrecondition, KvBrokerError, Unavailable
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import admin_pb2
 
@@ -47,20 +49,15 @@ if TYPE_CHECKING:
     from kvbroker.broker.peer_client import PeerClient
     from kvbroker.broker.peers import Peer
 
-__all__ = ["FleetView", "Member", "SplitSources", "find_in_fleet"]
+__all__ = ["FleetView", "Found", "Member", "find_in_fleet"]
 
 log = structlog.get_logger(__name__)
 
 _RANK = re.compile(r"tp(\d+)/pp(\d+)")
 
-
-class SplitSources(Unimplemented):
-    """A receiving rank's sources live on several brokers (not supported yet)."""
-
-    def __init__(self, message: str, addresses: tuple[str, ...]) -> None:
-        super().__init__(message)
-        #: The brokers holding the sources: they are told the room failed.
-        self.addresses = addresses
+#: The sender brokers of a receiving rank: each peer, with the (tp, pp) of
+#: the sender ranks it holds for the rank (None: one broker holds them all).
+Found = list[tuple["Peer", frozenset[tuple[int, int]] | None]]
 
 
 @dataclass(frozen=True)
@@ -271,10 +268,11 @@ async def find_in_fleet(
     *,
     timeout_seconds: float,
     stop: Callable[[], bool] = lambda: False,
-) -> tuple[Peer, list[Layout]]:
-    """The broker that serves the sources of receiving rank ``receiver_key``
-    of ``group``, handshaken, and the group's layouts there; retried with
-    backoff until ``timeout_seconds`` (the sender may still be starting)."""
+) -> tuple[Found, list[Layout]]:
+    """The brokers that hold the sources of receiving rank ``receiver_key``
+    of ``group`` (one, unless the group's ranks live on several hosts),
+    handshaken, and the group's layouts; retried with backoff until
+    ``timeout_seconds`` (the sender may still be starting)."""
     start = time.monotonic()
     delay = 0.01
     while True:
@@ -306,7 +304,7 @@ async def _layouts(client: PeerClient, peer: Peer, group: str, needed: set[tuple
     return layouts
 
 
-async def _resolve(client: PeerClient, view: FleetView, group: str, receiver: Layout, key: RankKey) -> tuple[Peer, list[Layout]]:
+async def _resolve(client: PeerClient, view: FleetView, group: str, receiver: Layout, key: RankKey) -> tuple[Found, list[Layout]]:
     members = view.serving(group)
     if not members:
         raise FailedPrecondition(view.why_none(group))
@@ -315,20 +313,16 @@ async def _resolve(client: PeerClient, view: FleetView, group: str, receiver: La
     try:
         plans = plan_sources(GroupShape.of(layouts[0]), group, GroupShape.of(receiver), key.tp_rank, key.pp_rank)
     except KvBrokerError:
-        return first, layouts  # the room fails on the plan, with its reason (ReceiverCore.sender_found)
+        return [(first, None)], layouts  # the room fails on the plan, with its reason (ReceiverCore.sender_found)
     owners: dict[str, set[tuple[int, int]]] = {}
     for plan in plans:
         owner = view.owner(group, plan.rank.tp_rank, plan.rank.pp_rank)
         if owner is None:
             raise FailedPrecondition(f"no broker in etcd holds rank tp{plan.rank.tp_rank}/pp{plan.rank.pp_rank} of engine group {group!r}")
         owners.setdefault(owner.address, set()).add((plan.rank.tp_rank, plan.rank.pp_rank))
-    if len(owners) > 1:
-        listed = "; ".join(f"{a}: {', '.join(f'tp{t}/pp{p}' for t, p in sorted(r))}" for a, r in sorted(owners.items()))
-        raise SplitSources(
-            f"receiving rank {key} needs ranks of engine group {group!r} that live on {len(owners)} brokers ({listed}); "
-            "a receiving rank reads from one broker: give it a layout whose sources share a host",
-            tuple(sorted(owners)),
-        )
-    ((address, needed),) = owners.items()
-    peer = first if address == first.address else await client.connect(address)
-    return peer, await _layouts(client, peer, group, needed)
+    found: Found = []
+    for address, needed in sorted(owners.items()):
+        peer = first if address == first.address else await client.connect(address)
+        layouts = await _layouts(client, peer, group, needed)
+        found.append((peer, frozenset(needed) if len(owners) > 1 else None))
+    return found, layouts

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.receiver import Landing, Receiver
+    from kvbroker.broker.receiver import Landing, Receiver, SenderLeg
     from kvbroker.broker.rooms import Side
     from kvbroker.broker.sender import Part
     from kvbroker.broker.staging import Reservation
@@ -94,11 +94,16 @@ class FindSender:
 
 @dataclass(frozen=True)
 class RegisterRoom:
-    """Register the receiver's room with the sender's broker (the transfer info)."""
+    """Register the receiver's room with one of its sender brokers (the transfer info)."""
 
     receiver: Receiver
-    broker_id: str
+    #: Which of the receiver's sender brokers (``Receiver.legs``).
+    leg: SenderLeg
     request: peer_pb2.RegisterRoomRequest
+
+    @property
+    def broker_id(self) -> str:
+        return self.leg.broker_id
 
 
 @dataclass(frozen=True)

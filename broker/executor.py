@@ -38,7 +38,7 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled
-from kvbroker.broker.discovery import FleetView, SplitSources, find_in_fleet
+from kvbroker.broker.discovery import FleetView, find_in_fleet
 from kvbroker.broker.effects import (
     AbortAtPeer,
     Effect,
@@ -59,7 +59,7 @@ from kvbroker.broker.nixl_agent import Agent, XferState
 from kvbroker.broker.parts import PartKind, page_blocks
 from kvbroker.broker.peer_client import PeerClient, RegistrationError
 from kvbroker.broker.peers import Peer, PeerTable
-from kvbroker.broker.receiver import Receiver, ReceiverCore
+from kvbroker.broker.receiver import Receiver, ReceiverCore, SenderLeg
 from kvbroker.broker.rooms import FAILED, Side, cause
 from kvbroker.broker.sender import Part, SenderCore, Source
 from kvbroker.broker.slicing import token_descriptors
@@ -350,14 +350,16 @@ class Executor:
     # -- receiving ----------------------------------------------------------------
     async def _find_sender(self, rank: Receiver) -> None:
         try:
+            found: str | list[SenderLeg]
             with _in_span(rank.span):
                 if rank.sender_address or self.fleet is None:
                     peer, layouts = await self._client.find_sender(
                         rank.sender_address, rank.sender_group, stop=lambda: rank.terminal
                     )
+                    found = peer.broker_id or ""
                 else:
-                    # A group and no address: the broker etcd says holds its sources.
-                    peer, layouts = await find_in_fleet(
+                    # A group and no address: the broker(s) etcd says hold its sources.
+                    placed, layouts = await find_in_fleet(
                         self._client,
                         self.fleet,
                         rank.sender_group,
@@ -366,13 +368,12 @@ class Executor:
                         timeout_seconds=self._config.bootstrap_timeout_seconds,
                         stop=lambda: rank.terminal,
                     )
-                    rank.sender_address = peer.address
-        except SplitSources as exc:
-            self._receiver.bootstrap_failed(rank, exc, tell=exc.addresses)
+                    rank.sender_address = placed[0][0].address
+                    found = [SenderLeg(p.broker_id or "", p.address, ranks) for p, ranks in placed]
         except KvBrokerError as exc:
             self._receiver.bootstrap_failed(rank, exc)
         else:
-            self._receiver.sender_found(rank, peer.broker_id or "", layouts)
+            self._receiver.sender_found(rank, found, layouts)
         self.drain()
 
     def _register_soon(self, effect: RegisterRoom) -> None:
@@ -392,13 +393,13 @@ class Executor:
             if done.cancelled() or done.exception() is not None:
                 self._tasks.spawn(self._register(effect, first=(peer, done)), name=f"register-{rank.room}")
                 return
-            self._registered(rank, effect.request.sender_broker_id)
+            self._registered(effect, effect.request.sender_broker_id)
             self.drain()
 
         first.add_done_callback(answered)
 
-    def _registered(self, rank: Receiver, took: str) -> None:
-        self._receiver.room_registered(rank, took, still_known=took in self._peers.by_id)
+    def _registered(self, effect: RegisterRoom, took: str) -> None:
+        self._receiver.room_registered(effect.receiver, effect.leg, took, still_known=took in self._peers.by_id)
         self._dataplane.hurry()
 
     async def _register(self, effect: RegisterRoom, first: tuple[Peer, asyncio.Future[None]] | None = None) -> None:
@@ -413,18 +414,17 @@ class Executor:
                 took = await self._client.register_room(
                     peer,
                     effect.request,
-                    stale=lambda: self._receiver.registration_stale(rank),
-                    again=lambda broker_id: self._receiver.register_again(rank, broker_id),
+                    stale=lambda: self._receiver.registration_stale(rank, effect.leg),
+                    again=lambda now: self._receiver.register_again(rank, effect.leg, now),
                     first=first[1] if first is not None else None,
                 )
         except RegistrationError as exc:
-            self._receiver.registration_failed(rank, exc.error, maybe_delivered=exc.maybe_delivered)
+            self._receiver.registration_failed(rank, effect.leg, exc.error, maybe_delivered=exc.maybe_delivered)
         except KvBrokerError as exc:
-            rank.registering = False
-            self._receiver.bootstrap_failed(rank, exc)
+            self._receiver.registration_error(rank, effect.leg, exc)
         else:
             if took is not None:
-                self._registered(rank, took)
+                self._registered(effect, took)
         self.drain()
 
     async def _abort_at_peer(self, effect: AbortAtPeer) -> None:

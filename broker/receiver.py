@@ -8,8 +8,11 @@ A **receiver** is one decode engine rank's side of one room. Its life:
 2. ``sender_found``: it computes which sources owe it what
    (``mapping.plan_sources``), records that plan and only then registers the
    room with the sender's broker (``RegisterRoom``), since the sender may
-   start writing the moment it has the transfer info. ``room_registered``:
-   WAITING_FOR_INPUT; the data timeout runs from here.
+   start writing the moment it has the transfer info. A rank whose sources
+   live on several brokers (a sender group spread over hosts, found through
+   etcd) has one ``SenderLeg`` per broker and registers with each, for the
+   sources it holds. ``room_registered`` from every one: WAITING_FOR_INPUT;
+   the data timeout runs from here.
 3. ``notices``: each NIXL notification says one part of one chunk of one
    source landed. A staged part is scattered from the receive staging
    buffer into the pages first (``Scatter`` -> ``scattered``). TRANSFERRING.
@@ -19,9 +22,9 @@ A **receiver** is one decode engine rank's side of one room. Its life:
    component it listed with indices (lesson 1).
 5. Failure (abort from the engine, the operator or the sender's broker; a
    source's report; a timeout; a lost peer or engine; a mismatch) keeps the
-   first cause and tells the sender's broker (``AbortAtPeer``), or, if that
-   broker went away, whichever broker answers at its address next
-   (``TellSuccessor``). The pages are settled (``pages_settled``) only when
+   first cause and tells its sender brokers (``AbortAtPeer``; not the one
+   that told it, or is gone), or, if one went away, whichever broker answers
+   at its address next (``TellSuccessor``). The pages are settled (``pages_settled``) only when
    nothing can land in them any more: every source completed, settled,
    owes no data, or its broker is gone — and no scatter is running.
 
@@ -106,10 +109,32 @@ NO_COMPONENTS: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False, slots=True)
+class SenderLeg:
+    """One sender broker a receiver rank reads from: one, unless the sender
+    group's ranks live on several hosts and this rank's sources with them
+    (found through etcd, ``discovery.find_in_fleet``)."""
+
+    broker_id: str
+    address: str
+    #: The sender ranks (tp, pp) it holds for this rank; None: all of them.
+    ranks: frozenset[tuple[int, int]] | None = None
+    #: It may have the transfer info (so it may write).
+    registered: bool = False
+    #: A RegisterRoom call to it is out: which process it reaches is not
+    #: known until it returns, so a peer loss meanwhile leaves it to the call.
+    registering: bool = False
+
+    def holds(self, source: RankKey) -> bool:
+        return self.ranks is None or (source.tp_rank, source.pp_rank) in self.ranks
+
+
+@dataclass(eq=False, slots=True)
 class SourceExpectation:
     """What a receiver rank waits for from one source."""
 
     plan: SourcePlan
+    #: The broker that holds the source.
+    leg: SenderLeg
     expects_aux: bool
     expected_components: frozenset[str]
     #: chunk index -> the parts received, as a bit mask (bit ``i``: part ``i``;
@@ -192,14 +217,10 @@ class Receiver(Side):
     verify_checksum: bool = False
     #: Sources this rank waits for; None until the plan is made.
     expected: SmallMap[RankKey, SourceExpectation] | None = None
-    #: The sender's broker may have the transfer info (so it may write).
-    registered_with_sender: bool = False
-    #: A RegisterRoom call is out: which sender process it reaches is not
-    #: known until it returns, so a peer loss meanwhile leaves the rank to it.
-    registering: bool = False
-    #: When the sender's broker accepted the room (the data timeout runs from here).
+    #: The sender brokers it reads from, once found (one, usually).
+    legs: tuple[SenderLeg, ...] = ()
+    #: When every sender broker accepted the room (the data timeout runs from here).
     registered_at: float | None = None
-    peer_broker_id: str | None = None
     #: Staging reservations made for senders' parts: (source, chunk, part) ->
     #: (pool, reservation) in this broker's receive staging. Released after
     #: the part is scattered, or when the rank ends and its pages are settled.
@@ -213,6 +234,24 @@ class Receiver(Side):
 
     def known_prefix(self) -> int:
         return self.prefix_pages
+
+    def leg(self, broker_id: str) -> SenderLeg | None:
+        """The sender broker ``broker_id`` of this rank, if it is one."""
+        return next((leg for leg in self.legs if leg.broker_id == broker_id), None)
+
+    @property
+    def peer_broker_id(self) -> str | None:
+        """The sender broker(s), comma-separated (logs, Admin); None until found."""
+        return ",".join(leg.broker_id for leg in self.legs) if self.legs else None
+
+    @property
+    def registered_with_sender(self) -> bool:
+        """A sender broker may have the transfer info (so it may write)."""
+        return any(leg.registered for leg in self.legs)
+
+    @property
+    def registering(self) -> bool:
+        return any(leg.registering for leg in self.legs)
 
     def status(self) -> common_pb2.RoomStatus:
         status = Side.status(self)
@@ -352,8 +391,9 @@ class ReceiverCore:
             self.fail(rank, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
         return rank
 
-    def fail(self, rank: Receiver, why: common_pb2.FailureCause, *, tell_sender: bool = True) -> None:
-        """Fail ``rank`` (first cause wins); tell the sender's broker unless it told us."""
+    def fail(self, rank: Receiver, why: common_pb2.FailureCause, *, told_by: str | None = None) -> None:
+        """Fail ``rank`` (first cause wins); tell its sender brokers, but
+        ``told_by`` (the one that told us, or that is gone)."""
         if not rank.fail(why, settled=_nothing_in_flight(rank)):
             return
         if rank.pages_settled:
@@ -367,11 +407,12 @@ class ReceiverCore:
             cause=why.message,
             **telemetry.span_ids(rank.span),
         )
-        if tell_sender and rank.peer_broker_id is not None:
+        for leg in rank.legs:
             # Also when the room never reached the sender's broker (a plan it
             # cannot do): its engine must not wait for a transfer info.
-            self._out.append(AbortAtPeer(rank.peer_broker_id, rank.room, why))
-        elif tell_sender:
+            if leg.broker_id != told_by:
+                self._out.append(AbortAtPeer(leg.broker_id, rank.room, why))
+        if not rank.legs and told_by is None:
             # Its sender's broker was never reached (down, or restarting):
             # whoever answers at that address next is told.
             self._remember_for_successor(rank.sender_address, rank.room, why)
@@ -384,108 +425,117 @@ class ReceiverCore:
         return sum(1 for r in ranks if r.cause is why)
 
     # -- bootstrapping ---------------------------------------------------
-    def sender_found(self, rank: Receiver, broker_id: str, layouts: list[Layout]) -> None:
-        """The sender's broker answered and has the group: plan, then register the room."""
+    def sender_found(self, rank: Receiver, found: str | list[SenderLeg], layouts: list[Layout]) -> None:
+        """The sender's broker answered and has the group: plan, then register
+        the room. ``found``: that broker's id, or (a group whose ranks live on
+        several hosts, found through etcd) one leg per broker holding some of
+        this rank's sources: the room is registered with each, for its sources."""
         rank.mark("handshaken")
-        rank.peer_broker_id = broker_id
+        rank.legs = (SenderLeg(found, rank.sender_address),) if isinstance(found, str) else tuple(found)
         if rank.terminal:
             # Failed while we looked for the sender: its engine may have
             # opened the room there already; tell it (the way a broker that
             # was not there when the room failed is told, when it was
             # remembered for it).
-            if (rank.sender_address, rank.room) in self._rooms.successor_notices:
-                self._tell_successor_now(rank.sender_address)
-            elif rank.cause is not None:
-                self._out.append(AbortAtPeer(broker_id, rank.room, rank.cause))
+            for leg in rank.legs:
+                if (leg.address, rank.room) in self._rooms.successor_notices:
+                    self._tell_successor_now(leg.address)
+                elif rank.cause is not None:
+                    self._out.append(AbortAtPeer(leg.broker_id, rank.room, rank.cause))
             return
         try:
             sender_shape, receiver_shape = GroupShape.of(layouts[0]), GroupShape.of(rank.engine.layout)
             if rank.state_indices:
                 check_state_supported(sender_shape, receiver_shape)
             plans = plan_sources(sender_shape, rank.sender_group, receiver_shape, rank.key.tp_rank, rank.key.pp_rank)
+            placed = [(p, _leg_of(rank, p.rank)) for p in plans]
         except KvBrokerError as exc:
             self.fail(rank, cause_of(exc, self._id))
             return
-        rank.expected = SmallMap((p.rank, _expectation(rank, p)) for p in plans)
-        request = peer_pb2.RegisterRoomRequest(
-            protocol_version=PROTOCOL_VERSION,
-            room=rank.room,
-            receiver_broker_id=self._id,
-            receiver=rank.key.to_proto(),
-            receiver_generation=rank.engine.generation,
-            sender_group=rank.sender_group,
-            pages=encode_indices(rank.pages),
-            state=[common_pb2.StateIndices(component=n, indices=encode_indices(i)) for n, i in rank.state_indices.items()],
-            sources=[p.to_proto() for p in plans],
-            sender_broker_id=broker_id,
-            prefix_pages=rank.prefix_pages,
-            verify_checksum=rank.verify_checksum,
-        )
-        if rank.aux_row is not None:
-            request.aux_row = rank.aux_row
-        rank.registered_with_sender = True
-        rank.registering = True
-        self._out.append(RegisterRoom(rank, broker_id, request))
+        rank.expected = SmallMap((p.rank, _expectation(rank, p, leg)) for p, leg in placed)
+        for leg in rank.legs:
+            mine = [p for p, at in placed if at is leg]
+            if not mine:
+                continue  # (a leg the plan does not need: nothing to register there)
+            request = peer_pb2.RegisterRoomRequest(
+                protocol_version=PROTOCOL_VERSION,
+                room=rank.room,
+                receiver_broker_id=self._id,
+                receiver=rank.key.to_proto(),
+                receiver_generation=rank.engine.generation,
+                sender_group=rank.sender_group,
+                pages=encode_indices(rank.pages),
+                state=[common_pb2.StateIndices(component=n, indices=encode_indices(i)) for n, i in rank.state_indices.items()],
+                sources=[p.to_proto() for p in mine],
+                sender_broker_id=leg.broker_id,
+                prefix_pages=rank.prefix_pages,
+                verify_checksum=rank.verify_checksum,
+            )
+            if rank.aux_row is not None:
+                request.aux_row = rank.aux_row
+            leg.registered = leg.registering = True
+            self._out.append(RegisterRoom(rank, leg, request))
 
-    def bootstrap_failed(self, rank: Receiver, error: KvBrokerError, tell: tuple[str, ...] = ()) -> None:
-        """The sender's broker or group could not be found within the bootstrap
-        timeout, or the room cannot be served (``error``). The brokers at
-        ``tell`` may hold the room's senders: they are told it failed, so
-        their engines do not wait for it."""
-        why = cause_of(error, self._id)
-        self.fail(rank, why)
-        for address in tell:
-            self._remember_for_successor(address, rank.room, why)
-            self._tell_successor_now(address)
+    def bootstrap_failed(self, rank: Receiver, error: KvBrokerError) -> None:
+        """The sender's broker or group could not be found within the bootstrap timeout."""
+        self.fail(rank, cause_of(error, self._id))
 
-    def registration_stale(self, rank: Receiver) -> None:
-        """The sender's broker refused the registration as stale (ABORTED: its view
-        of us is old, or it restarted and never met us): it did not take the
-        room. The executor handshakes again, then calls :meth:`register_again`."""
-        rank.registering = False
-        rank.registered_with_sender = False
+    def registration_stale(self, rank: Receiver, leg: SenderLeg) -> None:
+        """The sender broker ``leg`` refused the registration as stale
+        (ABORTED: its view of us is old, or it restarted and never met us): it
+        did not take the room. The executor handshakes again, then calls
+        :meth:`register_again`."""
+        leg.registering = leg.registered = False
 
-    def register_again(self, rank: Receiver, broker_id: str) -> bool:
-        """After a fresh handshake, register with ``broker_id`` (maybe a restarted
-        process). False: the rank ended meanwhile, do not."""
+    def register_again(self, rank: Receiver, leg: SenderLeg, now: str) -> bool:
+        """After a fresh handshake, register with ``now``, the process found at
+        ``leg``'s address (maybe a restarted one). False: the rank ended
+        meanwhile, do not."""
         if rank.terminal:
             return False
-        rank.peer_broker_id = broker_id
-        rank.registered_with_sender = True
-        rank.registering = True
+        leg.broker_id = now
+        leg.registered = leg.registering = True
         return True
 
-    def room_registered(self, rank: Receiver, broker_id: str, *, still_known: bool) -> None:
-        """The sender's broker ``broker_id`` accepted the room. ``still_known``:
-        that process is still the one we track (it was not lost meanwhile)."""
-        rank.registering = False
+    def registration_error(self, rank: Receiver, leg: SenderLeg, error: KvBrokerError) -> None:
+        """Registering with ``leg`` ended in ``error`` before the room reached it."""
+        leg.registering = False
+        self.bootstrap_failed(rank, error)
+
+    def room_registered(self, rank: Receiver, leg: SenderLeg, broker_id: str, *, still_known: bool) -> None:
+        """The sender broker process ``broker_id`` (at ``leg``'s address)
+        accepted the room. ``still_known``: that process is still the one we
+        track (it was not lost meanwhile)."""
+        leg.registering = False
+        leg.broker_id = broker_id  # the process that has the room writes it
         if not still_known:
             # The process that took the room died or restarted while the call
             # was out (peer_lost left this rank to us).
             why = cause(
                 common_pb2.FAILURE_KIND_PEER,
-                f"peer broker {rank.sender_address} ({broker_id}) went away while room {rank.room} registered there",
+                f"peer broker {leg.address} ({broker_id}) went away while room {rank.room} registered there",
                 self._id,
             )
-            self._lose_sender(rank, why)
+            self._lose_sender(rank, why, leg)
             return
         if rank.terminal:
             # Aborted while we registered: the sender has the info now.
             if rank.cause is not None:
                 self._out.append(AbortAtPeer(broker_id, rank.room, rank.cause))
             return
+        if rank.registering:
+            return  # another sender broker has not answered yet
         rank.registered_at = time.monotonic()
         rank.mark("registered")
         rank.wait_span = telemetry.start_span("kvbroker.wait_for_data", parent=rank.span)
         rank.advance(WAITING_FOR_INPUT)
 
-    def registration_failed(self, rank: Receiver, error: KvBrokerError, *, maybe_delivered: bool) -> None:
-        """RegisterRoom failed. ``maybe_delivered``: it may still have reached the
-        sender (a timeout, a broken connection), so the sender may write: the
-        pages are not settled until it says so or is lost."""
-        rank.registering = False
-        if not maybe_delivered:
-            rank.registered_with_sender = False
+    def registration_failed(self, rank: Receiver, leg: SenderLeg, error: KvBrokerError, *, maybe_delivered: bool) -> None:
+        """RegisterRoom with ``leg`` failed. ``maybe_delivered``: it may still
+        have reached the sender (a timeout, a broken connection), so the sender
+        may write: the pages are not settled until it says so or is lost."""
+        leg.registering = False
+        leg.registered = leg.registered and maybe_delivered
         self.fail(rank, cause_of(type(error)(f"the sender's broker refused room {rank.room}: {error.message}"), self._id))
 
     # -- data --------------------------------------------------------------
@@ -507,13 +557,14 @@ class ReceiverCore:
             return
         room = self._rooms.receiver.get(notice.room)
         rank = room.ranks.get(rank_key(notice.receiver)) if room is not None else None
-        if rank is None or (rank.peer_broker_id is not None and notice.sender_broker_id != rank.peer_broker_id):
+        leg = rank.leg(notice.sender_broker_id) if rank is not None else None
+        if rank is None or (rank.legs and leg is None):
             self._counters.late_notices += 1
             log.debug("late_notification", room=notice.room, receiver=str(rank_key(notice.receiver)))
             return
         source_key = rank_key(notice.source)
         exp = rank.expected.get(source_key) if rank.expected is not None else None
-        if exp is None:
+        if exp is None or exp.leg is not leg:
             self.fail(
                 rank,
                 cause(common_pb2.FAILURE_KIND_MISMATCH, f"an unexpected source {source_key} wrote into the room", self._id),
@@ -609,14 +660,14 @@ class ReceiverCore:
         """A source's out-of-band report: it failed, and maybe it settled."""
         room = self._rooms.receiver.get(report.room)
         rank = room.ranks.get(rank_key(report.receiver)) if room is not None else None
-        if rank is None or rank.peer_broker_id != report.sender_broker_id:
+        if rank is None or rank.leg(report.sender_broker_id) is None:
             self._counters.late_notices += 1
             return
         exp = rank.expected.get(rank_key(report.source)) if rank.expected is not None else None
-        if report.settled and exp is not None:
+        if report.settled and exp is not None and exp.leg.broker_id == report.sender_broker_id:
             exp.settled = True
         if report.HasField("failure"):
-            self.fail(rank, report.failure, tell_sender=False)
+            self.fail(rank, report.failure, told_by=report.sender_broker_id)
         self._maybe_settled(rank)
 
     # -- staging -------------------------------------------------------------
@@ -651,7 +702,7 @@ class ReceiverCore:
     def _staging_rank(self, request: peer_pb2.ReserveStagingRequest) -> Receiver:
         room = self._rooms.receiver.get(request.room)
         rank = room.ranks.get(rank_key(request.receiver)) if room is not None else None
-        if rank is None or rank.peer_broker_id != request.sender_broker_id:
+        if rank is None or rank.leg(request.sender_broker_id) is None:
             raise NotFound(f"room {request.room} has no receiver {rank_key(request.receiver)} expecting this broker")
         return rank
 
@@ -683,9 +734,9 @@ class ReceiverCore:
         room = self._rooms.receiver.get(room_id)
         if room is None:
             return 0
-        ranks = [r for r in room.ranks.values() if r.peer_broker_id == from_broker]
+        ranks = [r for r in room.ranks.values() if r.leg(from_broker) is not None]
         for rank in ranks:
-            self.fail(rank, why, tell_sender=False)
+            self.fail(rank, why, told_by=from_broker)
         return len(ranks)
 
     def peer_settled(self, broker_id: str, room_id: int) -> None:
@@ -694,18 +745,17 @@ class ReceiverCore:
         would come): the failed ranks it fed are settled as far as it goes."""
         room = self._rooms.receiver.get(room_id)
         for rank in room.ranks.values() if room is not None else ():
-            if rank.peer_broker_id == broker_id and rank.state == FAILED:
-                for exp in (rank.expected or {}).values():
-                    exp.settled = True
-                self._maybe_settled(rank)
+            if rank.leg(broker_id) is not None and rank.state == FAILED:
+                self._settle_sources(rank, broker_id)
 
     def abort_undelivered(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
         """An abort could not reach ``broker_id`` (it went away): tell the broker
         that answers at its address next."""
         room = self._rooms.receiver.get(room_id)
         for rank in room.ranks.values() if room is not None else ():
-            if rank.peer_broker_id == broker_id:
-                self._remember_for_successor(rank.sender_address, room_id, why)
+            leg = rank.leg(broker_id)
+            if leg is not None:
+                self._remember_for_successor(leg.address, room_id, why)
 
     def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
         """The sender's broker ``broker_id`` is gone: fail our ranks it feeds.
@@ -715,30 +765,35 @@ class ReceiverCore:
         (:meth:`room_registered`); one still bootstrapping registers with
         whoever answers at the address now.
         """
-        ranks = [
-            r
+        lost = [
+            (r, leg)
             for r in self._rooms.all_receivers()
-            if r.peer_broker_id == broker_id and (r.registered_with_sender or r.terminal) and not r.registering
+            if (leg := r.leg(broker_id)) is not None and (leg.registered or r.terminal) and not leg.registering
         ]
-        for rank in ranks:
-            self._lose_sender(rank, why)
-        return len(ranks)
+        for rank, leg in lost:
+            self._lose_sender(rank, why, leg)
+        return len(lost)
 
-    def _lose_sender(self, rank: Receiver, why: common_pb2.FailureCause) -> None:
-        """Fail ``rank``: its sender's broker process is gone, so nothing more
-        can write into its pages. If it had the room, the broker that answers
-        at its address next is told."""
-        if not rank.terminal and rank.registered_with_sender:
-            self._remember_for_successor(rank.sender_address, rank.room, why)
-        self.fail(rank, why, tell_sender=False)
+    def _lose_sender(self, rank: Receiver, why: common_pb2.FailureCause, leg: SenderLeg) -> None:
+        """Fail ``rank``: its sender broker ``leg``'s process is gone, so
+        nothing more can come from it (its other sender brokers are told). If
+        it had the room, the broker that answers at its address next is told."""
+        if not rank.terminal and leg.registered:
+            self._remember_for_successor(leg.address, rank.room, why)
+        self.fail(rank, why, told_by=leg.broker_id)
+        self._settle_sources(rank, leg.broker_id)
+
+    def _settle_sources(self, rank: Receiver, broker_id: str) -> None:
+        """Nothing of the room is in flight from sender broker ``broker_id`` any more."""
         for exp in (rank.expected or {}).values():
-            exp.settled = True
+            if exp.leg.broker_id == broker_id:
+                exp.settled = True
         self._maybe_settled(rank)
 
     def has_business(self, broker_id: str) -> bool:
         """Whether a rank still waits on (or may still be written by) ``broker_id``."""
         return any(
-            r.peer_broker_id == broker_id and (not r.terminal or not r.pages_settled) for r in self._rooms.all_receivers()
+            r.leg(broker_id) is not None and (not r.terminal or not r.pages_settled) for r in self._rooms.all_receivers()
         )
 
     # -- timers ----------------------------------------------------------------
@@ -867,10 +922,19 @@ def _pool_of(rank: Receiver) -> PoolKey:
     return (table.region_kind[kv[0]], table.region_device[kv[0]])
 
 
-def _expectation(rank: Receiver, plan: SourcePlan) -> SourceExpectation:
-    """What ``rank`` waits for from the source of ``plan``."""
+def _leg_of(rank: Receiver, source: RankKey) -> SenderLeg:
+    """The sender broker of ``source``; ``FailedPrecondition`` if none holds it."""
+    for leg in rank.legs:
+        if leg.holds(source):
+            return leg
+    raise FailedPrecondition(f"no sender broker found for source {source} of room {rank.room}")
+
+
+def _expectation(rank: Receiver, plan: SourcePlan, leg: SenderLeg) -> SourceExpectation:
+    """What ``rank`` waits for from the source of ``plan``, at ``leg``."""
     return SourceExpectation(
         plan=plan,
+        leg=leg,
         expects_aux=plan.sends_aux and rank.aux_row is not None,
         expected_components=frozenset(
             name
@@ -887,9 +951,9 @@ def _nothing_in_flight(rank: Receiver) -> bool:
     staged part is being unpacked into them."""
     if rank.scattering:
         return False
-    if not rank.registered_with_sender or rank.expected is None:
+    if rank.expected is None:
         return True
-    return all(e.complete or e.settled or not e.plan.writes_data for e in rank.expected.values())
+    return all(e.complete or e.settled or not e.plan.writes_data or not e.leg.registered for e in rank.expected.values())
 
 
 def _token_problem(rank: Receiver, notice: peer_pb2.TransferNotice) -> str | None:

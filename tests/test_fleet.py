@@ -195,21 +195,25 @@ def test_receivers_name_senders_by_group_alone_across_three_brokers(tmp_path: Pa
             broker.stop()
 
 
-def test_a_group_split_over_two_brokers_resolves_per_rank(tmp_path: Path, etcd: Etcd) -> None:
-    """tp2 prefill with one rank per broker: each decode rank reads from the broker holding its source."""
+@pytest.mark.parametrize(
+    "split",
+    [
+        # Each decode rank's one source is on one host: decode rank i reads from broker i.
+        Scenario(prefill_tp=2, decode_tp=2, rooms=2, pages=4, chunks=2),
+        # One decode rank reads head halves from both hosts.
+        Scenario(prefill_tp=2, decode_tp=1, rooms=2, pages=4, chunks=2),
+        # A pp2 prefill group spread over two hosts: the decode rank reads layers from both.
+        Scenario(prefill_pp=2, decode_pp=1, rooms=2, pages=4, chunks=2),
+    ],
+    ids=lambda s: s.label,
+)
+def test_a_group_split_over_two_brokers_resolves_per_rank(tmp_path: Path, etcd: Etcd, split: Scenario) -> None:
+    """A prefill group with one rank per broker: each decode rank reads from the broker(s) holding its sources."""
     brokers = _brokers(tmp_path, etcd, ["p1", "p2", "d"])
     try:
-        split = Scenario(prefill_tp=2, decode_tp=2, rooms=2, pages=4, chunks=2)
         result = run_scenario([b.address for b in brokers[:2]], brokers[2].address, split, sender_address="")
         assert result.ok, result.problems
-        # A decode rank whose sources live on two hosts is refused with the reason (not half-served).
-        narrow = Scenario(prefill_tp=2, decode_tp=1, rooms=1, pages=4, chunks=1)
-        result = run_scenario([b.address for b in brokers[:2]], brokers[2].address, narrow, sender_address="", timeout_seconds=30)
-        failed = [p for p in result.problems if "FAILED" in p]
-        decode, prefill = ([p for p in failed if f" {role} tp" in p.split(":")[0]] for role in ("decode", "prefill"))
-        assert len(decode) == 1 and "live on 2 brokers" in decode[0], failed
-        # ... and both prefill ranks heard of it (no sender waits for a receiver that will never come).
-        assert len(prefill) == 2 and all("failed the room" in p for p in prefill), failed
+        assert {p.address for p in _list_peers(brokers[2])} >= {b.address for b in brokers[:2]}
     finally:
         for broker in brokers:
             broker.stop()
@@ -282,6 +286,37 @@ def test_a_killed_prefill_brokers_rooms_fail_by_its_lease_and_a_new_broker_takes
         for broker in (old, decode_broker, new):
             if broker is not None:
                 broker.stop()
+
+
+def test_losing_one_host_of_a_split_group_fails_the_room_on_every_side(tmp_path: Path, etcd: Etcd) -> None:
+    """A decode rank reading layers from two prefill brokers: one is killed; the room fails with a cause
+    naming it, and the prefill rank on the other broker hears of it instead of waiting."""
+    scenario = Scenario(prefill_pp=2, rooms=1, pages=4, chunks=1)
+    brokers = _brokers(tmp_path, etcd, ["p1", "p2", "d"], "--peer-dead-after", "120")
+    group, ref = "prefill-split", SenderRef(group="prefill-split")
+    prefill = register_group(scenario, "prefill", group, [b.address for b in brokers[:2]])
+    decode = register_group(scenario, "decode", "decode-0", brokers[2].address)
+    try:
+        eventually(lambda: sorted(_serving(etcd, group)) == sorted(b.address for b in brokers[:2]), 10)
+        (plan,) = room_plans(scenario)
+        receiver = decode[0].engine.receiver(plan.room, ref)
+        receiver.init(plan.dst_pages, aux_row=plan.slot)
+        survivor = prefill[0].engine.sender(plan.room)
+        survivor.init(num_pages=len(plan.src_pages), aux_row=plan.slot)
+        eventually(lambda: receiver.poll() is RoomState.WAITING_FOR_INPUT, 15)
+        room = _admin(brokers[2], "ListRooms").rooms[0]
+        assert set(room.peer.split(",")) == {brokers[0].broker_id, brokers[1].broker_id}, room
+        os.kill(brokers[1].process.pid, signal.SIGKILL)
+        status = receiver.wait(15)
+        assert status.cause.kind == common_pb2.FAILURE_KIND_PEER and brokers[1].broker_id in status.cause.message, status
+        told = prefill[0].engine.wait([plan.room], timeout_seconds=15)[plan.room]
+        assert RoomState(told.state) is RoomState.FAILED and brokers[1].broker_id in told.cause.message, told
+        eventually(lambda: receiver.status().pages_settled, 10)
+    finally:
+        close_ranks(decode)
+        _close_dead(prefill)
+        for broker in brokers:
+            broker.stop()
 
 
 def test_a_broker_of_another_protocol_version_is_not_used(tmp_path: Path, etcd: Etcd) -> None:

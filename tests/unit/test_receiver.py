@@ -22,7 +22,7 @@ from kvbroker.broker.effects import (
 )
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.parts import MAX_PARTS
-from kvbroker.broker.receiver import Receiver, ReceiverCore
+from kvbroker.broker.receiver import Receiver, ReceiverCore, SenderLeg
 from kvbroker.broker.rooms import RoomTables, cause
 from kvbroker.broker.staging import Reservation
 from kvbroker.errors import (
@@ -67,7 +67,7 @@ class World:
         args: dict[str, Any] = {"pages": i32([0, 1, 2]), "aux_row": 1, "state": {}, **expect}
         rank = self.core.expect(de, room, sender_address=ADDRESS, sender_group=senders[0].key.group, **args)
         self.core.sender_found(rank, P, [s.layout for s in senders])
-        self.core.room_registered(rank, P, still_known=True)
+        self.core.room_registered(rank, rank.legs[0], P, still_known=True)
         self.take()
         return rank
 
@@ -119,7 +119,7 @@ def test_a_receiver_bootstraps_registers_and_succeeds_on_its_notices(world: Worl
     assert request.protocol_version == PROTOCOL_VERSION and request.sender_broker_id == P and request.aux_row == 2
     assert [s.rank.group for s in request.sources] == ["prefill-group"]
     assert rank.registered_with_sender and rank.registering
-    world.core.room_registered(rank, P, still_known=True)
+    world.core.room_registered(rank, rank.legs[0], P, still_known=True)
     assert rank.state == WAITING and [type(e) for e in world.take()] == [Publish]
     world.core.notices([notice(rank, SOURCE, last=False, pages=2, aux=False)])
     assert rank.state == TRANSFERRING
@@ -326,7 +326,7 @@ def test_a_rank_registering_when_its_peer_is_lost_learns_where_its_room_landed(w
     rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
     world.core.sender_found(rank, P, [pe.layout])
     assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "gone", "decode-broker")) == 0
-    world.core.room_registered(rank, P, still_known=False)
+    world.core.room_registered(rank, rank.legs[0], P, still_known=False)
     assert rank.state == FAILED and rank.pages_settled and "went away while room 1 registered" in rank.cause.message  # type: ignore[union-attr]
 
 
@@ -336,7 +336,7 @@ def test_a_failed_registration_settles_unless_it_may_have_reached_the_sender(wor
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
     world.core.sender_found(rank, P, [pe.layout])
-    world.core.registration_failed(rank, Unavailable("deadline"), maybe_delivered=maybe_delivered)
+    world.core.registration_failed(rank, rank.legs[0], Unavailable("deadline"), maybe_delivered=maybe_delivered)
     assert rank.state == FAILED and rank.pages_settled is not maybe_delivered
 
 
@@ -384,12 +384,12 @@ def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_hand
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
     world.core.sender_found(rank, P, [pe.layout])
-    world.core.registration_stale(rank)
+    world.core.registration_stale(rank, rank.legs[0])
     assert not rank.registered_with_sender and not rank.registering
     # A loss found by that handshake does not touch the rank: the old process never had the room.
     assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "restarted", "decode-broker")) == 0
-    assert world.core.register_again(rank, "prefill-broker-2")
-    world.core.room_registered(rank, "prefill-broker-2", still_known=True)
+    assert world.core.register_again(rank, rank.legs[0], "prefill-broker-2")
+    world.core.room_registered(rank, rank.legs[0], "prefill-broker-2", still_known=True)
     assert rank.state == WAITING and rank.peer_broker_id == "prefill-broker-2"
 
 
@@ -398,9 +398,9 @@ def test_a_rank_that_ended_meanwhile_does_not_register_again(world: World) -> No
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
     world.core.sender_found(rank, P, [pe.layout])
-    world.core.registration_stale(rank)
+    world.core.registration_stale(rank, rank.legs[0])
     world.core.abort(de, 1, "cancelled")
-    assert not world.core.register_again(rank, "prefill-broker-2")
+    assert not world.core.register_again(rank, rank.legs[0], "prefill-broker-2")
 
 
 def test_the_senders_abort_fails_its_ranks_without_aborting_back(world: World) -> None:
@@ -441,3 +441,66 @@ def test_a_rank_that_failed_before_its_sender_was_reachable_tells_the_broker_fou
     assert world.take() == [TellSuccessor(ADDRESS)]
     world.core.tick(rank.opened_at, data_timeout_seconds=100, retry_seconds=1)
     assert world.take() == []  # already being told
+
+
+# -- a rank whose sources live on two sender brokers (found through etcd) ------------------------
+
+Q = "prefill-broker-2"
+
+
+def _two_legs(world: World) -> tuple[Receiver, list[RegisterRoom]]:
+    """A decode rank reading a pp2 prefill group whose pp0 is on broker P and pp1 on broker Q."""
+    de = world.engine_stub("decode")
+    pe = world.engine_stub("prefill", pp_size=2, pp_rank=0)
+    rank = world.core.expect(de, 1, sender_address="", sender_group="prefill-group", pages=i32([0, 1, 2]), aux_row=1, state={})
+    world.take()
+    legs = [SenderLeg(P, ADDRESS, frozenset({(0, 0)})), SenderLeg(Q, "host-b:50051", frozenset({(0, 1)}))]
+    world.core.sender_found(rank, legs, [pe.layout])
+    registrations = [e for e in world.take() if isinstance(e, RegisterRoom)]
+    return rank, registrations
+
+
+def test_a_rank_registers_with_each_sender_broker_for_its_sources_and_waits_for_both(world: World) -> None:
+    rank, registrations = _two_legs(world)
+    assert [(r.broker_id, [(s.rank.tp_rank, s.rank.pp_rank) for s in r.request.sources]) for r in registrations] == [
+        (P, [(0, 0)]),
+        (Q, [(0, 1)]),
+    ]
+    world.core.room_registered(rank, rank.legs[0], P, still_known=True)
+    assert rank.state == BOOTSTRAPPING, "one sender broker has not taken the room yet"
+    world.core.room_registered(rank, rank.legs[1], Q, still_known=True)
+    assert rank.state == WAITING and rank.peer_broker_id == f"{P},{Q}"
+
+
+def test_a_source_is_accepted_only_from_the_broker_that_holds_it(world: World) -> None:
+    rank, _ = _two_legs(world)
+    for leg, broker in zip(rank.legs, (P, Q), strict=True):
+        world.core.room_registered(rank, leg, broker, still_known=True)
+    pp1 = RankKey("prefill-group", 0, 1)
+    stray = peer_pb2.TransferNotice.FromString(notice(rank, pp1)[1])  # pp1's notice, but from P
+    world.core.notices([("prefill-agent", stray.SerializeToString())])
+    assert rank.state == FAILED and "unexpected source" in rank.cause.message  # type: ignore[union-attr]
+
+
+def test_losing_one_sender_broker_fails_the_rank_tells_the_other_and_settles_when_it_has(world: World) -> None:
+    rank, _ = _two_legs(world)
+    for leg, broker in zip(rank.legs, (P, Q), strict=True):
+        world.core.room_registered(rank, leg, broker, still_known=True)
+    world.take()
+    why = cause(common_pb2.FAILURE_KIND_PEER, "peer broker host-b:50051 went away", "decode-broker")
+    assert world.core.peer_lost(Q, why) == 1
+    aborts = [e for e in world.take() if isinstance(e, AbortAtPeer)]
+    assert rank.state == FAILED and [a.broker_id for a in aborts] == [P], "the living broker is told, the lost one is not"
+    assert not rank.pages_settled, "P may still write its source"
+    assert world.core.has_business(P) and (("host-b:50051", 1) in world.rooms.successor_notices)
+    world.core.peer_settled(P, 1)
+    assert rank.pages_settled and not world.core.has_business(P)
+
+
+def test_an_abort_from_one_sender_broker_is_passed_to_the_other(world: World) -> None:
+    rank, _ = _two_legs(world)
+    for leg, broker in zip(rank.legs, (P, Q), strict=True):
+        world.core.room_registered(rank, leg, broker, still_known=True)
+    world.take()
+    world.core.peer_abort(1, cause(common_pb2.FAILURE_KIND_ABORTED, "the prefill engine aborted", P), P)
+    assert rank.state == FAILED and [a.broker_id for a in world.take() if isinstance(a, AbortAtPeer)] == [Q]

@@ -12,7 +12,7 @@ import pytest
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.nixl_agent import NixlError
-from kvbroker.broker.receiver import Receiver, SourceExpectation
+from kvbroker.broker.receiver import Receiver, SenderLeg, SourceExpectation
 from kvbroker.broker.rooms import ReceiverRoom, RoomTables, SenderRoom, Side, cause, cause_of
 from kvbroker.broker.sender import Chunk, Destination, Source, TransferInfo
 from kvbroker.broker.staging import Reservation
@@ -28,6 +28,7 @@ from kvbroker.errors import (
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FAILED = common_pb2.ROOM_STATE_FAILED
+LEG = SenderLeg("p-broker", "p-host:1")
 BOOTSTRAPPING = common_pb2.ROOM_STATE_BOOTSTRAPPING
 WAITING = common_pb2.ROOM_STATE_WAITING_FOR_INPUT
 TRANSFERRING = common_pb2.ROOM_STATE_TRANSFERRING
@@ -364,10 +365,10 @@ def test_sizes_counts_everything() -> None:
     rcv = receiver(room=1, group="d")
     rcv.expected = {
         RankKey("p", 0, 0): SourceExpectation(
-            plan=_plan(0), expects_aux=True, expected_components=frozenset()
+            plan=_plan(0), leg=LEG, expects_aux=True, expected_components=frozenset()
         ),
         RankKey("p", 1, 0): SourceExpectation(
-            plan=_plan(1), expects_aux=False, expected_components=frozenset()
+            plan=_plan(1), leg=LEG, expects_aux=False, expected_components=frozenset()
         ),
     }
     rcv.staging[(RankKey("p", 0, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_DRAM, 0), Reservation(offset=0, nbytes=4096))
@@ -611,7 +612,7 @@ def test_transfer_info_plan_for() -> None:
 def test_source_expectation_counts() -> None:
     """chunks_landed counts chunks with every part in; pages_landed sums pages; landed_positions
     lists the positions of the chunks with every part in."""
-    exp = SourceExpectation(plan=_plan(), expects_aux=True, expected_components=frozenset())
+    exp = SourceExpectation(plan=_plan(), leg=LEG, expects_aux=True, expected_components=frozenset())
     exp.parts_expected = {0: 2, 1: 1}
     exp.parts_received = {0: 0b01, 1: 0b01}  # bit i: part i
     exp.chunk_pages = {0: (0, 4), 1: (4, 3)}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvbroker.broker.descriptors import DescriptorTable
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import FULL_PAGES, SourcePlan
-from kvbroker.broker.receiver import SourceExpectation
+from kvbroker.broker.receiver import SenderLeg, SourceExpectation
 from kvbroker.broker.tokens import (
     TokenGeometry,
     completed_pages,
@@ -114,7 +114,7 @@ def test_a_straddled_page_arrived_only_if_every_chunk_that_wrote_it_landed() -> 
     wrote [6, 12) and completed pages 1 and 2. Page 1 started in chunk 0: with chunk 0 lost it did
     not arrive, though chunk 1 (which completed it) landed."""
     plan = SourcePlan(RankKey("p", 0, 0), FULL_PAGES, 1, 0, 1, False, False)
-    exp = SourceExpectation(plan=plan, expects_aux=False, expected_components=frozenset())
+    exp = SourceExpectation(plan=plan, leg=SenderLeg("p-broker", "p-host:1"), expects_aux=False, expected_components=frozenset())
     exp.chunk_pages = {0: (0, 1), 1: (1, 2)}
     exp.chunk_tokens = {0: (0, 6), 1: (6, 12)}
     exp.parts_expected = {0: 1, 1: 1}
