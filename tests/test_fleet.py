@@ -41,6 +41,7 @@ from kvbroker.testing.scenario import (
 from kvbroker.v1 import common_pb2
 
 from .conftest import SMALL_MODEL
+from .test_grpcurl import grpcurl
 
 pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (.ci/run installs etcd-server)")]
 
@@ -371,6 +372,12 @@ def test_etcd_stopped_and_restarted_rooms_go_on_and_brokers_register_again(tmp_p
         assert [g.group for g in fleet[prefill_broker.broker_id].groups] == [group]
         placed = {(g.group, g.address, tuple(g.ranks)) for g in _admin(decode_broker, "ListEngines").fleet_groups}
         assert (group, prefill_broker.address, ("tp0/pp0",)) in placed and ("decode-0", decode_broker.address, ("tp0/pp0",)) in placed
+        # The grpcurl recipes of docs/operations.md.
+        listed = json.loads(grpcurl("-d", "{}", decode_broker.address, "kvbroker.v1.Admin/ListEngines"))
+        assert "fleet_groups" in listed, listed
+        assert {(g["group"], g["address"]) for g in listed["fleet_groups"]} >= {(group, prefill_broker.address)}
+        health = json.loads(grpcurl("-d", '{"service": "kvbroker.etcd"}', decode_broker.address, "grpc.health.v1.Health/Check"))
+        assert health == {"status": "SERVING"}
         etcd.stop()
         for broker in brokers:
             eventually(lambda b=broker: b.stats().etcd == "unreachable" and _etcd_health(b) == "NOT_SERVING", 15)
