@@ -32,7 +32,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -242,9 +242,11 @@ class FleetView:
         usable = (m for m in members if m.protocol == PROTOCOL_VERSION and not m.draining)
         return sorted(usable, key=lambda m: -m.started_at)
 
-    def owner(self, group: str, tp_rank: int, pp_rank: int) -> Member | None:
-        """The newest usable broker that holds rank (tp, pp) of ``group``."""
-        return next((m for m in self.serving(group) if (tp_rank, pp_rank) in m.ranks(group)), None)
+    def owner(self, group: str, tp_rank: int, pp_rank: int, skip: Collection[str] = ()) -> Member | None:
+        """The newest usable broker that holds rank (tp, pp) of ``group`` (not at an address in ``skip``)."""
+        return next(
+            (m for m in self.serving(group) if (tp_rank, pp_rank) in m.ranks(group) and m.address not in skip), None
+        )
 
     def why_none(self, group: str) -> str:
         """Why no broker can be used for ``group``."""
@@ -305,10 +307,27 @@ async def _layouts(client: PeerClient, peer: Peer, group: str, needed: set[tuple
 
 
 async def _resolve(client: PeerClient, view: FleetView, group: str, receiver: Layout, key: RankKey) -> tuple[Found, list[Layout]]:
-    members = view.serving(group)
-    if not members:
+    # Brokers that did not answer in this attempt: a killed broker stays in
+    # etcd until its lease expires, and an older one may hold the group too.
+    down: set[str] = set()
+    while True:
+        found = await _resolve_among(client, view, group, receiver, key, down)
+        if found is not None:
+            return found
+
+
+async def _resolve_among(
+    client: PeerClient, view: FleetView, group: str, receiver: Layout, key: RankKey, down: set[str]
+) -> tuple[Found, list[Layout]] | None:
+    """One try, skipping the brokers in ``down``; None: one more did not answer (now in ``down``)."""
+    if not view.serving(group):
         raise FailedPrecondition(view.why_none(group))
-    first = await client.connect(members[0].address)
+    members = [m for m in view.serving(group) if m.address not in down]
+    if not members:
+        raise Unavailable(f"no broker etcd lists for engine group {group!r} answers ({', '.join(sorted(down))})")
+    first = await _connect(client, members[0].address, down)
+    if first is None:
+        return None
     layouts = await _layouts(client, first, group, set())
     try:
         plans = plan_sources(GroupShape.of(layouts[0]), group, GroupShape.of(receiver), key.tp_rank, key.pp_rank)
@@ -316,13 +335,25 @@ async def _resolve(client: PeerClient, view: FleetView, group: str, receiver: La
         return [(first, None)], layouts  # the room fails on the plan, with its reason (ReceiverCore.sender_found)
     owners: dict[str, set[tuple[int, int]]] = {}
     for plan in plans:
-        owner = view.owner(group, plan.rank.tp_rank, plan.rank.pp_rank)
+        owner = view.owner(group, plan.rank.tp_rank, plan.rank.pp_rank, skip=down)
         if owner is None:
             raise FailedPrecondition(f"no broker in etcd holds rank tp{plan.rank.tp_rank}/pp{plan.rank.pp_rank} of engine group {group!r}")
         owners.setdefault(owner.address, set()).add((plan.rank.tp_rank, plan.rank.pp_rank))
     found: Found = []
     for address, needed in sorted(owners.items()):
-        peer = first if address == first.address else await client.connect(address)
+        peer = first if address == first.address else await _connect(client, address, down)
+        if peer is None:
+            return None
         layouts = await _layouts(client, peer, group, needed)
         found.append((peer, frozenset(needed) if len(owners) > 1 else None))
     return found, layouts
+
+
+async def _connect(client: PeerClient, address: str, down: set[str]) -> Peer | None:
+    """The handshaken peer at ``address``, or None (and ``address`` in ``down``) if it does not answer."""
+    try:
+        return await client.connect(address)
+    except Unavailable as exc:
+        log.info("etcd_broker_unreachable", address=address, error=exc.message)
+        down.add(address)
+        return None

@@ -320,6 +320,29 @@ def test_losing_one_host_of_a_split_group_fails_the_room_on_every_side(tmp_path:
             broker.stop()
 
 
+def test_a_broker_etcd_still_lists_but_that_does_not_answer_is_passed_over(tmp_path: Path, etcd: Etcd) -> None:
+    """The newest broker of a group is killed; until its (long) lease expires, rooms go to the older one."""
+    older, decode_broker = _brokers(tmp_path, etcd, ["older", "d"])
+    (newer,) = _brokers(tmp_path, etcd, ["newer"], ttl=60)
+    group, ref = "prefill-twice", SenderRef(group="prefill-twice")
+    prefill = register_group(SMALL, "prefill", group, older.address)
+    doomed = register_group(SMALL, "prefill", group, newer.address)
+    decode = register_group(SMALL, "decode", "decode-0", decode_broker.address)
+    try:
+        eventually(lambda: sorted(_serving(etcd, group)) == sorted([older.address, newer.address]), 10)
+        os.kill(newer.process.pid, signal.SIGKILL)
+        result = _rooms(prefill, decode, ref)
+        assert result.ok, result.problems
+        assert newer.address in _serving(etcd, group), "the killed broker's lease has not expired yet"
+        assert "etcd_broker_unreachable" in decode_broker.log_tail(50000)
+    finally:
+        close_ranks(decode)
+        close_ranks(prefill)
+        _close_dead(doomed)
+        for broker in (older, newer, decode_broker):
+            broker.stop()
+
+
 def test_a_broker_of_another_protocol_version_is_not_used(tmp_path: Path, etcd: Etcd) -> None:
     prefill_broker, decode_broker = _brokers(tmp_path, etcd, ["p", "d"], "--bootstrap-timeout", "3")
     group, ref = "prefill-proto", SenderRef(group="prefill-proto")
