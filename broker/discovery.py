@@ -6,9 +6,9 @@ the list current with an etcd watch. A receiving room whose ``SenderRef``
 names a group and no broker address is resolved through it
 (:func:`find_in_fleet`):
 
-1. the brokers whose record lists the group, newest first, speaking this
-   broker's protocol version (the others are never used, and the error
-   says why when only they serve the group);
+1. the brokers whose record lists the group, newest first, that speak
+   this broker's protocol version, are not draining and answer (the others
+   are passed over, and the error says why when only they serve the group);
 2. a handshake with the newest one gives the group's layout; the receiving
    rank's sources (``mapping.plan_sources``) are looked up rank by rank, so
    a group whose ranks live on several hosts resolves each receiving rank
