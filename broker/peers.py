@@ -161,6 +161,10 @@ class PeerTable:
         peer = self.by_id.get(broker_id)
         return peer.staging_bytes(kind, device) if peer is not None else 0
 
+    def address_of(self, broker_id: str) -> str:
+        peer = self.by_id.get(broker_id)
+        return peer.address if peer is not None else ""
+
     # -- handshakes -----------------------------------------------------------
     async def answer(
         self,

@@ -246,6 +246,9 @@ class PeerView(Protocol):
         """Size of the peer's receive staging buffer for memory ``kind`` on GPU
         ``device`` (0: none)."""
 
+    def address_of(self, broker_id: str) -> str:
+        """Where broker ``broker_id`` was reached ("" if it is not known)."""
+
 
 # -- the state machine ---------------------------------------------------------
 
@@ -563,7 +566,8 @@ class SenderCore:
                 source,
                 cause(
                     common_pb2.FAILURE_KIND_TRANSFER,
-                    f"a NIXL write to receiver {dest.info.receiver} at broker {dest.info.receiver_broker_id} failed",
+                    f"a NIXL write to receiver {dest.info.receiver} at broker "
+                    f"{self._peers.address_of(dest.info.receiver_broker_id) or '?'} ({dest.info.receiver_broker_id}) failed",
                     self._id,
                 ),
             )

@@ -63,6 +63,9 @@ class Peers:
     def receive_staging_bytes(self, broker_id: str, kind: int, device: int) -> int:
         return self.staging.get((broker_id, kind, device), 0)
 
+    def address_of(self, broker_id: str) -> str:
+        return f"{broker_id}-host:50051"
+
 
 class World:
     """One sender state machine, its tables and the effects it left."""
@@ -208,6 +211,8 @@ def test_a_failed_part_fails_the_source_and_reports_settled_to_the_receiver(worl
     world.core.part_settled(part, XferState.ERR, None, None)
     effects = world.take()
     assert source.state == FAILED and source.cause is not None and source.cause.kind == common_pb2.FAILURE_KIND_TRANSFER
+    # The cause names the receiver's broker by address and id, as a lost-peer cause does.
+    assert f"at broker {D}-host:50051 ({D}) failed" in source.cause.message, source.cause.message
     assert source.pages_settled
     reports = [e for e in effects if isinstance(e, SendReport)]
     assert len(reports) == 1 and reports[0].report.settled and reports[0].report.HasField("failure")
