@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kvbroker.broker.fleet import brokers_prefix, parse_endpoint
+from kvbroker.broker.fleet import brokers_prefix, etcd_client, parse_endpoint
 from kvbroker.broker.layout import Layout, RankKey
 from kvbroker.broker.mapping import GroupShape, plan_sources
 from kvbroker.errors import FailedPrecondition, KvBrokerError, Unavailable
@@ -131,12 +131,10 @@ class FleetView:
                 pass
 
     async def _run(self) -> None:
-        import aetcd
-
         delay = 0.2
         while True:
             try:
-                self._client = aetcd.Client(host=self.host, port=self.port, timeout=5)
+                self._client = etcd_client(self.host, self.port, 5)
                 listing = await self._client.get_prefix(self.prefix.encode())
                 fresh: dict[str, Member] = {}
                 for kv in listing:

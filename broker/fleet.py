@@ -39,7 +39,16 @@ from kvbroker.errors import InvalidArgument
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2
 
-__all__ = ["FleetRecord", "broker_key", "brokers_prefix", "parse_endpoint", "probe_broker", "read_fleet"]
+__all__ = [
+    "ETCD_CHANNEL_OPTIONS",
+    "FleetRecord",
+    "broker_key",
+    "brokers_prefix",
+    "etcd_client",
+    "parse_endpoint",
+    "probe_broker",
+    "read_fleet",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +59,20 @@ def parse_endpoint(url: str) -> tuple[str, int]:
     if parsed.scheme not in ("http", "") or not parsed.hostname:
         raise InvalidArgument(f"--etcd must be http://HOST:PORT, got {url!r} (TLS to etcd is not supported yet)")
     return parsed.hostname, parsed.port or 2379
+
+
+#: gRPC keepalive on the connections to etcd: a connection that went silent
+#: (a host or network gone without a reset) breaks within about 15 s, so the
+#: watch and the lease notice it (etcd refuses pings more often than every
+#: 5 s by default: ``--grpc-keepalive-min-time``).
+ETCD_CHANNEL_OPTIONS = {"grpc.keepalive_time_ms": 10_000, "grpc.keepalive_timeout_ms": 5_000}
+
+
+def etcd_client(host: str, port: int, timeout: float) -> Any:
+    """An ``aetcd.Client`` (connected on first use) with this project's channel options."""
+    import aetcd
+
+    return aetcd.Client(host=host, port=port, timeout=timeout, options=ETCD_CHANNEL_OPTIONS)
 
 
 def brokers_prefix(prefix: str) -> str:
@@ -134,10 +157,8 @@ class FleetRecord:
         await self._close()
 
     async def _register(self) -> None:
-        import aetcd
-
         await self._close()
-        self._client = aetcd.Client(host=self.host, port=self.port, timeout=self.ttl)
+        self._client = etcd_client(self.host, self.port, self.ttl)
         self._lease = await self._client.lease(ttl=self.ttl)
         await self._client.put(self.key, self.value(), lease=self._lease)
         self.registered = True
@@ -207,11 +228,9 @@ def groups_of(engines: Any) -> dict[str, Any]:
 async def read_fleet(url: str, prefix: str = "/kvbroker", *, probe: bool = False) -> list[dict[str, Any]]:
     """Every broker record under ``prefix``, with its lease's remaining TTL.
     ``probe``: also ask each broker itself (:func:`probe_broker`)."""
-    import aetcd
-
     host, port = parse_endpoint(url)
     records = []
-    async with aetcd.Client(host=host, port=port, timeout=5) as client:
+    async with etcd_client(host, port, 5) as client:
         for kv in await client.get_prefix(brokers_prefix(prefix).encode()):
             record = json.loads(kv.value)
             ttl = await client.get_lease_info(kv.lease) if kv.lease else None
