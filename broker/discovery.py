@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,8 @@ import structlog
 from kvbroker.broker.fleet import brokers_prefix, etcd_client, parse_endpoint
 from kvbroker.broker.layout import Layout, RankKey
 from kvbroker.broker.mapping import GroupShape, plan_sources
-from kvbroker.errors import FailedPrecondition, KvBrokerError, Unavailable
+from kvbroker.broker.peer_client import GroupNotFound
+from kvbroker.errors import KvBrokerError, Unavailable
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import admin_pb2
 
@@ -72,10 +72,13 @@ class Member:
     lease: int
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     draining: bool = False
+    #: group -> (tp rank, pp rank) of its ranks registered with this broker.
+    held: dict[str, frozenset[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, value: bytes, lease: int = 0) -> Member:
         record = json.loads(value)
+        groups = dict(record.get("groups", {}))
         return cls(
             broker_id=str(record["broker_id"]),
             address=str(record["address"]),
@@ -83,16 +86,17 @@ class Member:
             version=str(record.get("version", "")),
             started_at=float(record.get("started_at", 0.0)),
             lease=lease,
-            groups=dict(record.get("groups", {})),
+            groups=groups,
             draining=bool(record.get("draining", False)),
+            held={
+                name: frozenset((int(m[1]), int(m[2])) for m in map(_RANK.fullmatch, info.get("ranks", ())) if m)
+                for name, info in groups.items()
+            },
         )
 
-    def ranks(self, group: str) -> set[tuple[int, int]]:
+    def ranks(self, group: str) -> frozenset[tuple[int, int]]:
         """(tp rank, pp rank) of every rank of ``group`` registered with this broker."""
-        info = self.groups.get(group)
-        if info is None:
-            return set()
-        return {(int(m[1]), int(m[2])) for m in map(_RANK.fullmatch, info.get("ranks", ())) if m}
+        return self.held.get(group, frozenset())
 
 
 class FleetView:
@@ -266,83 +270,55 @@ async def find_in_fleet(
     receiver: Layout,
     receiver_key: RankKey,
     *,
-    timeout_seconds: float,
     stop: Callable[[], bool] = lambda: False,
 ) -> tuple[Found, list[Layout]]:
     """The brokers that hold the sources of receiving rank ``receiver_key``
     of ``group`` (one, unless the group's ranks live on several hosts),
-    handshaken, and the group's layouts; retried with backoff until
-    ``timeout_seconds`` (the sender may still be starting)."""
-    start = time.monotonic()
-    delay = 0.01
-    while True:
-        try:
-            return await _resolve(client, view, group, receiver, receiver_key)
-        except (Unavailable, FailedPrecondition) as exc:
-            error: KvBrokerError = exc
-        remaining = start + timeout_seconds - time.monotonic()
-        if remaining <= 0 or stop():
-            waited = time.monotonic() - start
-            raise type(error)(f"{error.message} (gave up after {waited:.3g} s; --bootstrap-timeout {timeout_seconds:g} s)")
-        await asyncio.sleep(min(delay, remaining))
-        delay = min(delay * 2, 1.0)
+    handshaken, and the group's layouts; retried with backoff until the
+    bootstrap timeout (the sender may still be starting)."""
+
+    async def attempt() -> tuple[Found, list[Layout]]:
+        # Brokers that did not answer in this attempt: a killed broker stays in
+        # etcd until its lease expires, and an older one may hold the group too.
+        down: set[str] = set()
+        while (found := await _resolve(client, view, group, receiver, receiver_key, down)) is None:
+            pass
+        return found
+
+    return await client.until_found(attempt, stop)
 
 
-async def _layouts(client: PeerClient, peer: Peer, group: str, needed: set[tuple[int, int]]) -> list[Layout]:
-    """The layouts of ``group`` at ``peer``, handshaking again if it lacks a ``needed`` rank."""
-
-    def held() -> set[tuple[int, int]]:
-        return {(k.tp_rank, k.pp_rank) for k in peer.engines if k.group == group}
-
-    if not peer.group_layouts(group) or not needed <= held():
-        await client.handshake(peer)
-    layouts = peer.group_layouts(group)
-    missing = needed - held()
-    if not layouts or missing:
-        ranks = ", ".join(f"tp{t}/pp{p}" for t, p in sorted(missing)) or "any rank"
-        raise FailedPrecondition(f"etcd lists engine group {group!r} at {peer.address}, but {ranks} of it is not registered there")
-    return layouts
-
-
-async def _resolve(client: PeerClient, view: FleetView, group: str, receiver: Layout, key: RankKey) -> tuple[Found, list[Layout]]:
-    # Brokers that did not answer in this attempt: a killed broker stays in
-    # etcd until its lease expires, and an older one may hold the group too.
-    down: set[str] = set()
-    while True:
-        found = await _resolve_among(client, view, group, receiver, key, down)
-        if found is not None:
-            return found
-
-
-async def _resolve_among(
+async def _resolve(
     client: PeerClient, view: FleetView, group: str, receiver: Layout, key: RankKey, down: set[str]
 ) -> tuple[Found, list[Layout]] | None:
     """One try, skipping the brokers in ``down``; None: one more did not answer (now in ``down``)."""
-    if not view.serving(group):
-        raise FailedPrecondition(view.why_none(group))
-    members = [m for m in view.serving(group) if m.address not in down]
+    serving = view.serving(group)
+    if not serving:
+        raise GroupNotFound(view.why_none(group))
+    members = [m for m in serving if m.address not in down]
     if not members:
         raise Unavailable(f"no broker etcd lists for engine group {group!r} answers ({', '.join(sorted(down))})")
     first = await _connect(client, members[0].address, down)
     if first is None:
         return None
-    layouts = await _layouts(client, first, group, set())
+    layouts = await client.group_layouts(first, group)
     try:
         plans = plan_sources(GroupShape.of(layouts[0]), group, GroupShape.of(receiver), key.tp_rank, key.pp_rank)
     except KvBrokerError:
         return [(first, None)], layouts  # the room fails on the plan, with its reason (ReceiverCore.sender_found)
     owners: dict[str, set[tuple[int, int]]] = {}
     for plan in plans:
-        owner = view.owner(group, plan.rank.tp_rank, plan.rank.pp_rank, skip=down)
+        rank = (plan.rank.tp_rank, plan.rank.pp_rank)
+        owner = view.owner(group, *rank, skip=down)
         if owner is None:
-            raise FailedPrecondition(f"no broker in etcd holds rank tp{plan.rank.tp_rank}/pp{plan.rank.pp_rank} of engine group {group!r}")
-        owners.setdefault(owner.address, set()).add((plan.rank.tp_rank, plan.rank.pp_rank))
+            raise GroupNotFound(f"no broker in etcd holds rank tp{rank[0]}/pp{rank[1]} of engine group {group!r}")
+        owners.setdefault(owner.address, set()).add(rank)
     found: Found = []
     for address, needed in sorted(owners.items()):
         peer = first if address == first.address else await _connect(client, address, down)
         if peer is None:
             return None
-        layouts = await _layouts(client, peer, group, needed)
+        layouts = await client.group_layouts(peer, group, needed)
         found.append((peer, frozenset(needed) if len(owners) > 1 else None))
     return found, layouts
 

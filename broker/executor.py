@@ -365,7 +365,6 @@ class Executor:
                         rank.sender_group,
                         rank.engine.layout,
                         rank.key,
-                        timeout_seconds=self._config.bootstrap_timeout_seconds,
                         stop=lambda: rank.terminal,
                     )
                     rank.sender_address = placed[0][0].address

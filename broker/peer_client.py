@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -55,7 +55,7 @@ from kvbroker.errors import (
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "RegistrationError", "channel_options"]
+__all__ = ["GroupNotFound", "HandshakeMessage", "PeerClient", "PerPeerBatches", "RegistrationError", "channel_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -168,24 +168,44 @@ class PeerClient:
         retrying with backoff until the bootstrap timeout (the sender's broker or
         engines may still be starting). The last try is at the deadline; no
         retry once ``stop()`` says so (the room ended)."""
+
+        async def attempt() -> tuple[Peer, list[Layout]]:
+            peer = await self.connect(address)
+            return peer, await self.group_layouts(peer, group)
+
+        return await self.until_found(attempt, stop)
+
+    async def group_layouts(self, peer: Peer, group: str, ranks: Collection[tuple[int, int]] = ()) -> list[Layout]:
+        """The layouts of ``group``'s ranks at ``peer``, handshaking again when it
+        lacks the group or one of ``ranks`` ((tp, pp)): they may have registered
+        after our last handshake. :class:`GroupNotFound` if they still lack."""
+
+        def missing() -> set[tuple[int, int]]:
+            return set(ranks) - {(k.tp_rank, k.pp_rank) for k in peer.engines if k.group == group}
+
+        if not peer.group_layouts(group) or missing():
+            await self.handshake(peer)
+        layouts = peer.group_layouts(group)
+        if not layouts:
+            raise GroupNotFound(f"no rank of engine group {group!r} is registered at the broker at {peer.address}")
+        if lacking := missing():
+            listed = ", ".join(f"tp{t}/pp{p}" for t, p in sorted(lacking))
+            raise GroupNotFound(f"{listed} of engine group {group!r} is not registered at the broker at {peer.address}")
+        return layouts
+
+    async def until_found(self, attempt: Callable[[], Awaitable[T]], stop: Callable[[], bool] = lambda: False) -> T:
+        """``attempt()`` until it returns, retrying with backoff on Unavailable
+        and :class:`GroupNotFound` until the bootstrap timeout (the last try is
+        at the deadline); no retry once ``stop()`` says so. The last error says
+        how long it waited."""
         start = time.monotonic()
         deadline = start + self._bootstrap_timeout
         delay = 0.01
         while True:
             try:
-                peer = await self.connect(address)
-                layouts = peer.group_layouts(group)
-                if not layouts:
-                    # The group may have registered after our last handshake.
-                    await self.handshake(peer)
-                    layouts = peer.group_layouts(group)
-                if layouts:
-                    return peer, layouts
-                error: KvBrokerError = FailedPrecondition(
-                    f"no rank of engine group {group!r} is registered at the broker at {peer.address}"
-                )
-            except Unavailable as exc:
-                error = exc
+                return await attempt()
+            except (Unavailable, GroupNotFound) as exc:
+                error: KvBrokerError = exc
             remaining = deadline - time.monotonic()
             if remaining <= 0 or stop():
                 waited = time.monotonic() - start
@@ -424,6 +444,11 @@ class PerPeerBatches(Generic[Item, Result]):
                 if not done.done():
                     done.set_exception(Unavailable("the broker is shutting down"))
         self._queues.clear()
+
+
+class GroupNotFound(FailedPrecondition):
+    """A sender's broker (or the fleet) does not hold the group or ranks a room
+    needs, yet: bootstrapping retries it (:meth:`PeerClient.until_found`)."""
 
 
 class RegistrationError(Exception):

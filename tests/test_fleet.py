@@ -6,7 +6,6 @@ the broker keeps serving and registers again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -19,23 +18,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from kvbroker.broker.fleet import read_fleet
+from kvbroker.broker.fleet import etcd_client, parse_endpoint, read_fleet
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.demo.pattern import write_aux
-from kvbroker.errors import KvBrokerError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import BrokerProcess, eventually
 from kvbroker.testing.scenario import (
     Scenario,
     ScenarioResult,
     close_ranks,
+    collect_rooms,
     move_rooms,
     register_group,
     room_plans,
     run_scenario,
+    send_room,
     verify_rooms,
 )
 from kvbroker.v1 import common_pb2
@@ -103,8 +101,7 @@ def _records(etcd: Etcd) -> list[dict[str, Any]]:
 
 
 def _broker(tmp_path: Path, etcd: Etcd, name: str, ttl: float = 2) -> BrokerProcess:
-    broker = BrokerProcess.launch(name, tmp_path, ["--etcd", etcd.url, "--etcd-ttl", str(ttl), "--log-level", "info"])
-    broker.wait_ready()
+    (broker,) = _brokers(tmp_path, etcd, [name], ttl=ttl)
     return broker
 
 
@@ -121,13 +118,9 @@ def test_a_broker_keeps_its_record_with_its_groups_and_removes_it_on_stop(tmp_pa
             eventually(lambda: "prefill-0" in _records(etcd)[0]["groups"], 10)
             group = _records(etcd)[0]["groups"]["prefill-0"]
             assert (group["role"], group["tp_size"], group["ranks"], group["page_size"]) == ("prefill", 2, ["tp1/pp0"], 4)
-            out = subprocess.run(
-                [sys.executable, "-m", "kvbroker", "fleet", "--etcd", etcd.url], capture_output=True, text=True, timeout=60
-            )
-            assert out.returncode == 0 and broker.address in out.stdout and "prefill-0: prefill tp2 pp1  ranks tp1/pp0" in out.stdout, out
-            listed = json.loads(subprocess.run(
-                [sys.executable, "-m", "kvbroker", "fleet", "--etcd", etcd.url, "--json"], capture_output=True, text=True, timeout=60
-            ).stdout)
+            out = _fleet_cli(etcd)
+            assert broker.address in out and "prefill-0: prefill tp2 pp1  ranks tp1/pp0" in out, out
+            listed = json.loads(_fleet_cli(etcd, "--json"))
             assert [r["broker_id"] for r in listed] == [broker.broker_id]
             engine.close()
         memory.close()
@@ -220,14 +213,14 @@ def test_a_group_split_over_two_brokers_resolves_per_rank(tmp_path: Path, etcd: 
             broker.stop()
 
 
-def _admin(broker: BrokerProcess, call: str) -> Any:
-    """``Admin.<call>`` of ``broker`` with an empty request."""
+def _admin(broker: BrokerProcess, call: str, **request: Any) -> Any:
+    """``Admin.<call>`` of ``broker`` (the request's fields as keywords)."""
     import grpc
 
     from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
     with grpc.insecure_channel(broker.address) as channel:
-        return getattr(admin_pb2_grpc.AdminStub(channel), call)(getattr(admin_pb2, f"{call}Request")(), timeout=10)
+        return getattr(admin_pb2_grpc.AdminStub(channel), call)(getattr(admin_pb2, f"{call}Request")(**request), timeout=30)
 
 
 def _list_peers(broker: BrokerProcess) -> list[Any]:
@@ -241,15 +234,6 @@ def _rooms(prefill: list[Any], decode: list[Any], ref: SenderRef, scenario: Scen
     move_rooms(prefill, decode, plans, ref, result, timeout_seconds=30)
     verify_rooms(scenario, decode, plans, result)
     return result
-
-
-def _close_dead(ranks: list[Any]) -> None:
-    """Release ranks whose broker is gone (unregistering there fails: that is expected)."""
-    for rank in ranks:
-        with contextlib.suppress(KvBrokerError):
-            rank.engine.close()
-        rank.client.close()
-        rank.memory.close()
 
 
 def test_a_killed_prefill_brokers_rooms_fail_by_its_lease_and_a_new_broker_takes_the_group(tmp_path: Path, etcd: Etcd) -> None:
@@ -273,7 +257,7 @@ def test_a_killed_prefill_brokers_rooms_fail_by_its_lease_and_a_new_broker_takes
         assert old.broker_id in status.cause.message and "etcd lease" in status.cause.message, status.cause.message
         assert time.monotonic() - killed < 2 + 5, "the room failed about when the lease expired"
         assert _serving(etcd, group) == []
-        _close_dead(prefill)
+        close_ranks(prefill, broker_gone=True)
         prefill = []
         # The group comes back on another broker: the next rooms go there, with no change on the decode side.
         (new,) = _brokers(tmp_path, etcd, ["new"])
@@ -283,7 +267,7 @@ def test_a_killed_prefill_brokers_rooms_fail_by_its_lease_and_a_new_broker_takes
         assert result.ok, result.problems
     finally:
         close_ranks(decode)
-        _close_dead(prefill)
+        close_ranks(prefill, broker_gone=True)
         for broker in (old, decode_broker, new):
             if broker is not None:
                 broker.stop()
@@ -315,7 +299,7 @@ def test_losing_one_host_of_a_split_group_fails_the_room_on_every_side(tmp_path:
         eventually(lambda: receiver.status().pages_settled, 10)
     finally:
         close_ranks(decode)
-        _close_dead(prefill)
+        close_ranks(prefill, broker_gone=True)
         for broker in brokers:
             broker.stop()
 
@@ -338,7 +322,7 @@ def test_a_broker_etcd_still_lists_but_that_does_not_answer_is_passed_over(tmp_p
     finally:
         close_ranks(decode)
         close_ranks(prefill)
-        _close_dead(doomed)
+        close_ranks(doomed, broker_gone=True)
         for broker in (older, newer, decode_broker):
             broker.stop()
 
@@ -420,7 +404,7 @@ def test_etcd_stopped_and_restarted_rooms_go_on_and_brokers_register_again(tmp_p
         assert result.ok, result.problems
     finally:
         close_ranks(decode)
-        close_ranks(prefill)
+        close_ranks(prefill, broker_gone=True)
         for broker in brokers:
             broker.stop()
 
@@ -440,10 +424,10 @@ def test_a_rolling_restart_loses_no_room_that_had_not_started(tmp_path: Path, et
         senders = {}
         for plan in batch_a:
             decode[0].engine.receiver(plan.room, ref).init(plan.dst_pages, aux_row=plan.slot)
-            senders[plan.room] = prefill[0].engine.sender(plan.room)
-            senders[plan.room].init(num_pages=len(plan.src_pages), aux_row=plan.slot)
+            senders[plan.room] = [prefill[0].engine.sender(plan.room)]
+            senders[plan.room][0].init(num_pages=len(plan.src_pages), aux_row=plan.slot)
         eventually(lambda: all(decode[0].engine.receiver(p.room, ref).poll() is RoomState.WAITING_FOR_INPUT for p in batch_a), 15)
-        assert _drain(old, wait=False).draining
+        assert _admin(old, "Drain", wait=False).draining
         eventually(lambda: json.loads(_fleet_cli(etcd, "--group", group, "--json"))[0]["draining"] is True, 10)
         # Batch B opens on the decode side during the drain: it waits for the group (the draining broker is not chosen).
         batch_b = room_plans(SMALL)
@@ -456,53 +440,26 @@ def test_a_rolling_restart_loses_no_room_that_had_not_started(tmp_path: Path, et
         assert RoomState(status.state) is RoomState.FAILED and "draining" in status.cause.message, status
         result = ScenarioResult()
         for plan in batch_a:
-            _finish(prefill, plan, senders[plan.room])
-        _wait_ok(decode + prefill, [p.room for p in batch_a], result)
+            send_room(prefill, plan, senders[plan.room])
+        collect_rooms(decode, prefill, batch_a, 30, result)
         verify_rooms(SMALL, decode, batch_a, result)  # (batch B reuses its slots)
-        assert _drain(old, wait=True).drained
+        assert _admin(old, "Drain", wait=True, timeout_seconds=20).drained
         assert old.stop() == 0
-        _close_dead(prefill)
+        close_ranks(prefill, broker_gone=True)
         prefill = []
         (new,) = _brokers(tmp_path, etcd, ["new"])
         prefill = register_group(SMALL, "prefill", group, new.address)
         for plan in batch_b:
-            _finish(prefill, plan)
-        _wait_ok(decode, [p.room for p in batch_b], result)
+            send_room(prefill, plan)
+        collect_rooms(decode, [], batch_b, 30, result)
         verify_rooms(SMALL, decode, batch_b, result)
         assert result.ok, result.problems
     finally:
         close_ranks(decode)
-        _close_dead(prefill)
+        close_ranks(prefill, broker_gone=True)
         for broker in (old, decode_broker, new):
             if broker is not None:
                 broker.stop()
-
-
-def _finish(prefill: list[Any], plan: Any, sender: Any = None) -> None:
-    """Send ``plan``'s chunks from the first prefill rank (``sender``: a room it already began)."""
-    rank = prefill[0]
-    write_aux(rank.memory, plan.room, plan.slot)
-    if sender is None:
-        sender = rank.engine.sender(plan.room)
-        sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot)
-    for a, b in plan.chunks:
-        sender.send(np.asarray(plan.src_pages[a:b]), is_last=b == len(plan.src_pages))
-
-
-def _wait_ok(ranks: list[Any], rooms: list[int], result: ScenarioResult) -> None:
-    for rank in ranks:
-        for room, status in rank.engine.wait(rooms, timeout_seconds=30).items():
-            if RoomState(status.state) is not RoomState.SUCCESS:
-                result.problems.append(f"room {room} {rank.spec.role}: {RoomState(status.state).name} {status.cause.message}")
-
-
-def _drain(broker: BrokerProcess, *, wait: bool) -> Any:
-    import grpc
-
-    from kvbroker.v1 import admin_pb2, admin_pb2_grpc
-
-    with grpc.insecure_channel(broker.address) as channel:
-        return admin_pb2_grpc.AdminStub(channel).Drain(admin_pb2.DrainRequest(wait=wait, timeout_seconds=20), timeout=30)
 
 
 def _etcd_health(broker: BrokerProcess) -> str:
@@ -521,8 +478,5 @@ def _fleet_cli(etcd: Etcd, *args: str) -> str:
 
 
 async def _put(etcd: Etcd, key: str, value: str) -> None:
-    import aetcd
-
-    host, port = etcd.url.removeprefix("http://").split(":")
-    async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
+    async with etcd_client(*parse_endpoint(etcd.url), 5) as client:
         await client.put(key.encode(), value.encode())

@@ -29,6 +29,7 @@ from kvbroker.client import (
     RoomState,
     SenderRef,
 )
+from kvbroker.client.rooms import KVSender
 from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
 from kvbroker.demo.plan import (
     STATE_KINDS,
@@ -38,6 +39,7 @@ from kvbroker.demo.plan import (
     state_indices,
     state_specs,
 )
+from kvbroker.errors import KvBrokerError
 
 __all__ = [
     "STATE_KINDS",
@@ -45,10 +47,12 @@ __all__ = [
     "Scenario",
     "ScenarioResult",
     "close_ranks",
+    "collect_rooms",
     "move_rooms",
     "register_group",
     "room_plans",
     "run_scenario",
+    "send_room",
     "state_indices",
     "state_specs",
     "verify_rooms",
@@ -166,22 +170,26 @@ def register_group(
     return ranks
 
 
-def close_ranks(ranks: list[_Rank]) -> None:
-    """Unregister and release ranks of :func:`register_group`."""
+def close_ranks(ranks: list[_Rank], *, broker_gone: bool = False) -> None:
+    """Unregister and release ranks of :func:`register_group`. ``broker_gone``:
+    their broker was killed, so unregistering there fails; that is expected."""
     for rank in ranks:
         try:
             rank.engine.close()
+        except KvBrokerError:
+            if not broker_gone:
+                raise
         finally:
             rank.client.close()
             rank.memory.close()
 
 
-def room_plans(scenario: Scenario, first: int = 0) -> list[RoomPlan]:
+def room_plans(scenario: Scenario) -> list[RoomPlan]:
     """The scenario's rooms (room ids random, so rooms of several runs never clash)."""
     room_base = secrets.randbits(40) << 16
     return [
         plan_room(seed=scenario.seed, index=i, room_base=room_base, pages=scenario.pages, chunks=scenario.chunks, window=scenario.rooms)
-        for i in range(first, first + scenario.rooms)
+        for i in range(scenario.rooms)
     ]
 
 
@@ -201,8 +209,8 @@ def move_rooms(
                 plan.dst_pages, aux_row=plan.slot, state={n: state_indices(n, plan.slot, 1) for n in _state_on(rank)}
             )
     for plan in plans:
-        _send(prefill, plan)
-    _collect(decode, prefill, plans, timeout_seconds, into)
+        send_room(prefill, plan)
+    collect_rooms(decode, prefill, plans, timeout_seconds, into)
 
 
 def verify_rooms(scenario: Scenario, decode: list[_Rank], plans: list[RoomPlan], into: ScenarioResult) -> None:
@@ -288,18 +296,24 @@ def _state_on(rank: _Rank) -> list[str]:
     return list(rank.memory.state)
 
 
-def _send(prefill: list[_Rank], plan: RoomPlan) -> None:
-    for rank in prefill:
+def send_room(prefill: list[_Rank], plan: RoomPlan, begun: Sequence[KVSender] = ()) -> None:
+    """Send ``plan`` from every prefill rank: BeginSend, then its chunks
+    (``begun``: the ranks' senders, when the rooms were begun already)."""
+    for i, rank in enumerate(prefill):
         write_aux(rank.memory, plan.room, plan.slot)
-        sender = rank.engine.sender(plan.room)
-        sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot)
+        if begun:
+            sender = begun[i]
+        else:
+            sender = rank.engine.sender(plan.room)
+            sender.init(num_pages=len(plan.src_pages), aux_row=plan.slot)
         for a, b in plan.chunks:
             last = b == len(plan.src_pages)
             state = {n: state_indices(n, plan.slot, 0) for n in _state_on(rank)} if last else None
             sender.send(np.asarray(plan.src_pages[a:b]), state=state, is_last=last)
 
 
-def _collect(decode: list[_Rank], prefill: list[_Rank], plans: list[RoomPlan], timeout: float, result: ScenarioResult) -> None:
+def collect_rooms(decode: list[_Rank], prefill: list[_Rank], plans: list[RoomPlan], timeout: float, result: ScenarioResult) -> None:
+    """Wait for ``plans`` on every rank; a room not SUCCESS is a problem in ``result``."""
     rooms = [p.room for p in plans]
     for side in (decode, prefill):
         for rank in side:
