@@ -51,6 +51,7 @@ class Admin:
             transfers_staged=c.transfers_staged,
             transfers_per_token=c.transfers_per_token,
             transfers_token_runs=c.transfers_token_runs,
+            transfers_packed=c.transfers_packed,
             staging_send_bytes_in_use=q.staging_in_use("send"),
             staging_receive_bytes_in_use=q.staging_in_use("receive"),
             late_notices=c.late_notices,

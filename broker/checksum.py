@@ -17,9 +17,12 @@ Both sides hash the same logical stream, each over its own memory:
 - aux: on the last chunk, when the source sends aux, the row of every aux
   region in listed order.
 
-Hybrid-model state is not covered yet. Only host memory is read (DRAM
-regions, mapped by the broker); a room with VRAM regions cannot be verified
-and fails with UNIMPLEMENTED instead of passing unchecked.
+Hybrid-model state is not covered yet. Only host memory is read here:
+what of a chunk moves on the device path (its KV or aux rows touch VRAM on
+either side) is left out of the chunk's checksum (``TransferNotice
+.kv_packed``, ``aux_packed``) and covered part by part instead: the sender
+computes the CRC-32 of each packed part's slot where it gathered it (on the
+GPU, ``devcrc``) and the receiver checks its slot before it scatters.
 """
 
 from __future__ import annotations

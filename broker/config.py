@@ -81,6 +81,15 @@ class BrokerConfig:
     staging_receive_bytes: int = 64 * 1024 * 1024
     #: How long a staged part waits for room in a full staging buffer.
     staging_wait_seconds: float = 30.0
+    #: The device path (docs/architecture.md): per GPU an engine's KV lives
+    #: on, a send and a receive transfer buffer (cudaMalloc, registered with
+    #: NIXL once; engine VRAM never is), this many bytes each.
+    device_send_bytes: int = 256 * 1024 * 1024
+    device_receive_bytes: int = 256 * 1024 * 1024
+    #: The largest packed part (one NIXL write): a chunk packed larger than
+    #: this (or than half a transfer buffer) is split into several parts, so
+    #: gathers, writes and scatters of consecutive parts overlap.
+    device_part_bytes: int = 64 * 1024 * 1024
     #: Mutual TLS on the TCP port (peers and operators): this broker's
     #: certificate chain and key, and the CA that signs every broker's (and
     #: operator's) certificate. All three set: the TCP port accepts only

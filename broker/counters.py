@@ -21,6 +21,8 @@ class Counters:
     transfers_per_token: int = 0
     #: Parts that moved token runs between different page sizes.
     transfers_token_runs: int = 0
+    #: Packed parts sent on the device path (gathered, one write, scattered).
+    transfers_packed: int = 0
     #: Descriptors NIXL used for finished transfers (telemetry).
     descriptors_transferred: int = 0
     #: Notifications for rooms this broker no longer (or never) had.

@@ -27,6 +27,7 @@ from opentelemetry import propagate, trace
 
 from kvbroker import __version__
 from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.copies import ArrayViews
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.dataplane import DataPlane, Event
 from kvbroker.broker.discovery import FleetView, Member
@@ -34,6 +35,7 @@ from kvbroker.broker.engines import Engine, EngineTable
 from kvbroker.broker.executor import Executor
 from kvbroker.broker.fdsocket import FdSession, FdSocketServer
 from kvbroker.broker.fleet import FleetRecord
+from kvbroker.broker.lanes import Lanes
 from kvbroker.broker.layout import rank_key
 from kvbroker.broker.liveness import PeerMonitor
 from kvbroker.broker.mapping import SourcePlan
@@ -45,7 +47,7 @@ from kvbroker.broker.receiver import Receiver, ReceiverCore
 from kvbroker.broker.rooms import RoomTables, Side, cause
 from kvbroker.broker.sender import SenderCore, Source, TransferInfo
 from kvbroker.broker.sessions import SessionStream
-from kvbroker.broker.staging import ArrayViews, StagingPools
+from kvbroker.broker.staging import StagingPools
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.telemetry import child_done
 from kvbroker.broker.tls import channel_credentials
@@ -93,6 +95,7 @@ class Broker:
         self.hub = WatchHub()
         self.workers = Workers()
         self.views = ArrayViews()
+        self.lanes = Lanes(self.workers, self.views)
         self.dataplane = DataPlane(agent, on_events=self._on_events, transfer_timeout_seconds=config.transfer_timeout_seconds)
         self.engines = EngineTable(self.dataplane, self.workers)
         self.pools = StagingPools(
@@ -100,6 +103,8 @@ class Broker:
             receive_bytes=config.staging_receive_bytes,
             dataplane=self.dataplane,
             workers=self.workers,
+            device_send_bytes=config.device_send_bytes,
+            device_receive_bytes=config.device_receive_bytes,
         )
         self.peers = PeerTable(broker_id=self.broker_id, agent_name=agent.name, dataplane=self.dataplane, on_restart=self.peer_lost)
         self.client = PeerClient(
@@ -115,6 +120,7 @@ class Broker:
             counters=self.counters,
             peers=self.peers,
             send_staging_bytes=self.pools.send_bytes,
+            part_bytes=config.device_part_bytes,
         )
         self.receiver = ReceiverCore(
             broker_id=self.broker_id,
@@ -133,6 +139,7 @@ class Broker:
             pools=self.pools,
             workers=self.workers,
             views=self.views,
+            lanes=self.lanes,
             hub=self.hub,
             tasks=self.tasks,
             counters=self.counters,
@@ -203,6 +210,7 @@ class Broker:
         await self.dataplane.stop()
         self.agent.close()
         await asyncio.get_running_loop().run_in_executor(None, self.workers.shutdown)
+        self.lanes.close()
 
     # -- engine calls ---------------------------------------------------------
     def broker_info(self) -> transfer_pb2.BrokerInfo:
@@ -235,9 +243,16 @@ class Broker:
         except BaseException:
             session.engine_id = None
             raise
+        try:
+            # The engine's VRAM moves only through this broker's transfer
+            # buffers on its GPU: without them, refuse the engine.
+            for device in sorted(_vram_devices(engine)):
+                await self.pools.ensure_device(device, self.engines.cuda_driver)
+        except BaseException:
+            session.engine_id = None
+            await self._release_engine(engine)
+            raise
         session.engine_id = engine.engine_id
-        for device in sorted(_vram_devices(engine)):
-            await self.pools.ensure_device(device, self.engines.cuda_driver)
         if session.closed:
             # The engine died while we registered it.
             self.tasks.spawn(self.unregister_engine(engine.engine_id, lost=True), name=f"lost-{engine.engine_id}")
@@ -712,13 +727,9 @@ class Broker:
 
 
 def _vram_devices(engine: Engine) -> set[int]:
-    """The GPUs holding some of ``engine``'s KV regions (where staging buffers serve it)."""
+    """The GPUs holding some of ``engine``'s regions (where transfer buffers serve it)."""
     table = engine.table
-    return {
-        table.region_device[r]
-        for r in engine.layout.kv_regions.values()
-        if table.region_kind[r] == common_pb2.MEMORY_KIND_VRAM
-    }
+    return {device for kind, device in zip(table.region_kind, table.region_device) if kind == common_pb2.MEMORY_KIND_VRAM}
 
 
 def _settled(side: Side) -> bool:

@@ -1,9 +1,12 @@
 """Registered engine ranks: their buffers, layouts and local descriptor lists.
 
-Registration maps every buffer and faults its pages in (on the memory
-thread, in 8 MiB steps: gigabytes take seconds), registers it with NIXL and prepares one local
-descriptor list per memory kind (on the data-plane thread, docs/design.md
-section 10); unregistration releases them in reverse order, the same way.
+Registration maps every buffer (on the memory thread; host memory is
+faulted in, in 8 MiB steps: gigabytes take seconds). Host buffers are
+registered with NIXL and get one local descriptor list (on the data-plane
+thread, docs/design.md section 10). VRAM buffers never are: the broker maps
+them only for its own copy kernels, and what lies in them moves through its
+transfer buffers (the device path, ``packing``). Unregistration releases
+everything in reverse order, the same way.
 The control loop only awaits: other engines' rooms go on meanwhile. Room
 bookkeeping lives elsewhere (``rooms``); the dispatcher fails an engine's
 rooms before it releases the engine.
@@ -56,8 +59,9 @@ class Engine:
     session_token: str
     pid: int
     generation: int
+    #: NIXL registrations of its host buffers (VRAM never is registered).
     registrations: list[Any] = field(default_factory=list)
-    #: Local prepared descriptor list per memory kind.
+    #: The local prepared descriptor list of its host memory (by memory kind: DRAM only).
     dlists: dict[int, Any] = field(default_factory=dict)
     #: How this rank's KV pages map onto receivers' (``parts.kv_pairs``), by
     #: (receiver broker, rank, generation, layer range): planned once, not per room.
@@ -178,11 +182,13 @@ class EngineTable:
 
             def register_all(agent: Agent) -> None:
                 for buf in buffers:
-                    registrations.append(agent.register(buf.address, buf.size_bytes, buf.kind, buf.device_id))
+                    if buf.kind == common_pb2.MEMORY_KIND_DRAM:
+                        registrations.append(agent.register(buf.address, buf.size_bytes, buf.kind, buf.device_id))
 
             def prepare_all(agent: Agent) -> None:
-                for kind, rows in table.rows.items():
-                    dlists[kind] = agent.prep_dlist(None, rows, kind)
+                if common_pb2.MEMORY_KIND_DRAM in table.rows:
+                    kind = common_pb2.MEMORY_KIND_DRAM
+                    dlists[kind] = agent.prep_dlist(None, table.rows[kind], kind)
 
             step = time.monotonic()
             await self._dataplane.call(register_all)

@@ -28,14 +28,17 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.copies import ArrayViews, Extent, checksum, gather, scatter
 from kvbroker.broker.counters import Counters
 from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled
 from kvbroker.broker.discovery import FleetView, find_in_fleet
@@ -54,8 +57,10 @@ from kvbroker.broker.effects import (
     TellSuccessor,
 )
 from kvbroker.broker.engines import Engine
+from kvbroker.broker.lanes import Lanes
 from kvbroker.broker.metrics import BrokerMetrics
 from kvbroker.broker.nixl_agent import Agent, XferState
+from kvbroker.broker.packing import Block, kv_block
 from kvbroker.broker.parts import PartKind, page_blocks
 from kvbroker.broker.peer_client import PeerClient, RegistrationError
 from kvbroker.broker.peers import Peer, PeerTable
@@ -63,16 +68,7 @@ from kvbroker.broker.receiver import Receiver, ReceiverCore, SenderLeg
 from kvbroker.broker.rooms import FAILED, Side, cause
 from kvbroker.broker.sender import Part, SenderCore, Source
 from kvbroker.broker.slicing import token_descriptors
-from kvbroker.broker.staging import (
-    ArrayViews,
-    RegionSet,
-    Reservation,
-    StagingBuffer,
-    StagingPool,
-    StagingPools,
-    gather,
-    scatter,
-)
+from kvbroker.broker.staging import Reservation, StagingBuffer, StagingPool, StagingPools
 from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.tokens import run_descriptors
 from kvbroker.broker.watch import WatchHub
@@ -107,6 +103,7 @@ class Executor:
         pools: StagingPools,
         workers: Workers,
         views: ArrayViews,
+        lanes: Lanes,
         hub: WatchHub,
         tasks: TaskSet,
         counters: Counters,
@@ -122,6 +119,7 @@ class Executor:
         self._pools = pools
         self._workers = workers
         self._views = views
+        self._lanes = lanes
         self._hub = hub
         self._tasks = tasks
         self._counters = counters
@@ -130,6 +128,9 @@ class Executor:
         self._parts: dict[Part, tuple[Span, float]] = {}
         #: Staged parts' reservations in the local send pool, until they settle.
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
+        #: Packed parts being gathered into a slot of the send transfer buffer
+        #: (while the receiver reserves its slot): what the gather gave, or why not.
+        self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError]] = {}
         self._vram_slow_bps = config.vram_slow_gbps * 1e9
         #: The fleet in etcd (``serve --etcd``): resolves senders named by group alone.
         self.fleet: FleetView | None = None
@@ -165,8 +166,12 @@ class Executor:
         elif isinstance(effect, PostPart):
             self._post(effect.part)
         elif isinstance(effect, ReserveStaging):
-            self._start_part(effect.part)
-            self._tasks.spawn(self._reserve(effect.part), name=f"reserve-{effect.part.source.room}")
+            part = effect.part
+            self._start_part(part)
+            if part.kind is PartKind.PACKED:
+                # Gather into our slot while the receiver reserves its own.
+                self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
+            self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
         elif isinstance(effect, SendReport):
             effect.report.protocol_version = PROTOCOL_VERSION
             self._tasks.spawn(self._client.report_completion(effect.broker_id, effect.report), name=f"report-{effect.report.room}")
@@ -241,6 +246,8 @@ class Executor:
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1
             self._dataplane.post(Posting(part, _into_staging(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.PACKED:
+            self._tasks.spawn(self._post_packed(part, agent_name), name=f"post-packed-{part.source.room}")
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
@@ -268,8 +275,65 @@ class Executor:
         if buffer is None:
             self._fail_part(part, FailedPrecondition("the receiver reserved staging in a buffer it never announced"))
             return
+        if part.source.state == FAILED:
+            self._fail_part(part, FailedPrecondition("the room failed before its staged part was written"))
+            return
         self._sender.staging_reserved(part, buffer, response.offset)
         self.drain()
+
+    async def _pack(self, part: Part) -> _Packed | KvBrokerError:
+        """Gather a packed part into a slot of the send transfer buffer (and
+        its checksum, if asked for). Returns the error rather than raising it:
+        ``_post_packed`` or ``_settled`` takes the outcome."""
+        spec = part.spec
+        assert spec.packing is not None
+        pool = self._pools.pool("send", *spec.pools[0])
+        reservation: Reservation | None = None
+        span = self._parts[part][0]
+        try:
+            if pool is None:
+                raise FailedPrecondition(f"this broker has no send transfer buffer for {_memory_text(spec.pools[0])}")
+            reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
+            if part.source.state == FAILED:
+                raise FailedPrecondition("the room failed before its packed part was written")
+            blocks = spec.packing.blocks
+            regions = [self._spans(part.source.engine, block) for block in blocks]
+            slot = _slot(pool, reservation, part.nbytes)
+            verify = part.dest.info.verify_checksum
+            gathering = telemetry.start_span("kvbroker.staging.gather", parent=span, attributes={"kvbroker.bytes": part.nbytes})
+
+            def job() -> Callable[[], int | None]:
+                gather(self._views, blocks, regions, slot)
+                crc = checksum(self._views, slot) if verify else None
+                return lambda: None if crc is None else int(crc)
+
+            try:
+                crc = await self._lanes.run(slot, job)
+            finally:
+                gathering.end()
+        except Exception as exc:
+            if reservation is not None and pool is not None:
+                pool.release(reservation)
+            return _as_broker_error(exc, "gathering a packed part")
+        return _Packed(pool, reservation, crc)
+
+    async def _post_packed(self, part: Part, agent_name: str) -> None:
+        """Post a packed part once its gather is done: one write, slot to slot."""
+        packing = self._packing.pop(part, None)
+        outcome = await packing if packing is not None else FailedPrecondition("a packed part was posted before it was gathered")
+        if isinstance(outcome, KvBrokerError):
+            self._fail_part(part, outcome)
+            return
+        if part.source.state == FAILED:
+            outcome.pool.release(outcome.reservation)
+            self._fail_part(part, FailedPrecondition("the room failed before its packed part was written"))
+            return
+        if outcome.checksum is not None:
+            part.notice.packed_checksum = outcome.checksum
+        self._sending[part] = (outcome.pool, outcome.reservation)
+        self._counters.transfers_packed += 1
+        make = _packed_write(part, outcome.pool.buffer, outcome.reservation.offset, agent_name, part.notice.SerializeToString())
+        self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
 
     async def _gather(self, part: Part, agent_name: str, notif: bytes, span: Span) -> None:
         """Reserve in the local send pool, pack the head slice on the copy thread,
@@ -286,27 +350,23 @@ class Executor:
             reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
             if part.source.state == FAILED:
                 raise FailedPrecondition("the room failed before its staged part was written")
-            buffer = pool.buffer
-            out = self._views.view(buffer.address + reservation.offset, part.nbytes, buffer.kind, buffer.device_id)
-            regions = self._regions(engine, [s for s, _ in spec.pairs])
-            pages, side = spec.src_pages, spec.slice.src
+            block = kv_block(engine.layout, [s for s, _ in spec.pairs], spec.src_pages, spec.slice.src, tokens=False)
+            regions = [self._spans(engine, block)]
+            slot = _slot(pool, reservation, part.nbytes)
             gathering = telemetry.start_span("kvbroker.staging.gather", parent=span, attributes={"kvbroker.bytes": part.nbytes})
 
-            def pack() -> None:
-                gather(regions, pages, side, out)
-                self._views.synchronize(out)
+            def job() -> Callable[[], None]:
+                gather(self._views, [block], regions, slot)
+                return lambda: None
 
             try:
-                await self._workers.copy(pack)
+                await self._lanes.run(slot, job)
             finally:
                 gathering.end()
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)
-            if not isinstance(exc, KvBrokerError):
-                log.exception("staging_failed", room=part.source.room)
-                exc = Internal(f"staging the part failed inside the broker: {exc!r}")
-            self._fail_part(part, exc)
+            self._fail_part(part, _as_broker_error(exc, "staging the part"))
             return
         assert pool is not None and reservation is not None
         self._sending[part] = (pool, reservation)
@@ -324,19 +384,25 @@ class Executor:
         held = self._sending.pop(part, None)
         if held is not None:
             held[0].release(held[1])
+        packing = self._packing.pop(part, None)
+        if packing is not None:
+            # It settled before its gather was posted: give the slot back once it is gathered.
+            packing.add_done_callback(_release_packed)
         span, started = self._parts.pop(part, (None, time.monotonic()))
         elapsed = time.monotonic() - started
         ok = event.state is XferState.DONE
         if part.kind is not PartKind.NOTICE:
-            self._observe(part, elapsed, ok)
+            self._observe(part, elapsed, event.elapsed_s, ok)
         if span is not None:
             span.set_attribute("kvbroker.descriptors", event.descriptors or 0)
             span.set_attribute("kvbroker.duration_s", elapsed)
             telemetry.end_with_status(span, ok, event.error.message if event.error else "NIXL reported an error")
         self._sender.part_settled(part, event.state, event.descriptors, event.error)
 
-    def _observe(self, part: Part, elapsed: float, ok: bool) -> None:
-        """Metrics and the per-peer throughput; warn when VRAM moves at host-copy speed."""
+    def _observe(self, part: Part, elapsed: float, writing: float, ok: bool) -> None:
+        """Metrics (``elapsed``: from planning to settling) and the per-peer
+        throughput (``writing``: the NIXL write alone); warn when VRAM moves at
+        host-copy speed."""
         path = part.kind.value
         self._metrics.transfers.add(1, {"path": path, "result": "done" if ok else "error"})
         if not ok:
@@ -345,7 +411,7 @@ class Executor:
         self._metrics.transfer_seconds.record(elapsed, {"path": path})
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is not None:
-            observe_write(peer, part.nbytes, elapsed, (part.spec.local_kind, part.spec.remote_kind), self._vram_slow_bps)
+            observe_write(peer, part.nbytes, writing, (part.spec.local_kind, part.spec.remote_kind), self._vram_slow_bps)
 
     # -- receiving ----------------------------------------------------------------
     async def _find_sender(self, rank: Receiver) -> None:
@@ -444,6 +510,9 @@ class Executor:
         self.drain()
 
     async def _scatter(self, effect: Scatter) -> None:
+        """Unpack a landed staged or packed part into the rank's pages (a packed
+        part's checksum, when the sender sent one, is checked first: a part that
+        arrived corrupted is never scattered)."""
         rank, landing = effect.receiver, effect.landing
         error: KvBrokerError | None = None
         pool = self._pools.pool("receive", *landing.pool)
@@ -455,19 +524,30 @@ class Executor:
         try:
             if pool is None:
                 raise FailedPrecondition("the receive staging pool of this part is gone")
-            buffer = pool.buffer
-            packed = self._views.view(buffer.address + landing.reservation.offset, landing.nbytes, buffer.kind, buffer.device_id)
-            regions = self._regions(rank.engine, list(landing.regions))
+            slot = _slot(pool, landing.reservation, landing.nbytes)
+            notice = landing.notice
+            if notice.HasField("packed_checksum"):
 
-            def unpack() -> None:
-                scatter(packed, regions, landing.pages, landing.side)
-                self._views.synchronize(packed)
+                def crc_job() -> Callable[[], int]:
+                    crc = checksum(self._views, slot)
+                    return lambda: int(crc)
 
-            await self._workers.copy(unpack)
-        except KvBrokerError as exc:
-            error = exc
+                got = await self._lanes.run(slot, crc_job)
+                if got != notice.packed_checksum:
+                    self._counters.checksum_mismatches += 1
+                    raise FailedPrecondition(
+                        f"packed part {notice.part} of chunk {notice.chunk_index} from source {landing.key[0]} arrived "
+                        f"with checksum {got:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
+                    )
+            regions = [self._spans(rank.engine, block) for block in landing.blocks]
+
+            def job() -> Callable[[], None]:
+                scatter(self._views, slot, landing.blocks, regions)
+                return lambda: None
+
+            await self._lanes.run(slot, job)
         except Exception as exc:
-            error = Internal(f"scattering a staged part failed: {exc!r}")
+            error = _as_broker_error(exc, "scattering a staged part")
         finally:
             span.end()
         self._receiver.scattered(rank, landing, error)
@@ -539,18 +619,10 @@ class Executor:
         )
 
     # -- helpers -------------------------------------------------------------------
-    def _regions(self, engine: Engine, regions: list[int]) -> RegionSet:
-        """KV regions of ``engine`` as arrays for gather and scatter (all in one buffer)."""
-        layout = engine.layout
-        buffers = {layout.regions[r].buffer for r in regions}
-        if len(buffers) != 1:
-            raise FailedPrecondition("the KV regions of a head-sliced transfer must lie in one buffer")
-        buf = engine.buffers[buffers.pop()]
-        first = layout.regions[regions[0]]
-        view = self._views.view(buf.address, buf.size_bytes, buf.kind, buf.device_id)
-        return RegionSet.over(
-            view, [layout.regions[r].offset_bytes for r in regions], first.items, first.item_bytes, layout.page_size_tokens
-        )
+    @staticmethod
+    def _spans(engine: Engine, block: Block) -> list[Extent]:
+        """Where ``block``'s regions lie in this broker."""
+        return [Extent(*engine.region_address(region)) for region in block.regions]
 
     def transport(self) -> str:
         """What carries the bytes, as far as the broker can tell (NIXL does not
@@ -663,6 +735,51 @@ def _from_staging(
         return agent.post_write_descs(local, buffer.kind, far, spec.remote_kind, agent_name, notif)
 
     return make
+
+
+def _packed_write(part: Part, buffer: StagingBuffer, offset: int, agent_name: str, notif: bytes) -> Callable[[Agent], Any]:
+    """One descriptor: the packed part's slot here to the slot the receiver
+    reserved (its transfer buffer; data-plane thread)."""
+    remote = part.staging_buffer
+    assert remote is not None
+
+    def make(agent: Agent) -> Any:
+        local = np.array([[buffer.address + offset, part.nbytes, buffer.device_id]], dtype=np.uint64)
+        far = np.array([[remote.address + part.staging_offset, part.nbytes, remote.device_id]], dtype=np.uint64)
+        return agent.post_write_descs(local, buffer.kind, far, remote.kind, agent_name, notif)
+
+    return make
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A gathered packed part: its slot in the send transfer buffer, and its checksum."""
+
+    pool: StagingPool
+    reservation: Reservation
+    checksum: int | None
+
+
+def _release_packed(task: asyncio.Task[_Packed | KvBrokerError]) -> None:
+    if not task.cancelled() and isinstance(outcome := task.result(), _Packed):
+        outcome.pool.release(outcome.reservation)
+
+
+def _slot(pool: StagingPool, reservation: Reservation, nbytes: int) -> Extent:
+    buffer = pool.buffer
+    return Extent(buffer.address + reservation.offset, nbytes, buffer.kind, buffer.device_id)
+
+
+def _as_broker_error(exc: Exception, doing: str) -> KvBrokerError:
+    """``exc`` as it fails a room (a bug inside the broker is logged with its traceback)."""
+    if isinstance(exc, KvBrokerError):
+        return exc
+    log.error("copy_failed", doing=doing, error=repr(exc), exc_info=exc)
+    return Internal(f"{doing} failed inside the broker: {exc!r}")
+
+
+def _memory_text(pool: tuple[int, int]) -> str:
+    return f"GPU {pool[1]}" if pool[0] == VRAM else "host memory"
 
 
 def _kinds_text(kinds: tuple[int, int]) -> str:

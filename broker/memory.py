@@ -20,8 +20,9 @@ their buffers over as file descriptors and the broker maps them:
   named by the buffer's UUID, and closes the fd (the imported handle keeps
   the memory alive). Or, for an engine's ``cudaMalloc`` allocation, a CUDA
   IPC handle in the buffer's spec (no fd): opened with
-  ``cuIpcOpenMemHandle`` on that device. See :mod:`kvbroker.cudavmm`:
-  unit-tested against a fake driver, never run on a GPU yet.
+  ``cuIpcOpenMemHandle`` on that device. See :mod:`kvbroker.cudavmm`.
+  VRAM is mapped for the broker's own copy kernels only and never
+  registered with NIXL (the device path, ``kvbroker.broker.packing``).
 
 An importer owns what it maps; ``ImportedBuffer.release`` unmaps and closes.
 """

@@ -21,7 +21,14 @@ one NIXL write carrying its own ``TransferNotice`` (``part`` of ``parts``):
 - ``RUNS``: whole tokens between different page sizes, one descriptor per
   (layer region, token run) (``kvbroker.broker.tokens``);
 - ``NOTICE``: no bytes, only the notification: a completion-only source, or
-  a last chunk with no pages, aux or state, so completion stays explicit.
+  a last chunk with no pages, aux or state, so completion stays explicit;
+- ``PACKED``: the device path. Whatever of the chunk lies in VRAM on either
+  side (its KV, aux rows, state components) never meets NIXL in engine
+  memory: this broker gathers it into a slot of its transfer buffer, one
+  write moves the slot into a slot the receiver reserved (as for STAGED),
+  and the receiver scatters it (``kvbroker.broker.packing``). A chunk larger
+  than a part may be is several PACKED parts. The rest of the chunk (DRAM on
+  both sides) takes the paths above.
 
 Nothing here does I/O; the sender's state machine counts the parts in
 flight and the executor carries them out.
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -39,17 +46,20 @@ import numpy.typing as npt
 from kvbroker.broker.descriptors import DescriptorTable, Segment, plan_parts
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.mapping import SourcePlan
+from kvbroker.broker.packing import Packed, PackedChunk, plan_packed, split, transfer_pool
 from kvbroker.broker.segments import ChunkShape, build_segments, same_item_bytes
 from kvbroker.broker.slicing import HeadSlice, head_slice, kv_region_pairs, staged_bytes
 from kvbroker.broker.tokens import TOKENS, TokenGeometry, check_alike, token_geometry
 from kvbroker.errors import FailedPrecondition
-from kvbroker.indices import IndexArray
+from kvbroker.indices import NO_INDICES, IndexArray
 from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = ["MAX_PARTS", "KvPairs", "PartKind", "PartSpec", "kv_pairs", "page_blocks", "plan_chunk", "span_names"]
 
+VRAM = common_pb2.MEMORY_KIND_VRAM
+
 #: A chunk has one part per (local, remote) pair of memory kinds, plus at most
-#: one head-sliced part: a handful. A receiver refuses a notice whose part
+#: one head-sliced part, plus its packed parts: a handful. A receiver refuses a notice whose part
 #: index or count goes beyond this (it tracks parts as bits of an int).
 MAX_PARTS = 1024
 
@@ -61,6 +71,7 @@ class PartKind(enum.Enum):
     TOKENS = "per_token"
     RUNS = "token_runs"
     NOTICE = "notice"
+    PACKED = "packed"
 
 
 @dataclass(frozen=True)
@@ -85,12 +96,19 @@ class PartSpec:
     #: RUNS: the token runs (``tokens.token_runs``) and both sides' geometry.
     runs: npt.NDArray[np.int64] | None = None
     geometry: tuple[TokenGeometry, TokenGeometry] | None = None
+    #: PACKED: the sender's blocks and what the notice says of them, and the
+    #: (memory kind, device) of the sender's and the receiver's transfer buffers.
+    packing: PackedChunk | None = None
+    pools: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
 
 
 #: Whether a head-sliced block of ``nbytes`` can be staged, and where:
 #: ``stage(nbytes, "send", kind, device)`` (this broker's send buffer for
 #: that memory) or ``stage(nbytes, "receive", kind, 0)`` (the receiver's).
 StagePolicy = Callable[[int, str, int, int], bool]
+#: The largest packed part between the sender's transfer buffer and the
+#: receiver's, each named (memory kind, device); 0: one side has none.
+PackLimit = Callable[[tuple[int, int], tuple[int, int]], int]
 
 
 @dataclass(frozen=True)
@@ -131,13 +149,21 @@ def plan_chunk(
     shape: ChunkShape,
     stage: StagePolicy,
     kv: KvPairs | None = None,
+    pack_limit: PackLimit | None = None,
 ) -> list[PartSpec]:
     """The parts of one chunk (``shape``) that source ``plan`` sends one receiver.
 
     ``kv``: the source's :class:`KvPairs` for this receiver, if planned already.
-    Raises ``FailedPrecondition`` when the layouts do not pair. Never empty:
-    a chunk that moves nothing is one ``NOTICE`` part.
+    ``pack_limit``: how large a PACKED part may be (needed when either side
+    has memory in VRAM). Raises ``FailedPrecondition`` when the layouts do
+    not pair. Never empty: a chunk that moves nothing is one ``NOTICE`` part.
     """
+    packed: list[PartSpec] = []
+    if VRAM in src_table.region_kind or VRAM in dst_table.region_kind:
+        found = plan_packed(src, src_table, dst, dst_table, plan, shape)
+        if not found.empty:
+            packed = _packed_parts(found, transfer_pool(src, src_table), transfer_pool(dst, dst_table), pack_limit)
+            shape = _left_direct(shape, found)
     # (local kind, remote kind) -> local index arrays, remote index arrays, bytes; in order of appearance.
     whole: dict[tuple[int, int], tuple[list[IndexArray], list[IndexArray], list[int]]] = {}
     pages = int(shape.src_pages.size)
@@ -201,9 +227,57 @@ def plan_chunk(
         )
     if shape.runs is not None and shape.runs.size and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
         parts.append(_runs_part(src, src_table, dst, dst_table, plan, shape.runs))
+    parts.extend(packed)
     if not parts:
         parts.append(PartSpec(kind=PartKind.NOTICE, nbytes=0))
+    if len(parts) > MAX_PARTS:
+        raise FailedPrecondition(
+            f"the chunk would move in {len(parts)} parts, at most {MAX_PARTS}: send smaller chunks or raise --device-part-mib"
+        )
     return parts
+
+
+def _left_direct(shape: ChunkShape, packed: Packed) -> ChunkShape:
+    """What of ``shape`` is left for the direct paths once ``packed`` is packed."""
+    if packed.kv is not None:
+        shape = replace(shape, src_pages=NO_INDICES, dst_pages=NO_INDICES, tokens=None, runs=None, dst_tokens=None)
+    if packed.aux:
+        shape = replace(shape, aux_rows=None)
+    if packed.state:
+        gone = {name for name, _ in packed.state}
+        shape = replace(shape, state={k: v for k, v in shape.state.items() if k not in gone})
+    return shape
+
+
+def _packed_parts(
+    packed: Packed, send_pool: tuple[int, int], receive_pool: tuple[int, int], pack_limit: PackLimit | None
+) -> list[PartSpec]:
+    """``packed`` cut into PACKED parts that fit both transfer buffers."""
+    limit = pack_limit(send_pool, receive_pool) if pack_limit is not None else 0
+    if limit <= 0:
+        raise FailedPrecondition(
+            f"this chunk touches GPU memory and must move through transfer buffers, but the sender has none for "
+            f"{_pool_text(send_pool)} or the receiver none for {_pool_text(receive_pool)} (--no-staging, or no GPU buffer)"
+        )
+    carries = (("kvbroker.aux",) if packed.aux else ()) + tuple(f"kvbroker.state.{name}" for name, _ in packed.state)
+    out = []
+    for chunk in split(packed, limit):
+        out.append(
+            PartSpec(
+                kind=PartKind.PACKED,
+                nbytes=chunk.nbytes,
+                local_kind=send_pool[0],
+                remote_kind=receive_pool[0],
+                carries=carries if chunk.aux or chunk.state else (),
+                packing=chunk,
+                pools=(send_pool, receive_pool),
+            )
+        )
+    return out
+
+
+def _pool_text(pool: tuple[int, int]) -> str:
+    return f"GPU {pool[1]}" if pool[0] == VRAM else "host memory"
 
 
 def _runs_part(

@@ -61,6 +61,7 @@ from kvbroker.broker.effects import (
 )
 from kvbroker.broker.layout import Layout, RankKey, rank_key
 from kvbroker.broker.mapping import GroupShape, SourcePlan, check_state_supported, plan_sources
+from kvbroker.broker.packing import Block, kv_block, landing_blocks, packed_bytes, transfer_pool
 from kvbroker.broker.parts import MAX_PARTS
 from kvbroker.broker.rooms import (
     FAILED,
@@ -74,7 +75,7 @@ from kvbroker.broker.rooms import (
     cause_of,
 )
 from kvbroker.broker.segments import state_regions
-from kvbroker.broker.slicing import SliceSide, kv_regions, slice_side, staged_bytes
+from kvbroker.broker.slicing import kv_regions, slice_side
 from kvbroker.broker.smallmap import SmallMap
 from kvbroker.broker.staging import Reservation
 from kvbroker.broker.tokens import TokenRange
@@ -277,16 +278,14 @@ class Receiver(Side):
 
 @dataclass(frozen=True, slots=True)
 class Landing:
-    """A staged part that landed in the receive staging buffer, to scatter."""
+    """A staged or packed part that landed in the receive staging buffer, to scatter."""
 
     key: StagingKey
     pool: PoolKey
     reservation: Reservation
     nbytes: int
-    #: The receiver's KV regions the packed block covers, in packing order.
-    regions: tuple[int, ...]
-    pages: IndexArray
-    side: SliceSide
+    #: Where its bytes go in the rank's memory, in packing order (``packing``).
+    blocks: tuple[Block, ...]
     notice: peer_pb2.TransferNotice
 
 
@@ -598,7 +597,9 @@ class ReceiverCore:
         self._landed(rank, source_key, exp, notice)
 
     def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None) -> None:
-        """A staged part was unpacked into the pages (or could not be)."""
+        """A staged or packed part was unpacked into the pages, or could not be
+        (it arrived corrupted, or the copy failed): then it never counts as
+        landed, so its pages are not reported among those that arrived."""
         rank.scattering.pop(landing.key, None)
         held = rank.staging.pop(landing.key, None)
         if held is not None:
@@ -606,7 +607,7 @@ class ReceiverCore:
         exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
         if error is not None:
             self.fail(rank, cause_of(error, self._id))
-        if exp is not None:
+        if exp is not None and error is None:
             self._landed(rank, landing.key[0], exp, landing.notice)
         else:
             self._maybe_settled(rank)
@@ -712,20 +713,24 @@ class ReceiverCore:
             raise FailedPrecondition(f"source {key[0]} wrote a staged part this broker did not reserve")
         plan = exp.plan
         layout = rank.engine.layout
-        side = slice_side(layout, plan.dst_head_start, plan.num_heads, "receiver")
-        regions = kv_regions(layout, plan.layer_begin, plan.layer_end, "receiver")
-        pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
-        if pages.size != notice.pages or staged_bytes(len(regions), notice.pages, side) != notice.staging_bytes:
-            raise FailedPrecondition(f"source {key[0]}'s staged part does not match this rank's pages and heads")
+        if notice.packed:
+            blocks = landing_blocks(layout, plan, rank.pages, rank.prefix_pages, rank.aux_row, rank.state_indices, notice)
+            what = "packed part"
+        else:
+            side = slice_side(layout, plan.dst_head_start, plan.num_heads, "receiver")
+            regions = kv_regions(layout, plan.layer_begin, plan.layer_end, "receiver")
+            pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
+            if pages.size != notice.pages:
+                raise FailedPrecondition(f"source {key[0]}'s staged part names pages this rank does not have")
+            blocks = [kv_block(layout, regions, pages, side, tokens=False)]
+            what = "staged part"
+        if packed_bytes(blocks) != notice.staging_bytes:
+            raise FailedPrecondition(
+                f"source {key[0]}'s {what} is {notice.staging_bytes} bytes; this rank's pages, heads, rows and state "
+                f"it names come to {packed_bytes(blocks)}"
+            )
         return Landing(
-            key=key,
-            pool=held[0],
-            reservation=held[1],
-            nbytes=notice.staging_bytes,
-            regions=tuple(regions),
-            pages=pages,
-            side=side,
-            notice=notice,
+            key=key, pool=held[0], reservation=held[1], nbytes=notice.staging_bytes, blocks=tuple(blocks), notice=notice
         )
 
     # -- peers -----------------------------------------------------------------
@@ -866,12 +871,15 @@ class ReceiverCore:
                 head = (
                     slice_side(rank.engine.layout, plan.dst_head_start, plan.num_heads, "receiver") if plan.head_sliced else None
                 )
-                if notice.token_end:
+                # What moved packed was checked part by part (packed_checksum).
+                if notice.kv_packed:
+                    pages, tokens = NO_INDICES, None
+                elif notice.token_end:
                     pages = NO_INDICES
                     tokens = TokenRange(rank.pages, rank.prefix_pages, notice.token_begin, notice.token_end)
                 else:
                     pages, tokens = rank.pages[notice.page_offset : notice.page_offset + notice.pages], None
-                aux_row = rank.aux_row if notice.is_last and exp.expects_aux else None
+                aux_row = rank.aux_row if notice.is_last and exp.expects_aux and not notice.aux_packed else None
                 got = chunk_checksum(rank.engine, plan, pages, head, aux_row, "receiver", tokens)
             except KvBrokerError as exc:
                 self.fail(rank, cause_of(exc, self._id))
@@ -913,13 +921,8 @@ class ReceiverCore:
 
 
 def _pool_of(rank: Receiver) -> PoolKey:
-    """The receive staging pool for the rank's KV memory: host, or its GPU's."""
-    table = rank.engine.table
-    layout = rank.engine.layout
-    kv = list(layout.kv_regions.values())
-    if not kv:
-        return (common_pb2.MEMORY_KIND_DRAM, 0)
-    return (table.region_kind[kv[0]], table.region_device[kv[0]])
+    """The receive staging pool for the rank: its KV's GPU's, or host memory."""
+    return transfer_pool(rank.engine.layout, rank.engine.table)
 
 
 def _leg_of(rank: Receiver, source: RankKey) -> SenderLeg:

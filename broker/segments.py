@@ -57,6 +57,8 @@ class ChunkShape:
     #: and ``dst_pages`` are empty then.
     tokens: TokenRange | None = None
     runs: npt.NDArray[np.int64] | None = None
+    #: The same room tokens among the receiver's pages (the device path packs them).
+    dst_tokens: TokenRange | None = None
 
 
 def build_segments(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape, *, kv: bool = True) -> list[Segment]:

@@ -50,7 +50,15 @@ from kvbroker.broker.effects import Effect, PostPart, Publish, ReserveStaging, R
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import FULL_PAGES, SourcePlan
 from kvbroker.broker.nixl_agent import XferState
-from kvbroker.broker.parts import KvPairs, PartKind, PartSpec, StagePolicy, kv_pairs, plan_chunk
+from kvbroker.broker.parts import (
+    KvPairs,
+    PackLimit,
+    PartKind,
+    PartSpec,
+    StagePolicy,
+    kv_pairs,
+    plan_chunk,
+)
 from kvbroker.broker.rooms import (
     FAILED,
     SUCCESS,
@@ -265,12 +273,15 @@ class SenderCore:
         peers: PeerView,
         send_staging_bytes: Callable[[int, int], int],
         on_bytes: Callable[[int], None] = lambda _n: None,
+        part_bytes: int = 64 << 20,
     ) -> None:
         self._id = broker_id
         self._rooms = rooms
         self._counters = counters
         self._peers = peers
         self._send_staging_bytes = send_staging_bytes
+        #: The largest packed part (``BrokerConfig.device_part_bytes``).
+        self._part_bytes = part_bytes
         self._on_bytes = on_bytes
         self._out: list[Effect] = []
         #: Sources that were open at the last look (the timeouts scan these, not every record).
@@ -736,6 +747,7 @@ class SenderCore:
             state=_state_pairs(chunk, dest, remote),
             tokens=tokens,
             runs=runs,
+            dst_tokens=TokenRange(info.pages, info.prefix_pages, tokens.begin, tokens.end) if tokens is not None else None,
         )
         if dest.kv is None and plan.mode == FULL_PAGES and shape.src_pages.size:
             # Planned once per (receiver rank generation, layer range) for this engine, not per room.
@@ -745,7 +757,11 @@ class SenderCore:
                 if len(source.engine.kv_plans) >= 4096:  # receivers come and go: bounded
                     source.engine.kv_plans.clear()
                 dest.kv = source.engine.kv_plans[key] = kv_pairs(layout, table, remote.layout, remote.table, plan)
-        specs = plan_chunk(layout, table, remote.layout, remote.table, plan, shape, self._stage_policy(dest), dest.kv)
+        specs = plan_chunk(
+            layout, table, remote.layout, remote.table, plan, shape, self._stage_policy(dest), dest.kv, self._pack_limit(dest)
+        )
+        kv_packed = any(s.packing is not None and s.packing.kv_end > s.packing.kv_begin for s in specs)
+        aux_packed = any(s.packing is not None and s.packing.aux for s in specs)
         notice = self._notice(
             source,
             dest,
@@ -758,10 +774,13 @@ class SenderCore:
         notice.state_components.extend(sorted(shape.state))
         if tokens is not None:
             notice.token_begin, notice.token_end = tokens.begin, tokens.end
+        notice.kv_packed, notice.aux_packed = kv_packed, aux_packed
         if info.verify_checksum:
+            # What moves packed, each packed part's own checksum covers.
             head = slice_side(layout, plan.src_head_start, plan.num_heads, "sender") if plan.head_sliced else None
-            aux_row = shape.aux_rows[0] if shape.aux_rows is not None else None
-            notice.checksum = chunk_checksum(source.engine, plan, shape.src_pages, head, aux_row, "sender", tokens)
+            aux_row = shape.aux_rows[0] if shape.aux_rows is not None and not aux_packed else None
+            pages, runs_of = (NO_INDICES, None) if kv_packed else (shape.src_pages, tokens)
+            notice.checksum = chunk_checksum(source.engine, plan, pages, head, aux_row, "sender", runs_of)
         self._send_parts(source, dest, chunk, remote, specs, notice)
 
     def _send_parts(
@@ -777,10 +796,29 @@ class SenderCore:
             part_notice = peer_pb2.TransferNotice()
             part_notice.CopyFrom(notice)
             part_notice.part, part_notice.parts, part_notice.bytes = i, len(specs), spec.nbytes
+            if spec.packing is not None:
+                packing = spec.packing
+                part_notice.packed = True
+                part_notice.packed_kv_begin, part_notice.packed_kv_end = packing.kv_begin, packing.kv_end
+                part_notice.packed_aux = packing.aux
+                for name, items in packing.state:
+                    part_notice.packed_state.add(component=name, items=items)
             part = Part(source=source, dest=dest, chunk=chunk, index=i, spec=spec, notice=part_notice, remote=remote)
             source.inflight += 1
             dest.inflight += 1
-            self._out.append(ReserveStaging(part) if spec.kind is PartKind.STAGED else PostPart(part))
+            staged = spec.kind is PartKind.STAGED or spec.kind is PartKind.PACKED
+            self._out.append(ReserveStaging(part) if staged else PostPart(part))
+
+    def _pack_limit(self, dest: Destination) -> PackLimit:
+        """The largest packed part to ``dest``: this broker's part size, and
+        at most half of either transfer buffer (so consecutive parts overlap)."""
+
+        def limit(send: tuple[int, int], receive: tuple[int, int]) -> int:
+            ours = self._send_staging_bytes(*send)
+            theirs = self._peers.receive_staging_bytes(dest.info.receiver_broker_id, *receive)
+            return min(self._part_bytes, ours // 2, theirs // 2) if ours and theirs else 0
+
+        return limit
 
     def _stage_policy(self, dest: Destination) -> StagePolicy:
         def stage(nbytes: int, where: str, kind: int, device: int) -> bool:

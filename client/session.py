@@ -437,9 +437,11 @@ class Session:
                     continue
                 if view.terminal:
                     # The first terminal status stays, with its cause (a
-                    # refusal made here, say); only pages_settled may change.
+                    # refusal made here, say); only pages_settled may change,
+                    # and with it come the pages that arrived whole.
                     if status.pages_settled and not view.status.pages_settled:
                         view.status.pages_settled = True
+                        view.status.landed_pages.CopyFrom(status.landed_pages)
                     continue
                 self._set(view, status)
             self._cond.notify_all()

@@ -53,6 +53,29 @@ class _Tally:
     failed: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: "event (broker)" -> how often the brokers the demo started logged it at warning or above.
+    warnings: dict[str, int] = field(default_factory=dict)
+
+
+def _broker_warnings(brokers: list[_Broker]) -> dict[str, int]:
+    """What the brokers the demo started warned of (their JSON logs), e.g. VRAM moving at host speed."""
+    seen: dict[str, int] = {}
+    for broker in brokers:
+        if broker.process is None:
+            continue
+        try:
+            lines = broker.process.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("level") in ("warning", "error", "critical"):
+                key = f"{entry.get('event', '?')} ({broker.name})"
+                seen[key] = seen.get(key, 0) + 1
+    return seen
 
 
 def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str, staging: bool) -> list[_Broker]:
@@ -230,6 +253,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 broker.process.stop()
     leaked = {name: {k: v for k, v in t.items() if v} for name, t in tables.items()} if owned else {}
     ok = not (tally.failed or tally.mismatched or tally.errors or any(leaked.values())) and tally.rooms_verified == args.rooms
+    tally.warnings = _broker_warnings(owned)
     _summary(args, tally, tables, leaked, wall, ok, workdir, owned)
     if ok:  # a failed run keeps its broker logs (the summary names the folder)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -320,14 +344,13 @@ def _print_timelines(timelines: dict[int, dict[str, dict[str, float]]], limit: i
 def _layout_line(args: argparse.Namespace) -> str:
     heads = "MLA" if args.mla else f"{args.kv_heads if args.kv_heads is not None else 8} KV heads"
     text = f"{heads}, prefill tp{args.prefill_tp} pp{args.prefill_pp} -> decode tp{args.decode_tp} pp{args.decode_pp}"
-    if args.prefill_tp != args.decode_tp and not args.mla:
-        # VRAM head slices use staging buffers on the GPU (per-token descriptors
-        # only where the brokers have none, logged by the broker).
+    if args.device != "cpu":
+        # Whatever lies in VRAM moves packed through the brokers' transfer buffers.
+        text += f", KV in {args.device.upper()} memory (the device path)"
+    elif args.prefill_tp != args.decode_tp and not args.mla:
         text += ", staging" if args.staging else ", per-token descriptors"
     if args.state:
         text += f", state {args.state}"
-    if args.device != "cpu":
-        text += f", KV in {args.device.upper()} memory"
     return text
 
 
@@ -354,6 +377,7 @@ def _summary(
         "layout": _layout_line(args),
         "brokers": "single" if args.single_broker else ("external" if args.prefill_broker else "two"),
         "per_room_state": tables,
+        "broker_warnings": tally.warnings,
     }
     if args.json:
         print(json.dumps(summary))
@@ -368,6 +392,9 @@ def _summary(
         for name, table in tables.items():
             state = "all zero" if not any(table.values()) else ", ".join(f"{k}={v}" for k, v in table.items() if v)
             print(f"  {name:13} per-room tables: {state}")
+        if owned:
+            said = ", ".join(f"{event} x{n}" for event, n in sorted(tally.warnings.items())) or "none"
+            print(f"  broker warnings {said}")
     if args.trace and tally.timelines and not args.json:
         _print_timelines(tally.timelines)
     for line in (*tally.failed[:10], *tally.mismatched[:10], *tally.errors[:5]):

@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec
 from kvbroker.testing import Cleanup, FakeBroker, FakeFabric, LoopThread, start_fake_broker
+from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.v1 import common_pb2
 
 _ids = itertools.count()
@@ -69,20 +70,67 @@ def loop_thread() -> Iterator[LoopThread]:
     lt.close()
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module that sets ``MEMORY_KINDS = ("dram", "vram")`` runs each of its tests that makes
+    engines or fake brokers once per memory kind."""
+    kinds = getattr(metafunc.module, "MEMORY_KINDS", None)
+    if kinds and "memory_kind" in metafunc.fixturenames:
+        metafunc.parametrize("memory_kind", kinds, indirect=True)
+
+
 @pytest.fixture
-def fake_brokers(loop_thread: LoopThread, short_tmp: Path) -> Iterator[Callable[..., FakeBroker]]:
-    """Factory of in-process brokers sharing one fake fabric; every one is stopped at the end."""
+def memory_kind(request: pytest.FixtureRequest) -> str:
+    """Where ``make_engine`` puts engines' memory: "dram" (default), or "vram": the fake CUDA
+    driver's device memory, which the brokers import and move on the device path."""
+    return str(getattr(request, "param", "dram"))
+
+
+@pytest.fixture
+def fake_cuda(memory_kind: str) -> Iterator[FakeCudaLib | None]:
+    """The fake CUDA driver of a "vram" test (two devices); at the end nothing of it is held."""
+    if memory_kind != "vram":
+        yield None
+        return
+    fake = FakeCudaLib(devices=2, granularity=4096)
+    yield fake
+    assert fake.leaks() == [], "every device allocation and mapping was released"
+
+
+def assert_device_rules(broker: FakeBroker) -> None:
+    """What the device path promises, as the fake agent saw it: no engine VRAM was ever registered
+    with NIXL (only the broker's cudaMalloc transfer buffers), and no VRAM write targeted anything
+    else (a VMM target would have moved at host speed)."""
+    agent = broker.agent
+    assert set(agent.vram_registrations()) <= {"cudaMalloc"}, agent.vram_registrations()
+    assert set(agent.vram_targets) <= {"cudaMalloc"} and agent.host_speed_writes == 0, agent.vram_targets
+
+
+@pytest.fixture
+def fake_brokers(loop_thread: LoopThread, short_tmp: Path, fake_cuda: FakeCudaLib | None) -> Iterator[Callable[..., FakeBroker]]:
+    """Factory of in-process brokers sharing one fake fabric; every one is stopped at the end.
+    In a "vram" test they use the fake CUDA driver and keep to the device path's rules."""
     fabric = FakeFabric()
     started: list[FakeBroker] = []
 
     def start(name: str = "", **config: object) -> FakeBroker:
-        settings: dict[str, object] = {"staging_send_bytes": 8 << 20, "staging_receive_bytes": 8 << 20, **config}
+        settings: dict[str, object] = {
+            "staging_send_bytes": 8 << 20,
+            "staging_receive_bytes": 8 << 20,
+            "device_send_bytes": 8 << 20,
+            "device_receive_bytes": 8 << 20,
+            **config,
+        }
         broker = start_fake_broker(loop_thread, fabric, short_tmp, name or f"b{next(_ids)}", **settings)
         started.append(broker)
+        if fake_cuda is not None:
+            broker.use_cuda(fake_cuda)
         return broker
 
     yield start
     with Cleanup() as cleanup:
+        if fake_cuda is not None:
+            for broker in started:
+                cleanup.run(lambda broker=broker: assert_device_rules(broker))
         for broker in reversed(started):
             cleanup.run(broker.stop)
 
@@ -120,8 +168,9 @@ class Engine:
 
 
 @pytest.fixture
-def make_engine() -> Iterator[Callable[..., Engine]]:
-    """Register an engine rank with a broker; filled with random bytes for prefill."""
+def make_engine(fake_cuda: FakeCudaLib | None) -> Iterator[Callable[..., Engine]]:
+    """Register an engine rank with a broker; filled with random bytes for prefill. In a "vram"
+    test its memory is the fake driver's device memory (device: its tp rank modulo 2)."""
     engines: list[Engine] = []
 
     def make(
@@ -153,6 +202,8 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
         )
         if role == "prefill":
             fill_regions(memory, seed)
+        if fake_cuda is not None:
+            as_fake_vram(memory, fake_cuda, device=tp_rank % 2)
         client = BrokerClient(address)
         engine = Engine(client, client.register_engine(rank, memory), memory)
         engines.append(engine)

@@ -17,6 +17,9 @@ from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 from .conftest import SMALL_MODEL, page_bytes
 
+# Every test with engines runs on host memory and on the device path (fake VRAM).
+MEMORY_KINDS = ("dram", "vram")
+
 SRC = np.array([3, 4, 5, 9, 10, 20], dtype=np.int32)
 DST = np.array([0, 1, 2, 7, 8, 30], dtype=np.int32)
 

@@ -1,13 +1,18 @@
-"""The GPU path: VRAM regions (CUDA VMM POSIX-fd export and import), one trace per room.
+"""The device path on a GPU: engine VRAM moves through the brokers' transfer buffers, one trace per room.
 
-    pytest -m gpu tests/test_gpu.py      # on a host with CUDA devices
+    pytest -m gpu tests/test_gpu.py      # on a host with CUDA devices (../shared/gpu/ carries the project there)
 
 Skipped without CUDA (the conftest skips every ``gpu`` test when CUDA is
-missing). These tests have NOT run yet: no GPU was available while the VRAM
-path was written. On CPU, tests/unit/test_cudavmm.py checks the driver calls
-against a fake driver and tests/test_vram.py runs the broker's VRAM handling
-with it; whether the real driver and NIXL accept it all is what these tests
-are for.
+missing). Each test runs on one GPU with two ``kvbroker serve`` processes
+(a prefill and a decode host sharing cuda:0); the first also has a variant
+between two GPUs for hosts that have them. Every test fails if a broker
+logged ``vram_transfer_at_host_speed`` (a VRAM write that moved like a host
+copy: UCX fell back to TCP, which is what registering engine VRAM did on an
+H100). What these tests check on CPU instead is tests/test_vram.py (the
+same code on CPU tensors, with the rules the GPU showed in the fake agent).
+
+Status: written for the device path without a GPU at hand; see the
+latest issue note for which of them have run on one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,77 +32,125 @@ from kvbroker.testing.otlp import OtlpReceiver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+#: Big enough rooms that every packed part is over 1 MiB: the brokers' throughput check
+#: (``vram_transfer_at_host_speed``) only judges writes of 1 MiB or more.
+MODEL = ModelSpec(num_layers=4, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
+PAGES = 64
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_vram_room_between_two_gpus_is_one_trace() -> None:
-    """Prefill KV on cuda:0 and decode KV on cuda:1 move byte-exact, one trace per room."""
+
+def _no_host_speed(*brokers: BrokerProcess) -> None:
+    for broker in brokers:
+        log = broker.log_path.read_text(errors="replace")
+        assert "vram_transfer_at_host_speed" not in log, f"broker {broker.name} moved VRAM at host speed:\n{broker.log_tail()}"
+
+
+@pytest.fixture
+def traced_brokers() -> Iterator[tuple[list[BrokerProcess], OtlpReceiver]]:
+    """A prefill and a decode broker process exporting their spans to one OTLP receiver."""
     receiver = OtlpReceiver()
-    env = dict(os.environ, OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
+    env = dict(
+        os.environ,
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
     with scratch_dir("kvb-gpu-") as workdir:
-        broker = BrokerProcess.launch("host", workdir, ["--log-level", "warning"], env=env)
-        broker.wait_ready()
-        model = ModelSpec(num_layers=4, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
+        brokers = [BrokerProcess.launch(name, Path(workdir), ["--log-level", "info"], env=env) for name in ("prefill", "decode")]
         try:
-            memories = {}
-            engines = {}
-            for device, role, group in (("cuda:0", "prefill", "gp"), ("cuda:1", "decode", "gd")):
-                spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
-                memories[role] = EngineMemory.allocate(spec, model, num_pages=64, aux_rows=2, aux_row_bytes=[16], device=device)
-                engines[role] = BrokerClient(broker.address).register_engine(spec, memories[role])
-            for layer in range(model.num_layers):
-                memories["prefill"].k[layer].normal_()
-                memories["prefill"].v[layer].normal_()
-            torch.cuda.synchronize()  # the broker reads the pages as soon as it has the chunk
-            engines["decode"].receiver(1, SenderRef("", "gp")).init([10, 11, 12], aux_row=0)
-            sender = engines["prefill"].sender(1)
-            sender.init(3, aux_row=1)
-            sender.send([1, 2, 3])
-            assert engines["decode"].wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
-            src, dst = torch.tensor([1, 2, 3]), torch.tensor([10, 11, 12])
-            for layer in range(model.num_layers):
-                for a, b in zip(memories["prefill"].kv_tensors(layer), memories["decode"].kv_tensors(layer)):
-                    assert torch.equal(a[src].view(torch.uint8).cpu(), b[dst].view(torch.uint8).cpu())
-            for engine in engines.values():
-                engine.close()
-            broker.stop()
-            rooms = [s for s in receiver.spans() if s.name == "kvbroker.room"]
-            assert len(rooms) == 2 and len({s.trace_id for s in rooms}) == 1
+            for broker in brokers:
+                broker.wait_ready()
+            yield brokers, receiver
         finally:
-            broker.stop()
+            for broker in brokers:
+                broker.stop()
             receiver.stop()
 
 
-def test_kv_torch_allocated_moves_from_where_it_lies() -> None:
-    """KV in tensors torch allocated itself (its caching allocator: cudaMalloc segments), adopted
-    where they lie (CUDA IPC handles), moves byte-exact to kvbroker-allocated VRAM on the same GPU."""
-    with scratch_dir("kvb-gpu-") as workdir:
-        broker = BrokerProcess.launch("host", workdir, ["--log-level", "warning"])
-        broker.wait_ready()
-        model = ModelSpec(num_layers=2, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
-        try:
-            prefill = RankSpec(group="own", role="prefill")
-            kv = {layer: [torch.randn(32, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)] for layer in range(2)}
-            aux = torch.arange(32, dtype=torch.uint8).view(2, 16)
-            own = EngineMemory.adopt(prefill, model, kv=kv, aux=[aux])
-            assert own.buffers[0][1].cuda_ipc_handle, "torch's allocations go as CUDA IPC handles"
-            decode = RankSpec(group="vmm", role="decode")
-            target = EngineMemory.allocate(decode, model, num_pages=32, aux_rows=2, aux_row_bytes=[16], device="cuda:0")
-            sender_engine = BrokerClient(broker.address).register_engine(prefill, own)
-            receiver_engine = BrokerClient(broker.address).register_engine(decode, target)
-            torch.cuda.synchronize()
-            receiver_engine.receiver(1, SenderRef("", "own")).init([3, 4], aux_row=0)
-            sender = sender_engine.sender(1)
-            sender.init(2, aux_row=1)
-            sender.send([7, 9])
-            assert receiver_engine.wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
-            for layer in range(2):
-                for a, b in zip(kv[layer], target.kv_tensors(layer)):
-                    assert torch.equal(a[[7, 9]].view(torch.uint8).cpu(), b[[3, 4]].view(torch.uint8).cpu())
-            assert bytes(target.aux[0][0].cpu()) == bytes(aux[1])
-            sender_engine.close()
-            receiver_engine.close()
-        finally:
-            broker.stop()
+def _fill(memory: EngineMemory) -> None:
+    for layer in range(MODEL.num_layers):
+        for tensor in memory.kv_tensors(layer):
+            tensor.normal_()
+    torch.cuda.synchronize()  # the broker reads the pages as soon as it has the chunk
+
+
+@pytest.mark.parametrize("gpus", [1, 2], ids=["one-gpu", "two-gpus"])
+def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, gpus: int) -> None:  # type: ignore[no-untyped-def]
+    """Prefill KV on cuda:0 and decode KV on cuda:0 (or cuda:1) move byte-exact, random pages in
+    chunks, aux row too; both sides of every room land in one trace; only packed parts carried
+    them; no write moved at host speed."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA devices")
+    brokers, receiver = traced_brokers
+    prefill, decode = brokers
+    memories, engines = {}, {}
+    for broker, device, role, group in ((prefill, "cuda:0", "prefill", "gp"), (decode, f"cuda:{gpus - 1}", "decode", "gd")):
+        spec = RankSpec(group=group, role=role)  # type: ignore[arg-type]
+        memories[role] = EngineMemory.allocate(spec, MODEL, num_pages=4 * PAGES, aux_rows=4, aux_row_bytes=[16], device=device)
+        engines[role] = BrokerClient(broker.address).register_engine(spec, memories[role])
+    _fill(memories["prefill"])
+    generator = torch.Generator().manual_seed(3)
+    rooms = {}
+    for room in (1, 2, 3):
+        src = torch.randperm(4 * PAGES, generator=generator)[:PAGES]
+        dst = torch.randperm(4 * PAGES, generator=generator)[:PAGES]
+        engines["decode"].receiver(room, SenderRef(prefill.address, "gp")).init(dst.numpy(), aux_row=room)
+        sender = engines["prefill"].sender(room)
+        sender.init(PAGES, aux_row=0)
+        for chunk in src.split(PAGES // 4):
+            sender.send(chunk.numpy())
+        rooms[room] = (src, dst)
+    statuses = engines["decode"].wait(list(rooms), timeout_seconds=60)
+    assert all(s.state == RoomState.SUCCESS for s in statuses.values()), statuses
+    for src, dst in rooms.values():
+        for layer in range(MODEL.num_layers):
+            for a, b in zip(memories["prefill"].kv_tensors(layer), memories["decode"].kv_tensors(layer)):
+                assert torch.equal(a[src.cuda(a.device)].view(torch.uint8).cpu(), b[dst.cuda(b.device)].view(torch.uint8).cpu())
+    for room in rooms:
+        assert bytes(memories["decode"].aux[0][room].cpu()) == bytes(memories["prefill"].aux[0][0].cpu())
+    stats = prefill.stats()
+    assert stats.transfers_packed >= len(rooms) * 4 and stats.transfers_per_token == stats.transfers_staged == 0
+    for engine in engines.values():
+        engine.close()
+    _no_host_speed(prefill, decode)
+    for broker in brokers:
+        broker.stop()
+    spans = [s for s in receiver.spans() if s.name == "kvbroker.room"]
+    assert len(spans) == 2 * len(rooms)
+    by_room = {}
+    for span in spans:
+        by_room.setdefault(span.attributes["kvbroker.room"], set()).add(span.trace_id)
+    assert all(len(traces) == 1 for traces in by_room.values()), by_room
+
+
+def test_kv_torch_allocated_moves_from_where_it_lies(traced_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Regression (NIXL_ERR_BACKEND on an H100): KV in tensors torch allocated itself (its caching
+    allocator: cudaMalloc segments), adopted where they lie (CUDA IPC handles, never registered with
+    NIXL), moves byte-exact to kvbroker-allocated VRAM on the same GPU through another broker; the
+    aux row (host memory) with it."""
+    (prefill, decode), _ = traced_brokers
+    model = ModelSpec(num_layers=2, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
+    spec = RankSpec(group="own", role="prefill")
+    kv = {layer: [torch.randn(32, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)] for layer in range(2)}
+    aux = torch.arange(32, dtype=torch.uint8).view(2, 16)
+    own = EngineMemory.adopt(spec, model, kv=kv, aux=[aux])
+    assert own.buffers[0][1].cuda_ipc_handle, "torch's allocations go as CUDA IPC handles"
+    target_spec = RankSpec(group="vmm", role="decode")
+    target = EngineMemory.allocate(target_spec, model, num_pages=32, aux_rows=2, aux_row_bytes=[16], device="cuda:0")
+    sender_engine = BrokerClient(prefill.address).register_engine(spec, own)
+    receiver_engine = BrokerClient(decode.address).register_engine(target_spec, target)
+    torch.cuda.synchronize()
+    receiver_engine.receiver(1, SenderRef(prefill.address, "own")).init([3, 4], aux_row=0)
+    sender = sender_engine.sender(1)
+    sender.init(2, aux_row=1)
+    sender.send([7, 9])
+    assert receiver_engine.wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
+    for layer in range(2):
+        for a, b in zip(kv[layer], target.kv_tensors(layer)):
+            assert torch.equal(a[[7, 9]].view(torch.uint8).cpu(), b[[3, 4]].view(torch.uint8).cpu())
+    assert bytes(target.aux[0][0].cpu()) == bytes(aux[1])
+    sender_engine.close()
+    receiver_engine.close()
+    _no_host_speed(prefill, decode)
 
 
 @pytest.mark.parametrize(
@@ -106,11 +161,13 @@ def test_kv_torch_allocated_moves_from_where_it_lies() -> None:
         ["--prefill-tp", "1", "--decode-tp", "2"],
         ["--state", "mamba,swa"],
         ["--mla", "--prefill-tp", "2", "--decode-tp", "1"],
+        ["--prefill-tp", "2", "--decode-tp", "1", "--chunks", "1", "--pages", "256"],
     ],
-    ids=["tp1-tp1", "tp2-tp1", "tp1-tp2", "state", "mla-tp2-tp1"],
+    ids=["tp1-tp1", "tp2-tp1", "tp1-tp2", "state", "mla-tp2-tp1", "tp2-tp1-large-chunks"],
 )
 def test_demo_moves_vram_byte_exact(layout: list[str]) -> None:
-    """``kvbroker demo --device cuda``: every rank's KV in VRAM, every byte verified."""
+    """``kvbroker demo --device cuda``: two broker processes, every rank's KV in VRAM (on cuda:0
+    when it is the only GPU), every byte verified, no broker warned of host-speed VRAM writes."""
     result = subprocess.run(
         [sys.executable, "-m", "kvbroker", "demo", "--device", "cuda", "--rooms", "8", "--no-progress", *layout],
         capture_output=True,
@@ -119,3 +176,5 @@ def test_demo_moves_vram_byte_exact(layout: list[str]) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verified byte-exact, 0 failed, 0 mismatched" in result.stdout
+    assert "vram_transfer_at_host_speed" not in result.stdout + result.stderr
+    assert "broker warnings none" in result.stdout

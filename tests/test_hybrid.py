@@ -17,6 +17,9 @@ from kvbroker.client import EngineMemory, RankSpec, RoomState, SenderRef, StateS
 from .conftest import SMALL_MODEL, page_bytes
 from .test_service import _wait_tables_empty
 
+# Every test with engines runs on host memory and on the device path (fake VRAM).
+MEMORY_KINDS = ("dram", "vram")
+
 HYBRID = dataclasses.replace(SMALL_MODEL, num_layers=4, kv_layers=(1, 3))
 MAMBA = (StateSpec("mamba", "mamba", item_bytes=96, num_items=6, num_regions=2, layers=(0, 2)),)
 SRC, DST = np.array([0, 2, 5], dtype=np.int32), np.array([1, 3, 4], dtype=np.int32)

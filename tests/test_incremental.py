@@ -24,6 +24,9 @@ from kvbroker.v1 import common_pb2, transfer_pb2
 
 from .conftest import SMALL_MODEL, Engine, page_bytes
 
+# Every test with engines runs on host memory and on the device path (fake VRAM).
+MEMORY_KINDS = ("dram", "vram")
+
 #: The room's seven pages on the prefill side.
 SRC = np.array([3, 4, 5, 9, 10, 20, 21], dtype=np.int32)
 

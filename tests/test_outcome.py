@@ -12,6 +12,9 @@ from kvbroker.testing import eventually
 
 from .conftest import SMALL_MODEL, page_bytes
 
+# Every test with engines runs on host memory and on the device path (fake VRAM).
+MEMORY_KINDS = ("dram", "vram")
+
 SRC = np.array([3, 4, 5, 9, 10, 20], dtype=np.int32)
 DST = np.array([0, 1, 2, 7, 8, 30], dtype=np.int32)
 
@@ -83,3 +86,36 @@ def test_a_room_that_never_registered_reports_no_page(fake_brokers, make_engine)
     assert receiver.wait(10).state == RoomState.FAILED
     eventually(lambda: receiver.status().pages_settled, 10)
     assert receiver.landed_pages().size == 0
+
+
+def test_pages_that_settle_after_the_failure_still_come_with_the_ones_that_landed(fake_brokers, make_engine) -> None:
+    """Regression: the decode engine aborts while a write of the second chunk hangs; its pages settle
+    only when the transfer timeout cancels that write, a second later. The engine's session kept the
+    first (unsettled) FAILED status and took only pages_settled from the later one, dropping the
+    list of pages that arrived: they must come with it."""
+    from kvbroker.testing.fake_nixl import XferScript
+
+    p, d = fake_brokers("p", transfer_timeout_seconds=1.0), fake_brokers("d")
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    receiver = de.handle.receiver(63, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:4], aux_row=2)
+    sender = pe.handle.sender(63)
+    sender.init(4, aux_row=1)
+    sender.send(SRC[:2])
+
+    def chunks_landed() -> list[int]:
+        room = d.broker.rooms.receiver.get(63)
+        return [r.chunks for r in room.ranks.values()] if room is not None else []
+
+    eventually(lambda: d.loop.call(chunks_landed) == [1], 10)
+    p.agent.script(XferScript(outcome="HANG"), XferScript(outcome="HANG"))
+    sender.send(SRC[2:4])
+    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) >= 1, 10)
+    receiver.abort("decode preempted")
+    assert receiver.wait(10).state == RoomState.FAILED
+    assert not receiver.status().pages_settled, "a write into them is in flight"
+    eventually(lambda: receiver.status().pages_settled, 10)
+    assert receiver.landed_pages().tolist() == DST[:2].tolist()
+    for layer in range(SMALL_MODEL.num_layers):
+        for a, b in zip(page_bytes(pe.memory, layer, SRC[:2]), page_bytes(de.memory, layer, DST[:2])):
+            assert torch.equal(a, b)

@@ -20,6 +20,9 @@ from kvbroker.v1 import common_pb2
 
 from .conftest import Engine, token_bytes
 
+# Every test with engines runs on host memory and on the device path (fake VRAM).
+MEMORY_KINDS = ("dram", "vram")
+
 NHD = ModelSpec(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
 FUSED = replace(NHD, kv_layout="hnd_fused")
 MLA = ModelSpec(num_layers=2, total_kv_heads=1, head_dim=16, dtype=torch.bfloat16, page_size=4, mla=True)
@@ -85,9 +88,12 @@ def pair(
         (5, 16, 3, [1]),  # less than one page on both sides
     ],
 )
-def test_tokens_move_between_page_sizes(fake_brokers, make_engine, layout: str, ps: int, pd: int, tokens: int, chunks: list[int]) -> None:
+def test_tokens_move_between_page_sizes(
+    fake_brokers, make_engine, memory_kind: str, layout: str, ps: int, pd: int, tokens: int, chunks: list[int]
+) -> None:
     """Every token of the room lands where the decode's pages hold it, in every layout, whatever
-    the chunks; no page the decode did not list is touched."""
+    the chunks; no page the decode did not list is touched. In VRAM, each chunk's tokens are one
+    packed part (gathered token by token into a slot, one write, scattered)."""
     p, pe, de, _ = pair(fake_brokers, make_engine, MODELS[layout], ps, pd)
     src, dst = _pages(room_pages(tokens, ps), 3, 3), _pages(room_pages(tokens, pd), 60, -2)
     assert sum(chunks) == src.size
@@ -104,7 +110,8 @@ def test_tokens_move_between_page_sizes(fake_brokers, make_engine, layout: str, 
     for a, b in zip(pe.memory.aux, de.memory.aux):
         assert torch.equal(a[1], b[2]), "the aux row did not come"
     assert_only_listed_pages_written(de, before, dst)
-    assert p.broker.counters.transfers_token_runs == len(chunks)
+    counters = p.broker.counters
+    assert (counters.transfers_token_runs, counters.transfers_packed) == ((len(chunks), 0) if memory_kind == "dram" else (0, len(chunks)))
 
 
 @pytest.mark.parametrize("ps,pd,prefix", [(4, 8, 1), (8, 4, 3), (6, 4, 2), (4, 6, 3)])

@@ -1,54 +1,87 @@
-"""VRAM buffers through the broker, on CPU: the fake CUDA driver and the fake NIXL agent.
+"""The device path on CPU: the fake CUDA driver and the fake NIXL agent, with what a GPU showed.
 
-The fake driver's "device memory" is a memfd that its ``cuMemMap`` maps
-into the broker, so the broker runs its real VRAM path (UUID lookup,
-import, NIXL registration as VRAM, VRAM descriptors, the staging decision,
-release on session end) and the fake NIXL agent moves real bytes, which the
-decode ranks check against the reference. What this cannot show is that
-the CUDA driver and NIXL accept it on a GPU: that is tests/test_gpu.py.
+The fake driver's "device memory" is host memory (memfds its ``cuMemMap``
+maps), viewed by the broker as torch CPU tensors, so the broker runs its
+real device path: it imports and maps engine VRAM without registering it
+with NIXL, allocates cudaMalloc transfer buffers per GPU and registers only
+those, gathers whatever of a chunk lies in VRAM into a slot with torch index
+ops, writes it in one descriptor, and scatters it at the receiver. The fake
+agent follows what an H100 showed (../shared/gpu/README.md): a pointer
+opened from a CUDA IPC handle cannot be registered, and a write into a VMM
+allocation moves at host speed; ``assert_device_rules`` fails a test whose
+broker registered engine VRAM or wrote VRAM anywhere but a transfer buffer.
+What this cannot show is CUDA itself: that is tests/test_gpu.py.
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
+from collections.abc import Callable
+
 import grpc
+import numpy as np
 import pytest
+import torch
 
 from kvbroker import cudavmm
-from kvbroker.client import BrokerClient, EngineMemory, RankSpec
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.errors import FailedPrecondition, InvalidArgument
+from kvbroker.testing import FakeBroker, eventually
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
+from kvbroker.testing.fake_nixl import HOST_SPEED_BPS, FakeAgent, FakeFabric, XferScript
 from kvbroker.testing.scenario import Scenario, run_scenario
 from kvbroker.v1 import common_pb2
 
-from .conftest import SMALL_MODEL
+from .conftest import SMALL_MODEL, assert_device_rules, page_bytes
+
+VRAM, DRAM = common_pb2.MEMORY_KIND_VRAM, common_pb2.MEMORY_KIND_DRAM
 
 
-def _vram_brokers(fake_brokers, fake: FakeCudaLib):  # type: ignore[no-untyped-def]
-    driver = cudavmm.Driver(fake)
-    p, d = fake_brokers("p"), fake_brokers("d")
+def _vram_brokers(fake_brokers: Callable[..., FakeBroker], fake: FakeCudaLib, **config: object) -> tuple[FakeBroker, FakeBroker]:
+    p, d = fake_brokers("p", **config), fake_brokers("d", **config)
     for broker in (p, d):
-        broker.broker.engines.cuda_driver = driver
-        # The fake driver's "device memory" is host memory: staging copies view it with numpy.
-        broker.broker.views.device_as_host = True
+        broker.use_cuda(fake)
     return p, d
 
 
 @pytest.mark.parametrize(
-    ("scenario", "vram_roles"),
+    ("scenario", "vram_roles", "part_kib"),
     [
-        (Scenario(), ("prefill", "decode")),
-        (Scenario(prefill_tp=1, decode_tp=2), ("prefill",)),
-        (Scenario(prefill_tp=2, decode_tp=1), ("decode",)),
-        (Scenario(prefill_tp=2, decode_tp=2, state=("mamba", "swa")), ("prefill", "decode")),
-        (Scenario(prefill_tp=2, decode_tp=1, mla=True, head_dim=40), ("decode",)),
+        (Scenario(), ("prefill", "decode"), 0),
+        (Scenario(pages=12, chunks=2), ("prefill", "decode"), 16),
+        (Scenario(prefill_tp=1, decode_tp=2), ("prefill",), 0),
+        (Scenario(prefill_tp=2, decode_tp=1), ("decode",), 0),
+        (Scenario(prefill_tp=2, decode_tp=1), ("prefill", "decode"), 4),
+        (Scenario(prefill_tp=2, decode_tp=2, state=("mamba", "swa")), ("prefill", "decode"), 0),
+        (Scenario(prefill_tp=2, decode_tp=1, mla=True, head_dim=40), ("decode",), 0),
+        (Scenario(prefill_pp=2, decode_pp=1, state=("mamba",)), ("prefill", "decode"), 0),
+        (Scenario(prefill_tp=4, decode_tp=2, kv_heads=2), ("prefill", "decode"), 0),
+        (Scenario(prefill_tp=2, decode_tp=1, kv_layout="hnd_fused"), ("prefill", "decode"), 0),
     ],
-    ids=["tp1-tp1-both", "tp1-tp2-prefill-vram", "tp2-tp1-decode-vram", "tp2-tp2-both-state", "mla-tp2-tp1-decode-vram"],
+    ids=[
+        "tp1-tp1-both",
+        "tp1-tp1-split-into-parts",
+        "tp1-tp2-prefill-vram",
+        "tp2-tp1-decode-vram",
+        "tp2-tp1-both-split",
+        "tp2-tp2-both-state",
+        "mla-tp2-tp1-decode-vram",
+        "pp2-pp1-state",
+        "tp4-tp2-gqa-replicated",
+        "fused-tp2-tp1",
+    ],
 )
-def test_vram_buffers_move_byte_exact_and_are_released(fake_brokers, scenario: Scenario, vram_roles: tuple[str, ...]) -> None:
-    """VRAM regions go GPU-direct; VRAM head slices are packed in staging buffers on their GPU (never in
-    host memory); nothing is left behind, the GPU staging buffers included once their engines are gone."""
+def test_vram_moves_packed_byte_exact_and_nothing_is_left(
+    fake_brokers: Callable[..., FakeBroker], scenario: Scenario, vram_roles: tuple[str, ...], part_kib: int
+) -> None:
+    """Every layout moves byte-exact when either side's memory is VRAM: only packed parts touch it
+    (one write each, slot to slot; ``part_kib`` cuts chunks into several), engine VRAM is never
+    registered with NIXL, no write targets anything but a transfer buffer, and once the engines
+    are gone nothing is held: no per-room record, no reservation, no mapping, no GPU buffer."""
     fake = FakeCudaLib(devices=2, granularity=4096)
-    p, d = _vram_brokers(fake_brokers, fake)
+    config = {"device_part_bytes": part_kib << 10} if part_kib else {}
+    p, d = _vram_brokers(fake_brokers, fake, **config)
 
     def prepare(memory: EngineMemory, spec: RankSpec) -> None:
         if spec.role in vram_roles:
@@ -57,40 +90,316 @@ def test_vram_buffers_move_byte_exact_and_are_released(fake_brokers, scenario: S
     result = run_scenario(p.address, d.address, scenario, timeout_seconds=30, prepare=prepare)
     assert result.ok, "\n".join(result.problems[:20])
     counters = p.broker.counters
-    if scenario.prefill_tp != scenario.decode_tp and not scenario.mla:
-        assert counters.transfers_staged > 0 and counters.transfers_per_token == 0
-        # The brokers allocated staging buffers on the GPUs (cuMemCreate: the engines' memory is adopted).
-        assert "cuMemCreate" in fake.calls
-    else:
-        assert counters.transfers_staged == 0
+    assert counters.transfers_packed > 0
+    assert counters.transfers_staged == counters.transfers_per_token == counters.transfers_token_runs == 0
+    if part_kib:
+        assert counters.transfers_packed > scenario.rooms * scenario.chunks * scenario.prefill_tp, "chunks were cut"
     for broker in (p, d):
+        assert_device_rules(broker)
         broker.evict_now()
         assert not any(broker.tables().values()), broker.tables()
-        assert broker.agent.registrations == 1 + 1, "only the two staging buffers stay registered"
+        assert broker.loop.call(lambda b=broker: (b.broker.pools.in_use_bytes("send"), b.broker.pools.in_use_bytes("receive"))) == (0, 0)
+        assert broker.agent.vram_registrations() == {}, "a GPU's transfer buffers go with its last engine"
+        assert broker.agent.registrations == 2, "only the host staging buffers stay registered"
     assert fake.leaks() == []
-    assert set(fake.calls) >= {"cuMemImportFromShareableHandle", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"}
+    assert {"cuMemImportFromShareableHandle", "cuMemMap", "cuMemAlloc_v2", "cuMemFree_v2"} <= set(fake.calls)
+    assert "cuMemCreate" not in fake.calls, "the brokers made no VMM memory"
 
 
-def test_vram_buffer_is_registered_with_nixl_as_vram_on_the_uuid_device(fake_brokers, make_engine) -> None:
+def test_engine_vram_is_mapped_not_registered_and_its_gpu_gets_transfer_buffers(fake_brokers, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """An engine's VRAM buffer is imported on the device its UUID names and mapped for the broker's
+    copies, never registered with NIXL; the broker registers a cudaMalloc send and receive buffer on
+    that GPU instead (once, whatever the number of engines), and frees them with the last engine."""
     fake = FakeCudaLib(devices=2, granularity=4096)
+    p, _ = _vram_brokers(fake_brokers, fake, device_send_bytes=1 << 20, device_receive_bytes=2 << 20)
+    memories, engines = [], []
+    with BrokerClient(p.address) as client:
+        for tp_rank in (0, 1):
+            rank = RankSpec(group="g", role="prefill", tp_size=2, tp_rank=tp_rank)
+            memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)
+            as_fake_vram(memory, fake, device=1)
+            memories.append(memory)
+            engines.append(client.register_engine(rank, memory))
+        registered = p.loop.call(lambda: list(p.broker.engines.by_id.values()))
+        assert {(b.kind, b.device_id) for e in registered for b in e.buffers} == {(VRAM, 1)}
+        assert all(e.registrations == [] and e.dlists == {} for e in registered), "engine VRAM is not NIXL's"
+        vram = [r for r in p.agent._regs.values() if r[2] == VRAM]
+        assert sorted((size, dev) for _, size, _, dev in vram) == [(1 << 20, 1), (2 << 20, 1)]
+        assert p.agent.vram_registrations() == {"cudaMalloc": 2}
+        for engine in engines:
+            engine.close()
+    assert p.agent.vram_registrations() == {}, "freed with the last engine"
+    for memory in memories:
+        memory.close()
+    assert fake.leaks() == []
+
+
+def test_two_engines_leaving_one_gpu_at_once_free_its_buffers_once(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Regression (seen on an H100 at tp2 -> tp1): both prefill engines of a GPU unregistering at once
+    made UnregisterEngine fail with KeyError ('receive', 2, 0) in StagingPools.release_device."""
+    import threading
+
+    fake = FakeCudaLib(devices=1, granularity=4096)
     p, _ = _vram_brokers(fake_brokers, fake)
-    rank = RankSpec(group="g", role="prefill")
-    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)
-    as_fake_vram(memory, fake, device=1)
+    clients, engines, memories = [], [], []
+    for tp_rank in (0, 1):
+        rank = RankSpec(group="g", role="prefill", tp_size=2, tp_rank=tp_rank)
+        memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)
+        as_fake_vram(memory, fake, device=0)
+        client = BrokerClient(p.address)
+        clients.append(client)
+        memories.append(memory)
+        engines.append(client.register_engine(rank, memory))
+    errors: list[BaseException] = []
+
+    def close(engine) -> None:  # type: ignore[no-untyped-def]
+        try:
+            engine.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close, args=(e,)) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert p.agent.vram_registrations() == {} and p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
+    for client in clients:
+        client.close()
+    for memory in memories:
+        memory.close()
+    assert fake.leaks() == []
+
+
+# -- the rules a GPU showed, as the fake agent keeps them ------------------------------
+
+
+def _device_bytes(driver: cudavmm.Driver, allocator: str, size: int, device: int = 1):  # type: ignore[no-untyped-def]
+    """``size`` bytes of the fake device's memory, allocated as an engine's allocator would, as a
+    uint8 tensor (the fake's device memory is host memory), and how to free it."""
+    ctx = driver.retain_context(driver.device(device))
+    if allocator == "cudaMalloc":
+        ptr = ctypes.c_ulonglong()
+        driver.call("cuMemAlloc_v2", ctypes.byref(ptr), size)
+        address = ptr.value
+
+        def free() -> None:
+            driver.call("cuMemFree_v2", address)
+            driver.call("cuDevicePrimaryCtxRelease_v2", device)
+    else:  # a VMM allocation with a POSIX-fd handle type, as kvbroker's allocator (and PyTorch's, asked) make
+        import os
+
+        mapping, fd = cudavmm.export_buffer(device, size, driver)
+        os.close(fd)
+        address = mapping.address
+
+        def free() -> None:
+            mapping.release()
+            driver.call("cuDevicePrimaryCtxRelease_v2", device)
+
+    del ctx
+    raw = torch.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=torch.uint8)
+    return raw, free
+
+
+def test_the_fake_agent_keeps_what_a_gpu_showed() -> None:
+    """An IPC-opened pointer cannot be registered (NIXL_ERR_BACKEND); a write into a VMM allocation
+    takes as long as its bytes take over TCP on the host; into cudaMalloc memory it does not. And
+    ``assert_device_rules`` catches a broker that wrote VRAM anywhere but a transfer buffer."""
+    fake = FakeCudaLib(devices=1, granularity=4096)
+    driver = cudavmm.Driver(fake)
+    fabric = FakeFabric()
+    a, b = FakeAgent("a", fabric, cuda=fake), FakeAgent("b", fabric, cuda=fake)
+    size = 2 << 20
+    source, free_source = _device_bytes(driver, "cudaMalloc", size, device=0)
+    vmm, free_vmm = _device_bytes(driver, "vmm", size, device=0)
+    legacy, free_legacy = _device_bytes(driver, "cudaMalloc", size, device=0)
+    handle = cudavmm.export_allocation(legacy.data_ptr(), driver).ipc_handle
+    assert handle is not None
+    opened = cudavmm.open_ipc(handle, size, 0, driver)
+    with pytest.raises(Exception, match="NIXL_ERR_BACKEND"):
+        b.register(opened.address, size, VRAM, 0)
+    a.register(source.data_ptr(), size, VRAM, 0)
+    b.register(vmm.data_ptr(), size, VRAM, 0)
+    b.register(legacy.data_ptr(), size, VRAM, 0)
+    a.add_remote(b.metadata())
+    source.fill_(7)
+    timings: dict[str, float] = {}
+    for name, target in (("vmm", vmm), ("cudaMalloc", legacy)):
+        row = np.array([[source.data_ptr(), size, 0]], dtype=np.uint64)
+        far = np.array([[target.data_ptr(), size, 0]], dtype=np.uint64)
+        start = time.monotonic()
+        xfer = a.post_write_descs(row, VRAM, far, VRAM, "b", b"")
+        while a.check(xfer).value == "PROC":
+            time.sleep(0.0005)
+        timings[name] = time.monotonic() - start
+        assert torch.equal(target, source)
+    assert timings["vmm"] >= size / HOST_SPEED_BPS
+    assert a.host_speed_writes == 1 and a.vram_targets == {"vmm": 1, "cudaMalloc": 1}, "only the VMM target is slow"
+
+    class _Broker:
+        agent = a
+
+    with pytest.raises(AssertionError):
+        assert_device_rules(_Broker())  # type: ignore[arg-type]
+    opened.release()
+    for free in (free_source, free_vmm, free_legacy):
+        free()
+    a.close()
+    b.close()
+    assert fake.leaks() == []
+
+
+@pytest.mark.parametrize("allocator", ["cudaMalloc", "vmm"])
+def test_kv_the_engine_allocated_on_its_gpu_moves_from_where_it_lies(fake_brokers, make_engine, allocator: str) -> None:  # type: ignore[no-untyped-def]
+    """Regression (on an H100: NIXL_ERR_BACKEND registering the IPC-opened pointer): the prefill
+    engine's own device allocation (cudaMalloc: a CUDA IPC handle; VMM: an fd) holds its K and V at
+    offsets the broker learns from the pointers; nothing is copied at registration and nothing of it
+    is registered with NIXL; the pages move byte-exact, the aux row (host memory) with them, and the
+    broker lets go of the allocation when the engine goes."""
+    fake = FakeCudaLib(devices=2, granularity=4096)
+    p, d = _vram_brokers(fake_brokers, fake)
+    driver = cudavmm.Driver(fake)
+    raw, free = _device_bytes(driver, allocator, 8192)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(7)))
+    pages, page = 8, 4 * 2 * 8 * 2  # SMALL_MODEL: 4 tokens x 2 heads x 8 dims x fp16
+    kv = {layer: [raw[(2 * layer + i) * pages * page : (2 * layer + i + 1) * pages * page].view(torch.float16).view(pages, 4, 2, 8) for i in range(2)] for layer in range(2)}
+    aux = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    rank = RankSpec(group="prefill-group", role="prefill")
+    memory = EngineMemory.adopt(rank, SMALL_MODEL, kv=kv, aux=[aux], cuda_driver=driver)
+    assert kv[1][1].data_ptr() == raw.data_ptr() + 3 * pages * page, "not moved"
+    (vram, vram_spec), (_, dram_spec) = memory.buffers
+    assert vram_spec.kind == VRAM and vram_spec.device_uuid == fake.uuid_of(1)
+    assert dram_spec.kind == DRAM
+    assert (len(vram_spec.cuda_ipc_handle) == 64 and vram == -1) if allocator == "cudaMalloc" else (not vram_spec.cuda_ipc_handle and vram >= 0)
+    de = make_engine(d.address, "decode")
     with BrokerClient(p.address) as client:
         engine = client.register_engine(rank, memory)
         [registered] = p.loop.call(lambda: list(p.broker.engines.by_id.values()))
-        assert [(b.kind, b.device_id) for b in registered.buffers] == [(common_pb2.MEMORY_KIND_VRAM, 1)]
-        # The engine's buffer, and the send and receive staging buffers the broker made on that GPU.
-        assert [r[2:] for r in p.agent._regs.values()].count((common_pb2.MEMORY_KIND_VRAM, 1)) == 1 + 2
+        assert [(b.kind, b.device_id) for b in registered.buffers] == [(VRAM, 1), (DRAM, 0)]
+        de.handle.receiver(70, SenderRef(p.address, "prefill-group")).init([5, 6, 7], aux_row=2)
+        sender = engine.sender(70)
+        sender.init(3, aux_row=1)
+        sender.send([0, 3, 7])
+        assert de.handle.wait([70], timeout_seconds=10)[70].state == common_pb2.ROOM_STATE_SUCCESS
+        for layer in range(2):
+            for got, sent in zip(de.memory.kv_tensors(layer), kv[layer]):
+                assert torch.equal(got[[5, 6, 7]].view(torch.uint8), sent[[0, 3, 7]].view(torch.uint8))
+        assert bytes(de.memory.aux[0][2]) == bytes(aux[1])
+        assert p.broker.counters.transfers_packed == 1, "the KV packed, the aux row (host memory) directly"
+        assert_device_rules(p)
         engine.close()
-    assert [r[2:] for r in p.agent._regs.values()].count((common_pb2.MEMORY_KIND_VRAM, 1)) == 0, "freed with the engine"
+    assert "cuIpcOpenMemHandle_v2" in fake.calls if allocator == "cudaMalloc" else "cuMemImportFromShareableHandle" in fake.calls
+    memory.close()
+    free()
+    assert fake.leaks() == [], "the broker let go of the engine's allocation"
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+def test_an_abort_while_packed_parts_are_in_flight_gives_every_slot_back(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """The write of a packed part hangs; the decode engine aborts: both sides fail, the receiver's
+    pages settle only once the write is cancelled (the transfer timeout), and every reservation in
+    both brokers' transfer buffers comes back; the per-page outcome lists nothing that did not land."""
+    fake = FakeCudaLib(devices=2, granularity=4096)
+    p, d = _vram_brokers(fake_brokers, fake, transfer_timeout_seconds=1.0)
+    pe_rank, de_rank = RankSpec(group="prefill-group", role="prefill"), RankSpec(group="decode-group", role="decode")
+    memories = {}
+    handles = {}
+    clients = []
+    for broker, rank in ((p, pe_rank), (d, de_rank)):
+        memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=16, aux_rows=4, aux_row_bytes=[16])
+        if rank.role == "prefill":
+            for layer in range(SMALL_MODEL.num_layers):
+                for tensor in memory.kv_tensors(layer):
+                    tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
+        as_fake_vram(memory, fake, device=0)
+        client = BrokerClient(broker.address)
+        clients.append(client)
+        memories[rank.role] = memory
+        handles[rank.role] = client.register_engine(rank, memory)
+    receiver = handles["decode"].receiver(80, SenderRef(p.address, "prefill-group"))
+    receiver.init([1, 2, 3, 4], aux_row=0)
+    sender = handles["prefill"].sender(80)
+    sender.init(4, aux_row=1)
+    sender.send([4, 5])
+
+    def chunks_landed() -> list[int]:
+        room = d.broker.rooms.receiver.get(80)
+        return [r.chunks for r in room.ranks.values()] if room is not None else []
+
+    eventually(lambda: d.loop.call(chunks_landed) == [1], 10)
+    p.agent.script(XferScript(outcome="HANG"))
+    sender.send([6, 7])
+    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) == 1, 10)
+    receiver.abort("decode preempted")
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED
+    eventually(lambda: receiver.status().pages_settled, 10)
+    assert receiver.landed_pages().tolist() == [1, 2], "the first chunk landed whole, the second never"
+    for layer in range(SMALL_MODEL.num_layers):
+        for a, b in zip(page_bytes(memories["prefill"], layer, [4, 5]), page_bytes(memories["decode"], layer, [1, 2])):
+            assert torch.equal(a, b)
+    assert sender.wait(10).state == RoomState.FAILED
+    for broker in (p, d):
+        eventually(lambda b=broker: b.loop.call(lambda: (b.broker.pools.in_use_bytes("send"), b.broker.pools.in_use_bytes("receive"))) == (0, 0), 10)
+        assert_device_rules(broker)
+    for handle in handles.values():
+        handle.close()
+    for client in clients:
+        client.close()
+    for memory in memories.values():
+        memory.close()
+    assert fake.leaks() == []
+
+
+def test_a_page_larger_than_a_transfer_slot_fails_the_room_by_name(fake_brokers, make_engine) -> None:  # type: ignore[no-untyped-def]
+    """One page of every layer must fit a packed part: otherwise the room fails (MISMATCH) naming
+    the flag to raise, and nothing is posted."""
+    fake = FakeCudaLib(devices=2, granularity=4096)
+    p, d = _vram_brokers(fake_brokers, fake, device_part_bytes=64)
+    rank = RankSpec(group="prefill-group", role="prefill")
+    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8, aux_rows=4, aux_row_bytes=[16])
+    as_fake_vram(memory, fake)
+    de = make_engine(d.address, "decode")
+    with BrokerClient(p.address) as client:
+        engine = client.register_engine(rank, memory)
+        receiver = de.handle.receiver(90, SenderRef(p.address, "prefill-group"))
+        receiver.init([0, 1], aux_row=0)
+        sender = engine.sender(90)
+        sender.init(2, aux_row=0)
+        sender.send([2, 3])
+        status = sender.wait(10)
+        assert status.state == RoomState.FAILED and "--device-part-mib" in status.cause.message
+        assert receiver.wait(10).state == RoomState.FAILED
+        assert p.broker.counters.transfers_packed == 0
+        engine.close()
+    memory.close()
+
+
+def test_a_broker_that_cannot_make_a_gpus_transfer_buffers_refuses_its_engine(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Without transfer buffers on its GPU nothing of an engine's VRAM could move: its registration
+    fails by name (FAILED_PRECONDITION) and nothing of it is kept."""
+    fake = FakeCudaLib(devices=1, granularity=4096)
+    p, _ = _vram_brokers(fake_brokers, fake)
+    fake.fail["cuMemAlloc_v2"] = 2  # CUDA_ERROR_OUT_OF_MEMORY
+    rank = RankSpec(group="g", role="prefill")
+    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)
+    as_fake_vram(memory, fake)
+    with BrokerClient(p.address) as client:
+        with pytest.raises(FailedPrecondition, match="transfer buffers on GPU 0") as info:
+            client.register_engine(rank, memory)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
+    assert p.agent.registrations == 2, "only the host staging buffers"
     memory.close()
     assert fake.leaks() == []
 
 
 @pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver")
-def test_broker_without_cuda_refuses_vram_and_keeps_nothing(fake_brokers) -> None:
+def test_broker_without_cuda_refuses_vram_and_keeps_nothing(fake_brokers) -> None:  # type: ignore[no-untyped-def]
     """FAILED_PRECONDITION naming the missing driver; no engine, no registration, no fd left."""
     p = fake_brokers("p")
     rank = RankSpec(group="g", role="prefill")
@@ -119,91 +428,8 @@ def test_engine_memory_lives_on_the_host_or_a_cuda_device() -> None:
         EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8, device="meta")
 
 
-# -- VRAM the engine allocated itself (EngineMemory.adopt of CUDA tensors) ----------------------
-def _device_bytes(fake: FakeCudaLib, driver: cudavmm.Driver, allocator: str, size: int, device: int = 1):  # type: ignore[no-untyped-def]
-    """``size`` bytes of the fake device's memory, allocated as an engine's allocator would, as a
-    uint8 tensor (the fake's device memory is host memory), and how to free it."""
-    import ctypes
-
-    import torch
-
-    ctx = driver.retain_context(driver.device(device))
-    if allocator == "cudaMalloc":
-        ptr = ctypes.c_ulonglong()
-        driver.call("cuMemAlloc_v2", ctypes.byref(ptr), size)
-        address = ptr.value
-
-        def free() -> None:
-            driver.call("cuMemFree_v2", address)
-            driver.call("cuDevicePrimaryCtxRelease_v2", device)
-    else:  # a VMM allocation with a POSIX-fd handle type, as kvbroker's allocator (and PyTorch's, asked) make
-        mapping, fd = cudavmm.export_buffer(device, size, driver)
-        import os
-
-        os.close(fd)
-        address = mapping.address
-
-        def free() -> None:
-            mapping.release()
-            driver.call("cuDevicePrimaryCtxRelease_v2", device)
-
-    del ctx
-    raw = torch.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=torch.uint8)
-    return raw, free
-
-
-@pytest.mark.parametrize("allocator", ["cudaMalloc", "vmm"])
-def test_kv_the_engine_allocated_on_its_gpu_moves_from_where_it_lies(fake_brokers, make_engine, allocator: str) -> None:
-    """The prefill engine's own device allocation (cudaMalloc: a CUDA IPC handle; VMM: an fd) holds its
-    K and V at offsets the broker learns from the pointers; nothing is copied at registration, the
-    pages move byte-exact, the aux row (host memory) with them, and the broker lets go of the
-    allocation when the engine goes."""
-    import torch
-
-    from kvbroker.client import SenderRef
-
-    fake = FakeCudaLib(devices=2, granularity=4096)
-    p, d = _vram_brokers(fake_brokers, fake)
-    driver = cudavmm.Driver(fake)
-    raw, free = _device_bytes(fake, driver, allocator, 8192)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(7)))
-    pages, page = 8, 4 * 2 * 8 * 2  # SMALL_MODEL: 4 tokens x 2 heads x 8 dims x fp16
-    kv = {layer: [raw[(2 * layer + i) * pages * page : (2 * layer + i + 1) * pages * page].view(torch.float16).view(pages, 4, 2, 8) for i in range(2)] for layer in range(2)}
-    aux = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
-    rank = RankSpec(group="prefill-group", role="prefill")
-    memory = EngineMemory.adopt(rank, SMALL_MODEL, kv=kv, aux=[aux], cuda_driver=driver)
-    assert kv[1][1].data_ptr() == raw.data_ptr() + 3 * pages * page, "not moved"
-    (vram, vram_spec), (_, dram_spec) = memory.buffers
-    assert vram_spec.kind == common_pb2.MEMORY_KIND_VRAM and vram_spec.device_uuid == fake.uuid_of(1)
-    assert dram_spec.kind == common_pb2.MEMORY_KIND_DRAM
-    assert (len(vram_spec.cuda_ipc_handle) == 64 and vram == -1) if allocator == "cudaMalloc" else (not vram_spec.cuda_ipc_handle and vram >= 0)
-    de = make_engine(d.address, "decode")
-    with BrokerClient(p.address) as client:
-        engine = client.register_engine(rank, memory)
-        [registered] = p.loop.call(lambda: list(p.broker.engines.by_id.values()))
-        assert [(b.kind, b.device_id) for b in registered.buffers] == [(common_pb2.MEMORY_KIND_VRAM, 1), (common_pb2.MEMORY_KIND_DRAM, 0)]
-        de.handle.receiver(70, SenderRef(p.address, "prefill-group")).init([5, 6, 7], aux_row=2)
-        sender = engine.sender(70)
-        sender.init(3, aux_row=1)
-        sender.send([0, 3, 7])
-        assert de.handle.wait([70], timeout_seconds=10)[70].state == common_pb2.ROOM_STATE_SUCCESS
-        for layer in range(2):
-            for got, sent in zip(de.memory.kv_tensors(layer), kv[layer]):
-                assert torch.equal(got[[5, 6, 7]].view(torch.uint8), sent[[0, 3, 7]].view(torch.uint8))
-        assert bytes(de.memory.aux[0][2]) == bytes(aux[1])
-        engine.close()
-    assert "cuIpcOpenMemHandle_v2" in fake.calls if allocator == "cudaMalloc" else "cuMemImportFromShareableHandle" in fake.calls
-    memory.close()
-    free()
-    assert fake.leaks() == [], "the broker let go of the engine's allocation"
-
-
-def test_device_memory_that_cannot_be_exported_is_refused_by_name(fake_brokers) -> None:
+def test_device_memory_that_cannot_be_exported_is_refused_by_name() -> None:
     """A VMM allocation made without the POSIX-fd handle type, and a pointer in no device allocation."""
-    import ctypes
-
-    import torch
-
     fake = FakeCudaLib(devices=1, granularity=4096)
     driver = cudavmm.Driver(fake)
     dev = driver.device(0)
@@ -228,14 +454,12 @@ def test_device_memory_that_cannot_be_exported_is_refused_by_name(fake_brokers) 
     assert fake.leaks() == []
 
 
-def test_a_cuda_ipc_buffer_larger_than_its_allocation_is_refused(fake_brokers) -> None:
+def test_a_cuda_ipc_buffer_larger_than_its_allocation_is_refused(fake_brokers) -> None:  # type: ignore[no-untyped-def]
     """The broker checks the opened allocation's size against the buffer's claim, and closes it."""
-    import torch
-
     fake = FakeCudaLib(devices=2, granularity=4096)
     p, _ = _vram_brokers(fake_brokers, fake)
     driver = cudavmm.Driver(fake)
-    raw, free = _device_bytes(fake, driver, "cudaMalloc", 4096)
+    raw, free = _device_bytes(driver, "cudaMalloc", 4096)
     kv = {layer: [raw[i * 1024 : (i + 1) * 1024].view(torch.float16).view(8, 4, 2, 8) for i in (2 * layer, 2 * layer + 1)] for layer in range(2)}
     rank = RankSpec(group="g", role="prefill")
     memory = EngineMemory.adopt(rank, SMALL_MODEL, kv=kv, cuda_driver=driver)

@@ -3,20 +3,26 @@
 An engine allocates its VRAM KV pool with ``cuMemCreate`` asking for a
 POSIX-fd shareable handle, maps it into its own address space and exports
 the fd (:func:`export_buffer`); the broker imports the fd
-(``cuMemImportFromShareableHandle``), maps it into *its* address space
-(:func:`import_buffer`) and registers that mapping with NIXL as VRAM. Unlike
-a CUDA IPC pointer, such a mapping belongs to the broker's process, so NIXL
-can register it for RDMA; and the physical memory stays alive while either
-side holds it, so an engine that dies cannot pull memory out from under an
-in-flight transfer.
+(``cuMemImportFromShareableHandle``) and maps it into *its* address space
+(:func:`import_buffer`), for its own copy kernels. The physical memory stays
+alive while either side holds it, so an engine that dies cannot pull memory
+out from under a copy. Memory the engine allocated with ``cudaMalloc`` comes
+as a CUDA IPC handle instead (:func:`export_allocation`, :func:`open_ipc`).
+
+Neither is ever registered with NIXL: on an H100, a NIXL write into a VMM
+allocation fell back to TCP on the host (0.45 GB/s) and an IPC-opened
+pointer could not be registered at all. The broker's own transfer buffers
+(:func:`alloc_device`: ``cuMemAlloc``, what ``cudaMalloc`` gives) are the
+device memory NIXL sees (``kvbroker.broker.staging``).
 
 This module talks to the CUDA driver (``libcuda.so.1``) through ctypes:
 no build step and no dependency beyond the driver itself. Every call goes
 through :class:`Driver`, which tests replace with a scripted fake.
 
 Status: the call sequence, the structures and the cleanup paths are
-unit-tested against a fake driver on CPU machines; none of it has run on a
-GPU yet (see the README's Status section).
+unit-tested against a fake driver on CPU machines; the export, import and
+IPC calls have run on an H100 (../shared/gpu/README.md); ``alloc_device``
+has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import contextlib
 import ctypes
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvbroker.errors import FailedPrecondition, Internal, InvalidArgument, KvBrokerError
 
@@ -40,7 +46,9 @@ __all__ = [
     "device_uuid",
     "driver_present",
     "AllocationExport",
+    "DeviceAllocation",
     "IpcMapping",
+    "alloc_device",
     "IpcMemHandle",
     "export_allocation",
     "export_buffer",
@@ -129,6 +137,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuIpcGetMemHandle": [ctypes.POINTER(IpcMemHandle), _u64],
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_u64), IpcMemHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [_u64],
+    "cuMemAlloc_v2": [ctypes.POINTER(_u64), ctypes.c_size_t],
+    "cuMemFree_v2": [_u64],
 }
 
 
@@ -512,11 +522,11 @@ def export_allocation(ptr: int, driver: Driver | None = None) -> AllocationExpor
 
 
 @dataclass(eq=False)
-class IpcMapping:
-    """An engine's ``cudaMalloc`` allocation opened in this process
-    (``cuIpcOpenMemHandle``). ``release`` closes it and drops the primary
-    context; idempotent. The memory lives while the exporting process does."""
+class _ContextMemory:
+    """Device memory held in this process under a retained primary context.
+    ``release`` frees it (``_FREE``) and drops the context; idempotent."""
 
+    _FREE: ClassVar[str] = ""
     address: int
     size_bytes: int
     device: int
@@ -532,10 +542,18 @@ class IpcMapping:
             self.driver,
             [
                 ("cuCtxSetCurrent", (ctypes.c_void_p(self.context),)),
-                ("cuIpcCloseMemHandle", (self.address,)),
+                (self._FREE, (self.address,)),
                 ("cuDevicePrimaryCtxRelease_v2", (self.device,)),
             ],
         )
+
+
+@dataclass(eq=False)
+class IpcMapping(_ContextMemory):
+    """An engine's ``cudaMalloc`` allocation opened in this process
+    (``cuIpcOpenMemHandle``). The memory lives while the exporting process does."""
+
+    _FREE: ClassVar[str] = "cuIpcCloseMemHandle"
 
 
 def open_ipc(handle: bytes, size_bytes: int, ordinal: int, driver: Driver | None = None) -> IpcMapping:
@@ -562,3 +580,26 @@ def open_ipc(handle: bytes, size_bytes: int, ordinal: int, driver: Driver | None
             drv.call("cuDevicePrimaryCtxRelease_v2", dev)
         raise
     return IpcMapping(address=ptr.value, size_bytes=size_bytes, device=dev, context=ctx, driver=drv)
+
+
+# -- the broker's own transfer buffers ---------------------------------------------
+@dataclass(eq=False)
+class DeviceAllocation(_ContextMemory):
+    """Device memory allocated here with ``cuMemAlloc`` (what ``cudaMalloc``
+    gives): not a VMM allocation, so a NIXL write into it moves over CUDA
+    IPC (measured on an H100: a VMM target falls back to TCP on the host)."""
+
+    _FREE: ClassVar[str] = "cuMemFree_v2"
+
+
+def alloc_device(ordinal: int, size_bytes: int, driver: Driver | None = None) -> DeviceAllocation:
+    """``size_bytes`` of device memory on ``ordinal`` in its primary context (``cuMemAlloc``)."""
+    drv, dev, ctx = _open(driver, ordinal, size_bytes)
+    ptr = _u64()
+    try:
+        drv.call("cuMemAlloc_v2", ctypes.byref(ptr), size_bytes)
+    except BaseException:
+        with contextlib.suppress(KvBrokerError):
+            drv.call("cuDevicePrimaryCtxRelease_v2", dev)
+        raise
+    return DeviceAllocation(address=ptr.value, size_bytes=size_bytes, device=dev, context=ctx, driver=drv)

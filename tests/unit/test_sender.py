@@ -401,25 +401,56 @@ def test_a_staged_part_reserves_at_the_receiver_before_it_is_posted(engine_stub:
     assert source.state == SUCCESS and source.destinations[de.key].prefetch == {}
 
 
-def test_a_staged_part_needs_staging_on_the_receivers_own_gpu(engine_stub: Builder) -> None:
-    """The receiver's KV is on GPU 1: a receive buffer the peer announced on GPU 0 does not
-    serve it (the head slice goes per token); one on GPU 1 does."""
+def test_vram_moves_packed_through_transfer_buffers_on_the_receivers_own_gpu(engine_stub: Builder) -> None:
+    """The receiver's KV is on GPU 1: a receive buffer the peer announced on GPU 0 does not serve
+    it, and nothing else may carry VRAM (engine VRAM is never a NIXL target): the room fails naming
+    the missing buffer. With one on GPU 1 the head slice moves as one PACKED part, reserved at the
+    receiver like a staged part; the aux row (host memory on both sides) goes directly."""
     pe = engine_stub("prefill", tp_size=2)
     de = engine_stub("decode", memory_kind=VRAM, device=1)
-    kinds = []
+    outcomes = []
     for announced in (0, 1):
-        world = World(engine_stub)
+        world = World(engine_stub, send_staging=1 << 20)
         world.peers.add(D, de)
         world.peers.staging[(D, VRAM, announced)] = 1 << 20
-        world.core.begin(pe, 4, 2)
+        source = world.core.begin(pe, 4, 2)
         world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
         world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
         effects = world.take()
-        sliced = [e.part for e in effects if isinstance(e, ReserveStaging)] + [
-            p for p in _posts(effects) if p.kind is not PartKind.WHOLE
-        ]
-        kinds.append([p.kind for p in sliced])
-    assert kinds == [[PartKind.TOKENS], [PartKind.STAGED]]
+        reserved = [e.part for e in effects if isinstance(e, ReserveStaging)]
+        outcomes.append((source.state, [p.kind for p in reserved], [p.kind for p in _posts(effects)]))
+        if reserved:
+            [packed] = reserved
+            notice = packed.notice
+            assert notice.packed and (notice.packed_kv_begin, notice.packed_kv_end) == (0, 2) and not notice.packed_aux
+            assert notice.kv_packed and not notice.aux_packed and packed.spec.pools == ((DRAM, 0), (VRAM, 1))
+        else:
+            assert "the receiver none for GPU 1" in source.cause.message
+    assert outcomes == [(FAILED, [], []), (TRANSFERRING, [PartKind.PACKED], [PartKind.WHOLE])]
+
+
+def test_a_packed_chunk_is_cut_to_half_the_smaller_transfer_buffer(engine_stub: Builder) -> None:
+    """Parts are at most half of either side's buffer (so consecutive parts overlap), cut by pages;
+    every part is reserved at the receiver and counted in flight; the aux row (host memory here)
+    goes directly, as a part of its own."""
+    pe = engine_stub("prefill", memory_kind=VRAM, device=0)
+    de = engine_stub("decode", memory_kind=VRAM, device=0)
+    page = pe.layout.kv_page_bytes * len(pe.layout.kv_regions)  # one page of every KV region
+    world = World(engine_stub, send_staging=8 * page)
+    world.peers.add(D, de)
+    world.peers.staging[(D, VRAM, 0)] = 6 * page  # parts of at most 3 pages
+    source = world.core.begin(pe, 9, 7)
+    world.core.transfer_info(world.info(pe, de, 9, list(range(7))))
+    world.core.chunk(pe, 9, i32(range(7)), is_last=True, aux_row=0, state={})
+    effects = world.take()
+    parts = [e.part for e in effects if isinstance(e, ReserveStaging)]
+    assert [(p.notice.packed_kv_begin, p.notice.packed_kv_end, p.notice.packed_aux) for p in parts] == [
+        (0, 3, False), (3, 6, False), (6, 7, False)
+    ]
+    [aux] = _posts(effects)
+    assert aux.kind is PartKind.WHOLE and aux.spec.carries == ("kvbroker.aux",) and aux.notice.part == 0
+    assert [p.notice.part for p in parts] == [1, 2, 3] and {p.notice.parts for p in [aux, *parts]} == {4}
+    assert [p.nbytes for p in parts] == [3 * page, 3 * page, page] and source.inflight == 4
 
 
 def test_a_gathered_part_is_posted_without_the_receivers_staging(engine_stub: Builder) -> None:

@@ -1,4 +1,4 @@
-"""Staging copies and pools: ``kvbroker.broker.staging`` and ``parts.page_blocks``."""
+"""Staging pools and transfer buffers (``kvbroker.broker.staging``) and ``parts.page_blocks``."""
 
 from __future__ import annotations
 
@@ -6,72 +6,15 @@ import asyncio
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from kvbroker import cudavmm
 from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.parts import page_blocks
-from kvbroker.broker.slicing import SliceSide
-from kvbroker.broker.staging import (
-    RegionSet,
-    Reservation,
-    StagingBuffer,
-    StagingPool,
-    gather,
-    scatter,
-)
-from kvbroker.errors import DeadlineExceeded, ResourceExhausted
-
-ITEMS, PAGE, TOKEN = 12, 4, 16  # pages per region, tokens per page, bytes per token
-
-
-def _buffer(regions: int, gap: int = 0, seed: int = 0) -> tuple[np.ndarray, list[int]]:
-    region = ITEMS * PAGE * TOKEN
-    buf = np.random.default_rng(seed).integers(0, 256, regions * (region + gap), dtype=np.uint8)
-    return buf, [i * (region + gap) for i in range(regions)]
-
-
-def _reference(buf: np.ndarray, offsets: list[int], pages: np.ndarray, side: SliceSide) -> np.ndarray:
-    lo, hi = side.offset_bytes, side.offset_bytes + side.slice_bytes
-    out = [buf[o : o + ITEMS * PAGE * TOKEN].reshape(ITEMS, PAGE, TOKEN)[p, :, lo:hi] for o in offsets for p in pages]
-    return np.concatenate([x.ravel() for x in out])
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    pages=st.lists(st.integers(0, ITEMS - 1), min_size=1, max_size=ITEMS, unique=True),
-    lo=st.integers(0, 3),
-    width=st.integers(1, 4),
-    gap=st.sampled_from([0, 0, 64]),
-    uneven=st.booleans(),
-)
-def test_gather_and_scatter_match_a_page_by_page_reference(pages: list[int], lo: int, width: int, gap: int, uneven: bool) -> None:
-    """Packing by runs of pages (stacked over equally spaced regions, or region by region) gives the
-    reference layout, and scattering it back restores exactly the slices and nothing else."""
-    width = min(width, 4 - lo)
-    side = SliceSide(page_size=PAGE, token_bytes=TOKEN, offset_bytes=lo * 4, slice_bytes=width * 4)
-    buf, offsets = _buffer(3, gap)
-    if uneven:
-        offsets = [offsets[0], offsets[1], offsets[2] + 8]
-        buf = np.concatenate([buf, np.zeros(8, dtype=np.uint8)])
-    regions = RegionSet.over(buf, offsets, ITEMS, PAGE * TOKEN, PAGE)
-    assert (regions.stacked is None) == uneven
-    index = np.array(pages, dtype=np.int32)
-    out = np.empty(3 * index.size * PAGE * side.slice_bytes, dtype=np.uint8)
-    gather(regions, index, side, out)
-    assert np.array_equal(out, _reference(buf, offsets, index, side))
-    target, _ = _buffer(3, gap, seed=1)
-    if uneven:
-        target = np.concatenate([target, np.zeros(8, dtype=np.uint8)])
-    before = target.copy()
-    scatter(out, RegionSet.over(target, offsets, ITEMS, PAGE * TOKEN, PAGE), index, side)
-    assert np.array_equal(_reference(target, offsets, index, side), out)
-    untouched = np.ones(target.size, dtype=bool)
-    for o in offsets:
-        view = untouched[o : o + ITEMS * PAGE * TOKEN].reshape(ITEMS, PAGE, TOKEN)
-        view[index, :, side.offset_bytes : side.offset_bytes + side.slice_bytes] = False
-    assert np.array_equal(target[untouched], before[untouched])
+from kvbroker.broker.staging import Reservation, StagingBuffer, StagingPool, StagingPools
+from kvbroker.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
+from kvbroker.testing.fake_cuda import FakeCudaLib
+from kvbroker.v1 import common_pb2
 
 
 def test_page_blocks_pair_pages_with_packed_blocks_and_merge_runs(layout_proto) -> None:  # type: ignore[no-untyped-def]
@@ -102,5 +45,92 @@ def test_pool_reservations_are_first_fit_aligned_and_merge_back() -> None:
             await pool.reserve(4096, 0.05)
         with pytest.raises(ResourceExhausted):
             await pool.reserve(1 << 20, 1.0)
+
+    asyncio.run(run())
+
+
+class _Plane:
+    """The data plane and memory thread as the pools use them: inline, registrations counted."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, tuple[int, int, int, int]] = {}
+        self._next = 0
+
+    async def call(self, fn):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0)  # a real call awaits the data-plane thread
+        return fn(self)
+
+    async def memory(self, fn):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0)
+        return fn()
+
+    def register(self, address: int, size: int, kind: int, device: int) -> int:
+        self._next += 1
+        self.registered[self._next] = (address, size, kind, device)
+        return self._next
+
+    def deregister(self, handle: int) -> None:
+        del self.registered[handle]
+
+
+def _pools(plane: _Plane, **sizes: int) -> StagingPools:
+    return StagingPools(send_bytes=0, receive_bytes=0, dataplane=plane, workers=plane, **sizes)
+
+
+def test_a_gpus_transfer_buffers_are_cudamalloc_memory_registered_once() -> None:
+    """Send and receive transfer buffers per GPU: cuMemAlloc (never VMM), registered as VRAM on that
+    device, made once however many engines ask together, freed with the primary context."""
+    fake = FakeCudaLib(devices=2, granularity=4096)
+    driver = cudavmm.Driver(fake)
+    plane = _Plane()
+
+    async def run() -> None:
+        pools = _pools(plane, device_send_bytes=1 << 20, device_receive_bytes=2 << 20)
+        await asyncio.gather(*(pools.ensure_device(1, driver) for _ in range(3)))
+        assert sorted(plane.registered.values(), key=lambda r: r[1]) == [
+            (pools.pool("send", common_pb2.MEMORY_KIND_VRAM, 1).buffer.address, 1 << 20, common_pb2.MEMORY_KIND_VRAM, 1),  # type: ignore[union-attr]
+            (pools.pool("receive", common_pb2.MEMORY_KIND_VRAM, 1).buffer.address, 2 << 20, common_pb2.MEMORY_KIND_VRAM, 1),  # type: ignore[union-attr]
+        ]
+        assert all(fake.memory_kind(a, n) == "cudaMalloc" for a, n, _, _ in plane.registered.values())
+        assert "cuMemCreate" not in fake.calls
+        await pools.release_device(1)
+        assert plane.registered == {} and fake.leaks() == []
+
+    asyncio.run(run())
+
+
+def test_engines_leaving_one_gpu_together_free_its_buffers_once() -> None:
+    """Regression: two engines on one GPU unregistering at once both released the GPU's pools; the
+    keys were listed before an await and popped after it (KeyError ('receive', 2, 0) on an H100)."""
+    fake = FakeCudaLib(devices=1, granularity=4096)
+    driver = cudavmm.Driver(fake)
+    plane = _Plane()
+
+    async def run() -> None:
+        pools = _pools(plane, device_send_bytes=1 << 20, device_receive_bytes=1 << 20)
+        await pools.ensure_device(0, driver)
+        await asyncio.gather(pools.release_device(0), pools.release_device(0))
+        assert plane.registered == {} and fake.leaks() == []
+        # Made again by the next engine, while the last one leaves.
+        await asyncio.gather(pools.ensure_device(0, driver), pools.release_device(0), pools.ensure_device(0, driver))
+        assert len(plane.registered) == 2
+        await pools.close()
+        assert fake.leaks() == []
+
+    asyncio.run(run())
+
+
+def test_a_gpu_without_room_for_its_buffers_is_refused_by_name_and_keeps_nothing() -> None:
+    fake = FakeCudaLib(devices=1, granularity=4096)
+    fake.fail["cuMemAlloc_v2"] = 2  # CUDA_ERROR_OUT_OF_MEMORY
+    plane = _Plane()
+
+    async def run() -> None:
+        pools = _pools(plane, device_send_bytes=1 << 20, device_receive_bytes=1 << 20)
+        with pytest.raises(FailedPrecondition, match="transfer buffers on GPU 0.*OUT_OF_MEMORY"):
+            await pools.ensure_device(0, cudavmm.Driver(fake))
+        assert plane.registered == {} and fake.leaks() == []
+        with pytest.raises(FailedPrecondition, match="--device-buffer-mib 0"):
+            await _pools(plane, device_send_bytes=0).ensure_device(0, cudavmm.Driver(fake))
 
     asyncio.run(run())

@@ -17,6 +17,13 @@ release) run against the fake NIXL agent, which copies with ``memmove``.
 :func:`as_fake_vram` turns an engine's host buffer into such an allocation.
 It tests the call sequence, the bookkeeping and the broker's handling of
 VRAM buffers, not CUDA.
+
+:meth:`FakeCudaLib.memory_kind` says what kind of device allocation an
+address lies in; the fake NIXL agent asks it, to follow what a real GPU
+showed (../shared/gpu/README.md, an H100 with UCX): a pointer opened from a
+CUDA IPC handle cannot be registered with NIXL, and a write whose target is
+a VMM allocation (own or imported) moves at host speed (TCP on the host,
+about 0.45 GB/s) while a ``cuMemAlloc`` target moves over CUDA IPC.
 """
 
 from __future__ import annotations
@@ -109,6 +116,19 @@ class FakeCudaLib:
         out += [f"primary context of device {d} ({n} references)" for d, n in self.contexts.items() if n]
         out += [f"opened IPC allocation at {a:#x}" for a in self.opened]
         return out
+
+    def memory_kind(self, address: int, size: int) -> str:
+        """What ``[address, address + size)`` lies in: ``"cudaMalloc"`` (``cuMemAlloc``),
+        ``"vmm"`` (a ``cuMemMap`` mapping of a VMM allocation), ``"ipc"`` (opened from
+        a CUDA IPC handle), or ``"unknown"``."""
+        for kind, ranges in (
+            ("cudaMalloc", [(a, n) for a, (n, _, _) in self.legacy.items()]),
+            ("vmm", [(a, n) for a, (_, n) in self.mapped.items()]),
+            ("ipc", [(a, n) for a, (n, _) in self.opened.items()]),
+        ):
+            if any(a <= address and address + size <= a + n for a, n in ranges):
+                return kind
+        return "unknown"
 
     def _device_of_current(self) -> int:
         return (self.current or 0xC7000) - 0xC7000

@@ -9,15 +9,24 @@ Each posted transfer follows an :class:`XferScript`: ``check`` answers PROC
 ``proc_polls`` times, then DONE (copy the bytes, deliver the notification),
 ERR, or nothing ever (HANG). Scripts queue per agent (``agent.script(...)``);
 with none queued, transfers complete on the first check.
+
+With the fake CUDA driver attached (``FakeAgent(..., cuda=FakeCudaLib)`` or
+``agent.cuda = ...``), VRAM follows what a real GPU showed
+(``kvbroker.testing.fake_cuda``): registering a pointer opened from a CUDA
+IPC handle fails as NIXL's did (``NIXL_ERR_BACKEND``), and a write whose
+target is a VMM allocation finishes only after its bytes would have crossed
+TCP on the host (``HOST_SPEED_BPS``), counted in ``host_speed_writes``.
+``vram_registrations`` lists what VRAM was registered, by allocation kind.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -25,8 +34,17 @@ from kvbroker.broker.descriptors import expand_rows
 from kvbroker.broker.nixl_agent import NixlError, XferState
 from kvbroker.errors import InvalidArgument
 from kvbroker.indices import IndexArray
+from kvbroker.v1 import common_pb2
 
-__all__ = ["FakeAgent", "FakeFabric", "XferScript"]
+if TYPE_CHECKING:
+    from kvbroker.testing.fake_cuda import FakeCudaLib
+
+__all__ = ["HOST_SPEED_BPS", "FakeAgent", "FakeFabric", "XferScript"]
+
+#: What a NIXL write into a CUDA VMM target moved on an H100 (UCX fell back
+#: to TCP on the host): 0.43-0.50 GB/s.
+HOST_SPEED_BPS = 0.45e9
+_VRAM = common_pb2.MEMORY_KIND_VRAM
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,9 @@ _DEFAULT_FABRIC = FakeFabric()
 class _Dlist:
     agent: str
     descs: np.ndarray
+    kind: int = 0
+    #: VRAM lists: what memory each descriptor lies in.
+    memory: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,18 +90,28 @@ class _Xfer:
     script: XferScript
     polls: int = 0
     finished: XferState | None = None
+    #: A VMM target: not DONE before this time (host speed).
+    not_before: float = 0.0
 
 
 class FakeAgent:
     """A fake NIXL agent. See the module docstring."""
 
-    def __init__(self, name: str, fabric: FakeFabric | None = None) -> None:
+    def __init__(self, name: str, fabric: FakeFabric | None = None, cuda: FakeCudaLib | None = None) -> None:
         self._name = name
         self._fabric = fabric if fabric is not None else _DEFAULT_FABRIC
         self._fabric.agents[name] = self
+        #: The fake CUDA driver whose allocations this agent's VRAM lives in (optional).
+        self.cuda = cuda
         self._regs: dict[int, tuple[int, int, int, int]] = {}
+        #: Registration -> what its memory is ("host", or a ``FakeCudaLib.memory_kind``).
+        self._memory: dict[int, str] = {}
         self._next_reg = 0
-        self._remotes: dict[str, list[tuple[int, int, int, int]]] = {}
+        self._remotes: dict[str, list[tuple[int, int, int, int, str]]] = {}
+        #: Writes that moved at host speed (their target was a VMM allocation).
+        self.host_speed_writes = 0
+        #: VRAM write targets by allocation kind.
+        self.vram_targets: Counter[str] = Counter()
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._scripts: deque[XferScript] = deque()
         self.live_dlists: set[int] = set()
@@ -96,28 +127,43 @@ class FakeAgent:
     def registrations(self) -> int:
         return len(self._regs)
 
+    def vram_registrations(self) -> Counter[str]:
+        """VRAM registered now, by allocation kind (``FakeCudaLib.memory_kind``)."""
+        return Counter(self._memory[h] for h, reg in self._regs.items() if reg[2] == _VRAM)
+
     # -- Agent protocol -------------------------------------------------
     @property
     def name(self) -> str:
         return self._name
 
     def metadata(self) -> bytes:
-        return json.dumps({"name": self._name, "regs": list(self._regs.values())}).encode()
+        regs = [(*reg, self._memory[h]) for h, reg in self._regs.items()]
+        return json.dumps({"name": self._name, "regs": regs}).encode()
 
     def register(self, address: int, size_bytes: int, kind: int, device_id: int) -> int:
+        memory = "host"
+        if kind == _VRAM and self.cuda is not None:
+            memory = self.cuda.memory_kind(address, size_bytes)
+            if memory == "ipc":
+                raise NixlError(
+                    f"NIXL could not register {size_bytes} bytes at {address:#x}: NIXL_ERR_BACKEND "
+                    "(fake: a pointer opened from a CUDA IPC handle, as measured on an H100)"
+                )
         handle = self._next_reg
         self._next_reg += 1
         self._regs[handle] = (address, size_bytes, kind, device_id)
+        self._memory[handle] = memory
         return handle
 
     def deregister(self, registration: int) -> None:
         del self._regs[registration]
+        del self._memory[registration]
 
     def add_remote(self, metadata: bytes) -> str:
         try:
             meta = json.loads(metadata)
             name = str(meta["name"])
-            regs = [(int(start), int(size), int(kind), int(dev)) for start, size, kind, dev in meta["regs"]]
+            regs = [(int(start), int(size), int(kind), int(dev), str(mem)) for start, size, kind, dev, mem in meta["regs"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"fake agent metadata is malformed: {exc!r}") from exc
         if name not in self._fabric.agents:
@@ -135,7 +181,7 @@ class FakeAgent:
 
     def _prep(self, agent: str | None, descs: np.ndarray, kind: int) -> _Dlist:
         if agent is None or agent == self._name:
-            regions = list(self._regs.values())
+            regions = [(*reg, self._memory[h]) for h, reg in self._regs.items()]
         elif agent in self._remotes:
             regions = self._remotes[agent]
         else:
@@ -145,13 +191,16 @@ class FakeAgent:
         for addr, length, dev in descs.tolist():
             if not any(
                 start <= addr and addr + length <= start + size and k == kind and d == dev
-                for start, size, k, d in regions
+                for start, size, k, d, _ in regions
             ):
                 raise NixlError(
                     f"descriptor {addr:#x}+{length} (kind {kind}, device {dev}) is not inside memory registered "
                     f"by {agent or self._name} with that kind and device"
                 )
-        dlist = _Dlist(agent or "", np.array(descs, dtype=np.uint64, copy=True))
+        memory = [
+            next((m for start, size, _, _, m in regions if start <= addr < start + size), "host") for addr, _, _ in descs.tolist()
+        ] if kind == _VRAM else []
+        dlist = _Dlist(agent or "", np.array(descs, dtype=np.uint64, copy=True), kind, memory)
         self.live_dlists.add(id(dlist))
         return dlist
 
@@ -177,14 +226,22 @@ class FakeAgent:
         if script.fail_post:
             raise NixlError("fake: post rejected by script")
         pairs = []
+        targets: set[str] = set()
         for li, ri in zip(local_indices.tolist(), remote_indices.tolist()):
             src, slen, _ = local.descs[li].tolist()
             dst, dlen, _ = remote.descs[ri].tolist()
             if slen != dlen:
                 raise NixlError("local and remote descriptors differ in length")
             pairs.append((src, dst, slen))
+            if remote.memory:
+                targets.add(remote.memory[ri])
         target = remote.agent if remote.agent and remote.agent != self._name else self._name
         xfer = _Xfer(pairs=pairs, target=target, notif=notif, script=script)
+        self.vram_targets.update(targets)
+        if "vmm" in targets:
+            # Measured: UCX moves a write into a VMM allocation over TCP on the host.
+            self.host_speed_writes += 1
+            xfer.not_before = time.monotonic() + sum(n for _, _, n in pairs) / HOST_SPEED_BPS
         self.live_xfers.add(id(xfer))
         self.posted += 1
         return xfer
@@ -215,7 +272,7 @@ class FakeAgent:
     def check(self, xfer: _Xfer) -> XferState:
         if xfer.finished is not None:
             return xfer.finished
-        if xfer.polls < xfer.script.proc_polls or xfer.script.outcome == "HANG":
+        if xfer.polls < xfer.script.proc_polls or xfer.script.outcome == "HANG" or time.monotonic() < xfer.not_before:
             xfer.polls += 1
             return XferState.PROC
         if xfer.script.outcome == "ERR":

@@ -13,12 +13,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.broker.dispatcher import Broker
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric
 from kvbroker.testing.loop import LoopThread
+
+if TYPE_CHECKING:
+    from kvbroker.testing.fake_cuda import FakeCudaLib
 
 __all__ = ["FakeBroker", "start_fake_broker"]
 
@@ -49,6 +52,16 @@ class FakeBroker:
         """Evict every finished room and tombstone at once."""
         self.loop.call(lambda: self.broker.evict(time.monotonic() + 3600, everything=True))
         self.loop.call(lambda: self.broker.evict(time.monotonic() + 7200, everything=True))
+
+    def use_cuda(self, fake: FakeCudaLib) -> None:
+        """Give the broker the fake CUDA driver: VRAM buffers import through it, its
+        "device memory" (host memory) is viewed as torch CPU tensors, and the fake
+        NIXL agent follows the rules a real GPU showed for it."""
+        from kvbroker import cudavmm
+
+        self.broker.engines.cuda_driver = cudavmm.Driver(fake)
+        self.broker.views.device_as_host = True
+        self.agent.cuda = fake
 
     def stop(self, grace_seconds: float = 0.1) -> None:
         """Stop serving and release everything (``BrokerServer.stop``)."""

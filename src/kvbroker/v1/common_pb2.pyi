@@ -13,6 +13,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_4: _ClassVar[ProtocolVersion]
 
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +74,7 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
 PROTOCOL_VERSION_3: ProtocolVersion
+PROTOCOL_VERSION_4: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState

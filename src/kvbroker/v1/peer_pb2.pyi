@@ -281,7 +281,7 @@ class PingResponse(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum", "token_begin", "token_end")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum", "token_begin", "token_end", "packed", "packed_kv_begin", "packed_kv_end", "packed_aux", "packed_state", "packed_checksum", "kv_packed", "aux_packed")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,14 @@ class TransferNotice(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BEGIN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KV_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KV_END_FIELD_NUMBER: _ClassVar[int]
+    PACKED_AUX_FIELD_NUMBER: _ClassVar[int]
+    PACKED_STATE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KV_PACKED_FIELD_NUMBER: _ClassVar[int]
+    AUX_PACKED_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -324,4 +332,20 @@ class TransferNotice(_message.Message):
     checksum: int
     token_begin: int
     token_end: int
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ..., token_begin: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
+    packed: bool
+    packed_kv_begin: int
+    packed_kv_end: int
+    packed_aux: bool
+    packed_state: _containers.RepeatedCompositeFieldContainer[PackedState]
+    packed_checksum: int
+    kv_packed: bool
+    aux_packed: bool
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ..., token_begin: _Optional[int] = ..., token_end: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_kv_begin: _Optional[int] = ..., packed_kv_end: _Optional[int] = ..., packed_aux: _Optional[bool] = ..., packed_state: _Optional[_Iterable[_Union[PackedState, _Mapping]]] = ..., packed_checksum: _Optional[int] = ..., kv_packed: _Optional[bool] = ..., aux_packed: _Optional[bool] = ...) -> None: ...
+
+class PackedState(_message.Message):
+    __slots__ = ("component", "items")
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    component: str
+    items: int
+    def __init__(self, component: _Optional[str] = ..., items: _Optional[int] = ...) -> None: ...
