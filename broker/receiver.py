@@ -154,6 +154,9 @@ class SourceExpectation:
     complete: bool = False
     #: The source told us nothing of its is in flight (after a failure).
     settled: bool = False
+    #: Chunks with a staged or packed part that landed after the rank failed:
+    #: never scattered, so their pages did not arrive.
+    unapplied: frozenset[int] = frozenset()
 
     def has_part(self, chunk: int, part: int) -> bool:
         return bool(self.parts_received.get(chunk, 0) >> part & 1)
@@ -172,7 +175,7 @@ class SourceExpectation:
         ``first``, of ``page_size`` tokens) that this source wrote whole: of the
         chunks every part of which landed, and, when the page sizes differ,
         whose earlier tokens came with chunks that landed too."""
-        done = {chunk for chunk in self.chunk_pages if self.parts_of(chunk) == self.parts_expected.get(chunk, -1)}
+        done = {chunk for chunk in self.chunk_pages if self.parts_of(chunk) == self.parts_expected.get(chunk, -1)} - self.unapplied
         return {
             position
             for chunk in done
@@ -585,15 +588,20 @@ class ReceiverCore:
         if notice.token_end and (problem := _token_problem(rank, notice)):
             self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, f"source {source_key} {problem}", self._id))
             return
-        if notice.staged and not rank.terminal:
-            try:
-                landing = self._landing(rank, key, exp, notice)
-            except KvBrokerError as exc:
-                self.fail(rank, cause_of(exc, self._id))
+        if notice.staged:
+            if rank.terminal:
+                # A failed rank scatters nothing more: the part counts as
+                # settled, but its chunk's pages did not arrive.
+                exp.unapplied = exp.unapplied | {notice.chunk_index}
+            else:
+                try:
+                    landing = self._landing(rank, key, exp, notice)
+                except KvBrokerError as exc:
+                    self.fail(rank, cause_of(exc, self._id))
+                    return
+                rank.scattering[key] = None
+                self._out.append(Scatter(rank, landing))
                 return
-            rank.scattering[key] = None
-            self._out.append(Scatter(rank, landing))
-            return
         self._landed(rank, source_key, exp, notice)
 
     def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None) -> None:

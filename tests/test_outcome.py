@@ -119,3 +119,40 @@ def test_pages_that_settle_after_the_failure_still_come_with_the_ones_that_lande
     for layer in range(SMALL_MODEL.num_layers):
         for a, b in zip(page_bytes(pe.memory, layer, SRC[:2]), page_bytes(de.memory, layer, DST[:2])):
             assert torch.equal(a, b)
+
+
+def test_a_part_that_lands_in_staging_after_the_failure_is_not_reported_as_arrived(fake_brokers, make_engine) -> None:
+    """Prefill tp 2 -> decode tp 1 (each prefill rank's heads land in staging, or packed on the
+    device path, and are scattered into the pages). The decode engine aborts while the last chunk's
+    writes are in flight; they complete afterwards, but a failed rank scatters nothing more, so that
+    chunk's pages did not arrive and must not be listed as landed."""
+    from kvbroker.testing.fake_nixl import XferScript
+
+    p, d = fake_brokers("p"), fake_brokers("d")
+    pes = [make_engine(p.address, "prefill", tp_size=2, tp_rank=r, seed=r + 1) for r in range(2)]
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(64, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST[:4], aux_row=2)
+    senders = [e.handle.sender(64) for e in pes]
+    for sender in senders:
+        sender.init(4, aux_row=1)
+        sender.send(SRC[:2])
+
+    def chunks_landed() -> list[int]:
+        room = d.broker.rooms.receiver.get(64)
+        return [r.chunks for r in room.ranks.values()] if room is not None else []
+
+    eventually(lambda: d.loop.call(chunks_landed) == [2], 10)  # chunk 0 of both sources
+    p.agent.script(*[XferScript(proc_polls=60)] * 8)
+    for sender in senders:
+        sender.send(SRC[2:4])
+    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) >= 2, 10)
+    receiver.abort("decode preempted")
+    eventually(lambda: receiver.status().pages_settled, 10)
+    assert d.broker.counters.late_notices == 0 and p.loop.call(lambda: p.broker.dataplane.inflight) == 0
+
+    def unapplied() -> list[frozenset[int]]:
+        return [e.unapplied for r in d.broker.rooms.receiver[64].ranks.values() for e in (r.expected or {}).values()]
+
+    assert d.loop.call(unapplied) == [frozenset({1}), frozenset({1})], "the last chunk's parts came after the abort"
+    assert receiver.landed_pages().tolist() == DST[:2].tolist()
