@@ -78,6 +78,11 @@ class StagingBuffer:
     registration: Any = None
     #: Unmaps (or frees) the memory; called after deregistration.
     release_memory: Callable[[], None] | None = None
+    #: GPU memory: makes its device's primary context current on the calling
+    #: thread (the data-plane thread, before it registers the buffer: UCX's
+    #: CUDA transports then find a context there, as in a process that
+    #: initialised CUDA on its main thread).
+    make_current: Callable[[], None] | None = None
 
     @classmethod
     def host(cls, size_bytes: int) -> StagingBuffer:
@@ -89,7 +94,14 @@ class StagingBuffer:
     def device(cls, size_bytes: int, ordinal: int, driver: cudavmm.Driver | None) -> StagingBuffer:
         """A transfer buffer on GPU ``ordinal``: ``cuMemAlloc`` memory (not yet registered)."""
         allocation = cudavmm.alloc_device(ordinal, size_bytes, driver)
-        return cls(allocation.address, allocation.size_bytes, VRAM, allocation.device, release_memory=allocation.release)
+        return cls(
+            allocation.address,
+            allocation.size_bytes,
+            VRAM,
+            allocation.device,
+            release_memory=allocation.release,
+            make_current=allocation.make_current,
+        )
 
     def descriptor(self) -> peer_pb2.RemoteBuffer:
         """How peers address this buffer."""
@@ -281,10 +293,13 @@ class StagingPools:
             await self._release(pool.buffer)
 
     async def _register(self, direction: str, buffer: StagingBuffer) -> None:
+        def register(agent: Any) -> Any:
+            if buffer.make_current is not None:
+                buffer.make_current()
+            return agent.register(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
+
         try:
-            buffer.registration = await self._dataplane.call(
-                lambda agent: agent.register(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
-            )
+            buffer.registration = await self._dataplane.call(register)
         except BaseException:
             await self._release(buffer)
             raise

@@ -591,6 +591,10 @@ class DeviceAllocation(_ContextMemory):
 
     _FREE: ClassVar[str] = "cuMemFree_v2"
 
+    def make_current(self) -> None:
+        """Make the device's primary context (the one this memory lives in) current on this thread."""
+        self.driver.call("cuCtxSetCurrent", ctypes.c_void_p(self.context))
+
 
 def alloc_device(ordinal: int, size_bytes: int, driver: Driver | None = None) -> DeviceAllocation:
     """``size_bytes`` of device memory on ``ordinal`` in its primary context (``cuMemAlloc``)."""
