@@ -130,7 +130,7 @@ class Executor:
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
         #: Packed parts being gathered into a slot of the send transfer buffer
         #: (while the receiver reserves its slot): what the gather gave, or why not.
-        self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError]] = {}
+        self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError | None]] = {}
         self._vram_slow_bps = config.vram_slow_gbps * 1e9
         #: The fleet in etcd (``serve --etcd``): resolves senders named by group alone.
         self.fleet: FleetView | None = None
@@ -169,9 +169,10 @@ class Executor:
             part = effect.part
             self._start_part(part)
             if part.kind is PartKind.PACKED:
-                # Gather into our slot while the receiver reserves its own.
+                # Our slot first, then the receiver's (asked for while we gather).
                 self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
-            self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
+            else:
+                self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
         elif isinstance(effect, SendReport):
             effect.report.protocol_version = PROTOCOL_VERSION
             self._tasks.spawn(self._client.report_completion(effect.broker_id, effect.report), name=f"report-{effect.report.room}")
@@ -281,21 +282,34 @@ class Executor:
         self._sender.staging_reserved(part, buffer, response.offset)
         self.drain()
 
-    async def _pack(self, part: Part) -> _Packed | KvBrokerError:
-        """Gather a packed part into a slot of the send transfer buffer (and
-        its checksum, if asked for). Returns the error rather than raising it:
-        ``_post_packed`` or ``_settled`` takes the outcome."""
+    async def _pack(self, part: Part) -> _Packed | KvBrokerError | None:
+        """Reserve a slot of the send transfer buffer, then ask the receiver for
+        its slot and gather the part meanwhile (and its checksum, if asked
+        for). The order matters: a part that holds a receive slot already holds
+        its send slot and waits for nothing else, so parts waiting for one
+        buffer never hold the other one full (they did, deadlocked, when both
+        were asked for at once). A part that gets no send slot fails here
+        (None); past that, the error is returned, not raised: ``_post_packed``
+        or ``_settled`` takes the outcome."""
         spec = part.spec
         assert spec.packing is not None
         pool = self._pools.pool("send", *spec.pools[0])
-        reservation: Reservation | None = None
-        span = self._parts[part][0]
         try:
             if pool is None:
                 raise FailedPrecondition(f"this broker has no send transfer buffer for {_memory_text(spec.pools[0])}")
             reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
-            if part.source.state == FAILED:
-                raise FailedPrecondition("the room failed before its packed part was written")
+        except Exception as exc:
+            self._packing.pop(part, None)
+            self._fail_part(part, _as_broker_error(exc, "reserving a send slot"))
+            return None
+        if part.source.state == FAILED:
+            pool.release(reservation)
+            self._packing.pop(part, None)
+            self._fail_part(part, FailedPrecondition("the room failed before its packed part was written"))
+            return None
+        self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
+        span = self._parts[part][0]
+        try:
             blocks = spec.packing.blocks
             regions = [self._spans(part.source.engine, block) for block in blocks]
             slot = _slot(pool, reservation, part.nbytes)
@@ -312,17 +326,16 @@ class Executor:
             finally:
                 gathering.end()
         except Exception as exc:
-            if reservation is not None and pool is not None:
-                pool.release(reservation)
+            pool.release(reservation)
             return _as_broker_error(exc, "gathering a packed part")
         return _Packed(pool, reservation, crc)
 
     async def _post_packed(self, part: Part, agent_name: str) -> None:
         """Post a packed part once its gather is done: one write, slot to slot."""
         packing = self._packing.pop(part, None)
-        outcome = await packing if packing is not None else FailedPrecondition("a packed part was posted before it was gathered")
-        if isinstance(outcome, KvBrokerError):
-            self._fail_part(part, outcome)
+        outcome = await packing if packing is not None else None
+        if not isinstance(outcome, _Packed):
+            self._fail_part(part, outcome or Internal("a packed part was posted without its gather"))
             return
         if part.source.state == FAILED:
             outcome.pool.release(outcome.reservation)
@@ -760,7 +773,7 @@ class _Packed:
     checksum: int | None
 
 
-def _release_packed(task: asyncio.Task[_Packed | KvBrokerError]) -> None:
+def _release_packed(task: asyncio.Task[_Packed | KvBrokerError | None]) -> None:
     if not task.cancelled() and isinstance(outcome := task.result(), _Packed):
         outcome.pool.release(outcome.reservation)
 

@@ -472,3 +472,28 @@ def test_a_cuda_ipc_buffer_larger_than_its_allocation_is_refused(fake_brokers) -
     memory.close()
     free()
     assert fake.leaks() == []
+
+
+def test_many_parts_in_flight_through_small_transfer_buffers_never_deadlock(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Regression: 64 packed parts at once through buffers of 8 slots each side. When a part asked for
+    its receive slot and its send slot at the same time, parts holding receive slots waited for send
+    slots held by parts waiting for receive slots, and every room failed after the staging wait."""
+    fake = FakeCudaLib(devices=2, granularity=4096)
+    p, d = _vram_brokers(
+        fake_brokers,
+        fake,
+        device_send_bytes=512 << 10,
+        device_receive_bytes=512 << 10,
+        device_part_bytes=64 << 10,
+        staging_wait_seconds=3.0,
+    )
+
+    def prepare(memory: EngineMemory, spec: RankSpec) -> None:
+        as_fake_vram(memory, fake, device=0)
+
+    scenario = Scenario(rooms=32, pages=8, chunks=2, layers=4, kv_heads=8, head_dim=64, page_size=8)
+    result = run_scenario(p.address, d.address, scenario, timeout_seconds=60, prepare=prepare)
+    assert result.ok, "\n".join(result.problems[:5])
+    assert p.broker.counters.transfers_packed >= 64
+    for broker in (p, d):
+        assert_device_rules(broker)
