@@ -31,6 +31,7 @@ thread. The copies themselves are ``copies``.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -115,13 +116,14 @@ class StagingBuffer:
 
 
 class StagingPool:
-    """Reservations over one staging buffer. Control loop only."""
+    """Reservations over one staging buffer, first come first served. Control loop only."""
 
     def __init__(self, buffer: StagingBuffer) -> None:
         self.buffer = buffer
         self.size_bytes = buffer.size_bytes
         self._free: list[tuple[int, int]] = [(0, buffer.size_bytes)]
-        self._released = asyncio.Event()
+        #: Reservations waiting for room, oldest first: (bytes, its future).
+        self._waiting: deque[tuple[int, asyncio.Future[Reservation]]] = deque()
         self.in_use_bytes = 0
         self.reservations = 0
 
@@ -142,31 +144,43 @@ class StagingPool:
     async def reserve(self, nbytes: int, timeout_seconds: float) -> Reservation:
         """A reservation of ``nbytes``, waiting for releases up to the timeout.
 
-        ``ResourceExhausted`` if it can never fit; ``DeadlineExceeded`` if the
-        pool stayed too full.
+        Waiters are served in the order they came (a large one is not passed
+        over for ever by smaller ones behind it): under a backlog, the parts of
+        the rooms that asked first move first. ``ResourceExhausted`` if it can
+        never fit; ``DeadlineExceeded`` if the pool stayed too full.
         """
         if nbytes > self.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the {self.size_bytes}-byte staging buffer")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_seconds
-        while True:
+        if not self._waiting:
             reservation = self.try_reserve(nbytes)
             if reservation is not None:
                 return reservation
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"the staging buffer stayed full for {timeout_seconds:g} s "
-                    f"({self.in_use_bytes} of {self.size_bytes} bytes reserved)"
-                )
-            self._released.clear()
-            try:
-                await asyncio.wait_for(self._released.wait(), timeout=remaining)
-            except asyncio.TimeoutError:
-                pass
+        future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        self._waiting.append(entry)
+        try:
+            await asyncio.wait({future}, timeout=timeout_seconds)
+        except asyncio.CancelledError:
+            if future.done():
+                self.release(future.result())  # granted, but nobody will take it
+            else:
+                self._give_up(entry)
+            raise
+        if not future.done():
+            self._give_up(entry)
+            raise DeadlineExceeded(
+                f"the staging buffer stayed full for {timeout_seconds:g} s "
+                f"({self.in_use_bytes} of {self.size_bytes} bytes reserved)"
+            )
+        return future.result()
+
+    def _give_up(self, entry: tuple[int, asyncio.Future[Reservation]]) -> None:
+        self._waiting.remove(entry)
+        entry[1].cancel()
+        self._grant()  # the ones behind it may fit now
 
     def release(self, reservation: Reservation) -> None:
-        """Give ``reservation`` back (merging free neighbours)."""
+        """Give ``reservation`` back (merging free neighbours), and serve the waiters it lets in."""
         self._free.append((reservation.offset, reservation.nbytes))
         self._free.sort()
         merged: list[tuple[int, int]] = []
@@ -178,7 +192,17 @@ class StagingPool:
         self._free = merged
         self.in_use_bytes -= reservation.nbytes
         self.reservations -= 1
-        self._released.set()
+        self._grant()
+
+    def _grant(self) -> None:
+        """Reserve for the oldest waiters while they fit."""
+        while self._waiting:
+            nbytes, future = self._waiting[0]
+            reservation = self.try_reserve(nbytes)
+            if reservation is None:
+                return
+            self._waiting.popleft()
+            future.set_result(reservation)
 
 
 class StagingPools:

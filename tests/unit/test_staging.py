@@ -29,6 +29,42 @@ def test_page_blocks_pair_pages_with_packed_blocks_and_merge_runs(layout_proto) 
     assert blocks.tolist() == [[5000, 2 * page, 7], [5000 + 2 * page, page, 7], [5000 + 3 * page, 2 * page, 7], [5000 + 5 * page, page, 7]]
 
 
+def test_pool_waiters_are_served_in_the_order_they_came() -> None:
+    """A large reservation waiting is not passed over by smaller ones that came after it; one that
+    times out or is cancelled leaves the queue and lets the next in."""
+
+    async def run() -> None:
+        pool = StagingPool(StagingBuffer(address=0, size_bytes=4 * 4096, kind=1, device_id=0))
+        held = [pool.try_reserve(4096) for _ in range(4)]
+        order: list[str] = []
+
+        async def want(name: str, nbytes: int, timeout: float = 5.0) -> None:
+            reservation = await pool.reserve(nbytes, timeout)
+            order.append(name)
+            await asyncio.sleep(0.01)
+            pool.release(reservation)
+
+        big = asyncio.create_task(want("big", 3 * 4096))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(want("small", 4096))
+        gone = asyncio.create_task(want("gone", 4096, timeout=0.02))
+        await asyncio.sleep(0)
+        pool.release(held[0])  # one slot free: the small ones wait behind the big one
+        await asyncio.sleep(0.05)
+        assert order == [] and gone.done() and isinstance(gone.exception(), DeadlineExceeded)
+        cancelled = asyncio.create_task(want("cancelled", 4096))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        for reservation in held[1:3]:
+            pool.release(reservation)
+        await asyncio.gather(big, small)
+        assert order == ["big", "small"] and cancelled.cancelled()
+        pool.release(held[3])  # type: ignore[arg-type]
+        assert pool.in_use_bytes == 0 and pool.reservations == 0
+
+    asyncio.run(run())
+
+
 def test_pool_reservations_are_first_fit_aligned_and_merge_back() -> None:
     """Reservations are 4 KiB aligned; released neighbours merge; a full pool waits, then times out."""
 
