@@ -79,9 +79,9 @@ class BrokerConfig:
     #: buffer falls back to per-token descriptors.
     staging_send_bytes: int = 64 * 1024 * 1024
     staging_receive_bytes: int = 64 * 1024 * 1024
-    #: How long a staged part waits for room in a full staging buffer.
+    #: How long a staged or packed part waits for room in a full staging or transfer buffer.
     staging_wait_seconds: float = 30.0
-    #: The device path (docs/architecture.md): per GPU an engine's KV lives
+    #: The device path (docs/architecture.md): per GPU an engine's memory lives
     #: on, a send and a receive transfer buffer (cudaMalloc, registered with
     #: NIXL once; engine VRAM never is), this many bytes each.
     device_send_bytes: int = 256 * 1024 * 1024

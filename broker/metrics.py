@@ -8,7 +8,7 @@ pass, because a scrape runs on another thread.
 Instruments:
 
 - ``kvbroker.bytes`` (counter, By; ``direction`` sent/received)
-- ``kvbroker.transfers`` (counter; ``path`` prepped/gathered/staged/per_token/token_runs, ``result``)
+- ``kvbroker.transfers`` (counter; ``path`` prepped/gathered/staged/per_token/token_runs/packed, ``result``)
 - ``kvbroker.transfer.duration`` (histogram, s; ``path``)
 - ``kvbroker.room.duration`` (histogram, s; ``side``, ``state``): open to end
 - ``kvbroker.room.failures`` (counter; ``side``, ``cause``)

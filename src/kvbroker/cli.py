@@ -49,7 +49,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
     p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
-    p.add_argument("--device-buffer-mib", type=int, default=d.device_send_bytes >> 20, metavar="MIB", help="size of each transfer buffer (send and receive) per GPU an engine's KV lives on: the device path's slots")
+    p.add_argument("--device-buffer-mib", type=int, default=d.device_send_bytes >> 20, metavar="MIB", help="size of each transfer buffer (send and receive) per GPU an engine's memory lives on: the device path's slots")
     p.add_argument("--device-part-mib", type=int, default=d.device_part_bytes >> 20, metavar="MIB", help="largest packed part (one NIXL write) on the device path; larger chunks are split")
     p.add_argument("--agent-name-prefix", default=d.agent_name_prefix, help="prefix of the NIXL agent name")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="this broker's certificate chain (mutual TLS on the TCP port)")
