@@ -58,24 +58,13 @@ class _Tally:
 
 
 def _broker_warnings(brokers: list[_Broker]) -> dict[str, int]:
-    """What the brokers the demo started warned of (their JSON logs), e.g. VRAM moving at host speed."""
-    seen: dict[str, int] = {}
-    for broker in brokers:
-        if broker.process is None:
-            continue
-        try:
-            lines = broker.process.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and entry.get("level") in ("warning", "error", "critical"):
-                key = f"{entry.get('event', '?')} ({broker.name})"
-                seen[key] = seen.get(key, 0) + 1
-    return seen
+    """What the brokers the demo started warned of (their logs), e.g. VRAM moving at host speed."""
+    return {
+        f"{event} ({broker.name})": count
+        for broker in brokers
+        if broker.process is not None
+        for event, count in broker.process.warnings().items()
+    }
 
 
 def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str, staging: bool) -> list[_Broker]:

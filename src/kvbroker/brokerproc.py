@@ -101,6 +101,23 @@ class BrokerProcess:
         self.address = info["address"]
         self.broker_id = info["broker_id"]
 
+    def warnings(self) -> dict[str, int]:
+        """Events the broker logged at warning level or above (its JSON log), and how often."""
+        seen: dict[str, int] = {}
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return seen
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("level") in ("warning", "error", "critical"):
+                event = str(entry.get("event", "?"))
+                seen[event] = seen.get(event, 0) + 1
+        return seen
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
