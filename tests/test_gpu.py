@@ -76,8 +76,8 @@ def _fill(memory: EngineMemory) -> None:
 @pytest.mark.parametrize("gpus", [1, 2], ids=["one-gpu", "two-gpus"])
 def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, gpus: int) -> None:  # type: ignore[no-untyped-def]
     """Prefill KV on cuda:0 and decode KV on cuda:0 (or cuda:1) move byte-exact, random pages in
-    chunks, aux row too; both sides of every room land in one trace; only packed parts carried
-    them; no write moved at host speed."""
+    chunks, aux row too (one room verified by checksums computed on the GPU); both sides of every
+    room land in one trace; only packed parts carried them; no write moved at host speed."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA devices")
     brokers, receiver = traced_brokers
@@ -93,7 +93,7 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
     for room in (1, 2, 3):
         src = torch.randperm(4 * PAGES, generator=generator)[:PAGES]
         dst = torch.randperm(4 * PAGES, generator=generator)[:PAGES]
-        engines["decode"].receiver(room, SenderRef(prefill.address, "gp")).init(dst.numpy(), aux_row=room)
+        engines["decode"].receiver(room, SenderRef(prefill.address, "gp")).init(dst.numpy(), aux_row=room, verify_checksum=room == 3)
         sender = engines["prefill"].sender(room)
         sender.init(PAGES, aux_row=0)
         for chunk in src.split(PAGES // 4):
@@ -109,6 +109,7 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
         assert bytes(memories["decode"].aux[0][room].cpu()) == bytes(memories["prefill"].aux[0][0].cpu())
     stats = prefill.stats()
     assert stats.transfers_packed >= len(rooms) * 4 and stats.transfers_per_token == stats.transfers_staged == 0
+    assert decode.stats().checksum_mismatches == 0
     for engine in engines.values():
         engine.close()
     _no_host_speed(prefill, decode)
