@@ -379,40 +379,37 @@ def test_a_page_larger_than_a_transfer_slot_fails_the_room_by_name(fake_brokers,
     memory.close()
 
 
-def test_a_broker_that_cannot_make_a_gpus_transfer_buffers_refuses_its_engine(fake_brokers) -> None:  # type: ignore[no-untyped-def]
-    """Without transfer buffers on its GPU nothing of an engine's VRAM could move: its registration
-    fails by name (FAILED_PRECONDITION) and nothing of it is kept."""
+@pytest.mark.parametrize(
+    ("why", "message"),
+    [
+        pytest.param(
+            "no driver",
+            "libcuda.so.1",
+            marks=pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver"),
+        ),
+        ("no room for the transfer buffers", "transfer buffers on GPU 0.*OUT_OF_MEMORY"),
+    ],
+)
+def test_a_broker_that_cannot_serve_vram_refuses_the_engine_and_keeps_nothing(fake_brokers, why: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    """A broker without the CUDA driver, or that cannot make transfer buffers on the engine's GPU
+    (without them nothing of the engine's VRAM could move), refuses the registration by name
+    (FAILED_PRECONDITION): no engine, no registration but the host staging buffers, no fd left."""
     fake = FakeCudaLib(devices=1, granularity=4096)
-    p, _ = _vram_brokers(fake_brokers, fake)
-    fake.fail["cuMemAlloc_v2"] = 2  # CUDA_ERROR_OUT_OF_MEMORY
+    p = fake_brokers("p")
+    if why != "no driver":
+        p.use_cuda(fake)
+        fake.fail["cuMemAlloc_v2"] = 2  # CUDA_ERROR_OUT_OF_MEMORY
     rank = RankSpec(group="g", role="prefill")
     memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)
     as_fake_vram(memory, fake)
     with BrokerClient(p.address) as client:
-        with pytest.raises(FailedPrecondition, match="transfer buffers on GPU 0") as info:
+        with pytest.raises(FailedPrecondition, match=message) as info:
             client.register_engine(rank, memory)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
     assert p.agent.registrations == 2, "only the host staging buffers"
     memory.close()
     assert fake.leaks() == []
-
-
-@pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver")
-def test_broker_without_cuda_refuses_vram_and_keeps_nothing(fake_brokers) -> None:  # type: ignore[no-untyped-def]
-    """FAILED_PRECONDITION naming the missing driver; no engine, no registration, no fd left."""
-    p = fake_brokers("p")
-    rank = RankSpec(group="g", role="prefill")
-    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)
-    fake = FakeCudaLib(granularity=4096)
-    as_fake_vram(memory, fake)
-    with BrokerClient(p.address) as client:
-        with pytest.raises(FailedPrecondition, match="libcuda.so.1") as info:
-            client.register_engine(rank, memory)
-        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
-    assert p.agent.registrations == 2, "only the staging buffers"
-    memory.close()
 
 
 @pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver")
