@@ -60,7 +60,7 @@ from kvbroker.broker.engines import Engine
 from kvbroker.broker.lanes import Lanes
 from kvbroker.broker.metrics import BrokerMetrics
 from kvbroker.broker.nixl_agent import Agent, XferState
-from kvbroker.broker.packing import Block, kv_block
+from kvbroker.broker.packing import Block, kv_block, pool_text
 from kvbroker.broker.parts import PartKind, page_blocks
 from kvbroker.broker.peer_client import PeerClient, RegistrationError
 from kvbroker.broker.peers import Peer, PeerTable
@@ -296,7 +296,7 @@ class Executor:
         pool = self._pools.pool("send", *spec.pools[0])
         try:
             if pool is None:
-                raise FailedPrecondition(f"this broker has no send transfer buffer for {_memory_text(spec.pools[0])}")
+                raise FailedPrecondition(f"this broker has no send transfer buffer for {pool_text(spec.pools[0])}")
             reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
         except Exception as exc:
             self._packing.pop(part, None)
@@ -789,10 +789,6 @@ def _as_broker_error(exc: Exception, doing: str) -> KvBrokerError:
         return exc
     log.error("copy_failed", doing=doing, error=repr(exc), exc_info=exc)
     return Internal(f"{doing} failed inside the broker: {exc!r}")
-
-
-def _memory_text(pool: tuple[int, int]) -> str:
-    return f"GPU {pool[1]}" if pool[0] == VRAM else "host memory"
 
 
 def _kinds_text(kinds: tuple[int, int]) -> str:

@@ -61,6 +61,7 @@ __all__ = [
     "packed_bytes",
     "packed_offsets",
     "plan_packed",
+    "pool_text",
     "split",
     "token_items",
     "transfer_pool",
@@ -293,6 +294,11 @@ def split(packed: Packed, limit: int) -> list[PackedChunk]:
         else:
             parts.append(PackedChunk(tuple(tail), items, items, bool(packed.aux), counts, tail_bytes))
     return parts
+
+
+def pool_text(pool: tuple[int, int]) -> str:
+    """A (memory kind, device) pool as messages name it."""
+    return f"GPU {pool[1]}" if pool[0] == VRAM else "host memory"
 
 
 def transfer_pool(layout: Layout, table: DescriptorTable) -> tuple[int, int]:

@@ -46,7 +46,14 @@ import numpy.typing as npt
 from kvbroker.broker.descriptors import DescriptorTable, Segment, plan_parts
 from kvbroker.broker.layout import Layout
 from kvbroker.broker.mapping import SourcePlan
-from kvbroker.broker.packing import Packed, PackedChunk, plan_packed, split, transfer_pool
+from kvbroker.broker.packing import (
+    Packed,
+    PackedChunk,
+    plan_packed,
+    pool_text,
+    split,
+    transfer_pool,
+)
 from kvbroker.broker.segments import ChunkShape, build_segments, same_item_bytes
 from kvbroker.broker.slicing import HeadSlice, head_slice, kv_region_pairs, staged_bytes
 from kvbroker.broker.tokens import TOKENS, TokenGeometry, check_alike, token_geometry
@@ -257,7 +264,7 @@ def _packed_parts(
     if limit <= 0:
         raise FailedPrecondition(
             f"this chunk touches GPU memory and must move through transfer buffers, but the sender has none for "
-            f"{_pool_text(send_pool)} or the receiver none for {_pool_text(receive_pool)} (--no-staging, or no GPU buffer)"
+            f"{pool_text(send_pool)} or the receiver none for {pool_text(receive_pool)} (--no-staging, or no GPU buffer)"
         )
     carries = (("kvbroker.aux",) if packed.aux else ()) + tuple(f"kvbroker.state.{name}" for name, _ in packed.state)
     out = []
@@ -274,10 +281,6 @@ def _packed_parts(
             )
         )
     return out
-
-
-def _pool_text(pool: tuple[int, int]) -> str:
-    return f"GPU {pool[1]}" if pool[0] == VRAM else "host memory"
 
 
 def _runs_part(
