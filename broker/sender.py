@@ -80,7 +80,7 @@ from kvbroker.broker.tokens import (
     same_token_count,
     token_runs,
 )
-from kvbroker.broker.validation import check_chunk, check_room_indices
+from kvbroker.broker.validation import check_chunk, check_declared_pages, check_room_indices
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -302,8 +302,7 @@ class SenderCore:
         room = self._rooms.sender.get(room_id)
         if room is not None and engine.key in room.opened:
             raise AlreadyExists(f"engine rank {engine.key} already opened room {room_id}")
-        if num_pages > engine.layout.num_pages and engine.layout.num_pages:
-            raise InvalidArgument(f"num_pages {num_pages} exceeds the engine's {engine.layout.num_pages} pages")
+        check_declared_pages(engine.layout, num_pages)
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
         room.opened += (engine.key,)

@@ -20,7 +20,7 @@ from kvbroker.broker.layout import Layout
 from kvbroker.errors import InvalidArgument
 from kvbroker.indices import IndexArray
 
-__all__ = ["check_chunk", "check_index", "check_indices", "check_room_indices"]
+__all__ = ["check_chunk", "check_declared_pages", "check_index", "check_indices", "check_room_indices"]
 
 
 def check_indices(indices: IndexArray, count: int, what: str) -> None:
@@ -62,6 +62,13 @@ def check_room_indices(
         if name not in layout.state_components:
             raise InvalidArgument(f"state component {name!r} is not in the layout of {owner.strip()}")
         check_indices(indices, layout.state_items[name], f"{who}state {name!r}")
+
+
+def check_declared_pages(layout: Layout, num_pages: int) -> None:
+    """``InvalidArgument`` unless a sending room of ``num_pages`` pages (0: not
+    said) fits the engine's pool (BeginSend; the client checks before it queues)."""
+    if layout.num_pages and num_pages > layout.num_pages:
+        raise InvalidArgument(f"num_pages {num_pages} exceeds the engine's {layout.num_pages} pages")
 
 
 def check_chunk(

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy.typing as npt
 
-from kvbroker.broker.validation import check_chunk, check_room_indices
+from kvbroker.broker.validation import check_chunk, check_declared_pages, check_room_indices
 from kvbroker.client.tracecontext import current_trace_context
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, RoomFailed
 from kvbroker.indices import (
@@ -139,6 +139,7 @@ class KVSender(_Room):
         opened the room before. Returns the room's status as known now."""
         self.engine.check_role(common_pb2.ROLE_PREFILL, "send rooms")
         num_pages = _count(num_pages, "num_pages")
+        check_declared_pages(self.engine.layout, num_pages)
         if aux_row is not None:
             aux_row = as_index(aux_row, "aux_row")
             check_room_indices(self.engine.layout, pages=NO_INDICES, aux_row=aux_row, state={})

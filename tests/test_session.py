@@ -132,6 +132,10 @@ def test_local_checks_raise_at_once_and_queue_nothing(fake_brokers, make_engine)
         sender.send([0, 1, 2])
     with pytest.raises(errors.InvalidArgument, match="aux_row"):
         pe.handle.sender(51).init(1, aux_row=9)
+    opened = pe.handle.session._next_seq
+    with pytest.raises(errors.InvalidArgument, match="num_pages 33 exceeds the engine's 32 pages"):
+        pe.handle.sender(52).init(33, aux_row=1)  # the pool's size is known here: checked at once, not REFUSED later
+    assert pe.handle.session._next_seq == opened and not pe.handle.session.is_tracked(52)
     sender.send([0, 1])
     with pytest.raises(errors.FailedPrecondition, match="last chunk"):
         sender.send([0])

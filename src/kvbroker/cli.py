@@ -144,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _demo_parser(sub)
     _fleet_parser(sub)
     args = parser.parse_args(argv)
+    if args.command in ("serve", "fleet") and (why := _refusal(args)) is not None:
+        print(f"kvbroker {args.command}: error: {why}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return _serve(args)
     if args.command == "fleet":
@@ -151,6 +154,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvbroker.demo.orchestrator import run_demo
 
     return run_demo(args)
+
+
+#: What an option needs that an install may lack: (the option, the module it
+#: imports, what to install). ``kvbroker serve`` and ``kvbroker fleet`` refuse
+#: to start without it (exit status 2) rather than start and not do it.
+_NEEDS = {
+    "etcd": ("--etcd", "aetcd", "pip install 'kvbroker[etcd]'"),
+    "metrics_port": ("--metrics-port", "opentelemetry.exporter.prometheus", "pip install opentelemetry-exporter-prometheus"),
+    "otlp": (
+        "OTEL_TRACES_EXPORTER=otlp",
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+        "pip install opentelemetry-exporter-otlp-proto-grpc",
+    ),
+}
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why the command cannot do what its options ask (None: it can)."""
+    import importlib
+
+    wanted = [name for name in ("etcd", "metrics_port") if getattr(args, name, None) is not None]
+    if "otlp" in os.environ.get("OTEL_TRACES_EXPORTER", "").split(","):
+        wanted.append("otlp")
+    for name in wanted:
+        option, module, install = _NEEDS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"{option} needs the {module.split('.')[0]} package, which cannot be imported here ({exc}): {install}"
+    tls = {flag: getattr(args, attr, None) for flag, attr in (("--tls-cert", "tls_cert"), ("--tls-key", "tls_key"), ("--tls-ca", "tls_ca"))}
+    given = [flag for flag, path in tls.items() if path]
+    if given and len(given) != len(tls):
+        return f"{', '.join(given)} without {', '.join(f for f in tls if f not in given)}: mutual TLS needs all three"
+    for flag, path in tls.items():
+        if path and not os.access(path, os.R_OK):
+            return f"{flag} {path}: no such readable file"
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
