@@ -188,6 +188,7 @@ class Admin:
                     complete=dest.complete,
                 )
         elif isinstance(p, Receiver):
+            detail.waiting_for = p.waiting_for
             for key, exp in (p.expected or {}).items():
                 detail.sources.add(
                     source=key.to_proto(),

@@ -260,7 +260,8 @@ class FleetView:
         draining = [m.address for m in self.members.values() if group in m.groups and m.draining]
         if draining:
             return f"engine group {group!r} is served only by draining brokers ({', '.join(draining)}){where}"
-        return f"no broker in etcd under {self.prefix} serves engine group {group!r}{where}"
+        listed = ", ".join(sorted(m.address for m in self.members.values())) or "none"
+        return f"no broker in etcd under {self.prefix} serves engine group {group!r} yet (brokers there: {listed}){where}"
 
 
 async def find_in_fleet(
@@ -271,11 +272,13 @@ async def find_in_fleet(
     receiver_key: RankKey,
     *,
     stop: Callable[[], bool] = lambda: False,
+    missed: Callable[[KvBrokerError], None] = lambda _e: None,
 ) -> tuple[Found, list[Layout]]:
     """The brokers that hold the sources of receiving rank ``receiver_key``
     of ``group`` (one, unless the group's ranks live on several hosts),
     handshaken, and the group's layouts; retried with backoff until the
-    bootstrap timeout (the sender may still be starting)."""
+    bootstrap timeout (the sender may still be starting; ``missed`` hears
+    why each retried try failed)."""
 
     async def attempt() -> tuple[Found, list[Layout]]:
         # Brokers that did not answer in this attempt: a killed broker stays in
@@ -285,7 +288,7 @@ async def find_in_fleet(
             pass
         return found
 
-    return await client.until_found(attempt, stop)
+    return await client.until_found(attempt, stop, missed)
 
 
 async def _resolve(

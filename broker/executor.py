@@ -428,12 +428,16 @@ class Executor:
 
     # -- receiving ----------------------------------------------------------------
     async def _find_sender(self, rank: Receiver) -> None:
+        def missed(error: KvBrokerError) -> None:
+            self._receiver.still_looking(rank, error.message)
+            self.drain()
+
         try:
             found: str | list[SenderLeg]
             with _in_span(rank.span):
                 if rank.sender_address or self.fleet is None:
                     peer, layouts = await self._client.find_sender(
-                        rank.sender_address, rank.sender_group, stop=lambda: rank.terminal
+                        rank.sender_address, rank.sender_group, stop=lambda: rank.terminal, missed=missed
                     )
                     found = peer.broker_id or ""
                 else:
@@ -445,6 +449,7 @@ class Executor:
                         rank.engine.layout,
                         rank.key,
                         stop=lambda: rank.terminal,
+                        missed=missed,
                     )
                     rank.sender_address = placed[0][0].address
                     found = [SenderLeg(p.broker_id or "", p.address, ranks) for p, ranks in placed]

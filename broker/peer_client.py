@@ -163,17 +163,24 @@ class PeerClient:
                 peer.announced_epoch = epoch
         log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
 
-    async def find_sender(self, address: str, group: str, stop: Callable[[], bool] = lambda: False) -> tuple[Peer, list[Layout]]:
+    async def find_sender(
+        self,
+        address: str,
+        group: str,
+        stop: Callable[[], bool] = lambda: False,
+        missed: Callable[[KvBrokerError], None] = lambda _e: None,
+    ) -> tuple[Peer, list[Layout]]:
         """Handshake with the broker at ``address`` and find ``group`` there,
         retrying with backoff until the bootstrap timeout (the sender's broker or
         engines may still be starting). The last try is at the deadline; no
-        retry once ``stop()`` says so (the room ended)."""
+        retry once ``stop()`` says so (the room ended); ``missed`` hears why
+        each try that will be retried failed."""
 
         async def attempt() -> tuple[Peer, list[Layout]]:
             peer = await self.connect(address)
             return peer, await self.group_layouts(peer, group)
 
-        return await self.until_found(attempt, stop)
+        return await self.until_found(attempt, stop, missed)
 
     async def group_layouts(self, peer: Peer, group: str, ranks: Collection[tuple[int, int]] = ()) -> list[Layout]:
         """The layouts of ``group``'s ranks at ``peer``, handshaking again when it
@@ -193,11 +200,16 @@ class PeerClient:
             raise GroupNotFound(f"{listed} of engine group {group!r} is not registered at the broker at {peer.address}")
         return layouts
 
-    async def until_found(self, attempt: Callable[[], Awaitable[T]], stop: Callable[[], bool] = lambda: False) -> T:
+    async def until_found(
+        self,
+        attempt: Callable[[], Awaitable[T]],
+        stop: Callable[[], bool] = lambda: False,
+        missed: Callable[[KvBrokerError], None] = lambda _e: None,
+    ) -> T:
         """``attempt()`` until it returns, retrying with backoff on Unavailable
         and :class:`GroupNotFound` until the bootstrap timeout (the last try is
-        at the deadline); no retry once ``stop()`` says so. The last error says
-        how long it waited."""
+        at the deadline); no retry once ``stop()`` says so. ``missed`` hears
+        each error that is retried; the last error says how long it waited."""
         start = time.monotonic()
         deadline = start + self._bootstrap_timeout
         delay = 0.01
@@ -210,6 +222,7 @@ class PeerClient:
             if remaining <= 0 or stop():
                 waited = time.monotonic() - start
                 raise type(error)(f"{error.message} (gave up after {waited:.3g} s; --bootstrap-timeout {self._bootstrap_timeout:g} s)")
+            missed(error)
             await asyncio.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)
 

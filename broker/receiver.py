@@ -64,6 +64,7 @@ from kvbroker.broker.mapping import GroupShape, SourcePlan, check_state_supporte
 from kvbroker.broker.packing import Block, kv_block, landing_blocks, packed_bytes, transfer_pool
 from kvbroker.broker.parts import MAX_PARTS
 from kvbroker.broker.rooms import (
+    BOOTSTRAPPING,
     FAILED,
     SUCCESS,
     TRANSFERRING,
@@ -232,6 +233,8 @@ class Receiver(Side):
     #: Staged parts being scattered into the pages right now (a dict used as
     #: a set: an empty dict is a quarter of an empty set's size).
     scattering: dict[StagingKey, None] = field(default_factory=dict)
+    #: While its sender is not found yet: why not, the last time it was looked for.
+    waiting_for: str = ""
 
     def holds_resources(self) -> bool:
         return bool(self.scattering) or (bool(self.staging) and not self.pages_settled)
@@ -259,6 +262,8 @@ class Receiver(Side):
 
     def status(self) -> common_pb2.RoomStatus:
         status = Side.status(self)
+        if self.waiting_for and self.state == BOOTSTRAPPING:
+            status.waiting_for = self.waiting_for
         if self.state == FAILED and self.pages_settled and self.pages.size:
             status.landed_pages.packed = encode_indices(self.pages[sorted(self.landed_positions())]).packed
         return status
@@ -433,6 +438,7 @@ class ReceiverCore:
         several hosts, found through etcd) one leg per broker holding some of
         this rank's sources: the room is registered with each, for its sources."""
         rank.mark("handshaken")
+        rank.waiting_for = ""
         rank.legs = (SenderLeg(found, rank.sender_address),) if isinstance(found, str) else tuple(found)
         if rank.terminal:
             # Failed while we looked for the sender: its engine may have
@@ -477,6 +483,13 @@ class ReceiverCore:
                 request.aux_row = rank.aux_row
             leg.registered = leg.registering = True
             self._out.append(RegisterRoom(rank, leg, request))
+
+    def still_looking(self, rank: Receiver, why: str) -> None:
+        """Its sender was looked for and not found yet (retried until the
+        bootstrap timeout): the engine's status says why, when that changes."""
+        if rank.state == BOOTSTRAPPING and why != rank.waiting_for:
+            rank.waiting_for = why
+            self._out.append(Publish(rank.engine.engine_id, rank.status()))
 
     def bootstrap_failed(self, rank: Receiver, error: KvBrokerError) -> None:
         """The sender's broker or group could not be found within the bootstrap timeout."""

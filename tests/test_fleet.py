@@ -480,3 +480,30 @@ def _fleet_cli(etcd: Etcd, *args: str) -> str:
 async def _put(etcd: Etcd, key: str, value: str) -> None:
     async with etcd_client(*parse_endpoint(etcd.url), 5) as client:
         await client.put(key.encode(), value.encode())
+
+
+def test_a_receiver_waiting_for_a_group_nobody_holds_says_so(tmp_path: Path, etcd: Etcd) -> None:
+    """Issue 21 item 3: a receiver that names a group no broker in etcd holds says, in its status and
+    in GetRoom, what it waits for; when the bootstrap timeout ends it, the cause names the group and
+    the brokers etcd listed. A broker that registers the group meanwhile ends the wait."""
+    flags = ["--etcd", etcd.url, "--etcd-ttl", "2", "--log-level", "info", "--bootstrap-timeout", "4"]
+    (d,) = BrokerProcess.start_many(["d"], tmp_path, flags)
+    rank = RankSpec(group="waiting-decode", role="decode")
+    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8, aux_rows=2, aux_row_bytes=[16])
+    try:
+        with BrokerClient(d.address) as client:
+            engine = client.register_engine(rank, memory)
+            receiver = engine.receiver(1, SenderRef(group="nobody-serves-this"))
+            receiver.init([0, 1], aux_row=0)
+            expected = f"no broker in etcd under /kvbroker/brokers/ serves engine group 'nobody-serves-this' yet (brokers there: {d.address})"
+            eventually(lambda: receiver.status().waiting_for == expected, 10)
+            assert receiver.status().state == RoomState.BOOTSTRAPPING
+            (side,) = _admin(d, "GetRoom", room=1).sides
+            assert side.waiting_for == expected
+            status = receiver.wait(15)
+            assert status.state == RoomState.FAILED and not status.waiting_for
+            assert expected in status.cause.message and "--bootstrap-timeout 4 s" in status.cause.message
+            engine.close()
+    finally:
+        memory.close()
+        d.stop()

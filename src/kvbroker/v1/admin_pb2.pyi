@@ -265,20 +265,22 @@ class DestinationProgress(_message.Message):
     def __init__(self, receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_broker_id: _Optional[str] = ..., mode: _Optional[str] = ..., chunks_posted: _Optional[int] = ..., inflight: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class RoomDetail(_message.Message):
-    __slots__ = ("info", "pages_settled", "timeline", "trace_id", "sources", "destinations")
+    __slots__ = ("info", "pages_settled", "timeline", "trace_id", "sources", "destinations", "waiting_for")
     INFO_FIELD_NUMBER: _ClassVar[int]
     PAGES_SETTLED_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     info: RoomInfo
     pages_settled: bool
     timeline: _containers.RepeatedCompositeFieldContainer[TimelineEvent]
     trace_id: str
     sources: _containers.RepeatedCompositeFieldContainer[SourceProgress]
     destinations: _containers.RepeatedCompositeFieldContainer[DestinationProgress]
-    def __init__(self, info: _Optional[_Union[RoomInfo, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., timeline: _Optional[_Iterable[_Union[TimelineEvent, _Mapping]]] = ..., trace_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceProgress, _Mapping]]] = ..., destinations: _Optional[_Iterable[_Union[DestinationProgress, _Mapping]]] = ...) -> None: ...
+    waiting_for: str
+    def __init__(self, info: _Optional[_Union[RoomInfo, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., timeline: _Optional[_Iterable[_Union[TimelineEvent, _Mapping]]] = ..., trace_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceProgress, _Mapping]]] = ..., destinations: _Optional[_Iterable[_Union[DestinationProgress, _Mapping]]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
 
 class GetRoomResponse(_message.Message):
     __slots__ = ("sides",)

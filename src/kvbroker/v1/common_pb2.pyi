@@ -226,7 +226,7 @@ class StateIndices(_message.Message):
     def __init__(self, component: _Optional[str] = ..., indices: _Optional[_Union[PageIndices, _Mapping]] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
-    __slots__ = ("room", "state", "cause", "pages_settled", "chunks", "bytes", "prefix_pages", "landed_pages")
+    __slots__ = ("room", "state", "cause", "pages_settled", "chunks", "bytes", "prefix_pages", "landed_pages", "waiting_for")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class RoomStatus(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
     LANDED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     room: int
     state: RoomState
     cause: FailureCause
@@ -243,4 +244,5 @@ class RoomStatus(_message.Message):
     bytes: int
     prefix_pages: int
     landed_pages: PageIndices
-    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[RoomState, str]] = ..., cause: _Optional[_Union[FailureCause, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., prefix_pages: _Optional[int] = ..., landed_pages: _Optional[_Union[PageIndices, _Mapping]] = ...) -> None: ...
+    waiting_for: str
+    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[RoomState, str]] = ..., cause: _Optional[_Union[FailureCause, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., prefix_pages: _Optional[int] = ..., landed_pages: _Optional[_Union[PageIndices, _Mapping]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
