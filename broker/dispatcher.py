@@ -60,7 +60,6 @@ from kvbroker.errors import (
     InvalidArgument,
     KvBrokerError,
     NotFound,
-    PermissionDenied,
     Unavailable,
 )
 from kvbroker.indices import IndexArray, decode_indices
@@ -557,7 +556,10 @@ class Broker:
             common_pb2.FAILURE_KIND_ABORTED, "aborted by the peer broker", request.from_broker_id
         )
         if request.from_broker_id not in self.peers.by_id:
-            raise PermissionDenied(f"broker {request.from_broker_id!r} is not a handshaken peer of this broker")
+            raise Aborted(
+                f"broker {request.from_broker_id!r} is not a handshaken peer of this broker (it took it for lost, "
+                "or restarted): handshake again"
+            )
         settled = self.sender.peer_abort(request.room, why, request.from_broker_id)
         self.receiver.peer_abort(request.room, why, request.from_broker_id)
         self.executor.drain()

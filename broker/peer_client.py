@@ -10,7 +10,7 @@ same calls):
 | ``RegisterRooms`` | the receiver's plan is made | per room: ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
 | ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
 | ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
-| ``AbortRooms`` | a receiver failed | per room as ReportCompletion; unreachable: the caller remembers it for the successor |
+| ``AbortRooms`` | a receiver failed | per room as ReportCompletion; ABORTED (the peer does not know us: it took us for lost while we were stopped, say): handshake again, then once more; unreachable: the caller remembers it for the successor |
 | ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
 
 Room registrations and aborts are batched per peer (:class:`PerPeerBatches`):
@@ -70,6 +70,18 @@ _MAX_BATCH = 512
 # A RegisterRoom that failed with one of these may still have reached the
 # sender, so the sender may write: the pages are not settled.
 _MAYBE_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+
+
+def server_options(config: BrokerConfig) -> list[tuple[str, int]]:
+    """The server's gRPC options: :func:`channel_options`, and keepalive pings
+    from engines accepted once a second, also on idle connections (the client
+    notices a broker that stopped answering by them: client/connection.py)."""
+    return [
+        *channel_options(config),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 def channel_options(config: BrokerConfig) -> list[tuple[str, int]]:
@@ -337,6 +349,7 @@ class PeerClient:
         business. ``on_unreachable`` runs when the peer is gone or did not
         answer (not when it answered with an error)."""
         delay = 0.05
+        introduced = False
         for attempt in range(attempts):
             try:
                 peer = self._peers.get(broker_id)
@@ -350,6 +363,14 @@ class PeerClient:
                 err = from_rpc_error(exc)
             except KvBrokerError as exc:
                 err = exc
+            if isinstance(err, Aborted) and not introduced:
+                # The peer does not know us (it took us for lost): introduce ourselves again.
+                introduced = True
+                try:
+                    await self.handshake(peer)
+                    continue
+                except KvBrokerError as exc:
+                    err = exc
             unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
             if unreachable and attempt + 1 < attempts:
                 await asyncio.sleep(delay)

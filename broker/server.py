@@ -27,7 +27,7 @@ from kvbroker.broker.dispatcher import Broker
 from kvbroker.broker.fdsocket import FdSocketServer
 from kvbroker.broker.fleet import FleetRecord, groups_of
 from kvbroker.broker.nixl_agent import Agent, AgentConfig, UcxAgent
-from kvbroker.broker.peer_client import channel_options
+from kvbroker.broker.peer_client import server_options
 from kvbroker.broker.service import AdminService, PeerService, TransferService
 from kvbroker.broker.tls import server_credentials
 from kvbroker.v1 import (
@@ -99,7 +99,7 @@ class BrokerServer:
             filters.full_method_name(f"/{SERVICE_NAMES[1]}/RegisterRooms"),
         )
         server = grpc.aio.server(
-            options=channel_options(cfg), interceptors=[aio_server_interceptor(filter_=filters.negate(untraced))]
+            options=server_options(cfg), interceptors=[aio_server_interceptor(filter_=filters.negate(untraced))]
         )
         transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(self.broker), server)
         peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(self.broker), server)

@@ -36,7 +36,18 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    # A broker that stops answering without closing the connection (a stopped
+    # process) breaks the session stream within about two seconds, instead of
+    # never: a ping a second, answered within a second (the broker accepts
+    # them: broker/server.py), also while no call is open.
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.http2.ping_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
+#: How long the broker may stay unreachable before the engine's open rooms fail.
+DEFAULT_BROKER_LOST_AFTER_S = 5.0
 
 
 class BrokerClient:
@@ -57,9 +68,15 @@ class BrokerClient:
         prefer_unix_socket: bool = True,
         timeout_seconds: float = 30.0,
         credentials: grpc.ChannelCredentials | None = None,
+        broker_lost_after_seconds: float = DEFAULT_BROKER_LOST_AFTER_S,
     ) -> None:
         self.address = address
         self.timeout_seconds = timeout_seconds
+        #: How long the broker may stay unreachable (its session stream broken,
+        #: no answer) before the open rooms of the engines registered through
+        #: this client fail (BROKER_LOST) and new commands raise Unavailable
+        #: (client/session.py).
+        self.broker_lost_after_seconds = broker_lost_after_seconds
         #: Engines registered through this client (their sessions use its channel).
         self._handles: weakref.WeakSet[EngineHandle] = weakref.WeakSet()
         channel = _channel(address, credentials)

@@ -181,6 +181,21 @@ class EngineHandle:
         self.session.flush(self.client.timeout_seconds if timeout_seconds is None else timeout_seconds)
 
     # -- lifecycle -------------------------------------------------------------
+    def broker_gone(self) -> bool:
+        """Whether the broker process this engine registered with is gone: its
+        end of the engine's fd connection closed (the kernel closes it when the
+        process exits; a stopped or busy process keeps it open)."""
+        with self._lock:
+            fd_session = self._fd_session
+        if fd_session is None:
+            return True
+        try:
+            return fd_session.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # open, and nothing to read: the process holds it
+        except OSError:
+            return True
+
     def register_again(self) -> None:
         """Register with the broker again (it restarted); the session calls this."""
         info = self.client.refresh_info()

@@ -23,6 +23,19 @@ open rooms (``FAILURE_KIND_BROKER_LOST``; the old process is gone, so no
 transfer can still write into their pages), registers the engine again and
 carries on with new rooms.
 
+Nothing waits for a broker that stays away: gRPC keepalive notices one that
+stopped answering without closing its connection (a stopped process) within
+about two seconds, and once the broker has not answered for
+``BrokerClient.broker_lost_after_seconds`` the open rooms fail
+(``BROKER_LOST``, naming the broker and what was seen) and new commands raise
+``Unavailable`` until it answers again. Their pages are settled if the broker
+process is gone (the engine's fd connection to it was closed: nothing of it
+can write any more), and not otherwise: a broker that is alive may still
+land a transfer. When that same process answers again, the session resumes
+and its first commands abort those rooms there (commands of them not yet
+applied became aborts), so the broker drops their transfers and reports
+their pages settled; a new process settles them at once.
+
 Backpressure: at most ``max_pending`` commands may be queued or unapplied; a
 caller beyond that blocks until the broker catches up, for at most the
 client's timeout, then gets ``ResourceExhausted``. Memory is bounded by that
@@ -36,7 +49,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import grpc
@@ -48,6 +61,7 @@ from kvbroker.errors import (
     KvBrokerError,
     NotFound,
     ResourceExhausted,
+    Unavailable,
     from_rpc_error,
 )
 from kvbroker.protocol import PROTOCOL_VERSION
@@ -69,6 +83,18 @@ _RECONNECT_FIRST_S = 0.05
 _RECONNECT_MAX_S = 1.0
 #: How long one "is the broker back?" probe waits.
 _PROBE_TIMEOUT_S = 0.5
+
+
+def _abort(seq: int, room: int, reason: str) -> transfer_pb2.SessionCommand:
+    return transfer_pb2.SessionCommand(seq=seq, abort=transfer_pb2.AbortRequest(room=room, reason=reason))
+
+
+def _abort_if(command: transfer_pb2.SessionCommand, rooms: Mapping[int, object], reason: str) -> transfer_pb2.SessionCommand:
+    """``command``, or an abort in its place (same number: the broker's count
+    has no gap) if it is one of ``rooms``'."""
+    which = command.WhichOneof("command")
+    room = int(getattr(command, which).room) if which else -1
+    return _abort(command.seq, room, reason) if room in rooms else command
 
 
 def failed_status(room: int, kind: int, message: str, origin: str, *, settled: bool) -> common_pb2.RoomStatus:
@@ -121,6 +147,8 @@ class Session:
         self._generation = 0
         self._closing = False
         self._broken: KvBrokerError | None = None
+        #: Set while the broker has not answered for the bound: why (new commands raise it).
+        self._unreachable: KvBrokerError | None = None
         self._call: grpc.Call | None = None
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._run, name="kvb-session", daemon=True)
@@ -253,6 +281,8 @@ class Session:
             raise self._broken
         if self._closing:
             raise FailedPrecondition("this engine rank was closed")
+        if self._unreachable is not None:
+            raise self._unreachable
 
     def _wait_room(self, count: int) -> None:
         """Block (lock held) while more than ``max_pending`` commands would be unapplied."""
@@ -334,12 +364,15 @@ class Session:
                 ))
                 return
             log.warning("kvbroker session %s: the stream broke (%s); reconnecting", self._handle.engine_id, error.message)
-            info = self._reach_broker(delay)
+            info = self._reach_broker(delay, error.message)
             if info is None:
                 return  # closing
             delay = min(delay * 2, _RECONNECT_MAX_S)
             if info.broker_id != self._handle.broker_id:
                 self._engine_lost(f"the broker restarted ({error.message})")
+            else:
+                with self._cond:
+                    self._unreachable = None  # the same process answers: the stream resumes
 
     def _ended(self, why: KvBrokerError) -> None:
         """The session is over for good: open rooms fail, new commands raise ``why``."""
@@ -366,20 +399,69 @@ class Session:
                 self._cond.wait(seconds)
             return self._closing
 
-    def _reach_broker(self, delay: float) -> transfer_pb2.BrokerInfo | None:
+    def _reach_broker(self, delay: float, why: str) -> transfer_pb2.BrokerInfo | None:
         """Wait until the broker answers again (backing off from ``delay``); its
-        info, or None if the session closes first."""
-        while not self._pause(delay):
+        info, or None if the session closes first. Past the client's bound,
+        the open rooms fail (:meth:`_broker_unreachable`); later, if the
+        broker process turns out gone, their pages settle."""
+        since = time.monotonic()
+        bound = self._handle.client.broker_lost_after_seconds
+        lost = False
+        while not self._pause(delay if lost else max(0.0, min(delay, since + bound - time.monotonic()))):
             try:
                 return self._handle.client.refresh_info(timeout_seconds=_PROBE_TIMEOUT_S)
-            except KvBrokerError:
+            except KvBrokerError as exc:
                 delay = min(delay * 2, _RECONNECT_MAX_S)
+                waited = time.monotonic() - since
+                if not lost and waited >= bound:
+                    self._broker_unreachable(f"the session stream broke ({why}) and it has not answered since ({exc.message})", waited)
+                    lost = True
+                elif lost and self._handle.broker_gone():
+                    self._settle_failed()
         return None
+
+    def _broker_unreachable(self, seen: str, waited: float) -> None:
+        """The broker has not answered for the client's bound: fail every open
+        room; new commands raise ``Unavailable`` until it answers. The pages
+        are settled only if its process is gone. The rooms' commands it has
+        not applied become aborts, and rooms it opened get one, so the same
+        process, answering again, drops their transfers."""
+        gone = self._handle.broker_gone()
+        address, broker = self._handle.client.address, self._handle.broker_id
+        state = (
+            "its process is gone (the engine's fd connection to it closed): nothing can write into the pages"
+            if gone
+            else "it may still be running: the pages are not settled until it answers again"
+        )
+        message = f"this engine's broker at {address} ({broker}) did not answer for {waited:.1f} s: {seen}; {state}"
+        with self._cond:
+            failed = {room: view for room, view in self._rooms.items() if not view.terminal}
+            for room, view in failed.items():
+                self._set(view, failed_status(room, common_pb2.FAILURE_KIND_BROKER_LOST, message, broker, settled=gone))
+            self._unreachable = Unavailable(f"the broker at {address} ({broker}) is unreachable: it did not answer for {waited:.1f} s: {seen}")
+            reason = f"the engine failed the room: its broker did not answer for {waited:.1f} s"
+            self._outbox = collections.deque(_abort_if(command, failed, reason) for command in self._outbox)
+            self._sent = collections.deque(_abort_if(command, failed, reason) for command in self._sent)
+            for room, view in failed.items():
+                if view.opened_seq <= self._applied:
+                    self._outbox.append(_abort(self._take_seq(), room, reason))
+            self._cond.notify_all()
+        log.warning("kvbroker session %s: %s; %d open rooms failed", broker, message, len(failed))
+
+    def _settle_failed(self) -> None:
+        """The broker process is gone: nothing can write into any room's pages any more."""
+        with self._cond:
+            for view in self._rooms.values():
+                if view.terminal and not view.status.pages_settled:
+                    view.status.pages_settled = True
+            self._cond.notify_all()
 
     def _engine_lost(self, why: str) -> None:
         """The broker restarted: fail every open room, register the engine again."""
         broker = self._handle.broker_id
+        self._settle_failed()  # the old process is gone
         with self._cond:
+            self._unreachable = None
             failed = [view for view in self._rooms.values() if not view.terminal]
             for view in failed:
                 self._set(

@@ -219,27 +219,49 @@ def run_demo(args: argparse.Namespace) -> int:
             proc = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}-pp{cfg.pp_rank}", daemon=True)
             proc.start()
             processes.append(proc)
-        _await(events, "ready", len(configs), processes, tally, args.timeout)
+        _await(events, "ready", len(configs), processes, owned, tally, args.timeout)
         go.set()
         if not tally.errors:
-            _collect(events, configs, processes, tally, progress, args.timeout)
+            _collect(events, configs, processes, owned, tally, progress, args.timeout)
         progress.close()
         wall = time.perf_counter() - start
+        if tally.errors:  # a broker or an engine is gone: stop now, say which
+            return _finish(args, tally, {}, wall, workdir, owned, processes)
         for p in processes:
             p.join(timeout=30)
         if owned:
             tables = _wait_for_empty_tables(brokers, timeout_seconds=15)
         else:
             tables = {b.name: dict(b.stats().per_room_state) for b in brokers}
+    except grpc.RpcError as exc:  # a broker that does not answer any more
+        tally.errors.append(f"a broker does not answer: {exc.code().name} {exc.details()}")
     except Exception as exc:  # report, then clean up
         tally.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
-        for p in processes:
-            if p.is_alive():
-                p.kill()
-        for broker in owned:
-            if broker.process is not None:
-                broker.process.stop()
+        _stop(processes, owned)
+    return _finish(args, tally, tables, wall, workdir, owned, processes)
+
+
+def _stop(processes: list[Any], owned: list[_Broker]) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for broker in owned:
+        if broker.process is not None:
+            broker.process.stop()
+
+
+def _finish(
+    args: argparse.Namespace,
+    tally: _Tally,
+    tables: dict[str, dict[str, int]],
+    wall: float,
+    workdir: Path,
+    owned: list[_Broker],
+    processes: list[Any],
+) -> int:
+    """Stop what is left, print the summary; the exit status."""
+    _stop(processes, owned)
     leaked = {name: {k: v for k, v in t.items() if v} for name, t in tables.items()} if owned else {}
     ok = not (tally.failed or tally.mismatched or tally.errors or any(leaked.values())) and tally.rooms_verified == args.rooms
     tally.warnings = _broker_warnings(owned)
@@ -249,7 +271,18 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _await(events: Any, kind: str, count: int, processes: list[Any], tally: _Tally, timeout: float) -> None:
+def _died(processes: list[Any], brokers: list[_Broker]) -> str | None:
+    """Which engine process or broker the demo started is gone, if one is."""
+    gone = [
+        f"broker {b.name} at {b.address} exited (status {b.process.process.returncode})"
+        for b in brokers
+        if b.process is not None and b.process.process.poll() is not None
+    ]
+    gone += [f"engine process {p.name} exited (status {p.exitcode})" for p in processes if p.exitcode not in (None, 0)]
+    return "; ".join(gone) or None
+
+
+def _await(events: Any, kind: str, count: int, processes: list[Any], brokers: list[_Broker], tally: _Tally, timeout: float) -> None:
     seen = 0
     deadline = time.monotonic() + timeout
     while seen < count and not tally.errors:
@@ -258,8 +291,8 @@ def _await(events: Any, kind: str, count: int, processes: list[Any], tally: _Tal
         except queue.Empty:
             if time.monotonic() > deadline:
                 tally.errors.append(f"engines not {kind} after {timeout} s")
-            elif any(p.exitcode not in (None, 0) for p in processes):
-                tally.errors.append("an engine process died: " + ", ".join(f"{p.name} exit {p.exitcode}" for p in processes if p.exitcode))
+            elif gone := _died(processes, brokers):
+                tally.errors.append(gone)
             continue
         if event == "error":
             tally.errors.append(f"{name}: {payload}")
@@ -267,7 +300,9 @@ def _await(events: Any, kind: str, count: int, processes: list[Any], tally: _Tal
             seen += 1
 
 
-def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tally: _Tally, progress: _Progress, timeout: float) -> None:
+def _collect(
+    events: Any, configs: list[EngineConfig], processes: list[Any], brokers: list[_Broker], tally: _Tally, progress: _Progress, timeout: float
+) -> None:
     done = 0
     deadline = time.monotonic() + timeout
     decode_ranks = sum(1 for c in configs if c.role == "decode")
@@ -278,9 +313,8 @@ def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tal
             if time.monotonic() > deadline:
                 tally.errors.append(f"the demo did not finish in {timeout} s")
                 return
-            dead = [p for p in processes if p.exitcode not in (None, 0)]
-            if dead:
-                tally.errors.append("an engine process died: " + ", ".join(f"{p.name} exit {p.exitcode}" for p in dead))
+            if gone := _died(processes, brokers):
+                tally.errors.append(gone)
                 return
             continue
         if event == "verified":
@@ -300,7 +334,8 @@ def _collect(events: Any, configs: list[EngineConfig], processes: list[Any], tal
             room, why = payload
             tally.failed.append(f"room {room} ({name}): {why}")
         elif event == "error":
-            tally.errors.append(f"{name}: {payload}")
+            # The exception's last line says what happened (e.g. which broker is unreachable).
+            tally.errors.append(f"{name}: {payload.strip().splitlines()[-1]}")
             return
         elif event == "done":
             done += 1

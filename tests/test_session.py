@@ -318,15 +318,16 @@ def _engine(address: str, role: str, group: str) -> tuple[BrokerClient, object, 
     memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=32, aux_rows=4, aux_row_bytes=[16])
     if role == "prefill":
         fill_regions(memory, 3)
-    client = BrokerClient(address)
+    # A restart within the bound (a loaded machine may take seconds to start the next process).
+    client = BrokerClient(address, broker_lost_after_seconds=60)
     return client, client.register_engine(rank, memory), memory
 
 
 @pytest.mark.nixl
 def test_a_restarted_broker_fails_the_open_rooms_and_the_engine_registers_again(workdir: Path) -> None:
-    """The prefill broker is killed and started again on the same addresses while the
-    prefill engine has a room open: that room fails BROKER_LOST (its pages settled: the
-    old process is gone), the session registers the engine with the new process by
+    """The prefill broker is killed and started again on the same addresses, within the client's
+    bound, while the prefill engine has a room open: that room fails BROKER_LOST (its pages
+    settled: the old process is gone), the session registers the engine with the new process by
     itself, and the next room moves byte-exact."""
     port = _free_port()
     extra = ["--log-level", "warning", "--peer-heartbeat", "0.2", "--peer-dead-after", "1"]
