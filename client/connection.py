@@ -37,12 +37,13 @@ _OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     # A broker that stops answering without closing the connection (a stopped
-    # process) breaks the session stream within about two seconds, instead of
-    # never: a ping a second, answered within a second (the broker accepts
-    # them: broker/server.py), also while no call is open.
+    # process) breaks the session stream within about three seconds, instead
+    # of never: a ping a second, to be answered within two (the broker accepts
+    # them: broker/server.py; gRPC's own threads answer, so a busy event loop
+    # does not delay them), also while no call is open.
     ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 1000),
-    ("grpc.http2.ping_timeout_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]

@@ -25,7 +25,7 @@ carries on with new rooms.
 
 Nothing waits for a broker that stays away: gRPC keepalive notices one that
 stopped answering without closing its connection (a stopped process) within
-about two seconds, and once the broker has not answered for
+about three seconds, and once the broker has not answered for
 ``BrokerClient.broker_lost_after_seconds`` the open rooms fail
 (``BROKER_LOST``, naming the broker and what was seen) and new commands raise
 ``Unavailable`` until it answers again. Their pages are settled if the broker
