@@ -367,3 +367,23 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_sending_room_larger_than_the_pool_is_refused_at_once(brokers) -> None:
+    """Issue 21 item 4, against a real broker process: ``KVSender.init(num_pages)`` beyond the rank's
+    pool raises InvalidArgument in the caller (the client knows the pool), and nothing is queued:
+    the broker never hears of the room."""
+    (p,) = brokers("p")
+    prefill = Rank(p.address, "prefill", "pg")
+    try:
+        queued = prefill.engine.session._next_seq
+        with pytest.raises(errors.InvalidArgument, match="num_pages 65 exceeds the engine's 64 pages"):
+            prefill.engine.sender(1).init(num_pages=65, aux_row=1)
+        assert prefill.engine.session._next_seq == queued
+        prefill.engine.flush()
+        assert p.stats().open_rooms == 0
+        prefill.engine.sender(2).init(num_pages=64, aux_row=1)  # the pool's size itself is fine
+        prefill.engine.flush()
+        assert p.stats().open_rooms == 1
+    finally:
+        prefill.close()
