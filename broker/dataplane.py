@@ -51,11 +51,11 @@ from typing import Any, TypeVar
 
 import structlog
 
-from kvbroker.broker.nixl_agent import Agent, NixlError, XferState
+from kvbroker.broker.nixl_agent import Agent, XferState
 from kvbroker.broker.workers import name_thread
-from kvbroker.errors import KvBrokerError, Unavailable
+from kvbroker.errors import KvBrokerError, NixlError, TransferTimeout, Unavailable
 
-__all__ = ["DataPlane", "Notices", "Posting", "Settled", "TransferTimeout"]
+__all__ = ["DataPlane", "Notices", "Posting", "Settled"]
 
 log = structlog.get_logger(__name__)
 
@@ -70,10 +70,6 @@ _IDLE_WAIT_S = 1.0
 #: this far apart for ``_HURRY_S`` (the backoff would have grown to 1 ms).
 _HURRY_WAIT_S = 200e-6
 _HURRY_S = 0.05
-
-
-class TransferTimeout(NixlError):
-    """A posted transfer did not finish in time and was cancelled."""
 
 
 @dataclass(frozen=True)

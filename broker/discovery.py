@@ -40,8 +40,7 @@ import structlog
 from kvbroker.broker.fleet import brokers_prefix, etcd_client, parse_endpoint
 from kvbroker.broker.layout import Layout, RankKey
 from kvbroker.broker.mapping import GroupShape, plan_sources
-from kvbroker.broker.peer_client import GroupNotFound
-from kvbroker.errors import KvBrokerError, Unavailable
+from kvbroker.errors import GroupNotFound, KvBrokerError, Unavailable
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import admin_pb2
 

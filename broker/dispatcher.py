@@ -40,7 +40,7 @@ from kvbroker.broker.layout import rank_key
 from kvbroker.broker.liveness import PeerMonitor
 from kvbroker.broker.mapping import SourcePlan
 from kvbroker.broker.metrics import BrokerMetrics, GaugeSnapshot
-from kvbroker.broker.nixl_agent import Agent, NixlError
+from kvbroker.broker.nixl_agent import Agent
 from kvbroker.broker.peer_client import HandshakeMessage, PeerClient
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.receiver import Receiver, ReceiverCore
@@ -59,6 +59,7 @@ from kvbroker.errors import (
     Internal,
     InvalidArgument,
     KvBrokerError,
+    NixlError,
     NotFound,
     Unavailable,
 )
@@ -478,7 +479,7 @@ class Broker:
                 self.register_room(item)
                 response.results.add()
             except KvBrokerError as exc:
-                response.results.add(code=exc.code.value[0], message=exc.message)
+                response.results.add(code=exc.status_number, message=exc.message)
             finally:
                 otel_context.detach(token)
         return response
@@ -547,7 +548,7 @@ class Broker:
             try:
                 response.results.add(settled=self.peer_abort(item).settled)
             except KvBrokerError as exc:
-                response.results.add(code=exc.code.value[0], message=exc.message)
+                response.results.add(code=exc.status_number, message=exc.message)
         return response
 
     def peer_abort(self, request: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:

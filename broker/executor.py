@@ -62,7 +62,7 @@ from kvbroker.broker.metrics import BrokerMetrics
 from kvbroker.broker.nixl_agent import Agent, XferState
 from kvbroker.broker.packing import Block, kv_block, pool_text
 from kvbroker.broker.parts import PartKind, page_blocks
-from kvbroker.broker.peer_client import PeerClient, RegistrationError
+from kvbroker.broker.peer_client import PeerClient
 from kvbroker.broker.peers import Peer, PeerTable
 from kvbroker.broker.receiver import Receiver, ReceiverCore, SenderLeg
 from kvbroker.broker.rooms import FAILED, Side, cause
@@ -73,7 +73,7 @@ from kvbroker.broker.tasks import TaskSet
 from kvbroker.broker.tokens import run_descriptors
 from kvbroker.broker.watch import WatchHub
 from kvbroker.broker.workers import Workers
-from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
+from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, RegistrationError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 

@@ -33,15 +33,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvbroker.errors import Internal, InvalidArgument, Unavailable
+from kvbroker.errors import Internal, InvalidArgument, NixlError
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2
 
-__all__ = ["Agent", "AgentConfig", "NixlError", "UcxAgent", "XferState", "import_nixl"]
-
-
-class NixlError(Unavailable):
-    """A NIXL call failed (post rejected, remote unreachable, bad descriptors)."""
+__all__ = ["Agent", "AgentConfig", "UcxAgent", "XferState", "import_nixl"]
 
 
 class XferState(enum.Enum):

@@ -46,8 +46,10 @@ from kvbroker.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
+    GroupNotFound,
     Internal,
     KvBrokerError,
+    RegistrationError,
     Unavailable,
     from_rpc_error,
     from_status,
@@ -55,7 +57,7 @@ from kvbroker.errors import (
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-__all__ = ["GroupNotFound", "HandshakeMessage", "PeerClient", "PerPeerBatches", "RegistrationError", "channel_options"]
+__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "channel_options", "server_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -478,21 +480,6 @@ class PerPeerBatches(Generic[Item, Result]):
                 if not done.done():
                     done.set_exception(Unavailable("the broker is shutting down"))
         self._queues.clear()
-
-
-class GroupNotFound(FailedPrecondition):
-    """A sender's broker (or the fleet) does not hold the group or ranks a room
-    needs, yet: bootstrapping retries it (:meth:`PeerClient.until_found`)."""
-
-
-class RegistrationError(Exception):
-    """RegisterRoom failed with ``error``; ``maybe_delivered``: it may still have
-    reached the sender (a timeout, a broken connection), so the sender may write."""
-
-    def __init__(self, error: KvBrokerError, *, maybe_delivered: bool) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.maybe_delivered = maybe_delivered
 
 
 def _host(staging: list[peer_pb2.RemoteBuffer]) -> peer_pb2.RemoteBuffer | None:

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbroker.broker.layout import RankKey
-from kvbroker.broker.nixl_agent import NixlError
 from kvbroker.broker.smallmap import SmallMap
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KvBrokerError,
+    NixlError,
     Unavailable,
     Unimplemented,
 )

@@ -30,6 +30,7 @@ from kvbroker.broker.nixl_agent import Agent, AgentConfig, UcxAgent
 from kvbroker.broker.peer_client import server_options
 from kvbroker.broker.service import AdminService, PeerService, TransferService
 from kvbroker.broker.tls import server_credentials
+from kvbroker.errors import InvalidArgument, Unavailable
 from kvbroker.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -110,11 +111,11 @@ class BrokerServer:
         if cfg.tls:
             self.port = server.add_secure_port(cfg.listen_address, server_credentials(cfg))
         elif cfg.tls_cert_file or cfg.tls_key_file or cfg.tls_ca_file:
-            raise ValueError("mutual TLS needs all of the certificate, key and CA files")
+            raise InvalidArgument("mutual TLS needs all of the certificate, key and CA files")
         else:
             self.port = server.add_insecure_port(cfg.listen_address)
         if not self.port:
-            raise OSError(f"cannot listen on {cfg.listen_address}")
+            raise Unavailable(f"cannot listen on {cfg.listen_address}")
         host = cfg.listen_address.rsplit(":", 1)[0]
         if cfg.advertise_address:
             address = cfg.advertise_address
@@ -129,7 +130,7 @@ class BrokerServer:
         old_umask = os.umask(0o117)
         try:
             if not server.add_insecure_port(f"unix:{engine_socket}"):
-                raise OSError(f"cannot listen on unix:{engine_socket}")
+                raise Unavailable(f"cannot listen on unix:{engine_socket}")
         finally:
             os.umask(old_umask)
         self.broker.engine_socket_path = engine_socket

@@ -55,7 +55,7 @@ class SessionStream:
             transfer_pb2.CommandRefused(
                 seq=seq,
                 room=room,
-                code=error.code.value[0],
+                code=error.status_number,
                 message=f"{error.code.name}: {error.message}",
                 room_failed=room_failed,
                 pages_settled=pages_settled,

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled, TransferTimeout
+from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled
 from kvbroker.broker.memory import array_at, map_anonymous, unmap
-from kvbroker.broker.nixl_agent import NixlError, XferState
+from kvbroker.broker.nixl_agent import XferState
+from kvbroker.errors import NixlError, TransferTimeout
 from kvbroker.testing import FakeAgent, FakeFabric, XferScript
 
 DRAM = 1

@@ -33,12 +33,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvbroker.errors import FailedPrecondition, Internal, InvalidArgument, KvBrokerError
+from kvbroker.errors import CudaError, FailedPrecondition, InvalidArgument, KvBrokerError
 
 __all__ = [
     "AccessDesc",
     "AllocationProp",
-    "CudaError",
     "Driver",
     "VmmMapping",
     "default_driver",
@@ -140,15 +139,6 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemAlloc_v2": [ctypes.POINTER(_u64), ctypes.c_size_t],
     "cuMemFree_v2": [_u64],
 }
-
-
-class CudaError(Internal):
-    """A CUDA driver call failed."""
-
-    def __init__(self, call: str, code: int, name: str) -> None:
-        super().__init__(f"{call} failed: {name} ({code})")
-        self.call = call
-        self.cuda_code = code
 
 
 class Driver:

@@ -19,15 +19,20 @@ __all__ = [
     "Aborted",
     "AlreadyExists",
     "Cancelled",
+    "CudaError",
     "DeadlineExceeded",
     "FailedPrecondition",
+    "GroupNotFound",
     "Internal",
     "InvalidArgument",
     "KvBrokerError",
+    "NixlError",
     "NotFound",
     "PermissionDenied",
+    "RegistrationError",
     "ResourceExhausted",
     "RoomFailed",
+    "TransferTimeout",
     "Unavailable",
     "Unimplemented",
     "from_rpc_error",
@@ -46,6 +51,11 @@ class KvBrokerError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
+
+    @property
+    def status_number(self) -> int:
+        """The numeric gRPC status (what a batched call's per-item result carries)."""
+        return int(self.code.value[0])
 
 
 class InvalidArgument(KvBrokerError):
@@ -118,6 +128,39 @@ class Internal(KvBrokerError):
     """A bug or an unexpected failure inside the broker."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+class NixlError(Unavailable):
+    """A NIXL call failed (post rejected, remote unreachable, bad descriptors)."""
+
+
+class TransferTimeout(NixlError):
+    """A posted transfer did not finish in time and was cancelled."""
+
+
+class CudaError(Internal):
+    """A CUDA driver call failed."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.call = call
+        self.cuda_code = code
+
+
+class GroupNotFound(FailedPrecondition):
+    """A sender's broker (or the fleet) does not hold the group or ranks a room
+    needs, yet: bootstrapping retries it (``PeerClient.until_found``)."""
+
+
+class RegistrationError(KvBrokerError):
+    """RegisterRoom failed with ``error`` (whose status it carries);
+    ``maybe_delivered``: it may still have reached the sender (a timeout, a
+    broken connection), so the sender may write."""
+
+    def __init__(self, error: KvBrokerError, *, maybe_delivered: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.maybe_delivered = maybe_delivered
 
 
 class RoomFailed(KvBrokerError):

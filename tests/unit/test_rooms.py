@@ -11,7 +11,6 @@ import pytest
 
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import SourcePlan
-from kvbroker.broker.nixl_agent import NixlError
 from kvbroker.broker.receiver import Receiver, SenderLeg, SourceExpectation
 from kvbroker.broker.rooms import ReceiverRoom, RoomTables, SenderRoom, Side, cause, cause_of
 from kvbroker.broker.sender import Chunk, Destination, Source, TransferInfo
@@ -21,6 +20,7 @@ from kvbroker.errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    NixlError,
     NotFound,
     Unavailable,
     Unimplemented,

@@ -13,7 +13,7 @@ from kvbroker.broker.counters import Counters
 from kvbroker.broker.effects import Effect, PostPart, Publish, ReserveStaging, RoomEnded, SendReport
 from kvbroker.broker.layout import RankKey
 from kvbroker.broker.mapping import GroupShape, plan_sources
-from kvbroker.broker.nixl_agent import NixlError, XferState
+from kvbroker.broker.nixl_agent import XferState
 from kvbroker.broker.parts import PartKind
 from kvbroker.broker.peers import RemoteEngine
 from kvbroker.broker.rooms import RoomTables, cause
@@ -23,6 +23,7 @@ from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    NixlError,
     NotFound,
     PermissionDenied,
 )

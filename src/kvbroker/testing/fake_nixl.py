@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from kvbroker.broker.descriptors import expand_rows
-from kvbroker.broker.nixl_agent import NixlError, XferState
-from kvbroker.errors import InvalidArgument
+from kvbroker.broker.nixl_agent import XferState
+from kvbroker.errors import InvalidArgument, NixlError
 from kvbroker.indices import IndexArray
 from kvbroker.v1 import common_pb2
 
