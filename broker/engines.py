@@ -63,9 +63,6 @@ class Engine:
     registrations: list[Any] = field(default_factory=list)
     #: The local prepared descriptor list of its host memory (by memory kind: DRAM only).
     dlists: dict[int, Any] = field(default_factory=dict)
-    #: How this rank's KV pages map onto receivers' (``parts.kv_pairs``), by
-    #: (receiver broker, rank, generation, layer range): planned once, not per room.
-    kv_plans: dict[Any, Any] = field(default_factory=dict)
     registered_at: float = field(default_factory=time.monotonic)
     #: The last session command applied (``SessionCommand.seq``).
     applied: int = 0

@@ -35,6 +35,7 @@ in the outbox; :meth:`SenderCore.take` hands them to the executor.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ if TYPE_CHECKING:
 __all__ = ["Chunk", "Destination", "Part", "PeerView", "SenderCore", "Source", "TransferInfo"]
 
 log = structlog.get_logger(__name__)
+
+#: KV pairings kept (``SenderCore._kv_pairs``): far more than the (engine,
+#: receiver rank) pairs of a fleet; each is a few small arrays.
+_KV_PLANS = 4096
 
 
 # -- records -----------------------------------------------------------------
@@ -282,6 +287,8 @@ class SenderCore:
         self._send_staging_bytes = send_staging_bytes
         #: The largest packed part (``BrokerConfig.device_part_bytes``).
         self._part_bytes = part_bytes
+        #: KV pairings by (engine, its generation, receiver broker, rank, its generation, layers).
+        self._kv_plans: collections.OrderedDict[tuple[Any, ...], KvPairs] = collections.OrderedDict()
         self._on_bytes = on_bytes
         self._out: list[Effect] = []
         #: Sources that were open at the last look (the timeouts scan these, not every record).
@@ -749,13 +756,7 @@ class SenderCore:
             dst_tokens=TokenRange(info.pages, info.prefix_pages, tokens.begin, tokens.end) if tokens is not None else None,
         )
         if dest.kv is None and plan.mode == FULL_PAGES and shape.src_pages.size:
-            # Planned once per (receiver rank generation, layer range) for this engine, not per room.
-            key = (info.receiver_broker_id, info.receiver, remote.generation, plan.layer_begin, plan.layer_end)
-            dest.kv = source.engine.kv_plans.get(key)
-            if dest.kv is None:
-                if len(source.engine.kv_plans) >= 4096:  # receivers come and go: bounded
-                    source.engine.kv_plans.clear()
-                dest.kv = source.engine.kv_plans[key] = kv_pairs(layout, table, remote.layout, remote.table, plan)
+            dest.kv = self._kv_pairs(source, info, remote, plan)
         specs = plan_chunk(
             layout, table, remote.layout, remote.table, plan, shape, self._stage_policy(dest), dest.kv, self._pack_limit(dest)
         )
@@ -807,6 +808,21 @@ class SenderCore:
             dest.inflight += 1
             staged = spec.kind is PartKind.STAGED or spec.kind is PartKind.PACKED
             self._out.append(ReserveStaging(part) if staged else PostPart(part))
+
+    def _kv_pairs(self, source: Source, info: TransferInfo, remote: RemoteEngine, plan: SourcePlan) -> KvPairs:
+        """How ``source``'s KV pages pair with the receiver's: planned once per
+        (sending engine registration, receiver rank registration, layer range),
+        not per room; the newest ``_KV_PLANS`` are kept (receivers come and go)."""
+        engine = source.engine
+        key = (engine.key, engine.generation, info.receiver_broker_id, info.receiver, remote.generation, plan.layer_begin, plan.layer_end)
+        pairs = self._kv_plans.get(key)
+        if pairs is None:
+            pairs = self._kv_plans[key] = kv_pairs(engine.layout, engine.table, remote.layout, remote.table, plan)
+            if len(self._kv_plans) > _KV_PLANS:
+                self._kv_plans.popitem(last=False)
+        else:
+            self._kv_plans.move_to_end(key)
+        return pairs
 
     def _pack_limit(self, dest: Destination) -> PackLimit:
         """The largest packed part to ``dest``: this broker's part size, and

@@ -189,7 +189,6 @@ class EngineStub:
     layout: Layout
     table: Any
     generation: int = 1
-    kv_plans: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
