@@ -161,7 +161,7 @@ class Lane:
 
 def make_agent(name: str) -> Any:
     """A bare NIXL agent made like the broker's: UCX, no progress thread, error mode peer."""
-    from kvbroker.broker.nixl_agent import import_nixl
+    from kvbroker.broker.dataplane._agent import import_nixl
 
     api = import_nixl()
     logging.getLogger("nixl").setLevel(logging.WARNING)

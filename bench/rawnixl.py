@@ -27,13 +27,13 @@ _DRAM = 1  # kvbroker.v1.MEMORY_KIND_DRAM
 
 
 def _agent(name: str) -> Any:
-    from kvbroker.broker.nixl_agent import AgentConfig, UcxAgent
+    from kvbroker.broker.dataplane._agent import AgentConfig, UcxAgent
 
     return UcxAgent(AgentConfig(name=name))
 
 
 def _target(conn: Any, name: str, size: int) -> None:
-    from kvbroker.broker.memory import map_anonymous
+    from kvbroker.broker.memory._importers import map_anonymous
 
     agent = _agent(name)
     address = map_anonymous(size)
@@ -56,7 +56,7 @@ def _target(conn: Any, name: str, size: int) -> None:
 
 def bulk_write_seconds(total_bytes: int, part_bytes: int, repeat: int = 3) -> list[float]:
     """Seconds to write ``total_bytes`` in parts of ``part_bytes``, once per repeat."""
-    from kvbroker.broker.memory import array_at, map_anonymous
+    from kvbroker.broker.memory._importers import array_at, map_anonymous
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()

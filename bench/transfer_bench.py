@@ -153,7 +153,7 @@ def chunk_descs(
     regions: Regions, src_addr: int, dst_addr: int, src: np.ndarray, dst: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """One descriptor per (region, coalesced run): local and remote N x 3 uint64 arrays."""
-    from kvbroker.broker.descriptors import coalesce_runs
+    from kvbroker.plan._descriptors import coalesce_runs
 
     runs = coalesce_runs(src, dst).astype(np.uint64)  # (src start, dst start, length)
     item = np.uint64(regions.item_bytes)
@@ -172,7 +172,7 @@ def chunk_descs(
 
 def copy_list(regions: Regions, plans: Sequence[RoomPlan]) -> list[tuple[int, int, int]]:
     """(src byte offset, dst byte offset, bytes) per run, chunk by chunk, region by region."""
-    from kvbroker.broker.descriptors import coalesce_runs
+    from kvbroker.plan._descriptors import coalesce_runs
 
     out = []
     item = regions.item_bytes
@@ -334,8 +334,8 @@ class RawNixl:
             raise
 
     def _setup(self, ucx_error_mode: str, tag: str, layout: Any, num_pages: int) -> None:
-        from kvbroker.broker.descriptors import BufferPlacement, build_descriptor_table
-        from kvbroker.broker.layout import Layout, RankKey
+        from kvbroker.plan._descriptors import BufferPlacement, build_descriptor_table
+        from kvbroker.plan._layout import Layout, RankKey
         from kvbroker.v1 import common_pb2
 
         self.agent = make_agent(f"bench-initiator-{tag}", ucx_error_mode)
@@ -819,7 +819,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decode_np = broker.decode_mem.raw.numpy()
 
         # Descriptor counts: what the broker should post if runs coalesce.
-        from kvbroker.broker.descriptors import count_runs
+        from kvbroker.plan._descriptors import count_runs
 
         coalesced = sum(
             len(regions.offsets) * count_runs(p.src[a:b], p.dst[a:b])

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvbroker.broker.api import BrokerServer
     from kvbroker.broker.config import BrokerConfig
-    from kvbroker.broker.server import BrokerServer
 
 __all__ = ["BrokerConfig", "BrokerServer"]
 
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
 
         return BrokerConfig
     if name == "BrokerServer":
-        from kvbroker.broker.server import BrokerServer
+        from kvbroker.broker.api import BrokerServer
 
         return BrokerServer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvbroker.broker.layout import Layout, rank_key
 from kvbroker.client.memory import EngineMemory, RankSpec
 from kvbroker.client.rooms import KVReceiver, KVSender, Pages, RoomState, SenderRef
 from kvbroker.client.session import Session
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, from_rpc_error
+from kvbroker.plan import Layout, rank_key
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from kvbroker import cudavmm
-from kvbroker.broker.layout import kv_kinds_of
 from kvbroker.errors import FailedPrecondition, InvalidArgument
+from kvbroker.plan import kv_kinds_of
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:

@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING
 
 import numpy.typing as npt
 
-from kvbroker.broker.validation import check_chunk, check_declared_pages, check_room_indices
 from kvbroker.client.tracecontext import current_trace_context
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, RoomFailed
-from kvbroker.indices import (
+from kvbroker.plan import (
     NO_INDICES,
     IndexArray,
     as_index,
     as_indices,
+    check_chunk,
+    check_declared_pages,
+    check_room_indices,
     decode_indices,
     encode_indices,
 )

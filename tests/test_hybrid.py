@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvbroker import errors
-from kvbroker.broker.layout import Layout, rank_key
 from kvbroker.client import EngineMemory, RankSpec, RoomState, SenderRef, StateSpec
+from kvbroker.plan._layout import Layout, rank_key
 
 from .conftest import SMALL_MODEL, page_bytes
 from .test_service import _wait_tables_empty

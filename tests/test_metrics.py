@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from kvbroker.broker.executor import observe_write
-from kvbroker.broker.peers import Peer
+from kvbroker.broker.execution._executor import observe_write
+from kvbroker.broker.peers._table import Peer
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.engine_child import MODEL

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbroker import errors
-from kvbroker.broker.dataplane import Notices
+from kvbroker.broker.dataplane._thread import Notices
 from kvbroker.client import RoomState, SenderRef, StateSpec
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import FakeBroker, XferScript, eventually
@@ -1056,7 +1056,7 @@ def test_indices_wider_than_int32_are_refused_not_wrapped(fake_brokers, make_eng
 
 def test_the_client_refuses_a_broker_of_another_protocol_version(fake_brokers, monkeypatch) -> None:
     """A client checks the broker's protocol_version (GetBrokerInfo) before anything else."""
-    from kvbroker.broker import dispatcher
+    from kvbroker.broker.runtime import _broker as dispatcher
     from kvbroker.client import BrokerClient
 
     p = fake_brokers("p")

@@ -1,31 +1,20 @@
 """Strict type checking of the kvbroker packages: ``python tools/typecheck.py``.
 
-mypy cannot follow setuptools' package-dir mapping (broker/ -> kvbroker.broker,
-...) in an editable install, so this builds the installed layout out of
-symlinks in a temporary directory and runs ``mypy -p kvbroker`` there with
-the project's configuration. Exit status is mypy's.
+mypy cannot follow setuptools' package-dir mapping in an editable install, so
+this runs ``mypy -p kvbroker`` in the installed layout (tools/installed.py)
+with the project's configuration. Exit status is mypy's.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-MAPPED = {"broker": "broker", "client": "client", "demo": "demo", "adapters": "adapters"}
+from installed import ROOT, installed_tree
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="kvbroker-typecheck-") as tmp:
-        package = Path(tmp) / "kvbroker"
-        package.mkdir()
-        for entry in (ROOT / "src" / "kvbroker").iterdir():
-            if entry.name != "__pycache__":
-                (package / entry.name).symlink_to(entry)
-        for name, folder in MAPPED.items():
-            (package / name).symlink_to(ROOT / folder)
+    with installed_tree() as tmp:
         cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", "kvbroker"]
         return subprocess.run(cmd, cwd=tmp).returncode
 

@@ -103,7 +103,7 @@ def _fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    from kvbroker.broker.fleet import read_fleet
+    from kvbroker.broker.peers import read_fleet
 
     try:
         records = asyncio.run(read_fleet(args.etcd, args.etcd_prefix, probe=not args.no_probe))

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.broker.copies import ArrayViews, Extent, checksum, gather, scatter
-from kvbroker.broker.packing import Block, packed_bytes, packed_offsets
+from kvbroker.broker.device._copies import ArrayViews, Extent, checksum, gather, scatter
+from kvbroker.plan._packing import Block, packed_bytes, packed_offsets
 from kvbroker.v1 import common_pb2
 
 ITEMS, PAGE, TOKEN = 12, 4, 16  # pages per region, tokens per page, bytes per token

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.descriptors import (
+from kvbroker.errors import InvalidArgument
+from kvbroker.plan._descriptors import (
     BufferPlacement,
     DescriptorTable,
     Segment,
@@ -21,8 +22,7 @@ from kvbroker.broker.descriptors import (
     expand_rows,
     plan_parts,
 )
-from kvbroker.broker.layout import Layout
-from kvbroker.errors import InvalidArgument
+from kvbroker.plan._layout import Layout
 from kvbroker.v1 import common_pb2
 
 DRAM = common_pb2.MEMORY_KIND_DRAM

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvbroker.broker.devcrc import LANE_BYTES, crc32, crc32_tensor
+from kvbroker.broker.device._devcrc import LANE_BYTES, crc32, crc32_tensor
 
 L = LANE_BYTES
 VALUES = (0, 1, 0x12345678, 0xFFFFFFFF)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.layout import RankKey, rank_key
-from kvbroker.broker.mapping import GroupShape, SourcePlan, plan_sources
 from kvbroker.errors import FailedPrecondition, Unimplemented
+from kvbroker.plan._layout import RankKey, rank_key
+from kvbroker.plan._mapping import GroupShape, SourcePlan, plan_sources
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FULL = peer_pb2.SOURCE_MODE_FULL_PAGES

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.counters import Counters
-from kvbroker.broker.effects import (
+from kvbroker.broker.memory._staging import Reservation
+from kvbroker.broker.rooms._effects import (
     AbortAtPeer,
     Effect,
     FindSender,
@@ -20,11 +20,9 @@ from kvbroker.broker.effects import (
     Scatter,
     TellSuccessor,
 )
-from kvbroker.broker.layout import RankKey
-from kvbroker.broker.parts import MAX_PARTS
-from kvbroker.broker.receiver import Receiver, ReceiverCore, SenderLeg
-from kvbroker.broker.rooms import RoomTables, cause
-from kvbroker.broker.staging import Reservation
+from kvbroker.broker.rooms._receiver import Receiver, ReceiverCore, SenderLeg
+from kvbroker.broker.rooms._records import RoomTables, cause
+from kvbroker.broker.telemetry._counters import Counters
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -32,6 +30,8 @@ from kvbroker.errors import (
     NotFound,
     Unavailable,
 )
+from kvbroker.plan._layout import RankKey
+from kvbroker.plan._parts import MAX_PARTS
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 

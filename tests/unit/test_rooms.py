@@ -9,12 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.layout import RankKey
-from kvbroker.broker.mapping import SourcePlan
-from kvbroker.broker.receiver import Receiver, SenderLeg, SourceExpectation
-from kvbroker.broker.rooms import ReceiverRoom, RoomTables, SenderRoom, Side, cause, cause_of
-from kvbroker.broker.sender import Chunk, Destination, Source, TransferInfo
-from kvbroker.broker.staging import Reservation
+from kvbroker.broker.memory._staging import Reservation
+from kvbroker.broker.rooms._receiver import Receiver, SenderLeg, SourceExpectation
+from kvbroker.broker.rooms._records import (
+    ReceiverRoom,
+    RoomTables,
+    SenderRoom,
+    Side,
+    cause,
+    cause_of,
+)
+from kvbroker.broker.rooms._sender import Chunk, Destination, Source, TransferInfo
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -25,6 +30,8 @@ from kvbroker.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvbroker.plan._layout import RankKey
+from kvbroker.plan._mapping import SourcePlan
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FAILED = common_pb2.ROOM_STATE_FAILED
@@ -105,7 +112,7 @@ def test_timeline_keeps_the_first_time_of_each_event_in_order(cls: type[Side], m
     p = cls(room=7, engine=engine(), listener=Recorder())
     t0 = p.opened_ns / 1e9
     clock = iter([t0 + 1, t0 + 2, t0 + 3, t0 + 3])
-    monkeypatch.setattr("kvbroker.broker.rooms.time.time", lambda: next(clock))
+    monkeypatch.setattr("kvbroker.broker.rooms._records.time.time", lambda: next(clock))
     p.mark("registered")
     p.mark("registered")  # noted once: the clock is not read again
     p.mark("first_byte")

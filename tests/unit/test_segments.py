@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from kvbroker.broker.descriptors import Segment
-from kvbroker.broker.layout import Layout, RankKey
-from kvbroker.broker.mapping import SourcePlan
-from kvbroker.broker.segments import ChunkShape, build_segments, state_segments
 from kvbroker.errors import FailedPrecondition
+from kvbroker.plan._descriptors import Segment
+from kvbroker.plan._layout import Layout, RankKey
+from kvbroker.plan._mapping import SourcePlan
+from kvbroker.plan._segments import ChunkShape, build_segments, state_segments
 from kvbroker.v1 import common_pb2, peer_pb2
 
 K = common_pb2.REGION_KIND_KEY

@@ -9,15 +9,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.counters import Counters
-from kvbroker.broker.effects import Effect, PostPart, Publish, ReserveStaging, RoomEnded, SendReport
-from kvbroker.broker.layout import RankKey
-from kvbroker.broker.mapping import GroupShape, plan_sources
-from kvbroker.broker.nixl_agent import XferState
-from kvbroker.broker.parts import PartKind
-from kvbroker.broker.peers import RemoteEngine
-from kvbroker.broker.rooms import RoomTables, cause
-from kvbroker.broker.sender import Part, SenderCore, Source, TransferInfo
+from kvbroker.broker.dataplane._agent import XferState
+from kvbroker.broker.peers._table import RemoteEngine
+from kvbroker.broker.rooms._effects import (
+    Effect,
+    PostPart,
+    Publish,
+    ReserveStaging,
+    RoomEnded,
+    SendReport,
+)
+from kvbroker.broker.rooms._records import RoomTables, cause
+from kvbroker.broker.rooms._sender import Part, SenderCore, Source, TransferInfo
+from kvbroker.broker.telemetry._counters import Counters
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -27,6 +31,9 @@ from kvbroker.errors import (
     NotFound,
     PermissionDenied,
 )
+from kvbroker.plan._layout import RankKey
+from kvbroker.plan._mapping import GroupShape, plan_sources
+from kvbroker.plan._parts import PartKind
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FAILED = common_pb2.ROOM_STATE_FAILED

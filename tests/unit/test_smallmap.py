@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.smallmap import SmallMap
+from kvbroker.broker.rooms._smallmap import SmallMap
 
 ops = st.lists(st.tuples(st.sampled_from(("set", "del", "get")), st.integers(0, 3), st.integers()), max_size=30)
 

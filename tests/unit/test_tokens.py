@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.descriptors import DescriptorTable
-from kvbroker.broker.layout import RankKey
-from kvbroker.broker.mapping import FULL_PAGES, SourcePlan
-from kvbroker.broker.receiver import SenderLeg, SourceExpectation
-from kvbroker.broker.tokens import (
+from kvbroker.broker.rooms._receiver import SenderLeg, SourceExpectation
+from kvbroker.errors import FailedPrecondition
+from kvbroker.plan._descriptors import DescriptorTable
+from kvbroker.plan._layout import RankKey
+from kvbroker.plan._mapping import FULL_PAGES, SourcePlan
+from kvbroker.plan._tokens import (
     TokenGeometry,
     completed_pages,
     held_pages,
@@ -19,7 +20,6 @@ from kvbroker.broker.tokens import (
     same_token_count,
     token_runs,
 )
-from kvbroker.errors import FailedPrecondition
 
 
 def test_same_token_count_is_the_definition() -> None:

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.validation import check_index, check_indices, check_room_indices
 from kvbroker.errors import InvalidArgument
+from kvbroker.plan._validation import check_index, check_indices, check_room_indices
 from kvbroker.v1 import common_pb2
 
 Builder = Callable[..., Any]

@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from kvbroker.broker.descriptors import expand_rows
-from kvbroker.broker.nixl_agent import XferState
+from kvbroker.broker.dataplane import XferState
 from kvbroker.errors import InvalidArgument, NixlError
-from kvbroker.indices import IndexArray
+from kvbroker.plan import IndexArray, expand_rows
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:

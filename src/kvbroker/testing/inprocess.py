@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbroker.broker import BrokerConfig, BrokerServer
-from kvbroker.broker.dispatcher import Broker
+from kvbroker.broker.runtime import Broker
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric
 from kvbroker.testing.loop import LoopThread
 

@@ -1,0 +1,215 @@
+"""Server wiring: one gRPC server with every service, the fd socket, the broker.
+
+The same gRPC server listens on TCP (peers, operators, engines that prefer
+TCP) and on the engine unix socket. It exposes ``kvbroker.v1.TransferBroker``,
+``kvbroker.v1.PeerBroker``, ``kvbroker.v1.Admin``, the standard
+``grpc.health.v1.Health`` and server reflection, so ``grpcurl -plaintext
+HOST:PORT list`` works with no proto files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+
+from kvbroker.broker.api._servicers import AdminService, PeerService, TransferService
+from kvbroker.broker.config import BrokerConfig, default_socket_dir
+from kvbroker.broker.dataplane import Agent, AgentConfig, UcxAgent
+from kvbroker.broker.memory import FdSocketServer
+from kvbroker.broker.peers import FleetRecord, FleetView, groups_of, server_options
+from kvbroker.broker.runtime import Broker
+from kvbroker.broker.tls import server_credentials
+from kvbroker.errors import InvalidArgument, Unavailable
+from kvbroker.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    peer_pb2,
+    peer_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
+
+__all__ = ["BrokerServer"]
+
+log = structlog.get_logger(__name__)
+
+#: TransferBroker calls that make no RPC span (hot paths, and the Session
+#: stream, which lives as long as its engine: each command it carries joins
+#: the engine's trace or starts its own; see BrokerServer.start).
+_UNTRACED = ("SendChunk", "Poll", "Session")
+
+SERVICE_NAMES = (
+    transfer_pb2.DESCRIPTOR.services_by_name["TransferBroker"].full_name,
+    peer_pb2.DESCRIPTOR.services_by_name["PeerBroker"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+#: The gRPC health service name that says whether the broker is in etcd (Stats.etcd).
+ETCD_HEALTH = "kvbroker.etcd"
+
+
+class BrokerServer:
+    """A running broker: ``await start()``, then ``await stop()``.
+
+    ``agent`` defaults to the real UCX agent; tests pass a fake.
+    """
+
+    def __init__(self, config: BrokerConfig, agent: Agent | None = None) -> None:
+        self.config = config
+        broker_id = uuid.uuid4().hex
+        if agent is None:
+            agent = UcxAgent(
+                AgentConfig(name=f"{config.agent_name_prefix}-{broker_id[:12]}", ucx_error_mode=config.ucx_error_mode)
+            )
+        self.broker = Broker(config, agent, broker_id=broker_id)
+        self._server: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
+        self.port = 0
+        self.fleet: FleetRecord | None = None
+        self.fleet_view: FleetView | None = None
+        self._etcd_health: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.broker.address
+
+    async def start(self) -> None:
+        cfg = self.config
+        # The gRPC instrumentation makes the RPC spans and carries trace
+        # context in (from engines and peers) and out (to peers). The calls an
+        # engine makes per chunk and per poll make none: the room span's
+        # transfer children cover them, and a span per call costs the control
+        # loop about a tenth of a millisecond each.
+        untraced = filters.any_of(
+            # Full method names start with "/" (without it nothing matched,
+            # and every call made a span).
+            *(filters.full_method_name(f"/{SERVICE_NAMES[0]}/{m}") for m in _UNTRACED),
+            # A batch of room registrations: each carries its room's trace.
+            filters.full_method_name(f"/{SERVICE_NAMES[1]}/RegisterRooms"),
+        )
+        server = grpc.aio.server(
+            options=server_options(cfg), interceptors=[aio_server_interceptor(filter_=filters.negate(untraced))]
+        )
+        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(self.broker), server)
+        peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(self.broker), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.broker), server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        if cfg.tls:
+            self.port = server.add_secure_port(cfg.listen_address, server_credentials(cfg))
+        elif cfg.tls_cert_file or cfg.tls_key_file or cfg.tls_ca_file:
+            raise InvalidArgument("mutual TLS needs all of the certificate, key and CA files")
+        else:
+            self.port = server.add_insecure_port(cfg.listen_address)
+        if not self.port:
+            raise Unavailable(f"cannot listen on {cfg.listen_address}")
+        host = cfg.listen_address.rsplit(":", 1)[0]
+        if cfg.advertise_address:
+            address = cfg.advertise_address
+        elif host in ("0.0.0.0", "[::]", ""):
+            address = f"{socket.getfqdn()}:{self.port}"
+        else:
+            address = f"{host}:{self.port}"
+        socket_dir = default_socket_dir()
+        engine_socket = cfg.engine_socket_path or os.path.join(socket_dir, f"kvbroker-{self.port}.sock")
+        if os.path.exists(engine_socket):
+            os.unlink(engine_socket)
+        old_umask = os.umask(0o117)
+        try:
+            if not server.add_insecure_port(f"unix:{engine_socket}"):
+                raise Unavailable(f"cannot listen on unix:{engine_socket}")
+        finally:
+            os.umask(old_umask)
+        self.broker.engine_socket_path = engine_socket
+        fd_path = cfg.fd_socket_path or f"{engine_socket.removesuffix('.sock')}.fds"
+        self.broker.fd_server = FdSocketServer(fd_path, on_close=self.broker.session_closed)
+        await server.start()
+        os.chmod(engine_socket, 0o660)
+        self.broker.fd_server.start()
+        await self.broker.start(address)
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.broker.on_draining = self._drain_health
+        self._server = server
+        if cfg.etcd_url:
+            engines = self.broker.engines
+            self.fleet = FleetRecord(
+                cfg.etcd_url, cfg.etcd_prefix, cfg.etcd_ttl_seconds,
+                broker_id=self.broker.broker_id, address=address, groups=lambda: groups_of(engines),
+                draining=lambda: self.broker.draining,
+            )
+            engines.on_change.append(self.fleet.changed)
+            self.fleet_view = FleetView(
+                cfg.etcd_url, cfg.etcd_prefix, self_id=self.broker.broker_id, on_left=self.broker.broker_left
+            )
+            self.broker.executor.fleet = self.broker.fleet_view = self.fleet_view
+            self.broker.fleet_record = self.fleet
+            await self.fleet.start()
+            await self.fleet_view.start()
+            self._etcd_health = asyncio.create_task(self._follow_etcd(), name="kvbroker-etcd-health")
+        log.info(
+            "broker_started",
+            broker=self.broker.broker_id,
+            address=address,
+            engine_socket=engine_socket,
+            fd_socket=fd_path,
+            agent=self.broker.agent.name,
+        )
+
+    async def _follow_etcd(self) -> None:
+        """The health service "kvbroker.etcd" follows Stats.etcd (SERVING when "ok")."""
+        assert self._health is not None
+        said = None
+        while True:
+            status = self.broker.etcd_status()
+            if status != said:
+                serving = health_pb2.HealthCheckResponse.SERVING if status == "ok" else health_pb2.HealthCheckResponse.NOT_SERVING
+                await self._health.set(ETCD_HEALTH, serving)
+                said = status
+            await asyncio.sleep(0.2)
+
+    async def _drain_health(self, draining: bool) -> None:
+        """While draining, the engine service reports NOT_SERVING (no new rooms)."""
+        assert self._health is not None
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
+        await self._health.set(SERVICE_NAMES[0], status)
+        if self.fleet is not None:
+            self.fleet.changed()  # the record says so: receivers stop choosing this broker
+
+    async def stop(self, grace_seconds: float = 2.0) -> None:
+        """Stop serving, fail open rooms, release every resource."""
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._etcd_health is not None:
+            self._etcd_health.cancel()
+            await asyncio.gather(self._etcd_health, return_exceptions=True)
+        if self.fleet is not None:
+            # Out of the fleet first: peers stop choosing this broker.
+            await self.fleet.stop()
+        if self.fleet_view is not None:
+            await self.fleet_view.stop()
+        await self.broker.stop()
+        if self.broker.fd_server is not None:
+            self.broker.fd_server.close()
+        if self._server is not None:
+            await self._server.stop(grace_seconds)
+            self._server = None
+        engine_socket = self.broker.engine_socket_path
+        if engine_socket and os.path.exists(engine_socket):
+            os.unlink(engine_socket)
+        log.info("broker_stopped", broker=self.broker.broker_id)
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

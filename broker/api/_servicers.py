@@ -1,0 +1,243 @@
+"""The gRPC servicers: thin. Hand the request to the dispatcher, map errors.
+
+Errors map to statuses here and only here: a ``KvBrokerError`` becomes its
+own status code and message; anything else is logged with its traceback and
+becomes INTERNAL, so a bug never leaks a Python trace to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from kvbroker.broker.api._admin import Admin
+from kvbroker.broker.runtime import Broker, SessionStream
+from kvbroker.errors import Internal, InvalidArgument, KvBrokerError
+from kvbroker.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    peer_pb2,
+    peer_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
+
+__all__ = ["AdminService", "PeerService", "TransferService"]
+
+log = structlog.get_logger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _unary(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception:
+            log.exception("rpc_failed", rpc=fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the broker; see its log")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
+    """``kvbroker.v1.TransferBroker``: engines on this host."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._rt = broker
+
+    @_unary
+    async def GetBrokerInfo(self, request: transfer_pb2.GetBrokerInfoRequest, context: Any) -> transfer_pb2.BrokerInfo:
+        return self._rt.broker_info()
+
+    @_unary
+    async def RegisterEngine(
+        self, request: transfer_pb2.RegisterEngineRequest, context: Any
+    ) -> transfer_pb2.RegisterEngineResponse:
+        engine = await self._rt.register_engine(request)
+        return transfer_pb2.RegisterEngineResponse(engine_id=engine.engine_id)
+
+    @_unary
+    async def UnregisterEngine(
+        self, request: transfer_pb2.UnregisterEngineRequest, context: Any
+    ) -> transfer_pb2.UnregisterEngineResponse:
+        failed = await self._rt.unregister_engine(request.engine_id)
+        return transfer_pb2.UnregisterEngineResponse(rooms_failed=failed)
+
+    @_unary
+    async def ExpectRoom(self, request: transfer_pb2.ExpectRoomRequest, context: Any) -> transfer_pb2.ExpectRoomResponse:
+        return transfer_pb2.ExpectRoomResponse(status=self._rt.expect_room(request).status())
+
+    @_unary
+    async def BeginSend(self, request: transfer_pb2.BeginSendRequest, context: Any) -> transfer_pb2.BeginSendResponse:
+        return transfer_pb2.BeginSendResponse(status=self._rt.begin_send(request).status())
+
+    @_unary
+    async def SendChunk(self, request: transfer_pb2.SendChunkRequest, context: Any) -> transfer_pb2.SendChunkResponse:
+        index, source = self._rt.send_chunk(request)
+        return transfer_pb2.SendChunkResponse(chunk_index=index, status=source.status())
+
+    @_unary
+    async def Poll(self, request: transfer_pb2.PollRequest, context: Any) -> transfer_pb2.PollResponse:
+        return transfer_pb2.PollResponse(statuses=self._rt.poll(request))
+
+    async def WatchRooms(
+        self, request: transfer_pb2.WatchRoomsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.RoomStatus]:
+        try:
+            async for status in self._rt.watch(request):
+                yield status
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+
+    @_unary
+    async def Abort(self, request: transfer_pb2.AbortRequest, context: Any) -> transfer_pb2.AbortResponse:
+        return transfer_pb2.AbortResponse(status=self._rt.abort(request))
+
+    async def Session(
+        self, requests: AsyncIterator[transfer_pb2.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[transfer_pb2.SessionEvent]:
+        try:
+            first = await requests.__anext__()
+            if not first.HasField("open"):
+                raise InvalidArgument("the first request of a session stream must carry SessionOpen")
+            engine, stream = self._rt.open_session(first.open)
+        except StopAsyncIteration:
+            return
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+        # The reader applies the commands, the opening's first: whatever they
+        # do, the stream ends below and lets go of the engine.
+        reader = asyncio.get_running_loop().create_task(
+            self._commands(engine, stream, first.commands, requests), name="session-reader"
+        )
+        try:
+            while True:
+                event = await stream.next_event()
+                if event is None:
+                    return
+                yield event
+        except KvBrokerError as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            reader.cancel()
+            self._rt.close_session(engine, stream)
+
+    async def _commands(
+        self,
+        engine: Any,
+        stream: SessionStream,
+        opening: Iterable[transfer_pb2.SessionCommand],
+        requests: AsyncIterator[transfer_pb2.SessionRequest],
+    ) -> None:
+        """Apply the stream's commands as they come (those of the opening first: they
+        may come with it); end the stream when the engine half-closes."""
+        try:
+            self._rt.apply_commands(engine, stream, opening)
+            async for request in requests:
+                if request.HasField("open"):
+                    raise InvalidArgument("SessionOpen may only be the first request of a stream")
+                self._rt.apply_commands(engine, stream, request.commands)
+        except KvBrokerError as exc:
+            stream.end(exc)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("session_reader_failed", engine=engine.label)
+            stream.end(Internal("the session failed inside the broker; see its log"))
+            return
+        stream.end()
+
+
+class PeerService(peer_pb2_grpc.PeerBrokerServicer):
+    """``kvbroker.v1.PeerBroker``: other brokers."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._rt = broker
+
+    @_unary
+    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
+        return await self._rt.handshake(request)
+
+    @_unary
+    async def RegisterRoom(self, request: peer_pb2.RegisterRoomRequest, context: Any) -> peer_pb2.RegisterRoomResponse:
+        self._rt.register_room(request)
+        return peer_pb2.RegisterRoomResponse()
+
+    @_unary
+    async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
+        return self._rt.register_rooms(request)
+
+    @_unary
+    async def ReserveStaging(
+        self, request: peer_pb2.ReserveStagingRequest, context: Any
+    ) -> peer_pb2.ReserveStagingResponse:
+        return await self._rt.reserve_staging(request)
+
+    @_unary
+    async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
+        self._rt.completion_report(request)
+        return peer_pb2.CompletionAck()
+
+    @_unary
+    async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
+        return self._rt.peer_aborts(request)
+
+    @_unary
+    async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
+        return peer_pb2.PingResponse(broker_id=self._rt.broker_id)
+
+    @_unary
+    async def AbortRoom(self, request: peer_pb2.PeerAbortRequest, context: Any) -> peer_pb2.PeerAbortResponse:
+        return self._rt.peer_abort(request)
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    """``kvbroker.v1.Admin``: operators."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._admin = Admin(broker)
+
+    @_unary
+    async def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.Stats:
+        return self._admin.stats()
+
+    @_unary
+    async def ListEngines(self, request: admin_pb2.ListEnginesRequest, context: Any) -> admin_pb2.ListEnginesResponse:
+        return admin_pb2.ListEnginesResponse(engines=self._admin.list_engines(), fleet_groups=self._admin.fleet_groups())
+
+    @_unary
+    async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Any) -> admin_pb2.ListPeersResponse:
+        return admin_pb2.ListPeersResponse(peers=self._admin.list_peers(), fleet=await self._admin.fleet())
+
+    @_unary
+    async def ListRooms(self, request: admin_pb2.ListRoomsRequest, context: Any) -> admin_pb2.ListRoomsResponse:
+        return admin_pb2.ListRoomsResponse(rooms=self._admin.list_rooms(request))
+
+    @_unary
+    async def GetRoom(self, request: admin_pb2.GetRoomRequest, context: Any) -> admin_pb2.GetRoomResponse:
+        return self._admin.get_room(request.room)
+
+    @_unary
+    async def AbortRoom(
+        self, request: admin_pb2.AdminAbortRoomRequest, context: Any
+    ) -> admin_pb2.AdminAbortRoomResponse:
+        return admin_pb2.AdminAbortRoomResponse(aborted=self._admin.abort_room(request.room, request.reason))
+
+    @_unary
+    async def Drain(self, request: admin_pb2.DrainRequest, context: Any) -> admin_pb2.DrainResponse:
+        return await self._admin.drain(request)

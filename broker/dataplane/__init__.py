@@ -1,0 +1,7 @@
+"""The NIXL data plane: the agent, the one thread that drives it, and the worker threads."""
+
+from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState
+from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
+from kvbroker.broker.dataplane._workers import Workers, name_thread
+
+__all__ = ["Agent", "AgentConfig", "DataPlane", "Event", "Notices", "Posting", "Settled", "UcxAgent", "Workers", "XferState", "name_thread"]

@@ -1,0 +1,373 @@
+"""The data plane: the one thread that owns the NIXL agent.
+
+NIXL is not guaranteed thread-safe, so every call on the agent runs on this
+thread: registering and deregistering memory, preparing and releasing
+descriptor lists, loading and dropping peers' metadata, posting transfers,
+checking them, sending and reading notifications. The control loop (the
+asyncio thread that runs gRPC and the room state machines) never calls NIXL:
+it hands work to this thread through a queue and gets the outcome back as
+events, delivered on the loop in batches.
+
+Two kinds of work:
+
+- calls (:meth:`DataPlane.call`): run a function of the agent here and
+  resolve a future with its result (registration, descriptor lists, peers'
+  metadata). The loop awaits the future; a multi-GiB registration or a
+  descriptor list of millions of items never stalls it.
+- transfers (:meth:`DataPlane.post`, :meth:`DataPlane.notify`): post here,
+  then poll until DONE or ERR; each settles exactly once with a
+  :class:`Settled` event. UCX copies host memory inside ``transfer()`` on
+  copy-based transports (cma, tcp); NIXL releases the GIL for it, so the copy
+  overlaps the loop's gRPC handling.
+
+Polling, without a busy loop:
+
+- nothing in flight and no room waiting for data: the thread sleeps until
+  work arrives (and once a second drains stray notifications);
+- transfers in flight, or rooms waiting for notifications (``listening``):
+  it polls, sleeping between passes with a backoff that starts at
+  ``_MIN_WAIT_S`` and doubles up to ``_MAX_WAIT_S`` while nothing happens
+  (at most ``_HURRY_WAIT_S`` for a moment after a room registered with its
+  sender, :meth:`DataPlane.hurry`: its data is due within milliseconds)
+  (``_SLOW_WAIT_S`` once every transfer in flight is older than
+  ``_SLOW_AFTER_S``: a hung transfer costs a few hundred cheap checks a
+  second, not a core, until the transfer timeout cancels it). Any result or
+  new work resets the backoff.
+
+A transfer in flight longer than the transfer timeout is cancelled (its
+handle released) and settles as ERR with :class:`TransferTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+
+from kvbroker.broker.dataplane._agent import Agent, XferState
+from kvbroker.broker.dataplane._workers import name_thread
+from kvbroker.errors import KvBrokerError, NixlError, TransferTimeout, Unavailable
+
+__all__ = ["DataPlane", "Notices", "Posting", "Settled"]
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+_MIN_WAIT_S = 50e-6
+_MAX_WAIT_S = 1e-3
+_SLOW_WAIT_S = 5e-3
+_SLOW_AFTER_S = 0.1
+_IDLE_WAIT_S = 1.0
+#: After a room registers its data comes within milliseconds: poll at most
+#: this far apart for ``_HURRY_S`` (the backoff would have grown to 1 ms).
+_HURRY_WAIT_S = 200e-6
+_HURRY_S = 0.05
+
+
+@dataclass(frozen=True)
+class Posting:
+    """A transfer to post: ``make(agent)`` builds and posts it, returning the
+    NIXL handle (or raising ``KvBrokerError`` if nothing was posted).
+    ``token`` comes back in the :class:`Settled` event."""
+
+    token: Any
+    make: Callable[[Agent], Any]
+    remote_agent: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A posted transfer (or notification) finished: DONE, or ERR with ``error``
+    set when the broker knows why (a rejected post, a cancel, a timeout)."""
+
+    token: Any
+    state: XferState
+    descriptors: int | None
+    error: KvBrokerError | None
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Notices:
+    """Notifications that arrived: (sending agent, payload), oldest first."""
+
+    items: list[tuple[str, bytes]]
+
+
+Event = Settled | Notices
+
+
+@dataclass(eq=False)
+class _InFlight:
+    posting: Posting
+    handle: Any
+    posted_at: float = field(default_factory=time.monotonic)
+
+
+class DataPlane:
+    """The NIXL owner thread. Start it with :meth:`start`, stop with :meth:`stop`."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        on_events: Callable[[list[Event]], None],
+        transfer_timeout_seconds: float,
+    ) -> None:
+        self._agent = agent
+        self._on_events = on_events
+        self._timeout_s = transfer_timeout_seconds
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._inflight: list[_InFlight] = []
+        self._events: list[Event] = []
+        #: Events handed over by the thread, not yet delivered on the loop.
+        self._pending: list[Event] = []
+        self._lock = threading.Lock()
+        self._delivery_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._listening = False
+        self._hurry_until = 0.0
+        #: Passes over the agent (for tests and the idle-CPU benchmark).
+        self.passes = 0
+
+    # -- lifecycle (control loop) ---------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvbroker-nixl", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop after the work queued so far; transfers still in flight are released."""
+        if self._thread is None:
+            return
+        self._jobs.put(None)
+        thread = self._thread
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        self._thread = None
+
+    @property
+    def listening(self) -> bool:
+        """Whether rooms wait for notifications (set by the control loop): poll for them."""
+        return self._listening
+
+    @listening.setter
+    def listening(self, value: bool) -> None:
+        if value and not self._listening and self._thread is not None:
+            self._jobs.put(_noop)  # wake a thread asleep in its idle wait
+        self._listening = value
+
+    def hurry(self) -> None:
+        """Data is expected soon (a room just registered with its sender): poll
+        for notifications closely for a moment."""
+        self._hurry_until = time.monotonic() + _HURRY_S
+        if self._thread is not None:
+            self._jobs.put(_noop)  # wake the thread and reset its backoff
+
+    @property
+    def inflight(self) -> int:
+        """Transfers posted and not yet settled (a racy read: for tests and stats)."""
+        return len(self._inflight)
+
+    # -- work (control loop) ----------------------------------------------
+    def call(self, fn: Callable[[Agent], T]) -> asyncio.Future[T]:
+        """Run ``fn(agent)`` on the data-plane thread; await the result."""
+        future: Future[T] = Future()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self._agent))
+            except BaseException as exc:  # handed to the awaiting caller
+                future.set_exception(exc)
+
+        self._submit(job)
+        return asyncio.wrap_future(future)
+
+    def post(self, posting: Posting) -> None:
+        """Post a transfer; it settles exactly once with a :class:`Settled` event."""
+        self._submit(lambda: self._post(posting))
+
+    def notify(self, token: Any, remote_agent: str, payload: bytes) -> None:
+        """Send a notification; settles (DONE, or ERR if NIXL refused) like a transfer."""
+
+        def job() -> None:
+            start = time.monotonic()
+            try:
+                self._agent.send_notif(remote_agent, payload)
+            except KvBrokerError as exc:
+                self._emit(Settled(token, XferState.ERR, None, exc, time.monotonic() - start))
+                return
+            self._emit(Settled(token, XferState.DONE, 0, None, time.monotonic() - start))
+
+        self._submit(job)
+
+    def cancel(self, remote_agent: str, why: Callable[[], KvBrokerError]) -> None:
+        """Cancel every transfer in flight to ``remote_agent`` (a lost peer).
+
+        NIXL cancels a transfer when its handle is released; one it cannot
+        cancel stays in flight and is tried again with the next cancel or the
+        transfer timeout."""
+        def job() -> None:
+            self._cancel(lambda t: t.posting.remote_agent == remote_agent, lambda _t: why())
+
+        self._submit(job)
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            raise Unavailable("the broker's data plane is not running")
+        self._jobs.put(job)
+
+    # -- the thread ---------------------------------------------------------
+    def _run(self) -> None:
+        name_thread("kvb-nixl")
+        wait = _MIN_WAIT_S
+        running = True
+        while running:
+            busy = False
+            try:
+                job = self._jobs.get(timeout=self._wait(wait))
+            except queue.Empty:
+                job = _NO_JOB
+            while job is not _NO_JOB:
+                if job is None:
+                    running = False
+                    break
+                busy = True
+                self._run_job(job)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = _NO_JOB
+            busy = self._poll() or busy
+            self._flush()
+            wait = _MIN_WAIT_S if busy else min(wait * 2, _MAX_WAIT_S)
+        self._cancel(lambda _t: True, lambda _t: Unavailable("the broker is stopping"))
+        self._flush()
+
+    def _wait(self, backoff: float) -> float:
+        if self._inflight:
+            now = time.monotonic()
+            if all(now - t.posted_at > _SLOW_AFTER_S for t in self._inflight):
+                return _SLOW_WAIT_S
+            return backoff
+        if not self._listening:
+            return _IDLE_WAIT_S
+        return min(backoff, _HURRY_WAIT_S) if time.monotonic() < self._hurry_until else backoff
+
+    def _run_job(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:
+            log.exception("data_plane_job_failed")
+
+    def _post(self, posting: Posting) -> None:
+        start = time.monotonic()
+        try:
+            handle = posting.make(self._agent)
+        except KvBrokerError as exc:
+            self._emit(Settled(posting.token, XferState.ERR, None, exc, time.monotonic() - start))
+            return
+        except Exception as exc:  # a bug building the transfer: the room fails, the thread goes on
+            log.exception("post_failed", remote=posting.remote_agent)
+            error = NixlError(f"posting failed inside the broker: {exc!r}")
+            self._emit(Settled(posting.token, XferState.ERR, None, error, time.monotonic() - start))
+            return
+        self._inflight.append(_InFlight(posting, handle, start))
+
+    def _poll(self) -> bool:
+        """One pass over transfers and notifications; True if anything happened."""
+        self.passes += 1
+        active = False
+        if self._inflight:
+            now = time.monotonic()
+            still: list[_InFlight] = []
+            for transfer in self._inflight:
+                state = self._agent.check(transfer.handle)
+                if state is XferState.PROC:
+                    still.append(transfer)
+                    continue
+                active = True
+                descs = self._agent.descriptor_count(transfer.handle)
+                try:
+                    self._agent.release_xfer(transfer.handle)
+                except KvBrokerError as exc:
+                    log.warning("transfer_release_failed", remote=transfer.posting.remote_agent, error=exc.message)
+                self._emit(Settled(transfer.posting.token, state, descs, None, now - transfer.posted_at))
+            self._inflight = still
+            timeout = self._timeout_s
+            if any(now - t.posted_at > timeout for t in still):
+                active = self._cancel(
+                    lambda t: now - t.posted_at > timeout,
+                    lambda t: TransferTimeout(
+                        f"a NIXL write of {t.posting.nbytes} bytes to {t.posting.remote_agent or 'a peer'} did not "
+                        f"finish in {timeout:g} s"
+                    ),
+                ) or active
+        try:
+            notices = self._agent.get_notifs()
+        except KvBrokerError as exc:
+            log.warning("notifications_unreadable", error=exc.message)
+            notices = []
+        if notices:
+            active = True
+            self._emit(Notices(notices))
+        return active
+
+    def _cancel(self, match: Callable[[_InFlight], bool], why: Callable[[_InFlight], KvBrokerError]) -> bool:
+        cancelled = False
+        for transfer in [t for t in self._inflight if match(t)]:
+            try:
+                self._agent.release_xfer(transfer.handle)
+            except KvBrokerError as exc:
+                log.warning("transfer_cancel_failed", remote=transfer.posting.remote_agent, error=exc.message)
+                continue
+            self._inflight.remove(transfer)
+            self._emit(Settled(transfer.posting.token, XferState.ERR, None, why(transfer), time.monotonic() - transfer.posted_at))
+            cancelled = True
+        return cancelled
+
+    # -- events to the loop -------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        self._events.append(event)
+
+    def _flush(self) -> None:
+        if not self._events:
+            return
+        with self._lock:
+            pending = self._events
+            self._events = []
+            self._pending.extend(pending)
+            schedule = not self._delivery_scheduled
+            self._delivery_scheduled = True
+        if schedule:
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop closed under us (process exit)
+                pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch = self._pending
+            self._pending = []
+            self._delivery_scheduled = False
+        if batch:
+            self._on_events(batch)
+
+
+_NO_JOB: Any = object()
+
+
+def _noop() -> None:
+    """A job that only wakes the thread."""

@@ -1,0 +1,122 @@
+"""Where the broker's copies run: the host lane and one lane per GPU.
+
+A copy job (``copies.gather``, ``copies.scatter``, ``copies.checksum``) is a
+function that queues copies and returns a function that reads its result
+once they are done. Where it runs depends on the slot it fills or empties:
+
+- host memory (and the fake CUDA driver's "VRAM", which is host memory):
+  on the copy thread (``workers``), which does the copies itself;
+- a GPU: the copy thread launches the job's kernels on this broker's own
+  CUDA stream for that device (they return at once) and records a CUDA
+  event after them; the lane's waiter thread (``kvb-gpuN``) sleeps on the
+  event (a blocking-sync event: no spinning) and then resolves the job on
+  the control loop. Jobs on one lane run in stream order; the copy thread
+  never waits for the GPU, so the gather of one part, the NIXL write of the
+  part before it (on the data-plane thread) and a scatter overlap. There is
+  no device-wide synchronize: the engine's own streams are never waited on.
+
+What has not run on a GPU yet: the GPU lane (CI runs the host lane with
+the same jobs on CPU tensors). See docs/architecture.md, "The device path".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvbroker.broker.dataplane import Workers, name_thread
+from kvbroker.broker.device._copies import ArrayViews, Extent
+
+__all__ = ["Job", "Lanes"]
+
+T = TypeVar("T")
+
+#: Queues a job's copies; returns what reads its result once they are done.
+Job = Callable[[], Callable[[], T]]
+
+
+class Lanes:
+    """The host lane and the GPU lanes (made on first use). Await from the control loop."""
+
+    def __init__(self, workers: Workers, views: ArrayViews) -> None:
+        self._workers = workers
+        self._views = views
+        self._gpus: dict[int, _GpuLane] = {}
+
+    async def run(self, slot: Extent, job: Job[T]) -> T:
+        """Run ``job`` on the lane of ``slot``'s memory; its result."""
+        if self._views.on_host(slot):
+            return await self._workers.copy(lambda: job()())
+        lane = self._gpus.get(slot.device)
+        if lane is None:
+            lane = self._gpus[slot.device] = _GpuLane(slot.device)
+        return await lane.run(self._workers, job)
+
+    def close(self) -> None:
+        """Stop the waiter threads (after the jobs queued so far)."""
+        for lane in self._gpus.values():
+            lane.close()
+        self._gpus.clear()
+
+
+class _GpuLane:
+    """One CUDA stream of this broker's on one device, and its waiter thread."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._waiting: queue.SimpleQueue[tuple[Any, Callable[[], Any], asyncio.Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
+        self._thread.start()
+
+    async def run(self, workers: Workers, job: Job[T]) -> T:
+        import torch
+
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def launch() -> None:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                finish = job()
+                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                event.record(self.stream)
+            self._waiting.put((event, finish, future))
+
+        await workers.copy(launch)
+        return await future
+
+    def _wait(self) -> None:
+        import torch
+
+        name_thread(f"kvb-gpu{self.device}")
+        while (item := self._waiting.get()) is not None:
+            event, finish, future = item
+            loop = future.get_loop()
+            try:
+                event.synchronize()
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    result = finish()
+                outcome: tuple[Any, BaseException | None] = (result, None)
+            except BaseException as exc:  # handed to the awaiting task
+                outcome = (None, exc)
+            try:
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # the loop closed under us (process exit)
+                pass
+
+    def close(self) -> None:
+        self._waiting.put(None)
+        self._thread.join(timeout=10)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting task was cancelled (the broker is stopping)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

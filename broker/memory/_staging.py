@@ -1,0 +1,351 @@
+"""Staging and transfer buffers: broker-owned memory registered with NIXL, and reservations in it.
+
+Every broker has a host (DRAM) send and receive staging buffer, registered
+with NIXL at start, for head-sliced KV between DRAM ranks (docs/design.md
+section 6): GATHERED (the receiver holds fewer heads) packs the receiver's
+heads of a chunk into a reservation of the send buffer and writes each
+packed page straight into the receiver's page; STAGED (the sender holds
+fewer heads) writes the sender's whole pages into a reservation the
+receiving broker made in its receive buffer (the prefetch,
+``PeerBroker.ReserveStaging``), and the receiving broker scatters them.
+
+Per GPU an engine's KV lives on, the broker also allocates a send and a
+receive **transfer buffer** with ``cuMemAlloc`` (``cudavmm.alloc_device``:
+legacy, CUDA-IPC capable memory; never a VMM allocation, which a NIXL write
+reaches only through a host fallback) and registers them with NIXL as VRAM,
+once: they are the only device memory that touches NIXL. The device path
+(``packing``) gathers whatever of a chunk lies in VRAM into a reservation
+of the send buffer, writes it in one descriptor into a reservation of the
+peer's receive buffer on the target GPU, which scatters it. A GPU's pair is
+made when the first engine with KV on it registers (its registration fails
+if the pair cannot be made: without it nothing of that engine could move)
+and freed when the last one goes.
+
+Reservations (:class:`StagingPool`) are first-fit, 4 KiB aligned; one that
+does not fit waits until another is released: reservations are the credits
+that bound how many parts are in flight. Pools belong to the control loop;
+buffers are allocated on the memory thread and registered on the data-plane
+thread. The copies themselves are ``copies``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from kvbroker import cudavmm
+from kvbroker.broker.memory._importers import map_anonymous, unmap
+from kvbroker.errors import DeadlineExceeded, FailedPrecondition, KvBrokerError, ResourceExhausted
+from kvbroker.v1 import common_pb2, peer_pb2
+
+__all__ = [
+    "Reservation",
+    "StagingBuffer",
+    "StagingPool",
+    "StagingPools",
+]
+
+DRAM = common_pb2.MEMORY_KIND_DRAM
+VRAM = common_pb2.MEMORY_KIND_VRAM
+_ALIGN = 4096
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """``nbytes`` at ``offset`` of one staging buffer, until released."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class StagingBuffer:
+    """A broker-owned buffer registered with NIXL (host memory, or a GPU's)."""
+
+    address: int
+    size_bytes: int
+    kind: int
+    device_id: int
+    #: The NIXL registration; set once the data plane registered it.
+    registration: Any = None
+    #: Unmaps (or frees) the memory; called after deregistration.
+    release_memory: Callable[[], None] | None = None
+    #: GPU memory: makes its device's primary context current on the calling
+    #: thread (the data-plane thread, before it registers the buffer: UCX's
+    #: CUDA transports then find a context there, as in a process that
+    #: initialised CUDA on its main thread).
+    make_current: Callable[[], None] | None = None
+
+    @classmethod
+    def host(cls, size_bytes: int) -> StagingBuffer:
+        """Zeroed, populated host memory (not yet registered)."""
+        address = map_anonymous(size_bytes)
+        return cls(address, size_bytes, DRAM, 0, release_memory=lambda: unmap(address, size_bytes))
+
+    @classmethod
+    def device(cls, size_bytes: int, ordinal: int, driver: cudavmm.Driver | None) -> StagingBuffer:
+        """A transfer buffer on GPU ``ordinal``: ``cuMemAlloc`` memory (not yet registered)."""
+        allocation = cudavmm.alloc_device(ordinal, size_bytes, driver)
+        return cls(
+            allocation.address,
+            allocation.size_bytes,
+            VRAM,
+            allocation.device,
+            release_memory=allocation.release,
+            make_current=allocation.make_current,
+        )
+
+    def descriptor(self) -> peer_pb2.RemoteBuffer:
+        """How peers address this buffer."""
+        return peer_pb2.RemoteBuffer(
+            address=self.address, size_bytes=self.size_bytes, kind=self.kind, device_id=self.device_id  # type: ignore[arg-type]
+        )
+
+    def descriptor_row(self, reservation: Reservation, nbytes: int) -> npt.NDArray[np.uint64]:
+        """One N x 3 descriptor row for the first ``nbytes`` of ``reservation``."""
+        return np.array([[self.address + reservation.offset, nbytes, self.device_id]], dtype=np.uint64)
+
+
+class StagingPool:
+    """Reservations over one staging buffer, first come first served. Control loop only."""
+
+    def __init__(self, buffer: StagingBuffer) -> None:
+        self.buffer = buffer
+        self.size_bytes = buffer.size_bytes
+        self._free: list[tuple[int, int]] = [(0, buffer.size_bytes)]
+        #: Reservations waiting for room, oldest first: (bytes, its future).
+        self._waiting: deque[tuple[int, asyncio.Future[Reservation]]] = deque()
+        self.in_use_bytes = 0
+        self.reservations = 0
+
+    def try_reserve(self, nbytes: int) -> Reservation | None:
+        """A reservation of ``nbytes`` now, or None if no free span fits."""
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        for i, (offset, span) in enumerate(self._free):
+            if span >= size:
+                if span == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, span - size)
+                self.in_use_bytes += size
+                self.reservations += 1
+                return Reservation(offset=offset, nbytes=size)
+        return None
+
+    async def reserve(self, nbytes: int, timeout_seconds: float) -> Reservation:
+        """A reservation of ``nbytes``, waiting for releases up to the timeout.
+
+        Waiters are served in the order they came (a large one is not passed
+        over for ever by smaller ones behind it): under a backlog, the parts of
+        the rooms that asked first move first. ``ResourceExhausted`` if it can
+        never fit; ``DeadlineExceeded`` if the pool stayed too full.
+        """
+        if nbytes > self.size_bytes:
+            raise ResourceExhausted(f"{nbytes} bytes can never fit in the {self.size_bytes}-byte staging buffer")
+        if not self._waiting:
+            reservation = self.try_reserve(nbytes)
+            if reservation is not None:
+                return reservation
+        future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        self._waiting.append(entry)
+        try:
+            await asyncio.wait({future}, timeout=timeout_seconds)
+        except asyncio.CancelledError:
+            if future.done():
+                self.release(future.result())  # granted, but nobody will take it
+            else:
+                self._give_up(entry)
+            raise
+        if not future.done():
+            self._give_up(entry)
+            raise DeadlineExceeded(
+                f"the staging buffer stayed full for {timeout_seconds:g} s "
+                f"({self.in_use_bytes} of {self.size_bytes} bytes reserved)"
+            )
+        return future.result()
+
+    def _give_up(self, entry: tuple[int, asyncio.Future[Reservation]]) -> None:
+        self._waiting.remove(entry)
+        entry[1].cancel()
+        self._grant()  # the ones behind it may fit now
+
+    def release(self, reservation: Reservation) -> None:
+        """Give ``reservation`` back (merging free neighbours), and serve the waiters it lets in."""
+        self._free.append((reservation.offset, reservation.nbytes))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for offset, span in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + span)
+            else:
+                merged.append((offset, span))
+        self._free = merged
+        self.in_use_bytes -= reservation.nbytes
+        self.reservations -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        """Reserve for the oldest waiters while they fit."""
+        while self._waiting:
+            nbytes, future = self._waiting[0]
+            reservation = self.try_reserve(nbytes)
+            if reservation is None:
+                return
+            self._waiting.popleft()
+            future.set_result(reservation)
+
+
+class StagingPools:
+    """The broker's staging pools and transfer buffers, by direction and (memory kind, device).
+
+    The host send and receive pools exist from :meth:`start` (unless staging
+    is off); a GPU's pair (its transfer buffers) is made by
+    :meth:`ensure_device` when the first engine with KV on that GPU
+    registers, and freed by :meth:`release_device` when the last one goes.
+    Buffers are allocated on the memory thread and registered on the
+    data-plane thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        send_bytes: int,
+        receive_bytes: int,
+        dataplane: Any,
+        workers: Any,
+        device_send_bytes: int = 256 << 20,
+        device_receive_bytes: int = 256 << 20,
+    ) -> None:
+        self._sizes = {"send": send_bytes, "receive": receive_bytes}
+        self._device_sizes = {"send": device_send_bytes, "receive": device_receive_bytes}
+        self._dataplane = dataplane
+        self._workers = workers
+        self._pools: dict[tuple[str, int, int], StagingPool] = {}
+        #: GPUs whose pair is being made or freed: later callers wait for it.
+        self._busy: dict[int, asyncio.Future[None]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return all(self._sizes.values())
+
+    async def start(self) -> None:
+        """Make and register the host pools."""
+        if self.enabled:
+            for direction, size in self._sizes.items():
+                buffer = await self._workers.memory(lambda size=size: StagingBuffer.host(size))
+                await self._register(direction, buffer)
+
+    async def ensure_device(self, device: int, driver: cudavmm.Driver | None) -> None:
+        """Make GPU ``device``'s transfer buffers if they do not exist yet.
+        ``FailedPrecondition`` (nothing kept) if the GPU cannot give them."""
+        await self._wait_for(device)
+        if ("send", VRAM, device) in self._pools:
+            return
+        if not all(self._device_sizes.values()):
+            raise FailedPrecondition("the device transfer buffers are off (--device-buffer-mib 0): VRAM cannot move")
+        with self._claim(device):
+            made: list[tuple[str, StagingBuffer]] = []
+            try:
+                for direction, size in self._device_sizes.items():
+                    buffer = await self._workers.memory(lambda size=size: StagingBuffer.device(size, device, driver))
+                    made.append((direction, buffer))
+                    await self._register(direction, buffer)
+            except Exception as exc:
+                for direction, buffer in made:
+                    self._pools.pop((direction, VRAM, device), None)
+                    await self._release(buffer)
+                log.warning("device_buffers_unavailable", device=device, error=repr(exc))
+                if isinstance(exc, KvBrokerError):
+                    raise FailedPrecondition(f"cannot make the transfer buffers on GPU {device}: {exc.message}") from exc
+                raise FailedPrecondition(f"cannot make the transfer buffers on GPU {device}: {exc!r}") from exc
+
+    async def release_device(self, device: int) -> None:
+        """Free GPU ``device``'s transfer buffers (its last VRAM engine went).
+        Reservations still held (a transfer that did not settle) keep them
+        until the broker stops. Safe to call concurrently: the pools leave
+        the table before the first await."""
+        await self._wait_for(device)
+        keys = [k for k in self._pools if k[1] == VRAM and k[2] == device]
+        if any(self._pools[k].reservations for k in keys):
+            log.warning("device_staging_busy", device=device, kept_until="the broker stops")
+            return
+        pools = [self._pools.pop(key) for key in keys]
+        with self._claim(device):
+            for pool in pools:
+                await self._release(pool.buffer)
+
+    async def _wait_for(self, device: int) -> None:
+        while (busy := self._busy.get(device)) is not None:
+            await asyncio.shield(busy)
+
+    def _claim(self, device: int) -> _Claim:
+        return _Claim(self._busy, device)
+
+    def pool(self, direction: str, kind: int, device: int) -> StagingPool | None:
+        """The ``"send"`` or ``"receive"`` pool for memory ``kind`` on ``device``."""
+        return self._pools.get((direction, kind, 0 if kind == DRAM else device))
+
+    def send_bytes(self, kind: int, device: int) -> int:
+        """Size of the send pool for this memory (0: none: no staging)."""
+        pool = self.pool("send", kind, device)
+        return pool.size_bytes if pool is not None else 0
+
+    def receive_buffers(self) -> list[peer_pb2.RemoteBuffer]:
+        """The receive buffers peers may write into (handshake)."""
+        return [p.buffer.descriptor() for (d, _, _), p in self._pools.items() if d == "receive"]
+
+    def in_use_bytes(self, direction: str) -> int:
+        return sum(p.in_use_bytes for (d, _, _), p in self._pools.items() if d == direction)
+
+    def buffers(self) -> list[StagingBuffer]:
+        """Every buffer here (registered with NIXL)."""
+        return [p.buffer for p in self._pools.values()]
+
+    async def close(self) -> None:
+        for key in list(self._pools):
+            pool = self._pools.pop(key)
+            await self._release(pool.buffer)
+
+    async def _register(self, direction: str, buffer: StagingBuffer) -> None:
+        def register(agent: Any) -> Any:
+            if buffer.make_current is not None:
+                buffer.make_current()
+            return agent.register(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
+
+        try:
+            buffer.registration = await self._dataplane.call(register)
+        except BaseException:
+            await self._release(buffer)
+            raise
+        self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer)
+
+    async def _release(self, buffer: StagingBuffer) -> None:
+        if buffer.registration is not None:
+            registration, buffer.registration = buffer.registration, None
+            await self._dataplane.call(lambda agent: agent.deregister(registration))
+        if buffer.release_memory is not None:
+            release, buffer.release_memory = buffer.release_memory, None
+            await self._workers.memory(release)
+
+
+class _Claim:
+    """Marks a GPU's pair as being made or freed for the duration of a ``with``."""
+
+    def __init__(self, busy: dict[int, asyncio.Future[None]], device: int) -> None:
+        self._busy, self._device = busy, device
+
+    def __enter__(self) -> None:
+        self._busy[self._device] = asyncio.get_running_loop().create_future()
+
+    def __exit__(self, *_: object) -> None:
+        self._busy.pop(self._device).set_result(None)

@@ -1,0 +1,9 @@
+"""Other brokers: the peer table, the peer client, liveness, and the fleet in etcd."""
+
+from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, server_options
+from kvbroker.broker.peers._discovery import FleetView, Member, find_in_fleet
+from kvbroker.broker.peers._fleet import FleetRecord, groups_of, read_fleet
+from kvbroker.broker.peers._liveness import PeerMonitor
+from kvbroker.broker.peers._table import Peer, PeerTable, RemoteEngine
+
+__all__ = ["FleetRecord", "FleetView", "HandshakeMessage", "Member", "Peer", "PeerClient", "PeerMonitor", "PeerTable", "RemoteEngine", "find_in_fleet", "groups_of", "read_fleet", "server_options"]

@@ -1,0 +1,486 @@
+"""Every call this broker makes to other brokers, with its retry policy.
+
+It mirrors the ``PeerBroker`` service (``service.PeerService`` answers the
+same calls):
+
+| call | when | retry policy |
+| --- | --- | --- |
+| ``Handshake`` | first contact, our engines changed, a restart suspected | none here; callers retry |
+| (``find_sender``) | a receiving room bootstraps | handshake and look for the group, with backoff (10 ms doubling to 1 s) until ``--bootstrap-timeout``; the last try is at the deadline |
+| ``RegisterRooms`` | the receiver's plan is made | per room: ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
+| ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
+| ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
+| ``AbortRooms`` | a receiver failed | per room as ReportCompletion; ABORTED (the peer does not know us: it took us for lost while we were stopped, say): handshake again, then once more; unreachable: the caller remembers it for the successor |
+| ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
+
+Room registrations and aborts are batched per peer (:class:`PerPeerBatches`):
+while one RegisterRooms (AbortRooms) call to a peer is in flight, the next
+ones for it queue, and the following call carries them all (at most
+``_MAX_BATCH``); a lone one goes at once. Each registration carries its
+room's trace context, so the sender's room spans join the room's trace as
+with a call of its own. (A burst of thousands of single calls would queue at
+the peer until they time out.)
+
+Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
+120 s, which would keep a restarted peer unreachable long after it is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, Generic, TypeVar
+
+import grpc
+import structlog
+from opentelemetry import propagate
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
+
+from kvbroker.broker import telemetry
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.peers._table import Peer, PeerTable, announced_staging
+from kvbroker.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GroupNotFound,
+    Internal,
+    KvBrokerError,
+    RegistrationError,
+    Unavailable,
+    from_rpc_error,
+    from_status,
+)
+from kvbroker.plan import Layout
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "channel_options", "server_options"]
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+#: Our side of a handshake: (NIXL metadata, engines, receive staging buffers, engine epoch).
+HandshakeMessage = tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.RemoteBuffer], int]
+
+#: Registrations per RegisterRooms call.
+_MAX_BATCH = 512
+
+# A RegisterRoom that failed with one of these may still have reached the
+# sender, so the sender may write: the pages are not settled.
+_MAYBE_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+
+
+def server_options(config: BrokerConfig) -> list[tuple[str, int]]:
+    """The server's gRPC options: :func:`channel_options`, and keepalive pings
+    from engines accepted once a second, also on idle connections (the client
+    notices a broker that stopped answering by them: client/connection.py)."""
+    return [
+        *channel_options(config),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+def channel_options(config: BrokerConfig) -> list[tuple[str, int]]:
+    """gRPC options for channels and the server: message size limits, and a
+    channel to a peer that went away tries to connect again at least once per
+    heartbeat."""
+    backoff_ms = max(100, int(config.peer_heartbeat_seconds * 1000))
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
+        ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 1000)),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
+    ]
+
+
+class PeerClient:
+    """Outbound PeerBroker calls. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        peers: PeerTable,
+        config: BrokerConfig,
+        handshake_message: Callable[[], Awaitable[HandshakeMessage]],
+        epoch: Callable[[], int],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._peers = peers
+        self._handshake_message = handshake_message
+        self._timeout = config.peer_rpc_timeout_seconds
+        self._bootstrap_timeout = config.bootstrap_timeout_seconds
+        self._staging_wait = config.staging_wait_seconds
+        self._options = channel_options(config)
+        self._credentials = credentials
+        #: Our engine epoch now (``EngineTable.epoch``): a peer that saw an
+        #: older one does not know all our engines yet.
+        self._epoch = epoch
+        #: Registrations and aborts, batched per peer (see the module docstring).
+        self._registrations: PerPeerBatches[peer_pb2.RegisterRoomRequest, None] = PerPeerBatches(
+            "RegisterRooms", self._send_registrations
+        )
+        self._aborts: PerPeerBatches[peer_pb2.PeerAbortRequest, peer_pb2.PeerAbortResponse] = PerPeerBatches(
+            "AbortRooms", self._send_aborts
+        )
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    # -- handshakes ---------------------------------------------------------
+    async def connect(self, address: str) -> Peer:
+        """The peer at ``address``, handshaken with our current engines."""
+        peer = self._peers.at(address)
+        if self._stale(peer):
+            await self.handshake(peer, only_if_stale=True)
+        return peer
+
+    def _stale(self, peer: Peer) -> bool:
+        return peer.announced_epoch != self._epoch() or peer.broker_id is None
+
+    async def handshake(self, peer: Peer, *, only_if_stale: bool = False) -> None:
+        """(Re)do the handshake with ``peer``; ``Unavailable`` if it fails.
+        ``only_if_stale``: not if one that finished while this call waited for
+        the peer's lock already told it our current engines."""
+        async with peer.lock:
+            if only_if_stale and not self._stale(peer):
+                return
+            with telemetry.tracer().start_as_current_span("kvbroker.handshake", attributes={"kvbroker.peer": peer.address}):
+                metadata, engines, staging, epoch = await self._handshake_message()
+                request = peer_pb2.HandshakeRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    caller=self._peers.identity(),
+                    nixl_agent_metadata=metadata,
+                    engines=engines,
+                    staging=_host(staging),
+                    receive_staging=staging,
+                )
+                try:
+                    response = await self.stub(peer).Handshake(request, timeout=self._timeout)
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    raise Unavailable(f"handshake with the broker at {peer.address} failed: {err.message}") from exc
+                if response.protocol_version != PROTOCOL_VERSION:
+                    raise FailedPrecondition(
+                        f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
+                    )
+                await self._peers.apply(
+                    peer, response.callee, response.nixl_agent_metadata, response.engines, announced_staging(response)
+                )
+                peer.announced_epoch = epoch
+        log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
+
+    async def find_sender(
+        self,
+        address: str,
+        group: str,
+        stop: Callable[[], bool] = lambda: False,
+        missed: Callable[[KvBrokerError], None] = lambda _e: None,
+    ) -> tuple[Peer, list[Layout]]:
+        """Handshake with the broker at ``address`` and find ``group`` there,
+        retrying with backoff until the bootstrap timeout (the sender's broker or
+        engines may still be starting). The last try is at the deadline; no
+        retry once ``stop()`` says so (the room ended); ``missed`` hears why
+        each try that will be retried failed."""
+
+        async def attempt() -> tuple[Peer, list[Layout]]:
+            peer = await self.connect(address)
+            return peer, await self.group_layouts(peer, group)
+
+        return await self.until_found(attempt, stop, missed)
+
+    async def group_layouts(self, peer: Peer, group: str, ranks: Collection[tuple[int, int]] = ()) -> list[Layout]:
+        """The layouts of ``group``'s ranks at ``peer``, handshaking again when it
+        lacks the group or one of ``ranks`` ((tp, pp)): they may have registered
+        after our last handshake. :class:`GroupNotFound` if they still lack."""
+
+        def missing() -> set[tuple[int, int]]:
+            return set(ranks) - {(k.tp_rank, k.pp_rank) for k in peer.engines if k.group == group}
+
+        if not peer.group_layouts(group) or missing():
+            await self.handshake(peer)
+        layouts = peer.group_layouts(group)
+        if not layouts:
+            raise GroupNotFound(f"no rank of engine group {group!r} is registered at the broker at {peer.address}")
+        if lacking := missing():
+            listed = ", ".join(f"tp{t}/pp{p}" for t, p in sorted(lacking))
+            raise GroupNotFound(f"{listed} of engine group {group!r} is not registered at the broker at {peer.address}")
+        return layouts
+
+    async def until_found(
+        self,
+        attempt: Callable[[], Awaitable[T]],
+        stop: Callable[[], bool] = lambda: False,
+        missed: Callable[[KvBrokerError], None] = lambda _e: None,
+    ) -> T:
+        """``attempt()`` until it returns, retrying with backoff on Unavailable
+        and :class:`GroupNotFound` until the bootstrap timeout (the last try is
+        at the deadline); no retry once ``stop()`` says so. ``missed`` hears
+        each error that is retried; the last error says how long it waited."""
+        start = time.monotonic()
+        deadline = start + self._bootstrap_timeout
+        delay = 0.01
+        while True:
+            try:
+                return await attempt()
+            except (Unavailable, GroupNotFound) as exc:
+                error: KvBrokerError = exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or stop():
+                waited = time.monotonic() - start
+                raise type(error)(f"{error.message} (gave up after {waited:.3g} s; --bootstrap-timeout {self._bootstrap_timeout:g} s)")
+            missed(error)
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, 1.0)
+
+    # -- room calls -----------------------------------------------------------
+    async def register_room(
+        self,
+        peer: Peer,
+        request: peer_pb2.RegisterRoomRequest,
+        *,
+        stale: Callable[[], None],
+        again: Callable[[str], bool],
+        first: asyncio.Future[None] | None = None,
+    ) -> str | None:
+        """Register a room with ``peer``; returns the broker id that took it.
+
+        ABORTED (the peer's view of us is stale, or it restarted and never met
+        us): ``stale()``, handshake afresh (a restart detected here fails only
+        rooms the old process had), and if ``again(new broker id)`` says so,
+        try once more; None if it said not to. Raises
+        :class:`RegistrationError` otherwise. ``first``: the first attempt,
+        already made with :meth:`submit_registration`.
+        """
+        for attempt in (1, 2):
+            try:
+                # wait_for_ready: while the address does not answer (a broker
+                # restarting there, or the channel still backing off from the
+                # old process), wait for it up to the timeout instead of failing
+                # the room at once; the room is still bootstrapping.
+                await (first if attempt == 1 and first is not None else self.submit_registration(peer, request))
+                return request.sender_broker_id
+            except KvBrokerError as err:
+                if attempt == 1 and isinstance(err, Aborted):
+                    stale()
+                    await self.handshake(peer)
+                    if not again(peer.broker_id or ""):
+                        return None
+                    continue
+                raise RegistrationError(err, maybe_delivered=err.code in _MAYBE_DELIVERED) from err
+        raise AssertionError("unreachable")
+
+    def submit_registration(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> asyncio.Future[None]:
+        """Queue ``request`` (with the sender's broker id as we know it, and the
+        current trace context) for the next RegisterRooms call to ``peer``; the
+        future of its outcome (its own error). No task per room: a burst of
+        rooms waits in the peer's queue as a request and a future each."""
+        request.sender_broker_id = peer.broker_id or ""
+        request.trace_context.clear()
+        propagate.inject(request.trace_context)
+        return self._registrations.submit_nowait(peer, request)
+
+    async def _send_registrations(self, peer: Peer, batch: list[peer_pb2.RegisterRoomRequest]) -> list[None | KvBrokerError]:
+        request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=batch)
+        response = await self.stub(peer).RegisterRooms(request, timeout=self._timeout, wait_for_ready=True)
+        return [from_status(r.code, r.message) if r.code else None for r in response.results]
+
+    async def _send_aborts(
+        self, peer: Peer, batch: list[peer_pb2.PeerAbortRequest]
+    ) -> list[peer_pb2.PeerAbortResponse | KvBrokerError]:
+        request = peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=batch)
+        response = await self.stub(peer).AbortRooms(request, timeout=self._timeout)
+        return [
+            from_status(r.code, r.message) if r.code else peer_pb2.PeerAbortResponse(settled=r.settled) for r in response.results
+        ]
+
+    async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
+        """The prefetch: room for one staged part in the receiver's staging buffer."""
+        peer = self._peers.get(broker_id)
+        try:
+            response: peer_pb2.ReserveStagingResponse = await self.stub(peer).ReserveStaging(
+                request, timeout=self._staging_wait + self._timeout
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            raise type(err)(f"the receiver could not reserve staging: {err.message}") from exc
+        return response
+
+    async def report_completion(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
+        await self.deliver(
+            broker_id,
+            f"ReportCompletion(room {report.room})",
+            lambda peer: self.stub(peer).ReportCompletion(report, timeout=self._timeout),
+        )
+
+    async def abort_room(
+        self, broker_id: str, request: peer_pb2.PeerAbortRequest, on_unreachable: Callable[[], None] | None = None
+    ) -> peer_pb2.PeerAbortResponse | None:
+        """Abort one room at the peer, in its next AbortRooms call."""
+        response: peer_pb2.PeerAbortResponse | None = await self.deliver(
+            broker_id,
+            f"AbortRoom(room {request.room})",
+            lambda peer: self._aborts.submit(peer, request),
+            on_unreachable=on_unreachable,
+        )
+        return response
+
+    async def ping(self, peer: Peer, timeout_seconds: float) -> str:
+        """The broker id that answers at ``peer``'s address (raises ``grpc.RpcError``)."""
+        reply = await self.stub(peer).Ping(peer_pb2.PingRequest(from_broker_id=self._peers.broker_id), timeout=timeout_seconds)
+        return str(reply.broker_id)
+
+    async def deliver(
+        self,
+        broker_id: str,
+        what: str,
+        call: Callable[[Peer], Awaitable[T]],
+        attempts: int = 4,
+        on_unreachable: Callable[[], None] | None = None,
+    ) -> T | None:
+        """A one-way call (a report, an abort) to peer ``broker_id``, retried
+        while it is unreachable. The response, or None (logged) if it could not
+        be delivered; a peer that stays unreachable is the liveness monitor's
+        business. ``on_unreachable`` runs when the peer is gone or did not
+        answer (not when it answered with an error)."""
+        delay = 0.05
+        introduced = False
+        for attempt in range(attempts):
+            try:
+                peer = self._peers.get(broker_id)
+            except KvBrokerError as exc:
+                log.warning("peer_call_undeliverable", call=what, peer=broker_id, error=exc.message)
+                unreachable = True
+                break
+            try:
+                return await call(peer)
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+            except KvBrokerError as exc:
+                err = exc
+            if isinstance(err, Aborted) and not introduced:
+                # The peer does not know us (it took us for lost): introduce ourselves again.
+                introduced = True
+                try:
+                    await self.handshake(peer)
+                    continue
+                except KvBrokerError as exc:
+                    err = exc
+            unreachable = isinstance(err, (Unavailable, DeadlineExceeded))
+            if unreachable and attempt + 1 < attempts:
+                await asyncio.sleep(delay)
+                delay *= 4
+                continue
+            log.warning("peer_call_failed", call=what, peer=broker_id, error=err.message)
+            break
+        if unreachable and on_unreachable is not None:
+            on_unreachable()
+        return None
+
+    # -- channels ---------------------------------------------------------------
+    def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
+        """A stub for calls to ``peer`` (made once per peer record)."""
+        if peer.stub is None:
+            if not peer.address:
+                raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
+            # No span of its own for the batched registrations: each room's
+            # trace goes in its registration (RegisterRoomRequest.trace_context).
+            interceptors: Any = aio_client_interceptors(filter_=filters.negate(filters.method_name("RegisterRooms")))
+            if self._credentials is not None:
+                peer.channel = grpc.aio.secure_channel(
+                    peer.address, self._credentials, options=self._options, interceptors=interceptors
+                )
+            else:
+                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options, interceptors=interceptors)
+            peer.stub = peer_pb2_grpc.PeerBrokerStub(peer.channel)
+        return peer.stub
+
+    async def close(self) -> None:
+        await self._registrations.close()
+        await self._aborts.close()
+        for peer in self._peers.peers():
+            if peer.channel is not None:
+                await peer.channel.close()
+                peer.channel = None
+                peer.stub = None
+
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+class PerPeerBatches(Generic[Item, Result]):
+    """One kind of peer call, batched per peer: a call waits in its peer's
+    queue while that peer's previous batch is in flight; the next batch takes
+    everything queued (at most ``_MAX_BATCH``). ``send(peer, items)`` makes the
+    batched call and returns one result (or typed error) per item; a failure
+    of the call itself is every item's error. A lone call goes at once."""
+
+    def __init__(self, name: str, send: Callable[[Peer, list[Item]], Awaitable[list[Result | KvBrokerError]]]) -> None:
+        self._name = name
+        self._send = send
+        self._queues: dict[str, list[tuple[Peer, Item, asyncio.Future[Result]]]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def submit(self, peer: Peer, item: Item) -> Result:
+        """Queue ``item`` for ``peer``'s next batch; its result (or its error, raised)."""
+        return await self.submit_nowait(peer, item)
+
+    def submit_nowait(self, peer: Peer, item: Item) -> asyncio.Future[Result]:
+        """Queue ``item`` for ``peer``'s next batch; the future of its result (or error)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Result] = loop.create_future()
+        self._queues.setdefault(peer.address, []).append((peer, item, done))
+        if peer.address not in self._tasks:
+            # The batch call's own span belongs to no caller: an empty context.
+            task = contextvars.Context().run(loop.create_task, self._flush(peer.address), name=f"{self._name}-{peer.address}")
+            self._tasks[peer.address] = task
+        return done
+
+    async def _flush(self, address: str) -> None:
+        try:
+            while queue := self._queues.get(address):
+                batch, self._queues[address] = queue[:_MAX_BATCH], queue[_MAX_BATCH:]
+                results: list[Result | KvBrokerError]
+                try:
+                    results = await self._send(batch[-1][0], [item for _, item, _ in batch])
+                except grpc.RpcError as exc:
+                    err = from_rpc_error(exc)
+                    results = [type(err)(err.message) for _ in batch]
+                except KvBrokerError as err:
+                    results = [type(err)(err.message) for _ in batch]
+                missing = len(batch) - len(results)
+                results += [Internal(f"the peer answered {len(results)} of {len(batch)} items of {self._name}")] * missing
+                for (_, _, done), result in zip(batch, results):
+                    if done.done():
+                        continue
+                    if isinstance(result, KvBrokerError):
+                        done.set_exception(result)
+                    else:
+                        done.set_result(result)
+        finally:
+            del self._tasks[address]
+            if not self._queues.get(address):
+                self._queues.pop(address, None)
+
+    async def close(self) -> None:
+        """Cancel the batches in flight; every waiting call fails UNAVAILABLE."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        for queue in self._queues.values():
+            for _, _, done in queue:
+                if not done.done():
+                    done.set_exception(Unavailable("the broker is shutting down"))
+        self._queues.clear()
+
+
+def _host(staging: list[peer_pb2.RemoteBuffer]) -> peer_pb2.RemoteBuffer | None:
+    return next((b for b in staging if b.kind == common_pb2.MEMORY_KIND_DRAM), None)

@@ -1,0 +1,79 @@
+"""Peer liveness: ping the peers this broker has business with.
+
+Every ``peer_heartbeat_seconds`` the monitor pings each handshaken peer that
+has open rooms or transfers in flight with this broker. A peer that answers
+as a different broker (it restarted) is lost at once; one that has not
+answered for ``peer_dead_after_seconds`` is lost then. Losing a peer is the
+dispatcher's business (``Broker.peer_lost``): fail its rooms with a cause
+naming it, cancel transfers to it, drop its handshake and NIXL remote agent.
+A restarted peer is handshaken afresh by the next room that needs it.
+
+UCX's "peer" error mode reports a dead peer on the data path too (a failed
+transfer fails its room); the heartbeat also covers rooms with nothing in
+flight, such as a decode room waiting for a prefill host that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from kvbroker.broker.peers._client import PeerClient
+from kvbroker.broker.peers._table import Peer, PeerTable
+from kvbroker.errors import from_rpc_error
+
+__all__ = ["PeerMonitor"]
+
+log = structlog.get_logger(__name__)
+
+
+class PeerMonitor:
+    """Pings peers with business; reports the lost ones."""
+
+    def __init__(
+        self,
+        peers: PeerTable,
+        client: PeerClient,
+        *,
+        interval_seconds: float,
+        dead_after_seconds: float,
+        has_business: Callable[[Peer], bool],
+        on_lost: Callable[[Peer, str], None],
+    ) -> None:
+        self._peers = peers
+        self._client = client
+        self._interval = interval_seconds
+        self._dead_after = dead_after_seconds
+        self._has_business = has_business
+        self._on_lost = on_lost
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            watched = [
+                p
+                for p in {id(p): p for p in self._peers.by_id.values()}.values()
+                if not p.is_self and p.broker_id is not None and self._has_business(p)
+            ]
+            if watched:
+                await asyncio.gather(*(self._check(p) for p in watched))
+
+    async def _check(self, peer: Peer) -> None:
+        known = peer.broker_id
+        try:
+            answered_by = await self._client.ping(peer, timeout_seconds=self._interval)
+        except grpc.RpcError as exc:
+            silent = time.monotonic() - peer.last_seen
+            if silent > self._dead_after and peer.broker_id == known:
+                self._on_lost(peer, f"has not answered for {silent:.1f} s ({from_rpc_error(exc).message})")
+            return
+        if peer.broker_id != known:
+            return  # lost and dropped meanwhile
+        if answered_by != known:
+            self._on_lost(peer, f"restarted (it is now broker {answered_by})")
+            return
+        peer.last_seen = time.monotonic()

@@ -1,0 +1,292 @@
+"""Peer brokers as this broker knows them: identities, remote engines, staging.
+
+A peer is another broker (or this one: when both ends of a room sit on one
+host, the broker is its own peer and NIXL writes loopback). A handshake
+(``peer_client.PeerClient.handshake`` as the caller, :meth:`PeerTable.answer`
+as the callee) exchanges NIXL agent metadata, engine layouts and staging
+buffers; a broker repeats it when its own engines changed since the peer
+last saw them (``EngineTable.epoch``), because a peer can only address
+memory that was registered when it loaded our metadata.
+
+The table lives on the control loop. What it holds of NIXL (a peer's agent
+metadata, the prepared descriptor lists of its engines) is created and
+released on the data-plane thread: :meth:`PeerTable.apply` awaits the
+metadata load there, :meth:`PeerTable.drop` queues the releases.
+Remote descriptor lists are prepared on first use (by the data plane, when
+it posts) and released when the engine changes or the peer goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from kvbroker.broker.dataplane import Agent, DataPlane
+from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError
+from kvbroker.plan import (
+    BufferPlacement,
+    DescriptorTable,
+    Layout,
+    RankKey,
+    build_descriptor_table,
+    rank_key,
+)
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+__all__ = ["Peer", "PeerTable", "RemoteEngine", "announced_staging"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class RemoteEngine:
+    """An engine rank of a peer, as its last handshake described it."""
+
+    key: RankKey
+    generation: int
+    layout: Layout
+    table: DescriptorTable
+    #: Prepared remote descriptor lists by memory kind. Data-plane thread only:
+    #: made on first use, released (and ``released`` set) when dropped.
+    dlists: dict[int, Any] = field(default_factory=dict)
+    released: bool = False
+
+    def dlist(self, agent: Agent, agent_name: str, kind: int) -> Any:
+        """The prepared list of this engine's items of memory ``kind`` (data plane)."""
+        if self.released:
+            raise FailedPrecondition(f"receiver {self.key} generation {self.generation} is gone")
+        dlist = self.dlists.get(kind)
+        if dlist is None:
+            dlist = self.dlists[kind] = agent.prep_dlist(agent_name, self.table.rows[kind], kind)
+        return dlist
+
+    def release(self, agent: Agent) -> None:
+        """Release the prepared lists (data plane)."""
+        self.released = True
+        for dlist in self.dlists.values():
+            agent.release_dlist(dlist)
+        self.dlists.clear()
+
+
+@dataclass(eq=False)
+class Peer:
+    """Another broker (or this one)."""
+
+    address: str
+    broker_id: str | None = None
+    agent_name: str | None = None
+    is_self: bool = False
+    engines: dict[RankKey, RemoteEngine] = field(default_factory=dict)
+    #: Our EngineTable.epoch when this peer last received our handshake.
+    announced_epoch: int = -1
+    #: The NIXL metadata last loaded for the peer (loading it again is
+    #: skipped when a handshake brings the same bytes: it costs about 15 ms
+    #: of the data-plane thread).
+    metadata: bytes = b""
+    #: The peer's receive staging buffers by (memory kind, device).
+    receive_staging: dict[tuple[int, int], peer_pb2.RemoteBuffer] = field(default_factory=dict)
+    #: When the peer last answered (or called) us: liveness.
+    last_seen: float = field(default_factory=time.monotonic)
+    #: Bytes this broker wrote to the peer, and the moving average of the
+    #: observed write throughput (bytes/s; 0 until measured).
+    bytes_sent: int = 0
+    throughput_bps: float = 0.0
+    #: Memory kinds (local -> remote, e.g. "DRAM->VRAM") written to the peer.
+    kinds: set[str] = field(default_factory=set)
+    #: When the broker last warned that this peer is slow for its memory.
+    slow_warned_at: float = 0.0
+    channel: grpc.aio.Channel | None = None
+    stub: peer_pb2_grpc.PeerBrokerStub | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def group_layouts(self, group: str) -> list[Layout]:
+        return [e.layout for k, e in sorted(self.engines.items()) if k.group == group]
+
+    def staging_bytes(self, kind: int, device: int) -> int:
+        """Size of the receive staging buffer the peer announced for memory
+        ``kind`` on GPU ``device`` (ignored for host memory); 0: none."""
+        buffer = self.receive_staging.get((kind, device if kind == common_pb2.MEMORY_KIND_VRAM else 0))
+        return buffer.size_bytes if buffer is not None else 0
+
+
+class PeerTable:
+    """Peers by address and by broker id. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        agent_name: str,
+        dataplane: DataPlane,
+        on_restart: Callable[[Peer, str], None],
+    ) -> None:
+        self.broker_id = broker_id
+        self.agent_name = agent_name
+        self.address = ""
+        self._dataplane = dataplane
+        self._on_restart = on_restart
+        self.by_address: dict[str, Peer] = {}
+        self.by_id: dict[str, Peer] = {}
+
+    def identity(self) -> peer_pb2.BrokerIdentity:
+        return peer_pb2.BrokerIdentity(broker_id=self.broker_id, nixl_agent_name=self.agent_name, address=self.address)
+
+    def at(self, address: str) -> Peer:
+        """The peer record for ``address`` ("" means this broker), made if new."""
+        address = address or self.address
+        peer = self.by_address.get(address)
+        if peer is None:
+            peer = self.by_address[address] = Peer(address=address)
+        return peer
+
+    def get(self, broker_id: str) -> Peer:
+        """The handshaken peer ``broker_id``; ``Aborted`` (handshake again) if unknown."""
+        peer = self.by_id.get(broker_id)
+        if peer is None:
+            raise Aborted(f"broker {broker_id} has not handshaken with this broker; handshake again")
+        return peer
+
+    def peers(self) -> list[Peer]:
+        """Every peer record once (by address and by id)."""
+        return list({id(p): p for p in (*self.by_address.values(), *self.by_id.values())}.values())
+
+    # -- what the sender's state machine reads (sender.PeerView) --------------
+    def remote_engine(self, broker_id: str, rank: RankKey) -> RemoteEngine | None:
+        peer = self.by_id.get(broker_id)
+        return peer.engines.get(rank) if peer is not None else None
+
+    def receive_staging_bytes(self, broker_id: str, kind: int, device: int) -> int:
+        peer = self.by_id.get(broker_id)
+        return peer.staging_bytes(kind, device) if peer is not None else 0
+
+    def address_of(self, broker_id: str) -> str:
+        peer = self.by_id.get(broker_id)
+        return peer.address if peer is not None else ""
+
+    # -- handshakes -----------------------------------------------------------
+    async def answer(
+        self,
+        request: peer_pb2.HandshakeRequest,
+        ours: tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.RemoteBuffer], int],
+    ) -> peer_pb2.HandshakeResponse:
+        """Serve a peer's handshake: load its metadata and engines, answer with
+        ``ours`` (our metadata, engines, receive staging buffers, engine epoch)."""
+        if request.protocol_version != PROTOCOL_VERSION:
+            raise FailedPrecondition(
+                f"protocol version {request.protocol_version} is not supported; this broker speaks {PROTOCOL_VERSION}"
+            )
+        caller = request.caller
+        peer = self.by_id.get(caller.broker_id) or self.by_address.get(caller.address)
+        if peer is None:
+            peer = Peer(address=caller.address)
+            if caller.address:
+                self.by_address.setdefault(caller.address, peer)
+        await self.apply(peer, caller, request.nixl_agent_metadata, request.engines, announced_staging(request))
+        log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="callee")
+        metadata, engines, staging, _epoch = ours
+        host = next((b for b in staging if b.kind == common_pb2.MEMORY_KIND_DRAM), None)
+        return peer_pb2.HandshakeResponse(
+            protocol_version=PROTOCOL_VERSION,
+            callee=self.identity(),
+            nixl_agent_metadata=metadata,
+            engines=engines,
+            staging=host,
+            receive_staging=staging,
+        )
+
+    async def apply(
+        self,
+        peer: Peer,
+        identity: peer_pb2.BrokerIdentity,
+        metadata: bytes,
+        descriptors: Iterable[peer_pb2.EngineDescriptor],
+        staging: Iterable[peer_pb2.RemoteBuffer],
+    ) -> None:
+        """Take what a handshake said of ``peer``. A peer that answers as another
+        broker than before restarted: its rooms fail and its state goes first."""
+        if peer.broker_id is not None and peer.broker_id != identity.broker_id:
+            log.warning("peer_restarted", peer=peer.address, old=peer.broker_id, new=identity.broker_id)
+            # Fails the rooms with the old process and drops its state.
+            self._on_restart(peer, f"restarted (it is now broker {identity.broker_id})")
+            self.drop(peer)
+        peer.last_seen = time.monotonic()
+        is_self = identity.broker_id == self.broker_id
+        if is_self:
+            agent_name = self.agent_name
+        elif metadata == peer.metadata and peer.agent_name is not None:
+            agent_name = peer.agent_name
+        else:
+            agent_name = await self._dataplane.call(lambda agent: agent.add_remote(metadata))
+            peer.metadata = metadata
+            if agent_name != identity.nixl_agent_name:
+                raise FailedPrecondition(
+                    f"broker {identity.broker_id} announced agent {identity.nixl_agent_name!r} but its metadata "
+                    f"names {agent_name!r}"
+                )
+        peer.broker_id = identity.broker_id
+        peer.agent_name = agent_name
+        peer.is_self = is_self
+        peer.receive_staging = {(b.kind, b.device_id): b for b in staging if b.size_bytes}
+        if identity.address:
+            peer.address = peer.address or identity.address
+        self.by_id[identity.broker_id] = peer
+        seen: set[RankKey] = set()
+        for desc in descriptors:
+            key = rank_key(desc.rank)
+            seen.add(key)
+            current = peer.engines.get(key)
+            if current is not None and current.generation == desc.generation:
+                continue
+            if current is not None:
+                self._release(current)
+            try:
+                peer.engines[key] = _remote_engine(key, desc)
+            except (KvBrokerError, MemoryError, OverflowError, ValueError) as exc:
+                peer.engines.pop(key, None)
+                message = exc.message if isinstance(exc, KvBrokerError) else repr(exc)
+                log.warning("peer_engine_rejected", peer=identity.broker_id, rank=str(key), error=message)
+        for key in [k for k in peer.engines if k not in seen]:
+            self._release(peer.engines.pop(key))
+
+    def drop(self, peer: Peer) -> None:
+        """Forget ``peer``: its remote agent, engines and descriptor lists."""
+        for engine in peer.engines.values():
+            self._release(engine)
+        peer.engines.clear()
+        if peer.agent_name and not peer.is_self:
+            name = peer.agent_name
+            self._dataplane.call(lambda agent: agent.remove_remote(name))
+        if peer.broker_id:
+            self.by_id.pop(peer.broker_id, None)
+        peer.broker_id = None
+        peer.agent_name = None
+        peer.metadata = b""
+        peer.announced_epoch = -1
+        peer.receive_staging = {}
+
+    def _release(self, engine: RemoteEngine) -> None:
+        self._dataplane.call(engine.release)
+
+
+def announced_staging(message: peer_pb2.HandshakeRequest | peer_pb2.HandshakeResponse) -> list[peer_pb2.RemoteBuffer]:
+    """The receive staging buffers a handshake announces (older builds: only ``staging``)."""
+    return list(message.receive_staging) or ([message.staging] if message.staging.size_bytes else [])
+
+
+def _remote_engine(key: RankKey, desc: peer_pb2.EngineDescriptor) -> RemoteEngine:
+    for i, b in enumerate(desc.buffers):
+        if b.address + b.size_bytes >= 1 << 64:
+            raise InvalidArgument(f"buffer {i} of {key} does not fit a 64-bit address space")
+    layout = Layout.from_proto(desc.layout, rank=key, buffer_sizes=[b.size_bytes for b in desc.buffers])
+    table = build_descriptor_table(
+        layout, [BufferPlacement(b.address, b.size_bytes, b.kind, b.device_id) for b in desc.buffers]
+    )
+    return RemoteEngine(key=key, generation=desc.generation, layout=layout, table=table)
+

@@ -1,0 +1,155 @@
+"""What the room state machines ask the world to do.
+
+The sender and receiver state machines (``sender``, ``receiver``) do no
+I/O: every call on them (an engine's request, a peer's message, a transfer
+that settled, a notification, a timer) changes their records and returns
+effects, which the executor (``executor``) carries out — posting on the
+data-plane thread, calling peers, copying on the copy thread, publishing
+statuses — and whose outcomes come back to the state machines as further
+calls. Effects are plain records; tests read them to see what a state
+machine decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvbroker.v1 import common_pb2, peer_pb2
+
+if TYPE_CHECKING:
+    from kvbroker.broker.memory import Reservation
+    from kvbroker.broker.rooms._receiver import Landing, Receiver, SenderLeg
+    from kvbroker.broker.rooms._records import Side
+    from kvbroker.broker.rooms._sender import Part
+
+__all__ = [
+    "AbortAtPeer",
+    "Effect",
+    "FindSender",
+    "PostPart",
+    "Publish",
+    "RegisterRoom",
+    "ReleaseStaging",
+    "ReserveStaging",
+    "RoomEnded",
+    "Scatter",
+    "SendReport",
+    "TellSuccessor",
+]
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A room's status changed: tell the engine's watchers."""
+
+    engine_id: str
+    status: common_pb2.RoomStatus
+
+
+@dataclass(frozen=True)
+class RoomEnded:
+    """A side reached SUCCESS or FAILED: close its span, record metrics, write
+    the canonical log line."""
+
+    side: Side
+
+
+# -- sender side ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PostPart:
+    """Post one part of a chunk (a NIXL write, or a notification only)."""
+
+    part: Part
+
+
+@dataclass(frozen=True)
+class ReserveStaging:
+    """Ask the receiver's broker for room in its staging buffer for a staged part
+    (the prefetch); the answer comes back as ``SenderCore.staging_reserved``."""
+
+    part: Part
+
+
+@dataclass(frozen=True)
+class SendReport:
+    """Tell a receiver's broker how a source ended (``PeerBroker.ReportCompletion``)."""
+
+    broker_id: str
+    report: peer_pb2.CompletionReport
+
+
+# -- receiver side -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FindSender:
+    """Handshake with the sender's broker and find the sender group there
+    (retrying up to the bootstrap timeout); then ``ReceiverCore.sender_found``."""
+
+    receiver: Receiver
+
+
+@dataclass(frozen=True)
+class RegisterRoom:
+    """Register the receiver's room with one of its sender brokers (the transfer info)."""
+
+    receiver: Receiver
+    #: Which of the receiver's sender brokers (``Receiver.legs``).
+    leg: SenderLeg
+    request: peer_pb2.RegisterRoomRequest
+
+    @property
+    def broker_id(self) -> str:
+        return self.leg.broker_id
+
+
+@dataclass(frozen=True)
+class AbortAtPeer:
+    """Tell the sender's broker that the room failed here. ``remember``: if it
+    cannot be told, tell the broker that answers at its address next."""
+
+    broker_id: str
+    room: int
+    cause: common_pb2.FailureCause
+    remember: bool = True
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Unpack a staged part that landed in the receive staging buffer into the rank's pages."""
+
+    receiver: Receiver
+    landing: Landing
+
+
+@dataclass(frozen=True)
+class ReleaseStaging:
+    """Give reservations back to their receive staging pools."""
+
+    reservations: tuple[tuple[int, int, Reservation], ...]
+
+
+@dataclass(frozen=True)
+class TellSuccessor:
+    """Tell the broker that answers at ``address`` now which rooms failed here
+    without its predecessor hearing of it (``RoomTables.successor_notices``)."""
+
+    address: str
+
+
+Effect = (
+    Publish
+    | RoomEnded
+    | PostPart
+    | ReserveStaging
+    | SendReport
+    | FindSender
+    | RegisterRoom
+    | AbortAtPeer
+    | Scatter
+    | ReleaseStaging
+    | TellSuccessor
+)
