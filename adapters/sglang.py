@@ -83,15 +83,13 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+from kvbroker.adapters._sglang_pool import adopt_pool, kv_tensors, moved_state, state_of
 from kvbroker.adapters.bootstrap import BootstrapServer, EngineRecord, fetch_record, publish_rank
 from kvbroker.client import (
     BrokerClient,
-    EngineMemory,
-    ModelSpec,
     RankSpec,
     RoomState,
     SenderRef,
-    StateTensors,
 )
 from kvbroker.client.rooms import KVReceiver, KVSender
 from kvbroker.errors import (
@@ -198,7 +196,6 @@ def _custom_mem_pool(original: Callable[..., Any], device: Any, *args: Any, **kw
         ours = False
     if not ours or not str(device).startswith("cuda") or os.environ.get(ENV_VMM_POOL, "1") == "0":
         return original(device, *args, **kwargs)
-    import torch
 
     from kvbroker import vmmpool
 
@@ -257,7 +254,7 @@ class KVBrokerKVManager(BaseKVManager):
                 raise Unimplemented(f"kvbroker's SGLang backend does not support {name} {size} yet")
         if args.num_draft_entries or getattr(queue, "draft_token_to_kv_pool", None) is not None:
             raise Unimplemented("kvbroker's SGLang backend does not move draft (speculative decoding) KV yet")
-        unsupported = [t for t in getattr(args, "state_types", []) or [] if t is not None and _state_name(t) is None]
+        unsupported = [t for t in getattr(args, "state_types", []) or [] if t is not None and moved_state(t) is None]
         if unsupported:
             raise Unimplemented(f"kvbroker's SGLang backend moves Mamba state only, not {unsupported}")
 
@@ -268,7 +265,7 @@ class KVBrokerKVManager(BaseKVManager):
         self.rank = RankSpec(group=self.group, role=mode, tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank)
         self.pool = queue.token_to_kv_pool
         self.page_size = int(self.pool.page_size)
-        self.memory = _adopt(self.rank, self.pool, args, queue.metadata_buffers, queue.scheduler.model_config, self.is_mla_backend)
+        self.memory = adopt_pool(self.rank, self.pool, args, queue.metadata_buffers, queue.scheduler.model_config, self.is_mla_backend)
         self.client = BrokerClient(self.address)
         try:
             self.engine = self.client.register_engine(self.rank, self.memory)
@@ -277,7 +274,7 @@ class KVBrokerKVManager(BaseKVManager):
             raise
         logger.info(
             "kvbroker: %s rank tp%d/%d of group %s registered with broker %s (%d KV layers, page size %d)",
-            mode, self.rank.tp_rank, self.rank.tp_size, self.group, self.address, len(_kv_tensors(self.pool, self.is_mla_backend)), self.page_size,
+            mode, self.rank.tp_rank, self.rank.tp_size, self.group, self.address, len(kv_tensors(self.pool, self.is_mla_backend)), self.page_size,
         )
         if self.is_prefill:
             self.register_to_bootstrap()
@@ -328,95 +325,6 @@ class KVBrokerKVManager(BaseKVManager):
         finally:
             self.client.close()
             self.memory.close()
-
-
-def _kv_tensors(pool: Any, mla: bool) -> list[list[torch.Tensor]]:
-    """Per attention layer of the pool, its KV tensors: [k, v], or [kv] for MLA
-    (a hybrid pool's full-attention sub-pool)."""
-    full = getattr(pool, "full_kv_pool", pool)
-    if mla:
-        return [[t] for t in full.kv_buffer]
-    return [[k, v] for k, v in zip(full.k_buffer, full.v_buffer)]
-
-
-def _state_name(state_type: Any) -> str | None:
-    """kvbroker's component for an SGLang state type (None: not moved)."""
-    return "mamba" if str(getattr(state_type, "value", state_type)) == "mamba" else None
-
-
-def _mamba_state(pool: Any) -> dict[str, StateTensors]:
-    """A hybrid pool's Mamba state: per Mamba layer, its conv and temporal tensors
-    ([slots, ...] each), in the order SGLang lists them to transfer backends."""
-    mamba = getattr(pool, "mamba_pool", None)
-    if mamba is None:
-        return {}
-    layers: dict[int, list[torch.Tensor]] = {}
-    for _field, tensor, _axis, layer in mamba._iter_transfer_state_entries():
-        layers.setdefault(int(layer), []).append(tensor)
-    return {"mamba": StateTensors("mamba", layers)} if layers else {}
-
-
-def _adopt(rank: RankSpec, pool: Any, args: KVArgs, metadata: Any, model_config: Any, mla: bool) -> EngineMemory:
-    """The pool, the metadata buffers and any Mamba state handed to the broker
-    (host memory moves into shared memory); ``args`` then gives their new addresses."""
-    layers = _kv_tensors(pool, mla)
-    first = layers[0][0]
-    if first.dim() != 3:
-        raise Unimplemented(f"kvbroker's SGLang backend takes token-major [tokens, heads, dim] pools, got {tuple(first.shape)}")
-    heads, head_dim = int(first.shape[1]), int(first.shape[2])
-    num_layers = int(model_config.num_hidden_layers)
-    start = int(getattr(pool, "start_layer", 0) or 0)
-    # SGLang's layer id of each KV entry (a hybrid model's attention layers).
-    layer_ids = [int(i) for i in (getattr(args, "kv_layer_ids", None) or [])][: len(layers)]
-    if len(layer_ids) != len(layers):
-        layer_ids = [start + i for i in range(len(layers))]
-    model = ModelSpec(
-        num_layers=num_layers,
-        total_kv_heads=1 if mla else int(model_config.get_total_num_kv_heads()),
-        head_dim=head_dim,
-        dtype=first.dtype,
-        page_size=int(pool.page_size),
-        mla=mla,
-        kv_layers=None if layer_ids == list(range(num_layers)) else tuple(layer_ids),
-    )
-    if not mla and model.heads_per_rank(rank.tp_size) != heads:
-        raise InvalidArgument(f"the pool holds {heads} KV heads per rank; {model.total_kv_heads} heads over tp {rank.tp_size} give {model.heads_per_rank(rank.tp_size)}")
-    state = _mamba_state(pool) if any(_state_name(t) for t in getattr(args, "state_types", []) or []) else {}
-    aux = _aux_tensors(metadata)
-    memory = EngineMemory.adopt(rank, model, kv=dict(zip(layer_ids, layers)), aux=aux, state=state)
-    # The pool keeps tables of its buffers' addresses (for its copy kernels): rebuild them.
-    refresh = getattr(getattr(pool, "full_kv_pool", pool), "_init_data_ptrs_and_strides", None)
-    if refresh is not None:
-        refresh()
-    args.kv_data_ptrs = [layer[kind].data_ptr() for kind in range(len(layers[0])) for layer in layers]
-    args.aux_data_ptrs = [t.data_ptr() for t in aux]
-    if state:
-        # SGLang's list of state buffers, in the order it gives them: now in shared memory.
-        (index,) = [i for i, t in enumerate(args.state_types) if _state_name(t)]
-        args.state_data_ptrs[index] = [t.data_ptr() for _, t, _, _ in pool.mamba_pool._iter_transfer_state_entries()]
-    return memory
-
-
-def _aux_tensors(metadata: Any) -> list[torch.Tensor]:
-    """The metadata buffers in ``get_buf_infos`` order (one row per request slot)."""
-    ptrs = metadata.get_buf_infos()[0]
-    by_ptr = {t.data_ptr(): t for t in vars(metadata).values() if isinstance(t, torch.Tensor)}
-    return [by_ptr[p] for p in ptrs]
-
-
-def _state_of(state_types: Sequence[Any], state_indices: Sequence[Any] | None) -> dict[str, np.ndarray]:
-    """SGLang's state indices (one payload per state type, aligned with
-    ``KVArgs.state_types``) as kvbroker's {component: indices}."""
-    out: dict[str, np.ndarray] = {}
-    for state_type, payload in zip(state_types, state_indices or []):
-        if payload is None:
-            continue
-        name = _state_name(state_type)
-        if name is None:
-            raise Unimplemented(f"kvbroker's SGLang backend moves Mamba state only, not {state_type}")
-        parts = payload if isinstance(payload, (list, tuple)) else [payload]
-        out[name] = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
-    return out
 
 
 # -- rooms --------------------------------------------------------------------------
@@ -549,7 +457,7 @@ class KVBrokerKVSender(_RoomSide, BaseKVSender):
         try:
             if self._num_pages is None:
                 raise FailedPrecondition(f"room {self.bootstrap_room}: send before init")
-            state = _state_of(self.kv_mgr.kv_args.state_types, state_indices)
+            state = state_of(self.kv_mgr.kv_args.state_types, state_indices)
             # The scheduler says which chunk is last: a chunk that reaches the
             # page count may be followed by a zero-page last one. Without its
             # word, SGLang's rule: the chunk that reaches the count.
@@ -608,7 +516,7 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
                 raise FailedPrecondition(f"room {self.bootstrap_room}: send_metadata before init")
             if destination != KVTransferDestination.DEVICE:
                 raise Unimplemented("kvbroker's SGLang backend does not receive into host (hicache) destinations yet")
-            state = _state_of(self.kv_mgr.kv_args.state_types, state_indices)
+            state = state_of(self.kv_mgr.kv_args.state_types, state_indices)
             prefix = int(decode_prefix_len or 0)
             if prefix % self.kv_mgr.page_size:
                 raise InvalidArgument(f"decode prefix of {prefix} tokens is not whole pages of {self.kv_mgr.page_size}")

@@ -50,25 +50,27 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from outcome import finish
-from proccpu import cpu_seconds
+from common import (
+    MIB,
+    BenchFailed,
+    Held,
+    add_run_options,
+    bench_main,
+    cpu_seconds,
+    fill_pattern,
+    kv_mismatches,
+    model_spec,
+    move_room,
+    proc_status,
+    wait_open,
+)
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-KV_HEADS = 8
-HEAD_DIM = 128
-PAGE_SIZE = 16
-MIB = 1 << 20
 LIBRARIES = {
     "libtorch": lambda name: name.startswith("libtorch"),
     "libc10": lambda name: name.startswith("libc10"),
@@ -77,26 +79,8 @@ LIBRARIES = {
 }
 
 
-class BenchFailed(RuntimeError):
-    """Something the run depends on failed: the figures are not valid."""
-
-
-# -- /proc --------------------------------------------------------------------------
-
-
-def status_field(pid: int, name: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def rss_mib(pid: int) -> float | None:
-    kib = status_field(pid, "VmRSS")
+    kib = proc_status(pid, "VmRSS")
     return None if kib is None else kib / 1024
 
 
@@ -149,28 +133,16 @@ def bare_python_rss() -> float | None:
 # -- the run -------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, workdir: Path, held: dict[str, list[Any]]) -> dict[str, Any]:
+def run(args: argparse.Namespace, held: Held) -> dict[str, Any]:
     import numpy as np
-    import torch
 
-    from kvbroker.client import (
-        BrokerClient,
-        EngineMemory,
-        ModelSpec,
-        RankSpec,
-        RoomState,
-        SenderRef,
-    )
-    from kvbroker.testing import BrokerProcess
+    from kvbroker.client import RankSpec, RoomState, SenderRef
 
     failures: list[str] = []
     result: dict[str, Any] = {"failures": failures}
     result["bare_python_grpc_numpy_rss_mib"] = bare_python_rss()
 
-    held["brokers"].extend(
-        BrokerProcess.start_many(["P", "D"], workdir, ["--log-level", "info", *args.broker_arg])
-    )
-    p_broker, d_broker = held["brokers"]
+    p_broker, d_broker = held.start_brokers(["P", "D"], ["--log-level", "info", *args.broker_arg])
     pids = {"P": p_broker.process.pid, "D": d_broker.process.pid}
     time.sleep(args.settle)
     rss: dict[str, dict[str, float | None]] = {
@@ -178,41 +150,27 @@ def run(args: argparse.Namespace, workdir: Path, held: dict[str, list[Any]]) -> 
     }
     rss_parts: dict[str, dict[str, float | None]] = {
         n: {
-            part: (None if (kib := status_field(pid, part)) is None else kib / 1024)
+            part: (None if (kib := proc_status(pid, part)) is None else kib / 1024)
             for part in ("RssAnon", "RssFile", "RssShmem")
         }
         for n, pid in pids.items()
     }
     threads: dict[str, dict[str, int | None]] = {
-        n: {"start": status_field(pid, "Threads")} for n, pid in pids.items()
+        n: {"start": proc_status(pid, "Threads")} for n, pid in pids.items()
     }
 
-    model = ModelSpec(
-        num_layers=args.layers,
-        total_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        page_size=PAGE_SIZE,
-    )
+    model = model_spec(args.layers)
     tag = secrets.token_hex(3)
     group_p, group_d = f"fp-prefill-{tag}", f"fp-decode-{tag}"
     rank_p, rank_d = RankSpec(group_p, "prefill"), RankSpec(group_d, "decode")
-    mem_p = EngineMemory.allocate(rank_p, model, num_pages=args.pages)
-    mem_d = EngineMemory.allocate(rank_d, model, num_pages=args.pages)
-    held["memories"].extend([mem_p, mem_d])
+    mem_p = held.allocate(rank_p, model, num_pages=args.pages)
+    mem_d = held.allocate(rank_d, model, num_pages=args.pages)
     pool_bytes = sum(spec.size_bytes for _, spec in mem_p.buffers)
-    gen = torch.Generator().manual_seed(1)
     for layer in range(args.layers):
-        for t in (mem_p.k[layer], mem_p.v[layer]):
-            t.view(torch.int16).copy_(
-                torch.randint(-32768, 32767, t.shape, dtype=torch.int16, generator=gen)
-            )
-    cp, cd = BrokerClient(p_broker.address), BrokerClient(d_broker.address)
-    held["clients"].extend([cp, cd])
-    eng_p = cp.register_engine(rank_p, mem_p)
-    held["engines"].append(eng_p)
-    eng_d = cd.register_engine(rank_d, mem_d)
-    held["engines"].append(eng_d)
+        fill_pattern(mem_p.k[layer], 2 * layer + 1)
+        fill_pattern(mem_p.v[layer], 2 * layer + 2)
+    eng_p = held.register(p_broker.address, rank_p, mem_p)
+    eng_d = held.register(d_broker.address, rank_d, mem_d)
     ref = SenderRef(p_broker.address, group_p)
 
     # Warm-up room: handshake, NIXL connection, one transfer; checked byte for byte.
@@ -220,26 +178,12 @@ def run(args: argparse.Namespace, workdir: Path, held: dict[str, list[Any]]) -> 
     n = min(8, args.pages)
     src = np.arange(n, dtype=np.int32)
     dst = np.arange(n, dtype=np.int32)[::-1].copy()
-    eng_d.receiver(room_base, ref).init(dst)
-    sender = eng_p.sender(room_base)
-    sender.init(num_pages=n)
-    sender.send(src)
-    statuses = [
-        eng_d.wait([room_base], timeout_seconds=args.timeout)[room_base],
-        eng_p.wait([room_base], timeout_seconds=args.timeout)[room_base],
-    ]
-    bad = [s.cause.message for s in statuses if s.state != RoomState.SUCCESS]
+    _, bad = move_room(room_base, eng_p, [eng_d], ref, src, dst, n, args.timeout)
     if bad:
         raise BenchFailed(f"the warm-up room failed: {bad}")
-    s_idx, d_idx = torch.from_numpy(src).long(), torch.from_numpy(dst).long()
-    for layer in range(args.layers):
-        for kind in ("k", "v"):
-            got = getattr(mem_d, kind)[layer][d_idx].view(torch.int16)
-            want = getattr(mem_p, kind)[layer][s_idx].view(torch.int16)
-            if not torch.equal(got, want):
-                raise BenchFailed(
-                    f"warm-up room: layer {layer} {kind.upper()} differs from the source"
-                )
+    wrong = kv_mismatches("warm-up room", [mem_p], [mem_d], src, dst)
+    if wrong:
+        raise BenchFailed(wrong[0])
 
     time.sleep(args.settle)
     cpu_idle = measure_cpu(pids, args.seconds)
@@ -248,15 +192,10 @@ def run(args: argparse.Namespace, workdir: Path, held: dict[str, list[Any]]) -> 
     pending = room_base + 1
     receiver = eng_d.receiver(pending, ref)
     receiver.init(np.arange(n, dtype=np.int32))
-    deadline = time.monotonic() + args.timeout
-    state = RoomState(receiver.poll())
-    while state == RoomState.BOOTSTRAPPING and time.monotonic() < deadline:
-        time.sleep(0.05)
-        state = RoomState(receiver.poll())
-    if state not in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING):
-        raise BenchFailed(
-            f"the waiting room is {state.name}, not waiting for data: {receiver.status().cause.message}"
-        )
+    try:
+        state = RoomState(wait_open(eng_d, [pending], args.timeout)[pending].state)
+    except BenchFailed as exc:
+        raise BenchFailed(f"the waiting room is not waiting for data: {exc}") from None
     time.sleep(args.settle)
     cpu_waiting = measure_cpu(pids, args.seconds)
     end_state = RoomState(receiver.poll())
@@ -269,7 +208,7 @@ def run(args: argparse.Namespace, workdir: Path, held: dict[str, list[Any]]) -> 
 
     for name, pid in pids.items():
         rss[name]["after_runs"] = rss_mib(pid)
-        threads[name]["after_runs"] = status_field(pid, "Threads")
+        threads[name]["after_runs"] = proc_status(pid, "Threads")
     libs = {name: libraries(pid) for name, pid in pids.items()}
     for eng in (eng_p, eng_d):
         eng.close()
@@ -372,16 +311,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--pages", type=int, default=64, help="pages of each engine's pool")
     p.add_argument("--settle", type=float, default=1.0, help="seconds to wait before each reading")
-    p.add_argument(
-        "--broker-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for both `kvbroker serve` (repeatable)",
-    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any one step")
-    p.add_argument("--keep-logs", action="store_true", help="keep the broker logs' directory")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    add_run_options(p)
     args = p.parse_args(argv)
     if args.seconds <= 0 or args.layers < 1 or args.pages < 1 or args.settle < 0:
         p.error("--seconds, --layers and --pages must be positive, --settle not negative")
@@ -390,51 +321,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-fp-"))
-    held: dict[str, list[Any]] = {"brokers": [], "clients": [], "engines": [], "memories": []}
-    result: dict[str, Any] | None = None
-    problems: list[str] = []
-    interrupted = False
-    try:
-        result = run(args, workdir, held)
-        problems.extend(result["failures"])
-    except KeyboardInterrupt:
-        interrupted = True
-    except BenchFailed as exc:
-        problems.append(str(exc))
-    except Exception:
-        problems.append(traceback.format_exc())
-    finally:
-        try:
-            for engine in held["engines"]:
-                try:
-                    engine.close()
-                except Exception as exc:
-                    problems.append(f"unregistering an engine: {exc!r}")
-            for client in held["clients"]:
-                client.close()
-            for memory in held["memories"]:
-                memory.close()
-            for broker in held["brokers"]:
-                if broker.process.poll() is not None:
-                    problems.append(
-                        f"broker {broker.name} died (exit status {broker.process.returncode}); "
-                        f"log tail:\n{broker.log_tail(1500)}"
-                    )
-                    continue
-                code = broker.stop()
-                if code != 0:
-                    problems.append(f"broker {broker.name} exited with status {code} on SIGTERM")
-        finally:
-            for broker in held["brokers"]:
-                broker.kill()
-            if args.keep_logs:
-                print(f"broker_footprint: broker logs kept in {workdir}", file=sys.stderr)
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
-    return finish(
-        "broker_footprint", result, problems, interrupted=interrupted, as_json=args.json, print_report=print_report
-    )
+    return bench_main("broker_footprint", args, lambda held: run(args, held), print_report=print_report)
 
 
 if __name__ == "__main__":

@@ -70,62 +70,41 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import os
 import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
 
-from outcome import finish
+from common import (
+    GIB,
+    HEAD_DIM,
+    KV_HEADS,
+    MIB,
+    PAGE_SIZE,
+    BenchFailed,
+    Child,
+    Held,
+    add_run_options,
+    bench_main,
+    fill_pattern,
+    kv_mismatches,
+    model_spec,
+    move_room,
+    page_bytes,
+    percentile,
+    release,
+    report_error,
+)
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-KV_HEADS = 8
-HEAD_DIM = 128
-PAGE_SIZE = 16
-DTYPE_BYTES = 2  # bfloat16
-MIB = 1 << 20
-GIB = 1 << 30
 STALL_US = 10_000.0
 
 
-class BenchFailed(RuntimeError):
-    """Something the run depends on failed: the figures are not valid."""
-
-
 # -- child processes ---------------------------------------------------------------
-
-
-def _model(layers: int) -> Any:
-    import torch
-
-    from kvbroker.client import ModelSpec
-
-    return ModelSpec(
-        num_layers=layers,
-        total_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        page_size=PAGE_SIZE,
-    )
-
-
-def _child_error(conn: Connection, what: str) -> None:
-    try:
-        conn.send(("error", f"{what}: {traceback.format_exc(limit=6)}"))
-    except Exception:
-        pass
 
 
 def poller_main(conn: Connection, address: str, group: str, room: int, interval_s: float) -> None:
@@ -140,7 +119,7 @@ def poller_main(conn: Connection, address: str, group: str, room: int, interval_
     from kvbroker.v1 import common_pb2
 
     rank = RankSpec(group, "decode")
-    memory = EngineMemory.allocate(rank, _model(1), num_pages=4)
+    memory = EngineMemory.allocate(rank, model_spec(1), num_pages=4)
     client = None
     engine = None
     try:
@@ -176,17 +155,10 @@ def poller_main(conn: Connection, address: str, group: str, room: int, interval_
     except KeyboardInterrupt:
         pass
     except BaseException:
-        _child_error(conn, "poller")
+        report_error(conn)
         raise
     finally:
-        if engine is not None:
-            try:
-                engine.close()
-            except Exception:
-                pass
-        if client is not None:
-            client.close()
-        memory.close()
+        release(engine, client, memory)
 
 
 def registrar_main(
@@ -206,7 +178,7 @@ def registrar_main(
     engine = None
     try:
         t0 = time.monotonic()
-        memory = EngineMemory.allocate(rank, _model(layers), num_pages=num_pages)
+        memory = EngineMemory.allocate(rank, model_spec(layers), num_pages=num_pages)
         if touch:
             assert memory.raw is not None
             pages = memory.raw.numpy()[::4096]
@@ -236,27 +208,13 @@ def registrar_main(
     except KeyboardInterrupt:
         pass
     except BaseException:
-        _child_error(conn, "registering engine")
+        report_error(conn)
         raise
     finally:
-        if engine is not None:
-            try:
-                engine.close()
-            except Exception:
-                pass
-        if client is not None:
-            client.close()
-        if memory is not None:
-            memory.close()
+        release(engine, client, memory)
 
 
 # -- statistics --------------------------------------------------------------------
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    n = len(sorted_values)
-    return sorted_values[min(n - 1, max(0, math.ceil(q * n) - 1))]
 
 
 def phase_stats(rtts_s: Sequence[float]) -> dict[str, float | int]:
@@ -276,130 +234,14 @@ def phase_stats(rtts_s: Sequence[float]) -> dict[str, float | int]:
 # -- the run ------------------------------------------------------------------------
 
 
-@dataclass
-class Child:
-    name: str
-    proc: BaseProcess
-    conn: Connection
-
-    def recv(self, timeout: float, expect: str) -> tuple[Any, ...]:
-        """The next message, which must be ``expect``; ``BenchFailed`` otherwise."""
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(0.1):
-            if not self.proc.is_alive():
-                raise BenchFailed(
-                    f"{self.name} exited (status {self.proc.exitcode}) before {expect!r}"
-                )
-            if time.monotonic() > deadline:
-                raise BenchFailed(f"{self.name}: no {expect!r} after {timeout:.0f} s")
-        try:
-            msg = self.conn.recv()
-        except EOFError:
-            raise BenchFailed(f"{self.name} closed its pipe before {expect!r}") from None
-        if msg[0] == "error":
-            raise BenchFailed(msg[1])
-        if msg[0] != expect:
-            raise BenchFailed(f"{self.name}: expected {expect!r}, got {msg[0]!r}")
-        return tuple(msg)
-
-    def stop(self) -> None:
-        try:
-            self.conn.send("exit")
-        except (OSError, ValueError):
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
-
-
-def spawn(name: str, target: Any, *args: Any) -> Child:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-    proc.start()
-    child.close()
-    return Child(name, proc, parent)
-
-
-def fill_pattern(tensor: Any, seed: int) -> None:
-    """Distinct, never-all-zero words over a contiguous tensor (in place, numpy)."""
-    import numpy as np
+def run(args: argparse.Namespace, held: Held) -> dict[str, Any]:
     import torch
 
-    words = tensor.view(torch.int64).numpy().reshape(-1).view(np.uint64)
-    step = 1 << 22
-    for i in range(0, words.size, step):
-        x = np.arange(i, min(i + step, words.size), dtype=np.uint64)
-        x += np.uint64(seed) << np.uint64(40)
-        x *= np.uint64(0x9E3779B97F4A7C15)
-        x ^= x >> np.uint64(29)
-        x |= np.uint64(1)
-        words[i : i + x.size] = x
-
-
-@dataclass
-class Run:
-    args: argparse.Namespace
-    workdir: Path
-    brokers: list[Any] = field(default_factory=list)
-    children: list[Child] = field(default_factory=list)
-    clients: list[Any] = field(default_factory=list)
-    engines: list[Any] = field(default_factory=list)
-    memories: list[Any] = field(default_factory=list)
-
-    def close(self) -> list[str]:
-        """Stop everything, in reverse order of dependence; problems found on the way."""
-        problems: list[str] = []
-        for child in self.children:
-            try:
-                child.stop()
-            except Exception as exc:
-                problems.append(f"stopping {child.name}: {exc!r}")
-        for engine in self.engines:
-            try:
-                engine.close()
-            except Exception as exc:
-                problems.append(f"unregistering an engine: {exc!r}")
-        for client in self.clients:
-            client.close()
-        for memory in self.memories:
-            memory.close()
-        for broker in self.brokers:
-            if broker.process.poll() is not None:
-                problems.append(
-                    f"broker {broker.name} died (exit status {broker.process.returncode}); log tail:\n"
-                    + broker.log_tail(1500)
-                )
-                continue
-            try:
-                code = broker.stop()
-            except BaseException:
-                broker.kill()
-                raise
-            if code != 0:
-                problems.append(
-                    f"broker {broker.name} exited with status {code} on SIGTERM; log tail:\n"
-                    + broker.log_tail(1500)
-                )
-        return problems
-
-
-def run(args: argparse.Namespace, run_state: Run) -> dict[str, Any]:
-    import torch
-
-    from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-    from kvbroker.errors import KvBrokerError
-    from kvbroker.testing import BrokerProcess
+    from kvbroker.client import RankSpec, SenderRef
 
     torch.set_num_threads(1)
-    r = run_state
-    model = _model(args.layers)
-    page_bytes_prefill = args.layers * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+    model = model_spec(args.layers)
+    page_bytes_prefill = page_bytes(args.layers)
     room_pages = max(1, math.ceil(args.room_mib * MIB / page_bytes_prefill)) if args.room else 0
     chunk_pages = max(1, round(args.chunk_mib * MIB / page_bytes_prefill))
     warm_pages = 2
@@ -407,91 +249,34 @@ def run(args: argparse.Namespace, run_state: Run) -> dict[str, Any]:
     register_pages = max(1, round(args.register_gib * GIB / page_bytes_prefill))
 
     extra = ["--log-level", "info", "--staging-mib", str(args.staging_mib), *args.broker_arg]
-    r.brokers = BrokerProcess.start_many(["P", "D"], r.workdir, extra)
-    p_broker, d_broker = r.brokers
+    p_broker, d_broker = held.start_brokers(["P", "D"], extra)
     tag = secrets.token_hex(3)
     group_p, group_d = f"lag-prefill-{tag}", f"lag-decode-{tag}"
 
     # The room's engines: one prefill rank on P, two decode ranks on D.
     prefill_rank = RankSpec(group_p, "prefill", tp_size=1, tp_rank=0)
     decode_ranks = [RankSpec(group_d, "decode", tp_size=2, tp_rank=i) for i in range(2)]
-    prefill_mem = EngineMemory.allocate(prefill_rank, model, num_pages=pool_pages)
-    r.memories.append(prefill_mem)
+    prefill_mem = held.allocate(prefill_rank, model, num_pages=pool_pages)
     for layer in range(args.layers):
         fill_pattern(prefill_mem.k[layer], 2 * layer + 1)
         fill_pattern(prefill_mem.v[layer], 2 * layer + 2)
-    decode_mems = [EngineMemory.allocate(s, model, num_pages=pool_pages) for s in decode_ranks]
-    r.memories.extend(decode_mems)
-    pc = BrokerClient(p_broker.address)
-    r.clients.append(pc)
-    prefill = pc.register_engine(prefill_rank, prefill_mem)
-    r.engines.append(prefill)
-    decode = []
-    for spec, mem in zip(decode_ranks, decode_mems):
-        dc = BrokerClient(d_broker.address)
-        r.clients.append(dc)
-        decode.append(dc.register_engine(spec, mem))
-        r.engines.append(decode[-1])
+    decode_mems = [held.allocate(spec, model, num_pages=pool_pages) for spec in decode_ranks]
+    prefill = held.register(p_broker.address, prefill_rank, prefill_mem)
+    decode = [held.register(d_broker.address, spec, mem) for spec, mem in zip(decode_ranks, decode_mems)]
     ref = SenderRef(p_broker.address, group_p)
     room_base = secrets.randbits(40) << 8
 
     def move(room: int, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float, list[str]]:
         """One room over ``src``/``dst`` pages: (seconds from the first ExpectRoom to the
         last decode SUCCESS or FAILED, when that was, problems). Verified if it succeeded."""
-        problems: list[str] = []
         t0 = time.monotonic()
-        try:
-            for eng in decode:
-                eng.receiver(room, ref).init(dst.numpy())
-            sender = prefill.sender(room)
-            sender.init(num_pages=len(src))
-            for a in range(0, len(src), chunk_pages):
-                sender.send(src[a : a + chunk_pages].numpy())
-        except KvBrokerError as exc:
-            problems.append(f"room {room}: a control call failed: {type(exc).__name__}: {exc}")
-        statuses = []
-        for eng in decode:
-            try:
-                statuses.append(eng.wait([room], timeout_seconds=args.timeout)[room])
-            except KvBrokerError as exc:
-                problems.append(
-                    f"room {room}: waiting on a decode rank: {type(exc).__name__}: {exc}"
-                )
-        t1 = time.monotonic()
-        try:
-            statuses.append(prefill.wait([room], timeout_seconds=args.timeout)[room])
-        except KvBrokerError as exc:
-            problems.append(
-                f"room {room}: waiting on the prefill rank: {type(exc).__name__}: {exc}"
-            )
-        bad = sorted(
-            {
-                f"{RoomState(s.state).name}: {s.cause.message}"
-                for s in statuses
-                if s.state != RoomState.SUCCESS
-            }
-        )
-        if bad:
-            problems.append(f"room {room} did not succeed on every rank: {bad}")
+        t1, problems = move_room(room, prefill, decode, ref, src.numpy(), dst.numpy(), chunk_pages, args.timeout)
         if not problems:
-            problems.extend(verify(src, dst))
+            problems = verify(src, dst)
         return t1 - t0, t1, problems
 
     def verify(src: torch.Tensor, dst: torch.Tensor) -> list[str]:
-        heads = KV_HEADS // len(decode)
-        s_idx, d_idx = src.to(torch.int64), dst.to(torch.int64)
-        problems = []
-        for layer in range(args.layers):
-            for kind in ("k", "v"):
-                want_all = getattr(prefill_mem, kind)[layer][s_idx]
-                for i, mem in enumerate(decode_mems):
-                    want = want_all[:, :, i * heads : (i + 1) * heads, :]
-                    got = getattr(mem, kind)[layer][d_idx]
-                    if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-                        problems.append(
-                            f"byte mismatch: decode tp{i} layer {layer} {kind.upper()} differs from "
-                            "its heads of the prefill pages"
-                        )
+        problems = kv_mismatches("byte mismatch", [prefill_mem], decode_mems, src, dst)
         for i, mem in enumerate(decode_mems):
             problems.extend(f"decode tp{i}: {g}" for g in mem.check_guards())
         return problems[:10]
@@ -508,7 +293,7 @@ def run(args: argparse.Namespace, run_state: Run) -> dict[str, Any]:
     allocate_s = 0.0
     register_bytes = 0
     if args.register:
-        registrar = spawn(
+        registrar = held.spawn(
             "registering engine",
             registrar_main,
             p_broker.address,
@@ -517,10 +302,9 @@ def run(args: argparse.Namespace, run_state: Run) -> dict[str, Any]:
             register_pages,
             args.engine_touch,
         )
-        r.children.append(registrar)
         _, allocate_s, register_bytes = registrar.recv(args.timeout, "ready")
     poll_room = room_base + 200
-    poller = spawn(
+    poller = held.spawn(
         "poller",
         poller_main,
         p_broker.address,
@@ -528,7 +312,6 @@ def run(args: argparse.Namespace, run_state: Run) -> dict[str, Any]:
         poll_room,
         args.poll_interval_ms / 1e3,
     )
-    r.children.append(poller)
     _, unknown_state, unknown_cause = poller.recv(args.timeout, "ready")
 
     phases: dict[str, tuple[float, float]] = {}
@@ -748,16 +531,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=300.0,
         help="seconds to wait for any one step (not a check)",
     )
-    p.add_argument(
-        "--broker-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for both `kvbroker serve` (repeat; e.g. --broker-arg=--peer-dead-after=30)",
-    )
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--keep-logs", action="store_true", help="keep the broker logs' directory")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the report")
+    add_run_options(p)
     args = p.parse_args(argv)
     if not args.register and not args.room:
         p.error("--no-register and --no-room leave nothing to load the broker with")
@@ -768,32 +543,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-lag-"))
-    state = Run(args, workdir)
-    result: dict[str, Any] | None = None
-    problems: list[str] = []
-    interrupted = False
-    try:
-        result = run(args, state)
-        problems.extend(result["failures"])
-    except KeyboardInterrupt:
-        interrupted = True
-    except BenchFailed as exc:
-        problems.append(str(exc))
-    except Exception:
-        problems.append(traceback.format_exc())
-    finally:
-        try:
-            problems.extend(state.close())
-        finally:
-            if args.keep_logs:
-                print(f"control_lag: broker logs kept in {workdir}", file=sys.stderr)
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
-    if problems and not args.keep_logs and not interrupted:
-        print("control_lag: run again with --keep-logs to keep the broker logs", file=sys.stderr)
-    return finish(
-        "control_lag", result, problems, interrupted=interrupted, as_json=args.json, print_report=print_report, report_lists_failures=True
+    return bench_main(
+        "control_lag", args, lambda held: run(args, held), print_report=print_report, report_lists_failures=True
     )
 
 

@@ -32,9 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-from proccpu import cpu_seconds, thread_cpu_seconds
+from common import cpu_snapshot
 from rawnixl import bulk_write_seconds
 
 from kvbroker.testing import BrokerProcess
@@ -43,10 +41,7 @@ from kvbroker.testing.scenario import Scenario, run_scenario
 
 def _cpu(p: BrokerProcess, d: BrokerProcess) -> dict[str, float]:
     """CPU seconds so far: this process (the engines), and each broker by thread role."""
-    out = {"engines": cpu_seconds(os.getpid())}
-    for side, broker in (("prefill", p), ("decode", d)):
-        out.update({f"{side}/{role}": s for role, s in thread_cpu_seconds(broker.process.pid).items()})
-    return out
+    return cpu_snapshot({"engines": os.getpid()}, {"prefill": p.process.pid, "decode": d.process.pid})
 
 
 def main() -> int:

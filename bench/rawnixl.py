@@ -12,14 +12,12 @@ calls. Both buffers are mapped and faulted in before the timing.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from typing import Any
 
 import numpy as np
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+from common import spawn
 
 __all__ = ["bulk_write_seconds"]
 
@@ -27,7 +25,7 @@ _DRAM = 1  # kvbroker.v1.MEMORY_KIND_DRAM
 
 
 def _agent(name: str) -> Any:
-    from kvbroker.broker.dataplane._agent import AgentConfig, UcxAgent
+    from kvbroker.broker.dataplane import AgentConfig, UcxAgent
 
     return UcxAgent(AgentConfig(name=name))
 
@@ -56,12 +54,11 @@ def _target(conn: Any, name: str, size: int) -> None:
 
 def bulk_write_seconds(total_bytes: int, part_bytes: int, repeat: int = 3) -> list[float]:
     """Seconds to write ``total_bytes`` in parts of ``part_bytes``, once per repeat."""
-    from kvbroker.broker.memory._importers import array_at, map_anonymous
+    from kvbroker.broker.memory import array_at
+    from kvbroker.broker.memory._importers import map_anonymous
 
-    ctx = multiprocessing.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_target, args=(there, f"raw-target-{os.getpid()}", total_bytes), daemon=True)
-    child.start()
+    child = spawn("raw NIXL target", _target, f"raw-target-{os.getpid()}", total_bytes)
+    here = child.conn
     agent = _agent(f"raw-initiator-{os.getpid()}")
     try:
         source = map_anonymous(total_bytes)
@@ -93,6 +90,5 @@ def bulk_write_seconds(total_bytes: int, part_bytes: int, repeat: int = 3) -> li
                 out.append(max(seen, time.monotonic()) - start)
         return out
     finally:
-        here.send("stop")
-        child.join(timeout=30)
+        child.stop("stop", wait=30)
         agent.close()

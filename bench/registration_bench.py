@@ -62,42 +62,30 @@ import gc
 import json
 import os
 import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from outcome import finish
-from proccpu import rss_bytes
+from common import (
+    GIB,
+    MIB,
+    BenchFailed,
+    Held,
+    add_run_options,
+    bench_main,
+    meminfo_bytes,
+    model_spec,
+    page_bytes,
+    release,
+    rss_bytes,
+)
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-KV_HEADS = 8
-HEAD_DIM = 128
-PAGE_SIZE = 16
-DTYPE_BYTES = 2  # bfloat16
-GIB = 1 << 30
-MIB = 1 << 20
 #: Shared memory left over after a buffer was freed that counts as not released.
 LEAK_SLACK_BYTES = 256 * MIB
 LOG_EVENTS = ("engine_registered", "engine_released", "engine_unregistered")
-
-
-class BenchFailed(RuntimeError):
-    """Something the run depends on failed: the figures are not valid."""
-
-
-def meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise BenchFailed(f"/proc/meminfo has no {field}")
 
 
 def step_timings(
@@ -134,94 +122,76 @@ def step_timings(
     return out
 
 
-def run(args: argparse.Namespace, workdir: Path, brokers: list[Any]) -> dict[str, Any]:
+def run(args: argparse.Namespace, held: Held) -> dict[str, Any]:
     import torch
 
-    from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec
-    from kvbroker.testing import BrokerProcess
+    from kvbroker.client import BrokerClient, EngineMemory, RankSpec
 
     torch.set_num_threads(1)
-    model = ModelSpec(
-        num_layers=args.layers,
-        total_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        page_size=PAGE_SIZE,
-    )
-    page_bytes = args.layers * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * DTYPE_BYTES
-    brokers.extend(
-        BrokerProcess.start_many(["broker"], workdir, ["--log-level", "info", *args.broker_arg])
-    )
-    broker = brokers[0]
+    model = model_spec(args.layers)
+    page = page_bytes(args.layers)
+    broker = held.start_brokers(["broker"], ["--log-level", "info", *args.broker_arg])[0]
     pid = broker.process.pid
     rss_start = rss_bytes(pid)
     client = BrokerClient(broker.address)
+    held.clients.append(client)
     tag = secrets.token_hex(3)
     groups: dict[str, tuple[float, int]] = {}
     samples: dict[float, list[dict[str, float]]] = {s: [] for s in args.sizes_gib}
-    failures: list[str] = []
-    try:
-        shmem_base = meminfo_bytes("Shmem")
-        for rnd in range(args.repeat):
-            for size in args.sizes_gib:
-                num_pages = max(1, round(size * GIB / page_bytes))
-                group = f"regbench-{tag}-{len(groups)}"
-                groups[group] = (size, rnd)
-                rank = RankSpec(group, "prefill")
+    shmem_base = meminfo_bytes("Shmem")
+    for rnd in range(args.repeat):
+        for size in args.sizes_gib:
+            num_pages = max(1, round(size * GIB / page))
+            group = f"regbench-{tag}-{len(groups)}"
+            groups[group] = (size, rnd)
+            rank = RankSpec(group, "prefill")
+            t0 = time.perf_counter()
+            memory = EngineMemory.allocate(rank, model, num_pages=num_pages)
+            if args.engine_touch:
+                assert memory.raw is not None
+                pages = memory.raw.numpy()[::4096]
+                pages += 0  # a write to every 4 KiB page (contents, guards unchanged)
+            allocate_s = time.perf_counter() - t0
+            nbytes = sum(spec.size_bytes for _, spec in memory.buffers)
+            engine = None
+            try:
                 t0 = time.perf_counter()
-                memory = EngineMemory.allocate(rank, model, num_pages=num_pages)
-                if args.engine_touch:
-                    assert memory.raw is not None
-                    pages = memory.raw.numpy()[::4096]
-                    pages += 0  # a write to every 4 KiB page (contents, guards unchanged)
-                allocate_s = time.perf_counter() - t0
-                nbytes = sum(spec.size_bytes for _, spec in memory.buffers)
+                engine = client.register_engine(rank, memory)
+                register_s = time.perf_counter() - t0
+                rss_registered = rss_bytes(pid)
+                t0 = time.perf_counter()
+                engine.close()
+                unregister_s = time.perf_counter() - t0
                 engine = None
-                try:
-                    t0 = time.perf_counter()
-                    engine = client.register_engine(rank, memory)
-                    register_s = time.perf_counter() - t0
-                    rss_registered = rss_bytes(pid)
-                    t0 = time.perf_counter()
-                    engine.close()
-                    unregister_s = time.perf_counter() - t0
-                    engine = None
-                finally:
-                    if engine is not None:
-                        try:
-                            engine.close()
-                        except Exception:
-                            pass
-                    memory.close()
-                    del memory
-                    gc.collect()
-                left = meminfo_bytes("Shmem") - shmem_base
-                sample = {
-                    "bytes": nbytes,
-                    "allocate_s": allocate_s,
-                    "register_s": register_s,
-                    "unregister_s": unregister_s,
-                    "broker_rss_registered": rss_registered or 0,
-                    "broker_rss_after": rss_bytes(pid) or 0,
-                    "shmem_left": left,
-                }
-                samples[size].append(sample)
-                if not args.json:
-                    print(
-                        f"  round {rnd + 1}/{args.repeat} {size:g} GiB: allocate {allocate_s:.2f} s, "
-                        f"register {register_s:.2f} s, unregister {unregister_s:.2f} s",
-                        file=sys.stderr,
-                    )
-                if left > LEAK_SLACK_BYTES:
-                    raise BenchFailed(
-                        f"{size:g} GiB: {left / MIB:.0f} MiB of shared memory still allocated after the "
-                        "engine unregistered and freed its buffer (the broker kept its mapping?); stopping "
-                        "before the next buffer"
-                    )
-                if broker.process.poll() is not None:
-                    raise BenchFailed(f"the broker died (exit status {broker.process.returncode})")
-    finally:
-        client.close()
+            finally:
+                release(engine, memory=memory)
+                del memory
+                gc.collect()
+            left = meminfo_bytes("Shmem") - shmem_base
+            sample = {
+                "bytes": nbytes,
+                "allocate_s": allocate_s,
+                "register_s": register_s,
+                "unregister_s": unregister_s,
+                "broker_rss_registered": rss_registered or 0,
+                "broker_rss_after": rss_bytes(pid) or 0,
+                "shmem_left": left,
+            }
+            samples[size].append(sample)
+            if not args.json:
+                print(
+                    f"  round {rnd + 1}/{args.repeat} {size:g} GiB: allocate {allocate_s:.2f} s, "
+                    f"register {register_s:.2f} s, unregister {unregister_s:.2f} s",
+                    file=sys.stderr,
+                )
+            if left > LEAK_SLACK_BYTES:
+                raise BenchFailed(
+                    f"{size:g} GiB: {left / MIB:.0f} MiB of shared memory still allocated after the "
+                    "engine unregistered and freed its buffer (the broker kept its mapping?); stopping "
+                    "before the next buffer"
+                )
+            if broker.process.poll() is not None:
+                raise BenchFailed(f"the broker died (exit status {broker.process.returncode})")
     time.sleep(0.2)  # let the last log lines reach the file
     logged = step_timings(broker.log_path, groups)
 
@@ -265,7 +235,7 @@ def run(args: argparse.Namespace, workdir: Path, brokers: list[Any]) -> dict[str
             "sizes_gib": args.sizes_gib,
             "repeat": args.repeat,
             "layers": args.layers,
-            "page_bytes": page_bytes,
+            "page_bytes": page,
             "engine_touch": args.engine_touch,
             "broker_args": args.broker_arg,
             "cpus": os.cpu_count(),
@@ -274,7 +244,6 @@ def run(args: argparse.Namespace, workdir: Path, brokers: list[Any]) -> dict[str
         "broker_rss_start": rss_start,
         "rows": rows,
         "linearity_register_s_per_gib_largest_over_smallest": linearity,
-        "failures": failures,
     }
 
 
@@ -351,15 +320,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the engine writes every page before registering (default: pages untouched)",
     )
-    p.add_argument(
-        "--broker-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for `kvbroker serve` (repeatable)",
-    )
-    p.add_argument("--keep-logs", action="store_true", help="keep the broker log's directory")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    add_run_options(p, brokers="")
     args = p.parse_args(argv)
     if args.repeat < 1 or args.layers < 1:
         p.error("--repeat and --layers must be at least 1")
@@ -376,41 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    workdir = Path(tempfile.mkdtemp(prefix="kvb-reg-"))
-    brokers: list[Any] = []
-    result: dict[str, Any] | None = None
-    problems: list[str] = []
-    interrupted = False
-    try:
-        result = run(args, workdir, brokers)
-    except KeyboardInterrupt:
-        interrupted = True
-    except BenchFailed as exc:
-        problems.append(str(exc))
-    except Exception:
-        problems.append(traceback.format_exc())
-    finally:
-        try:
-            for broker in brokers:
-                if broker.process.poll() is not None:
-                    problems.append(
-                        f"broker died (exit status {broker.process.returncode}); log tail:\n"
-                        + broker.log_tail(1500)
-                    )
-                    continue
-                code = broker.stop()
-                if code != 0:
-                    problems.append(f"broker exited with status {code} on SIGTERM")
-        finally:
-            for broker in brokers:
-                broker.kill()
-            if args.keep_logs:
-                print(f"registration_bench: broker log kept in {workdir}", file=sys.stderr)
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
-    return finish(
-        "registration_bench", result, problems, interrupted=interrupted, as_json=args.json, print_report=print_report
-    )
+    return bench_main("registration_bench", args, lambda held: run(args, held), print_report=print_report)
 
 
 if __name__ == "__main__":

@@ -45,15 +45,22 @@ import multiprocessing
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outcome import finish
-from proccpu import cpu_seconds
+from common import (
+    Held,
+    bench_main,
+    cpu_snapshot,
+    fill_pattern,
+    model_spec,
+    percentile,
+    poll_round_trips,
+    spawn,
+)
 
 PREFILL_GROUP = "rooms-prefill"
 
@@ -75,13 +82,7 @@ SHAPES = {
 
 
 def _model(shape: Shape) -> Any:
-    import torch
-
-    from kvbroker.client import ModelSpec
-
-    return ModelSpec(
-        num_layers=shape.layers, total_kv_heads=shape.heads, head_dim=shape.head_dim, dtype=torch.bfloat16, page_size=shape.page_size
-    )
+    return model_spec(shape.layers, kv_heads=shape.heads, head_dim=shape.head_dim, page_size=shape.page_size)
 
 
 def _slot_pages(shape: Shape, room_index: int, slots: int) -> Any:
@@ -101,23 +102,14 @@ def _engine(role: str, address: str, shape: Shape, slots: int) -> tuple[Any, Any
     memory = EngineMemory.allocate(rank, _model(shape), num_pages=slots * shape.pages)
     assert memory.raw is not None
     if role == "prefill":
-        import numpy as np
-
-        raw = memory.raw.numpy()
-        raw[:] = np.random.default_rng(7).integers(0, 256, size=raw.size, dtype=np.uint8)
+        fill_pattern(memory.raw.numpy(), 7)
     else:
         memory.raw.zero_()
     client = BrokerClient(address)
     return client.register_engine(rank, memory), memory
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def prefill_main(conn: Any, peer: Any, address: str, shape: Shape, slots: int) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     engine, memory = _engine("prefill", address, shape, slots)
     conn.send(("ready", None))
     blocked: list[float] = []
@@ -159,9 +151,7 @@ def prefill_main(conn: Any, peer: Any, address: str, shape: Shape, slots: int) -
 
 
 def decode_main(conn: Any, peer: Any, address: str, prefill_address: str, shape: Shape, slots: int) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from kvbroker.client import RoomState, SenderRef
-    from kvbroker.v1 import transfer_pb2
 
     engine, memory = _engine("decode", address, shape, slots)
     ref = SenderRef(prefill_address, PREFILL_GROUP)
@@ -174,13 +164,7 @@ def decode_main(conn: Any, peer: Any, address: str, prefill_address: str, shape:
             return
         if cmd == "rtt":
             room, count = arg
-            request = transfer_pb2.PollRequest(engine_id=engine.engine_id, rooms=[room])
-            rtts = []
-            for _ in range(count):
-                t = time.perf_counter()
-                engine.client.call(engine.client.stub.Poll, request)
-                rtts.append(time.perf_counter() - t)
-            conn.send(("rtt", rtts))
+            conn.send(("rtt", poll_round_trips(engine, room, count)))
         elif cmd == "latency":
             base, count = arg
             latencies = []
@@ -239,26 +223,20 @@ class Pair:
     """Two brokers and two engine processes for one room shape."""
 
     def __init__(self, shape: Shape, slots: int, workdir: Path) -> None:
-        from kvbroker.brokerproc import BrokerProcess
+        from kvbroker.testing import BrokerProcess
 
         self.shape = shape
         self.slots = slots
+        workdir.mkdir()
         self.brokers = BrokerProcess.start_many(["prefill", "decode"], workdir, ["--log-level", "warning"])
         prefill_broker, decode_broker = self.brokers
-        ctx = multiprocessing.get_context("spawn")
-        self.p_conn, p_child = ctx.Pipe()
-        self.d_conn, d_child = ctx.Pipe()
-        p_peer, d_peer = ctx.Pipe()
-        self.prefill = ctx.Process(target=prefill_main, args=(p_child, p_peer, prefill_broker.address, shape, slots), daemon=True)
-        self.decode = ctx.Process(
-            target=decode_main, args=(d_child, d_peer, decode_broker.address, prefill_broker.address, shape, slots), daemon=True
+        p_peer, d_peer = multiprocessing.get_context("spawn").Pipe()
+        self.prefill = spawn("prefill engine", prefill_main, p_peer, prefill_broker.address, shape, slots)
+        self.decode = spawn(
+            "decode engine", decode_main, d_peer, decode_broker.address, prefill_broker.address, shape, slots
         )
-        self.prefill.start()
-        self.decode.start()
-        for conn in (self.p_conn, self.d_conn):
-            if not conn.poll(120):
-                raise RuntimeError("an engine process did not start")
-            conn.recv()
+        for child in (self.prefill, self.decode):
+            child.recv(120, "ready")
         self.next_room = (os.getpid() << 24) + 1
 
     def rooms(self, count: int) -> int:
@@ -270,28 +248,16 @@ class Pair:
         return {
             "prefill broker": self.brokers[0].process.pid,
             "decode broker": self.brokers[1].process.pid,
-            "prefill engine": self.prefill.pid or 0,
-            "decode engine": self.decode.pid or 0,
+            "prefill engine": self.prefill.proc.pid or 0,
+            "decode engine": self.decode.proc.pid or 0,
         }
 
-    def ask(self, conn: Any, cmd: str, arg: Any = None, timeout: float = 600) -> Any:
-        conn.send((cmd, arg))
-        if not conn.poll(timeout):
-            raise RuntimeError(f"{cmd}: no answer in {timeout} s")
-        return conn.recv()[1]
-
     def blocked(self) -> list[float]:
-        return self.ask(self.p_conn, "blocked")  # type: ignore[no-any-return]
+        return self.prefill.ask("blocked", None)[1]  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        for conn, proc in ((self.p_conn, self.prefill), (self.d_conn, self.decode)):
-            try:
-                self.ask(conn, "stop", timeout=30)
-            except Exception:
-                pass
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        for child in (self.prefill, self.decode):
+            child.stop(("stop", None), wait=30)
         for broker in self.brokers:
             try:
                 broker.stop()
@@ -299,48 +265,44 @@ class Pair:
                 broker.kill()
 
 
-def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    return {name: cpu_seconds(pid) for name, pid in pids.items()}
-
-
-def run_shape(shape: Shape, args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
+def run_shape(name: str, args: argparse.Namespace, held: Held) -> dict[str, Any]:
+    shape = SHAPES[name]
     slots = max(args.windows) + 56
-    with tempfile.TemporaryDirectory(prefix="kvb-rooms-") as tmp:
-        pair = Pair(shape, slots, Path(tmp))
-        try:
-            return _measure(pair, shape, slots, args, problems)
-        finally:
-            pair.close()
+    pair = Pair(shape, slots, held.workdir / name)
+    try:
+        return _measure(pair, shape, slots, args, held.problems)
+    finally:
+        pair.close()
 
 
 def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": shape.name, "bytes_per_room": shape.pages * shape.layers * 2 * shape.page_size * shape.heads * shape.head_dim * 2}
     # Warm-up: handshakes, first descriptors, the session streams.
     base = pair.rooms(slots)
-    pair.p_conn.send(("window", (base, slots, 16)))
-    elapsed, bad = pair.ask(pair.d_conn, "window", (base, slots, 16))
-    pair.p_conn.recv()
+    pair.prefill.conn.send(("window", (base, slots, 16)))
+    elapsed, bad = pair.decode.ask("window", (base, slots, 16))[1]
+    pair.prefill.recv(600)
     problems.extend(f"{shape.name} warm-up: {b}" for b in bad[:3])
     pair.blocked()
     expected = _digest_prefill(pair, shape, slots)
 
-    rtts = pair.ask(pair.d_conn, "rtt", (base, args.rtt_calls))
+    rtts = pair.decode.ask("rtt", (base, args.rtt_calls))[1]
     poll_rtt = statistics.median(rtts)
     out["poll_rtt_us"] = poll_rtt * 1e6
 
     base = pair.rooms(args.latency_rooms)
-    pair.p_conn.send(("latency", (base, args.latency_rooms)))
-    latencies, walls, bad = pair.ask(pair.d_conn, "latency", (base, args.latency_rooms))
-    pair.p_conn.recv()
+    pair.prefill.conn.send(("latency", (base, args.latency_rooms)))
+    latencies, walls, bad = pair.decode.ask("latency", (base, args.latency_rooms))[1]
+    pair.prefill.recv(600)
     problems.extend(f"{shape.name} latency: {b}" for b in bad[:3])
     blocked = pair.blocked()
     out["latency"] = {
         "median_us": statistics.median(latencies) * 1e6,
-        "p90_us": _pct(latencies, 0.9) * 1e6,
-        "p99_us": _pct(latencies, 0.99) * 1e6,
+        "p90_us": percentile(latencies, 0.9) * 1e6,
+        "p99_us": percentile(latencies, 0.99) * 1e6,
         "median_rtts": statistics.median(latencies) / poll_rtt,
-        "p90_rtts": _pct(latencies, 0.9) / poll_rtt,
-        "p99_rtts": _pct(latencies, 0.99) / poll_rtt,
+        "p90_rtts": percentile(latencies, 0.9) / poll_rtt,
+        "p99_rtts": percentile(latencies, 0.99) / poll_rtt,
     }
     out["latency"]["timeline_ms"] = _timelines(pair, base, walls)
     all_blocked = list(blocked)
@@ -349,11 +311,11 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
         count = args.rooms if shape.pages == 1 else max(window * 4, args.rooms // 8)
         base = pair.rooms(count)
         pids = pair.pids()
-        cpu0 = _cpu(pids)
-        pair.p_conn.send(("window", (base, count, window)))
-        elapsed, bad = pair.ask(pair.d_conn, "window", (base, count, window))
-        pair.p_conn.recv()
-        cpu = {name: (v - cpu0[name]) for name, v in _cpu(pids).items()}
+        cpu0 = cpu_snapshot(pids)
+        pair.prefill.conn.send(("window", (base, count, window)))
+        elapsed, bad = pair.decode.ask("window", (base, count, window))[1]
+        pair.prefill.recv(600)
+        cpu = {name: (v - cpu0[name]) for name, v in cpu_snapshot(pids).items()}
         problems.extend(f"{shape.name} W={window}: {b}" for b in bad[:3])
         blocked = pair.blocked()
         all_blocked += blocked
@@ -364,11 +326,11 @@ def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, pro
             "cpu_ms_per_room": {name: v / count * 1e3 for name, v in cpu.items()},
             "send_blocked_median_us": statistics.median(blocked) * 1e6,
         }
-    got = pair.ask(pair.d_conn, "verify", slots)
+    got = pair.decode.ask("verify", slots)[1]
     if got != expected:
         problems.append(f"{shape.name}: the decode pool differs from the prefill pool in {sum(a != b for a, b in zip(got, expected))} layer tensors")
     out["verified_layer_tensors"] = len(expected)
-    out["send_blocked"] = {"median_us": statistics.median(all_blocked) * 1e6, "p99_us": _pct(all_blocked, 0.99) * 1e6, "calls": len(all_blocked)}
+    out["send_blocked"] = {"median_us": statistics.median(all_blocked) * 1e6, "p99_us": percentile(all_blocked, 0.99) * 1e6, "calls": len(all_blocked)}
     return out
 
 
@@ -407,15 +369,12 @@ def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]]) -> dict[
 
 def _digest_prefill(pair: Pair, shape: Shape, slots: int) -> list[str]:
     """The prefill pool's digest, computed here from the same seed the prefill engine used."""
-    import numpy as np
-
     from kvbroker.client import EngineMemory, RankSpec
 
     memory = EngineMemory.allocate(RankSpec(PREFILL_GROUP, "prefill"), _model(shape), num_pages=slots * shape.pages)
     try:
         assert memory.raw is not None
-        raw = memory.raw.numpy()
-        raw[:] = np.random.default_rng(7).integers(0, 256, size=raw.size, dtype=np.uint8)
+        fill_pattern(memory.raw.numpy(), 7)
         return _digest(memory, shape, slots)
     finally:
         memory.close()
@@ -453,16 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rtt-calls", type=int, default=500)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    problems: list[str] = []
-    result: dict[str, Any] | None = None
-    try:
-        result = {"shapes": [run_shape(SHAPES[name], args, problems) for name in args.shapes]}
-    except KeyboardInterrupt:
-        return finish("rooms_bench", None, problems, interrupted=True, as_json=args.json, print_report=print_report)
-    except Exception as exc:  # a run that could not finish is a failure, with its reason
-        problems.append(f"{type(exc).__name__}: {exc}")
-    return finish("rooms_bench", result, problems, interrupted=False, as_json=args.json, print_report=print_report)
+
+    def measure(held: Held) -> dict[str, Any]:
+        return {"shapes": [run_shape(name, args, held) for name in args.shapes]}
+
+    return bench_main("rooms_bench", args, measure, print_report=print_report)
 
 
 if __name__ == "__main__":

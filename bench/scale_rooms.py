@@ -30,159 +30,130 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from outcome import finish
-from proccpu import rss_bytes
+from common import (
+    Held,
+    bench_main,
+    fill_pattern,
+    model_spec,
+    poll_round_trips,
+    rss_bytes,
+    timed_calls,
+    wait_open,
+)
 
 PREFILL_GROUP = "scale-prefill"
 TTL = "1.0"
 
 
-def _round_trips(calls: int, fn: Any) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _round_trips(calls: int, fn: Callable[[], object]) -> float:
+    return statistics.median(timed_calls(calls, fn))
 
 
-def run(args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
-    import numpy as np
+def run(args: argparse.Namespace, held: Held) -> dict[str, Any]:
     import torch
 
-    from kvbroker.brokerproc import BrokerProcess
-    from kvbroker.client import (
-        BrokerClient,
-        EngineMemory,
-        ExpectSpec,
-        ModelSpec,
-        RankSpec,
-        RoomState,
-        SenderRef,
-    )
-    from kvbroker.v1 import transfer_pb2
+    from kvbroker.client import ExpectSpec, RankSpec, RoomState, SenderRef
 
+    problems = held.problems
     n = args.rooms
-    model = ModelSpec(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.bfloat16, page_size=1)
+    model = model_spec(1, kv_heads=1, head_dim=8, page_size=1)
     extra = ["--log-level", "warning", "--finished-room-ttl", TTL, "--tombstone-ttl", TTL, "--receiver-data-timeout", "600",
              "--sender-info-timeout", "600"]
-    with tempfile.TemporaryDirectory(prefix="kvb-scale-") as tmp:
-        brokers = BrokerProcess.start_many(["prefill", "decode"], Path(tmp), extra)
-        p, d = brokers
-        pr, dr = RankSpec(PREFILL_GROUP, "prefill"), RankSpec("scale-decode", "decode")
-        # Room i moves pages 2i and 2i + 1 (one chunk each).
-        pm = EngineMemory.allocate(pr, model, num_pages=2 * n)
-        dm = EngineMemory.allocate(dr, model, num_pages=2 * n)
-        assert pm.raw is not None and dm.raw is not None
-        raw = pm.raw.numpy()
-        raw[:] = np.random.default_rng(5).integers(0, 256, size=raw.size, dtype=np.uint8)
-        dm.raw.zero_()
-        pc, dc = BrokerClient(p.address), BrokerClient(d.address)
-        pe, de = pc.register_engine(pr, pm), dc.register_engine(dr, dm)
-        ref = SenderRef(p.address, PREFILL_GROUP)
-        base = (os.getpid() << 24) + 1
-        next_room = [base]
+    brokers = held.start_brokers(["prefill", "decode"], extra)
+    p, d = brokers
+    pr, dr = RankSpec(PREFILL_GROUP, "prefill"), RankSpec("scale-decode", "decode")
+    # Room i moves pages 2i and 2i + 1 (one chunk each).
+    pm = held.allocate(pr, model, num_pages=2 * n)
+    dm = held.allocate(dr, model, num_pages=2 * n)
+    assert pm.raw is not None and dm.raw is not None
+    fill_pattern(pm.raw.numpy(), 5)
+    dm.raw.zero_()
+    pe, de = held.register(p.address, pr, pm), held.register(d.address, dr, dm)
+    ref = SenderRef(p.address, PREFILL_GROUP)
+    base = (os.getpid() << 24) + 1
+    next_room = [base]
 
-        def fresh() -> int:
-            next_room[0] += 1
-            return next_room[0]
+    def fresh() -> int:
+        next_room[0] += 1
+        return next_room[0]
 
-        def move(room: int, page: int) -> None:
-            de.receiver(room, ref).init([page])
-            sender = pe.sender(room)
-            sender.init(1)
-            sender.send([page])
+    def move(room: int, page: int) -> None:
+        de.receiver(room, ref).init([page])
+        sender = pe.sender(room)
+        sender.init(1)
+        sender.send([page])
 
-        def session_rtt() -> None:
-            room = fresh()
-            receiver = de.receiver(room, ref)
-            receiver.init([0])
-            receiver.abort("scale: round trip")
-            receiver.wait(30)
+    def session_rtt() -> None:
+        room = fresh()
+        receiver = de.receiver(room, ref)
+        receiver.init([0])
+        receiver.abort("scale: round trip")
+        receiver.wait(30)
 
-        poll = transfer_pb2.PollRequest(engine_id=de.engine_id, rooms=[base])
-        try:
-            # Warm-up: handshakes, first descriptors, the streams; then evicted.
-            warm = [fresh() for _ in range(200)]
-            for i, room in enumerate(warm):
-                move(room, i)
-            de.wait(warm, timeout_seconds=60)
-            _round_trips(50, session_rtt)
-            time.sleep(float(TTL) * 2 + 1.5)
-            idle_rss = {b.name: rss_bytes(b.process.pid) for b in brokers}
-            idle_poll = _round_trips(args.calls, lambda: dc.call(dc.stub.Poll, poll))
-            idle_session = _round_trips(args.calls // 5, session_rtt)
+    def poll_rtt() -> float:
+        return statistics.median(poll_round_trips(de, base, args.calls))
 
-            rooms = [fresh() for _ in range(n)]
-            half = n // 2
-            t0 = time.perf_counter()
-            for i in range(0, n, 1000):
-                de.expect([ExpectSpec(room, ref, [2 * (i + j), 2 * (i + j) + 1]) for j, room in enumerate(rooms[i : i + 1000])])
-            senders = []
-            for room in rooms:
-                sender = pe.sender(room)
-                sender.init(2)
-                senders.append(sender)
-            pe.send([(senders[i], [2 * i]) for i in range(half)])
-            pe.flush(120)
-            de.flush(120)
-            # Every room registered (the first half also landed its first chunk).
-            deadline = time.monotonic() + 120
-            while True:
-                states = de.poll(rooms)
-                if all(s.state >= RoomState.WAITING_FOR_INPUT for s in states.values()):
-                    break
-                if time.monotonic() > deadline:
-                    late = [s for s in states.values() if s.state < RoomState.WAITING_FOR_INPUT]
-                    kinds = sorted({(RoomState(s.state).name, s.cause.message[:120]) for s in late})[:3]
-                    raise RuntimeError(f"{len(late)} rooms did not open in 120 s: {kinds}")
-                time.sleep(0.1)
-            open_s = time.perf_counter() - t0
-            stats = {b.name: b.stats() for b in brokers}
-            open_counts = {name: dict(s.per_room_state) for name, s in stats.items()}
-            open_rss = {b.name: rss_bytes(b.process.pid) for b in brokers}
-            open_poll = _round_trips(args.calls, lambda: dc.call(dc.stub.Poll, poll))
-            open_session = _round_trips(args.calls // 5, session_rtt)
+    # Warm-up: handshakes, first descriptors, the streams; then evicted.
+    warm = [fresh() for _ in range(200)]
+    for i, room in enumerate(warm):
+        move(room, i)
+    de.wait(warm, timeout_seconds=60)
+    _round_trips(50, session_rtt)
+    time.sleep(float(TTL) * 2 + 1.5)
+    idle_rss = {b.name: rss_bytes(b.process.pid) for b in brokers}
+    idle_poll = poll_rtt()
+    idle_session = _round_trips(args.calls // 5, session_rtt)
 
-            # Finish: the first half complete, the second half are aborted.
-            pe.send([(senders[i], [2 * i + 1]) for i in range(half)])
-            for room in rooms[half:]:
-                de.receiver(room, ref).abort("scale: done")
-            final = de.wait(rooms, timeout_seconds=180)
-            sent = set(rooms[:half])
-            bad = [(r, s.cause.message) for r, s in final.items() if (s.state == RoomState.SUCCESS) != (r in sent)]
-            if bad:
-                problems.append(f"{len(bad)} rooms ended otherwise than planned, e.g. {bad[:2]}")
-            for layer in range(model.num_layers):
-                for src, dst in zip(pm.kv_tensors(layer), dm.kv_tensors(layer)):
-                    if not torch.equal(src[: 2 * half].view(torch.uint8), dst[: 2 * half].view(torch.uint8)):
-                        problems.append(f"layer {layer}: the decode pages of the completed rooms differ from the prefill pages")
-            # The TTLs pass; every table must empty.
-            deadline = time.monotonic() + float(TTL) * 2 + 30
-            while True:
-                left = {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
-                if not any(left.values()) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            if any(left.values()):
-                problems.append(f"per-room tables not empty after the TTLs: {left}")
-                for b in brokers:
-                    print(f"--- {b.name} broker log (tail)\n{b.log_tail(3000)}", file=sys.stderr)
-        finally:
-            for engine in (pe, de):
-                try:
-                    engine.close()
-                except Exception as exc:  # reported; the brokers still stop
-                    problems.append(f"unregistering failed: {exc}")
-            pc.close()
-            dc.close()
-            for b in brokers:
-                b.stop()
+    rooms = [fresh() for _ in range(n)]
+    half = n // 2
+    t0 = time.perf_counter()
+    for i in range(0, n, 1000):
+        de.expect([ExpectSpec(room, ref, [2 * (i + j), 2 * (i + j) + 1]) for j, room in enumerate(rooms[i : i + 1000])])
+    senders = []
+    for room in rooms:
+        sender = pe.sender(room)
+        sender.init(2)
+        senders.append(sender)
+    pe.send([(senders[i], [2 * i]) for i in range(half)])
+    pe.flush(120)
+    de.flush(120)
+    # Every room registered (the first half also landed its first chunk).
+    wait_open(de, rooms, 120, interval=0.1)
+    open_s = time.perf_counter() - t0
+    stats = {b.name: b.stats() for b in brokers}
+    open_counts = {name: dict(s.per_room_state) for name, s in stats.items()}
+    open_rss = {b.name: rss_bytes(b.process.pid) for b in brokers}
+    open_poll = poll_rtt()
+    open_session = _round_trips(args.calls // 5, session_rtt)
+
+    # Finish: the first half complete, the second half are aborted.
+    pe.send([(senders[i], [2 * i + 1]) for i in range(half)])
+    for room in rooms[half:]:
+        de.receiver(room, ref).abort("scale: done")
+    final = de.wait(rooms, timeout_seconds=180)
+    sent = set(rooms[:half])
+    bad = [(r, s.cause.message) for r, s in final.items() if (s.state == RoomState.SUCCESS) != (r in sent)]
+    if bad:
+        problems.append(f"{len(bad)} rooms ended otherwise than planned, e.g. {bad[:2]}")
+    for layer in range(model.num_layers):
+        for src, dst in zip(pm.kv_tensors(layer), dm.kv_tensors(layer)):
+            if not torch.equal(src[: 2 * half].view(torch.uint8), dst[: 2 * half].view(torch.uint8)):
+                problems.append(f"layer {layer}: the decode pages of the completed rooms differ from the prefill pages")
+    # The TTLs pass; every table must empty.
+    deadline = time.monotonic() + float(TTL) * 2 + 30
+    while True:
+        left = {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if any(left.values()):
+        problems.append(f"per-room tables not empty after the TTLs: {left}")
+        for b in brokers:
+            print(f"--- {b.name} broker log (tail)\n{b.log_tail(3000)}", file=sys.stderr)
     return {
         "rooms": n,
         "open_seconds": open_s,
@@ -219,16 +190,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=500, help="round trips per Poll measurement (a fifth of it for the session's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    problems: list[str] = []
-    result = None
-    try:
-        result = run(args, problems)
-    except KeyboardInterrupt:
-        return finish("scale_rooms", None, problems, interrupted=True, as_json=args.json, print_report=print_report)
-    except Exception as exc:
-        problems.append(f"{type(exc).__name__}: {exc}")
-    return finish("scale_rooms", result, problems, interrupted=False, as_json=args.json, print_report=print_report)
+    return bench_main("scale_rooms", args, lambda held: run(args, held), print_report=print_report)
 
 
 if __name__ == "__main__":

@@ -56,10 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
-import mmap
-import multiprocessing
 import os
 import secrets
 import shutil
@@ -69,419 +66,27 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from proccpu import cpu_seconds, thread_cpu_seconds
+from common import (
+    KV_HEADS,
+    BenchFailed,
+    Held,
+    cpu_snapshot,
+    fill_pattern,
+    kv_mismatches,
+    model_spec,
+    percentile,
+    poll_round_trips,
+    wait_open,
+)
+from transfer_raw import RawNixl, Regions, RoomPlan, copy_list, make_plans, verify
 
 PREFILL_GROUP = "bench-prefill"
 DECODE_GROUP = "bench-decode"
-KV_HEADS = 8
 HEAD_DIM = 64  # bfloat16: 1 KiB per token, so page_kib tokens per page
-TARGET_POLL_SECONDS = 100e-6
-
-
-class BenchError(RuntimeError):
-    """A failed room, a byte mismatch or a failed transfer: the run is invalid."""
-
-
-# -- page plans ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoomPlan:
-    src: np.ndarray  # int32 page indices, in room order
-    dst: np.ndarray
-    #: [start, end) of each chunk over the room's pages.
-    chunks: tuple[tuple[int, int], ...]
-
-
-def _place(rng: np.random.Generator, lengths: np.ndarray, base: int) -> tuple[np.ndarray, int]:
-    """Pages of runs of ``lengths`` (room order) laid out in shuffled order with gaps of 1-3 pages."""
-    n = len(lengths)
-    order = rng.permutation(n)
-    gaps = rng.integers(1, 4, size=n)
-    starts = np.empty(n, dtype=np.int64)
-    pos = 0
-    for i, run in enumerate(order):
-        pos += int(gaps[i])
-        starts[run] = pos
-        pos += int(lengths[run])
-    pages = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in range(n)]) + base
-    return pages.astype(np.int32), pos + 1
-
-
-def make_plans(
-    n: int, pages: int, chunks: int, mean_run: int, seed: int
-) -> tuple[list[RoomPlan], int]:
-    """``n`` rooms on disjoint pages of each side; the pool size (pages) both sides need."""
-    rng = np.random.default_rng(seed)
-    plans = []
-    src_base = dst_base = 0
-    for _ in range(n):
-        lengths = []
-        left = pages
-        while left > 0:
-            run = min(left, int(rng.integers(1, 2 * mean_run)))
-            lengths.append(run)
-            left -= run
-        arr = np.array(lengths, dtype=np.int64)
-        src, src_extent = _place(rng, arr, src_base)
-        dst, dst_extent = _place(rng, arr, dst_base)
-        src_base += src_extent
-        dst_base += dst_extent
-        k = max(1, min(chunks, pages))
-        bounds = np.linspace(0, pages, k + 1).astype(int)
-        plans.append(
-            RoomPlan(src, dst, tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])))
-        )
-    return plans, max(src_base, dst_base, pages)
-
-
-# -- descriptors --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Regions:
-    """The K/V layer regions of the pool (identical on both sides)."""
-
-    offsets: np.ndarray  # uint64 byte offsets of each region in the buffer
-    item_bytes: int
-
-
-def chunk_descs(
-    regions: Regions, src_addr: int, dst_addr: int, src: np.ndarray, dst: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """One descriptor per (region, coalesced run): local and remote N x 3 uint64 arrays."""
-    from kvbroker.plan._descriptors import coalesce_runs
-
-    runs = coalesce_runs(src, dst).astype(np.uint64)  # (src start, dst start, length)
-    item = np.uint64(regions.item_bytes)
-    offs = regions.offsets[:, None]
-    n = len(regions.offsets) * len(runs)
-    local = np.empty((n, 3), dtype=np.uint64)
-    remote = np.empty((n, 3), dtype=np.uint64)
-    local[:, 0] = (np.uint64(src_addr) + offs + runs[None, :, 0] * item).ravel()
-    remote[:, 0] = (np.uint64(dst_addr) + offs + runs[None, :, 1] * item).ravel()
-    local[:, 1] = remote[:, 1] = np.broadcast_to(
-        runs[None, :, 2] * item, (len(regions.offsets), len(runs))
-    ).ravel()
-    local[:, 2] = remote[:, 2] = 0
-    return local, remote
-
-
-def copy_list(regions: Regions, plans: Sequence[RoomPlan]) -> list[tuple[int, int, int]]:
-    """(src byte offset, dst byte offset, bytes) per run, chunk by chunk, region by region."""
-    from kvbroker.plan._descriptors import coalesce_runs
-
-    out = []
-    item = regions.item_bytes
-    for plan in plans:
-        for a, b in plan.chunks:
-            runs = coalesce_runs(plan.src[a:b], plan.dst[a:b])
-            for off in regions.offsets.tolist():
-                for s, d, n in runs.tolist():
-                    out.append((off + s * item, off + d * item, n * item))
-    return out
-
-
-def fill_pattern(buf: np.ndarray, seed: int) -> None:
-    """Distinct bytes in every 8-byte word (so every page differs), fast."""
-    words = buf.view(np.uint64)
-    step = 1 << 22
-    for i in range(0, words.size, step):
-        x = np.arange(i, min(i + step, words.size), dtype=np.uint64) + np.uint64(seed)
-        x *= np.uint64(0x9E3779B97F4A7C15)
-        x ^= x >> np.uint64(29)
-        words[i : i + x.size] = x
-
-
-def verify(
-    what: str,
-    src: np.ndarray,
-    dst: np.ndarray,
-    regions: Regions,
-    num_pages: int,
-    plans: Sequence[RoomPlan],
-) -> None:
-    """The chosen dst pages equal the src pages, byte for byte; every other dst page is zero."""
-    item = regions.item_bytes
-    s_idx = np.concatenate([p.src for p in plans]).astype(np.int64)
-    d_idx = np.concatenate([p.dst for p in plans]).astype(np.int64)
-    untouched = np.ones(num_pages, dtype=bool)
-    untouched[d_idx] = False
-    for r, off in enumerate(regions.offsets.tolist()):
-        sv = src[off : off + num_pages * item].reshape(num_pages, item)
-        dv = dst[off : off + num_pages * item].reshape(num_pages, item)
-        got, want = dv[d_idx], sv[s_idx]
-        if not np.array_equal(got, want):
-            bad = int(np.count_nonzero(np.any(got != want, axis=1)))
-            raise BenchError(
-                f"{what}: region {r}: {bad} of {len(d_idx)} destination pages differ from their source pages"
-            )
-        if np.any(dv[untouched]):
-            bad = int(np.count_nonzero(np.any(dv[untouched] != 0, axis=1)))
-            raise BenchError(f"{what}: region {r}: {bad} pages outside the rooms were written")
-
-
-def verify_tensors(what: str, prefill: Any, decode: Any, plans: Sequence[RoomPlan]) -> None:
-    """The engines' own K/V tensors, as bytes: decode[dst pages] == prefill[src pages] for every layer."""
-    import torch
-
-    s_idx = torch.from_numpy(np.concatenate([p.src for p in plans]).astype(np.int64))
-    d_idx = torch.from_numpy(np.concatenate([p.dst for p in plans]).astype(np.int64))
-    for layer in sorted(prefill.k):
-        for kind, a, b in (
-            ("K", prefill.k[layer], decode.k[layer]),
-            ("V", prefill.v[layer], decode.v[layer]),
-        ):
-            if not torch.equal(b[d_idx].view(torch.uint8), a[s_idx].view(torch.uint8)):
-                raise BenchError(
-                    f"{what}: layer {layer} {kind}: the decode pages differ from the prefill pages"
-                )
-
-
-# -- NIXL agents ---------------------------------------------------------------
-
-
-def make_agent(name: str, ucx_error_mode: str) -> Any:
-    """An agent made like the broker's (broker/nixl_agent.py): no progress thread, UCX backend."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    # After the import: NIXL's logging setup (dictConfig, on first import) sets
-    # its logger to INFO on stdout, which would break --json.
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-    conf = nixl_agent_config(enable_prog_thread=False, backends=[], capture_telemetry=True)
-    agent = nixl_agent(name, conf)
-    agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_mode})
-    return agent
-
-
-def _target_main(conn: Any, name: str, ucx_error_mode: str, fd_path: str, size: int) -> None:
-    """The raw-NIXL target process: maps the destination memfd, registers it, reports notifications."""
-    agent = make_agent(name, ucx_error_mode)
-    fd = os.open(fd_path, os.O_RDWR)
-    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    view = np.frombuffer(mapping, dtype=np.uint8)
-    addr = int(view.ctypes.data)
-    reg = agent.register_memory([(addr, size, 0, "")], "DRAM")
-    conn.send(("ready", bytes(agent.get_agent_metadata()), addr))
-    peer = agent.add_remote_agent(conn.recv())
-    try:
-        while True:
-            msg = conn.recv()
-            if msg[0] == "exit":
-                break
-            if msg[0] == "arm":
-                tag, timeout = msg[1], msg[2]
-                conn.send(("armed",))
-                deadline = time.monotonic() + timeout
-                got = None
-                while got is None:
-                    for msgs in agent.get_new_notifs().values():
-                        if tag in msgs:
-                            got = time.perf_counter()
-                    if got is None:
-                        if time.monotonic() > deadline:
-                            break
-                        time.sleep(TARGET_POLL_SECONDS)
-                conn.send(("notif", got))
-    finally:
-        agent.remove_remote_agent(peer)
-        agent.deregister_memory(reg)
-        del view
-        mapping.close()
-        os.close(fd)
-
-
-class RawNixl:
-    """This process as initiator, a spawned child as target; buffers like the engines'."""
-
-    def __init__(self, ucx_error_mode: str, src: np.ndarray, layout: Any, num_pages: int) -> None:
-        self.size = src.size
-        self.fd = os.memfd_create("kvbroker-bench-raw-dst", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.size)
-        self.mapping = mmap.mmap(
-            self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-        )
-        self.dst = np.frombuffer(self.mapping, dtype=np.uint8)
-        self.dst[:] = 0  # touch every page before anything is timed
-        self.src = src
-        self.src_addr = int(src.ctypes.data)
-        tag = secrets.token_hex(4)
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_target_main,
-            args=(
-                child_conn,
-                f"bench-target-{tag}",
-                ucx_error_mode,
-                f"/proc/{os.getpid()}/fd/{self.fd}",
-                self.size,
-            ),
-            name="raw-nixl-target",
-            daemon=True,
-        )
-        self.proc.start()
-        try:
-            self._setup(ucx_error_mode, tag, layout, num_pages)
-        except BaseException:
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
-            raise
-
-    def _setup(self, ucx_error_mode: str, tag: str, layout: Any, num_pages: int) -> None:
-        from kvbroker.plan._descriptors import BufferPlacement, build_descriptor_table
-        from kvbroker.plan._layout import Layout, RankKey
-        from kvbroker.v1 import common_pb2
-
-        self.agent = make_agent(f"bench-initiator-{tag}", ucx_error_mode)
-        self.reg = self.agent.register_memory([(self.src_addr, self.size, 0, "")], "DRAM")
-        kind, metadata, self.dst_addr = self._recv(120.0)
-        if kind != "ready":
-            raise BenchError(f"raw NIXL target: unexpected {kind!r}")
-        self.target = self.agent.add_remote_agent(metadata)
-        if isinstance(self.target, bytes):
-            self.target = self.target.decode()
-        self.conn.send(bytes(self.agent.get_agent_metadata()))
-        # Prepared lists of every page, as the broker prepares them at registration.
-        lay = Layout.from_proto(layout, rank=RankKey("raw", 0, 0), buffer_sizes=[self.size])
-        dram = common_pb2.MEMORY_KIND_DRAM
-        src_table = build_descriptor_table(
-            lay, [BufferPlacement(self.src_addr, self.size, dram, 0)]
-        )
-        dst_table = build_descriptor_table(
-            lay, [BufferPlacement(self.dst_addr, self.size, dram, 0)]
-        )
-        self.region_base = np.array(
-            [
-                src_table.region_base[lay.kv_regions[(k, layer)]]
-                for layer in range(lay.layer_begin, lay.layer_end)
-                for k in lay.kv_kinds()
-            ],
-            dtype=np.int32,
-        )
-        # The broker's own form: strided rows, one per region.
-        self.local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", src_table.rows[dram], "DRAM")
-        self.remote_dlist = self.agent.prep_xfer_dlist(self.target, dst_table.rows[dram], "DRAM")
-        self.num_pages = num_pages
-        self._seq = 0
-
-    def _recv(self, timeout: float) -> Any:
-        if not self.conn.poll(timeout):
-            raise BenchError(
-                f"raw NIXL target did not answer in {timeout} s (alive: {self.proc.is_alive()})"
-            )
-        return self.conn.recv()
-
-    def prepare(
-        self, regions: Regions, plans: Sequence[RoomPlan]
-    ) -> dict[str, list[tuple[Any, Any]]]:
-        """Everything built before the clock starts: numpy descriptor arrays and index arrays."""
-        chunked = [
-            chunk_descs(regions, self.src_addr, self.dst_addr, p.src[a:b], p.dst[a:b])
-            for p in plans
-            for a, b in p.chunks
-        ]
-        single = [
-            (np.concatenate([lo for lo, _ in chunked]), np.concatenate([re for _, re in chunked]))
-        ]
-        prepped = []
-        for p in plans:
-            for a, b in p.chunks:
-                li = (self.region_base[:, None] + p.src[a:b][None, :]).ravel().astype(np.int32)
-                ri = (self.region_base[:, None] + p.dst[a:b][None, :]).ravel().astype(np.int32)
-                prepped.append((li, ri))
-        return {"chunked": chunked, "single": single, "prepped": prepped}
-
-    def run(
-        self, variant: str, work: list[tuple[Any, Any]], timeout: float = 60.0
-    ) -> tuple[float, dict[str, float]]:
-        """Post ``work`` (one transfer per entry, notification on the last); seconds and details."""
-        self._seq += 1
-        tag = f"bench-{self._seq}".encode()
-        self.conn.send(("arm", tag, timeout))
-        if self._recv(30.0)[0] != "armed":
-            raise BenchError("raw NIXL target did not arm")
-        agent = self.agent
-        handles = []
-        t0 = time.perf_counter()
-        for i, (local, remote) in enumerate(work):
-            notif = tag if i == len(work) - 1 else b""
-            if variant == "prepped":
-                h = agent.make_prepped_xfer(
-                    "WRITE", self.local_dlist, local, self.remote_dlist, remote, notif
-                )
-            else:
-                h = agent.initialize_xfer(
-                    "WRITE",
-                    agent.get_xfer_descs(local, "DRAM"),
-                    agent.get_xfer_descs(remote, "DRAM"),
-                    self.target,
-                    notif,
-                )
-            if agent.transfer(h) == "ERR":
-                raise BenchError(f"raw NIXL ({variant}): transfer {i} rejected")
-            handles.append(h)
-        t_posted = time.perf_counter()
-        pending = list(handles)
-        deadline = time.monotonic() + timeout
-        while pending:
-            still = []
-            for h in pending:
-                state = agent.check_xfer_state(h)
-                if state == "ERR":
-                    raise BenchError(f"raw NIXL ({variant}): a transfer failed")
-                if state == "PROC":
-                    still.append(h)
-            pending = still
-            if pending and time.monotonic() > deadline:
-                raise BenchError(f"raw NIXL ({variant}): transfers not done after {timeout} s")
-        t_done = time.perf_counter()
-        kind, t_notif = self._recv(timeout + 10)
-        if kind != "notif" or t_notif is None:
-            raise BenchError(f"raw NIXL ({variant}): the target never saw the notification")
-        descs = 0
-        for h in handles:
-            try:
-                descs += int(agent.get_xfer_telemetry(h).descCount)
-            except Exception:
-                pass
-            agent.release_xfer_handle(h)
-        end = max(t_done, t_notif)
-        return end - t0, {
-            "post_ms": (t_posted - t0) * 1e3,
-            "done_ms": (t_done - t0) * 1e3,
-            "notif_ms": (t_notif - t0) * 1e3,
-            "transfers": len(work),
-            "descriptors": descs,
-        }
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("exit",))
-                self.proc.join(timeout=10)
-        finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
-            try:
-                self.agent.release_dlist_handle(self.local_dlist)
-                self.agent.release_dlist_handle(self.remote_dlist)
-                self.agent.remove_remote_agent(self.target)
-                self.agent.deregister_memory(self.reg)
-            except Exception:
-                pass
-            del self.dst
-            try:
-                self.mapping.close()
-            except BufferError:
-                pass  # a numpy view is still alive; the mapping goes with it
-            os.close(self.fd)
 
 
 # -- statistics ------------------------------------------------------------
@@ -499,17 +104,12 @@ class Samples:
         return statistics.median(self.seconds)
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 def rtt_stats(values: Sequence[float]) -> dict[str, float]:
     us = [v * 1e6 for v in values]
     return {
         "n": len(us),
         "median_us": statistics.median(us),
-        "p90_us": pct(us, 0.9),
+        "p90_us": percentile(us, 0.9),
         "min_us": min(us),
     }
 
@@ -518,50 +118,23 @@ def rtt_stats(values: Sequence[float]) -> dict[str, float]:
 
 
 class BrokerBench:
-    def __init__(self, args: argparse.Namespace, workdir: Any, num_pages: int) -> None:
-        from kvbroker.brokerproc import BrokerProcess
+    """Two brokers and a prefill and a decode engine registered from this process (``held``'s)."""
+
+    def __init__(self, args: argparse.Namespace, held: Held, num_pages: int) -> None:
+        from kvbroker.client import RankSpec
 
         extra = ["--ucx-error-mode", args.ucx_error_mode, "--log-level", "warning"]
-        self.brokers = BrokerProcess.start_many(["prefill", "decode"], workdir, extra)
+        self.brokers = held.start_brokers(["prefill", "decode"], extra)
         self.prefill_broker, self.decode_broker = self.brokers
-        try:
-            self._setup(args, num_pages)
-        except BaseException:
-            self.close()
-            raise
-
-    def _setup(self, args: argparse.Namespace, num_pages: int) -> None:
-        import torch
-
-        from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec
-
-        model = ModelSpec(
-            num_layers=args.layers,
-            total_kv_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            dtype=torch.bfloat16,
-            page_size=args.page_kib,
-        )
-        self.model = model
-        self.clients = [
-            BrokerClient(self.prefill_broker.address),
-            BrokerClient(self.decode_broker.address),
-        ]
-        self.prefill_mem = EngineMemory.allocate(
-            RankSpec(PREFILL_GROUP, "prefill"), model, num_pages=num_pages
-        )
-        self.decode_mem = EngineMemory.allocate(
-            RankSpec(DECODE_GROUP, "decode"), model, num_pages=num_pages
-        )
+        model = model_spec(args.layers, kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=args.page_kib)
+        ranks = RankSpec(PREFILL_GROUP, "prefill"), RankSpec(DECODE_GROUP, "decode")
+        self.prefill_mem = held.allocate(ranks[0], model, num_pages=num_pages)
+        self.decode_mem = held.allocate(ranks[1], model, num_pages=num_pages)
         assert self.prefill_mem.raw is not None and self.decode_mem.raw is not None
         fill_pattern(self.prefill_mem.raw.numpy(), args.seed)
         self.decode_mem.raw.zero_()
-        self.prefill = self.clients[0].register_engine(
-            RankSpec(PREFILL_GROUP, "prefill"), self.prefill_mem
-        )
-        self.decode = self.clients[1].register_engine(
-            RankSpec(DECODE_GROUP, "decode"), self.decode_mem
-        )
+        self.prefill = held.register(self.prefill_broker.address, ranks[0], self.prefill_mem)
+        self.decode = held.register(self.decode_broker.address, ranks[1], self.decode_mem)
         self.room_base = secrets.randbits(40) << 20
         self.next_room = 0
         self.timeout = args.timeout
@@ -578,9 +151,9 @@ class BrokerBench:
         ids = self.rooms(len(plans))
         ref = SenderRef(self.prefill_broker.address, PREFILL_GROUP)
         send_rtts = []
-        pids = {"engines (this process)": os.getpid(), "prefill broker": self.prefill_broker.process.pid, "decode broker": self.decode_broker.process.pid}
-        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        threads0 = {side: thread_cpu_seconds(b.process.pid) for side, b in (("prefill", self.prefill_broker), ("decode", self.decode_broker))}
+        sides = {"prefill": self.prefill_broker.process.pid, "decode": self.decode_broker.process.pid}
+        pids = {"engines (this process)": os.getpid(), **{f"{side} broker": pid for side, pid in sides.items()}}
+        cpu0 = cpu_snapshot(pids, sides)
         t0 = time.perf_counter()
         for rid, plan in zip(ids, plans):
             self.decode.receiver(rid, ref).init(plan.dst)
@@ -595,13 +168,10 @@ class BrokerBench:
         t_sent = time.perf_counter()
         statuses = self.decode.wait(ids, timeout_seconds=self.timeout)
         t_end = time.perf_counter()
-        cpu_ms = {name: (cpu_seconds(pid) - cpu0[name]) * 1e3 for name, pid in pids.items()}
-        for side, b in (("prefill", self.prefill_broker), ("decode", self.decode_broker)):
-            threads = thread_cpu_seconds(b.process.pid)
-            cpu_ms.update({f"{side}/{role}": (threads[role] - threads0[side][role]) * 1e3 for role in threads})
+        cpu_ms = {name: (s - cpu0[name]) * 1e3 for name, s in cpu_snapshot(pids, sides).items()}
         bad = [(r, s.cause.message) for r, s in statuses.items() if s.state != RoomState.SUCCESS]
         if bad:
-            raise BenchError(f"broker: {len(bad)} rooms did not succeed, e.g. {bad[0]}")
+            raise BenchFailed(f"broker: {len(bad)} rooms did not succeed, e.g. {bad[0]}")
         return t_end - t0, {
             "expect_ms": (t_expect - t0) * 1e3,
             "sent_ms": (t_sent - t0) * 1e3,
@@ -624,19 +194,7 @@ class BrokerBench:
         ids = self.rooms(n_rooms)
         for rid in ids:
             self.decode.receiver(rid, ref).init(pages)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            states = self.decode.poll(ids)
-            if all(s.state >= RoomState.WAITING_FOR_INPUT for s in states.values()):
-                break
-            if (
-                any(s.state == RoomState.FAILED for s in states.values())
-                or time.monotonic() > deadline
-            ):
-                raise BenchError(
-                    f"RTT rooms did not bootstrap: {[s.cause.message for s in states.values()][:2]}"
-                )
-            time.sleep(0.005)
+        wait_open(self.decode, ids, self.timeout, interval=0.005)
         senders = []
         for rid in ids:
             sender = self.prefill.sender(rid)
@@ -650,7 +208,7 @@ class BrokerBench:
                 posting.append(time.perf_counter() - t)
         statuses = self.decode.wait(ids, timeout_seconds=self.timeout)
         if any(s.state != RoomState.SUCCESS for s in statuses.values()):
-            raise BenchError("RTT rooms did not succeed")
+            raise BenchFailed("RTT rooms did not succeed")
 
         # No receiver: the chunk is validated and queued, nothing is posted.
         ids = self.rooms(n_rooms)
@@ -664,14 +222,7 @@ class BrokerBench:
                 queued.append(time.perf_counter() - t)
             sender.abort("benchmark: RTT room without a receiver")
 
-        from kvbroker.v1 import transfer_pb2
-
-        poll = []
-        request = transfer_pb2.PollRequest(engine_id=self.prefill.engine_id, rooms=[ids[0]])
-        for _ in range(calls):
-            t = time.perf_counter()
-            self.prefill.client.call(self.prefill.client.stub.Poll, request)
-            poll.append(time.perf_counter() - t)
+        poll = poll_round_trips(self.prefill, ids[0], calls)
         return {
             "send_chunk": rtt_stats(posting),
             "send_chunk_no_receiver": rtt_stats(queued),
@@ -692,20 +243,12 @@ class BrokerBench:
             }
         return out
 
-    def close(self) -> None:
-        for engine in (getattr(self, "prefill", None), getattr(self, "decode", None)):
-            if engine is not None:
-                try:
-                    engine.close()
-                except Exception:
-                    pass
-        for client in getattr(self, "clients", []):
-            client.close()
-        for broker in getattr(self, "brokers", []):
-            try:
-                broker.stop()
-            except Exception:
-                broker.kill()
+    def check(self, what: str, plans: Sequence[RoomPlan]) -> None:
+        """The engines' own K/V tensors, as bytes: decode[dst pages] == prefill[src pages] for every layer."""
+        src, dst = (np.concatenate([getattr(p, side) for p in plans]) for side in ("src", "dst"))
+        wrong = kv_mismatches(what, [self.prefill_mem], [self.decode_mem], src, dst)
+        if wrong:
+            raise BenchFailed(wrong[0])
 
 
 # -- main -----------------------------------------------------------------------
@@ -768,12 +311,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
     try:
         result = run(args)
-    except BenchError as exc:
+    except BenchFailed as exc:
         print(f"transfer_bench: FAILED: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -794,10 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_pages = max(num_pages, args.pages_per_room)
     warm, timed = plans[-1:], plans[:-1]
     total_bytes = args.rooms * args.pages_per_room * args.layers * 2 * page_bytes
-    workdir = tempfile.mkdtemp(prefix="kvb-bench-")
-    from pathlib import Path
-
-    broker: BrokerBench | None = None
+    held = Held(Path(tempfile.mkdtemp(prefix="kvb-bench-")))
     raw: RawNixl | None = None
     results: dict[str, Samples] = {
         k: Samples() for k in ("broker", "raw_chunked", "raw_single", "raw_prepped", "memcpy")
@@ -805,21 +344,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rtts: dict[str, Any] = {}
     t_start = time.perf_counter()
     try:
-        broker = BrokerBench(args, Path(workdir), num_pages)
+        broker = BrokerBench(args, held, num_pages)
         layout = broker.prefill_mem.layout
         from kvbroker.v1 import common_pb2
 
         kv_kinds = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE)
         kv = [r for r in layout.regions if r.kind in kv_kinds]
         if any(r.item_bytes != page_bytes or r.length_bytes != num_pages * page_bytes for r in kv):
-            raise BenchError("unexpected engine layout: KV regions are not num_pages x page_bytes")
+            raise BenchFailed("unexpected engine layout: KV regions are not num_pages x page_bytes")
         regions = Regions(np.array([r.offset_bytes for r in kv], dtype=np.uint64), page_bytes)
         assert len(kv) == 2 * args.layers, (len(kv), args.layers)
         src = broker.prefill_mem.raw.numpy()
         decode_np = broker.decode_mem.raw.numpy()
 
         # Descriptor counts: what the broker should post if runs coalesce.
-        from kvbroker.plan._descriptors import count_runs
+        from kvbroker.plan._descriptors import count_runs  # not exported by kvbroker.plan
 
         coalesced = sum(
             len(regions.offsets) * count_runs(p.src[a:b], p.dst[a:b])
@@ -846,10 +385,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record = rep >= 0
             decode_np[:] = 0
             seconds, detail = broker.run(timed)
-            verify_tensors("broker", broker.prefill_mem, broker.decode_mem, timed)
+            broker.check("broker", timed)
             verify("broker", src, decode_np, regions, num_pages, timed)
             if detail["bytes_reported"] != total_bytes:
-                raise BenchError(
+                raise BenchFailed(
                     f"broker: rooms report {detail['bytes_reported']} bytes, expected {total_bytes}"
                 )
             if record:
@@ -879,17 +418,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         # Every step runs even if an earlier one fails: no broker or target
         # process may outlive the benchmark.
-        for what, close in (
-            ("raw NIXL", raw.close if raw else None),
-            ("brokers", broker.close if broker else None),
-        ):
-            if close is None:
-                continue
+        for what, close in (("raw NIXL", raw.close if raw else None), ("brokers", held.close)):
             try:
-                close()
+                for problem in (close() if close else None) or ():
+                    print(f"transfer_bench: cleanup of {what}: {problem}", file=sys.stderr)
             except Exception as exc:
                 print(f"transfer_bench: cleanup of {what} failed: {exc!r}", file=sys.stderr)
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(held.workdir, ignore_errors=True)
 
     delta = {
         name: {k: stats_after[name][k] - stats_before[name][k] for k in stats_after[name]}

@@ -2,9 +2,10 @@
 
 ``BrokerServer`` runs one broker; ``BrokerConfig`` configures it. The module
 map, the threads and one room's path through both brokers are in
-docs/architecture.md. Both load on first use, so the client can import the
-few pure modules it shares with the broker (``layout``, ``validation``)
-without loading the service.
+docs/architecture.md; its packages are layered (api, runtime, execution,
+rooms, peers, device, memory, dataplane, telemetry, tls, config: each imports
+only those after it). Both names load on first use: importing a subpackage
+does not load the service.
 """
 
 from __future__ import annotations

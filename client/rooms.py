@@ -259,8 +259,9 @@ class KVReceiver(_Room):
         holds (its prefix cache); ``pages`` are then the pages after them, and
         only those are written. ``verify_checksum``: check every chunk end to
         end against a checksum the sending broker computes (a mismatch fails
-        the room with MISMATCH; host memory only). Returns at once; the room
-        bootstraps in the background."""
+        the room with MISMATCH; what moves through the device path is
+        checked part by part). Returns at once; the room bootstraps in the
+        background."""
         command = self.command(pages, aux_row, state, prefix_pages, verify_checksum)
         (status,) = self.engine.session.open_rooms([(self.room, command)])
         return status

@@ -355,7 +355,7 @@ class Session:
                     self._ready.set()
                     return
             if error is None or isinstance(error, NotFound):
-                # The broker unregistered this engine (its fd session closed,
+                # The broker unregistered this engine (its fd connection closed,
                 # or it is stopping): it failed the engine's rooms and says so
                 # in their statuses. The handle is done.
                 self._ended(FailedPrecondition(

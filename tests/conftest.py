@@ -112,7 +112,8 @@ def fake_brokers(loop_thread: LoopThread, short_tmp: Path, fake_cuda: FakeCudaLi
     fabric = FakeFabric()
     started: list[FakeBroker] = []
 
-    def start(name: str = "", **config: object) -> FakeBroker:
+    def start(name: str = "", *, cuda: FakeCudaLib | None = None, **config: object) -> FakeBroker:
+        """``cuda``: the fake CUDA driver this broker uses (a "vram" test's, unless given)."""
         settings: dict[str, object] = {
             "staging_send_bytes": 8 << 20,
             "staging_receive_bytes": 8 << 20,
@@ -120,10 +121,10 @@ def fake_brokers(loop_thread: LoopThread, short_tmp: Path, fake_cuda: FakeCudaLi
             "device_receive_bytes": 8 << 20,
             **config,
         }
-        broker = start_fake_broker(loop_thread, fabric, short_tmp, name or f"b{next(_ids)}", **settings)
+        broker = start_fake_broker(
+            loop_thread, fabric, short_tmp, name or f"b{next(_ids)}", cuda=cuda if cuda is not None else fake_cuda, **settings
+        )
         started.append(broker)
-        if fake_cuda is not None:
-            broker.use_cuda(fake_cuda)
         return broker
 
     yield start

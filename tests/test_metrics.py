@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from kvbroker.broker.execution._executor import observe_write
+from kvbroker.broker.execution._parts import observe_write
 from kvbroker.broker.peers._table import Peer
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, scratch_dir

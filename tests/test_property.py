@@ -379,10 +379,23 @@ def _call(c: Cluster, op: Op) -> Code:
             call.cancel()
         return Code.OK
     try:
-        method(request, timeout=10)
+        response = method(request, timeout=10)
     except grpc.RpcError as exc:
         return exc.code()  # type: ignore[no-any-return]
-    return Code.OK
+    return _item_code(response)
+
+
+#: google.rpc.Code numbers to status codes.
+_CODES = {code.value[0]: code for code in Code}
+
+
+def _item_code(response: Message) -> Code:
+    """What a batched peer call (RegisterRooms, AbortRooms) answered for its items: the
+    first item code that is not expected, else the first refusal, else OK. Other calls: OK."""
+    codes = [_CODES.get(result.code, Code.UNKNOWN) for result in getattr(response, "results", ())]
+    refused = [code for code in codes if code != Code.OK]
+    unexpected = [code for code in refused if code not in EXPECTED]
+    return (unexpected or refused or [Code.OK])[0]
 
 
 def _stream(engine: Engine, messages: tuple[Message, ...]) -> tuple[Code, list[transfer_pb2.SessionEvent]]:
@@ -817,9 +830,10 @@ source_plans = st.builds(
 
 
 @st.composite
-def register_rooms(draw: st.DrawFn) -> list[Op]:
+def room_registrations(draw: st.DrawFn) -> peer_pb2.RegisterRoomRequest:
     request = peer_pb2.RegisterRoomRequest(
-        protocol_version=draw(versions),
+        # 0: the batch's version.
+        protocol_version=draw(st.one_of(st.just(0), versions)),
         room=draw(rooms),
         receiver_broker_id=draw(stranger_ids),
         receiver=draw(rank_ids),
@@ -832,7 +846,15 @@ def register_rooms(draw: st.DrawFn) -> list[Op]:
     aux_row = draw(aux_rows)
     if aux_row is not None:
         request.aux_row = aux_row
-    return [Op(draw(broker_via), "peer", "RegisterRoom", request)]
+    return request
+
+
+@st.composite
+def register_rooms(draw: st.DrawFn) -> list[Op]:
+    request = peer_pb2.RegisterRoomsRequest(
+        protocol_version=draw(versions), rooms=draw(st.lists(room_registrations(), min_size=1, max_size=2))
+    )
+    return [Op(draw(broker_via), "peer", "RegisterRooms", request)]
 
 
 @st.composite
@@ -900,7 +922,7 @@ def stranger_rooms(draw: st.DrawFn) -> list[Op]:
     if draw(st.booleans()):
         chunk.state.add(component="swa", indices=common_pb2.PageIndices(values=[draw(st.integers(0, 15))]))
     ops = [
-        Op("p", "peer", "RegisterRoom", register),
+        Op("p", "peer", "RegisterRooms", peer_pb2.RegisterRoomsRequest(protocol_version=V, rooms=[register])),
         Op("pe", "transfer", "BeginSend", begin),
         Op("pe", "transfer", "SendChunk", chunk),
     ]
@@ -923,11 +945,22 @@ def completion_reports(draw: st.DrawFn) -> list[Op]:
 
 
 @st.composite
-def abort_rooms(draw: st.DrawFn) -> list[Op]:
-    request = peer_pb2.PeerAbortRequest(protocol_version=draw(versions), room=draw(rooms), from_broker_id=draw(stranger_ids))
+def room_aborts(draw: st.DrawFn) -> peer_pb2.PeerAbortRequest:
+    # protocol_version 0: the batch's version.
+    request = peer_pb2.PeerAbortRequest(
+        protocol_version=draw(st.one_of(st.just(0), versions)), room=draw(rooms), from_broker_id=draw(stranger_ids)
+    )
     if draw(st.booleans()):
         request.cause.CopyFrom(draw(failure_causes))
-    return [Op(draw(broker_via), "peer", "AbortRoom", request)]
+    return request
+
+
+@st.composite
+def abort_rooms(draw: st.DrawFn) -> list[Op]:
+    request = peer_pb2.PeerAbortRoomsRequest(
+        protocol_version=draw(versions), aborts=draw(st.lists(room_aborts(), min_size=1, max_size=2))
+    )
+    return [Op(draw(broker_via), "peer", "AbortRooms", request)]
 
 
 @st.composite
@@ -1270,6 +1303,10 @@ def _rooms(op: Op) -> set[int]:
                 which = command.WhichOneof("command")
                 if which is not None:
                     named.add(getattr(command, which).room)
+        elif isinstance(message, peer_pb2.RegisterRoomsRequest):
+            named.update(item.room for item in message.rooms)
+        elif isinstance(message, peer_pb2.PeerAbortRoomsRequest):
+            named.update(item.room for item in message.aborts)
         elif hasattr(message, "room"):
             named.add(message.room)
     return named
@@ -1381,7 +1418,7 @@ def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
             pages=common_pb2.PageIndices(values=[100_000]),
             sources=[plan],
         )
-        code = _call(c, Op("p", "peer", "RegisterRoom", register))
+        code = _call(c, Op("p", "peer", "RegisterRooms", peer_pb2.RegisterRoomsRequest(protocol_version=V, rooms=[register])))
         if code != Code.OK:
             assert code in EXPECTED  # refused outright: fine
             return
@@ -1390,7 +1427,7 @@ def test_out_of_range_peer_pages_fail_the_room_instead_of_hanging() -> None:
 
 
 def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
-    """An AbortRoom from a broker that never handshook does not fail a room between two real brokers."""
+    """An abort (AbortRooms) from a broker that never handshook does not fail a room between two real brokers."""
     with _cluster() as c:
         room = next(c.rooms)
         receiver = c.de.handle.receiver(room, SenderRef(c.p.address, "prefill-group"))
@@ -1404,7 +1441,8 @@ def test_abort_room_from_a_stranger_leaves_sending_rooms_alone() -> None:
             from_broker_id="stranger-0",
             cause=common_pb2.FailureCause(kind=common_pb2.FAILURE_KIND_ABORTED, message="hostile"),
         )
-        assert _call(c, Op("p", "peer", "AbortRoom", hostile)) in EXPECTED
+        aborts = peer_pb2.PeerAbortRoomsRequest(protocol_version=V, aborts=[hostile])
+        assert _call(c, Op("p", "peer", "AbortRooms", aborts)) in EXPECTED
         sender.send([3, 9])
         assert receiver.wait(10).state == RoomState.SUCCESS
         assert sender.wait(10).state == RoomState.SUCCESS
@@ -1439,7 +1477,7 @@ def test_handshake_with_extreme_buffers_is_refused_cleanly() -> None:
 _MANY_LAYERS = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-from kvbroker.broker.layout import Layout, rank_key
+from kvbroker.plan import Layout, rank_key
 from kvbroker.errors import KvBrokerError
 from kvbroker.v1 import peer_pb2
 descriptor = peer_pb2.EngineDescriptor.FromString(sys.stdin.buffer.read())

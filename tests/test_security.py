@@ -20,8 +20,7 @@ from .conftest import SMALL_MODEL
 def test_engine_sockets_are_owner_and_group_only(fake_brokers) -> None:
     """The engine gRPC socket and the fd socket are created mode 0660."""
     b = fake_brokers("s")
-    assert b.broker.fd_server is not None
-    for path in (b.broker.engine_socket_path, b.broker.fd_server.path):
+    for path in (b.broker.endpoints.engine_socket_path, b.broker.fd_server.path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660, path
 
 

@@ -790,7 +790,7 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
     pe1.lost_broker()
     p2 = fake_brokers("p2", listen_address=p1.address)
     pe2 = make_engine(p2.address, "prefill")
-    peers, client = d.broker.peers, d.broker.client
+    peers, client = d.broker.peers, d.broker.peer_client
     real_stub = client.stub
     raced: list[str] = []
 
@@ -855,7 +855,7 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     the room fails PEER with its pages settled (nothing of that process can write any more), instead
     of waiting for data that will never come."""
     p, d, _pe, de = _pair(fake_brokers, make_engine)
-    client = d.broker.client
+    client = d.broker.peer_client
     real_stub = client.stub
 
     class LosingStub:
@@ -867,7 +867,7 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
 
         async def RegisterRooms(self, request, **kwargs):  # type: ignore[no-untyped-def]
             answer = await self._stub.RegisterRooms(request, **kwargs)
-            d.broker.peer_lost(self._peer, "stopped answering (test)")
+            d.broker.peer_loss.peer_lost(self._peer, "stopped answering (test)")
             return answer
 
     monkeypatch.setattr(client, "stub", lambda peer: LosingStub(real_stub(peer), peer))
@@ -1063,3 +1063,24 @@ def test_the_client_refuses_a_broker_of_another_protocol_version(fake_brokers, m
     monkeypatch.setattr(dispatcher, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
     with pytest.raises(errors.FailedPrecondition, match=f"speaks protocol version {PROTOCOL_VERSION + 1}"):
         BrokerClient(p.address)
+
+
+def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_brokers) -> None:
+    """build_broker makes every part from what the server knows once it listens (the fd socket at its
+    path, the peer table at its address, no fleet without --etcd); the broker's attributes are final."""
+    import dataclasses
+
+    b = fake_brokers("w")
+    broker = b.broker
+    info = broker.broker_info()
+    assert info.fd_socket_path == broker.fd_server.path == broker.endpoints.fd_socket_path
+    assert info.engine_socket_path == broker.endpoints.engine_socket_path and info.listen_address == b.address
+    assert broker.peers.address == b.address and broker.fleet_record is None and broker.fleet_view is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        broker.fd_server = broker.fd_server  # type: ignore[misc]
+
+
+def test_peers_register_and_abort_rooms_only_in_batches() -> None:
+    """The PeerBroker service has no unary RegisterRoom or AbortRoom: brokers call RegisterRooms and AbortRooms."""
+    methods = set(peer_pb2.DESCRIPTOR.services_by_name["PeerBroker"].methods_by_name)
+    assert methods == {"Handshake", "RegisterRooms", "ReserveStaging", "ReportCompletion", "AbortRooms", "Ping"}

@@ -94,13 +94,13 @@ def test_a_refused_opening_fails_only_that_room(fake_brokers, make_engine) -> No
     broker) fails that room with the refusal; the engine's other rooms carry on."""
     p, d, pe, de = _pair(fake_brokers, make_engine)
     ref = SenderRef(p.address, "prefill-group")
-    d.loop.run(d.broker.set_draining(True))
+    d.loop.run(d.broker.operators.set_draining(True))
     refused = de.handle.receiver(40, ref)
     refused.init(DST, aux_row=2)
     status = refused.wait(10)
     assert status.cause.kind == common_pb2.FAILURE_KIND_REFUSED and "draining" in status.cause.message
     assert status.pages_settled
-    d.loop.run(d.broker.set_draining(False))
+    d.loop.run(d.broker.operators.set_draining(False))
     de.handle.receiver(41, ref).init(DST, aux_row=2)
     sender = pe.handle.sender(41)
     sender.init(len(SRC), aux_row=1)
@@ -247,7 +247,7 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
     p, d, pe, de = _pair(fake_brokers, make_engine, num_pages=64)
     ref = SenderRef(p.address, "prefill-group")
     calls: list[int] = []
-    real_stub = d.broker.client.stub
+    real_stub = d.broker.peer_client.stub
 
     class CountingStub:
         def __init__(self, stub: object) -> None:
@@ -260,7 +260,7 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
             calls.append(len(request.rooms))
             return await self._stub.RegisterRooms(request, **kwargs)
 
-    monkeypatch.setattr(d.broker.client, "stub", lambda peer: CountingStub(real_stub(peer)))
+    monkeypatch.setattr(d.broker.peer_client, "stub", lambda peer: CountingStub(real_stub(peer)))
     with pytest.raises(errors.InvalidArgument, match="out of range"):
         de.handle.expect([ExpectSpec(90, ref, DST, aux_row=2), ExpectSpec(91, ref, [0, 99], aux_row=2)])
     assert not de.handle.session.is_tracked(90)
@@ -445,7 +445,7 @@ def test_malformed_session_streams_are_refused_and_change_nothing(fake_brokers, 
     sender.send(SRC)
     assert de.handle.wait([505], timeout_seconds=10)[505].state == RoomState.SUCCESS
     for room in (502, 504):
-        d.loop.call(d.broker.admin_abort, room, "test over")
+        d.loop.call(d.broker.operators.admin_abort, room, "test over")
 
 
 def test_closing_the_client_stops_its_engines_sessions_first(fake_brokers) -> None:

@@ -102,8 +102,8 @@ def _creds(pki: dict[str, Path], cert: str, ca: str = "ca") -> grpc.ChannelCrede
 def test_rooms_move_between_brokers_with_mutual_tls(fake_brokers, make_engine, pki) -> None:
     """Two brokers with mutual TLS handshake and move a room; engines use the unix socket."""
     p, d = fake_brokers("p", **_tls(pki, "p")), fake_brokers("d", **_tls(pki, "d"))
-    pe = make_engine(f"unix:{p.broker.engine_socket_path}", "prefill")
-    de = make_engine(f"unix:{d.broker.engine_socket_path}", "decode")
+    pe = make_engine(f"unix:{p.broker.endpoints.engine_socket_path}", "prefill")
+    de = make_engine(f"unix:{d.broker.endpoints.engine_socket_path}", "decode")
     src, dst = np.array([1, 2, 3], dtype=np.int32), np.array([7, 8, 9], dtype=np.int32)
     de.handle.receiver(1, SenderRef(p.address, "prefill-group")).init(dst, aux_row=0)
     sender = pe.handle.sender(1)
@@ -137,7 +137,7 @@ def test_a_peer_without_the_right_certificate_cannot_handshake(fake_brokers, mak
     p = fake_brokers("p", **_tls(pki, "p"))
     rogue = {"tls_cert_file": str(pki["rogue_cert"]), "tls_key_file": str(pki["rogue_key"]), "tls_ca_file": str(pki["ca"])}
     d = fake_brokers("d", bootstrap_timeout_seconds=0.5, peer_rpc_timeout_seconds=0.5, **rogue)
-    de = make_engine(f"unix:{d.broker.engine_socket_path}", "decode")
+    de = make_engine(f"unix:{d.broker.endpoints.engine_socket_path}", "decode")
     de.handle.receiver(2, SenderRef(p.address, "prefill-group")).init([1], aux_row=0)
     status = de.handle.wait([2], timeout_seconds=10)[2]
     assert status.state == RoomState.FAILED and "handshake" in status.cause.message

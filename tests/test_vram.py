@@ -39,10 +39,7 @@ VRAM, DRAM = common_pb2.MEMORY_KIND_VRAM, common_pb2.MEMORY_KIND_DRAM
 
 
 def _vram_brokers(fake_brokers: Callable[..., FakeBroker], fake: FakeCudaLib, **config: object) -> tuple[FakeBroker, FakeBroker]:
-    p, d = fake_brokers("p", **config), fake_brokers("d", **config)
-    for broker in (p, d):
-        broker.use_cuda(fake)
-    return p, d
+    return fake_brokers("p", cuda=fake, **config), fake_brokers("d", cuda=fake, **config)
 
 
 @pytest.mark.parametrize(
@@ -395,9 +392,8 @@ def test_a_broker_that_cannot_serve_vram_refuses_the_engine_and_keeps_nothing(fa
     (without them nothing of the engine's VRAM could move), refuses the registration by name
     (FAILED_PRECONDITION): no engine, no registration but the host staging buffers, no fd left."""
     fake = FakeCudaLib(devices=1, granularity=4096)
-    p = fake_brokers("p")
+    p = fake_brokers("p", cuda=None if why == "no driver" else fake)
     if why != "no driver":
-        p.use_cuda(fake)
         fake.fail["cuMemAlloc_v2"] = 2  # CUDA_ERROR_OUT_OF_MEMORY
     rank = RankSpec(group="g", role="prefill")
     memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8)

@@ -58,7 +58,7 @@ class Admin:
             uptime_seconds=int(q.uptime_seconds()),
             draining=q.draining,
             open_rooms=q.open_rooms(),
-            etcd=self._broker.etcd_status(),
+            etcd=self._broker.operators.etcd_status(),
         )
 
     def list_engines(self) -> list[admin_pb2.EngineInfo]:
@@ -134,10 +134,10 @@ class Admin:
     # -- acting ----------------------------------------------------------------
     def abort_room(self, room: int, reason: str) -> int:
         """Fail every open local side of ``room``; the peers hear of it."""
-        return self._broker.admin_abort(room, reason)
+        return self._broker.operators.admin_abort(room, reason)
 
     async def drain(self, request: admin_pb2.DrainRequest) -> admin_pb2.DrainResponse:
-        await self._broker.set_draining(not request.resume)
+        await self._broker.operators.set_draining(not request.resume)
         if request.wait and not request.resume:
             deadline = time.monotonic() + (request.timeout_seconds or 60.0)
             while self._q.open_rooms() and time.monotonic() < deadline:

@@ -34,7 +34,7 @@ class Queries:
 
     @property
     def draining(self) -> bool:
-        return self._b.draining
+        return self._b.operators.draining
 
     @property
     def counters(self) -> Counters:
@@ -71,10 +71,10 @@ class Queries:
         yield from self._b.rooms.all_receivers()
 
     def sides_of(self, room: int) -> list[Side]:
-        return self._b.sides_of(room)
+        return self._b.operators.sides_of(room)
 
     def open_rooms(self) -> int:
-        return self._b.open_rooms()
+        return self._b.operators.open_rooms()
 
     @staticmethod
     def peer_of(side: Side) -> str:

@@ -1,10 +1,12 @@
-"""Server wiring: one gRPC server with every service, the fd socket, the broker.
+"""Server wiring: one gRPC server with every service, its listeners, and the broker built for them.
 
 The same gRPC server listens on TCP (peers, operators, engines that prefer
 TCP) and on the engine unix socket. It exposes ``kvbroker.v1.TransferBroker``,
 ``kvbroker.v1.PeerBroker``, ``kvbroker.v1.Admin``, the standard
 ``grpc.health.v1.Health`` and server reflection, so ``grpcurl -plaintext
-HOST:PORT list`` works with no proto files.
+HOST:PORT list`` works with no proto files. The server binds its listeners
+first, then builds the broker (``runtime.build_broker``) with the addresses
+they got, and starts it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
+from kvbroker import cudavmm
 from kvbroker.broker.api._servicers import AdminService, PeerService, TransferService
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.dataplane import Agent, AgentConfig, UcxAgent
-from kvbroker.broker.memory import FdSocketServer
-from kvbroker.broker.peers import FleetRecord, FleetView, groups_of, server_options
-from kvbroker.broker.runtime import Broker
+from kvbroker.broker.peers import server_options
+from kvbroker.broker.runtime import Broker, Endpoints, build_broker
 from kvbroker.broker.tls import server_credentials
 from kvbroker.errors import InvalidArgument, Unavailable
 from kvbroker.v1 import (
@@ -61,23 +63,42 @@ ETCD_HEALTH = "kvbroker.etcd"
 class BrokerServer:
     """A running broker: ``await start()``, then ``await stop()``.
 
-    ``agent`` defaults to the real UCX agent; tests pass a fake.
+    ``agent`` defaults to the real UCX agent; tests pass a fake, and the fake
+    CUDA driver as ``cuda_driver`` with ``device_as_host`` (see
+    :func:`~kvbroker.broker.runtime.build_broker`). The broker is built in
+    :meth:`start`, once the listeners are bound (its address is known then).
     """
 
-    def __init__(self, config: BrokerConfig, agent: Agent | None = None) -> None:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        agent: Agent | None = None,
+        *,
+        cuda_driver: cudavmm.Driver | None = None,
+        device_as_host: bool = False,
+    ) -> None:
         self.config = config
-        broker_id = uuid.uuid4().hex
+        self._broker_id = uuid.uuid4().hex
         if agent is None:
             agent = UcxAgent(
-                AgentConfig(name=f"{config.agent_name_prefix}-{broker_id[:12]}", ucx_error_mode=config.ucx_error_mode)
+                AgentConfig(name=f"{config.agent_name_prefix}-{self._broker_id[:12]}", ucx_error_mode=config.ucx_error_mode)
             )
-        self.broker = Broker(config, agent, broker_id=broker_id)
+        self._agent = agent
+        self._cuda_driver = cuda_driver
+        self._device_as_host = device_as_host
+        self._broker: Broker | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
+        self._engine_socket = ""
         self.port = 0
-        self.fleet: FleetRecord | None = None
-        self.fleet_view: FleetView | None = None
         self._etcd_health: asyncio.Task[None] | None = None
+
+    @property
+    def broker(self) -> Broker:
+        """The broker this server serves (built by :meth:`start`)."""
+        if self._broker is None:
+            raise RuntimeError("the broker server is not started")
+        return self._broker
 
     @property
     def address(self) -> str:
@@ -100,12 +121,6 @@ class BrokerServer:
         server = grpc.aio.server(
             options=server_options(cfg), interceptors=[aio_server_interceptor(filter_=filters.negate(untraced))]
         )
-        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(self.broker), server)
-        peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(self.broker), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.broker), server)
-        self._health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
         if cfg.tls:
             self.port = server.add_secure_port(cfg.listen_address, server_credentials(cfg))
         elif cfg.tls_cert_file or cfg.tls_key_file or cfg.tls_ca_file:
@@ -131,40 +146,38 @@ class BrokerServer:
                 raise Unavailable(f"cannot listen on unix:{engine_socket}")
         finally:
             os.umask(old_umask)
-        self.broker.engine_socket_path = engine_socket
+        self._engine_socket = engine_socket
         fd_path = cfg.fd_socket_path or f"{engine_socket.removesuffix('.sock')}.fds"
-        self.broker.fd_server = FdSocketServer(fd_path, on_close=self.broker.session_closed)
+        broker = self._broker = build_broker(
+            cfg,
+            self._agent,
+            broker_id=self._broker_id,
+            endpoints=Endpoints(address=address, engine_socket_path=engine_socket, fd_socket_path=fd_path),
+            on_draining=self._drain_health,
+            cuda_driver=self._cuda_driver,
+            device_as_host=self._device_as_host,
+        )
+        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(broker), server)
+        peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(broker), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(broker), server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
         await server.start()
         os.chmod(engine_socket, 0o660)
-        self.broker.fd_server.start()
-        await self.broker.start(address)
+        await broker.start()
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.broker.on_draining = self._drain_health
         self._server = server
-        if cfg.etcd_url:
-            engines = self.broker.engines
-            self.fleet = FleetRecord(
-                cfg.etcd_url, cfg.etcd_prefix, cfg.etcd_ttl_seconds,
-                broker_id=self.broker.broker_id, address=address, groups=lambda: groups_of(engines),
-                draining=lambda: self.broker.draining,
-            )
-            engines.on_change.append(self.fleet.changed)
-            self.fleet_view = FleetView(
-                cfg.etcd_url, cfg.etcd_prefix, self_id=self.broker.broker_id, on_left=self.broker.broker_left
-            )
-            self.broker.executor.fleet = self.broker.fleet_view = self.fleet_view
-            self.broker.fleet_record = self.fleet
-            await self.fleet.start()
-            await self.fleet_view.start()
+        if broker.fleet_record is not None:
             self._etcd_health = asyncio.create_task(self._follow_etcd(), name="kvbroker-etcd-health")
         log.info(
             "broker_started",
-            broker=self.broker.broker_id,
+            broker=broker.broker_id,
             address=address,
             engine_socket=engine_socket,
             fd_socket=fd_path,
-            agent=self.broker.agent.name,
+            agent=broker.agent.name,
         )
 
     async def _follow_etcd(self) -> None:
@@ -172,7 +185,7 @@ class BrokerServer:
         assert self._health is not None
         said = None
         while True:
-            status = self.broker.etcd_status()
+            status = self.broker.operators.etcd_status()
             if status != said:
                 serving = health_pb2.HealthCheckResponse.SERVING if status == "ok" else health_pb2.HealthCheckResponse.NOT_SERVING
                 await self._health.set(ETCD_HEALTH, serving)
@@ -184,8 +197,6 @@ class BrokerServer:
         assert self._health is not None
         status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
         await self._health.set(SERVICE_NAMES[0], status)
-        if self.fleet is not None:
-            self.fleet.changed()  # the record says so: receivers stop choosing this broker
 
     async def stop(self, grace_seconds: float = 2.0) -> None:
         """Stop serving, fail open rooms, release every resource."""
@@ -194,21 +205,15 @@ class BrokerServer:
         if self._etcd_health is not None:
             self._etcd_health.cancel()
             await asyncio.gather(self._etcd_health, return_exceptions=True)
-        if self.fleet is not None:
-            # Out of the fleet first: peers stop choosing this broker.
-            await self.fleet.stop()
-        if self.fleet_view is not None:
-            await self.fleet_view.stop()
-        await self.broker.stop()
-        if self.broker.fd_server is not None:
-            self.broker.fd_server.close()
+        if self._broker is not None:
+            # It leaves the fleet first (peers stop choosing it), and closes the fd socket last.
+            await self._broker.stop()
         if self._server is not None:
             await self._server.stop(grace_seconds)
             self._server = None
-        engine_socket = self.broker.engine_socket_path
-        if engine_socket and os.path.exists(engine_socket):
-            os.unlink(engine_socket)
-        log.info("broker_stopped", broker=self.broker.broker_id)
+        if self._engine_socket and os.path.exists(self._engine_socket):
+            os.unlink(self._engine_socket)
+        log.info("broker_stopped", broker=self._broker_id)
 
     async def wait(self) -> None:
         if self._server is not None:

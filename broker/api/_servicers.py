@@ -1,4 +1,4 @@
-"""The gRPC servicers: thin. Hand the request to the dispatcher, map errors.
+"""The gRPC servicers: thin. Hand the request to the broker's call route, map errors.
 
 Errors map to statuses here and only here: a ``KvBrokerError`` becomes its
 own status code and message; anything else is logged with its traceback and
@@ -57,55 +57,55 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
     """``kvbroker.v1.TransferBroker``: engines on this host."""
 
     def __init__(self, broker: Broker) -> None:
-        self._rt = broker
+        self._broker = broker
 
     @_unary
     async def GetBrokerInfo(self, request: transfer_pb2.GetBrokerInfoRequest, context: Any) -> transfer_pb2.BrokerInfo:
-        return self._rt.broker_info()
+        return self._broker.broker_info()
 
     @_unary
     async def RegisterEngine(
         self, request: transfer_pb2.RegisterEngineRequest, context: Any
     ) -> transfer_pb2.RegisterEngineResponse:
-        engine = await self._rt.register_engine(request)
+        engine = await self._broker.engine_calls.register_engine(request)
         return transfer_pb2.RegisterEngineResponse(engine_id=engine.engine_id)
 
     @_unary
     async def UnregisterEngine(
         self, request: transfer_pb2.UnregisterEngineRequest, context: Any
     ) -> transfer_pb2.UnregisterEngineResponse:
-        failed = await self._rt.unregister_engine(request.engine_id)
+        failed = await self._broker.engine_calls.unregister_engine(request.engine_id)
         return transfer_pb2.UnregisterEngineResponse(rooms_failed=failed)
 
     @_unary
     async def ExpectRoom(self, request: transfer_pb2.ExpectRoomRequest, context: Any) -> transfer_pb2.ExpectRoomResponse:
-        return transfer_pb2.ExpectRoomResponse(status=self._rt.expect_room(request).status())
+        return transfer_pb2.ExpectRoomResponse(status=self._broker.engine_calls.expect_room(request).status())
 
     @_unary
     async def BeginSend(self, request: transfer_pb2.BeginSendRequest, context: Any) -> transfer_pb2.BeginSendResponse:
-        return transfer_pb2.BeginSendResponse(status=self._rt.begin_send(request).status())
+        return transfer_pb2.BeginSendResponse(status=self._broker.engine_calls.begin_send(request).status())
 
     @_unary
     async def SendChunk(self, request: transfer_pb2.SendChunkRequest, context: Any) -> transfer_pb2.SendChunkResponse:
-        index, source = self._rt.send_chunk(request)
+        index, source = self._broker.engine_calls.send_chunk(request)
         return transfer_pb2.SendChunkResponse(chunk_index=index, status=source.status())
 
     @_unary
     async def Poll(self, request: transfer_pb2.PollRequest, context: Any) -> transfer_pb2.PollResponse:
-        return transfer_pb2.PollResponse(statuses=self._rt.poll(request))
+        return transfer_pb2.PollResponse(statuses=self._broker.engine_calls.poll(request))
 
     async def WatchRooms(
         self, request: transfer_pb2.WatchRoomsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.RoomStatus]:
         try:
-            async for status in self._rt.watch(request):
+            async for status in self._broker.engine_calls.watch(request):
                 yield status
         except KvBrokerError as exc:
             await context.abort(exc.code, exc.message)
 
     @_unary
     async def Abort(self, request: transfer_pb2.AbortRequest, context: Any) -> transfer_pb2.AbortResponse:
-        return transfer_pb2.AbortResponse(status=self._rt.abort(request))
+        return transfer_pb2.AbortResponse(status=self._broker.engine_calls.abort(request))
 
     async def Session(
         self, requests: AsyncIterator[transfer_pb2.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
@@ -114,7 +114,7 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             first = await requests.__anext__()
             if not first.HasField("open"):
                 raise InvalidArgument("the first request of a session stream must carry SessionOpen")
-            engine, stream = self._rt.open_session(first.open)
+            engine, stream = self._broker.sessions.open_session(first.open)
         except StopAsyncIteration:
             return
         except KvBrokerError as exc:
@@ -134,7 +134,7 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             await context.abort(exc.code, exc.message)
         finally:
             reader.cancel()
-            self._rt.close_session(engine, stream)
+            self._broker.sessions.close_session(engine, stream)
 
     async def _commands(
         self,
@@ -146,11 +146,11 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
         """Apply the stream's commands as they come (those of the opening first: they
         may come with it); end the stream when the engine half-closes."""
         try:
-            self._rt.apply_commands(engine, stream, opening)
+            self._broker.sessions.apply_commands(engine, stream, opening)
             async for request in requests:
                 if request.HasField("open"):
                     raise InvalidArgument("SessionOpen may only be the first request of a stream")
-                self._rt.apply_commands(engine, stream, request.commands)
+                self._broker.sessions.apply_commands(engine, stream, request.commands)
         except KvBrokerError as exc:
             stream.end(exc)
             return
@@ -167,43 +167,34 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
     """``kvbroker.v1.PeerBroker``: other brokers."""
 
     def __init__(self, broker: Broker) -> None:
-        self._rt = broker
+        self._broker = broker
 
     @_unary
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
-        return await self._rt.handshake(request)
-
-    @_unary
-    async def RegisterRoom(self, request: peer_pb2.RegisterRoomRequest, context: Any) -> peer_pb2.RegisterRoomResponse:
-        self._rt.register_room(request)
-        return peer_pb2.RegisterRoomResponse()
+        return await self._broker.peer_calls.handshake(request)
 
     @_unary
     async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
-        return self._rt.register_rooms(request)
+        return self._broker.peer_calls.register_rooms(request)
 
     @_unary
     async def ReserveStaging(
         self, request: peer_pb2.ReserveStagingRequest, context: Any
     ) -> peer_pb2.ReserveStagingResponse:
-        return await self._rt.reserve_staging(request)
+        return await self._broker.peer_calls.reserve_staging(request)
 
     @_unary
     async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
-        self._rt.completion_report(request)
+        self._broker.peer_calls.completion_report(request)
         return peer_pb2.CompletionAck()
 
     @_unary
     async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
-        return self._rt.peer_aborts(request)
+        return self._broker.peer_calls.peer_aborts(request)
 
     @_unary
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
-        return peer_pb2.PingResponse(broker_id=self._rt.broker_id)
-
-    @_unary
-    async def AbortRoom(self, request: peer_pb2.PeerAbortRequest, context: Any) -> peer_pb2.PeerAbortResponse:
-        return self._rt.peer_abort(request)
+        return peer_pb2.PingResponse(broker_id=self._broker.broker_id)
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

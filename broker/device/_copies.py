@@ -1,6 +1,6 @@
 """The broker's own copies: blocks gathered into slots and scattered from them.
 
-A :class:`~kvbroker.broker.packing.Block` names items of an engine's
+A :class:`~kvbroker.plan.Block` names items of an engine's
 regions; a slot is a reservation in one of this broker's staging or
 transfer buffers. :func:`gather` packs blocks into a slot, :func:`scatter`
 unpacks a slot into blocks. Two ways, by where the memory is:

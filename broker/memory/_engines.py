@@ -8,7 +8,7 @@ them only for its own copy kernels, and what lies in them moves through its
 transfer buffers (the device path, ``packing``). Unregistration releases
 everything in reverse order, the same way.
 The control loop only awaits: other engines' rooms go on meanwhile. Room
-bookkeeping lives elsewhere (``rooms``); the dispatcher fails an engine's
+bookkeeping lives elsewhere (``rooms``); the runtime fails an engine's
 rooms before it releases the engine.
 """
 

@@ -22,7 +22,7 @@ their buffers over as file descriptors and the broker maps them:
   IPC handle in the buffer's spec (no fd): opened with
   ``cuIpcOpenMemHandle`` on that device. See :mod:`kvbroker.cudavmm`.
   VRAM is mapped for the broker's own copy kernels only and never
-  registered with NIXL (the device path, ``kvbroker.broker.packing``).
+  registered with NIXL (the device path, ``kvbroker.plan``).
 
 An importer owns what it maps; ``ImportedBuffer.release`` unmaps and closes.
 """

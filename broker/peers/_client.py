@@ -1,4 +1,5 @@
-"""Every call this broker makes to other brokers, with its retry policy.
+"""Every call this broker makes to other brokers, with its retry policy (room
+registration's is the receiver's: ``execution._registration``).
 
 It mirrors the ``PeerBroker`` service (``service.PeerService`` answers the
 same calls):
@@ -7,7 +8,7 @@ same calls):
 | --- | --- | --- |
 | ``Handshake`` | first contact, our engines changed, a restart suspected | none here; callers retry |
 | (``find_sender``) | a receiving room bootstraps | handshake and look for the group, with backoff (10 ms doubling to 1 s) until ``--bootstrap-timeout``; the last try is at the deadline |
-| ``RegisterRooms`` | the receiver's plan is made | per room: ABORTED (the peer's view of us is stale, or it restarted): handshake again, then once more |
+| ``RegisterRooms`` | the receiver's plan is made | none here: the receiver's registration policy decides per room (``execution._registration``); each waits for the address to answer up to the RPC timeout |
 | ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
 | ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
 | ``AbortRooms`` | a receiver failed | per room as ReportCompletion; ABORTED (the peer does not know us: it took us for lost while we were stopped, say): handshake again, then once more; unreachable: the caller remembers it for the successor |
@@ -48,7 +49,6 @@ from kvbroker.errors import (
     GroupNotFound,
     Internal,
     KvBrokerError,
-    RegistrationError,
     Unavailable,
     from_rpc_error,
     from_status,
@@ -68,10 +68,6 @@ HandshakeMessage = tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.R
 
 #: Registrations per RegisterRooms call.
 _MAX_BATCH = 512
-
-# A RegisterRoom that failed with one of these may still have reached the
-# sender, so the sender may write: the pages are not settled.
-_MAYBE_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
 
 
 def server_options(config: BrokerConfig) -> list[tuple[str, int]]:
@@ -241,42 +237,6 @@ class PeerClient:
             delay = min(delay * 2, 1.0)
 
     # -- room calls -----------------------------------------------------------
-    async def register_room(
-        self,
-        peer: Peer,
-        request: peer_pb2.RegisterRoomRequest,
-        *,
-        stale: Callable[[], None],
-        again: Callable[[str], bool],
-        first: asyncio.Future[None] | None = None,
-    ) -> str | None:
-        """Register a room with ``peer``; returns the broker id that took it.
-
-        ABORTED (the peer's view of us is stale, or it restarted and never met
-        us): ``stale()``, handshake afresh (a restart detected here fails only
-        rooms the old process had), and if ``again(new broker id)`` says so,
-        try once more; None if it said not to. Raises
-        :class:`RegistrationError` otherwise. ``first``: the first attempt,
-        already made with :meth:`submit_registration`.
-        """
-        for attempt in (1, 2):
-            try:
-                # wait_for_ready: while the address does not answer (a broker
-                # restarting there, or the channel still backing off from the
-                # old process), wait for it up to the timeout instead of failing
-                # the room at once; the room is still bootstrapping.
-                await (first if attempt == 1 and first is not None else self.submit_registration(peer, request))
-                return request.sender_broker_id
-            except KvBrokerError as err:
-                if attempt == 1 and isinstance(err, Aborted):
-                    stale()
-                    await self.handshake(peer)
-                    if not again(peer.broker_id or ""):
-                        return None
-                    continue
-                raise RegistrationError(err, maybe_delivered=err.code in _MAYBE_DELIVERED) from err
-        raise AssertionError("unreachable")
-
     def submit_registration(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> asyncio.Future[None]:
         """Queue ``request`` (with the sender's broker id as we know it, and the
         current trace context) for the next RegisterRooms call to ``peer``; the
@@ -289,6 +249,10 @@ class PeerClient:
 
     async def _send_registrations(self, peer: Peer, batch: list[peer_pb2.RegisterRoomRequest]) -> list[None | KvBrokerError]:
         request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=batch)
+        # wait_for_ready: while the address does not answer (a broker
+        # restarting there, or the channel still backing off from the old
+        # process), wait for it up to the timeout instead of failing the
+        # rooms at once; they are still bootstrapping.
         response = await self.stub(peer).RegisterRooms(request, timeout=self._timeout, wait_for_ready=True)
         return [from_status(r.code, r.message) if r.code else None for r in response.results]
 

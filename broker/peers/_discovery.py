@@ -1,7 +1,7 @@
 """Finding senders by group through etcd: this broker's view of the fleet.
 
 With ``serve --etcd``, :class:`FleetView` lists every broker record under
-``{prefix}/brokers/`` (``broker.fleet.FleetRecord`` writes them) and keeps
+``{prefix}/brokers/`` (``FleetRecord`` writes them) and keeps
 the list current with an etcd watch. A receiving room whose ``SenderRef``
 names a group and no broker address is resolved through it
 (:func:`find_in_fleet`):
@@ -15,11 +15,11 @@ names a group and no broker address is resolved through it
    to the broker(s) that hold its sources;
 3. the room bootstraps with that broker as it would with a named address;
    a rank whose sources are on several brokers registers the room with
-   each, for the sources it holds (``receiver.SenderLeg``).
+   each, for the sources it holds (``SenderLeg``).
 
 A broker's key leaving etcd (its lease expired: it was killed or cut off;
 or revoked: it stopped) is a lost peer: :class:`FleetView` calls
-``on_left`` and the dispatcher fails the rooms with that broker with a PEER
+``on_left`` and the runtime fails the rooms with that broker with a PEER
 cause naming it, as a lost heartbeat does. While etcd cannot be reached the
 view keeps what it last saw (rooms between known peers go on), logs
 ``etcd_watch_lost`` once, and lists and watches again when etcd is back

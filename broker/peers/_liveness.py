@@ -4,7 +4,7 @@ Every ``peer_heartbeat_seconds`` the monitor pings each handshaken peer that
 has open rooms or transfers in flight with this broker. A peer that answers
 as a different broker (it restarted) is lost at once; one that has not
 answered for ``peer_dead_after_seconds`` is lost then. Losing a peer is the
-dispatcher's business (``Broker.peer_lost``): fail its rooms with a cause
+runtime's business (``PeerLoss.peer_lost``): fail its rooms with a cause
 naming it, cancel transfers to it, drop its handshake and NIXL remote agent.
 A restarted peer is handshaken afresh by the next room that needs it.
 

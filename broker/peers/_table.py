@@ -124,12 +124,14 @@ class PeerTable:
         *,
         broker_id: str,
         agent_name: str,
+        address: str,
         dataplane: DataPlane,
         on_restart: Callable[[Peer, str], None],
     ) -> None:
         self.broker_id = broker_id
         self.agent_name = agent_name
-        self.address = ""
+        #: Where peers reach this broker (its handshakes say so).
+        self.address = address
         self._dataplane = dataplane
         self._on_restart = on_restart
         self.by_address: dict[str, Peer] = {}

@@ -14,9 +14,11 @@ from kvbroker.broker.rooms._effects import (
     SendReport,
     TellSuccessor,
 )
-from kvbroker.broker.rooms._receiver import Receiver, ReceiverCore, SenderLeg
+from kvbroker.broker.rooms._receiver import ReceiverCore
+from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg
 from kvbroker.broker.rooms._records import FAILED, RoomTables, Side, cause
-from kvbroker.broker.rooms._sender import Part, SenderCore, Source, TransferInfo
+from kvbroker.broker.rooms._sender import SenderCore
+from kvbroker.broker.rooms._sender_records import Part, Source, TransferInfo
 from kvbroker.broker.rooms._watch import WatchHub
 
 __all__ = ["AbortAtPeer", "Effect", "FAILED", "FindSender", "Part", "PostPart", "Publish", "Receiver", "ReceiverCore", "RegisterRoom", "ReleaseStaging", "ReserveStaging", "RoomEnded", "RoomTables", "Scatter", "SendReport", "SenderCore", "SenderLeg", "Side", "Source", "TellSuccessor", "TransferInfo", "WatchHub", "cause"]

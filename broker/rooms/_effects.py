@@ -1,7 +1,7 @@
 """What the room state machines ask the world to do.
 
-The sender and receiver state machines (``sender``, ``receiver``) do no
-I/O: every call on them (an engine's request, a peer's message, a transfer
+The sender and receiver state machines (``SenderCore``, ``ReceiverCore``)
+do no I/O: every call on them (an engine's request, a peer's message, a transfer
 that settled, a notification, a timer) changes their records and returns
 effects, which the executor (``executor``) carries out — posting on the
 data-plane thread, calling peers, copying on the copy thread, publishing
@@ -19,9 +19,9 @@ from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from kvbroker.broker.memory import Reservation
-    from kvbroker.broker.rooms._receiver import Landing, Receiver, SenderLeg
+    from kvbroker.broker.rooms._receiver_records import Landing, Receiver, SenderLeg
     from kvbroker.broker.rooms._records import Side
-    from kvbroker.broker.rooms._sender import Part
+    from kvbroker.broker.rooms._sender_records import Part
 
 __all__ = [
     "AbortAtPeer",

@@ -3,9 +3,9 @@
 A room has a sender side (prefill ranks) and a receiver side (decode ranks);
 both may sit on one broker. Each side keeps one record per room id
 (:class:`SenderRoom`, :class:`ReceiverRoom`) holding one :class:`Side` per
-local engine rank: a ``Source`` (``kvbroker.broker.sender``) or a
-``Receiver`` (``kvbroker.broker.receiver``), whose modules hold their state
-machines.
+local engine rank: a ``Source`` (``_sender_records``) or a ``Receiver``
+(``_receiver_records``), moved by their state machines, ``SenderCore``
+(``_sender``) and ``ReceiverCore`` (``_receiver``).
 
 State rules (docs/design.md section 1): states only move forward,
 ``FAILED < BOOTSTRAPPING < WAITING_FOR_INPUT < TRANSFERRING < SUCCESS``;
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from kvbroker.broker.memory import Engine
-    from kvbroker.broker.rooms._receiver import Receiver
-    from kvbroker.broker.rooms._sender import Source, TransferInfo
+    from kvbroker.broker.rooms._receiver_records import Receiver
+    from kvbroker.broker.rooms._sender_records import Source, TransferInfo
 
 __all__ = [
     "BOOTSTRAPPING",

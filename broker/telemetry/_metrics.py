@@ -2,7 +2,7 @@
 
 Counters and histograms are recorded on the event-loop thread as things
 happen. Gauges (rooms by state, staging occupancy, sessions, peers, per-peer
-throughput) read a snapshot the event loop refreshes on every housekeeping
+throughput) read a snapshot the event loop refreshes every fourth housekeeping
 pass, because a scrape runs on another thread.
 
 Instruments:

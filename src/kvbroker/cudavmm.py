@@ -13,7 +13,7 @@ Neither is ever registered with NIXL: on an H100, a NIXL write into a VMM
 allocation fell back to TCP on the host (0.45 GB/s) and an IPC-opened
 pointer could not be registered at all. The broker's own transfer buffers
 (:func:`alloc_device`: ``cuMemAlloc``, what ``cudaMalloc`` gives) are the
-device memory NIXL sees (``kvbroker.broker.staging``).
+device memory NIXL sees (``kvbroker.broker.memory``).
 
 This module talks to the CUDA driver (``libcuda.so.1``) through ctypes:
 no build step and no dependency beyond the driver itself. Every call goes

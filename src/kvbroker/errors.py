@@ -2,7 +2,7 @@
 
 Every error carries the gRPC status code it maps to. The broker raises these
 and its servicers turn them into statuses in one place
-(``kvbroker.broker.service``); the client turns a failed call back into the
+(``kvbroker.broker.api``); the client turns a failed call back into the
 same class with :func:`from_rpc_error`, so an engine can catch
 ``errors.InvalidArgument`` whichever side detected the problem.
 """
@@ -29,7 +29,6 @@ __all__ = [
     "NixlError",
     "NotFound",
     "PermissionDenied",
-    "RegistrationError",
     "ResourceExhausted",
     "RoomFailed",
     "TransferTimeout",
@@ -150,17 +149,6 @@ class CudaError(Internal):
 class GroupNotFound(FailedPrecondition):
     """A sender's broker (or the fleet) does not hold the group or ranks a room
     needs, yet: bootstrapping retries it (``PeerClient.until_found``)."""
-
-
-class RegistrationError(KvBrokerError):
-    """RegisterRoom failed with ``error`` (whose status it carries);
-    ``maybe_delivered``: it may still have reached the sender (a timeout, a
-    broken connection), so the sender may write."""
-
-    def __init__(self, error: KvBrokerError, *, maybe_delivered: bool) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.maybe_delivered = maybe_delivered
 
 
 class RoomFailed(KvBrokerError):

@@ -1,4 +1,4 @@
-"""Gather and scatter of packed blocks (``kvbroker.broker.copies``), on both of its ways.
+"""Gather and scatter of packed blocks (``kvbroker.broker.device``), on both of its ways.
 
 The host way (numpy, by runs of items) serves DRAM staging; the device way
 (torch index ops over stacked views) serves the device path on a GPU, and

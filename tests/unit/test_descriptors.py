@@ -1,4 +1,4 @@
-"""Descriptor math: ``kvbroker.broker.descriptors``."""
+"""Descriptor math: ``kvbroker.plan``."""
 
 from __future__ import annotations
 

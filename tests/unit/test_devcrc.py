@@ -1,4 +1,4 @@
-"""kvbroker.broker.devcrc against zlib.crc32, on CPU tensors."""
+"""kvbroker.broker.device against zlib.crc32, on CPU tensors."""
 
 from __future__ import annotations
 

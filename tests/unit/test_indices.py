@@ -1,4 +1,4 @@
-"""Page-index encoding on the wire: ``kvbroker.indices``."""
+"""Page-index encoding on the wire: ``kvbroker.plan``."""
 
 from __future__ import annotations
 

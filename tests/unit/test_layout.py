@@ -1,4 +1,4 @@
-"""Layout validation: ``kvbroker.broker.layout.Layout.from_proto``."""
+"""Layout validation: ``kvbroker.plan.Layout.from_proto``."""
 
 from __future__ import annotations
 

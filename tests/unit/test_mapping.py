@@ -1,4 +1,4 @@
-"""Which sender ranks a receiver rank waits for: ``kvbroker.broker.mapping``."""
+"""Which sender ranks a receiver rank waits for: ``kvbroker.plan``."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from kvbroker.broker.rooms._effects import (
     Scatter,
     TellSuccessor,
 )
-from kvbroker.broker.rooms._receiver import Receiver, ReceiverCore, SenderLeg
+from kvbroker.broker.rooms._receiver import ReceiverCore
+from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg
 from kvbroker.broker.rooms._records import RoomTables, cause
 from kvbroker.broker.telemetry._counters import Counters
 from kvbroker.errors import (

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvbroker.broker.memory._staging import Reservation
-from kvbroker.broker.rooms._receiver import Receiver, SenderLeg, SourceExpectation
+from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, SourceExpectation
 from kvbroker.broker.rooms._records import (
     ReceiverRoom,
     RoomTables,
@@ -19,7 +19,7 @@ from kvbroker.broker.rooms._records import (
     cause,
     cause_of,
 )
-from kvbroker.broker.rooms._sender import Chunk, Destination, Source, TransferInfo
+from kvbroker.broker.rooms._sender_records import Chunk, Destination, Source, TransferInfo
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,

@@ -1,4 +1,4 @@
-"""What one chunk moves: ``kvbroker.broker.segments``."""
+"""What one chunk moves: ``kvbroker.plan``."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from kvbroker.broker.rooms._effects import (
     SendReport,
 )
 from kvbroker.broker.rooms._records import RoomTables, cause
-from kvbroker.broker.rooms._sender import Part, SenderCore, Source, TransferInfo
+from kvbroker.broker.rooms._sender import SenderCore
+from kvbroker.broker.rooms._sender_records import Part, Source, TransferInfo
 from kvbroker.broker.telemetry._counters import Counters
 from kvbroker.errors import (
     Aborted,

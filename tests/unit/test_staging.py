@@ -1,4 +1,4 @@
-"""Staging pools and transfer buffers (``kvbroker.broker.staging``) and ``parts.page_blocks``."""
+"""Staging pools and transfer buffers (``kvbroker.broker.memory``) and ``parts.page_blocks``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.rooms._receiver import SenderLeg, SourceExpectation
+from kvbroker.broker.rooms._receiver_records import SenderLeg, SourceExpectation
 from kvbroker.errors import FailedPrecondition
 from kvbroker.plan._descriptors import DescriptorTable
 from kvbroker.plan._layout import RankKey

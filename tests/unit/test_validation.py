@@ -1,4 +1,4 @@
-"""The one index validation: ``kvbroker.broker.validation``."""
+"""The one index validation: ``kvbroker.plan``."""
 
 from __future__ import annotations
 

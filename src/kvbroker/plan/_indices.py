@@ -71,7 +71,7 @@ def decode_indices(message: common_pb2.PageIndices, *, what: str = "pages") -> I
 
     Exactly one of ``packed`` and ``values`` may be set (an empty message is an
     empty list). The result may contain negative values: bounds are checked
-    against the region they address (``kvbroker.broker.descriptors``).
+    against the region they address (``kvbroker.plan``).
     """
     if message.packed and len(message.values):
         raise InvalidArgument(f"{what}: set either packed or values, not both")

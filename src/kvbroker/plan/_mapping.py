@@ -25,7 +25,7 @@ from T, never from per-rank counts (lesson 3 of docs/design.md).
   receiver rank when their layer ranges overlap; layers pair by layer id.
 - Page sizes may differ where whole tokens move (equal tp sizes, or MLA)
   in token-major pages: the sender moves token runs
-  (``kvbroker.broker.tokens``); head slices between different page sizes,
+  (``kvbroker.plan``); head slices between different page sizes,
   and fused pages (whose inside is the attention kernel's), are refused.
 
 Aux rows come from one writing source per receiver rank: the lowest writing

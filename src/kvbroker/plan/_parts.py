@@ -19,14 +19,14 @@ one NIXL write carrying its own ``TransferNotice`` (``part`` of ``parts``):
   page, token), when staging is off or the block cannot fit; always for
   fused pages, where a head slice is one piece per page;
 - ``RUNS``: whole tokens between different page sizes, one descriptor per
-  (layer region, token run) (``kvbroker.broker.tokens``);
+  (layer region, token run) (``kvbroker.plan``);
 - ``NOTICE``: no bytes, only the notification: a completion-only source, or
   a last chunk with no pages, aux or state, so completion stays explicit;
 - ``PACKED``: the device path. Whatever of the chunk lies in VRAM on either
   side (its KV, aux rows, state components) never meets NIXL in engine
   memory: this broker gathers it into a slot of its transfer buffer, one
   write moves the slot into a slot the receiver reserved (as for STAGED),
-  and the receiver scatters it (``kvbroker.broker.packing``). A chunk larger
+  and the receiver scatters it (``kvbroker.plan``). A chunk larger
   than a part may be is several PACKED parts. The rest of the chunk (DRAM on
   both sides) takes the paths above.
 

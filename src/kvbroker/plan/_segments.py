@@ -1,6 +1,6 @@
 """What one chunk moves: pure functions from layouts, a plan and indices to segments.
 
-A :class:`~kvbroker.broker.descriptors.Segment` pairs items of one source
+A :class:`~kvbroker.plan.Segment` pairs items of one source
 region with items of one destination region. For a chunk of whole pages:
 
 - KV (whole pages, ``SOURCE_MODE_FULL_PAGES``): for every layer the source

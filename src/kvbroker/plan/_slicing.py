@@ -7,7 +7,7 @@ Two ways to move them (docs/design.md sections 5 and 6):
 
 - per-token descriptors (:func:`token_descriptors`): one NIXL descriptor per
   (layer region, page, token); correct, slow;
-- staging (``kvbroker.broker.staging``), one copy on the side that holds
+- staging (``kvbroker.broker.memory``), one copy on the side that holds
   fewer heads: the sender packs the receiver's slice and writes packed pages
   into the receiver's pages, or writes its whole pages into a slot the
   receiver reserved and the receiver unpacks them. The packed layout, shared

@@ -1,6 +1,6 @@
 """A scripted fake NIXL agent: the one fake, shipped for tests.
 
-``FakeAgent`` follows ``kvbroker.broker.nixl_agent.Agent``. Agents that share
+``FakeAgent`` follows ``kvbroker.broker.dataplane.Agent``. Agents that share
 a :class:`FakeFabric` reach each other by name, in one process, and really
 copy bytes (``ctypes.memmove``) between registered memory when a transfer
 completes, so a test sees byte-exact results or the lack of them.

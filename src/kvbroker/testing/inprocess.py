@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbroker import cudavmm
 from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.broker.runtime import Broker
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric
@@ -50,18 +51,8 @@ class FakeBroker:
 
     def evict_now(self) -> None:
         """Evict every finished room and tombstone at once."""
-        self.loop.call(lambda: self.broker.evict(time.monotonic() + 3600, everything=True))
-        self.loop.call(lambda: self.broker.evict(time.monotonic() + 7200, everything=True))
-
-    def use_cuda(self, fake: FakeCudaLib) -> None:
-        """Give the broker the fake CUDA driver: VRAM buffers import through it, its
-        "device memory" (host memory) is viewed as torch CPU tensors, and the fake
-        NIXL agent follows the rules a real GPU showed for it."""
-        from kvbroker import cudavmm
-
-        self.broker.engines.cuda_driver = cudavmm.Driver(fake)
-        self.broker.views.device_as_host = True
-        self.agent.cuda = fake
+        self.loop.call(lambda: self.broker.housekeeping.evict(time.monotonic() + 3600, everything=True))
+        self.loop.call(lambda: self.broker.housekeeping.evict(time.monotonic() + 7200, everything=True))
 
     def stop(self, grace_seconds: float = 0.1) -> None:
         """Stop serving and release everything (``BrokerServer.stop``)."""
@@ -69,7 +60,13 @@ class FakeBroker:
 
 
 def start_fake_broker(
-    loop: LoopThread, fabric: FakeFabric, sock_dir: str | Path, name: str, **config: Any
+    loop: LoopThread,
+    fabric: FakeFabric,
+    sock_dir: str | Path,
+    name: str,
+    *,
+    cuda: FakeCudaLib | None = None,
+    **config: Any,
 ) -> FakeBroker:
     """Start a broker named ``name`` on ``loop`` and return once it serves.
 
@@ -78,15 +75,24 @@ def start_fake_broker(
     ``sock_dir`` short: unix socket paths must stay under 108 bytes).
     ``config`` sets any other :class:`~kvbroker.broker.BrokerConfig` field,
     or overrides those two. Stop it with :meth:`FakeBroker.stop`.
+
+    ``cuda``: the fake CUDA driver. VRAM buffers import through it, its
+    "device memory" (host memory) is viewed as torch CPU tensors, and the
+    fake NIXL agent follows the rules a real GPU showed for it.
     """
-    agent = FakeAgent(f"fake_{name}_agent", fabric)
+    agent = FakeAgent(f"fake_{name}_agent", fabric, cuda=cuda)
     settings: dict[str, Any] = {
         "listen_address": "127.0.0.1:0",
         "engine_socket_path": str(Path(sock_dir) / f"{name}.sock"),
         **config,
     }
     try:
-        server = BrokerServer(BrokerConfig(**settings), agent=agent)
+        server = BrokerServer(
+            BrokerConfig(**settings),
+            agent=agent,
+            cuda_driver=cudavmm.Driver(cuda) if cuda is not None else None,
+            device_as_host=cuda is not None,
+        )
         loop.run(server.start())
     except BaseException:
         agent.close()

@@ -148,10 +148,6 @@ class RegisterRoomRequest(_message.Message):
     verify_checksum: bool
     def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ...) -> None: ...
 
-class RegisterRoomResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class RegisterRoomsRequest(_message.Message):
     __slots__ = ("protocol_version", "rooms")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -39,11 +39,6 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
-        self.RegisterRoom = channel.unary_unary(
-                '/kvbroker.v1.PeerBroker/RegisterRoom',
-                request_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.SerializeToString,
-                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.FromString,
-                _registered_method=True)
         self.RegisterRooms = channel.unary_unary(
                 '/kvbroker.v1.PeerBroker/RegisterRooms',
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsRequest.SerializeToString,
@@ -58,11 +53,6 @@ class PeerBrokerStub:
                 '/kvbroker.v1.PeerBroker/ReportCompletion',
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.CompletionReport.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.CompletionAck.FromString,
-                _registered_method=True)
-        self.AbortRoom = channel.unary_unary(
-                '/kvbroker.v1.PeerBroker/AbortRoom',
-                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
-                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
                 _registered_method=True)
         self.AbortRooms = channel.unary_unary(
                 '/kvbroker.v1.PeerBroker/AbortRooms',
@@ -88,19 +78,13 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterRoom(self, request, context):
-        """Receiver's broker -> sender's broker: the transfer info of one receiving
-        engine rank for one room. Idempotent for the same (room, receiver).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def RegisterRooms(self, request, context):
-        """RegisterRoom for many rooms in one call (what a broker sends: the
+        """Receiver's broker -> sender's broker: the transfer info of receiving
+        engine ranks for their rooms, one RegisterRoomRequest each (the
         registrations for one peer that queued while its previous call was in
-        flight). Each registration succeeds or fails on its own, as the unary
-        call would; a failure of the call itself concerns them all.
+        flight). Each registration succeeds or fails on its own and is
+        idempotent for the same (room, receiver); a failure of the call itself
+        concerns them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,16 +109,10 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AbortRoom(self, request, context):
-        """Either side: the room is aborted; the callee fails its side with the
-        cause. Idempotent.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def AbortRooms(self, request, context):
-        """AbortRoom for many rooms in one call (batched per peer, as RegisterRooms).
+        """Either side: rooms are aborted (batched per peer, as RegisterRooms);
+        the callee fails its sides of each with the cause. Each abort succeeds
+        or fails on its own, and is idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,11 +134,6 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.HandshakeResponse.SerializeToString,
             ),
-            'RegisterRoom': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterRoom,
-                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.FromString,
-                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.SerializeToString,
-            ),
             'RegisterRooms': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterRooms,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RegisterRoomsRequest.FromString,
@@ -175,11 +148,6 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.ReportCompletion,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.CompletionReport.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.CompletionAck.SerializeToString,
-            ),
-            'AbortRoom': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortRoom,
-                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
-                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
             ),
             'AbortRooms': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortRooms,
@@ -219,33 +187,6 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/Handshake',
             kvbroker_dot_v1_dot_peer__pb2.HandshakeRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.HandshakeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RegisterRoom(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvbroker.v1.PeerBroker/RegisterRoom',
-            kvbroker_dot_v1_dot_peer__pb2.RegisterRoomRequest.SerializeToString,
-            kvbroker_dot_v1_dot_peer__pb2.RegisterRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -327,33 +268,6 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/ReportCompletion',
             kvbroker_dot_v1_dot_peer__pb2.CompletionReport.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.CompletionAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AbortRoom(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvbroker.v1.PeerBroker/AbortRoom',
-            kvbroker_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
-            kvbroker_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,369 @@
+"""Parts in flight: posting each part the sender's state machine hands on, and settling it.
+
+A part (``rooms.Part``: some pages of one chunk for one destination) gets a
+span, then goes to the data-plane thread in the write its kind takes
+(``_writes``). Some need room first:
+
+- a staged part asks the receiver for room in its staging buffer
+  (ReserveStaging) before it is written there;
+- a packed part takes a slot of the local send transfer buffer, then asks
+  the receiver for its slot while it is gathered into ours (``_copies``),
+  then goes as one write, slot to slot;
+- a gathered part (the sender's side packs the head slice) takes a slot of
+  the local send pool, is gathered into it, and is written page by page.
+
+Its outcome comes back from the data plane (``Settled``), or, for a part
+that never reached NIXL, it settles here as failed; either way the slots it
+held are given back, its span ends, the metrics and the peer's throughput
+count it, and ``SenderCore.part_settled`` hears it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from kvbroker.broker import telemetry
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.dataplane import DataPlane, Posting, Settled, XferState
+from kvbroker.broker.execution._copies import StagingCopies, as_broker_error, slot_of
+from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._writes import (
+    packed_write,
+    whole_write,
+    write_from_staging,
+    write_into_staging,
+    write_runs,
+    write_tokens,
+)
+from kvbroker.broker.memory import Reservation, StagingPool, StagingPools
+from kvbroker.broker.peers import Peer, PeerClient, PeerTable
+from kvbroker.broker.rooms import FAILED, Part, SenderCore
+from kvbroker.broker.telemetry import BrokerMetrics, Counters
+from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
+from kvbroker.plan import PartKind, kv_block, pool_text
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2
+
+__all__ = ["PartsInFlight", "observe_write"]
+
+log = structlog.get_logger(__name__)
+
+DRAM = common_pb2.MEMORY_KIND_DRAM
+VRAM = common_pb2.MEMORY_KIND_VRAM
+#: Transfers smaller than this do not count for throughput (latency dominates).
+_THROUGHPUT_MIN_BYTES = 1 << 20
+
+
+class PartsInFlight:
+    """The sender's parts from handing on to settling. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        config: BrokerConfig,
+        sender: SenderCore,
+        dataplane: DataPlane,
+        peers: PeerTable,
+        client: PeerClient,
+        pools: StagingPools,
+        copies: StagingCopies,
+        tasks: TaskSet,
+        counters: Counters,
+        metrics: BrokerMetrics,
+        drain: Callable[[], None],
+    ) -> None:
+        self._id = broker_id
+        self._config = config
+        self._sender = sender
+        self._dataplane = dataplane
+        self._peers = peers
+        self._client = client
+        self._pools = pools
+        self._copies = copies
+        self._tasks = tasks
+        self._counters = counters
+        self._metrics = metrics
+        #: The executor's loop: carries out what an answer to a state machine caused.
+        self._drain = drain
+        #: Parts handed on and not settled: their span and when they started.
+        self._parts: dict[Part, tuple[Span, float]] = {}
+        #: Staged parts' reservations in the local send pool, until they settle.
+        self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
+        #: Packed parts being gathered into a slot of the send transfer buffer
+        #: (while the receiver reserves its slot): what the gather gave, or why not.
+        self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError | None]] = {}
+        self._vram_slow_bps = config.vram_slow_gbps * 1e9
+
+    # -- handing on ----------------------------------------------------------------
+    def start(self, part: Part) -> Span:
+        """The span of one part, child of the source's room span (reused if it exists)."""
+        known = self._parts.get(part)
+        if known is not None:
+            return known[0]
+        dest, notice = part.dest, part.notice
+        kinds = (part.spec.local_kind, part.spec.remote_kind) if part.kind is not PartKind.NOTICE else (DRAM, DRAM)
+        span = telemetry.start_span(
+            "kvbroker.transfer",
+            parent=part.source.span,
+            attributes={
+                "kvbroker.room": part.source.room,
+                "kvbroker.receiver": str(dest.info.receiver),
+                "kvbroker.chunk": notice.chunk_index,
+                "kvbroker.part": notice.part,
+                "kvbroker.pages": notice.pages,
+                "kvbroker.bytes": notice.bytes,
+                "kvbroker.path": part.kind.value,
+                "kvbroker.memory": _kinds_text(kinds),
+            },
+        )
+        for name in part.spec.carries:
+            telemetry.start_span(name, parent=span).end()
+        self._parts[part] = (span, time.monotonic())
+        return span
+
+    def reserve_staging(self, part: Part) -> None:
+        """Room for a staged or packed part before it is posted: a packed one
+        takes our slot first, then the receiver's (asked for while we gather)."""
+        self.start(part)
+        if part.kind is PartKind.PACKED:
+            self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
+        else:
+            self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
+
+    def post(self, part: Part) -> None:
+        """Hand one part to the data plane (a gathered one is packed first)."""
+        span = self.start(part)
+        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
+        if peer is None or peer.agent_name is None:
+            self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
+            return
+        agent_name = peer.agent_name
+        notif = part.notice.SerializeToString()
+        self._counters.transfers_posted += part.kind is not PartKind.NOTICE
+        if part.kind is PartKind.NOTICE:
+            self._dataplane.notify(part, agent_name, notif)
+        elif part.kind is PartKind.WHOLE:
+            self._dataplane.post(Posting(part, whole_write(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.TOKENS:
+            self._counters.transfers_per_token += 1
+            spec = part.spec
+            if spec.src_pages is not None and spec.slice is not None:
+                span.set_attribute("kvbroker.descriptors_built", len(spec.pairs) * int(spec.src_pages.size) * spec.slice.src.page_size)
+            self._dataplane.post(Posting(part, write_tokens(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.RUNS:
+            self._counters.transfers_token_runs += 1
+            self._dataplane.post(Posting(part, write_runs(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.STAGED:
+            self._counters.transfers_staged += 1
+            self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.PACKED:
+            self._tasks.spawn(self._post_packed(part, agent_name), name=f"post-packed-{part.source.room}")
+        else:
+            self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
+
+    # -- parts that need room first ---------------------------------------------------
+    async def _reserve(self, part: Part) -> None:
+        """The prefetch of a staged part at the receiver."""
+        notice = part.notice
+        request = peer_pb2.ReserveStagingRequest(
+            protocol_version=PROTOCOL_VERSION,
+            room=part.source.room,
+            sender_broker_id=self._id,
+            source=notice.source,
+            receiver=notice.receiver,
+            chunk_index=notice.chunk_index,
+            part=notice.part,
+            bytes=part.nbytes,
+        )
+        span = self._parts[part][0]
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                response = await self._client.reserve_staging(part.dest.info.receiver_broker_id, request)
+        except KvBrokerError as exc:
+            self.fail(part, exc)
+            return
+        buffer = response.buffer if response.HasField("buffer") else self._peers.by_id[part.dest.info.receiver_broker_id].receive_staging.get((DRAM, 0))
+        if buffer is None:
+            self.fail(part, FailedPrecondition("the receiver reserved staging in a buffer it never announced"))
+            return
+        if part.source.state == FAILED:
+            self.fail(part, FailedPrecondition("the room failed before its staged part was written"))
+            return
+        self._sender.staging_reserved(part, buffer, response.offset)
+        self._drain()
+
+    async def _pack(self, part: Part) -> _Packed | KvBrokerError | None:
+        """Reserve a slot of the send transfer buffer, then ask the receiver for
+        its slot and gather the part meanwhile (and its checksum, if asked
+        for). The order matters: a part that holds a receive slot already holds
+        its send slot and waits for nothing else, so parts waiting for one
+        buffer never hold the other one full (they did, deadlocked, when both
+        were asked for at once). A part that gets no send slot fails here
+        (None); past that, the error is returned, not raised: ``_post_packed``
+        or ``settled`` takes the outcome."""
+        spec = part.spec
+        assert spec.packing is not None
+        pool = self._pools.pool("send", *spec.pools[0])
+        try:
+            if pool is None:
+                raise FailedPrecondition(f"this broker has no send transfer buffer for {pool_text(spec.pools[0])}")
+            reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
+        except Exception as exc:
+            self._packing.pop(part, None)
+            self.fail(part, as_broker_error(exc, "reserving a send slot"))
+            return None
+        if part.source.state == FAILED:
+            pool.release(reservation)
+            self._packing.pop(part, None)
+            self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
+            return None
+        self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
+        span = self._parts[part][0]
+        try:
+            slot = slot_of(pool, reservation, part.nbytes)
+            crc = await self._copies.gather(
+                part.source.engine, spec.packing.blocks, slot, span, with_checksum=part.dest.info.verify_checksum
+            )
+        except Exception as exc:
+            pool.release(reservation)
+            return as_broker_error(exc, "gathering a packed part")
+        return _Packed(pool, reservation, crc)
+
+    async def _post_packed(self, part: Part, agent_name: str) -> None:
+        """Post a packed part once its gather is done: one write, slot to slot."""
+        packing = self._packing.pop(part, None)
+        outcome = await packing if packing is not None else None
+        if not isinstance(outcome, _Packed):
+            self.fail(part, outcome or Internal("a packed part was posted without its gather"))
+            return
+        if part.source.state == FAILED:
+            outcome.pool.release(outcome.reservation)
+            self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
+            return
+        if outcome.checksum is not None:
+            part.notice.packed_checksum = outcome.checksum
+        self._sending[part] = (outcome.pool, outcome.reservation)
+        self._counters.transfers_packed += 1
+        make = packed_write(part, outcome.pool.buffer, outcome.reservation.offset, agent_name, part.notice.SerializeToString())
+        self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
+
+    async def _gather(self, part: Part, agent_name: str, notif: bytes, span: Span) -> None:
+        """Reserve in the local send pool, pack the head slice on the copy thread,
+        write each packed page straight into the receiver's page."""
+        spec = part.spec
+        engine = part.source.engine
+        assert spec.slice is not None and spec.src_pages is not None and spec.dst_pages is not None
+        device = engine.table.region_device[spec.pairs[0][0]]
+        pool = self._pools.pool("send", spec.local_kind, device)
+        reservation: Reservation | None = None
+        try:
+            if pool is None:
+                raise FailedPrecondition("this broker has no send staging buffer for that memory")
+            reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
+            if part.source.state == FAILED:
+                raise FailedPrecondition("the room failed before its staged part was written")
+            block = kv_block(engine.layout, [s for s, _ in spec.pairs], spec.src_pages, spec.slice.src, tokens=False)
+            slot = slot_of(pool, reservation, part.nbytes)
+            await self._copies.gather(engine, [block], slot, span, with_checksum=False)
+        except Exception as exc:
+            if reservation is not None and pool is not None:
+                pool.release(reservation)
+            self.fail(part, as_broker_error(exc, "staging the part"))
+            return
+        assert pool is not None and reservation is not None
+        self._sending[part] = (pool, reservation)
+        self._counters.transfers_staged += 1
+        make = write_from_staging(part, pool.buffer, reservation.offset, agent_name, notif)
+        self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
+
+    # -- settling ----------------------------------------------------------------------
+    def fail(self, part: Part, error: KvBrokerError) -> None:
+        """A part that never reached NIXL: it settles now, as failed."""
+        self.settled(Settled(part, XferState.ERR, None, error, 0.0))
+        self._drain()
+
+    def settled(self, event: Settled) -> None:
+        """A part's outcome: give back what it held, end its span, count it,
+        and tell the sender's state machine."""
+        part: Part = event.token
+        held = self._sending.pop(part, None)
+        if held is not None:
+            held[0].release(held[1])
+        packing = self._packing.pop(part, None)
+        if packing is not None:
+            # It settled before its gather was posted: give the slot back once it is gathered.
+            packing.add_done_callback(_release_packed)
+        span, started = self._parts.pop(part, (None, time.monotonic()))
+        elapsed = time.monotonic() - started
+        ok = event.state is XferState.DONE
+        if part.kind is not PartKind.NOTICE:
+            self._observe(part, elapsed, event.elapsed_s, ok)
+        if span is not None:
+            span.set_attribute("kvbroker.descriptors", event.descriptors or 0)
+            span.set_attribute("kvbroker.duration_s", elapsed)
+            telemetry.end_with_status(span, ok, event.error.message if event.error else "NIXL reported an error")
+        self._sender.part_settled(part, event.state, event.descriptors, event.error)
+
+    def _observe(self, part: Part, elapsed: float, writing: float, ok: bool) -> None:
+        """Metrics (``elapsed``: from planning to settling) and the per-peer
+        throughput (``writing``: the NIXL write alone); warn when VRAM moves at
+        host-copy speed."""
+        path = part.kind.value
+        self._metrics.transfers.add(1, {"path": path, "result": "done" if ok else "error"})
+        if not ok:
+            return
+        self._metrics.bytes.add(part.nbytes, {"direction": "sent"})
+        self._metrics.transfer_seconds.record(elapsed, {"path": path})
+        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
+        if peer is not None:
+            observe_write(peer, part.nbytes, writing, (part.spec.local_kind, part.spec.remote_kind), self._vram_slow_bps)
+
+
+def observe_write(peer: Peer, nbytes: int, elapsed: float, kinds: tuple[int, int], vram_slow_bps: float) -> None:
+    """Count a write to ``peer`` into its throughput; warn (once a minute) when
+    VRAM moves slower than ``vram_slow_bps``: UCX probably fell back to TCP or
+    a host copy."""
+    peer.bytes_sent += nbytes
+    peer.kinds.add(_kinds_text(kinds))
+    if nbytes < _THROUGHPUT_MIN_BYTES or elapsed <= 0:
+        return
+    rate = nbytes / elapsed
+    peer.throughput_bps = rate if not peer.throughput_bps else 0.8 * peer.throughput_bps + 0.2 * rate
+    if VRAM in kinds and rate < vram_slow_bps and time.monotonic() - peer.slow_warned_at > 60:
+        peer.slow_warned_at = time.monotonic()
+        log.warning(
+            "vram_transfer_at_host_speed",
+            peer=peer.address,
+            memory=_kinds_text(kinds),
+            gbps=round(rate / 1e9, 3),
+            threshold_gbps=vram_slow_bps / 1e9,
+            hint="UCX may have fallen back to TCP or a host copy; check UCX_TLS / UCX_NET_DEVICES and UCX_PROTO_INFO=y",
+        )
+
+
+def _kinds_text(kinds: tuple[int, int]) -> str:
+    """A write's memory kinds, source to destination: ``"VRAM->DRAM"``."""
+    names: dict[int, str] = {DRAM: "DRAM", VRAM: "VRAM"}
+    return f"{names.get(kinds[0], '?')}->{names.get(kinds[1], '?')}"
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A gathered packed part: its slot in the send transfer buffer, and its checksum."""
+
+    pool: StagingPool
+    reservation: Reservation
+    checksum: int | None
+
+
+def _release_packed(task: asyncio.Task[_Packed | KvBrokerError | None]) -> None:
+    if not task.cancelled() and isinstance(outcome := task.result(), _Packed):
+        outcome.pool.release(outcome.reservation)

@@ -1,0 +1,332 @@
+"""Data landing in a receiver rank: notices, scattered parts, checksums and completion.
+
+:class:`ReceiverLanding` takes the NIXL notifications
+(:meth:`~ReceiverLanding.notices`): each says one part of one chunk of one
+source landed. A staged or packed part landed in the receive staging buffer
+(reserved for it by the sender's prefetch, :meth:`~ReceiverLanding.staging_wanted`
+and :meth:`~ReceiverLanding.staging_granted`) and is scattered into the
+pages first (``Scatter`` -> :meth:`~ReceiverLanding.scattered`);
+TRANSFERRING. A chunk all of whose parts landed is checked against the
+sender's checksum when the rank asked for that. SUCCESS when every source
+it expects, counted by unique (group, tp rank, pp rank) (lesson 2), is
+complete: every part of every chunk of its last notice's count landed, the
+aux row if it asked for one, and every state component it listed with
+indices (lesson 1). A source's out-of-band report
+(:meth:`~ReceiverLanding.completion_report`) says it failed, and whether
+anything of it is still in flight. Notices for rooms that are not here are
+counted and dropped; they never create a room (lesson 6).
+"""
+
+from __future__ import annotations
+
+import structlog
+from google.protobuf.message import DecodeError
+
+from kvbroker.broker import telemetry
+from kvbroker.broker.memory import Reservation
+from kvbroker.broker.rooms._checksum import chunk_checksum
+from kvbroker.broker.rooms._effects import ReleaseStaging, Scatter
+from kvbroker.broker.rooms._receiver_base import ReceiverBase
+from kvbroker.broker.rooms._receiver_records import (
+    Landing,
+    PoolKey,
+    Receiver,
+    SourceExpectation,
+    StagingKey,
+)
+from kvbroker.broker.rooms._records import FAILED, SUCCESS, TRANSFERRING, cause, cause_of
+from kvbroker.errors import FailedPrecondition, KvBrokerError, NotFound
+from kvbroker.plan import (
+    MAX_PARTS,
+    NO_INDICES,
+    RankKey,
+    TokenRange,
+    kv_block,
+    kv_regions,
+    landing_blocks,
+    packed_bytes,
+    rank_key,
+    slice_side,
+    transfer_pool,
+)
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import common_pb2, peer_pb2
+
+__all__ = ["ReceiverLanding", "landing_of", "pool_of", "token_problem"]
+
+log = structlog.get_logger(__name__)
+
+
+class ReceiverLanding(ReceiverBase):
+    """What lands in receiver ranks, and when a rank is complete."""
+
+    # -- data --------------------------------------------------------------
+    def notices(self, items: list[tuple[str, bytes]]) -> None:
+        """NIXL notifications: each says one part of one chunk of one source landed."""
+        for agent, payload in items:
+            self._notice(agent, payload)
+
+    def _notice(self, agent: str, payload: bytes) -> None:
+        try:
+            notice = peer_pb2.TransferNotice.FromString(payload)
+        except DecodeError:
+            self._counters.bad_notices += 1
+            log.warning("bad_notification", agent=agent, size=len(payload))
+            return
+        if notice.protocol_version != PROTOCOL_VERSION:
+            self._counters.bad_notices += 1
+            log.warning("bad_notification", agent=agent, protocol_version=notice.protocol_version, speaks=PROTOCOL_VERSION)
+            return
+        room = self._rooms.receiver.get(notice.room)
+        rank = room.ranks.get(rank_key(notice.receiver)) if room is not None else None
+        leg = rank.leg(notice.sender_broker_id) if rank is not None else None
+        if rank is None or (rank.legs and leg is None):
+            self._counters.late_notices += 1
+            log.debug("late_notification", room=notice.room, receiver=str(rank_key(notice.receiver)))
+            return
+        source_key = rank_key(notice.source)
+        exp = rank.expected.get(source_key) if rank.expected is not None else None
+        if exp is None or exp.leg is not leg:
+            self.fail(
+                rank,
+                cause(common_pb2.FAILURE_KIND_MISMATCH, f"an unexpected source {source_key} wrote into the room", self._id),
+            )
+            return
+        key = (source_key, notice.chunk_index, notice.part)
+        if not notice.part < max(1, notice.parts) <= MAX_PARTS:
+            self.fail(
+                rank,
+                cause(
+                    common_pb2.FAILURE_KIND_MISMATCH,
+                    f"source {source_key} sent a notice for part {notice.part} of {notice.parts} (at most {MAX_PARTS})",
+                    self._id,
+                ),
+            )
+            return
+        if exp.has_part(notice.chunk_index, notice.part) or key in rank.scattering:
+            return
+        if notice.token_end and (problem := token_problem(rank, notice)):
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, f"source {source_key} {problem}", self._id))
+            return
+        if notice.staged:
+            if rank.terminal:
+                # A failed rank scatters nothing more: the part counts as
+                # settled, but its chunk's pages did not arrive.
+                exp.unapplied = exp.unapplied | {notice.chunk_index}
+            else:
+                try:
+                    landing = landing_of(rank, key, exp, notice)
+                except KvBrokerError as exc:
+                    self.fail(rank, cause_of(exc, self._id))
+                    return
+                rank.scattering[key] = None
+                self._out.append(Scatter(rank, landing))
+                return
+        self._landed(rank, source_key, exp, notice)
+
+    def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None) -> None:
+        """A staged or packed part was unpacked into the pages, or could not be
+        (it arrived corrupted, or the copy failed): then it never counts as
+        landed, so its pages are not reported among those that arrived."""
+        rank.scattering.pop(landing.key, None)
+        held = rank.staging.pop(landing.key, None)
+        if held is not None:
+            self._out.append(ReleaseStaging(((*held[0], held[1]),)))
+        exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
+        if error is not None:
+            self.fail(rank, cause_of(error, self._id))
+        if exp is not None and error is None:
+            self._landed(rank, landing.key[0], exp, landing.notice)
+        else:
+            self._maybe_settled(rank)
+
+    def _landed(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
+        exp.parts_received[notice.chunk_index] = exp.parts_received.get(notice.chunk_index, 0) | 1 << notice.part
+        exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
+        exp.chunk_pages[notice.chunk_index] = (notice.page_offset, notice.pages)
+        if notice.token_end > notice.token_begin:
+            if exp.chunk_tokens is None:
+                exp.chunk_tokens = {}
+            exp.chunk_tokens[notice.chunk_index] = (notice.token_begin, notice.token_end)
+        exp.aux_seen |= notice.aux
+        if notice.state_components:
+            exp.components_seen = exp.components_seen.union(notice.state_components)
+        if notice.is_last:
+            exp.total_chunks = notice.total_chunks
+        if rank.verify_checksum and exp.parts_of(notice.chunk_index) == exp.parts_expected[notice.chunk_index]:
+            self._verify(rank, source_key, exp, notice)
+        rank.bytes += notice.bytes
+        self._counters.bytes_received += notice.bytes
+        self._on_bytes(notice.bytes)
+        rank.mark("first_byte")
+        assert rank.expected is not None
+        rank.chunks = sum(e.chunks_landed() for e in rank.expected.values())
+        if rank.terminal:
+            # Data still landing after an abort: once a source's parts have
+            # all landed, nothing of it is in flight any more.
+            if exp.total_chunks is not None and exp.all_parts_landed():
+                exp.complete = True
+            self._maybe_settled(rank)
+            return
+        rank.advance(TRANSFERRING)
+        self._check_source(rank, source_key, exp)
+        if rank.state != FAILED and all(e.complete for e in rank.expected.values()):
+            rank.mark("last_byte")
+            telemetry.child_done(rank.span, "kvbroker.completion", {"kvbroker.sources": len(rank.expected)})
+            if rank.advance(SUCCESS):
+                self._counters.rooms_succeeded += 1
+                self._release_staging(rank)
+                log.debug(
+                    "receive_done",
+                    room=rank.room,
+                    engine=rank.engine.label,
+                    peer=rank.peer_broker_id,
+                    bytes=rank.bytes,
+                    **telemetry.span_ids(rank.span),
+                )
+
+    def completion_report(self, report: peer_pb2.CompletionReport) -> None:
+        """A source's out-of-band report: it failed, and maybe it settled."""
+        room = self._rooms.receiver.get(report.room)
+        rank = room.ranks.get(rank_key(report.receiver)) if room is not None else None
+        if rank is None or rank.leg(report.sender_broker_id) is None:
+            self._counters.late_notices += 1
+            return
+        exp = rank.expected.get(rank_key(report.source)) if rank.expected is not None else None
+        if report.settled and exp is not None and exp.leg.broker_id == report.sender_broker_id:
+            exp.settled = True
+        if report.HasField("failure"):
+            self.fail(rank, report.failure, told_by=report.sender_broker_id)
+        self._maybe_settled(rank)
+
+    # -- staging -------------------------------------------------------------
+    def staging_wanted(self, request: peer_pb2.ReserveStagingRequest) -> tuple[PoolKey, Reservation | None]:
+        """A sender's prefetch for one staged part: which receive pool to reserve
+        in, and the reservation already made for it (idempotent) or None."""
+        rank = self._staging_rank(request)
+        key = (rank_key(request.source), request.chunk_index, request.part)
+        held = rank.staging.get(key)
+        if held is not None:
+            return held
+        if rank.terminal:
+            raise FailedPrecondition(f"room {request.room} already ended on the receiver")
+        return pool_of(rank), None
+
+    def staging_granted(
+        self, request: peer_pb2.ReserveStagingRequest, pool: PoolKey, reservation: Reservation
+    ) -> Reservation:
+        """Record a reservation made for ``request``. ``FailedPrecondition`` if the
+        room ended while it waited for room (the caller releases it then)."""
+        rank = self._staging_rank(request)
+        key = (rank_key(request.source), request.chunk_index, request.part)
+        held = rank.staging.get(key)
+        if held is not None:
+            self._out.append(ReleaseStaging(((*pool, reservation),)))
+            return held[1]
+        if rank.terminal:
+            raise FailedPrecondition(f"room {request.room} ended while it waited for staging")
+        rank.staging[key] = (pool, reservation)
+        return reservation
+
+    def _staging_rank(self, request: peer_pb2.ReserveStagingRequest) -> Receiver:
+        room = self._rooms.receiver.get(request.room)
+        rank = room.ranks.get(rank_key(request.receiver)) if room is not None else None
+        if rank is None or rank.leg(request.sender_broker_id) is None:
+            raise NotFound(f"room {request.room} has no receiver {rank_key(request.receiver)} expecting this broker")
+        return rank
+
+    # -- checks ----------------------------------------------------------------
+    def _check_source(self, rank: Receiver, key: RankKey, exp: SourceExpectation) -> None:
+        if exp.complete or exp.total_chunks is None or not exp.all_parts_landed():
+            return
+        problem = None
+        if exp.expects_aux and not exp.aux_seen:
+            problem = f"source {key} finished without sending aux row {rank.aux_row}"
+        elif missing := exp.expected_components - exp.components_seen:
+            problem = f"source {key} finished without sending state components {sorted(missing)}"
+        elif exp.plan.writes_data and exp.pages_landed() != rank.pages.size:
+            problem = f"source {key} sent {exp.pages_landed()} pages, this rank expects {rank.pages.size}"
+        exp.complete = True
+        if problem:
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+
+    def _verify(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
+        """Check a chunk whose parts all landed against the sender's checksum (fails the rank on a difference)."""
+        if rank.terminal:
+            return
+        if not notice.HasField("checksum"):
+            problem = f"source {source_key} sent chunk {notice.chunk_index} without the checksum this rank asked for"
+        else:
+            plan = exp.plan
+            try:
+                head = (
+                    slice_side(rank.engine.layout, plan.dst_head_start, plan.num_heads, "receiver") if plan.head_sliced else None
+                )
+                # What moved packed was checked part by part (packed_checksum).
+                if notice.kv_packed:
+                    pages, tokens = NO_INDICES, None
+                elif notice.token_end:
+                    pages = NO_INDICES
+                    tokens = TokenRange(rank.pages, rank.prefix_pages, notice.token_begin, notice.token_end)
+                else:
+                    pages, tokens = rank.pages[notice.page_offset : notice.page_offset + notice.pages], None
+                aux_row = rank.aux_row if notice.is_last and exp.expects_aux and not notice.aux_packed else None
+                got = chunk_checksum(rank.engine, plan, pages, head, aux_row, "receiver", tokens)
+            except KvBrokerError as exc:
+                self.fail(rank, cause_of(exc, self._id))
+                return
+            if got == notice.checksum:
+                return
+            problem = (
+                f"chunk {notice.chunk_index} from source {source_key} arrived with checksum {got:08x}, the sender read "
+                f"{notice.checksum:08x}: the transport corrupted it"
+            )
+        self._counters.checksum_mismatches += 1
+        self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+
+
+def pool_of(rank: Receiver) -> PoolKey:
+    """The receive staging pool for the rank: its KV's GPU's, or host memory."""
+    return transfer_pool(rank.engine.layout, rank.engine.table)
+
+
+def landing_of(rank: Receiver, key: StagingKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> Landing:
+    """The landing of a staged or packed part ``key`` that ``notice`` says landed in
+    the staging reserved for it, to scatter into ``rank``'s pages; ``FailedPrecondition``
+    if it does not match the reservation, or what it names does not add up."""
+    held = rank.staging.get(key)
+    if held is None or held[1].offset != notice.staging_offset or notice.staging_bytes > held[1].nbytes:
+        raise FailedPrecondition(f"source {key[0]} wrote a staged part this broker did not reserve")
+    plan = exp.plan
+    layout = rank.engine.layout
+    if notice.packed:
+        blocks = landing_blocks(layout, plan, rank.pages, rank.prefix_pages, rank.aux_row, rank.state_indices, notice)
+        what = "packed part"
+    else:
+        side = slice_side(layout, plan.dst_head_start, plan.num_heads, "receiver")
+        regions = kv_regions(layout, plan.layer_begin, plan.layer_end, "receiver")
+        pages = rank.pages[notice.page_offset : notice.page_offset + notice.pages]
+        if pages.size != notice.pages:
+            raise FailedPrecondition(f"source {key[0]}'s staged part names pages this rank does not have")
+        blocks = [kv_block(layout, regions, pages, side, tokens=False)]
+        what = "staged part"
+    if packed_bytes(blocks) != notice.staging_bytes:
+        raise FailedPrecondition(
+            f"source {key[0]}'s {what} is {notice.staging_bytes} bytes; this rank's pages, heads, rows and state "
+            f"it names come to {packed_bytes(blocks)}"
+        )
+    return Landing(
+        key=key, pool=held[0], reservation=held[1], nbytes=notice.staging_bytes, blocks=tuple(blocks), notice=notice
+    )
+
+
+def token_problem(rank: Receiver, notice: peer_pb2.TransferNotice) -> str | None:
+    """What is wrong with a token-run notice (different page sizes), if anything:
+    its tokens must be among the rank's pages, the pages it completes too."""
+    size = rank.engine.layout.page_size_tokens
+    lo, hi = rank.prefix_pages * size, (rank.prefix_pages + int(rank.pages.size)) * size
+    if not lo <= notice.token_begin <= notice.token_end <= hi:
+        return f"wrote room tokens [{notice.token_begin}, {notice.token_end}); this rank's pages hold [{lo}, {hi})"
+    if notice.page_offset + notice.pages > rank.pages.size:
+        return f"completed pages {notice.page_offset}..{notice.page_offset + notice.pages - 1}; this rank has {rank.pages.size}"
+    return None

@@ -1,0 +1,233 @@
+"""What engines on this host ask of their broker (``kvbroker.v1.TransferBroker``):
+register and unregister, open rooms (ExpectRoom, BeginSend), send chunks,
+abort, and ask for their rooms' states (Poll, WatchRooms).
+
+Each call decodes its request, checks the caller, calls the sender or
+receiver state machine, and lets the executor carry out the effects
+(:meth:`Executor.drain`) before it answers. The engine's session stream
+(``_sessions``) carries the same room commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+
+import structlog
+
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.execution import Executor, TaskSet
+from kvbroker.broker.memory import Engine, EngineTable, FdConnection, FdSocketServer, StagingPools
+from kvbroker.broker.rooms import (
+    Receiver,
+    ReceiverCore,
+    RoomTables,
+    SenderCore,
+    Source,
+    WatchHub,
+    cause,
+)
+from kvbroker.broker.runtime._operators import Operators
+from kvbroker.broker.runtime._sides import decode_state, side_of, sides, vram_devices, wait_settled
+from kvbroker.errors import NotFound
+from kvbroker.plan import decode_indices
+from kvbroker.v1 import common_pb2, transfer_pb2
+
+__all__ = ["EngineCalls"]
+
+log = structlog.get_logger(__name__)
+
+
+class EngineCalls:
+    """The engine API of one broker. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        config: BrokerConfig,
+        engines: EngineTable,
+        fd_server: FdSocketServer,
+        pools: StagingPools,
+        rooms: RoomTables,
+        sender: SenderCore,
+        receiver: ReceiverCore,
+        executor: Executor,
+        hub: WatchHub,
+        tasks: TaskSet,
+        operators: Operators,
+    ) -> None:
+        self._broker_id = broker_id
+        self._config = config
+        self._engines = engines
+        self._fd_server = fd_server
+        self._pools = pools
+        self._rooms = rooms
+        self._sender = sender
+        self._receiver = receiver
+        self._executor = executor
+        self._hub = hub
+        self._tasks = tasks
+        self._operators = operators
+
+    # -- an engine arrives and leaves -----------------------------------------------
+    async def register_engine(self, request: transfer_pb2.RegisterEngineRequest) -> Engine:
+        """Register the engine whose fd connection handed out ``request.session_token``: its buffers' fds."""
+        claimed = self._fd_server.claim(request.session_token, f"pending-{request.session_token[:8]}")
+        if claimed is None:
+            raise NotFound("unknown or already used session_token: upload the buffers over the fd socket first")
+        connection, fds = claimed
+        try:
+            engine = await self._engines.register(
+                rank=request.rank,
+                layout_msg=request.layout,
+                specs=connection.specs,
+                fds=fds,
+                session_token=connection.token,
+                pid=connection.pid,
+            )
+        except BaseException:
+            connection.engine_id = None
+            raise
+        try:
+            # The engine's VRAM moves only through this broker's transfer
+            # buffers on its GPU: without them, refuse the engine.
+            for device in sorted(vram_devices(engine)):
+                await self._pools.ensure_device(device, self._engines.cuda_driver)
+        except BaseException:
+            connection.engine_id = None
+            await self.release_engine(engine)
+            raise
+        connection.engine_id = engine.engine_id
+        if connection.closed:
+            # The engine died while we registered it.
+            self._tasks.spawn(self.unregister_engine(engine.engine_id, lost=True), name=f"lost-{engine.engine_id}")
+        return engine
+
+    async def unregister_engine(self, engine_id: str, *, lost: bool = False) -> int:
+        """Fail the engine's rooms, wait for its transfers to settle, release it."""
+        engine = self._engines.get(engine_id)
+        why = cause(
+            common_pb2.FAILURE_KIND_ENGINE_LOST,
+            f"engine rank {engine.key} {'went away (its fd connection closed)' if lost else 'unregistered'}",
+            self._broker_id,
+        )
+        failed = self._sender.engine_gone(engine, why) + self._receiver.engine_gone(engine, why)
+        self._executor.drain()
+        await wait_settled(self._rooms, [engine], self._config.unregister_settle_timeout_seconds)
+        if self._engines.by_id.get(engine_id) is not engine:
+            return 0
+        # The failed records stay until eviction: a transfer info that arrives
+        # later for one of them is answered with the failure, not left waiting.
+        self._hub.close(engine_id)
+        await self.release_engine(engine)
+        log.info("engine_unregistered", engine=engine.label, lost=lost, rooms_failed=failed)
+        return failed
+
+    def fd_connection_closed(self, connection: FdConnection) -> None:
+        """The engine's fd connection closed: if it never unregistered, it is gone."""
+        engine_id = connection.engine_id
+        if engine_id and engine_id in self._engines.by_id:
+            log.warning("engine_connection_lost", engine=self._engines.by_id[engine_id].label, pid=connection.pid)
+            self._tasks.spawn(self.unregister_engine(engine_id, lost=True), name=f"lost-{engine_id}")
+
+    async def release_engine(self, engine: Engine) -> None:
+        """Release an engine, and its GPUs' staging pools if no other engine uses them."""
+        await self._engines.release(engine)
+        for device in vram_devices(engine) - {d for e in self._engines.by_id.values() for d in vram_devices(e)}:
+            await self._pools.release_device(device)
+
+    # -- room commands ---------------------------------------------------------------
+    def expect_room(self, request: transfer_pb2.ExpectRoomRequest) -> Receiver:
+        """A decode rank expects a room's KV from a sender group."""
+        engine = self._engines.get(request.engine_id)
+        self._engines.check_role(engine, common_pb2.ROLE_DECODE, "expect rooms")
+        self._operators.refuse_if_draining()
+        rank = self._receiver.expect(
+            engine,
+            request.room,
+            # Interned: every room of a sender group names the same two strings.
+            sender_address=sys.intern(request.sender.broker_address),
+            sender_group=sys.intern(request.sender.group),
+            pages=decode_indices(request.pages),
+            aux_row=request.aux_row if request.HasField("aux_row") else None,
+            state=decode_state(request.state),
+            prefix_pages=request.prefix_pages,
+            verify_checksum=request.verify_checksum or self._config.verify_checksums,
+        )
+        self._executor.drain()
+        return rank
+
+    def begin_send(self, request: transfer_pb2.BeginSendRequest) -> Source:
+        """A prefill rank opens its side of a room."""
+        engine = self._engines.get(request.engine_id)
+        self._engines.check_role(engine, common_pb2.ROLE_PREFILL, "send rooms")
+        self._operators.refuse_if_draining()
+        source = self._sender.begin(engine, request.room, request.num_pages)
+        self._executor.drain()
+        return source
+
+    def send_chunk(self, request: transfer_pb2.SendChunkRequest) -> tuple[int, Source]:
+        """A prefill rank's next computed pages of a room: (the chunk's index, the source)."""
+        engine = self._engines.get(request.engine_id)
+        self._engines.check_role(engine, common_pb2.ROLE_PREFILL, "send chunks")
+        result = self._sender.chunk(
+            engine,
+            request.room,
+            decode_indices(request.pages),
+            is_last=request.is_last,
+            aux_row=request.aux_row if request.HasField("aux_row") else None,
+            state=decode_state(request.state),
+            room_page=request.room_page if request.HasField("room_page") else None,
+        )
+        self._executor.drain()
+        return result
+
+    def abort(self, request: transfer_pb2.AbortRequest) -> common_pb2.RoomStatus:
+        """The engine gives up its side of a room; the peers hear of it."""
+        engine = self._engines.get(request.engine_id)
+        if engine.role == common_pb2.ROLE_PREFILL:
+            self._sender.abort(engine, request.room, request.reason)
+        else:
+            self._receiver.abort(engine, request.room, request.reason)
+        self._executor.drain()
+        return self.status(engine, request.room)
+
+    # -- room states -----------------------------------------------------------------
+    def poll(self, request: transfer_pb2.PollRequest) -> list[common_pb2.RoomStatus]:
+        engine = self._engines.get(request.engine_id)
+        return [self.status(engine, room) for room in request.rooms]
+
+    async def watch(self, request: transfer_pb2.WatchRoomsRequest) -> AsyncIterator[common_pb2.RoomStatus]:
+        """The current state of each watched room (every open one if none named), then every change."""
+        engine = self._engines.get(request.engine_id)
+        rooms = frozenset(request.rooms) or None
+        sub = self._hub.subscribe(engine.engine_id, rooms)
+        try:
+            for room in sorted(rooms or self._open_rooms(engine)):
+                yield self.status(engine, room)
+            while True:
+                status = await sub.queue.get()
+                if status is None:
+                    return
+                yield status
+        finally:
+            self._hub.unsubscribe(engine.engine_id, sub)
+
+    def status(self, engine: Engine, room: int) -> common_pb2.RoomStatus:
+        """The status of ``engine``'s side of ``room`` (FAILED UNKNOWN_ROOM if it has none)."""
+        side = side_of(self._rooms, engine, room)
+        if side is None:
+            return common_pb2.RoomStatus(
+                room=room,
+                state=common_pb2.ROOM_STATE_FAILED,
+                cause=cause(
+                    common_pb2.FAILURE_KIND_UNKNOWN_ROOM,
+                    f"engine {engine.engine_id} has no room {room} here (never opened, or evicted)",
+                    self._broker_id,
+                ),
+            )
+        return side.status()
+
+    def _open_rooms(self, engine: Engine) -> list[int]:
+        return [s.room for s in sides(self._rooms) if s.engine is engine and not s.terminal]

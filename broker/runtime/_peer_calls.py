@@ -1,0 +1,178 @@
+"""What other brokers ask of this one (``kvbroker.v1.PeerBroker``): the
+handshake, a receiver's room registrations (RegisterRooms), room in a receive
+staging buffer (ReserveStaging), a source's completion report, and aborts
+(AbortRooms). Registrations and aborts come batched per peer; each item
+succeeds or fails on its own.
+
+(Ping is answered by the servicer with the broker id alone.)
+"""
+
+from __future__ import annotations
+
+import sys
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.dataplane import DataPlane
+from kvbroker.broker.execution import Executor
+from kvbroker.broker.memory import EngineTable, StagingPools
+from kvbroker.broker.peers import HandshakeMessage, PeerTable
+from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, TransferInfo, cause
+from kvbroker.broker.runtime._operators import Operators
+from kvbroker.broker.runtime._sides import NO_TRACE, check_version, decode_state
+from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError, Unavailable
+from kvbroker.plan import SourcePlan, decode_indices, rank_key
+from kvbroker.v1 import common_pb2, peer_pb2
+
+__all__ = ["PeerCalls", "handshake_message"]
+
+
+async def handshake_message(engines: EngineTable, dataplane: DataPlane, pools: StagingPools) -> HandshakeMessage:
+    """What this broker tells a peer in a handshake: its NIXL metadata, its
+    engines, its receive staging buffers, and the engine epoch they are of."""
+    epoch = engines.epoch
+    metadata = await dataplane.call(lambda agent: agent.metadata())
+    descriptors = [e.descriptor() for e in engines.by_id.values()]
+    return metadata, descriptors, pools.receive_buffers(), epoch
+
+
+class PeerCalls:
+    """The peer API of one broker. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        config: BrokerConfig,
+        engines: EngineTable,
+        dataplane: DataPlane,
+        pools: StagingPools,
+        peers: PeerTable,
+        rooms: RoomTables,
+        sender: SenderCore,
+        receiver: ReceiverCore,
+        executor: Executor,
+        operators: Operators,
+    ) -> None:
+        self._broker_id = broker_id
+        self._config = config
+        self._engines = engines
+        self._dataplane = dataplane
+        self._pools = pools
+        self._peers = peers
+        self._rooms = rooms
+        self._sender = sender
+        self._receiver = receiver
+        self._executor = executor
+        self._operators = operators
+
+    async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
+        """A peer introduces itself (its agent, its engines); the answer introduces this broker."""
+        return await self._peers.answer(request, await handshake_message(self._engines, self._dataplane, self._pools))
+
+    # -- a receiver registers rooms ---------------------------------------------------
+    def register_rooms(self, request: peer_pb2.RegisterRoomsRequest) -> peer_pb2.RegisterRoomsResponse:
+        """A receiver's broker registers rooms with this sender's broker: each
+        succeeds or fails on its own, in its room's trace."""
+        check_version(request.protocol_version, "RegisterRooms")
+        response = peer_pb2.RegisterRoomsResponse()
+        for item in request.rooms:
+            item.protocol_version = item.protocol_version or request.protocol_version
+            token = otel_context.attach(propagate.extract(item.trace_context) if item.trace_context else NO_TRACE)
+            try:
+                self._register_room(item)
+                response.results.add()
+            except KvBrokerError as exc:
+                response.results.add(code=exc.status_number, message=exc.message)
+            finally:
+                otel_context.detach(token)
+        return response
+
+    def _register_room(self, request: peer_pb2.RegisterRoomRequest) -> None:
+        """One receiver rank's transfer info for one room."""
+        check_version(request.protocol_version, "RegisterRooms")
+        if request.sender_broker_id and request.sender_broker_id != self._broker_id:
+            raise Aborted(
+                f"room {request.room} was meant for broker {request.sender_broker_id}; this is broker "
+                f"{self._broker_id} (a restart): handshake again"
+            )
+        self._peers.get(request.receiver_broker_id)
+        room = self._rooms.sender.get(request.room)
+        if self._operators.draining and (room is None or not room.sources):
+            raise Unavailable("this broker is draining: it accepts no new rooms")
+        if not request.sources:
+            raise InvalidArgument("a room registration must list its sources")
+        remote = self._peers.remote_engine(request.receiver_broker_id, rank_key(request.receiver))
+        info = TransferInfo(
+            trace_context=trace.get_current_span(),
+            room=request.room,
+            receiver_broker_id=sys.intern(request.receiver_broker_id),
+            receiver=rank_key(request.receiver),
+            receiver_generation=request.receiver_generation,
+            sender_group=sys.intern(request.sender_group),
+            pages=decode_indices(request.pages),
+            aux_row=request.aux_row if request.HasField("aux_row") else None,
+            state=decode_state(request.state),
+            sources=tuple(SourcePlan.from_proto(s) for s in request.sources),
+            prefix_pages=request.prefix_pages,
+            verify_checksum=request.verify_checksum,
+            page_size=remote.layout.page_size_tokens if remote is not None else 0,
+        )
+        self._sender.transfer_info(info)
+        self._executor.drain()
+
+    # -- while data moves ---------------------------------------------------------------
+    async def reserve_staging(self, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
+        """Room in a receive staging buffer for one staged part (the prefetch). Idempotent."""
+        check_version(request.protocol_version, "ReserveStaging")
+        pool_key, held = self._receiver.staging_wanted(request)
+        pool = self._pools.pool("receive", *pool_key)
+        if pool is None:
+            raise FailedPrecondition("this broker has no receive staging buffer for that memory (--no-staging?)")
+        if held is None:
+            reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds)
+            try:
+                held = self._receiver.staging_granted(request, pool_key, reservation)
+            except BaseException:
+                pool.release(reservation)
+                raise
+            finally:
+                self._executor.drain()
+        return peer_pb2.ReserveStagingResponse(offset=held.offset, bytes=held.nbytes, buffer=pool.buffer.descriptor())
+
+    def completion_report(self, request: peer_pb2.CompletionReport) -> None:
+        """A source finished without a transfer to carry the news (it failed, or owed no data)."""
+        check_version(request.protocol_version, "ReportCompletion")
+        self._receiver.completion_report(request)
+        self._executor.drain()
+
+    # -- aborts ---------------------------------------------------------------------------
+    def peer_aborts(self, request: peer_pb2.PeerAbortRoomsRequest) -> peer_pb2.PeerAbortRoomsResponse:
+        """A peer aborts rooms: each succeeds or fails on its own."""
+        check_version(request.protocol_version, "AbortRooms")
+        response = peer_pb2.PeerAbortRoomsResponse()
+        for item in request.aborts:
+            item.protocol_version = item.protocol_version or request.protocol_version
+            try:
+                response.results.add(settled=self._peer_abort(item))
+            except KvBrokerError as exc:
+                response.results.add(code=exc.status_number, message=exc.message)
+        return response
+
+    def _peer_abort(self, request: peer_pb2.PeerAbortRequest) -> bool:
+        """Fail this broker's sides of one room; whether its transfers into the peer have settled."""
+        check_version(request.protocol_version, "AbortRooms")
+        why = request.cause if request.HasField("cause") else cause(
+            common_pb2.FAILURE_KIND_ABORTED, "aborted by the peer broker", request.from_broker_id
+        )
+        if request.from_broker_id not in self._peers.by_id:
+            raise Aborted(
+                f"broker {request.from_broker_id!r} is not a handshaken peer of this broker (it took it for lost, "
+                "or restarted): handshake again"
+            )
+        settled = self._sender.peer_abort(request.room, why, request.from_broker_id)
+        self._receiver.peer_abort(request.room, why, request.from_broker_id)
+        self._executor.drain()
+        return settled

@@ -1,0 +1,68 @@
+"""A peer broker lost: it stopped answering pings (``PeerMonitor``), came back
+as another process at the same address (``PeerTable``), or its key left etcd
+(``FleetView``). Either way its rooms here fail, transfers to it are
+cancelled, and it is dropped until it handshakes again.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from kvbroker.broker.dataplane import DataPlane
+from kvbroker.broker.execution import Executor
+from kvbroker.broker.peers import Member, Peer, PeerTable
+from kvbroker.broker.rooms import ReceiverCore, SenderCore, cause
+from kvbroker.errors import NixlError
+from kvbroker.v1 import common_pb2
+
+__all__ = ["PeerLoss"]
+
+log = structlog.get_logger(__name__)
+
+
+class PeerLoss:
+    """What this broker does when a peer is gone. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        dataplane: DataPlane,
+        peers: PeerTable,
+        sender: SenderCore,
+        receiver: ReceiverCore,
+        executor: Executor,
+    ) -> None:
+        self._broker_id = broker_id
+        self._dataplane = dataplane
+        self._peers = peers
+        self._sender = sender
+        self._receiver = receiver
+        self._executor = executor
+
+    def peer_lost(self, peer: Peer, what: str) -> None:
+        """``peer`` died or restarted: fail its rooms, cancel transfers to it, drop it."""
+        broker_id = peer.broker_id
+        if broker_id is None or peer.is_self:
+            return
+        why = cause(common_pb2.FAILURE_KIND_PEER, f"peer broker {peer.address} ({broker_id}) {what}", self._broker_id)
+        log.warning("peer_lost", peer=peer.address, broker=broker_id, reason=what)
+        sources = self._sender.peer_lost(broker_id, why)
+        ranks = self._receiver.peer_lost(broker_id, why)
+        if peer.agent_name:
+            address = peer.address
+            self._dataplane.cancel(peer.agent_name, lambda: NixlError(f"transfer to lost peer {address} cancelled"))
+        self._peers.drop(peer)
+        self._executor.drain()
+        log.info("peer_dropped", peer=peer.address, broker=broker_id, sources_failed=sources, receivers_failed=ranks)
+
+    def broker_left(self, member: Member) -> None:
+        """A broker's key left etcd (its lease expired or was revoked): lost, as a silent peer is."""
+        peer = self._peers.by_id.get(member.broker_id)
+        if peer is not None:
+            self.peer_lost(peer, "left the fleet: its etcd lease expired or was revoked")
+
+    def has_business(self, peer: Peer) -> bool:
+        """Whether some room here involves ``peer`` (the monitor pings only those)."""
+        broker_id = peer.broker_id or ""
+        return self._sender.has_business(broker_id) or self._receiver.has_business(broker_id)
