@@ -126,3 +126,29 @@ def test_head_slices_verify_on_both_sides_and_a_broker_flag_verifies_every_room(
     statuses = room(75)
     corrupt[0] = False
     assert any(s.state == RoomState.FAILED and s.cause.kind == common_pb2.FAILURE_KIND_MISMATCH for s in statuses), statuses
+
+
+def test_checksums_are_computed_on_the_copy_thread_never_on_the_control_loop(
+    fake_brokers, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both sides read the engine's pages for a chunk checksum on the broker's copy thread: the
+    control loop (which serves every engine's calls) never hashes engine memory."""
+    import threading
+
+    from kvbroker.broker.execution import _copies
+
+    threads: list[str] = []
+    real = _copies.chunk_checksum
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_copies, "chunk_checksum", recording)
+    p, d = fake_brokers("p"), fake_brokers("d")
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    receiver, _ = _room(pe, de, p, 73, verify=True)
+    assert receiver.wait(10).state == RoomState.SUCCESS
+    # Two chunks, hashed once by the sender and once by the receiver (packed
+    # chunks hash nothing directly, and are checked part by part instead).
+    assert threads and set(threads) <= {"kvbroker-copy_0"}, threads

@@ -1,4 +1,6 @@
-"""The broker's gRPC seam: the server, its servicers, and the queries operators reach with grpcurl."""
+"""The broker's gRPC seam: the server, its servicers, and the queries operators
+reach with grpcurl.
+"""
 
 from kvbroker.broker.api._server import BrokerServer
 

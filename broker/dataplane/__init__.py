@@ -4,4 +4,16 @@ from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferS
 from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
 from kvbroker.broker.dataplane._workers import Workers, name_thread
 
-__all__ = ["Agent", "AgentConfig", "DataPlane", "Event", "Notices", "Posting", "Settled", "UcxAgent", "Workers", "XferState", "name_thread"]
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "DataPlane",
+    "Event",
+    "Notices",
+    "Posting",
+    "Settled",
+    "UcxAgent",
+    "Workers",
+    "XferState",
+    "name_thread",
+]

@@ -1,4 +1,6 @@
-"""The device path: gathering and scattering packed parts, the per-GPU copy lanes, and CRC-32 on the device."""
+"""The device path: gathering and scattering packed parts, the per-GPU copy
+lanes, and CRC-32 on the device.
+"""
 
 from kvbroker.broker.device._copies import ArrayViews, Extent, checksum, gather, scatter
 from kvbroker.broker.device._lanes import Lanes

@@ -1,4 +1,6 @@
-"""Carrying out what the room state machines decide: NIXL writes, staging and device copies, peer calls and notices."""
+"""Carrying out what the room state machines decide: NIXL writes, staging and
+device copies, peer calls and notices.
+"""
 
 from kvbroker.broker.execution._executor import Executor
 from kvbroker.broker.execution._tasks import TaskSet

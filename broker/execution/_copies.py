@@ -1,6 +1,7 @@
 """Staging copies: between engines' pages and staging slots, on the device lanes.
 
-A staged or packed part is gathered from the source's pages into its slot of
+A chunk's checksum (when its receiver verifies) is computed over the
+engine's pages on the copy thread, on both sides. A staged or packed part is gathered from the source's pages into its slot of
 the local send buffer before it is posted (a packed part with its CRC-32, when
 its receiver asked to verify it); a landed one is scattered from its receive
 slot into the receiving rank's pages, its checksum checked first: a part that
@@ -12,19 +13,23 @@ on the control loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
+import numpy as np
 import structlog
 from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.dataplane import Workers
 from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter
-from kvbroker.broker.memory import Engine, Reservation, StagingPool, StagingPools
+from kvbroker.broker.memory import Engine, Reservation, StagingPool, StagingPools, array_at
 from kvbroker.broker.rooms import Scatter
 from kvbroker.broker.telemetry import Counters
-from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
-from kvbroker.plan import Block
+from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, Unimplemented
+from kvbroker.plan import Block, ChunkSum, chunk_checksum
+from kvbroker.v1 import common_pb2
 
-__all__ = ["StagingCopies", "as_broker_error", "extents", "slot_of"]
+__all__ = ["StagingCopies", "as_broker_error", "extents", "host_region", "slot_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -32,8 +37,9 @@ log = structlog.get_logger(__name__)
 class StagingCopies:
     """Gathers parts into send slots and scatters landed ones into pages. Control loop only."""
 
-    def __init__(self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, counters: Counters) -> None:
+    def __init__(self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, workers: Workers, counters: Counters) -> None:
         self._pools = pools
+        self._workers = workers
         self._views = views
         self._lanes = lanes
         self._counters = counters
@@ -53,6 +59,14 @@ class StagingCopies:
             return await self._lanes.run(slot, job)
         finally:
             gathering.end()
+
+    async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
+        """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy
+        thread (host memory only: a chunk's direct bytes); or why it could not be."""
+        try:
+            return await self._workers.copy(partial(chunk_checksum, engine.layout, partial(host_region, engine), what)), None
+        except Exception as exc:
+            return None, as_broker_error(exc, "checksumming a chunk")
 
     async def scatter(self, effect: Scatter) -> KvBrokerError | None:
         """Unpack a landed staged or packed part into the rank's pages (a packed
@@ -101,6 +115,16 @@ class StagingCopies:
 def extents(engine: Engine, block: Block) -> list[Extent]:
     """Where ``block``'s regions lie in this broker."""
     return [Extent(*engine.region_address(region)) for region in block.regions]
+
+
+def host_region(engine: Engine, region: int) -> np.ndarray:
+    """Region ``region`` of ``engine`` as a flat uint8 array over the broker's mapping."""
+    address, length, kind, _ = engine.region_address(region)
+    if kind != common_pb2.MEMORY_KIND_DRAM:
+        raise Unimplemented(
+            f"checksums read host memory only; region {region} of {engine.label} is in VRAM: turn verify_checksum off"
+        )
+    return array_at(address, length)
 
 
 def slot_of(pool: StagingPool, reservation: Reservation, nbytes: int) -> Extent:

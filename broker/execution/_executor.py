@@ -53,6 +53,7 @@ from kvbroker.broker.rooms import (
     SenderCore,
     SendReport,
     TellSuccessor,
+    VerifyChunk,
     WatchHub,
 )
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
@@ -94,7 +95,7 @@ class Executor:
         self._hub = hub
         self._tasks = tasks
         self._metrics = metrics
-        self._copies = StagingCopies(pools=pools, views=views, lanes=lanes, counters=counters)
+        self._copies = StagingCopies(pools=pools, views=views, lanes=lanes, workers=workers, counters=counters)
         self._parts = PartsInFlight(
             broker_id=broker_id,
             config=config,
@@ -109,20 +110,12 @@ class Executor:
             metrics=metrics,
             drain=self.drain,
         )
-        self._calls = PeerCalls(broker_id=broker_id, client=client, peers=peers, receiver=receiver, drain=self.drain)
+        self._calls = PeerCalls(
+            broker_id=broker_id, client=client, peers=peers, receiver=receiver, drain=self.drain, fleet=fleet
+        )
         self._registrations = Registrations(
             peers=peers, client=client, receiver=receiver, dataplane=dataplane, tasks=tasks, drain=self.drain
         )
-        self.fleet = fleet
-
-    @property
-    def fleet(self) -> FleetView | None:
-        """The fleet in etcd (``serve --etcd``): resolves senders named by group alone."""
-        return self._calls.fleet
-
-    @fleet.setter
-    def fleet(self, fleet: FleetView | None) -> None:
-        self._calls.fleet = fleet
 
     # -- the loop -------------------------------------------------------------
     def drain(self) -> None:
@@ -166,6 +159,8 @@ class Executor:
             self._tasks.spawn(self._calls.abort_at_peer(effect), name=f"abort-{effect.room}")
         elif isinstance(effect, Scatter):
             self._tasks.spawn(self._scatter(effect), name=f"scatter-{effect.receiver.room}")
+        elif isinstance(effect, VerifyChunk):
+            self._tasks.spawn(self._verify(effect), name=f"verify-{effect.receiver.room}")
         elif isinstance(effect, ReleaseStaging):
             for kind, device, reservation in effect.reservations:
                 pool = self._pools.pool("receive", kind, device)
@@ -180,6 +175,12 @@ class Executor:
         """Unpack a landed staged or packed part into its rank's pages; the receiver hears how it went."""
         error = await self._copies.scatter(effect)
         self._receiver.scattered(effect.receiver, effect.landing, error)
+        self.drain()
+
+    async def _verify(self, effect: VerifyChunk) -> None:
+        """Checksum a landed chunk in its rank's pages; the receiver compares."""
+        got, error = await self._copies.chunk_checksum(effect.receiver.engine, effect.what)
+        self._receiver.chunk_verified(effect, got, error)
         self.drain()
 
     # -- what it runs on -------------------------------------------------------------

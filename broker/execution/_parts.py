@@ -44,7 +44,7 @@ from kvbroker.broker.execution._writes import (
 )
 from kvbroker.broker.memory import Reservation, StagingPool, StagingPools
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable
-from kvbroker.broker.rooms import FAILED, Part, SenderCore
+from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, SenderCore
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
 from kvbroker.plan import PartKind, kv_block, pool_text
@@ -101,6 +101,9 @@ class PartsInFlight:
         #: (while the receiver reserves its slot): what the gather gave, or why not.
         self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError | None]] = {}
         self._vram_slow_bps = config.vram_slow_gbps * 1e9
+        #: Chunk checksums being computed (the first part of a chunk to be
+        #: posted starts it; the others wait for the same).
+        self._summing: dict[ChunkChecksum, asyncio.Task[tuple[int | None, KvBrokerError | None]]] = {}
 
     # -- handing on ----------------------------------------------------------------
     def start(self, part: Part) -> Span:
@@ -139,8 +142,14 @@ class PartsInFlight:
             self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
 
     def post(self, part: Part) -> None:
-        """Hand one part to the data plane (a gathered one is packed first)."""
+        """Hand one part to the data plane (a gathered one is packed first; a
+        part whose chunk's checksum is not computed yet waits for it)."""
         span = self.start(part)
+        if part.checksum is not None:
+            if part.checksum.value is None:
+                self._tasks.spawn(self._post_summed(part), name=f"checksum-{part.source.room}")
+                return
+            part.notice.checksum = part.checksum.value
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
             self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
@@ -168,6 +177,25 @@ class PartsInFlight:
             self._tasks.spawn(self._post_packed(part, agent_name), name=f"post-packed-{part.source.room}")
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
+
+    async def _post_summed(self, part: Part) -> None:
+        """Post ``part`` once its chunk's checksum is computed (once per chunk, on the copy thread)."""
+        holder = part.checksum
+        assert holder is not None
+        task = self._summing.get(holder)
+        if task is None:
+            task = self._tasks.spawn(self._copies.chunk_checksum(part.source.engine, holder.what), name=f"sum-{part.source.room}")
+            self._summing[holder] = task
+        got, error = await asyncio.shield(task)
+        self._summing.pop(holder, None)
+        if error is not None or got is None:
+            self.fail(part, error or Internal("a chunk's checksum came back empty"))
+            return
+        holder.value = got
+        if part.source.state == FAILED:
+            self.fail(part, FailedPrecondition("the room failed before its part was written"))
+            return
+        self.post(part)
 
     # -- parts that need room first ---------------------------------------------------
     async def _reserve(self, part: Part) -> None:
@@ -331,14 +359,8 @@ def observe_write(peer: Peer, nbytes: int, elapsed: float, kinds: tuple[int, int
     """Count a write to ``peer`` into its throughput; warn (once a minute) when
     VRAM moves slower than ``vram_slow_bps``: UCX probably fell back to TCP or
     a host copy."""
-    peer.bytes_sent += nbytes
-    peer.kinds.add(_kinds_text(kinds))
-    if nbytes < _THROUGHPUT_MIN_BYTES or elapsed <= 0:
-        return
-    rate = nbytes / elapsed
-    peer.throughput_bps = rate if not peer.throughput_bps else 0.8 * peer.throughput_bps + 0.2 * rate
-    if VRAM in kinds and rate < vram_slow_bps and time.monotonic() - peer.slow_warned_at > 60:
-        peer.slow_warned_at = time.monotonic()
+    rate = peer.wrote(nbytes, elapsed, _kinds_text(kinds), min_bytes=_THROUGHPUT_MIN_BYTES)
+    if rate is not None and VRAM in kinds and rate < vram_slow_bps and peer.warn_slow():
         log.warning(
             "vram_transfer_at_host_speed",
             peer=peer.address,

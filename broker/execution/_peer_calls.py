@@ -55,7 +55,7 @@ class PeerCalls:
         #: The executor's loop: carries out what an answer to a state machine caused.
         self._drain = drain
         #: The fleet in etcd (``serve --etcd``): resolves senders named by group alone.
-        self.fleet = fleet
+        self._fleet = fleet
 
     async def find_sender(self, rank: Receiver) -> None:
         """Find the broker(s) holding ``rank``'s sources, retried until the bootstrap timeout."""
@@ -67,7 +67,7 @@ class PeerCalls:
         try:
             found: str | list[SenderLeg]
             with in_span(rank.span):
-                if rank.sender_address or self.fleet is None:
+                if rank.sender_address or self._fleet is None:
                     peer, layouts = await self._client.find_sender(
                         rank.sender_address, rank.sender_group, stop=lambda: rank.terminal, missed=missed
                     )
@@ -76,7 +76,7 @@ class PeerCalls:
                     # A group and no address: the broker(s) etcd says hold its sources.
                     placed, layouts = await find_in_fleet(
                         self._client,
-                        self.fleet,
+                        self._fleet,
                         rank.sender_group,
                         rank.engine.layout,
                         rank.key,

@@ -6,4 +6,18 @@ from kvbroker.broker.peers._fleet import FleetRecord, groups_of, read_fleet
 from kvbroker.broker.peers._liveness import PeerMonitor
 from kvbroker.broker.peers._table import Peer, PeerTable, RemoteEngine
 
-__all__ = ["FleetRecord", "FleetView", "HandshakeMessage", "Member", "Peer", "PeerClient", "PeerMonitor", "PeerTable", "RemoteEngine", "find_in_fleet", "groups_of", "read_fleet", "server_options"]
+__all__ = [
+    "FleetRecord",
+    "FleetView",
+    "HandshakeMessage",
+    "Member",
+    "Peer",
+    "PeerClient",
+    "PeerMonitor",
+    "PeerTable",
+    "RemoteEngine",
+    "find_in_fleet",
+    "groups_of",
+    "read_fleet",
+    "server_options",
+]

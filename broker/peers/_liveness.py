@@ -76,4 +76,4 @@ class PeerMonitor:
         if answered_by != known:
             self._on_lost(peer, f"restarted (it is now broker {answered_by})")
             return
-        peer.last_seen = time.monotonic()
+        peer.seen()

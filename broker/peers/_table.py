@@ -109,6 +109,31 @@ class Peer:
     def group_layouts(self, group: str) -> list[Layout]:
         return [e.layout for k, e in sorted(self.engines.items()) if k.group == group]
 
+    def seen(self) -> None:
+        """The peer answered (or called) us just now."""
+        self.last_seen = time.monotonic()
+
+    def wrote(self, nbytes: int, elapsed: float, kinds: str, *, min_bytes: int) -> float | None:
+        """Count a write of ``nbytes`` to the peer (memory ``kinds``, e.g.
+        "DRAM->VRAM") that took ``elapsed`` seconds; its rate (bytes/s) goes
+        into the moving average when it is at least ``min_bytes`` (smaller
+        ones measure latency). The rate, or None when not measured."""
+        self.bytes_sent += nbytes
+        self.kinds.add(kinds)
+        if nbytes < min_bytes or elapsed <= 0:
+            return None
+        rate = nbytes / elapsed
+        self.throughput_bps = rate if not self.throughput_bps else 0.8 * self.throughput_bps + 0.2 * rate
+        return rate
+
+    def warn_slow(self, every_seconds: float = 60.0) -> bool:
+        """Whether to warn that writes to the peer are slow now (at most once per ``every_seconds``)."""
+        now = time.monotonic()
+        if now - self.slow_warned_at <= every_seconds:
+            return False
+        self.slow_warned_at = now
+        return True
+
     def staging_bytes(self, kind: int, device: int) -> int:
         """Size of the receive staging buffer the peer announced for memory
         ``kind`` on GPU ``device`` (ignored for host memory); 0: none."""
@@ -218,7 +243,7 @@ class PeerTable:
             # Fails the rooms with the old process and drops its state.
             self._on_restart(peer, f"restarted (it is now broker {identity.broker_id})")
             self.drop(peer)
-        peer.last_seen = time.monotonic()
+        peer.seen()
         is_self = identity.broker_id == self.broker_id
         if is_self:
             agent_name = self.agent_name

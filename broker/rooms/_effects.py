@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvbroker.broker.rooms._receiver_records import Landing, Receiver, SenderLeg
     from kvbroker.broker.rooms._records import Side
     from kvbroker.broker.rooms._sender_records import Part
+    from kvbroker.plan import ChunkSum, RankKey
 
 __all__ = [
     "AbortAtPeer",
@@ -36,6 +37,7 @@ __all__ = [
     "Scatter",
     "SendReport",
     "TellSuccessor",
+    "VerifyChunk",
 ]
 
 
@@ -126,6 +128,19 @@ class Scatter:
 
 
 @dataclass(frozen=True)
+class VerifyChunk:
+    """Compute the CRC-32 of a chunk all of whose parts landed in the rank's
+    pages (``what``), off the control loop, and compare it with the sender's
+    (``expected``): ``ReceiverCore.chunk_verified``."""
+
+    receiver: Receiver
+    source: RankKey
+    chunk_index: int
+    expected: int
+    what: ChunkSum
+
+
+@dataclass(frozen=True)
 class ReleaseStaging:
     """Give reservations back to their receive staging pools."""
 
@@ -150,6 +165,7 @@ Effect = (
     | RegisterRoom
     | AbortAtPeer
     | Scatter
+    | VerifyChunk
     | ReleaseStaging
     | TellSuccessor
 )

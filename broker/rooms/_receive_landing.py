@@ -24,8 +24,7 @@ from google.protobuf.message import DecodeError
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.memory import Reservation
-from kvbroker.broker.rooms._checksum import chunk_checksum
-from kvbroker.broker.rooms._effects import ReleaseStaging, Scatter
+from kvbroker.broker.rooms._effects import ReleaseStaging, Scatter, VerifyChunk
 from kvbroker.broker.rooms._receiver_base import ReceiverBase
 from kvbroker.broker.rooms._receiver_records import (
     Landing,
@@ -39,6 +38,7 @@ from kvbroker.errors import FailedPrecondition, KvBrokerError, NotFound
 from kvbroker.plan import (
     MAX_PARTS,
     NO_INDICES,
+    ChunkSum,
     RankKey,
     TokenRange,
     kv_block,
@@ -170,7 +170,31 @@ class ReceiverLanding(ReceiverBase):
             return
         rank.advance(TRANSFERRING)
         self._check_source(rank, source_key, exp)
-        if rank.state != FAILED and all(e.complete for e in rank.expected.values()):
+        self._maybe_done(rank)
+
+    def chunk_verified(self, effect: VerifyChunk, got: int | None, error: KvBrokerError | None) -> None:
+        """The checksum of a chunk in the rank's pages (``got``), or why it could
+        not be computed: a difference from the sender's fails the rank."""
+        rank = effect.receiver
+        rank.verifying -= 1
+        if error is not None:
+            self.fail(rank, cause_of(error, self._id))
+        elif got != effect.expected and not rank.terminal:
+            self._counters.checksum_mismatches += 1
+            problem = (
+                f"chunk {effect.chunk_index} from source {effect.source} arrived with checksum {got:08x}, the sender read "
+                f"{effect.expected:08x}: the transport corrupted it"
+            )
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+        if rank.terminal:
+            self._maybe_settled(rank)
+        else:
+            self._maybe_done(rank)
+
+    def _maybe_done(self, rank: Receiver) -> None:
+        """SUCCESS once every source is complete and no chunk is being verified."""
+        assert rank.expected is not None
+        if rank.state != FAILED and not rank.verifying and all(e.complete for e in rank.expected.values()):
             rank.mark("last_byte")
             telemetry.child_done(rank.span, "kvbroker.completion", {"kvbroker.sources": len(rank.expected)})
             if rank.advance(SUCCESS):
@@ -251,7 +275,8 @@ class ReceiverLanding(ReceiverBase):
             self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
 
     def _verify(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
-        """Check a chunk whose parts all landed against the sender's checksum (fails the rank on a difference)."""
+        """Have a chunk whose parts all landed checked against the sender's
+        checksum (``VerifyChunk``; the executor reads the pages)."""
         if rank.terminal:
             return
         if not notice.HasField("checksum"):
@@ -271,16 +296,13 @@ class ReceiverLanding(ReceiverBase):
                 else:
                     pages, tokens = rank.pages[notice.page_offset : notice.page_offset + notice.pages], None
                 aux_row = rank.aux_row if notice.is_last and exp.expects_aux and not notice.aux_packed else None
-                got = chunk_checksum(rank.engine, plan, pages, head, aux_row, "receiver", tokens)
             except KvBrokerError as exc:
                 self.fail(rank, cause_of(exc, self._id))
                 return
-            if got == notice.checksum:
-                return
-            problem = (
-                f"chunk {notice.chunk_index} from source {source_key} arrived with checksum {got:08x}, the sender read "
-                f"{notice.checksum:08x}: the transport corrupted it"
-            )
+            what = ChunkSum(plan, pages, head, aux_row, "receiver", tokens)
+            rank.verifying += 1
+            self._out.append(VerifyChunk(rank, source_key, notice.chunk_index, notice.checksum, what))
+            return
         self._counters.checksum_mismatches += 1
         self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
 

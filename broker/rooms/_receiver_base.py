@@ -148,7 +148,7 @@ def nothing_in_flight(rank: Receiver) -> bool:
     """No source can still write into the rank's pages: the sender never had
     the room, or every source completed, settled, or owes no data; and no
     staged part is being unpacked into them."""
-    if rank.scattering:
+    if rank.scattering or rank.verifying:
         return False
     if rank.expected is None:
         return True

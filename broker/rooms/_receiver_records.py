@@ -163,6 +163,9 @@ class Receiver(Side):
     #: Staged parts being scattered into the pages right now (a dict used as
     #: a set: an empty dict is a quarter of an empty set's size).
     scattering: dict[StagingKey, None] = field(default_factory=dict)
+    #: Chunks whose checksum the executor is computing over the rank's pages
+    #: (``VerifyChunk``): the rank is SUCCESS, and settled, only once none is.
+    verifying: int = 0
     #: While its sender is not found yet: why not, the last time it was looked for.
     waiting_for: str = ""
 

@@ -24,7 +24,6 @@ import structlog
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import XferState
-from kvbroker.broker.rooms._checksum import chunk_checksum
 from kvbroker.broker.rooms._effects import (
     Effect,
     PostPart,
@@ -53,6 +52,7 @@ from kvbroker.broker.rooms._send_chunks import (
 )
 from kvbroker.broker.rooms._sender_records import (
     Chunk,
+    ChunkChecksum,
     Destination,
     Part,
     PeerView,
@@ -64,6 +64,7 @@ from kvbroker.errors import FailedPrecondition, KvBrokerError
 from kvbroker.plan import (
     FULL_PAGES,
     NO_INDICES,
+    ChunkSum,
     KvPairs,
     PartKind,
     PartSpec,
@@ -237,13 +238,16 @@ class SenderParts:
             pack_limit(self._part_bytes, self._send_staging_bytes, receive),
         )
         notice = data_notice(self._id, source, dest, chunk, window, specs)
+        checksum = None
         if info.verify_checksum:
-            # What moves packed, each packed part's own checksum covers.
+            # What moves packed, each packed part's own checksum covers. The
+            # executor reads the pages (off the control loop) before the first
+            # part is written.
             head = slice_side(layout, plan.src_head_start, plan.num_heads, "sender") if plan.head_sliced else None
             aux_row = shape.aux_rows[0] if shape.aux_rows is not None and not notice.aux_packed else None
             pages, runs_of = (NO_INDICES, None) if notice.kv_packed else (shape.src_pages, shape.tokens)
-            notice.checksum = chunk_checksum(source.engine, plan, pages, head, aux_row, "sender", runs_of)
-        self._send_parts(source, dest, chunk, remote, specs, notice)
+            checksum = ChunkChecksum(ChunkSum(plan, pages, head, aux_row, "sender", runs_of))
+        self._send_parts(source, dest, chunk, remote, specs, notice, checksum)
 
     def _send_parts(
         self,
@@ -253,9 +257,12 @@ class SenderParts:
         remote: RemoteEngine,
         specs: list[PartSpec],
         notice: peer_pb2.TransferNotice,
+        checksum: ChunkChecksum | None = None,
     ) -> None:
         for i, (spec, part_notice) in enumerate(zip(specs, part_notices(notice, specs), strict=True)):
-            part = Part(source=source, dest=dest, chunk=chunk, index=i, spec=spec, notice=part_notice, remote=remote)
+            part = Part(
+                source=source, dest=dest, chunk=chunk, index=i, spec=spec, notice=part_notice, remote=remote, checksum=checksum
+            )
             source.inflight += 1
             dest.inflight += 1
             staged = spec.kind is PartKind.STAGED or spec.kind is PartKind.PACKED

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvbroker.broker.rooms._records import Side
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.plan import (
+    ChunkSum,
     IndexArray,
     KvPairs,
     PartKind,
@@ -145,6 +146,15 @@ class Source(Side):
 
 
 @dataclass(eq=False, slots=True)
+class ChunkChecksum:
+    """What the sender hashes of one chunk for its receiver, and, once the
+    executor has computed it, the CRC-32 (``value``)."""
+
+    what: ChunkSum
+    value: int | None = None
+
+
+@dataclass(eq=False, slots=True)
 class Part:
     """One part of one chunk to one receiver, from planning until it settles."""
 
@@ -156,6 +166,10 @@ class Part:
     notice: peer_pb2.TransferNotice
     #: The receiver rank as its broker described it (layout, descriptor table).
     remote: RemoteEngine
+    #: The chunk's checksum, when its receiver verifies: one per chunk, shared
+    #: by its parts (the executor computes it off the control loop before the
+    #: first of them is written; every part's notice carries it).
+    checksum: ChunkChecksum | None = None
     #: STAGED: where the receiver reserved room for the packed block.
     staging_buffer: peer_pb2.RemoteBuffer | None = None
     staging_offset: int = 0

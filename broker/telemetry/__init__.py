@@ -17,4 +17,20 @@ from kvbroker.broker.telemetry._tracing import (
     tracer,
 )
 
-__all__ = ["BrokerMetrics", "Counters", "GaugeSnapshot", "add_trace_ids", "child_done", "close_room_span", "configure_metrics", "configure_tracing", "current_span", "end_with_status", "has_remote_parent", "open_room_span", "span_ids", "start_span", "tracer"]
+__all__ = [
+    "BrokerMetrics",
+    "Counters",
+    "GaugeSnapshot",
+    "add_trace_ids",
+    "child_done",
+    "close_room_span",
+    "configure_metrics",
+    "configure_tracing",
+    "current_span",
+    "end_with_status",
+    "has_remote_parent",
+    "open_room_span",
+    "span_ids",
+    "start_span",
+    "tracer",
+]

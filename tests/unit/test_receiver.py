@@ -19,6 +19,7 @@ from kvbroker.broker.rooms._effects import (
     RoomEnded,
     Scatter,
     TellSuccessor,
+    VerifyChunk,
 )
 from kvbroker.broker.rooms._receiver import ReceiverCore
 from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg
@@ -505,3 +506,34 @@ def test_an_abort_from_one_sender_broker_is_passed_to_the_other(world: World) ->
     world.take()
     world.core.peer_abort(1, cause(common_pb2.FAILURE_KIND_ABORTED, "the prefill engine aborted", P), P)
     assert rank.state == FAILED and [a.broker_id for a in world.take() if isinstance(a, AbortAtPeer)] == [Q]
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_a_verified_chunk_is_hashed_by_the_executor_and_the_rank_succeeds_only_after(world: World, matches: bool) -> None:
+    """A chunk all of whose parts landed leaves a VerifyChunk (the core reads no memory: the engine
+    stand-in has none); the rank is not SUCCESS, nor its pages settled, until the executor's answer;
+    a different checksum fails it with MISMATCH naming the chunk."""
+    rank = world.registered(verify_checksum=True)
+    world.core.notices([notice(rank, SOURCE, checksum=0x1234)])
+    (verify,) = [e for e in world.take() if isinstance(e, VerifyChunk)]
+    assert verify.receiver is rank and verify.expected == 0x1234 and verify.chunk_index == 0
+    assert verify.what.who == "receiver" and list(verify.what.pages) == [0, 1, 2] and verify.what.aux_row == 1
+    assert rank.state == TRANSFERRING and rank.verifying == 1 and not rank.pages_settled
+    world.core.chunk_verified(verify, 0x1234 if matches else 0x4321, None)
+    if matches:
+        assert rank.state == SUCCESS and rank.pages_settled and rank.verifying == 0
+    else:
+        assert rank.state == FAILED and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
+        assert "chunk 0" in rank.cause.message and "corrupted" in rank.cause.message
+        assert world.counters.checksum_mismatches == 1 and rank.pages_settled
+
+
+def test_an_abort_while_a_chunk_is_verified_settles_once_the_hashing_is_done(world: World) -> None:
+    """The executor reads the rank's pages while it verifies: the pages settle only after."""
+    rank = world.registered(verify_checksum=True)
+    world.core.notices([notice(rank, SOURCE, checksum=7)])
+    (verify,) = [e for e in world.take() if isinstance(e, VerifyChunk)]
+    world.core.abort(rank.engine, rank.room, "the engine gave up")
+    assert rank.state == FAILED and not rank.pages_settled
+    world.core.chunk_verified(verify, 7, None)
+    assert rank.pages_settled and rank.state == FAILED

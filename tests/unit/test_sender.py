@@ -519,3 +519,22 @@ def test_a_part_that_could_not_be_posted_fails_with_its_error(world: World) -> N
     (part,) = _posts(world.take())
     world.core.part_settled(part, XferState.ERR, None, NixlError("NIXL could not post the transfer: boom"))
     assert source.cause is not None and source.cause.kind == common_pb2.FAILURE_KIND_TRANSFER and "boom" in source.cause.message
+
+
+def test_a_verified_chunk_leaves_its_checksum_to_the_executor_and_reads_no_memory(world: World) -> None:
+    """With the receiver verifying, the sender's core only describes what to hash (the engine stand-in
+    has no memory to read): every part of the chunk shares one ChunkChecksum, not yet computed, and
+    no notice carries a value until the executor fills it in."""
+    pe, de = world.engine_stub("prefill"), world.engine_stub("decode")
+    world.peers.add(D, de)
+    world.core.begin(pe, 9, 3)
+    world.core.transfer_info(world.info(pe, de, 9, [4, 5, 6], verify_checksum=True))
+    world.take()
+    world.core.chunk(pe, 9, i32([1, 2, 3]), is_last=True, aux_row=1, state={})
+    parts = _posts(world.take())
+    assert parts
+    holders = {id(part.checksum) for part in parts}
+    (holder,) = [part.checksum for part in parts[:1]]
+    assert len(holders) == 1 and holder is not None and holder.value is None
+    assert holder.what.who == "sender" and list(holder.what.pages) == [1, 2, 3] and holder.what.aux_row == 1
+    assert not any(part.notice.HasField("checksum") for part in parts)

@@ -1,5 +1,9 @@
-"""What moves where: KV layouts, the rank mapping between parallel layouts, and the descriptors, token runs, parts and packed blocks a chunk becomes (pure functions the client and the broker share)."""
+"""What moves where: KV layouts, the rank mapping between parallel layouts, and
+the descriptors, token runs, parts and packed blocks a chunk becomes (pure
+functions the client and the broker share).
+"""
 
+from kvbroker.plan._checksum import ChunkSum, chunk_checksum
 from kvbroker.plan._descriptors import (
     BufferPlacement,
     DescriptorTable,
@@ -55,4 +59,58 @@ from kvbroker.plan._tokens import (
 )
 from kvbroker.plan._validation import check_chunk, check_declared_pages, check_room_indices
 
-__all__ = ["Block", "BufferPlacement", "ChunkShape", "DescriptorTable", "FULL_PAGES", "GroupShape", "IndexArray", "KvPairs", "Layout", "MAX_PARTS", "NO_INDICES", "PackLimit", "PartKind", "PartSpec", "RankKey", "SliceSide", "SourcePlan", "StagePolicy", "TokenRange", "as_index", "as_indices", "build_descriptor_table", "check_chunk", "check_declared_pages", "check_room_indices", "check_state_supported", "completed_pages", "decode_indices", "encode_indices", "expand_rows", "held_pages", "kv_block", "kv_kinds_of", "kv_pairs", "kv_regions", "landing_blocks", "packed_bytes", "packed_offsets", "page_blocks", "plan_chunk", "plan_sources", "pool_text", "rank_key", "run_descriptors", "same_token_count", "slice_side", "state_regions", "token_descriptors", "token_geometry", "token_runs", "transfer_pool"]
+__all__ = [
+    "Block",
+    "BufferPlacement",
+    "ChunkShape",
+    "ChunkSum",
+    "chunk_checksum",
+    "DescriptorTable",
+    "FULL_PAGES",
+    "GroupShape",
+    "IndexArray",
+    "KvPairs",
+    "Layout",
+    "MAX_PARTS",
+    "NO_INDICES",
+    "PackLimit",
+    "PartKind",
+    "PartSpec",
+    "RankKey",
+    "SliceSide",
+    "SourcePlan",
+    "StagePolicy",
+    "TokenRange",
+    "as_index",
+    "as_indices",
+    "build_descriptor_table",
+    "check_chunk",
+    "check_declared_pages",
+    "check_room_indices",
+    "check_state_supported",
+    "completed_pages",
+    "decode_indices",
+    "encode_indices",
+    "expand_rows",
+    "held_pages",
+    "kv_block",
+    "kv_kinds_of",
+    "kv_pairs",
+    "kv_regions",
+    "landing_blocks",
+    "packed_bytes",
+    "packed_offsets",
+    "page_blocks",
+    "plan_chunk",
+    "plan_sources",
+    "pool_text",
+    "rank_key",
+    "run_descriptors",
+    "same_token_count",
+    "slice_side",
+    "state_regions",
+    "token_descriptors",
+    "token_geometry",
+    "token_runs",
+    "transfer_pool",
+]
