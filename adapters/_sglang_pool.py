@@ -19,7 +19,32 @@ import torch
 from kvbroker.client import EngineMemory, ModelSpec, RankSpec, StateTensors
 from kvbroker.errors import InvalidArgument, Unimplemented
 
-__all__ = ["adopt_pool", "kv_tensors", "moved_state", "state_of"]
+__all__ = ["adopt_pool", "compatibility_of", "kv_tensors", "moved_state", "state_of"]
+
+
+def compatibility_of(server_args: Any, mla: bool) -> str:
+    """What must match between a prefill and a decode engine beyond the KV
+    shapes, as a digest (``ModelSpec.compatibility``): SGLang and its version,
+    the model and its revision, dtype and KV cache dtype, the attention
+    backend, MLA (not the page size: the broker moves KV between page sizes)."""
+    import hashlib
+    import json
+
+    import sglang
+
+    version = str(getattr(sglang, "__version__", "?"))
+    fields = {
+        "engine": "sglang",
+        "version": version,
+        "model": str(getattr(server_args, "model_path", None)),
+        "revision": str(getattr(server_args, "revision", None)),
+        "dtype": str(getattr(server_args, "dtype", None)),
+        "cache_dtype": str(getattr(server_args, "kv_cache_dtype", None)),
+        "attention": str(getattr(server_args, "attention_backend", None)),
+        "mla": mla,
+    }
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+    return f"sglang-{version}:{digest}"
 
 
 def kv_tensors(pool: Any, mla: bool) -> list[list[torch.Tensor]]:
@@ -48,7 +73,9 @@ def _mamba_state(pool: Any) -> dict[str, StateTensors]:
     return {"mamba": StateTensors("mamba", layers)} if layers else {}
 
 
-def adopt_pool(rank: RankSpec, pool: Any, args: Any, metadata: Any, model_config: Any, mla: bool) -> EngineMemory:
+def adopt_pool(
+    rank: RankSpec, pool: Any, args: Any, metadata: Any, model_config: Any, mla: bool, compatibility: str = ""
+) -> EngineMemory:
     """The pool, the metadata buffers and any Mamba state handed to the broker
     (host memory moves into shared memory); ``args`` then gives their new addresses."""
     layers = kv_tensors(pool, mla)
@@ -70,6 +97,7 @@ def adopt_pool(rank: RankSpec, pool: Any, args: Any, metadata: Any, model_config
         page_size=int(pool.page_size),
         mla=mla,
         kv_layers=None if layer_ids == list(range(num_layers)) else tuple(layer_ids),
+        compatibility=compatibility,
     )
     if not mla and model.heads_per_rank(rank.tp_size) != heads:
         raise InvalidArgument(f"the pool holds {heads} KV heads per rank; {model.total_kv_heads} heads over tp {rank.tp_size} give {model.heads_per_rank(rank.tp_size)}")

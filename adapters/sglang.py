@@ -27,9 +27,13 @@ Environment of each engine process (every tp rank of one engine the same):
 - ``KVBROKER_ADDRESS``: this host's broker (its ``--listen``), default
   ``127.0.0.1:50051``;
 - ``KVBROKER_ADVERTISE_ADDRESS``: the address decode hosts reach that broker
-  at, published to them (prefill only; default ``KVBROKER_ADDRESS``);
+  at, published to them (prefill only; default: what the broker advertises,
+  its ``--advertise`` or listen address);
 - ``KVBROKER_GROUP``: the engine's group name, unique among the engines of a
-  broker (default ``sglang-<mode>-<http port>``).
+  broker (default ``sglang-<mode>-<http port>``);
+- ``KVBROKER_ENFORCE_COMPATIBILITY``: ``0`` declares no compatibility digest
+  (SGLang's version, model, dtypes, attention backend), so a
+  decode of another model with the same shapes is not refused.
 
 The flow, in SGLang's terms: the prefill's ranks register their KV pool with
 their broker and publish ``{broker, group, tp_size, ...}`` to the bootstrap
@@ -83,7 +87,13 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
-from kvbroker.adapters._sglang_pool import adopt_pool, kv_tensors, moved_state, state_of
+from kvbroker.adapters._sglang_pool import (
+    adopt_pool,
+    compatibility_of,
+    kv_tensors,
+    moved_state,
+    state_of,
+)
 from kvbroker.adapters.bootstrap import BootstrapServer, EngineRecord, fetch_record, publish_rank
 from kvbroker.client import (
     BrokerClient,
@@ -117,6 +127,7 @@ ENV_ADDRESS = "KVBROKER_ADDRESS"
 ENV_ADVERTISE = "KVBROKER_ADVERTISE_ADDRESS"
 ENV_GROUP = "KVBROKER_GROUP"
 ENV_VMM_POOL = "KVBROKER_VMM_POOL"
+ENV_ENFORCE_COMPATIBILITY = "KVBROKER_ENFORCE_COMPATIBILITY"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 #: The SGLang queue whose ``_init_kv_manager`` is running (set by the hook).
@@ -260,13 +271,19 @@ class KVBrokerKVManager(BaseKVManager):
 
         mode: Literal["prefill", "decode"] = "prefill" if self.is_prefill else "decode"
         self.address = os.environ.get(ENV_ADDRESS, DEFAULT_ADDRESS)
-        self.advertise = os.environ.get(ENV_ADVERTISE, self.address)
         self.group = os.environ.get(ENV_GROUP) or f"sglang-{mode}-{get_serving().port}"
         self.rank = RankSpec(group=self.group, role=mode, tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank)
         self.pool = queue.token_to_kv_pool
         self.page_size = int(self.pool.page_size)
-        self.memory = adopt_pool(self.rank, self.pool, args, queue.metadata_buffers, queue.scheduler.model_config, self.is_mla_backend)
+        enforce = os.environ.get(ENV_ENFORCE_COMPATIBILITY, "1") != "0"
+        compatibility = compatibility_of(server_args, self.is_mla_backend) if enforce else ""
+        self.memory = adopt_pool(
+            self.rank, self.pool, args, queue.metadata_buffers, queue.scheduler.model_config, self.is_mla_backend, compatibility
+        )
         self.client = BrokerClient(self.address)
+        #: Where decode hosts reach this host's broker: what the broker advertises
+        #: (``serve --advertise``, else its listen address), unless the environment says.
+        self.advertise = os.environ.get(ENV_ADVERTISE) or self.client.info.listen_address or self.address
         try:
             self.engine = self.client.register_engine(self.rank, self.memory)
         except BaseException:
@@ -316,7 +333,11 @@ class KVBrokerKVManager(BaseKVManager):
         return True
 
     def submit_prefill_recompute(self, receiver: Any, payload: Any) -> None:
-        raise Unimplemented("kvbroker's SGLang backend does not rebootstrap retracted requests yet")
+        """SGLang's rebootstrap of a retracted request (the prefill recomputes
+        it): not supported yet. The request fails through SGLang's own path
+        (its receiver polls Failed, ``failure_exception`` names why), never
+        by an exception in the middle of scheduling."""
+        receiver._fail(Unimplemented("kvbroker's SGLang backend does not rebootstrap retracted requests yet"))
 
     def close(self) -> None:
         """Unregister from the broker and release the shared memory (idempotent)."""

@@ -4,13 +4,23 @@ Load it with::
 
     --kv-transfer-config '{"kv_connector": "KVBrokerConnector",
                            "kv_connector_module_path": "kvbroker.adapters.vllm",
-                           "kv_role": "kv_producer" (prefill) | "kv_consumer" (decode),
+                           "kv_role": "kv_both" | "kv_producer" | "kv_consumer",
                            "kv_connector_extra_config": {"broker": "127.0.0.1:50051",
                                                          "group": "prefill-0"}}'
 
-``broker`` is the address of the kvbroker on this host (its ``--listen``),
-``group`` this engine's group name (unique per engine; its tp ranks share
-it). The flow is vLLM's push mode: the prefill finishes a request
+``broker`` is the address of the kvbroker on this host (its ``--listen``,
+or its engine socket as ``unix:PATH``), ``group`` this engine's group name
+(unique per engine; its tp ranks share it). ``kv_both`` (NixlConnector's
+usual config, on both engines) registers the ranks for either direction:
+each request's ``kv_transfer_params`` say which way its KV moves.
+``advertise_address`` (or ``KVBROKER_ADVERTISE_ADDRESS``) is the address
+decode hosts reach this host's broker at, published with each finished
+prefill; by default the broker's own (``kvbroker serve --advertise``, else
+its listen address), asked of the broker once. Each rank declares a
+compatibility digest (:func:`compatibility_of`: vLLM version, model,
+dtypes, KV layout, attention backend); a decode whose digest
+differs from the prefill's has the room refused, naming both
+(``"enforce_compatibility": false`` declares none, so nothing is checked). The flow is vLLM's push mode: the prefill finishes a request
 (``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` from
 the proxy), its scheduler keeps the blocks and returns the parameters the
 decode needs (``remote_broker``, ``remote_group``, ``remote_request_id``,
@@ -36,9 +46,11 @@ are exported where they lie (:func:`kv_layout_of`).
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -49,7 +61,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
+from kvbroker.adapters._vllm_config import check_parallel, compatibility_of, kv_layout_of
+from kvbroker.adapters._vllm_stats import KVBrokerPromMetrics, KVBrokerStats
+from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.errors import KvBrokerError, Unimplemented
 
 if TYPE_CHECKING:
@@ -60,45 +74,25 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KVBrokerConnector", "kv_layout_of", "room_of"]
+__all__ = ["KVBrokerConnector", "check_parallel", "compatibility_of", "kv_layout_of", "room_of"]
 
 logger = init_logger(__name__)
 
 
-def kv_layout_of(
-    caches: list[torch.Tensor], *, total_heads: int, block_size: int
-) -> tuple[ModelSpec, dict[int, list[torch.Tensor]]]:
-    """The model's KV layout and kvbroker's view of vLLM's per-layer KV caches.
+#: The environment variable that overrides the broker address published to decode hosts.
+ENV_ADVERTISE = "KVBROKER_ADVERTISE_ADDRESS"
 
-    - CPU (vLLM's CPU attention): ``[blocks, kv heads, block_size, 2 *
-      head_dim]`` per layer, the fused layout.
-    - CUDA, FlashAttention's layout ``[2, blocks, block_size, kv heads,
-      head_dim]``: K and V are the two halves, token-major pages ("nhd").
-    - CUDA, MLA ``[blocks, block_size, latent dim]``: one latent tensor.
 
-    Other layouts (FlashInfer's ``[blocks, 2, ...]`` interleaves K and V per
-    block; stride-permuted HND caches) raise ``Unimplemented`` naming the
-    shape. CUDA caches are exported where they lie (``EngineMemory.adopt``);
-    that path has not run on a GPU."""
-    first = caches[0]
-    shape = tuple(first.shape)
-    if first.device.type == "cpu":
-        _blocks, _heads, size, fused = shape
-        model = ModelSpec(
-            num_layers=len(caches), total_kv_heads=total_heads, head_dim=fused // 2, dtype=first.dtype,
-            page_size=size, kv_layout="hnd_fused",
-        )
-        return model, {i: [t] for i, t in enumerate(caches)}
-    if first.dim() == 5 and shape[0] == 2 and shape[2] == block_size:
-        model = ModelSpec(num_layers=len(caches), total_kv_heads=total_heads, head_dim=shape[4], dtype=first.dtype, page_size=block_size)
-        return model, {i: [t[0], t[1]] for i, t in enumerate(caches)}
-    if first.dim() == 3 and shape[1] == block_size:
-        model = ModelSpec(num_layers=len(caches), total_kv_heads=1, head_dim=shape[2], dtype=first.dtype, page_size=block_size, mla=True)
-        return model, {i: [t] for i, t in enumerate(caches)}
-    raise Unimplemented(
-        f"vLLM's {first.device.type} KV cache of shape {shape} is not a layout kvbroker moves: it takes "
-        "FlashAttention's (2, blocks, block_size, kv heads, head_dim) and MLA's (blocks, block_size, dim)"
-    )
+def _role_of(kv_role: str | None) -> Literal["prefill", "decode", "both"]:
+    """kvbroker's role for vLLM's ``kv_role``."""
+    roles: dict[str | None, Literal["prefill", "decode", "both"]] = {
+        "kv_producer": "prefill",
+        "kv_consumer": "decode",
+        "kv_both": "both",
+    }
+    if kv_role not in roles:
+        raise Unimplemented(f"kv_role {kv_role!r}: kvbroker's connector takes kv_producer, kv_consumer or kv_both")
+    return roles[kv_role]
 
 
 def room_of(request_id: str) -> int:
@@ -122,11 +116,25 @@ class _Recv:
 
 
 @dataclass
+class _Abort:
+    """A decode request that finished before its KV arrived: its room is
+    aborted, so the prefill's broker fails it and the prefill frees its blocks."""
+
+    request_id: str
+    params: dict[str, Any]
+    #: Its blocks were allocated and its room handed to the worker: vLLM frees
+    #: them once the worker reports the room in ``finished_recving`` (which it
+    #: does once the aborted room's pages are settled).
+    holds_blocks: bool
+
+
+@dataclass
 class KVBrokerMetadata(KVConnectorMetadata):
-    """What one step asks of the workers: rooms to send, rooms to receive."""
+    """What one step asks of the workers: rooms to send, to receive, to abort."""
 
     sends: list[_Send] = field(default_factory=list)
     recvs: list[_Recv] = field(default_factory=list)
+    aborts: list[_Abort] = field(default_factory=list)
 
 
 class KVBrokerConnector(KVConnectorBase_V1):
@@ -134,12 +142,15 @@ class KVBrokerConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_parallel(vllm_config.parallel_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._broker = str(extra.get("broker", "127.0.0.1:50051"))
         self._group = str(extra.get("group") or self._kv_transfer_config.engine_id or "vllm")
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._block_size = vllm_config.cache_config.block_size
-        self._producer = self._kv_transfer_config.is_kv_producer
+        self._role: Literal["prefill", "decode", "both"] = _role_of(self._kv_transfer_config.kv_role)
+        self._advertise = str(extra.get("advertise_address") or os.environ.get(ENV_ADVERTISE, ""))
+        self._enforce_compatibility = bool(extra.get("enforce_compatibility", True))
         self._vmm_pool = bool(extra.get("vmm_pool", True))
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
@@ -160,6 +171,29 @@ class KVBrokerConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids)
+
+    # -- metrics ---------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVBrokerStats | None:
+        """The rooms this rank saw end since vLLM last asked (then forgotten)."""
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBrokerStats:
+        return KVBrokerStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBrokerPromMetrics:
+        return KVBrokerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.received(connector_output.finished_recving)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pending()
@@ -214,6 +248,9 @@ class _Scheduler:
         self.c = connector
         self._sends: dict[str, list[int]] = {}
         self._recvs: dict[str, _Recv] = {}
+        self._aborts: list[_Abort] = []
+        #: Decode requests whose room is open (handed to the worker), until it reports them received.
+        self._loading: set[str] = set()
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -232,20 +269,42 @@ class _Scheduler:
         prompt_blocks = -(-len(request.prompt_token_ids or []) // self.c._block_size)
         held = max(0, prompt_blocks - len(local))
         self._recvs[request.request_id] = _Recv(request.request_id, list(local), dict(params), held)
+        self._loading.add(request.request_id)
         params["do_remote_prefill"] = False  # a second call (after the load) changes nothing
 
     def meta(self) -> KVBrokerMetadata:
         meta = KVBrokerMetadata(
-            sends=[_Send(rid, blocks) for rid, blocks in self._sends.items()], recvs=list(self._recvs.values())
+            sends=[_Send(rid, blocks) for rid, blocks in self._sends.items()],
+            recvs=list(self._recvs.values()),
+            aborts=self._aborts,
         )
         self._sends.clear()
         self._recvs.clear()
+        self._aborts = []
         return meta
+
+    def received(self, finished_recving: set[str] | None) -> None:
+        """What the workers reported received (or failed) this step: no longer loading."""
+        self._loading -= finished_recving or set()
 
     def finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and params.get("remote_broker"):
+            # Finished (aborted) before its blocks were allocated: the prefill
+            # still holds its blocks for the room; an empty room, aborted at
+            # once, tells its broker (NixlConnector notifies the same way).
+            params["do_remote_prefill"] = False
+            self._aborts.append(_Abort(request.request_id, dict(params), holds_blocks=False))
+            return False, None
+        if request.request_id in self._loading:
+            # Finished before its KV arrived: abort the room. vLLM keeps the
+            # blocks until the worker reports the room received, which it does
+            # once nothing can land in them any more.
+            self._loading.discard(request.request_id)
+            self._aborts.append(_Abort(request.request_id, dict(params or {}), holds_blocks=True))
+            return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -254,11 +313,12 @@ class _Scheduler:
         if not blocks:
             return False, None
         self._sends[request.request_id] = blocks
-        host, _, port = self.c._broker.rpartition(":")
+        address = self.advertised()
+        host, _, port = address.rpartition(":")
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_broker": self.c._broker,
+            "remote_broker": address,
             "remote_group": self.c._group,
             "remote_request_id": request.request_id,
             "remote_block_ids": blocks,
@@ -268,10 +328,19 @@ class _Scheduler:
             "tp_size": self.c._tp_size,
         }
 
+    def advertised(self) -> str:
+        """Where decode hosts reach this host's broker: ``advertise_address``
+        or the environment's, else what the broker advertises (asked once)."""
+        if not self.c._advertise:
+            with BrokerClient(self.c._broker) as client:
+                self.c._advertise = client.info.listen_address or self.c._broker
+            logger.info("kvbroker: publishing broker address %s to decode engines", self.c._advertise)
+        return self.c._advertise
+
     def pending(self) -> bool:
         """Rooms not handed to the worker yet. (vLLM steps anyway while a finished
         request holds its blocks: its scheduler counts it until they are freed.)"""
-        return bool(self._sends or self._recvs)
+        return bool(self._sends or self._recvs or self._aborts)
 
 
 class _Worker:
@@ -283,12 +352,18 @@ class _Worker:
         self._lock = threading.Lock()
         self._client: BrokerClient | None = None
         self._memory: EngineMemory | None = None
+        self._device: torch.device | None = None
         self._engine: Any = None
         self._sending: dict[str, Any] = {}
         self._receiving: dict[str, tuple[Any, list[int]]] = {}
         self._load_errors: set[int] = set()
         #: Rooms the client refused at once: reported by the next ``finished``.
         self._refused_sends: set[str] = set()
+        #: Receives aborted because vLLM finished their requests first.
+        self._abandoned: set[str] = set()
+        #: When each open room was opened (its time in the metrics).
+        self._opened: dict[str, float] = {}
+        self._stats = KVBrokerStats()
         self._refused_recvs: set[str] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -299,8 +374,11 @@ class _Worker:
         block_size = self.c._block_size
         total_heads = self._config.model_config.get_total_num_kv_heads()
         model, kv = kv_layout_of([t for _, t in layers], total_heads=total_heads, block_size=block_size)
-        role: Literal["prefill", "decode"] = "prefill" if self.c._producer else "decode"
+        if self.c._enforce_compatibility:
+            model = replace(model, compatibility=compatibility_of(self._config, model, layers[0][1].device.type))
+        role = self.c._role
         rank = RankSpec(group=self.c._group, role=role, tp_size=self.c._tp_size, tp_rank=get_tensor_model_parallel_rank())
+        self._device = layers[0][1].device
         self._memory = EngineMemory.adopt(rank, model, kv=kv)
         self._client = BrokerClient(self.c._broker)
         self._engine = self._client.register_engine(rank, self._memory)
@@ -313,6 +391,11 @@ class _Worker:
         """Open this step's rooms. A room the client refuses at once (a bad
         block id, parameters that name no broker) ends at once: a send is
         reported finished (vLLM frees its blocks), a receive as not loaded."""
+        if meta.sends and self._device is not None and self._device.type == "cuda":
+            # The broker reads the blocks from its own stream: the forward
+            # passes that wrote them, queued on the compute stream, must be
+            # done first (docs/client.md: a sender makes its writes visible).
+            torch.cuda.current_stream(self._device).synchronize()
         for send in meta.sends:
             try:
                 sender = self._engine.sender(room_of(send.request_id))
@@ -321,8 +404,10 @@ class _Worker:
             except KvBrokerError as exc:
                 logger.warning("kvbroker: sending request %s refused: %s", send.request_id, exc)
                 self._refused_sends.add(send.request_id)
+                self._stats.record("sent", False, 0, 0.0)
                 continue
             self._sending[send.request_id] = sender
+            self._opened[send.request_id] = time.monotonic()
         for recv in meta.recvs:
             try:
                 receiver = self._engine.receiver(
@@ -334,8 +419,34 @@ class _Worker:
                 logger.warning("kvbroker: receiving request %s refused: %s", recv.request_id, exc)
                 self._load_errors |= set(recv.local_block_ids)
                 self._refused_recvs.add(recv.request_id)
+                self._stats.record("received", False, 0, 0.0)
                 continue
             self._receiving[recv.request_id] = (receiver, recv.local_block_ids)
+            self._opened[recv.request_id] = time.monotonic()
+        for abort in meta.aborts:
+            self._abort(abort)
+
+    def _abort(self, abort: _Abort) -> None:
+        """A decode request vLLM finished before its KV arrived: abort its room
+        (its broker tells the prefill's, which frees the prefill's blocks)."""
+        reason = f"the decode finished request {abort.request_id} before its KV arrived"
+        known = self._receiving.get(abort.request_id)
+        try:
+            if known is not None:
+                # Reported in finished_recving once its pages are settled, as any failed room.
+                known[0].abort(reason)
+                self._abandoned.add(abort.request_id)
+                return
+            if abort.holds_blocks:
+                return  # its room ended already (reported received): nothing can land
+
+            receiver = self._engine.receiver(
+                room_of(abort.params["remote_request_id"]), SenderRef(abort.params["remote_broker"], abort.params["remote_group"])
+            )
+            receiver.init([])
+            receiver.abort(reason)
+        except (KvBrokerError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("kvbroker: aborting request %s failed: %s", abort.request_id, exc)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         sent, received = self._refused_sends, self._refused_recvs
@@ -347,19 +458,36 @@ class _Worker:
                     logger.warning("kvbroker: sending request %s failed: %s", rid, status.cause.message)
                 sent.add(rid)
                 del self._sending[rid]
+                self._ended(rid, "sent", status)
         for rid, (receiver, blocks) in list(self._receiving.items()):
             status = receiver.status()
             if status.state == RoomState.SUCCESS:
                 received.add(rid)
             elif status.state == RoomState.FAILED and status.pages_settled:
-                landed = set(receiver.landed_pages().tolist())
-                self._load_errors |= {b for b in blocks if b not in landed}
-                logger.warning("kvbroker: receiving request %s failed: %s", rid, status.cause.message)
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)  # vLLM finished it: nothing to load or report missing
+                else:
+                    landed = set(receiver.landed_pages().tolist())
+                    self._load_errors |= {b for b in blocks if b not in landed}
+                    logger.warning("kvbroker: receiving request %s failed: %s", rid, status.cause.message)
                 received.add(rid)
             else:
                 continue
             del self._receiving[rid]
+            self._ended(rid, "received", status)
         return sent or None, received or None
+
+    def _ended(self, rid: str, direction: str, status: Any) -> None:
+        started = self._opened.pop(rid, None)
+        took = time.monotonic() - started if started is not None else 0.0
+        self._stats.record(direction, status.state == RoomState.SUCCESS, int(status.bytes), took)
+
+    def take_stats(self) -> KVBrokerStats | None:
+        """The interval's stats (None when no room ended), and a fresh interval."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVBrokerStats()
+        return stats
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

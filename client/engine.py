@@ -168,8 +168,9 @@ class EngineHandle:
         return done
 
     def check_role(self, role: int, action: str) -> None:
-        """``FailedPrecondition`` unless this engine rank has ``role`` (the broker's own check, made here first)."""
-        if self.layout.role != role:
+        """``FailedPrecondition`` unless this engine rank has ``role`` (a ROLE_BOTH rank has
+        either; the broker's own check, made here first)."""
+        if self.layout.role not in (role, common_pb2.ROLE_BOTH):
             raise FailedPrecondition(
                 f"engine {self.engine_id} ({common_pb2.Role.Name(self.layout.role)}) cannot {action}; "
                 f"that needs a {common_pb2.Role.Name(role)} engine"

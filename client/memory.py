@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["EngineMemory", "ModelSpec", "RankSpec", "StateSpec", "even_pp_layer_begins"]
 
 ALIGN = 4096
-_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE, "both": common_pb2.ROLE_BOTH}
 _KV_KINDS = (common_pb2.REGION_KIND_KEY, common_pb2.REGION_KIND_VALUE, common_pb2.REGION_KIND_MLA, common_pb2.REGION_KIND_KV)
 _STATE_TYPES = {"mamba": common_pb2.STATE_TYPE_MAMBA, "swa": common_pb2.STATE_TYPE_SWA, "nsa": common_pb2.STATE_TYPE_NSA}
 
@@ -75,6 +75,11 @@ class ModelSpec:
     #: The layers that hold KV, ascending (a hybrid model's attention layers;
     #: its other layers carry state only). None: every layer.
     kv_layers: tuple[int, ...] | None = None
+    #: What must match between the two sides of a room beyond these shapes
+    #: (engine and version, model, dtypes, attention backend): an adapter's
+    #: digest, at most 256 characters. A receiver refuses a room whose sender
+    #: declared another. "": not declared (no check).
+    compatibility: str = ""
 
     def kv_layers_in(self, begin: int, end: int) -> list[int]:
         """The layers of [begin, end) that hold KV."""
@@ -122,10 +127,11 @@ def even_pp_layer_begins(num_layers: int, pp_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Who this engine rank is."""
+    """Who this engine rank is. ``role``: "prefill" sends rooms, "decode"
+    receives them, "both" does either, room by room (vLLM's ``kv_both``)."""
 
     group: str
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "both"]
     tp_size: int = 1
     tp_rank: int = 0
     pp_size: int = 1
@@ -214,7 +220,7 @@ class EngineMemory:
         if where.type not in ("cpu", "cuda"):
             raise InvalidArgument(f"device {device!r}: engine memory lives on the host ('cpu') or a CUDA device")
         if rank.role not in _ROLES:
-            raise InvalidArgument(f"role must be 'prefill' or 'decode', got {rank.role!r}")
+            raise InvalidArgument(f"role must be 'prefill', 'decode' or 'both', got {rank.role!r}")
         if num_pages < 1:
             raise InvalidArgument("num_pages must be at least 1")
         if aux_row_bytes and aux_rows < 1:
@@ -384,7 +390,7 @@ def engine_layout(
 ) -> common_pb2.EngineLayout:
     """The layout message of ``rank``'s memory, given its regions."""
     if rank.role not in _ROLES:
-        raise InvalidArgument(f"role must be 'prefill' or 'decode', got {rank.role!r}")
+        raise InvalidArgument(f"role must be 'prefill', 'decode' or 'both', got {rank.role!r}")
     begin, end = rank.layer_range(model)
     return common_pb2.EngineLayout(
         role=_ROLES[rank.role],
@@ -406,6 +412,7 @@ def engine_layout(
         pp_layer_begins=list(rank.layer_begins(model)),
         kv_layout=model.kv_layout_enum,  # type: ignore[arg-type]
         kv_layers=[] if model.kv_layers is None else model.kv_layers_in(begin, end),
+        compatibility=model.compatibility,
     )
 
 

@@ -201,7 +201,7 @@ def make_engine(fake_cuda: FakeCudaLib | None) -> Iterator[Callable[..., Engine]
         memory = EngineMemory.allocate(
             rank, model, num_pages=num_pages, aux_rows=aux_rows, aux_row_bytes=aux_row_bytes, state=state
         )
-        if role == "prefill":
+        if role in ("prefill", "both"):
             fill_regions(memory, seed)
         if fake_cuda is not None:
             as_fake_vram(memory, fake_cuda, device=tp_rank % 2)

@@ -312,6 +312,55 @@ def test_duplicate_room_unknown_engine_and_wrong_role(fake_brokers, make_engine)
         pe.handle.sender(23).send([1], is_last=False)
 
 
+def test_engines_of_role_both_send_some_rooms_and_receive_others(fake_brokers, make_engine) -> None:
+    """ROLE_BOTH (vLLM's kv_both): each engine opens senders and receivers, room by room, and the
+    bytes arrive both ways; a one-way engine still refuses the other way."""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    a = make_engine(p.address, "both", "group-a", seed=1)
+    b = make_engine(d.address, "both", "group-b", seed=2)
+    src, dst = np.array([1, 2, 3], dtype=np.int32), np.array([7, 8, 9], dtype=np.int32)
+    for room, (sender, receiver, where) in enumerate([(a, b, p), (b, a, d)], start=40):
+        expected = [page_bytes(sender.memory, layer, src) for layer in range(SMALL_MODEL.num_layers)]
+        incoming = receiver.handle.receiver(room, SenderRef(where.address, sender.handle.rank.group))
+        incoming.init(dst, aux_row=0)
+        outgoing = sender.handle.sender(room)
+        outgoing.init(len(src), aux_row=1)
+        outgoing.send(src)
+        assert incoming.wait(10).state == RoomState.SUCCESS
+        for layer in range(SMALL_MODEL.num_layers):
+            for x, y in zip(expected[layer], page_bytes(receiver.memory, layer, dst)):
+                assert torch.equal(x, y)
+    decode = make_engine(d.address, "decode")
+    with pytest.raises(errors.FailedPrecondition, match="ROLE_PREFILL"):
+        decode.handle.sender(50).init(2)
+
+
+def test_a_sender_that_declares_another_compatibility_is_refused_naming_both(fake_brokers, make_engine) -> None:
+    """Same shapes, different declared compatibility (another model, dtype or backend): the receiver
+    refuses the room naming both; equal, or undeclared on either side, moves as before."""
+    from dataclasses import replace
+
+    p, d = fake_brokers("p"), fake_brokers("d")
+    pe = make_engine(p.address, "prefill", "pre-a", model=replace(SMALL_MODEL, compatibility="llama-8b/bf16/flash"))
+    same = make_engine(d.address, "decode", "dec-same", model=replace(SMALL_MODEL, compatibility="llama-8b/bf16/flash"))
+    other = make_engine(d.address, "decode", "dec-other", model=replace(SMALL_MODEL, compatibility="qwen-8b/bf16/flash"))
+    silent = make_engine(d.address, "decode", "dec-silent")
+    outcomes = {}
+    for room, engine in enumerate((same, other, silent), start=60):
+        receiver = engine.handle.receiver(room, SenderRef(p.address, "pre-a"))
+        receiver.init(DST[:2], aux_row=0)
+        sender = pe.handle.sender(room)
+        sender.init(2, aux_row=1)
+        sender.send(SRC[:2])
+        outcomes[engine.handle.rank.group] = receiver.wait(10)
+        if outcomes[engine.handle.rank.group].state == RoomState.FAILED:
+            sender.abort("the receiver refused the room")
+    assert outcomes["dec-same"].state == RoomState.SUCCESS and outcomes["dec-silent"].state == RoomState.SUCCESS
+    refused = outcomes["dec-other"]
+    assert refused.state == RoomState.FAILED, refused
+    assert "llama-8b/bf16/flash" in refused.cause.message and "qwen-8b/bf16/flash" in refused.cause.message
+
+
 def test_poll_of_an_unknown_room_reports_failed_not_an_error(fake_brokers, make_engine) -> None:
     """Polling a room the engine never opened reports FAILED / UNKNOWN_ROOM for that room only."""
     p = fake_brokers("p")

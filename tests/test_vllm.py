@@ -136,8 +136,10 @@ def _pd(
     prefill's kv_transfer_params go to the decode's requests."""
     p, d = brokers
     dec = _engine(
-        work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts,
-        warm=[WARM] if HELD in prompts else [], **(decode or {}),
+        work, "decode", **{
+            "role": "decode", "model": model, "broker": d.address, "group": "vllm-decode", "prompts": prompts,
+            "warm": [WARM] if HELD in prompts else [], **(decode or {}),
+        },
     )
     pre = None
     try:
@@ -145,7 +147,9 @@ def _pd(
         # at once slow each other's start to minutes on two cores.
         eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
         assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
-        pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts, **prefill)
+        pre = _engine(
+            work, "prefill", **{"role": "prefill", "model": model, "broker": p.address, "group": "vllm-prefill", "prompts": prompts, **prefill}
+        )
         _finish(dec, work, "decode")
         (work / "stop").touch()
         _finish(pre, work, "prefill", timeout=120)
@@ -154,6 +158,22 @@ def _pd(
         if pre is not None:
             _kill(pre)
     return json.loads((work / "decode.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
+    """The prefill host's broker on 127.0.0.2, the decode host's on 127.0.0.1: an address that
+    means one broker to its own engine names another on the other host."""
+    args = ["--log-level", "info", "--finished-room-ttl", "1", "--tombstone-ttl", "1"]
+    p = BrokerProcess.launch("p-broker", tmp_path, [*args, "--listen", "127.0.0.2:0"])
+    d = BrokerProcess.launch("d-broker", tmp_path, [*args, "--listen", "127.0.0.1:0"])
+    try:
+        for broker in (p, d):
+            broker.wait_ready(60)
+        yield p, d
+    finally:
+        for broker in (p, d):
+            broker.stop()
 
 
 def _diagnosis(work: Path, *brokers: BrokerProcess) -> str:
@@ -187,11 +207,42 @@ def _tables_empty(*brokers: BrokerProcess) -> None:
 def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
     """Greedy tokens through kvbroker equal one engine's, for every prompt length and with a held prefix."""
     work = workdir / "pd"
-    tokens = _pd(work, model, brokers, PROMPTS)
+    tokens = _pd(work, model, brokers, PROMPTS, decode={"metrics": True}, metrics=True)
     assert tokens == baseline, _diagnosis(work, *brokers)
     # The decode held HELD's first two blocks: 1 + 2 + 3 + 1 blocks moved, no more.
     assert brokers[1].stats().bytes_received == 7 * BLOCK_BYTES, _diagnosis(work, *brokers)
     _tables_empty(*brokers)
+    # vLLM's own metrics (its KVConnectorStats, exported as vllm:kvbroker_*) say the same.
+    def value(side: str, name: str, **labels: str) -> float:
+        rows = json.loads((work / f"{side}.metrics.json").read_text())
+        return sum(r["value"] for r in rows if r["name"] == name and labels.items() <= r["labels"].items())
+
+    assert value("decode", "vllm:kvbroker_rooms", direction="received", result="success") == len(PROMPTS)
+    assert value("decode", "vllm:kvbroker_bytes", direction="received") == 7 * BLOCK_BYTES
+    assert value("prefill", "vllm:kvbroker_rooms", direction="sent", result="success") == len(PROMPTS)
+    assert value("decode", "vllm:kvbroker_rooms", direction="received", result="failure") == 0
+
+
+def test_kv_both_engines_on_two_hosts_match_one_engine(
+    workdir: Path, model: str, baseline: list[list[int]], two_hosts: tuple[BrokerProcess, BrokerProcess], tmp_path: Path
+) -> None:
+    """NixlConnector's usual config, ``kv_role: kv_both`` on both engines, each reaching its broker by
+    its unix socket, the brokers on two addresses: the prefill publishes the address its broker
+    advertises (127.0.0.2:port), not the one its engine uses, and the decode's tokens equal one
+    engine's. (A kv_both decode used to register as a prefill and have every room refused.)"""
+    p, d = two_hosts
+    assert p.address.startswith("127.0.0.2:") and d.address.startswith("127.0.0.1:")
+    work = workdir / "both"
+    prompts = [SHORT, ODD]
+    tokens = _pd(
+        work, model, two_hosts, prompts,
+        decode={"kv_role": "kv_both", "broker": f"unix:{tmp_path / 'd-broker.sock'}"},
+        kv_role="kv_both", broker=f"unix:{tmp_path / 'p-broker.sock'}",
+    )
+    assert tokens == baseline[: len(prompts)], _diagnosis(work, *two_hosts)
+    published = {params["remote_broker"] for params in json.loads((work / "params.json").read_text())}
+    assert published == {p.address}, published
+    _tables_empty(*two_hosts)
 
 
 @pytest.mark.skipif(
@@ -276,27 +327,74 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
     _tables_empty(p, d)
 
 
-class _CudaCache:
-    """Stands in for a CUDA KV cache tensor of vLLM's (shape and device only; no GPU here)."""
+def test_a_decode_of_another_model_with_the_same_shapes_is_refused_naming_both(
+    workdir: Path, model: str, brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """Two models of identical KV shapes (the tiny model with other weights, elsewhere): the shapes
+    check passes, the compatibility digests differ, and the decode's rooms are refused naming both
+    digests; nothing moves, vLLM fails the requests (policy "fail"), and no table leaks."""
+    from tests.vllm.tiny_model import write
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        import torch
+    other = workdir / "tiny-other"
+    write(str(other), seed=1)
+    p, d = brokers
+    work = workdir / "incompatible"
+    tokens = _pd(work, model, brokers, [SHORT], decode={"model": str(other)})
+    assert tokens == [[]] and json.loads((work / "finish.json").read_text()) == ["error"], _diagnosis(work, *brokers)
+    refusals = [
+        json.loads(line) for line in d.log_path.read_text().splitlines()
+        if '"room_ended"' in line and "compatibility" in line
+    ]
+    assert refusals and refusals[0]["cause_message"].count("vllm-") == 2, _diagnosis(work, *brokers)
+    assert d.stats().bytes_received == 0
+    _tables_empty(*brokers)
 
-        self.shape = shape
-        self.device = torch.device("cuda", 0)
-        self.dtype = torch.bfloat16
 
-    def dim(self) -> int:
-        return len(self.shape)
+def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_once(
+    workdir: Path, model: str, brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """The decode aborts its requests before their KV arrived, some before vLLM allocated their
+    blocks, some with their rooms open: each room is aborted at the decode's broker, which tells
+    the prefill's; the prefill's rooms end and vLLM frees its blocks within seconds, not after
+    --sender-info-timeout (120 s). Nothing is left in either broker while both engines still run."""
+    p, d = brokers
+    work = workdir / "abandoned"
+    prompts = [SHORT, ODD, LONG, HELD]
+    dec = _engine(work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts, abort=True)
+    pre = None
+    try:
+        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
+        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts)
+        eventually(lambda: (work / "decode.aborted").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
+        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        # Both engines are still up: only the aborts can have ended the prefill's rooms.
+        _tables_empty(p, d)
+        ended = [
+            json.loads(line) for line in p.log_path.read_text().splitlines()
+            if '"room_ended"' in line and '"side": "sender"' in line
+        ]
+        # (A room opened before its abort may have landed whole first: it ends SUCCESS.)
+        aborted = [e for e in ended if "before its KV arrived" in (e.get("cause_message") or "")]
+        assert len(ended) == len(prompts) and len(aborted) >= len(prompts) // 2, _diagnosis(work, p, d)
+        (work / "stop").touch()
+        _finish(dec, work, "decode", timeout=120)
+        _finish(pre, work, "prefill", timeout=120)
+    finally:
+        _kill(dec)
+        if pre is not None:
+            _kill(pre)
 
-    def __getitem__(self, index: int) -> tuple[str, int]:
-        return ("half", index)
 
-
-def test_kv_layouts_of_vllms_gpu_caches_are_read_or_refused_by_name() -> None:
-    """FlashAttention's [2, blocks, block_size, heads, dim] is K and V halves; MLA's [blocks,
-    block_size, dim] one latent tensor; FlashInfer's [blocks, 2, ...] is refused by name."""
+def test_kv_layouts_of_vllms_caches_are_read_or_refused_by_name() -> None:
+    """Real torch tensors with vLLM's shapes and strides ("meta" tensors stand in for CUDA ones:
+    shape, dtype and strides, no memory). FlashAttention's [2, blocks, block_size, heads, dim] is
+    K and V halves; MLA's [blocks, block_size, dim] one latent tensor; the CPU's [blocks, heads,
+    block_size, 2 * dim] fused. Refused by name: FlashInfer's [blocks, 2, ...], a stride-permuted
+    HND cache (its shape reads NHD), a CPU cache of another rank, layers that differ."""
     import warnings
+
+    import torch
 
     from kvbroker.errors import Unimplemented
 
@@ -304,10 +402,42 @@ def test_kv_layouts_of_vllms_gpu_caches_are_read_or_refused_by_name() -> None:
         warnings.simplefilter("ignore")
         from kvbroker.adapters.vllm import kv_layout_of
 
-    model, kv = kv_layout_of([_CudaCache((2, 100, 16, 8, 128))] * 3, total_heads=8, block_size=16)  # type: ignore[list-item]
+    def gpu(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+    flash = [gpu(2, 100, 16, 8, 128) for _ in range(3)]
+    model, kv = kv_layout_of(flash, total_heads=8, block_size=16)
     assert (model.kv_layout, model.mla, model.head_dim, model.page_size, model.num_layers) == ("nhd", False, 128, 16, 3)
-    assert kv[2] == [("half", 0), ("half", 1)]
-    model, kv = kv_layout_of([_CudaCache((100, 16, 576))], total_heads=1, block_size=16)  # type: ignore[list-item]
+    assert [tuple(t.shape) for t in kv[2]] == [(100, 16, 8, 128)] * 2 and kv[2][1].storage_offset() == 100 * 16 * 8 * 128
+    model, kv = kv_layout_of([gpu(100, 16, 576)], total_heads=1, block_size=16)
     assert (model.mla, model.head_dim, model.total_kv_heads) == (True, 576, 1) and len(kv[0]) == 1
+    model, kv = kv_layout_of([torch.zeros(10, 2, 16, 128, dtype=torch.bfloat16)], total_heads=2, block_size=16)
+    assert (model.kv_layout, model.head_dim, model.page_size) == ("hnd_fused", 64, 16)
     with pytest.raises(Unimplemented, match="FlashAttention"):
-        kv_layout_of([_CudaCache((100, 2, 16, 8, 128))], total_heads=8, block_size=16)  # type: ignore[list-item]
+        kv_layout_of([gpu(100, 2, 16, 8, 128)], total_heads=8, block_size=16)
+    hnd = gpu(2, 100, 8, 16, 128).permute(0, 1, 3, 2, 4)  # reads [2, blocks, block_size, heads, dim]
+    with pytest.raises(Unimplemented, match="stride-permuted"):
+        kv_layout_of([hnd], total_heads=8, block_size=16)
+    with pytest.raises(Unimplemented, match="CPU KV cache of shape"):
+        kv_layout_of([torch.zeros(2, 10, 16, 2, 64, dtype=torch.bfloat16)], total_heads=2, block_size=16)
+    with pytest.raises(Unimplemented, match="differ between layers"):
+        kv_layout_of([gpu(2, 100, 16, 8, 128), gpu(2, 50, 16, 8, 128)], total_heads=8, block_size=16)
+
+
+def test_data_and_pipeline_parallel_configs_are_refused_at_start_by_name() -> None:
+    """vLLM's own ParallelConfig with dp 2 or pp 2 is refused when the connector is built (before a
+    second rank would collide with the first at the broker); tp alone is taken."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.config import ParallelConfig
+
+        from kvbroker.adapters.vllm import check_parallel
+    from kvbroker.errors import Unimplemented
+
+    check_parallel(ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(Unimplemented, match="data_parallel_size 2"):
+        check_parallel(ParallelConfig(data_parallel_size=2))
+    with pytest.raises(Unimplemented, match="pipeline_parallel_size 2"):
+        check_parallel(ParallelConfig(pipeline_parallel_size=2))

@@ -277,8 +277,8 @@ class EngineTable:
             raise errors[0]
 
     def check_role(self, engine: Engine, role: int, action: str) -> None:
-        """``FailedPrecondition`` unless ``engine`` has ``role``."""
-        if engine.role != role:
+        """``FailedPrecondition`` unless ``engine`` has ``role`` (a ROLE_BOTH engine has either)."""
+        if engine.role not in (role, common_pb2.ROLE_BOTH):
             raise FailedPrecondition(
                 f"engine {engine.engine_id} ({common_pb2.Role.Name(engine.role)}) cannot {action}; "
                 f"that needs a {common_pb2.Role.Name(role)} engine"

@@ -348,10 +348,17 @@ def test_empty_group(layout_proto: Builder) -> None:
 
 @pytest.mark.parametrize("role", [common_pb2.ROLE_UNSPECIFIED, 7])
 def test_bad_role(layout_proto: Builder, role: int) -> None:
-    """Only ROLE_PREFILL and ROLE_DECODE layouts are accepted."""
+    """Only ROLE_PREFILL, ROLE_DECODE and ROLE_BOTH layouts are accepted."""
     built = layout_proto()
     built.proto.role = role  # type: ignore[assignment]
-    _reject(built, "role must be ROLE_PREFILL or ROLE_DECODE")
+    _reject(built, "role must be ROLE_PREFILL, ROLE_DECODE or ROLE_BOTH")
+
+
+def test_a_compatibility_longer_than_the_limit_is_refused(layout_proto: Builder) -> None:
+    """EngineLayout.compatibility is a digest: 256 characters at most."""
+    built = layout_proto()
+    built.proto.compatibility = "x" * 257
+    _reject(built, "compatibility is 257 characters")
 
 
 @pytest.mark.parametrize("field", ["tp_size", "pp_size"])

@@ -59,10 +59,12 @@ def main() -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=job.get("connector", "KVBrokerConnector"),
             kv_connector_module_path=job.get("module", "kvbroker.adapters.vllm"),
-            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-            kv_connector_extra_config={"broker": job["broker"], "group": job["group"]},
+            kv_role=job.get("kv_role") or ("kv_producer" if role == "prefill" else "kv_consumer"),
+            kv_connector_extra_config={"broker": job["broker"], "group": job["group"], **job.get("extra", {})},
             kv_load_failure_policy=job.get("policy", "fail"),
         )
+    if job.get("metrics"):
+        kwargs["disable_log_stats"] = False
     llm = LLM(**kwargs)
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
 
@@ -86,15 +88,48 @@ def main() -> None:
         (work / "params.tmp").write_text(json.dumps([o.kv_transfer_params for o in outs]))
         (work / "params.tmp").rename(work / "params.json")
         _wait_for(work / "stop", 600)
+        if job.get("metrics"):
+            # The rooms ended while nothing stepped the front end: one more request
+            # carries the engine's stats since then to it.
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
+        _write_metrics(llm, work / "prefill.metrics.json")
         return
     if job.get("warm"):
         llm.generate([{"prompt_token_ids": p} for p in job["warm"]], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
     (work / "decode.ready").touch()
     _wait_for(work / "params.json", 600)
     params = json.loads((work / "params.json").read_text())
+    if job.get("abort"):
+        # The decode gives up on every request before its KV arrives: half at once (before the
+        # scheduler allocated their blocks), half after a step (their rooms are open).
+        engine = llm.llm_engine
+        for i, (prompt, sampling) in enumerate(zip(prompts, greedy(params))):
+            engine.add_request(f"abort-{i}", prompt, sampling)
+        engine.abort_request([f"abort-{i}" for i in range(0, len(prompts), 2)])
+        engine.step()
+        engine.abort_request([f"abort-{i}" for i in range(1, len(prompts), 2)])
+        while engine.has_unfinished_requests():
+            engine.step()
+        (work / "decode.json").write_text("[]")
+        (work / "decode.aborted").touch()
+        _wait_for(work / "stop", 600)
+        return
     outs = llm.generate(prompts, greedy(params))
     (work / "finish.json").write_text(json.dumps([o.outputs[0].finish_reason for o in outs]))
     (work / "decode.json").write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    _write_metrics(llm, work / "decode.metrics.json")
+
+
+def _write_metrics(llm: object, path: Path) -> None:
+    """vLLM's own metrics of the connector (``LLM.get_metrics``: what /metrics serves), when asked for."""
+    if not getattr(llm, "llm_engine").log_stats:  # noqa: B009 - the job did not ask
+        return
+    rows = [
+        {"name": m.name, "labels": dict(m.labels), "value": getattr(m, "value", None)}
+        for m in llm.get_metrics()  # type: ignore[attr-defined]
+        if "kvbroker" in m.name
+    ]
+    path.write_text(json.dumps(rows))
 
 
 if __name__ == "__main__":

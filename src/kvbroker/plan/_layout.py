@@ -59,6 +59,8 @@ def kv_page_bytes_of(page_size: int, heads: int, head_dim: int, dtype_bytes: int
 MAX_LAYERS = 1 << 16
 MAX_PP_SIZE = 1 << 10
 MAX_TP_SIZE = 1 << 12
+#: Longest EngineLayout.compatibility (a digest; a description fits too).
+MAX_COMPATIBILITY = 256
 #: Addressable items (descriptors) of one engine rank over all its regions.
 MAX_ITEMS_PER_ENGINE = 1 << 24
 
@@ -139,6 +141,8 @@ class Layout:
     state_items: dict[str, int]
     #: common_pb2.KvLayout: how each layer's KV lies in memory.
     kv_layout: int = common_pb2.KV_LAYOUT_NHD
+    #: What must match beyond shapes (EngineLayout.compatibility); "": not declared.
+    compatibility: str = ""
     #: The layers of [layer_begin, layer_end) that hold KV (a hybrid model's
     #: attention layers); None: every one.
     kv_layers: tuple[int, ...] | None = None
@@ -180,8 +184,10 @@ class Layout:
 
         Raises ``InvalidArgument`` naming the first inconsistency.
         """
-        if msg.role not in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE):
-            raise InvalidArgument("layout.role must be ROLE_PREFILL or ROLE_DECODE")
+        if msg.role not in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_BOTH):
+            raise InvalidArgument("layout.role must be ROLE_PREFILL, ROLE_DECODE or ROLE_BOTH")
+        if len(msg.compatibility) > MAX_COMPATIBILITY:
+            raise InvalidArgument(f"layout.compatibility is {len(msg.compatibility)} characters; the limit is {MAX_COMPATIBILITY}")
         if msg.tp_size < 1 or msg.pp_size < 1:
             raise InvalidArgument("layout.tp_size and layout.pp_size must be at least 1")
         if msg.tp_size > MAX_TP_SIZE or msg.pp_size > MAX_PP_SIZE or msg.num_layers > MAX_LAYERS:
@@ -260,6 +266,7 @@ class Layout:
             state_components=state_components,
             num_pages=num_pages,
             aux_rows=aux_rows,
+            compatibility=msg.compatibility,
             state_items=state_items,
             kv_layout=msg.kv_layout,
             kv_layers=kv_layers,

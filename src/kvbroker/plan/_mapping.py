@@ -67,6 +67,8 @@ class GroupShape:
     dtype: str
     page_size_tokens: int
     kv_layout: int = 0
+    #: What must match beyond shapes, as the engines declare it ("": not declared).
+    compatibility: str = ""
 
     @classmethod
     def of(cls, layout: Layout) -> GroupShape:
@@ -80,6 +82,7 @@ class GroupShape:
             head_dim=layout.head_dim,
             dtype=layout.dtype,
             page_size_tokens=layout.page_size_tokens,
+            compatibility=layout.compatibility,
             kv_layout=layout.kv_layout,
         )
 
@@ -167,6 +170,14 @@ def check_compatible(sender: GroupShape, receiver: GroupShape) -> None:
         a, b = getattr(sender, field), getattr(receiver, field)
         if a != b:
             problems.append(f"{field} {a} vs {b}")
+    if sender.compatibility and receiver.compatibility and sender.compatibility != receiver.compatibility:
+        # Declared by the engines (EngineLayout.compatibility): equal shapes
+        # from different models, dtypes or attention backends must not mix.
+        problems.append(
+            f"compatibility {sender.compatibility!r} vs {receiver.compatibility!r} (the engines differ in model, "
+            "version, dtype, cache dtype or attention backend; an adapter's enforce_compatibility "
+            "off skips this check)"
+        )
     if problems:
         raise FailedPrecondition(f"sender and receiver layouts differ: {'; '.join(problems)}")
 

@@ -14,6 +14,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_4: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_5: _ClassVar[ProtocolVersion]
 
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
+    ROLE_BOTH: _ClassVar[Role]
 
 class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -75,6 +77,7 @@ PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
 PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_4: ProtocolVersion
+PROTOCOL_VERSION_5: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState
@@ -83,6 +86,7 @@ ROOM_STATE_SUCCESS: RoomState
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
+ROLE_BOTH: Role
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
@@ -172,7 +176,7 @@ class StateComponent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[StateType, str]] = ...) -> None: ...
 
 class EngineLayout(_message.Message):
-    __slots__ = ("role", "tp_size", "pp_size", "num_layers", "layer_begin", "layer_end", "page_size_tokens", "total_kv_heads", "kv_heads_per_rank", "head_dim", "dtype", "mla", "regions", "state_components", "pp_layer_begins", "kv_layout", "kv_layers")
+    __slots__ = ("role", "tp_size", "pp_size", "num_layers", "layer_begin", "layer_end", "page_size_tokens", "total_kv_heads", "kv_heads_per_rank", "head_dim", "dtype", "mla", "regions", "state_components", "pp_layer_begins", "kv_layout", "kv_layers", "compatibility")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +194,7 @@ class EngineLayout(_message.Message):
     PP_LAYER_BEGINS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     role: Role
     tp_size: int
     pp_size: int
@@ -207,7 +212,8 @@ class EngineLayout(_message.Message):
     pp_layer_begins: _containers.RepeatedScalarFieldContainer[int]
     kv_layout: KvLayout
     kv_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_size_tokens: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., mla: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., state_components: _Optional[_Iterable[_Union[StateComponent, _Mapping]]] = ..., pp_layer_begins: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., kv_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    compatibility: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_size_tokens: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., mla: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., state_components: _Optional[_Iterable[_Union[StateComponent, _Mapping]]] = ..., pp_layer_begins: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., kv_layers: _Optional[_Iterable[int]] = ..., compatibility: _Optional[str] = ...) -> None: ...
 
 class PageIndices(_message.Message):
     __slots__ = ("packed", "values")
