@@ -160,18 +160,37 @@ def test_the_plugin_registers_the_backend(h: Any) -> None:
     assert len(HookRegistry._hooks["sglang.srt.disaggregation.utils.get_kv_class"]) == 1
 
 
-def test_cuda_pools_get_kvbrokers_vmm_allocator_and_cpu_pools_sglangs_answer(h: Any, pair: Any) -> None:
-    """SGLang's custom memory pool setting, hooked: a CPU pool gets SGLang's own answer (no
-    custom pool); a CUDA pool with the kvbroker backend asks kvbroker's VMM pool, which needs
-    CUDA (this machine has none, and says so)."""
+def test_cuda_pools_get_kvbrokers_vmm_allocator_and_cpu_pools_sglangs_answer(
+    h: Any, pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's custom memory pool setting, hooked, through SGLang's own functions (as its pools
+    call them): a CPU pool gets SGLang's own answer (no custom pool); a CUDA pool with the kvbroker
+    backend gets kvbroker's VMM pool of that device (here a stand-in: this machine has no CUDA, and
+    the real pool says so); ``KVBROKER_VMM_POOL=0`` leaves SGLang's own answer."""
     from sglang.srt.mem_cache import memory_pool, utils
 
+    from kvbroker import vmmpool
     from kvbroker.errors import FailedPrecondition
 
     for module in (utils, memory_pool):
         assert module.maybe_init_custom_mem_pool(device="cpu") == (False, None, None)
         with pytest.raises(FailedPrecondition, match="needs CUDA"):
             module.maybe_init_custom_mem_pool(device="cuda:0")
+    asked: list[int] = []
+
+    def stand_in(device: int) -> str:
+        asked.append(device)
+        return f"vmm-pool-{device}"
+
+    monkeypatch.setattr(vmmpool, "mem_pool", stand_in)
+    for module in (utils, memory_pool):
+        assert module.maybe_init_custom_mem_pool(device="cuda:1") == (True, "vmm-pool-1", "KVBROKER_VMM")
+    assert asked == [1, 1]
+    monkeypatch.setenv("KVBROKER_VMM_POOL", "0")
+    for module in (utils, memory_pool):
+        _enabled, pool, _name = module.maybe_init_custom_mem_pool(device="cuda:1")
+        assert pool != "vmm-pool-1"
+    assert asked == [1, 1]
 
 
 def test_prompts_move_byte_exact_through_sglangs_queues(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
