@@ -34,7 +34,10 @@ can write any more), and not otherwise: a broker that is alive may still
 land a transfer. When that same process answers again, the session resumes
 and its first commands abort those rooms there (commands of them not yet
 applied became aborts), so the broker drops their transfers and reports
-their pages settled; a new process settles them at once.
+their pages settled; the resumed stream also asks for those rooms' statuses,
+since one may have ended there while the stream was broken (its settled
+status went out on the broken stream and the abort changes nothing). A new
+process settles them at once.
 
 Backpressure: at most ``max_pending`` commands may be queued or unapplied; a
 caller beyond that blocks until the broker catches up, for at most the
@@ -324,9 +327,16 @@ class Session:
             engine_id=self._handle.engine_id,
             protocol_version=PROTOCOL_VERSION,
             resume_after=self._applied,
-            # Open rooms the broker has opened (a room whose opening is still
-            # to be sent again would be reported unknown).
-            rooms=[room for room, view in self._rooms.items() if not view.terminal and view.opened_seq <= self._applied],
+            # Rooms the broker has opened (a room whose opening is still to be
+            # sent again would be reported unknown) that are open here, or that
+            # failed here with their pages not settled (the broker was
+            # unreachable): the room may have ended there meanwhile, and its
+            # settled status, sent on the broken stream, would never come again.
+            rooms=[
+                room
+                for room, view in self._rooms.items()
+                if view.opened_seq <= self._applied and not (view.terminal and view.status.pages_settled)
+            ],
         )
 
     def _run(self) -> None:

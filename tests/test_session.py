@@ -17,7 +17,7 @@ import torch
 
 from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineMemory, ExpectSpec, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess, Cleanup, eventually, scratch_dir
+from kvbroker.testing import BrokerProcess, Cleanup, TcpGate, eventually, scratch_dir
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 from .conftest import SMALL_MODEL, fill_regions, page_bytes
@@ -468,3 +468,73 @@ def test_closing_the_client_stops_its_engines_sessions_first(fake_brokers) -> No
     finally:
         handle._fd_session.close()  # type: ignore[union-attr]
         memory.close()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_room_that_ended_while_its_broker_was_unreachable_settles_once_it_answers(fake_brokers, make_engine, side: str) -> None:
+    """The engine loses its broker for longer than its bound (the gate cuts the gRPC connection:
+    a starved or partitioned broker), while the broker itself goes on and ends the room. The room
+    fails here BROKER_LOST, its pages not settled; once the broker answers again the session
+    resumes and learns the room's pages are settled. (It used to ask only for the rooms still open
+    here: the room's end was never heard again, and a vLLM engine waited for those pages forever.)"""
+    p, d = fake_brokers("p"), fake_brokers("d")
+    gated_broker, other_broker = (d, p) if side == "decode" else (p, d)
+    other = make_engine(other_broker.address, "prefill" if side == "decode" else "decode")
+    rank = RankSpec(group=f"{side}-group", role=side)  # type: ignore[arg-type]
+    memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=32, aux_rows=4, aux_row_bytes=[16])
+    if side == "prefill":
+        fill_regions(memory, 9)
+    with TcpGate(gated_broker.address) as gate:
+        client = BrokerClient(gate.address, prefer_unix_socket=False, broker_lost_after_seconds=1.0)
+        handle = client.register_engine(rank, memory)
+        try:
+            ref = SenderRef(p.address, "prefill-group")
+            if side == "decode":
+                room = handle.receiver(90, ref)
+                room.init(DST, aux_row=2)
+                sender = other.handle.sender(90)
+                sender.init(len(SRC), aux_row=1)
+            else:
+                receiver = other.handle.receiver(90, ref)
+                receiver.init(DST, aux_row=2)
+                room = handle.sender(90)
+                room.init(len(SRC), aux_row=1)
+                room.send(SRC[:2], is_last=False)
+            handle.flush()
+            gate.shut()
+            status = room.wait(15)
+            assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_BROKER_LOST, status
+            assert not status.pages_settled
+            if side == "decode":
+                sender.send(SRC)  # the broker goes on: the room ends there
+                assert sender.wait(10).state == RoomState.SUCCESS
+            else:
+                # The engine's abort cannot reach its broker; the receiver gives up on the room.
+                receiver.abort("the decode gave up")
+            eventually(lambda: gated_broker.loop.call(lambda: all(s.terminal for s in _sides_of(gated_broker, 90))), 10)
+            gate.open()
+            eventually(lambda: room.status().pages_settled, 15)
+            assert room.status().cause.kind == common_pb2.FAILURE_KIND_BROKER_LOST, "the first cause stays"
+            # The session is back: a new room moves.
+            if side == "decode":
+                handle.receiver(91, ref).init(DST, aux_row=2)
+                sender = other.handle.sender(91)
+                sender.init(len(SRC), aux_row=1)
+                sender.send(SRC)
+            else:
+                other.handle.receiver(91, ref).init(DST, aux_row=2)
+                room = handle.sender(91)
+                room.init(len(SRC), aux_row=1)
+                room.send(SRC)
+            assert handle.wait([91], timeout_seconds=10)[91].state == RoomState.SUCCESS
+        finally:
+            handle.close()
+            client.close()
+            memory.close()
+
+
+def _sides_of(broker, room: int) -> list:  # type: ignore[no-untyped-def]
+    """(loop thread) Every side of ``room`` in ``broker``'s tables."""
+    from kvbroker.broker.runtime._sides import sides
+
+    return [s for s in sides(broker.broker.rooms) if s.room == room]

@@ -7,7 +7,8 @@
 - :class:`~kvbroker.brokerproc.BrokerProcess` — ``kvbroker serve`` as a child;
 - :func:`eventually` — wait until a condition holds (the one polling helper);
 - :class:`Cleanup` — teardown steps that all run and whose errors all surface;
-- :func:`scratch_dir` — a short working directory, removed afterwards.
+- :func:`scratch_dir` — a short working directory, removed afterwards;
+- :class:`TcpGate` — a TCP forwarder that cuts a client off its broker and lets it back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from kvbroker.brokerproc import BrokerProcess
 from kvbroker.testing.cleanup import Cleanup
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
+from kvbroker.testing.gate import TcpGate
 from kvbroker.testing.inprocess import FakeBroker, start_fake_broker
 from kvbroker.testing.loop import LoopThread
 from kvbroker.testing.scratch import scratch_dir
@@ -27,6 +29,7 @@ __all__ = [
     "FakeBroker",
     "FakeFabric",
     "LoopThread",
+    "TcpGate",
     "XferScript",
     "eventually",
     "scratch_dir",
