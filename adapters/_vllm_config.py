@@ -4,7 +4,9 @@ parallel config, and the compatibility digest both sides declare.
 ``kv_layout_of`` turns vLLM's per-layer KV caches into kvbroker's
 ``ModelSpec`` and tensors (or refuses them by name); ``check_parallel``
 refuses data- and pipeline-parallel engines at start; ``compatibility_of``
-is what must match between a prefill and a decode beyond shapes.
+is what must match between a prefill and a decode beyond shapes;
+``room_timeouts_of`` reads the engine's own room timeouts from
+``kv_connector_extra_config``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,25 @@ from typing import Any
 
 import torch
 
-from kvbroker.client import ModelSpec
+from kvbroker.adapters._timeouts import timeouts_from
+from kvbroker.client import ModelSpec, RoomTimeouts
 from kvbroker.errors import Unimplemented
 
-__all__ = ["check_parallel", "compatibility_of", "kv_layout_of"]
+__all__ = ["NIXL_LEASE_KEY", "TIMEOUT_KEYS", "check_parallel", "compatibility_of", "kv_layout_of", "room_timeouts_of"]
+
+#: ``kv_connector_extra_config`` keys -> the ``RoomTimeouts`` field each sets
+#: (seconds; left out: the broker's flag of the same name).
+TIMEOUT_KEYS = {
+    # The prefill's lease: how long a finished request's blocks wait for its
+    # decode to open the room (then the room fails and vLLM frees them).
+    "sender_info_timeout": "sender_info_seconds",
+    # How long a decode's room looks for the prefill's broker and group.
+    "bootstrap_timeout": "bootstrap_seconds",
+    # How long a decode's room, once the prefill's broker has it, waits for its KV.
+    "receiver_data_timeout": "receiver_data_seconds",
+}
+#: NixlConnector's lease (extended by the decode's heartbeats): not kvbroker's.
+NIXL_LEASE_KEY = "kv_lease_duration"
 
 
 def kv_layout_of(
@@ -90,6 +107,14 @@ def check_parallel(parallel: Any) -> None:
                 f"kvbroker's vLLM connector does not support {name} {size} yet: it registers one engine's "
                 "tensor-parallel ranks; run one engine (with its own group) per data-parallel rank, and pp 1"
             )
+
+
+def room_timeouts_of(extra: dict[str, Any]) -> RoomTimeouts:
+    """The engine's own room timeouts from ``kv_connector_extra_config``
+    (:data:`TIMEOUT_KEYS`); ``InvalidArgument`` naming a key whose value is
+    not a number of seconds above 0 and at most a day."""
+    found = {field: (key, extra[key]) for key, field in TIMEOUT_KEYS.items() if extra.get(key) is not None}
+    return timeouts_from(found, "kv_connector_extra_config")
 
 
 def compatibility_of(vllm_config: Any, model: ModelSpec, device_type: str) -> str:

@@ -33,7 +33,13 @@ Environment of each engine process (every tp rank of one engine the same):
   broker (default ``sglang-<mode>-<http port>``);
 - ``KVBROKER_ENFORCE_COMPATIBILITY``: ``0`` declares no compatibility digest
   (SGLang's version, model, dtypes, attention backend), so a
-  decode of another model with the same shapes is not refused.
+  decode of another model with the same shapes is not refused;
+- ``KVBROKER_SENDER_INFO_TIMEOUT`` (else SGLang's
+  ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``), ``KVBROKER_BOOTSTRAP_TIMEOUT``,
+  ``KVBROKER_RECEIVER_DATA_TIMEOUT`` (else
+  ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``): this engine's room timeouts in
+  seconds (:data:`kvbroker.adapters._timeouts.SGLANG_TIMEOUT_ENV`); unset,
+  the broker's flags.
 
 The flow, in SGLang's terms: the prefill's ranks register their KV pool with
 their broker and publish ``{broker, group, tp_size, ...}`` to the bootstrap
@@ -94,6 +100,7 @@ from kvbroker.adapters._sglang_pool import (
     moved_state,
     state_of,
 )
+from kvbroker.adapters._timeouts import sglang_timeouts
 from kvbroker.adapters.bootstrap import BootstrapServer, EngineRecord, fetch_record, publish_rank
 from kvbroker.client import (
     BrokerClient,
@@ -275,6 +282,7 @@ class KVBrokerKVManager(BaseKVManager):
         self.rank = RankSpec(group=self.group, role=mode, tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank)
         self.pool = queue.token_to_kv_pool
         self.page_size = int(self.pool.page_size)
+        timeouts = sglang_timeouts(os.environ)
         enforce = os.environ.get(ENV_ENFORCE_COMPATIBILITY, "1") != "0"
         compatibility = compatibility_of(server_args, self.is_mla_backend) if enforce else ""
         self.memory = adopt_pool(
@@ -285,7 +293,7 @@ class KVBrokerKVManager(BaseKVManager):
         #: (``serve --advertise``, else its listen address), unless the environment says.
         self.advertise = os.environ.get(ENV_ADVERTISE) or self.client.info.listen_address or self.address
         try:
-            self.engine = self.client.register_engine(self.rank, self.memory)
+            self.engine = self.client.register_engine(self.rank, self.memory, timeouts=timeouts)
         except BaseException:
             self.client.close()
             raise

@@ -20,7 +20,12 @@ its listen address), asked of the broker once. Each rank declares a
 compatibility digest (:func:`compatibility_of`: vLLM version, model,
 dtypes, KV layout, attention backend); a decode whose digest
 differs from the prefill's has the room refused, naming both
-(``"enforce_compatibility": false`` declares none, so nothing is checked). The flow is vLLM's push mode: the prefill finishes a request
+(``"enforce_compatibility": false`` declares none, so nothing is checked).
+``sender_info_timeout`` (the prefill's lease: seconds a finished request's
+blocks wait for its decode to open the room), ``bootstrap_timeout`` and
+``receiver_data_timeout`` (the decode's waits for the prefill's broker and
+for its KV) bound this engine's rooms instead of its broker's flags of the
+same names. The flow is vLLM's push mode: the prefill finishes a request
 (``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` from
 the proxy), its scheduler keeps the blocks and returns the parameters the
 decode needs (``remote_broker``, ``remote_group``, ``remote_request_id``,
@@ -61,7 +66,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from kvbroker.adapters._vllm_config import check_parallel, compatibility_of, kv_layout_of
+from kvbroker.adapters._vllm_config import (
+    NIXL_LEASE_KEY,
+    check_parallel,
+    compatibility_of,
+    kv_layout_of,
+    room_timeouts_of,
+)
 from kvbroker.adapters._vllm_stats import KVBrokerPromMetrics, KVBrokerStats
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.errors import KvBrokerError, Unimplemented
@@ -152,6 +163,14 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._advertise = str(extra.get("advertise_address") or os.environ.get(ENV_ADVERTISE, ""))
         self._enforce_compatibility = bool(extra.get("enforce_compatibility", True))
         self._vmm_pool = bool(extra.get("vmm_pool", True))
+        self._timeouts = room_timeouts_of(extra)
+        if NIXL_LEASE_KEY in extra and extra.get("sender_info_timeout") is None:
+            logger.warning(
+                "kvbroker: %s is NixlConnector's lease (extended by the decode's heartbeats) and is not read; "
+                "kvbroker's prefill lease is sender_info_timeout (seconds a finished request's blocks wait for "
+                "its decode to open the room; the broker's --sender-info-timeout where unset)",
+                NIXL_LEASE_KEY,
+            )
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
 
@@ -381,7 +400,7 @@ class _Worker:
         self._device = layers[0][1].device
         self._memory = EngineMemory.adopt(rank, model, kv=kv)
         self._client = BrokerClient(self.c._broker)
-        self._engine = self._client.register_engine(rank, self._memory)
+        self._engine = self._client.register_engine(rank, self._memory, timeouts=self.c._timeouts)
         logger.info(
             "kvbroker: registered %s rank tp%d of group %s with broker %s: %d layers, %s, blocks of %d tokens on %s",
             role, rank.tp_rank, rank.group, self.c._broker, len(layers), model.kv_layout, block_size, layers[0][1].device,

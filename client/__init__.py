@@ -30,6 +30,7 @@ from kvbroker.client.memory import (
     even_pp_layer_begins,
 )
 from kvbroker.client.rooms import KVReceiver, KVSender, RoomState, SenderRef
+from kvbroker.plan import RoomTimeouts
 
 __all__ = [
     "BrokerClient",
@@ -41,6 +42,7 @@ __all__ = [
     "ModelSpec",
     "RankSpec",
     "RoomState",
+    "RoomTimeouts",
     "SenderRef",
     "StateSpec",
     "StateTensors",

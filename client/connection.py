@@ -16,6 +16,7 @@ from kvbroker.client.engine import EngineHandle
 from kvbroker.client.memory import EngineMemory, RankSpec
 from kvbroker.client.tracecontext import TraceContextInterceptor
 from kvbroker.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from kvbroker.plan import RoomTimeouts
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import fdsocket_pb2, transfer_pb2, transfer_pb2_grpc
 
@@ -128,7 +129,7 @@ class BrokerClient:
             if token is not None:
                 otel_context.detach(token)
 
-    def register_engine(self, rank: RankSpec, memory: EngineMemory) -> EngineHandle:
+    def register_engine(self, rank: RankSpec, memory: EngineMemory, *, timeouts: RoomTimeouts | None = None) -> EngineHandle:
         """Register an engine rank and its memory with the broker.
 
         Uploads the buffers' fds over the broker's fd socket, then calls
@@ -136,10 +137,12 @@ class BrokerClient:
         handle keeps the fd connection open: the broker releases everything
         the engine registered when it closes (``EngineHandle.close`` or
         process exit). The memory keeps its own fds, so the handle can
-        register again if the broker restarts.
+        register again if the broker restarts. ``timeouts``: the rank's own
+        bounds on its rooms' waits (unset ones: the broker's flags).
         """
-        engine_id, fd_sock = self.upload_and_register(rank, memory)
-        handle = EngineHandle(self, engine_id, rank, memory, fd_sock, self.info.broker_id)
+        timeouts = timeouts or RoomTimeouts()
+        engine_id, fd_sock = self.upload_and_register(rank, memory, timeouts)
+        handle = EngineHandle(self, engine_id, rank, memory, fd_sock, self.info.broker_id, timeouts)
         self._handles.add(handle)
         return handle
 
@@ -151,7 +154,7 @@ class BrokerClient:
         )
         return self.info
 
-    def upload_and_register(self, rank: RankSpec, memory: EngineMemory) -> tuple[str, socket.socket]:
+    def upload_and_register(self, rank: RankSpec, memory: EngineMemory, timeouts: RoomTimeouts) -> tuple[str, socket.socket]:
         """Upload ``memory``'s fds and call RegisterEngine: (engine_id, fd socket)."""
         fd_sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -174,7 +177,7 @@ class BrokerClient:
             response = self.call(
                 self.stub.RegisterEngine,
                 transfer_pb2.RegisterEngineRequest(
-                    session_token=reply.session_token, rank=rank.to_proto(), layout=memory.layout
+                    session_token=reply.session_token, rank=rank.to_proto(), layout=memory.layout, timeouts=timeouts.to_proto()
                 ),
             )
         except BaseException:

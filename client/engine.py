@@ -14,7 +14,7 @@ from kvbroker.client.memory import EngineMemory, RankSpec
 from kvbroker.client.rooms import KVReceiver, KVSender, Pages, RoomState, SenderRef
 from kvbroker.client.session import Session
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, from_rpc_error
-from kvbroker.plan import Layout, rank_key
+from kvbroker.plan import Layout, RoomTimeouts, rank_key
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 if TYPE_CHECKING:
@@ -62,11 +62,14 @@ class EngineHandle:
         memory: EngineMemory,
         fd_session: socket.socket,
         broker_id: str,
+        timeouts: RoomTimeouts,
     ) -> None:
         self.client = client
         self.engine_id = engine_id
         self.rank = rank
         self.memory = memory
+        #: The rank's own timeouts for its rooms (sent again when it registers again).
+        self.timeouts = timeouts
         #: The broker process this engine is registered with.
         self.broker_id = broker_id
         #: The engine's own layout, for checking indices before they are queued.
@@ -200,7 +203,7 @@ class EngineHandle:
     def register_again(self) -> None:
         """Register with the broker again (it restarted); the session calls this."""
         info = self.client.refresh_info()
-        engine_id, fd_session = self.client.upload_and_register(self.rank, self.memory)
+        engine_id, fd_session = self.client.upload_and_register(self.rank, self.memory, self.timeouts)
         with self._lock:
             old, self._fd_session = self._fd_session, fd_session
             self.engine_id = engine_id

@@ -23,7 +23,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvbroker import errors
-from kvbroker.client import BrokerClient, EngineHandle, EngineMemory, ModelSpec, RankSpec
+from kvbroker.client import (
+    BrokerClient,
+    EngineHandle,
+    EngineMemory,
+    ModelSpec,
+    RankSpec,
+    RoomTimeouts,
+)
 from kvbroker.testing import Cleanup, FakeBroker, FakeFabric, LoopThread, start_fake_broker
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.v1 import common_pb2
@@ -189,6 +196,7 @@ def make_engine(fake_cuda: FakeCudaLib | None) -> Iterator[Callable[..., Engine]
         pp_rank: int = 0,
         state: tuple = (),
         seed: int = 0,
+        timeouts: RoomTimeouts | None = None,
     ) -> Engine:
         rank = RankSpec(
             group=group or f"{role}-group",
@@ -206,7 +214,7 @@ def make_engine(fake_cuda: FakeCudaLib | None) -> Iterator[Callable[..., Engine]
         if fake_cuda is not None:
             as_fake_vram(memory, fake_cuda, device=tp_rank % 2)
         client = BrokerClient(address)
-        engine = Engine(client, client.register_engine(rank, memory), memory)
+        engine = Engine(client, client.register_engine(rank, memory, timeouts=timeouts), memory)
         engines.append(engine)
         return engine
 

@@ -502,7 +502,7 @@ def test_a_receiver_waiting_for_a_group_nobody_holds_says_so(tmp_path: Path, etc
             assert side.waiting_for == expected
             status = receiver.wait(15)
             assert status.state == RoomState.FAILED and not status.waiting_for
-            assert expected in status.cause.message and "--bootstrap-timeout 4 s" in status.cause.message
+            assert expected in status.cause.message and "the bootstrap timeout is 4 s, the broker's --bootstrap-timeout" in status.cause.message
             engine.close()
     finally:
         memory.close()

@@ -20,7 +20,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import signal
 import socket
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,20 +80,28 @@ def own_brokers(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]
 
 
 def _engines(
-    h: Any, brokers: tuple[BrokerProcess, BrokerProcess], *, hybrid: bool, decode_model: str | None = None
+    h: Any,
+    brokers: tuple[BrokerProcess, BrokerProcess],
+    *,
+    hybrid: bool,
+    decode_model: str | None = None,
+    prefill_env: dict[str, str] | None = None,
 ) -> Iterator[Any]:
     """A prefill and a decode engine rank, each registered with its own broker, behind a bootstrap
     server SGLang starts (ours) on a port of their own (``decode_model``: the decode's
-    ``--model-path`` differs)."""
+    ``--model-path`` differs; ``prefill_env``: the prefill engine's environment has these too)."""
     from sglang.srt.managers.disagg_service import start_disagg_service
 
     bootstrap_port = _free_port()
     server_args = h.publish(bootstrap_port=bootstrap_port, port=_free_port())
     server = start_disagg_service()  # SGLang starts the backend's bootstrap server: ours
-    saved = os.environ.get("KVBROKER_ADDRESS")
+    saved = {name: os.environ.get(name) for name in ["KVBROKER_ADDRESS", *(prefill_env or {})]}
     try:
         os.environ["KVBROKER_ADDRESS"] = brokers[0].address
+        os.environ.update(prefill_env or {})
         prefill = h.PrefillScheduler(server_args, hybrid=hybrid)
+        for name in prefill_env or {}:
+            os.environ.pop(name)
         os.environ["KVBROKER_ADDRESS"] = brokers[1].address
         decode_args = server_args
         if decode_model is not None:
@@ -99,10 +109,11 @@ def _engines(
             decode_args.model_path = decode_model
         decode = h.DecodeScheduler(decode_args, hybrid=hybrid)
     finally:
-        if saved is None:
-            os.environ.pop("KVBROKER_ADDRESS", None)
-        else:
-            os.environ["KVBROKER_ADDRESS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     yield h.Pair(prefill, decode, bootstrap_port)
     prefill.disagg_prefill_bootstrap_queue.kv_manager.close()
     decode.disagg_decode_prealloc_queue.kv_manager.close()
@@ -405,45 +416,91 @@ def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> N
 
 
 
-class _Room:
-    """A stand-in kvbroker room whose status the test sets."""
+def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(
+    h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """SGLang frees a failed request's pages at once. The decode engine's broker stops (SIGSTOP)
+    with the request's room open in SGLang's transfer queue: once the client's bound passes, the
+    room fails BROKER_LOST with its pages not settled (that broker may still write them), and
+    SGLang's own queue keeps the request and its pages (the receiver says Transferring, and
+    abort-release is not safe). The broker resumes: it drops the room, the pages settle, and
+    SGLang fails the request with kvbroker's cause and frees its pages; the prefill's request fails
+    too."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    def __init__(self, state: int, settled: bool) -> None:
-        from kvbroker.v1 import common_pb2
-
-        self.status_value = common_pb2.RoomStatus(room=9, state=state, pages_settled=settled)
-        self.status_value.cause.kind = common_pb2.FAILURE_KIND_PEER
-        self.status_value.cause.message = "the peer broker is gone"
-
-    def status(self) -> Any:
-        from kvbroker.v1 import common_pb2
-
-        copy = common_pb2.RoomStatus()
-        copy.CopyFrom(self.status_value)
-        return copy
-
-
-def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(h: Any, pair: Any) -> None:
-    """SGLang frees a failed request's pages at once: until the broker says no write is in flight
-    into them (``pages_settled``), the receiver and the sender say Transferring."""
-    from kvbroker.adapters.sglang import KVBrokerKVReceiver
-    from kvbroker.errors import RoomFailed
-    from kvbroker.v1 import common_pb2
+    from kvbroker.client import RoomState
 
     KVPoll = h.sg_prefill.KVPoll
-    receiver = KVBrokerKVReceiver(pair.decode.disagg_decode_prealloc_queue.kv_manager, "127.0.0.1:1", 9)
-    assert receiver.poll() == KVPoll.Bootstrapping  # before init
-    room = _Room(common_pb2.ROOM_STATE_FAILED, settled=False)
-    receiver._room = room  # as send_metadata leaves it
-    assert receiver.poll() == KVPoll.Transferring
-    assert not receiver.is_abort_release_safe()
-    room.status_value.pages_settled = True
-    assert receiver.is_abort_release_safe()
-    assert receiver.poll() == KVPoll.Failed
-    room.status_value.state = common_pb2.ROOM_STATE_SUCCESS  # concluded: stays Failed
-    assert receiver.poll() == KVPoll.Failed
-    with pytest.raises(RoomFailed, match="FAILURE_KIND_PEER.*peer broker is gone"):
-        receiver.failure_exception()
+    p, d = own_brokers
+    engines = _engines(h, own_brokers, hybrid=False)
+    two = next(engines)
+    try:
+        allocator = two.decode.token_to_kv_pool_allocator
+        free_before = allocator.available_size()
+        transfers = two.decode.disagg_decode_transfer_queue
+        preq, dreq = two.request("settle", 480, list(range(4800, 4810)))
+        two.run_until(
+            lambda: preq in two.bootstrapped and any(q.req is dreq for q in transfers.queue), what="the room is open"
+        )
+        (receiver,) = [q.kv_receiver for q in transfers.queue if q.req is dreq]
+        os.kill(d.process.pid, signal.SIGSTOP)
+        try:
+            eventually(lambda: receiver._room.status().state == RoomState.FAILED, 30)
+            assert not receiver._room.status().pages_settled
+            for _ in range(20):  # SGLang's queues go on stepping: the request and its pages stay
+                two.step()
+            assert any(q.req is dreq for q in transfers.queue) and dreq.finished_reason is None
+            assert receiver.poll() == KVPoll.Transferring and not receiver.is_abort_release_safe()
+            assert allocator.available_size() < free_before
+        finally:
+            os.kill(d.process.pid, signal.SIGCONT)
+        two.prefill_only(preq, first_token=4)
+        two.run_until(
+            lambda: isinstance(dreq.finished_reason, FINISH_ABORT) and not transfers.queue and preq in two.prefilled,
+            timeout_seconds=30,
+            what="both requests failed",
+        )
+        assert "BROKER_LOST" in dreq.finished_reason.message, dreq.finished_reason.message
+        assert receiver.is_abort_release_safe() and receiver.poll() == KVPoll.Failed
+        assert isinstance(preq.finished_reason, FINISH_ABORT), preq.finished_reason
+        eventually(lambda: allocator.available_size() == free_before, 10)
+    finally:
+        next(engines, None)
+    _tables_empty(*own_brokers)
+
+
+def test_a_prefills_lease_is_sglangs_own_bootstrap_timeout(h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
+    """The prefill engine runs with SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=2`` and gets
+    a request no decode ever claims: its room fails after about 2 s (the broker's own
+    --sender-info-timeout is 120 s), naming the engine's bound, and SGLang's prefill queues fail
+    the request and free its pages."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    engines = _engines(h, own_brokers, hybrid=False, prefill_env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "2"})
+    two = next(engines)
+    try:
+        allocator = two.prefill.token_to_kv_pool_allocator
+        free_before = allocator.available_size()
+        preq = h.Req(
+            "unclaimed", "", h.array("q", range(4900, 4906)), h.SamplingParams(max_new_tokens=4),
+            bootstrap_host="127.0.0.1", bootstrap_port=two.bootstrap_port, bootstrap_room=490,
+        )
+        two.prefill.disagg_prefill_bootstrap_queue.add(preq, h.HEADS)
+        started = time.monotonic()
+
+        def failed() -> bool:
+            if preq in two.bootstrapped and preq not in two.prefill.disagg_prefill_inflight_queue and preq.finished_reason is None:
+                two.prefill_only(preq, first_token=4)  # SGLang prefills optimistically, before the decode came
+            return isinstance(preq.finished_reason, FINISH_ABORT)
+
+        two.run_until(failed, timeout_seconds=60, what="the unclaimed request failed")
+        assert 2 <= time.monotonic() - started < 60
+        message = preq.finished_reason.message
+        assert "TIMEOUT" in message and "the engine's RoomTimeouts.sender_info_seconds" in message, message
+        eventually(lambda: allocator.available_size() == free_before, 10)
+    finally:
+        next(engines, None)
+    _tables_empty(*own_brokers)
 
 
 @pytest.fixture(scope="module")

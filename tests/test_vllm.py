@@ -118,12 +118,6 @@ def brokers(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
     yield from _brokers(tmp_path)
 
 
-@pytest.fixture
-def impatient_brokers(tmp_path: Path) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
-    """Brokers whose receivers give up looking for a sender group after 5 s (the killed prefill)."""
-    yield from _brokers(tmp_path, "--bootstrap-timeout", "5")
-
-
 def _pd(
     work: Path,
     model: str,
@@ -289,13 +283,14 @@ def test_corrupted_prefill_kv_changes_the_decode_tokens(workdir: Path, model: st
 
 
 def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_and_nothing_leaks(
-    workdir: Path, model: str, baseline: list[list[int]], impatient_brokers
+    workdir: Path, model: str, baseline: list[list[int]], brokers
 ) -> None:
     """The prefill engine dies after answering, before the decode asks: the decode's rooms fail (no rank
-    of the group is registered any more), every block is reported as not loaded, and vLLM's
-    kv_load_failure_policy decides: "fail" (vLLM's default) fails the requests, "recompute" recomputes
-    them and the tokens match one engine's. No broker keeps a record of the rooms."""
-    p, d = impatient_brokers
+    of the group is registered any more) after the decode's own ``bootstrap_timeout`` (5 s, from its
+    kv_connector_extra_config; its broker's flag is 30 s), every block is reported as not loaded, and
+    vLLM's kv_load_failure_policy decides: "fail" (vLLM's default) fails the requests, "recompute"
+    recomputes them and the tokens match one engine's. No broker keeps a record of the rooms."""
+    p, d = brokers
     work = workdir / "killed"
     prompts = [ODD, LONG]
     pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts)
@@ -310,7 +305,7 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
         (run / "params.json").write_text((work / "params.json").read_text())
         dec = _engine(
             run, "decode", role="decode", model=model, broker=d.address, group=f"vllm-decode-{policy}", prompts=prompts,
-            policy=policy,
+            policy=policy, extra={"bootstrap_timeout": 5},
         )
         try:
             _finish(dec, run, "decode")
@@ -322,9 +317,56 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
             assert tokens == [[], []] and finish == ["error", "error"], _diagnosis(run, p, d)
         else:
             assert tokens == [baseline[PROMPTS.index(ODD)], baseline[PROMPTS.index(LONG)]], _diagnosis(run, p, d)
-        assert "no rank of engine group 'vllm-prefill'" in (run / "decode.engine.log").read_text()
+        log = (run / "decode.engine.log").read_text()
+        assert "no rank of engine group 'vllm-prefill'" in log
+        assert "the bootstrap timeout is 5 s, the engine's RoomTimeouts.bootstrap_seconds" in log, _diagnosis(run, p, d)
     assert d.stats().bytes_received == 0
     _tables_empty(p, d)
+
+
+def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_decode_comes(
+    workdir: Path, model: str, brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """The prefill engine sets its lease in kv_connector_extra_config (``sender_info_timeout`` 3 s;
+    its broker's flag is 120 s) and no decode ever asks for its requests' KV: each room fails after
+    about 3 s naming the engine's bound, the connector reports the sends finished, and vLLM frees
+    the blocks (its own metrics: the rooms counted as failed sends, the KV cache empty again) while
+    the engine still runs."""
+    p, _d = brokers
+    work = workdir / "lease"
+    prompts = [ODD, LONG]
+    pre = _engine(
+        work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts,
+        metrics=True, extra={"sender_info_timeout": 3},
+    )
+    try:
+        eventually(lambda: (work / "params.json").exists() or pre.poll() is not None, 600, interval_seconds=0.5)
+        assert pre.poll() is None, (work / "prefill.engine.log").read_text()[-4000:]
+
+        def ended() -> list[dict[str, object]]:
+            return [
+                json.loads(line) for line in p.log_path.read_text().splitlines()
+                if '"room_ended"' in line and '"side": "sender"' in line
+            ]
+
+        eventually(lambda: len(ended()) == len(prompts), 60, describe=lambda: _diagnosis(work, p))
+        assert pre.poll() is None
+        for event in ended():
+            assert event["state"] == "ROOM_STATE_FAILED", event
+            assert "waited 3 s (the engine's RoomTimeouts.sender_info_seconds)" in str(event["cause_message"]), event
+        _tables_empty(p)
+        (work / "stop").touch()
+        _finish(pre, work, "prefill", timeout=120)
+    finally:
+        _kill(pre)
+    rows = json.loads((work / "prefill.metrics.json").read_text())
+    failed = sum(
+        r["value"] for r in rows
+        if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent" and r["labels"].get("result") == "failure"
+    )
+    assert failed == len(prompts), rows
+    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
+    assert usage and all(u == 0 for u in usage), rows
 
 
 def test_a_decode_of_another_model_with_the_same_shapes_is_refused_naming_both(

@@ -62,6 +62,7 @@ class Admin:
         )
 
     def list_engines(self) -> list[admin_pb2.EngineInfo]:
+        config = self._broker.config
         out = []
         for engine in self._q.engines():
             open_rooms = sum(1 for p in self._q.sides() if p.engine is engine and not p.terminal)
@@ -74,6 +75,11 @@ class Admin:
                     registered_bytes=engine.registered_bytes,
                     regions=len(engine.layout.regions),
                     open_rooms=open_rooms,
+                    timeouts=engine.timeouts.effective(
+                        sender_info=config.sender_info_timeout_seconds,
+                        bootstrap=config.bootstrap_timeout_seconds,
+                        receiver_data=config.receiver_data_timeout_seconds,
+                    ),
                 )
             )
         return out

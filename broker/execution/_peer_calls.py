@@ -58,7 +58,7 @@ class PeerCalls:
         self._fleet = fleet
 
     async def find_sender(self, rank: Receiver) -> None:
-        """Find the broker(s) holding ``rank``'s sources, retried until the bootstrap timeout."""
+        """Find the broker(s) holding ``rank``'s sources, retried until the bootstrap timeout (its engine's, else the flag)."""
 
         def missed(error: KvBrokerError) -> None:
             self._receiver.still_looking(rank, error.message)
@@ -69,7 +69,7 @@ class PeerCalls:
             with in_span(rank.span):
                 if rank.sender_address or self._fleet is None:
                     peer, layouts = await self._client.find_sender(
-                        rank.sender_address, rank.sender_group, stop=lambda: rank.terminal, missed=missed
+                        rank.sender_address, rank.sender_group, stop=lambda: rank.terminal, missed=missed, timeouts=rank.engine.timeouts
                     )
                     found = peer.broker_id or ""
                 else:
@@ -82,6 +82,7 @@ class PeerCalls:
                         rank.key,
                         stop=lambda: rank.terminal,
                         missed=missed,
+                        timeouts=rank.engine.timeouts,
                     )
                     rank.sender_address = placed[0][0].address
                     found = [SenderLeg(p.broker_id or "", p.address, ranks) for p, ranks in placed]

@@ -19,7 +19,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -38,6 +38,7 @@ from kvbroker.plan import (
     DescriptorTable,
     Layout,
     RankKey,
+    RoomTimeouts,
     build_descriptor_table,
     rank_key,
 )
@@ -73,6 +74,8 @@ class Engine:
     applied: int = 0
     #: The engine's live Session stream, if any (``sessions.SessionStream``).
     session: Any = None
+    #: Its own timeouts for its rooms (unset: the broker's flags).
+    timeouts: RoomTimeouts = field(default_factory=RoomTimeouts)
 
     @property
     def role(self) -> int:
@@ -141,6 +144,7 @@ class EngineTable:
         fds: list[int],
         session_token: str,
         pid: int,
+        timeouts: RoomTimeouts | None = None,
     ) -> Engine:
         """Map, register and prepare an engine rank's buffers.
 
@@ -220,6 +224,7 @@ class EngineTable:
             generation=next(self._generations),
             registrations=registrations,
             dlists=dlists,
+            timeouts=timeouts or RoomTimeouts(),
         )
         self.by_id[engine.engine_id] = engine
         self.by_key[key] = engine
@@ -234,6 +239,7 @@ class EngineTable:
             buffers=len(buffers),
             bytes=engine.registered_bytes,
             regions=len(layout.regions),
+            **{k: v for k, v in asdict(engine.timeouts).items() if v is not None},
             total_s=round(time.monotonic() - started, 6),
             **{k: round(v, 6) for k, v in timings.items()},
         )

@@ -53,7 +53,7 @@ from kvbroker.errors import (
     from_rpc_error,
     from_status,
 )
-from kvbroker.plan import Layout
+from kvbroker.plan import Layout, RoomTimeouts
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -179,18 +179,20 @@ class PeerClient:
         group: str,
         stop: Callable[[], bool] = lambda: False,
         missed: Callable[[KvBrokerError], None] = lambda _e: None,
+        timeouts: RoomTimeouts | None = None,
     ) -> tuple[Peer, list[Layout]]:
         """Handshake with the broker at ``address`` and find ``group`` there,
-        retrying with backoff until the bootstrap timeout (the sender's broker or
-        engines may still be starting). The last try is at the deadline; no
-        retry once ``stop()`` says so (the room ended); ``missed`` hears why
-        each try that will be retried failed."""
+        retrying with backoff until the bootstrap timeout (the receiving
+        engine's ``timeouts``, else the flag; the sender's broker or engines
+        may still be starting). The last try is at the deadline; no retry
+        once ``stop()`` says so (the room ended); ``missed`` hears why each
+        try that will be retried failed."""
 
         async def attempt() -> tuple[Peer, list[Layout]]:
             peer = await self.connect(address)
             return peer, await self.group_layouts(peer, group)
 
-        return await self.until_found(attempt, stop, missed)
+        return await self.until_found(attempt, stop, missed, timeouts)
 
     async def group_layouts(self, peer: Peer, group: str, ranks: Collection[tuple[int, int]] = ()) -> list[Layout]:
         """The layouts of ``group``'s ranks at ``peer``, handshaking again when it
@@ -215,13 +217,16 @@ class PeerClient:
         attempt: Callable[[], Awaitable[T]],
         stop: Callable[[], bool] = lambda: False,
         missed: Callable[[KvBrokerError], None] = lambda _e: None,
+        timeouts: RoomTimeouts | None = None,
     ) -> T:
         """``attempt()`` until it returns, retrying with backoff on Unavailable
-        and :class:`GroupNotFound` until the bootstrap timeout (the last try is
-        at the deadline); no retry once ``stop()`` says so. ``missed`` hears
-        each error that is retried; the last error says how long it waited."""
+        and :class:`GroupNotFound` until the bootstrap timeout (the engine's
+        ``timeouts``, else the flag; the last try is at the deadline); no
+        retry once ``stop()`` says so. ``missed`` hears each error that is
+        retried; the last error says how long it waited, and why that long."""
+        limit = (timeouts or RoomTimeouts()).limit("bootstrap_seconds", self._bootstrap_timeout)
         start = time.monotonic()
-        deadline = start + self._bootstrap_timeout
+        deadline = start + limit.seconds
         delay = 0.01
         while True:
             try:
@@ -231,7 +236,9 @@ class PeerClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or stop():
                 waited = time.monotonic() - start
-                raise type(error)(f"{error.message} (gave up after {waited:.3g} s; --bootstrap-timeout {self._bootstrap_timeout:g} s)")
+                raise type(error)(
+                    f"{error.message} (gave up after {waited:.3g} s: the bootstrap timeout is {limit.seconds:g} s, {limit.source})"
+                )
             missed(error)
             await asyncio.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)

@@ -39,7 +39,7 @@ import structlog
 
 from kvbroker.broker.peers._fleet import brokers_prefix, etcd_client, parse_endpoint
 from kvbroker.errors import GroupNotFound, KvBrokerError, Unavailable
-from kvbroker.plan import GroupShape, Layout, RankKey, plan_sources
+from kvbroker.plan import GroupShape, Layout, RankKey, RoomTimeouts, plan_sources
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import admin_pb2
 
@@ -271,12 +271,14 @@ async def find_in_fleet(
     *,
     stop: Callable[[], bool] = lambda: False,
     missed: Callable[[KvBrokerError], None] = lambda _e: None,
+    timeouts: RoomTimeouts | None = None,
 ) -> tuple[Found, list[Layout]]:
     """The brokers that hold the sources of receiving rank ``receiver_key``
     of ``group`` (one, unless the group's ranks live on several hosts),
     handshaken, and the group's layouts; retried with backoff until the
-    bootstrap timeout (the sender may still be starting; ``missed`` hears
-    why each retried try failed)."""
+    bootstrap timeout (the receiving engine's ``timeouts``, else the flag;
+    the sender may still be starting; ``missed`` hears why each retried try
+    failed)."""
 
     async def attempt() -> tuple[Found, list[Layout]]:
         # Brokers that did not answer in this attempt: a killed broker stays in
@@ -286,7 +288,7 @@ async def find_in_fleet(
             pass
         return found
 
-    return await client.until_found(attempt, stop, missed)
+    return await client.until_found(attempt, stop, missed, timeouts)
 
 
 async def _resolve(

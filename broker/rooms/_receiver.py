@@ -137,19 +137,22 @@ class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
 
     # -- timers ----------------------------------------------------------------
     def tick(self, now: float, *, data_timeout_seconds: float, retry_seconds: float) -> None:
-        """Time out ranks waiting for data; tell successors of lost rooms (every ``retry_seconds``)."""
+        """Time out ranks waiting for data (each engine's own bound, else
+        ``data_timeout_seconds``); tell successors of lost rooms (every ``retry_seconds``)."""
         for rank in list(self._open):
             if rank.terminal and not self._recorded(rank):
                 self._open.discard(rank)  # evicted before its pages settled
                 continue
-            if rank.terminal or rank.registered_at is None or now - rank.registered_at <= data_timeout_seconds:
+            own = rank.engine.timeouts.receiver_data_seconds
+            if rank.terminal or rank.registered_at is None or now - rank.registered_at <= (own or data_timeout_seconds):
                 continue
+            limit = rank.engine.timeouts.limit("receiver_data_seconds", data_timeout_seconds)
             pending = [str(k) for k, e in (rank.expected or {}).items() if not e.complete]
             self.fail(
                 rank,
                 cause(
                     common_pb2.FAILURE_KIND_TIMEOUT,
-                    f"waited {data_timeout_seconds:g} s for data from the sender's broker; sources not complete: {pending}",
+                    f"waited {limit} for data from the sender's broker; sources not complete: {pending}",
                     self._id,
                 ),
             )

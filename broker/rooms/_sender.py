@@ -197,20 +197,23 @@ class SenderCore(SenderBootstrap):
 
     # -- timers ----------------------------------------------------------
     def tick(self, now: float, *, info_timeout_seconds: float, orphan_timeout_seconds: float, orphans_every: float = 0.0) -> None:
-        """Time out sources waiting for transfer infos; answer infos whose source
-        never came (that scan of every room at most every ``orphans_every`` s)."""
+        """Time out sources waiting for transfer infos (each engine's own bound,
+        else ``info_timeout_seconds``); answer infos whose source never came
+        (that scan of every room at most every ``orphans_every`` s)."""
         for source in list(self._open):
             if source.terminal:
                 self._open.discard(source)
                 continue
-            if source.ready() or now - source.opened_at <= info_timeout_seconds:
+            own = source.engine.timeouts.sender_info_seconds
+            if source.ready() or now - source.opened_at <= (own or info_timeout_seconds):
                 continue
+            limit = source.engine.timeouts.limit("sender_info_seconds", info_timeout_seconds)
             want = source.expected_destinations
             self.fail(
                 source,
                 cause(
                     common_pb2.FAILURE_KIND_TIMEOUT,
-                    f"waited {info_timeout_seconds:g} s for the receivers' transfer info (ExpectRoom on the decode "
+                    f"waited {limit} for the receivers' transfer info (ExpectRoom on the decode "
                     f"side); {len(source.destinations)} of {want if want is not None else 'an unknown number of'} "
                     "receivers registered",
                     self._id,

@@ -30,7 +30,7 @@ from kvbroker.broker.rooms import (
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._sides import decode_state, side_of, sides, vram_devices, wait_settled
 from kvbroker.errors import NotFound
-from kvbroker.plan import decode_indices
+from kvbroker.plan import RoomTimeouts, decode_indices
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 __all__ = ["EngineCalls"]
@@ -73,6 +73,7 @@ class EngineCalls:
     # -- an engine arrives and leaves -----------------------------------------------
     async def register_engine(self, request: transfer_pb2.RegisterEngineRequest) -> Engine:
         """Register the engine whose fd connection handed out ``request.session_token``: its buffers' fds."""
+        timeouts = RoomTimeouts.from_proto(request.timeouts)
         claimed = self._fd_server.claim(request.session_token, f"pending-{request.session_token[:8]}")
         if claimed is None:
             raise NotFound("unknown or already used session_token: upload the buffers over the fd socket first")
@@ -85,6 +86,7 @@ class EngineCalls:
                 fds=fds,
                 session_token=connection.token,
                 pid=connection.pid,
+                timeouts=timeouts,
             )
         except BaseException:
             connection.engine_id = None

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvbroker.plan._layout import DTYPE_BYTES, Layout, RankKey
+from kvbroker.plan._timeouts import RoomTimeouts
 from kvbroker.v1 import common_pb2
 
 
@@ -189,6 +190,7 @@ class EngineStub:
     layout: Layout
     table: Any
     generation: int = 1
+    timeouts: RoomTimeouts = field(default_factory=RoomTimeouts)
 
     @property
     def label(self) -> str:

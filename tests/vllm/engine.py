@@ -127,7 +127,7 @@ def _write_metrics(llm: object, path: Path) -> None:
     rows = [
         {"name": m.name, "labels": dict(m.labels), "value": getattr(m, "value", None)}
         for m in llm.get_metrics()  # type: ignore[attr-defined]
-        if "kvbroker" in m.name
+        if "kvbroker" in m.name or m.name == "vllm:kv_cache_usage_perc"
     ]
     path.write_text(json.dumps(rows))
 

@@ -1,6 +1,7 @@
 """What moves where: KV layouts, the rank mapping between parallel layouts, and
-the descriptors, token runs, parts and packed blocks a chunk becomes (pure
-functions the client and the broker share).
+the descriptors, token runs, parts and packed blocks a chunk becomes, and an
+engine's own room timeouts (pure functions and values the client and the
+broker share).
 """
 
 from kvbroker.plan._checksum import ChunkSum, chunk_checksum
@@ -48,6 +49,7 @@ from kvbroker.plan._parts import (
 )
 from kvbroker.plan._segments import ChunkShape, state_regions
 from kvbroker.plan._slicing import SliceSide, kv_regions, slice_side, token_descriptors
+from kvbroker.plan._timeouts import MAX_TIMEOUT_SECONDS, Limit, RoomTimeouts, Wait
 from kvbroker.plan._tokens import (
     TokenRange,
     completed_pages,
@@ -71,16 +73,20 @@ __all__ = [
     "IndexArray",
     "KvPairs",
     "Layout",
+    "Limit",
     "MAX_PARTS",
+    "MAX_TIMEOUT_SECONDS",
     "NO_INDICES",
     "PackLimit",
     "PartKind",
     "PartSpec",
     "RankKey",
+    "RoomTimeouts",
     "SliceSide",
     "SourcePlan",
     "StagePolicy",
     "TokenRange",
+    "Wait",
     "as_index",
     "as_indices",
     "build_descriptor_table",

@@ -24,45 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbroker/v1/common.proto\x12\x0bkvbroker.v1\"^\n\x0c\x46\x61ilureCause\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvbroker.v1.FailureKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rorigin_broker\x18\x03 \x01(\t\"?\n\x0c\x45ngineRankId\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\"\x88\x01\n\nBufferSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.kvbroker.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63uda_ipc_handle\x18\x05 \x01(\x0c\"\xa4\x01\n\x06Region\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.kvbroker.v1.RegionKind\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\r\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x14\n\x0clength_bytes\x18\x04 \x01(\x04\x12\x12\n\nitem_bytes\x18\x05 \x01(\x04\x12\x10\n\x08layer_id\x18\x06 \x01(\r\x12\x11\n\tcomponent\x18\x07 \x01(\t\"D\n\x0eStateComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04type\x18\x02 \x01(\x0e\x32\x16.kvbroker.v1.StateType\"\xd2\x03\n\x0c\x45ngineLayout\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.kvbroker.v1.Role\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0blayer_begin\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x18\n\x10page_size_tokens\x18\x07 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x08 \x01(\r\x12\x19\n\x11kv_heads_per_rank\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0b\n\x03mla\x18\x0c \x01(\x08\x12$\n\x07regions\x18\r \x03(\x0b\x32\x13.kvbroker.v1.Region\x12\x35\n\x10state_components\x18\x0e \x03(\x0b\x32\x1b.kvbroker.v1.StateComponent\x12\x17\n\x0fpp_layer_begins\x18\x0f \x03(\r\x12(\n\tkv_layout\x18\x10 \x01(\x0e\x32\x15.kvbroker.v1.KvLayout\x12\x11\n\tkv_layers\x18\x11 \x03(\r\x12\x15\n\rcompatibility\x18\x12 \x01(\t\"-\n\x0bPageIndices\x12\x0e\n\x06packed\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x03(\x03\"L\n\x0cStateIndices\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12)\n\x07indices\x18\x02 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\"\xfc\x01\n\nRoomStatus\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvbroker.v1.RoomState\x12(\n\x05\x63\x61use\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x15\n\rpages_settled\x18\x04 \x01(\x08\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x14\n\x0cprefix_pages\x18\x07 \x01(\r\x12.\n\x0clanded_pages\x18\x08 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x13\n\x0bwaiting_for\x18\t \x01(\t*\xab\x01\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x16\n\x12PROTOCOL_VERSION_3\x10\x03\x12\x16\n\x12PROTOCOL_VERSION_4\x10\x04\x12\x16\n\x12PROTOCOL_VERSION_5\x10\x05*\x97\x01\n\tRoomState\x12\x15\n\x11ROOM_STATE_FAILED\x10\x00\x12\x1c\n\x18ROOM_STATE_BOOTSTRAPPING\x10\x01\x12 \n\x1cROOM_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1b\n\x17ROOM_STATE_TRANSFERRING\x10\x03\x12\x16\n\x12ROOM_STATE_SUCCESS\x10\x04*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*\xaa\x01\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fREGION_KIND_KEY\x10\x01\x12\x15\n\x11REGION_KIND_VALUE\x10\x02\x12\x13\n\x0fREGION_KIND_MLA\x10\x03\x12\x13\n\x0fREGION_KIND_AUX\x10\x04\x12\x15\n\x11REGION_KIND_STATE\x10\x05\x12\x12\n\x0eREGION_KIND_KV\x10\x06*6\n\x08KvLayout\x12\x11\n\rKV_LAYOUT_NHD\x10\x00\x12\x17\n\x13KV_LAYOUT_HND_FUSED\x10\x01*e\n\tStateType\x12\x1a\n\x16STATE_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10STATE_TYPE_MAMBA\x10\x01\x12\x12\n\x0eSTATE_TYPE_SWA\x10\x02\x12\x12\n\x0eSTATE_TYPE_NSA\x10\x03*\xbc\x02\n\x0b\x46\x61ilureKind\x12\x1c\n\x18\x46\x41ILURE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46\x41ILURE_KIND_ABORTED\x10\x01\x12\x18\n\x14\x46\x41ILURE_KIND_TIMEOUT\x10\x02\x12\x15\n\x11\x46\x41ILURE_KIND_PEER\x10\x03\x12\x19\n\x15\x46\x41ILURE_KIND_TRANSFER\x10\x04\x12\x19\n\x15\x46\x41ILURE_KIND_MISMATCH\x10\x05\x12\x1c\n\x18\x46\x41ILURE_KIND_ENGINE_LOST\x10\x06\x12\x1d\n\x19\x46\x41ILURE_KIND_UNKNOWN_ROOM\x10\x07\x12\x19\n\x15\x46\x41ILURE_KIND_SHUTDOWN\x10\x08\x12\x18\n\x14\x46\x41ILURE_KIND_REFUSED\x10\t\x12\x1c\n\x18\x46\x41ILURE_KIND_BROKER_LOST\x10\nb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbroker/v1/common.proto\x12\x0bkvbroker.v1\"e\n\x0cRoomTimeouts\x12\x1b\n\x13sender_info_seconds\x18\x01 \x01(\x01\x12\x19\n\x11\x62ootstrap_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15receiver_data_seconds\x18\x03 \x01(\x01\"^\n\x0c\x46\x61ilureCause\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvbroker.v1.FailureKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rorigin_broker\x18\x03 \x01(\t\"?\n\x0c\x45ngineRankId\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\"\x88\x01\n\nBufferSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.kvbroker.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63uda_ipc_handle\x18\x05 \x01(\x0c\"\xa4\x01\n\x06Region\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.kvbroker.v1.RegionKind\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\r\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x14\n\x0clength_bytes\x18\x04 \x01(\x04\x12\x12\n\nitem_bytes\x18\x05 \x01(\x04\x12\x10\n\x08layer_id\x18\x06 \x01(\r\x12\x11\n\tcomponent\x18\x07 \x01(\t\"D\n\x0eStateComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x04type\x18\x02 \x01(\x0e\x32\x16.kvbroker.v1.StateType\"\xd2\x03\n\x0c\x45ngineLayout\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.kvbroker.v1.Role\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0blayer_begin\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x18\n\x10page_size_tokens\x18\x07 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x08 \x01(\r\x12\x19\n\x11kv_heads_per_rank\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0b\n\x03mla\x18\x0c \x01(\x08\x12$\n\x07regions\x18\r \x03(\x0b\x32\x13.kvbroker.v1.Region\x12\x35\n\x10state_components\x18\x0e \x03(\x0b\x32\x1b.kvbroker.v1.StateComponent\x12\x17\n\x0fpp_layer_begins\x18\x0f \x03(\r\x12(\n\tkv_layout\x18\x10 \x01(\x0e\x32\x15.kvbroker.v1.KvLayout\x12\x11\n\tkv_layers\x18\x11 \x03(\r\x12\x15\n\rcompatibility\x18\x12 \x01(\t\"-\n\x0bPageIndices\x12\x0e\n\x06packed\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x03(\x03\"L\n\x0cStateIndices\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12)\n\x07indices\x18\x02 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\"\xfc\x01\n\nRoomStatus\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvbroker.v1.RoomState\x12(\n\x05\x63\x61use\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.FailureCause\x12\x15\n\rpages_settled\x18\x04 \x01(\x08\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x14\n\x0cprefix_pages\x18\x07 \x01(\r\x12.\n\x0clanded_pages\x18\x08 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x13\n\x0bwaiting_for\x18\t \x01(\t*\xc3\x01\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x16\n\x12PROTOCOL_VERSION_3\x10\x03\x12\x16\n\x12PROTOCOL_VERSION_4\x10\x04\x12\x16\n\x12PROTOCOL_VERSION_5\x10\x05\x12\x16\n\x12PROTOCOL_VERSION_6\x10\x06*\x97\x01\n\tRoomState\x12\x15\n\x11ROOM_STATE_FAILED\x10\x00\x12\x1c\n\x18ROOM_STATE_BOOTSTRAPPING\x10\x01\x12 \n\x1cROOM_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1b\n\x17ROOM_STATE_TRANSFERRING\x10\x03\x12\x16\n\x12ROOM_STATE_SUCCESS\x10\x04*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*\xaa\x01\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fREGION_KIND_KEY\x10\x01\x12\x15\n\x11REGION_KIND_VALUE\x10\x02\x12\x13\n\x0fREGION_KIND_MLA\x10\x03\x12\x13\n\x0fREGION_KIND_AUX\x10\x04\x12\x15\n\x11REGION_KIND_STATE\x10\x05\x12\x12\n\x0eREGION_KIND_KV\x10\x06*6\n\x08KvLayout\x12\x11\n\rKV_LAYOUT_NHD\x10\x00\x12\x17\n\x13KV_LAYOUT_HND_FUSED\x10\x01*e\n\tStateType\x12\x1a\n\x16STATE_TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10STATE_TYPE_MAMBA\x10\x01\x12\x12\n\x0eSTATE_TYPE_SWA\x10\x02\x12\x12\n\x0eSTATE_TYPE_NSA\x10\x03*\xbc\x02\n\x0b\x46\x61ilureKind\x12\x1c\n\x18\x46\x41ILURE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46\x41ILURE_KIND_ABORTED\x10\x01\x12\x18\n\x14\x46\x41ILURE_KIND_TIMEOUT\x10\x02\x12\x15\n\x11\x46\x41ILURE_KIND_PEER\x10\x03\x12\x19\n\x15\x46\x41ILURE_KIND_TRANSFER\x10\x04\x12\x19\n\x15\x46\x41ILURE_KIND_MISMATCH\x10\x05\x12\x1c\n\x18\x46\x41ILURE_KIND_ENGINE_LOST\x10\x06\x12\x1d\n\x19\x46\x41ILURE_KIND_UNKNOWN_ROOM\x10\x07\x12\x19\n\x15\x46\x41ILURE_KIND_SHUTDOWN\x10\x08\x12\x18\n\x14\x46\x41ILURE_KIND_REFUSED\x10\t\x12\x1c\n\x18\x46\x41ILURE_KIND_BROKER_LOST\x10\nb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbroker.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1428
-  _globals['_PROTOCOLVERSION']._serialized_end=1599
-  _globals['_ROOMSTATE']._serialized_start=1602
-  _globals['_ROOMSTATE']._serialized_end=1753
-  _globals['_ROLE']._serialized_start=1755
-  _globals['_ROLE']._serialized_end=1833
-  _globals['_MEMORYKIND']._serialized_start=1835
-  _globals['_MEMORYKIND']._serialized_end=1920
-  _globals['_REGIONKIND']._serialized_start=1923
-  _globals['_REGIONKIND']._serialized_end=2093
-  _globals['_KVLAYOUT']._serialized_start=2095
-  _globals['_KVLAYOUT']._serialized_end=2149
-  _globals['_STATETYPE']._serialized_start=2151
-  _globals['_STATETYPE']._serialized_end=2252
-  _globals['_FAILUREKIND']._serialized_start=2255
-  _globals['_FAILUREKIND']._serialized_end=2571
-  _globals['_FAILURECAUSE']._serialized_start=41
-  _globals['_FAILURECAUSE']._serialized_end=135
-  _globals['_ENGINERANKID']._serialized_start=137
-  _globals['_ENGINERANKID']._serialized_end=200
-  _globals['_BUFFERSPEC']._serialized_start=203
-  _globals['_BUFFERSPEC']._serialized_end=339
-  _globals['_REGION']._serialized_start=342
-  _globals['_REGION']._serialized_end=506
-  _globals['_STATECOMPONENT']._serialized_start=508
-  _globals['_STATECOMPONENT']._serialized_end=576
-  _globals['_ENGINELAYOUT']._serialized_start=579
-  _globals['_ENGINELAYOUT']._serialized_end=1045
-  _globals['_PAGEINDICES']._serialized_start=1047
-  _globals['_PAGEINDICES']._serialized_end=1092
-  _globals['_STATEINDICES']._serialized_start=1094
-  _globals['_STATEINDICES']._serialized_end=1170
-  _globals['_ROOMSTATUS']._serialized_start=1173
-  _globals['_ROOMSTATUS']._serialized_end=1425
+  _globals['_PROTOCOLVERSION']._serialized_start=1531
+  _globals['_PROTOCOLVERSION']._serialized_end=1726
+  _globals['_ROOMSTATE']._serialized_start=1729
+  _globals['_ROOMSTATE']._serialized_end=1880
+  _globals['_ROLE']._serialized_start=1882
+  _globals['_ROLE']._serialized_end=1960
+  _globals['_MEMORYKIND']._serialized_start=1962
+  _globals['_MEMORYKIND']._serialized_end=2047
+  _globals['_REGIONKIND']._serialized_start=2050
+  _globals['_REGIONKIND']._serialized_end=2220
+  _globals['_KVLAYOUT']._serialized_start=2222
+  _globals['_KVLAYOUT']._serialized_end=2276
+  _globals['_STATETYPE']._serialized_start=2278
+  _globals['_STATETYPE']._serialized_end=2379
+  _globals['_FAILUREKIND']._serialized_start=2382
+  _globals['_FAILUREKIND']._serialized_end=2698
+  _globals['_ROOMTIMEOUTS']._serialized_start=41
+  _globals['_ROOMTIMEOUTS']._serialized_end=142
+  _globals['_FAILURECAUSE']._serialized_start=144
+  _globals['_FAILURECAUSE']._serialized_end=238
+  _globals['_ENGINERANKID']._serialized_start=240
+  _globals['_ENGINERANKID']._serialized_end=303
+  _globals['_BUFFERSPEC']._serialized_start=306
+  _globals['_BUFFERSPEC']._serialized_end=442
+  _globals['_REGION']._serialized_start=445
+  _globals['_REGION']._serialized_end=609
+  _globals['_STATECOMPONENT']._serialized_start=611
+  _globals['_STATECOMPONENT']._serialized_end=679
+  _globals['_ENGINELAYOUT']._serialized_start=682
+  _globals['_ENGINELAYOUT']._serialized_end=1148
+  _globals['_PAGEINDICES']._serialized_start=1150
+  _globals['_PAGEINDICES']._serialized_end=1195
+  _globals['_STATEINDICES']._serialized_start=1197
+  _globals['_STATEINDICES']._serialized_end=1273
+  _globals['_ROOMSTATUS']._serialized_start=1276
+  _globals['_ROOMSTATUS']._serialized_end=1528
 # @@protoc_insertion_point(module_scope)

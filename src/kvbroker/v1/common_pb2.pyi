@@ -15,6 +15,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_4: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_5: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_6: _ClassVar[ProtocolVersion]
 
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -78,6 +79,7 @@ PROTOCOL_VERSION_2: ProtocolVersion
 PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_4: ProtocolVersion
 PROTOCOL_VERSION_5: ProtocolVersion
+PROTOCOL_VERSION_6: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState
@@ -114,6 +116,16 @@ FAILURE_KIND_UNKNOWN_ROOM: FailureKind
 FAILURE_KIND_SHUTDOWN: FailureKind
 FAILURE_KIND_REFUSED: FailureKind
 FAILURE_KIND_BROKER_LOST: FailureKind
+
+class RoomTimeouts(_message.Message):
+    __slots__ = ("sender_info_seconds", "bootstrap_seconds", "receiver_data_seconds")
+    SENDER_INFO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sender_info_seconds: float
+    bootstrap_seconds: float
+    receiver_data_seconds: float
+    def __init__(self, sender_info_seconds: _Optional[float] = ..., bootstrap_seconds: _Optional[float] = ..., receiver_data_seconds: _Optional[float] = ...) -> None: ...
 
 class FailureCause(_message.Message):
     __slots__ = ("kind", "message", "origin_broker")

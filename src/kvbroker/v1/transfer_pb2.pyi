@@ -30,14 +30,16 @@ class BrokerInfo(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ..., fd_socket_path: _Optional[str] = ..., engine_socket_path: _Optional[str] = ..., listen_address: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("session_token", "rank", "layout")
+    __slots__ = ("session_token", "rank", "layout", "timeouts")
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     session_token: str
     rank: _common_pb2.EngineRankId
     layout: _common_pb2.EngineLayout
-    def __init__(self, session_token: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.EngineLayout, _Mapping]] = ...) -> None: ...
+    timeouts: _common_pb2.RoomTimeouts
+    def __init__(self, session_token: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.EngineLayout, _Mapping]] = ..., timeouts: _Optional[_Union[_common_pb2.RoomTimeouts, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine_id",)
