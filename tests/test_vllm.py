@@ -483,3 +483,49 @@ def test_data_and_pipeline_parallel_configs_are_refused_at_start_by_name() -> No
         check_parallel(ParallelConfig(data_parallel_size=2))
     with pytest.raises(Unimplemented, match="pipeline_parallel_size 2"):
         check_parallel(ParallelConfig(pipeline_parallel_size=2))
+
+
+def test_a_cuda_prefill_makes_its_forward_passes_writes_visible_before_the_broker_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker reads sent blocks from its own stream, so the worker waits for the engine's
+    compute stream (the forward passes that wrote them) before it hands a send to the broker; a
+    step with no sends, and a CPU cache, wait for nothing. (No GPU here: torch's current stream
+    and the broker's room are recorders; on a GPU the same code calls CUDA's. Not run on a GPU.)"""
+    import warnings
+    from types import SimpleNamespace
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from kvbroker.adapters import vllm as connector
+
+    events: list[str] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            events.append("synchronize")
+
+    def current_stream(device: object = None) -> Stream:
+        events.append(f"stream {device}")
+        return Stream()
+
+    class Room:
+        def init(self, pages: int) -> None:
+            events.append(f"init {pages}")
+
+        def send(self, blocks: list[int]) -> None:
+            events.append(f"send {blocks}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    worker = connector._Worker(SimpleNamespace(), None)  # type: ignore[arg-type]
+    worker._engine = SimpleNamespace(sender=lambda room: Room())
+    worker._device = torch.device("cuda", 1)
+    worker.start(connector.KVBrokerMetadata(sends=[connector._Send("r1", [3, 4]), connector._Send("r2", [5])]))
+    assert events == ["stream cuda:1", "synchronize", "init 2", "send [3, 4]", "init 1", "send [5]"]
+    events.clear()
+    worker.start(connector.KVBrokerMetadata())
+    worker._device = torch.device("cpu")
+    worker.start(connector.KVBrokerMetadata(sends=[connector._Send("r3", [6])]))
+    assert events == ["init 1", "send [6]"]
