@@ -49,7 +49,7 @@ from kvbroker.plan._parts import (
 )
 from kvbroker.plan._segments import ChunkShape, state_regions
 from kvbroker.plan._slicing import SliceSide, kv_regions, slice_side, token_descriptors
-from kvbroker.plan._timeouts import MAX_TIMEOUT_SECONDS, Limit, RoomTimeouts, Wait
+from kvbroker.plan._timeouts import RoomTimeouts
 from kvbroker.plan._tokens import (
     TokenRange,
     completed_pages,
@@ -73,9 +73,7 @@ __all__ = [
     "IndexArray",
     "KvPairs",
     "Layout",
-    "Limit",
     "MAX_PARTS",
-    "MAX_TIMEOUT_SECONDS",
     "NO_INDICES",
     "PackLimit",
     "PartKind",
@@ -86,7 +84,6 @@ __all__ = [
     "SourcePlan",
     "StagePolicy",
     "TokenRange",
-    "Wait",
     "as_index",
     "as_indices",
     "build_descriptor_table",
