@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
 from kvbroker import cudavmm
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.api._servicers import AdminService, PeerService, TransferService
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.dataplane import Agent, AgentConfig, UcxAgent
@@ -203,8 +204,7 @@ class BrokerServer:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._etcd_health is not None:
-            self._etcd_health.cancel()
-            await asyncio.gather(self._etcd_health, return_exceptions=True)
+            await cancel_and_wait([self._etcd_health])
         if self._broker is not None:
             # It leaves the fleet first (peers stop choosing it), and closes the fd socket last.
             await self._broker.stop()

@@ -9,6 +9,8 @@ from typing import Any
 
 import structlog
 
+from kvbroker.broker.aio import cancel_and_wait
+
 __all__ = ["TaskSet"]
 
 log = structlog.get_logger(__name__)
@@ -36,11 +38,7 @@ class TaskSet:
         await self.cancel()
 
     async def cancel(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

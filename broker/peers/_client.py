@@ -40,6 +40,7 @@ from opentelemetry import propagate
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.peers._table import Peer, PeerTable, announced_staging
 from kvbroker.errors import (
@@ -443,9 +444,7 @@ class PerPeerBatches(Generic[Item, Result]):
 
     async def close(self) -> None:
         """Cancel the batches in flight; every waiting call fails UNAVAILABLE."""
-        for task in list(self._tasks.values()):
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await cancel_and_wait(list(self._tasks.values()))
         for queue in self._queues.values():
             for _, _, done in queue:
                 if not done.done():

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.peers._fleet import brokers_prefix, etcd_client, parse_endpoint
 from kvbroker.errors import GroupNotFound, KvBrokerError, Unavailable
 from kvbroker.plan import GroupShape, Layout, RankKey, RoomTimeouts, plan_sources
@@ -119,8 +120,7 @@ class FleetView:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
         await self._close()
 

@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 
 from kvbroker import __version__
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.errors import InvalidArgument
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2
@@ -143,11 +144,7 @@ class FleetRecord:
     async def stop(self) -> None:
         """Delete the key (revoke the lease) and close."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._task])
         if self._lease is not None:
             try:
                 await asyncio.wait_for(self._lease.revoke(), 2.0)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvbroker import __version__
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Agent, DataPlane, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
@@ -155,9 +156,7 @@ class Broker:
         await wait_settled(self.rooms, list(self.engines.by_id.values()), self.config.unregister_settle_timeout_seconds)
         await self.tasks.drain(timeout_seconds=2.0)
         await self.housekeeping.stop()
-        for task in self._running:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(self._running)
         for engine in list(self.engines.by_id.values()):
             self.hub.close(engine.engine_id)
             await self.engine_calls.release_engine(engine)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import structlog
 
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.execution import Executor
 from kvbroker.broker.memory import EngineTable, StagingPools
@@ -59,8 +60,7 @@ class Housekeeping:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     async def _run(self) -> None:
         """Timeouts of open rooms every housekeeping interval; what scans every
