@@ -835,6 +835,9 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
     receiver.init(DST, aux_row=2)
     eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)  # d has handshaken with p1
     receiver.abort()
+    # The abort reached p1 (its answer settles the pages): an abort still out when p1 goes would be
+    # told to the next process at the address, and that handshake would find p2 before the race.
+    eventually(lambda: receiver.status().pages_settled)
     p1.loop.run(p1.server._server.stop(0))  # p1 is gone; p2 takes its address
     pe1.lost_broker()
     p2 = fake_brokers("p2", listen_address=p1.address)
