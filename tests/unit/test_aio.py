@@ -7,32 +7,47 @@ import asyncio
 from kvbroker.broker.aio import cancel_and_wait
 
 
-def test_a_loop_over_wait_for_that_swallowed_the_cancel_still_ends() -> None:
-    """The etcd lease keeper's shape: a loop over ``wait_for(event.wait(), ...)``. The cancel lands as
-    the event is set, which Python 3.11's wait_for swallows (gh-86296; a plain cancel-then-await
-    waited forever, and the broker never exited on SIGTERM); cancel_and_wait cancels again."""
+def test_a_loop_that_swallowed_the_cancel_still_ends() -> None:
+    """The etcd lease keeper's shape: a loop over ``wait_for(event.wait(), ...)``. On Python 3.11
+    ``wait_for`` swallows a cancel that lands as the event is set (gh-86296; a plain cancel-then-await
+    waited forever, and the broker never exited on SIGTERM). The keeper here swallows the first
+    cancel itself, as that ``wait_for`` did, so the case is the same on every Python version: a
+    plain ``task.cancel(); await task`` never returns, and cancel_and_wait cancels again."""
 
-    async def main() -> int:
+    async def main() -> None:
         event = asyncio.Event()
-        rounds = 0
+        swallowed = 0
+        rounds_after = 0
 
         async def keeper() -> None:
-            nonlocal rounds
+            nonlocal swallowed, rounds_after
             while True:
                 try:
-                    await asyncio.wait_for(event.wait(), 5)
+                    await asyncio.wait_for(event.wait(), 0.05)
                 except asyncio.TimeoutError:
                     pass
+                except asyncio.CancelledError:
+                    if swallowed:
+                        raise
+                    swallowed += 1  # what 3.11's wait_for did: the cancel is lost, the loop goes on
                 event.clear()
-                rounds += 1
+                if swallowed:
+                    rounds_after += 1
                 await asyncio.sleep(0.01)
 
         task = asyncio.create_task(keeper())
         await asyncio.sleep(0.05)
-        event.set()
-        await asyncio.wait_for(cancel_and_wait([task]), 10)
-        assert task.done()
-        return rounds
+        stop = asyncio.create_task(cancel_and_wait([task]))
+        ended, _ = await asyncio.wait({stop}, timeout=10)  # waits without cancelling the stop
+        if not ended:
+            for _ in range(2):  # end the keeper for good, then fail
+                task.cancel()
+                await asyncio.wait({task}, timeout=1)
+            stop.cancel()
+            await asyncio.wait({stop, task})
+        assert stop in ended, "the stop never ended: the keeper swallowed the cancel and looped on"
+        assert task.cancelled()
+        assert swallowed == 1 and rounds_after > 1, "the first cancel was swallowed and the loop ran on"
 
     asyncio.run(main())
 
