@@ -146,3 +146,18 @@ def test_calls_run_on_the_plane_thread_and_return_their_result(plane: Plane) -> 
 
     with pytest.raises(NixlError):
         plane.run(fail())
+
+
+def test_the_backoff_stays_short_while_a_young_transfer_is_in_flight() -> None:
+    """A part holds its slots until its write is seen DONE: while a transfer younger than 100 ms is
+    in flight the plane polls at most 200 us apart, whatever the backoff grew to (it was 1 ms, up
+    to a millisecond added to every part); once every transfer in flight is old, 5 ms apart."""
+    from kvbroker.broker.dataplane import _thread
+
+    plane = DataPlane(FakeAgent("backoff"), on_events=lambda _e: None, transfer_timeout_seconds=30)
+    posting = Posting("t", lambda _a: None, "peer", 1)
+    plane._inflight = [_thread._InFlight(posting, None, time.monotonic())]
+    assert plane._wait(_thread._MAX_WAIT_S) <= 200e-6
+    assert plane._wait(_thread._MIN_WAIT_S) == _thread._MIN_WAIT_S
+    plane._inflight = [_thread._InFlight(posting, None, time.monotonic() - 1.0)]
+    assert plane._wait(_thread._MAX_WAIT_S) == _thread._SLOW_WAIT_S

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvbroker.broker.dataplane import Workers, name_thread
-from kvbroker.broker.device._copies import ArrayViews, Extent
+from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent
 
 __all__ = ["Job", "Lanes"]
 
@@ -39,26 +39,51 @@ Job = Callable[[], Callable[[], T]]
 
 
 class Lanes:
-    """The host lane and the GPU lanes (made on first use). Await from the control loop."""
+    """The host lane and the GPU lanes. Await from the control loop.
+
+    A GPU's lane is opened (:meth:`open`) when the GPU's transfer buffers
+    are made, at the first engine's registration there: torch's CUDA, the
+    stream and the waiter thread come up on the memory thread, never on the
+    control loop (initialising CUDA after NIXL and UCX took seconds: a stall
+    of the loop near ``--peer-dead-after``).
+    """
 
     def __init__(self, workers: Workers, views: ArrayViews) -> None:
         self._workers = workers
         self._views = views
-        self._gpus: dict[int, _GpuLane] = {}
+        self._gpus: dict[int, asyncio.Future[_GpuLane]] = {}
+
+    async def open(self, device: int) -> None:
+        """Make GPU ``device``'s lane if it has none (on the memory thread);
+        nothing where its memory is host memory (the fake CUDA driver's)."""
+        if not self._views.on_host(Extent(0, 0, VRAM, device)):
+            await self._lane(device)
 
     async def run(self, slot: Extent, job: Job[T]) -> T:
         """Run ``job`` on the lane of ``slot``'s memory; its result."""
         if self._views.on_host(slot):
             return await self._workers.copy(lambda: job()())
-        lane = self._gpus.get(slot.device)
-        if lane is None:
-            lane = self._gpus[slot.device] = _GpuLane(slot.device)
+        lane = await self._lane(slot.device)
         return await lane.run(self._workers, job)
+
+    async def _lane(self, device: int) -> _GpuLane:
+        made = self._gpus.get(device)
+        if made is None:
+            # Normally made at registration (open); made here on the memory
+            # thread all the same if a part comes first.
+            made = self._gpus[device] = asyncio.ensure_future(self._workers.memory(lambda: _GpuLane(device)))
+        try:
+            return await asyncio.shield(made)
+        except Exception:
+            if self._gpus.get(device) is made:
+                del self._gpus[device]  # the next part tries again
+            raise
 
     def close(self) -> None:
         """Stop the waiter threads (after the jobs queued so far)."""
-        for lane in self._gpus.values():
-            lane.close()
+        for made in self._gpus.values():
+            if made.done() and not made.cancelled() and made.exception() is None:
+                made.result().close()
         self._gpus.clear()
 
 

@@ -108,6 +108,10 @@ def packed_write(part: Part, buffer: StagingBuffer, offset: int, agent_name: str
     assert remote is not None
 
     def make(agent: Agent) -> Any:
+        if buffer.make_current is not None:
+            # A GPU's buffer: post under its own device's context (with two
+            # GPUs, registration left the thread on the last one's).
+            buffer.make_current()
         local = np.array([[buffer.address + offset, part.nbytes, buffer.device_id]], dtype=np.uint64)
         far = np.array([[remote.address + part.staging_offset, part.nbytes, remote.device_id]], dtype=np.uint64)
         return agent.post_write_descs(local, buffer.kind, far, remote.kind, agent_name, notif)

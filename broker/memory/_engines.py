@@ -18,7 +18,7 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -145,8 +145,15 @@ class EngineTable:
         session_token: str,
         pid: int,
         timeouts: RoomTimeouts | None = None,
+        before_publish: Callable[[DescriptorTable], Awaitable[None]] | None = None,
     ) -> Engine:
         """Map, register and prepare an engine rank's buffers.
+
+        ``before_publish`` is awaited with the rank's descriptor table once
+        its buffers are ready and before the rank is listed (and the epoch
+        bumped): what peers must learn together with the rank (its GPUs'
+        transfer buffers) is made there, so a handshake never announces the
+        rank without it. An exception there fails the registration.
 
         Takes ownership of ``fds`` (one per spec, -1 where the spec names a
         CUDA IPC handle; closed on failure). Raises
@@ -202,6 +209,10 @@ class EngineTable:
             step = time.monotonic()
             await self._dataplane.call(prepare_all)
             timings["prepare_s"] = time.monotonic() - step
+            if before_publish is not None:
+                step = time.monotonic()
+                await before_publish(table)
+                timings["devices_s"] = time.monotonic() - step
         except BaseException:
             self._pending.discard(key)
             await self._release_resources(dlists, registrations, buffers)

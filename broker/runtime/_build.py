@@ -177,6 +177,7 @@ def build_broker(
         hub=hub,
         tasks=tasks,
         operators=operators,
+        lanes=lanes,
     )
     peer_loss = PeerLoss(
         broker_id=broker_id, dataplane=dataplane, peers=peers, sender=sender, receiver=receiver, executor=executor

@@ -11,11 +11,13 @@ receiver state machine, and lets the executor carry out the effects
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import structlog
 
 from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.device import Lanes
 from kvbroker.broker.execution import Executor, TaskSet
 from kvbroker.broker.memory import Engine, EngineTable, FdConnection, FdSocketServer, StagingPools
 from kvbroker.broker.rooms import (
@@ -28,9 +30,16 @@ from kvbroker.broker.rooms import (
     cause,
 )
 from kvbroker.broker.runtime._operators import Operators
-from kvbroker.broker.runtime._sides import decode_state, side_of, sides, vram_devices, wait_settled
+from kvbroker.broker.runtime._sides import (
+    decode_state,
+    side_of,
+    sides,
+    table_vram_devices,
+    vram_devices,
+    wait_settled,
+)
 from kvbroker.errors import NotFound
-from kvbroker.plan import RoomTimeouts, decode_indices
+from kvbroker.plan import DescriptorTable, RoomTimeouts, decode_indices
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 __all__ = ["EngineCalls"]
@@ -56,6 +65,7 @@ class EngineCalls:
         hub: WatchHub,
         tasks: TaskSet,
         operators: Operators,
+        lanes: Lanes,
     ) -> None:
         self._broker_id = broker_id
         self._config = config
@@ -69,6 +79,10 @@ class EngineCalls:
         self._hub = hub
         self._tasks = tasks
         self._operators = operators
+        self._lanes = lanes
+        #: GPUs whose transfer buffers registrations under way are making or
+        #: using (not yet listed engines): not freed meanwhile.
+        self._opening: Counter[int] = Counter()
 
     # -- an engine arrives and leaves -----------------------------------------------
     async def register_engine(self, request: transfer_pb2.RegisterEngineRequest) -> Engine:
@@ -78,6 +92,18 @@ class EngineCalls:
         if claimed is None:
             raise NotFound("unknown or already used session_token: upload the buffers over the fd socket first")
         connection, fds = claimed
+        opened: list[int] = []
+
+        async def open_devices(table: DescriptorTable) -> None:
+            # The engine's VRAM moves only through this broker's transfer
+            # buffers on its GPUs (without them, refuse the engine), copied by
+            # each GPU's lane: both exist before peers can learn of the engine.
+            for device in sorted(table_vram_devices(table)):
+                self._opening[device] += 1
+                opened.append(device)
+                await self._pools.ensure_device(device, self._engines.cuda_driver)
+                await self._lanes.open(device)
+
         try:
             engine = await self._engines.register(
                 rank=request.rank,
@@ -87,19 +113,14 @@ class EngineCalls:
                 session_token=connection.token,
                 pid=connection.pid,
                 timeouts=timeouts,
+                before_publish=open_devices,
             )
         except BaseException:
             connection.engine_id = None
+            self._opening.subtract(opened)
+            await self._release_unused_devices(set(opened))
             raise
-        try:
-            # The engine's VRAM moves only through this broker's transfer
-            # buffers on its GPU: without them, refuse the engine.
-            for device in sorted(vram_devices(engine)):
-                await self._pools.ensure_device(device, self._engines.cuda_driver)
-        except BaseException:
-            connection.engine_id = None
-            await self.release_engine(engine)
-            raise
+        self._opening.subtract(opened)
         connection.engine_id = engine.engine_id
         if connection.closed:
             # The engine died while we registered it.
@@ -136,7 +157,13 @@ class EngineCalls:
     async def release_engine(self, engine: Engine) -> None:
         """Release an engine, and its GPUs' staging pools if no other engine uses them."""
         await self._engines.release(engine)
-        for device in vram_devices(engine) - {d for e in self._engines.by_id.values() for d in vram_devices(e)}:
+        await self._release_unused_devices(vram_devices(engine))
+
+    async def _release_unused_devices(self, devices: set[int]) -> None:
+        """Free the transfer buffers of those ``devices`` that no engine uses
+        and no registration under way is opening."""
+        used = {d for e in self._engines.by_id.values() for d in vram_devices(e)}
+        for device in devices - used - {d for d, n in self._opening.items() if n > 0}:
             await self._pools.release_device(device)
 
     # -- room commands ---------------------------------------------------------------

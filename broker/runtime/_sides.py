@@ -13,7 +13,7 @@ from opentelemetry import context as otel_context
 from kvbroker.broker.memory import Engine
 from kvbroker.broker.rooms import RoomTables, Side, Source
 from kvbroker.errors import FailedPrecondition, InvalidArgument
-from kvbroker.plan import IndexArray, decode_indices
+from kvbroker.plan import DescriptorTable, IndexArray, decode_indices
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2
 
@@ -24,6 +24,7 @@ __all__ = [
     "settled",
     "side_of",
     "sides",
+    "table_vram_devices",
     "vram_devices",
     "wait_settled",
 ]
@@ -72,7 +73,11 @@ async def wait_settled(rooms: RoomTables, engines: list[Engine], timeout_seconds
 
 def vram_devices(engine: Engine) -> set[int]:
     """The GPUs holding some of ``engine``'s regions (where transfer buffers serve it)."""
-    table = engine.table
+    return table_vram_devices(engine.table)
+
+
+def table_vram_devices(table: DescriptorTable) -> set[int]:
+    """The GPUs holding some of the regions of a rank with this descriptor table."""
     return {device for kind, device in zip(table.region_kind, table.region_device) if kind == common_pb2.MEMORY_KIND_VRAM}
 
 
