@@ -104,12 +104,14 @@ def fake_cuda(memory_kind: str) -> Iterator[FakeCudaLib | None]:
 
 
 def assert_device_rules(broker: FakeBroker) -> None:
-    """What the device path promises, as the fake agent saw it: no engine VRAM was ever registered
-    with NIXL (only the broker's cudaMalloc transfer buffers), and no VRAM write targeted anything
-    else (a VMM target would have moved at host speed)."""
+    """What the device path promises, as the fake agent saw it over its whole life (also after the
+    engines have gone): no engine VRAM was ever registered with NIXL (only the broker's cudaMalloc
+    transfer buffers), and no VRAM write read from or targeted anything else (a VMM target would
+    have moved at host speed)."""
     agent = broker.agent
-    assert set(agent.vram_registrations()) <= {"cudaMalloc"}, agent.vram_registrations()
-    assert set(agent.vram_targets) <= {"cudaMalloc"} and agent.host_speed_writes == 0, agent.vram_targets
+    assert set(agent.vram_registered) <= {"cudaMalloc"}, f"VRAM registered with NIXL: {agent.vram_registered}"
+    assert set(agent.vram_sources) <= {"cudaMalloc"}, f"VRAM written from: {agent.vram_sources}"
+    assert set(agent.vram_targets) <= {"cudaMalloc"} and agent.host_speed_writes == 0, f"VRAM written to: {agent.vram_targets}"
 
 
 @pytest.fixture

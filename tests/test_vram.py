@@ -202,8 +202,10 @@ def _device_bytes(driver: cudavmm.Driver, allocator: str, size: int, device: int
 
 def test_the_fake_agent_keeps_what_a_gpu_showed() -> None:
     """An IPC-opened pointer cannot be registered (NIXL_ERR_BACKEND); a write into a VMM allocation
-    takes as long as its bytes take over TCP on the host; into cudaMalloc memory it does not. And
-    ``assert_device_rules`` catches a broker that wrote VRAM anywhere but a transfer buffer."""
+    takes as long as its bytes take over TCP on the host; into cudaMalloc memory it does not. The
+    agent remembers every VRAM registration and write source and target over its life, and
+    ``assert_device_rules`` catches a broker that wrote VRAM anywhere but a transfer buffer, or
+    that registered VRAM other than a transfer buffer, also once that registration is gone."""
     fake = FakeCudaLib(devices=1, granularity=4096)
     driver = cudavmm.Driver(fake)
     fabric = FakeFabric()
@@ -218,8 +220,10 @@ def test_the_fake_agent_keeps_what_a_gpu_showed() -> None:
     with pytest.raises(Exception, match="NIXL_ERR_BACKEND"):
         b.register(opened.address, size, VRAM, 0)
     a.register(source.data_ptr(), size, VRAM, 0)
-    b.register(vmm.data_ptr(), size, VRAM, 0)
+    vmm_registration = b.register(vmm.data_ptr(), size, VRAM, 0)
     b.register(legacy.data_ptr(), size, VRAM, 0)
+    assert a.vram_registered == a.vram_registrations() == {"cudaMalloc": 1}
+    assert b.vram_registered == b.vram_registrations() == {"vmm": 1, "cudaMalloc": 1}
     a.add_remote(b.metadata())
     source.fill_(7)
     timings: dict[str, float] = {}
@@ -234,12 +238,18 @@ def test_the_fake_agent_keeps_what_a_gpu_showed() -> None:
         assert torch.equal(target, source)
     assert timings["vmm"] >= size / HOST_SPEED_BPS
     assert a.host_speed_writes == 1 and a.vram_targets == {"vmm": 1, "cudaMalloc": 1}, "only the VMM target is slow"
+    assert a.vram_sources == {"cudaMalloc": 2} and b.vram_sources == {}
 
     class _Broker:
-        agent = a
+        def __init__(self, agent: FakeAgent) -> None:
+            self.agent = agent
 
-    with pytest.raises(AssertionError):
-        assert_device_rules(_Broker())  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="VRAM written to"):
+        assert_device_rules(_Broker(a))  # type: ignore[arg-type]
+    b.deregister(vmm_registration)  # as a broker would when its engine goes, before the teardown check
+    assert b.vram_registrations() == {"cudaMalloc": 1} and b.vram_registered == {"vmm": 1, "cudaMalloc": 1}
+    with pytest.raises(AssertionError, match="VRAM registered with NIXL"):
+        assert_device_rules(_Broker(b))  # type: ignore[arg-type]
     opened.release()
     for free in (free_source, free_vmm, free_legacy):
         free()

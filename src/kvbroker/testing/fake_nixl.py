@@ -16,7 +16,11 @@ With the fake CUDA driver attached (``FakeAgent(..., cuda=FakeCudaLib)`` or
 IPC handle fails as NIXL's did (``NIXL_ERR_BACKEND``), and a write whose
 target is a VMM allocation finishes only after its bytes would have crossed
 TCP on the host (``HOST_SPEED_BPS``), counted in ``host_speed_writes``.
-``vram_registrations`` lists what VRAM was registered, by allocation kind.
+``vram_registrations()`` lists what VRAM is registered now, by allocation
+kind; ``vram_registered``, ``vram_sources`` and ``vram_targets`` keep what
+the agent saw over its whole life (every VRAM registration, and the VRAM
+each write read from and wrote to, by allocation kind), so a check after
+the engines have gone still sees what was registered while they were there.
 """
 
 from __future__ import annotations
@@ -109,7 +113,10 @@ class FakeAgent:
         self._remotes: dict[str, list[tuple[int, int, int, int, str]]] = {}
         #: Writes that moved at host speed (their target was a VMM allocation).
         self.host_speed_writes = 0
-        #: VRAM write targets by allocation kind.
+        #: Over the agent's life: VRAM registrations (also those deregistered since), and the VRAM
+        #: descriptors that writes read from and wrote to, by allocation kind.
+        self.vram_registered: Counter[str] = Counter()
+        self.vram_sources: Counter[str] = Counter()
         self.vram_targets: Counter[str] = Counter()
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._scripts: deque[XferScript] = deque()
@@ -127,7 +134,8 @@ class FakeAgent:
         return len(self._regs)
 
     def vram_registrations(self) -> Counter[str]:
-        """VRAM registered now, by allocation kind (``FakeCudaLib.memory_kind``)."""
+        """VRAM registered now, by allocation kind (``FakeCudaLib.memory_kind``); what ever was:
+        ``vram_registered``."""
         return Counter(self._memory[h] for h, reg in self._regs.items() if reg[2] == _VRAM)
 
     # -- Agent protocol -------------------------------------------------
@@ -152,6 +160,8 @@ class FakeAgent:
         self._next_reg += 1
         self._regs[handle] = (address, size_bytes, kind, device_id)
         self._memory[handle] = memory
+        if kind == _VRAM:
+            self.vram_registered[memory] += 1
         return handle
 
     def deregister(self, registration: int) -> None:
@@ -225,6 +235,7 @@ class FakeAgent:
         if script.fail_post:
             raise NixlError("fake: post rejected by script")
         pairs = []
+        sources: set[str] = set()
         targets: set[str] = set()
         for li, ri in zip(local_indices.tolist(), remote_indices.tolist()):
             src, slen, _ = local.descs[li].tolist()
@@ -232,10 +243,13 @@ class FakeAgent:
             if slen != dlen:
                 raise NixlError("local and remote descriptors differ in length")
             pairs.append((src, dst, slen))
+            if local.memory:
+                sources.add(local.memory[li])
             if remote.memory:
                 targets.add(remote.memory[ri])
         target = remote.agent if remote.agent and remote.agent != self._name else self._name
         xfer = _Xfer(pairs=pairs, target=target, notif=notif, script=script)
+        self.vram_sources.update(sources)
         self.vram_targets.update(targets)
         if "vmm" in targets:
             # Measured: UCX moves a write into a VMM allocation over TCP on the host.
