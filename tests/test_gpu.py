@@ -67,17 +67,24 @@ def traced_brokers() -> Iterator[tuple[list[BrokerProcess], OtlpReceiver]]:
 
 
 def _fill(memory: EngineMemory) -> None:
+    """Random KV, and random non-zero bytes in every aux row (a decode row the aux never reached
+    stays all zero, so it cannot pass for the sent one)."""
     for layer in range(MODEL.num_layers):
         for tensor in memory.kv_tensors(layer):
             tensor.normal_()
+    generator = torch.Generator().manual_seed(11)
+    for rows in memory.aux:
+        rows.copy_(torch.randint(1, 256, rows.shape, dtype=torch.uint8, generator=generator))
     torch.cuda.synchronize()  # the broker reads the pages as soon as it has the chunk
 
 
 @pytest.mark.parametrize("gpus", [1, 2], ids=["one-gpu", "two-gpus"])
 def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, gpus: int) -> None:  # type: ignore[no-untyped-def]
     """Prefill KV on cuda:0 and decode KV on cuda:0 (or cuda:1) move byte-exact, random pages in
-    chunks, aux row too (one room verified by checksums computed on the GPU); both sides of every
-    room land in one trace; only packed parts carried them; no write moved at host speed."""
+    chunks into disjoint decode pages, a random aux row too (one room verified by checksums
+    computed on the GPU: each of its packed parts sent with one and checked by the decode broker);
+    both sides of every room land in one trace; only packed parts carried them; no write moved at
+    host speed."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA devices")
     brokers, receiver = traced_brokers
@@ -89,10 +96,12 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
         engines[role] = BrokerClient(broker.address).register_engine(spec, memories[role])
     _fill(memories["prefill"])
     generator = torch.Generator().manual_seed(3)
+    # Each room its own decode pages (rooms landing in the same pages would overwrite each other).
+    destinations = torch.randperm(4 * PAGES, generator=generator).split(PAGES)
     rooms = {}
     for room in (1, 2, 3):
         src = torch.randperm(4 * PAGES, generator=generator)[:PAGES]
-        dst = torch.randperm(4 * PAGES, generator=generator)[:PAGES]
+        dst = destinations[room - 1]
         engines["decode"].receiver(room, SenderRef(prefill.address, "gp")).init(dst.numpy(), aux_row=room, verify_checksum=room == 3)
         sender = engines["prefill"].sender(room)
         sender.init(PAGES, aux_row=0)
@@ -105,11 +114,16 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
         for layer in range(MODEL.num_layers):
             for a, b in zip(memories["prefill"].kv_tensors(layer), memories["decode"].kv_tensors(layer)):
                 assert torch.equal(a[src.cuda(a.device)].view(torch.uint8).cpu(), b[dst.cuda(b.device)].view(torch.uint8).cpu())
+    sent_aux = bytes(memories["prefill"].aux[0][0].cpu())
+    assert 0 not in sent_aux
     for room in rooms:
-        assert bytes(memories["decode"].aux[0][room].cpu()) == bytes(memories["prefill"].aux[0][0].cpu())
-    stats = prefill.stats()
+        assert bytes(memories["decode"].aux[0][room].cpu()) == sent_aux
+    stats, received = prefill.stats(), decode.stats()
     assert stats.transfers_packed >= len(rooms) * 4 and stats.transfers_per_token == stats.transfers_staged == 0
-    assert decode.stats().checksum_mismatches == 0
+    # Room 3 alone verifies checksums; the rooms are alike, so it had a third of the packed parts.
+    checked = received.packed_checksums_checked
+    assert checked == stats.transfers_packed // len(rooms) >= 4, f"{checked} checksums checked, {stats.transfers_packed} parts sent"
+    assert received.checksum_mismatches == 0
     for engine in engines.values():
         engine.close()
     _no_host_speed(prefill, decode)
@@ -123,32 +137,45 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
     assert all(len(traces) == 1 for traces in by_room.values()), by_room
 
 
+#: The adopt test's pages: 128 of 32 KiB per KV tensor (4 MiB tensors), 64 of them in one room:
+#: an 8 MiB packed part, well over the 1 MiB the brokers' throughput check judges.
+ADOPT_PAGES, ADOPT_ROOM_PAGES = 128, 64
+
+
 def test_kv_torch_allocated_moves_from_where_it_lies(traced_brokers) -> None:  # type: ignore[no-untyped-def]
     """Regression (NIXL_ERR_BACKEND on an H100): KV in tensors torch allocated itself (its caching
     allocator: cudaMalloc segments), adopted where they lie (CUDA IPC handles, never registered with
-    NIXL), moves byte-exact to kvbroker-allocated VRAM on the same GPU through another broker; the
-    aux row (host memory) with it."""
+    NIXL), moves byte-exact to kvbroker-allocated VRAM on the same GPU through another broker, in
+    packed parts of megabytes (so a write at host speed shows); the aux row (host memory) with it."""
     (prefill, decode), _ = traced_brokers
     model = ModelSpec(num_layers=2, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
     spec = RankSpec(group="own", role="prefill")
-    kv = {layer: [torch.randn(32, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)] for layer in range(2)}
+    kv = {
+        layer: [torch.randn(ADOPT_PAGES, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0") for _ in range(2)]
+        for layer in range(2)
+    }
     aux = torch.arange(32, dtype=torch.uint8).view(2, 16)
     own = EngineMemory.adopt(spec, model, kv=kv, aux=[aux])
     assert own.buffers[0][1].cuda_ipc_handle, "torch's allocations go as CUDA IPC handles"
     target_spec = RankSpec(group="vmm", role="decode")
-    target = EngineMemory.allocate(target_spec, model, num_pages=32, aux_rows=2, aux_row_bytes=[16], device="cuda:0")
+    target = EngineMemory.allocate(target_spec, model, num_pages=ADOPT_PAGES, aux_rows=2, aux_row_bytes=[16], device="cuda:0")
     sender_engine = BrokerClient(prefill.address).register_engine(spec, own)
     receiver_engine = BrokerClient(decode.address).register_engine(target_spec, target)
     torch.cuda.synchronize()
-    receiver_engine.receiver(1, SenderRef(prefill.address, "own")).init([3, 4], aux_row=0)
+    generator = torch.Generator().manual_seed(5)
+    src = torch.randperm(ADOPT_PAGES, generator=generator)[:ADOPT_ROOM_PAGES]
+    dst = torch.randperm(ADOPT_PAGES, generator=generator)[:ADOPT_ROOM_PAGES]
+    receiver_engine.receiver(1, SenderRef(prefill.address, "own")).init(dst.numpy(), aux_row=0)
     sender = sender_engine.sender(1)
-    sender.init(2, aux_row=1)
-    sender.send([7, 9])
+    sender.init(ADOPT_ROOM_PAGES, aux_row=1)
+    sender.send(src.numpy())
     assert receiver_engine.wait([1], timeout_seconds=30)[1].state == RoomState.SUCCESS
     for layer in range(2):
         for a, b in zip(kv[layer], target.kv_tensors(layer)):
-            assert torch.equal(a[[7, 9]].view(torch.uint8).cpu(), b[[3, 4]].view(torch.uint8).cpu())
+            assert torch.equal(a[src.cuda(a.device)].view(torch.uint8).cpu(), b[dst.cuda(b.device)].view(torch.uint8).cpu())
     assert bytes(target.aux[0][0].cpu()) == bytes(aux[1])
+    stats = prefill.stats()
+    assert stats.transfers_packed >= 1 and stats.transfers_staged == stats.transfers_per_token == 0, stats
     sender_engine.close()
     receiver_engine.close()
     _no_host_speed(prefill, decode)

@@ -55,6 +55,7 @@ class Admin:
             late_notices=c.late_notices,
             bad_notices=c.bad_notices,
             checksum_mismatches=c.checksum_mismatches,
+            packed_checksums_checked=c.packed_checksums_checked,
             uptime_seconds=int(q.uptime_seconds()),
             draining=q.draining,
             open_rooms=q.open_rooms(),

@@ -92,6 +92,7 @@ class StagingCopies:
                     return lambda: int(crc)
 
                 got = await self._lanes.run(slot, crc_job)
+                self._counters.packed_checksums_checked += 1
                 if got != notice.packed_checksum:
                     self._counters.checksum_mismatches += 1
                     raise FailedPrecondition(

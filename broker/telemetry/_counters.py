@@ -31,3 +31,5 @@ class Counters:
     bad_notices: int = 0
     #: Chunks whose bytes differed from the sender's checksum (or came without one).
     checksum_mismatches: int = 0
+    #: Packed parts whose checksum (sent by the sender) the receiver compared before scattering.
+    packed_checksums_checked: int = 0
