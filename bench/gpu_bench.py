@@ -2,6 +2,7 @@
 
     python bench/gpu_bench.py                       # cuda:0: the whole matrix and the targets
     python bench/gpu_bench.py --device cpu --quick  # smoke test without a GPU (host memory, small)
+    python bench/gpu_bench.py --fake-gpu            # the device path's own cost on CPU (gpu_fake.py)
 
 A sample moves ``--rooms`` rooms x ``--chunks`` chunks; a chunk is ``--chunk-mib`` MiB: the same
 pages of each of the 2 x ``--layers`` K/V regions (8 KV heads, bfloat16, ``--page-kib`` KiB per
@@ -100,8 +101,9 @@ class Engines:
     decode: list[Rank] = field(default_factory=list)
 
     @classmethod
-    def register(cls, brokers: Sequence[Any], model: Any, tp: int, pages: int, device: str
-                 ) -> Engines:
+    def register(cls, brokers: Sequence[Any], model: Any, tp: int, pages: int, device: str,
+                 prepare: Callable[[Any], None] | None = None) -> Engines:
+        """``prepare(memory)`` runs on each rank's memory (filled) before it registers."""
         from kvbroker.client import BrokerClient, EngineMemory, RankSpec
 
         eng = cls(brokers[0].address, f"gpubench-{secrets.token_hex(4)}")
@@ -115,6 +117,8 @@ class Engines:
                     for _, t in eng.tensors(rank) if role == "prefill" else ():
                         t.view(torch.uint8).random_(0, 256)
                     sync(memory.raw.device)
+                    if prepare is not None:
+                        prepare(memory)
                     rank.engine = rank.client.register_engine(spec, memory)
         except BaseException:
             eng.close()
@@ -451,6 +455,10 @@ def report(a: argparse.Namespace, done: list[Measure], latency: dict[str, list[f
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "--fake-gpu" in (sys.argv[1:] if argv is None else argv):  # its own options: gpu_fake.py
+        from gpu_fake import main as fake_gpu_main
+
+        return fake_gpu_main([x for x in (sys.argv[1:] if argv is None else argv) if x != "--fake-gpu"])
     a = parse_args(argv)
     done: list[Measure] = []
     latency: dict[str, list[float]] = {}

@@ -50,6 +50,8 @@ class Admin:
             transfers_per_token=c.transfers_per_token,
             transfers_token_runs=c.transfers_token_runs,
             transfers_packed=c.transfers_packed,
+            device_launches=self._broker.views.launches,
+            peer_calls_answered=dict(c.peer_calls_answered),
             staging_send_bytes_in_use=q.staging_in_use("send"),
             staging_receive_bytes_in_use=q.staging_in_use("receive"),
             late_notices=c.late_notices,

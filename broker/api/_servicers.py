@@ -163,36 +163,51 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
         stream.end()
 
 
+def _peer(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
+    """A ``PeerBroker`` call: counted in ``Stats.peer_calls_answered``, then :func:`_unary`."""
+    inner = _unary(fn)
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: PeerService, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
+        self._broker.counters.peer_calls_answered[name] += 1
+        return await inner(self, request, context)
+
+    return wrapper
+
+
 class PeerService(peer_pb2_grpc.PeerBrokerServicer):
     """``kvbroker.v1.PeerBroker``: other brokers."""
 
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
 
-    @_unary
+    @_peer
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
         return await self._broker.peer_calls.handshake(request)
 
-    @_unary
+    @_peer
     async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
         return self._broker.peer_calls.register_rooms(request)
 
-    @_unary
+    @_peer
     async def ReserveStaging(
         self, request: peer_pb2.ReserveStagingRequest, context: Any
     ) -> peer_pb2.ReserveStagingResponse:
         return await self._broker.peer_calls.reserve_staging(request)
 
-    @_unary
+    @_peer
     async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
         self._broker.peer_calls.completion_report(request)
         return peer_pb2.CompletionAck()
 
-    @_unary
+    @_peer
     async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
         return self._broker.peer_calls.peer_aborts(request)
 
-    @_unary
+    @_peer
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
         return peer_pb2.PingResponse(broker_id=self._broker.broker_id)
 

@@ -65,6 +65,10 @@ class ArrayViews:
 
     def __init__(self, *, device_as_host: bool = False) -> None:
         self.device_as_host = device_as_host
+        #: Device operations the copies issued (``Stats.device_launches``): each
+        #: index upload, index op and cross-device copy, and each checksum's.
+        #: Counted on the copy thread, which issues them all.
+        self.launches = 0
 
     def view(self, span: Extent) -> Array:
         """A uint8 numpy array (DRAM) or torch tensor (VRAM) over ``span`` (no copy)."""
@@ -118,7 +122,13 @@ def checksum(views: ArrayViews, slot: Extent) -> Any:
         return zlib.crc32(array_at(slot.address, slot.nbytes).data)
     from kvbroker.broker.device._devcrc import crc32_tensor
 
+    views.launches += _CRC_LAUNCHES
     return crc32_tensor(views.tensor(slot))
+
+
+#: Launches counted per device checksum: one entry point, until ``_devcrc``
+#: reports its own count per call.
+_CRC_LAUNCHES = 1
 
 
 def _copy(views: ArrayViews, blocks: Sequence[Block], regions: Sequence[Sequence[Extent]], slot: Extent, *, into_slot: bool) -> None:
@@ -227,27 +237,29 @@ def _torch_copy(views: ArrayViews, block: Block, spans: Sequence[Extent], slot: 
             # is 10-25x slower than region by region (measured here); on a GPU
             # the one launch over the stacked view is the point.
             for i in range(len(spans)):
-                _move(region[i], 0, index, packed[i], into_slot)
+                views.launches += _move(region[i], 0, index, packed[i], into_slot)
         else:
-            _move(region, 1, index, packed, into_slot)
+            views.launches += _move(region, 1, index, packed, into_slot)
         return
     for i, span in enumerate(spans):
         base = views.tensor(span).view(dtype)
         region = torch.as_strided(base, shape, strides, block.row_offset // width)
-        _move(region, 0, index, packed[i], into_slot)
+        views.launches += _move(region, 0, index, packed[i], into_slot)
 
 
-def _move(region: Any, dim: int, index: Any, packed: Any, into_slot: bool) -> None:
-    """One index op between ``region`` (items along ``dim``) and its packed block."""
+def _move(region: Any, dim: int, index: Any, packed: Any, into_slot: bool) -> int:
+    """One index op between ``region`` (items along ``dim``) and its packed block; the
+    launches it issued (the index upload counts, a no-op on the host, a copy on a GPU)."""
     import torch
 
     index = index.to(region.device, non_blocking=True)
     if into_slot:
         if region.device == packed.device:
             torch.index_select(region, dim, index, out=packed)
-        else:
-            packed.copy_(torch.index_select(region, dim, index), non_blocking=True)
-    else:
-        source = packed if packed.device == region.device else packed.to(region.device, non_blocking=True)
-        region.index_copy_(dim, index, source)
+            return 2
+        packed.copy_(torch.index_select(region, dim, index), non_blocking=True)
+        return 3
+    source = packed if packed.device == region.device else packed.to(region.device, non_blocking=True)
+    region.index_copy_(dim, index, source)
+    return 2 if source is packed else 3
 

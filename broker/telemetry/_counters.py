@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 __all__ = ["Counters"]
 
@@ -33,3 +34,5 @@ class Counters:
     checksum_mismatches: int = 0
     #: Packed parts whose checksum (sent by the sender) the receiver compared before scattering.
     packed_checksums_checked: int = 0
+    #: PeerBroker calls this broker answered, by method.
+    peer_calls_answered: Counter[str] = field(default_factory=Counter)

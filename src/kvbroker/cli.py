@@ -10,8 +10,12 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvbroker import __version__
+
+if TYPE_CHECKING:
+    from kvbroker.broker import BrokerConfig
 
 __all__ = ["main"]
 
@@ -238,7 +242,12 @@ def _serve(args: argparse.Namespace) -> int:
         etcd_ttl_seconds=args.etcd_ttl,
     )
     try:
-        return asyncio.run(_serve_async(config, args.ready_file))
+        try:
+            options = _testing_server_options(config)
+        except ValueError as exc:
+            print(f"kvbroker serve: error: {exc}", file=sys.stderr)
+            return 2
+        return asyncio.run(_serve_async(config, args.ready_file, options))
     finally:
         # Flush spans still batched (OTLP) before the process goes.
         tracer_provider.shutdown()
@@ -261,10 +270,24 @@ def _exit_with_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
-async def _serve_async(config: object, ready_file: str | None) -> int:
+def _testing_server_options(config: BrokerConfig) -> dict[str, object]:
+    """What a testing-only environment variable changes in the server: with
+    ``KVBROKER_TESTING_FAKE_GPUS=N`` the broker runs on N fake GPUs
+    (``kvbroker.testing.fake_gpu``, which says so loudly on stderr); else nothing."""
+    if not os.environ.get("KVBROKER_TESTING_FAKE_GPUS"):
+        return {}
+    import uuid
+
+    from kvbroker.testing.fake_gpu import fake_gpu_server_options
+
+    name = f"{config.agent_name_prefix}-{uuid.uuid4().hex[:12]}"
+    return fake_gpu_server_options(name, config.ucx_error_mode) or {}
+
+
+async def _serve_async(config: BrokerConfig, ready_file: str | None, options: dict[str, object] | None = None) -> int:
     from kvbroker.broker import BrokerServer
 
-    server = BrokerServer(config)  # type: ignore[arg-type]
+    server = BrokerServer(config, **(options or {}))  # type: ignore[arg-type]
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

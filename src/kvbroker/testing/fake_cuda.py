@@ -62,8 +62,13 @@ def _out(arg: Any) -> Any:
 class FakeCudaLib:
     """The CUDA driver's VMM surface, in Python, with books kept."""
 
-    def __init__(self, devices: int = 2, granularity: int = 2 << 20, rdma: bool = True) -> None:
+    def __init__(self, devices: int = 2, granularity: int = 2 << 20, rdma: bool = True, *, foreign_fds: bool = False) -> None:
         self.devices = devices
+        #: Whether ``cuMemImportFromShareableHandle`` takes a memfd this driver never
+        #: exported as a new allocation of its size: a broker process's driver, for
+        #: engines in another process with fake drivers of their own (each process's
+        #: books are its own there, as its driver's would be on a GPU).
+        self.foreign_fds = foreign_fds
         self.granularity_bytes = granularity
         self.rdma = rdma
         #: call name -> CUresult to return instead of succeeding (once each time it is called).
@@ -271,10 +276,20 @@ class FakeCudaLib:
         except OSError:
             return 1
         if handle is None or handle not in self._backing:
-            return 1
+            if not self.foreign_fds:
+                return 1
+            handle = self._foreign(_value(os_handle))
         self.refs[handle] += 1
         _out(out).value = handle
         return 0
+
+    def _foreign(self, fd: int) -> int:
+        """A memfd another process's fake driver exported: a new allocation of its size here."""
+        handle = next(self._handles)
+        self.sizes[handle] = os.fstat(fd).st_size
+        self._backing[handle] = os.dup(fd)
+        self._exported[os.fstat(fd).st_ino] = handle
+        return handle
 
     # -- allocations the engine made itself ----------------------------------
     def _cuMemAlloc_v2(self, out: Any, size: Any) -> int:
