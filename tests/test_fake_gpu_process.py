@@ -29,6 +29,8 @@ from .conftest import fill_regions
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 
+#: Warnings that a fake GPU earns by design (its device memory moves as host memory does).
+HOST_SPEED_VERDICTS = ("transport_host_fallback", "vram_transfer_at_host_speed")
 MODEL = ModelSpec(num_layers=3, total_kv_heads=4, head_dim=32, dtype=torch.bfloat16, page_size=8)
 
 
@@ -102,7 +104,9 @@ def test_a_room_moves_packed_between_fake_gpu_broker_processes(fake_gpu_brokers:
     assert fake.leaks() == []
     for b in (p, d):
         assert "FAKE GPU" in b.log_tail(100_000), "the broker says at start that its GPU is fake"
-        assert b.warnings() == {}, b.warnings()
+        # A fake GPU's "VRAM" is host memory: verdicts that it moves at host speed are right.
+        warnings = {e: n for e, n in b.warnings().items() if e not in HOST_SPEED_VERDICTS}
+        assert warnings == {}, warnings
 
 
 def test_a_bad_fake_gpu_count_stops_serve_at_start() -> None:
