@@ -83,13 +83,19 @@ class BrokerConfig:
     staging_wait_seconds: float = 30.0
     #: The device path (docs/architecture.md): per GPU an engine's memory lives
     #: on, a send and a receive transfer buffer (cudaMalloc, registered with
-    #: NIXL once; engine VRAM never is), this many bytes each.
-    device_send_bytes: int = 256 * 1024 * 1024
-    device_receive_bytes: int = 256 * 1024 * 1024
+    #: NIXL once; engine VRAM never is), this many bytes each, but at most
+    #: 1/32 of the GPU's memory each (``memory.DEVICE_SHARE``: 2.5 GB of an
+    #: 80 GB H100, so the default stands there; 256 MiB on an 8 GB GPU).
+    #: Four parts each by default: one gathered, one written, one scattered,
+    #: one waiting.
+    device_send_bytes: int = 512 * 1024 * 1024
+    device_receive_bytes: int = 512 * 1024 * 1024
     #: The largest packed part (one NIXL write): a chunk packed larger than
     #: this (or than half a transfer buffer) is split into several parts, so
-    #: gathers, writes and scatters of consecutive parts overlap.
-    device_part_bytes: int = 64 * 1024 * 1024
+    #: gathers, writes and scatters of consecutive parts overlap. On an H100
+    #: one write moved 48-52 GB/s with 32 MiB chunks and 89-96 GB/s with
+    #: 128 MiB (../shared/gpu figures, docs/benchmarks.md).
+    device_part_bytes: int = 128 * 1024 * 1024
     #: Mutual TLS on the TCP port (peers and operators): this broker's
     #: certificate chain and key, and the CA that signs every broker's (and
     #: operator's) certificate. All three set: the TCP port accepts only
@@ -100,10 +106,13 @@ class BrokerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
-    #: A transfer touching GPU memory that moves slower than this (GB/s, for
-    #: transfers of 1 MiB or more) is logged as a warning: UCX probably fell
-    #: back to TCP or a host copy.
-    vram_slow_gbps: float = 20.0
+    #: The transport self-test (docs/architecture.md, "The device path"): a
+    #: pair of transfer buffers where either side is a GPU's that writes
+    #: slower than this (GB/s) moves through the host ("host fallback": UCX
+    #: found no CUDA transport), logged once as a warning. Probe writes are
+    #: this many bytes (at most half of either buffer).
+    transport_floor_gbps: float = 20.0
+    transport_probe_bytes: int = 64 * 1024 * 1024
     #: Largest gRPC message accepted or sent (page index lists are the bulk).
     max_message_bytes: int = 64 * 1024 * 1024
     #: etcd endpoint (http://HOST:PORT) to keep this broker's record in

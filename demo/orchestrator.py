@@ -42,6 +42,16 @@ class _Broker:
             stats: admin_pb2.Stats = admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
             return stats
 
+    def transports(self) -> list[str]:
+        """This broker's transport self-test verdicts (ListPeers): "prefill VRAM:0->VRAM:0 device speed 312.4 GB/s"."""
+        with grpc.insecure_channel(self.address) as channel:
+            peers = admin_pb2_grpc.AdminStub(channel).ListPeers(admin_pb2.ListPeersRequest(), timeout=10).peers
+        return [
+            f"{self.name} {t.local}->{t.remote} {t.verdict}" + (f" {t.gbps:.1f} GB/s" if t.gbps else "")
+            for peer in peers
+            for t in peer.transports
+        ]
+
 
 @dataclass
 class _Tally:
@@ -55,6 +65,8 @@ class _Tally:
     errors: list[str] = field(default_factory=list)
     #: "event (broker)" -> how often the brokers the demo started logged it at warning or above.
     warnings: dict[str, int] = field(default_factory=dict)
+    #: The brokers' transport self-test verdicts (pairs of transfer buffers where either is a GPU's).
+    transports: list[str] = field(default_factory=list)
 
 
 def _broker_warnings(brokers: list[_Broker]) -> dict[str, int]:
@@ -233,6 +245,10 @@ def run_demo(args: argparse.Namespace) -> int:
             tables = _wait_for_empty_tables(brokers, timeout_seconds=15)
         else:
             tables = {b.name: dict(b.stats().per_room_state) for b in brokers}
+        tally.transports = [line for b in brokers for line in b.transports()]
+        if args.device == "cuda" and not tally.transports:
+            tally.errors.append("GPU memory moved, but no broker probed a pair of transfer buffers")
+        tally.errors += [f"the transport self-test found a pair moving through the host: {t}" for t in tally.transports if "device speed" not in t]
     except grpc.RpcError as exc:  # a broker that does not answer any more
         tally.errors.append(f"a broker does not answer: {exc.code().name} {exc.details()}")
     except Exception as exc:  # report, then clean up
@@ -402,6 +418,7 @@ def _summary(
         "brokers": "single" if args.single_broker else ("external" if args.prefill_broker else "two"),
         "per_room_state": tables,
         "broker_warnings": tally.warnings,
+        "transports": tally.transports,
     }
     if args.json:
         print(json.dumps(summary))
@@ -416,6 +433,7 @@ def _summary(
         for name, table in tables.items():
             state = "all zero" if not any(table.values()) else ", ".join(f"{k}={v}" for k, v in table.items() if v)
             print(f"  {name:13} per-room tables: {state}")
+        print(f"  transport     {'; '.join(tally.transports) or 'no pair probed (no GPU memory)'}")
         if owned:
             said = ", ".join(f"{event} x{n}" for event, n in sorted(tally.warnings.items())) or "none"
             print(f"  broker warnings {said}")

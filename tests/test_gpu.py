@@ -5,11 +5,13 @@
 Skipped without CUDA (the conftest skips every ``gpu`` test when CUDA is
 missing). Each test runs on one GPU with two ``kvbroker serve`` processes
 (a prefill and a decode host sharing cuda:0); the first also has a variant
-between two GPUs for hosts that have them. Every test fails if a broker
-logged ``vram_transfer_at_host_speed`` (a VRAM write that moved like a host
-copy: UCX fell back to TCP, which is what registering engine VRAM did on an
-H100). What these tests check on CPU instead is tests/test_vram.py (the
-same code on CPU tensors, with the rules the GPU showed in the fake agent).
+between two GPUs for hosts that have them. Every test asserts the brokers'
+transport self-test: each pair of transfer buffers the rooms used was
+probed and moves at device speed (a "host fallback" is UCX moving GPU
+memory through TCP, as registering engine VRAM did on an H100). What these
+tests check on CPU instead is tests/test_vram.py and
+tests/test_transport_probe.py (the same code on CPU tensors, with the rules
+the GPU showed in the fake agent).
 
 Status: written for the device path without a GPU at hand; see the
 latest issue note for which of them have run on one.
@@ -23,25 +25,33 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.otlp import OtlpReceiver
+from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-#: Big enough rooms that every packed part is over 1 MiB: the brokers' throughput check
-#: (``vram_transfer_at_host_speed``) only judges writes of 1 MiB or more.
+#: Rooms of megabytes: packed parts of 2 MiB and more.
 MODEL = ModelSpec(num_layers=4, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
 PAGES = 64
 
 
-def _no_host_speed(*brokers: BrokerProcess) -> None:
-    for broker in brokers:
-        log = broker.log_path.read_text(errors="replace")
-        assert "vram_transfer_at_host_speed" not in log, f"broker {broker.name} moved VRAM at host speed:\n{broker.log_tail()}"
+def _device_speed(sender: BrokerProcess, receiver: BrokerProcess, receiver_gpu: int = 0) -> None:
+    """The sender's broker probed the pair of GPU transfer buffers its rooms used (ListPeers), and
+    it moves at device speed; no broker warned of a host fallback or a failed probe."""
+    with grpc.insecure_channel(sender.address) as channel:
+        peers = admin_pb2_grpc.AdminStub(channel).ListPeers(admin_pb2.ListPeersRequest(), timeout=10).peers
+    verdicts = [(t.local, t.remote, t.verdict, round(t.gbps, 1)) for p in peers if p.address == receiver.address for t in p.transports]
+    assert ("VRAM:0", f"VRAM:{receiver_gpu}") in {(local, remote) for local, remote, _, _ in verdicts}, verdicts
+    assert all(verdict == "device speed" for _, _, verdict, _ in verdicts), f"{verdicts}\n{sender.log_tail()}"
+    for broker in (sender, receiver):
+        warned = broker.warnings()
+        assert not {"transport_host_fallback", "transport_probe_failed"} & set(warned), warned
 
 
 @pytest.fixture
@@ -126,7 +136,7 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
     assert received.checksum_mismatches == 0
     for engine in engines.values():
         engine.close()
-    _no_host_speed(prefill, decode)
+    _device_speed(prefill, decode, receiver_gpu=gpus - 1)
     for broker in brokers:
         broker.stop()
     spans = [s for s in receiver.spans() if s.name == "kvbroker.room"]
@@ -138,7 +148,7 @@ def test_vram_rooms_move_through_transfer_buffers_in_one_trace(traced_brokers, g
 
 
 #: The adopt test's pages: 128 of 32 KiB per KV tensor (4 MiB tensors), 64 of them in one room:
-#: an 8 MiB packed part, well over the 1 MiB the brokers' throughput check judges.
+#: an 8 MiB packed part.
 ADOPT_PAGES, ADOPT_ROOM_PAGES = 128, 64
 
 
@@ -146,7 +156,8 @@ def test_kv_torch_allocated_moves_from_where_it_lies(traced_brokers) -> None:  #
     """Regression (NIXL_ERR_BACKEND on an H100): KV in tensors torch allocated itself (its caching
     allocator: cudaMalloc segments), adopted where they lie (CUDA IPC handles, never registered with
     NIXL), moves byte-exact to kvbroker-allocated VRAM on the same GPU through another broker, in
-    packed parts of megabytes (so a write at host speed shows); the aux row (host memory) with it."""
+    packed parts of megabytes, through a pair the transport self-test found at device speed; the
+    aux row (host memory) with it."""
     (prefill, decode), _ = traced_brokers
     model = ModelSpec(num_layers=2, total_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
     spec = RankSpec(group="own", role="prefill")
@@ -178,7 +189,7 @@ def test_kv_torch_allocated_moves_from_where_it_lies(traced_brokers) -> None:  #
     assert stats.transfers_packed >= 1 and stats.transfers_staged == stats.transfers_per_token == 0, stats
     sender_engine.close()
     receiver_engine.close()
-    _no_host_speed(prefill, decode)
+    _device_speed(prefill, decode)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +206,8 @@ def test_kv_torch_allocated_moves_from_where_it_lies(traced_brokers) -> None:  #
 )
 def test_demo_moves_vram_byte_exact(layout: list[str]) -> None:
     """``kvbroker demo --device cuda``: two broker processes, every rank's KV in VRAM (on cuda:0
-    when it is the only GPU), every byte verified, no broker warned of host-speed VRAM writes."""
+    when it is the only GPU), every byte verified, every pair the transport self-test probed at
+    device speed (the demo fails otherwise), no broker warning."""
     result = subprocess.run(
         [sys.executable, "-m", "kvbroker", "demo", "--device", "cuda", "--rooms", "8", "--no-progress", *layout],
         capture_output=True,
@@ -204,5 +216,6 @@ def test_demo_moves_vram_byte_exact(layout: list[str]) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verified byte-exact, 0 failed, 0 mismatched" in result.stdout
-    assert "vram_transfer_at_host_speed" not in result.stdout + result.stderr
+    [transport] = [line for line in result.stdout.splitlines() if line.strip().startswith("transport ")]
+    assert "device speed" in transport and "host fallback" not in transport and "failed" not in transport, transport
     assert "broker warnings none" in result.stdout

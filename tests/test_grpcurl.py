@@ -142,6 +142,9 @@ def test_list_calls_filter_rooms_and_describe_peers(rooms) -> None:
     (peer,) = _call(p.address, "ListPeers")["peers"]
     assert peer["handshaken"] and "NIXL UCX" in peer["transport"] and int(peer["bytes_sent"]) > 0
     assert peer["memory"] == ["DRAM->DRAM"]
+    # The transport self-test on demand: host memory on both sides, no GPU pair to probe.
+    (probed,) = _call(p.address, "ProbeTransport", {"peer": peer["address"]})["peers"]
+    assert probed["broker_id"] == peer["broker_id"] and probed.get("transports", []) == []
 
 
 def test_abort_room_and_drain(rooms) -> None:

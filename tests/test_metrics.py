@@ -1,4 +1,4 @@
-"""Metrics: the Prometheus scrape endpoint of a running broker, and the slow-VRAM warning."""
+"""Metrics: the Prometheus scrape endpoint of a running broker (the transport self-test's gauge: tests/test_transport_probe.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,10 @@ import urllib.request
 
 import numpy as np
 import pytest
-from structlog.testing import capture_logs
 
-from kvbroker.broker.execution._parts import observe_write
-from kvbroker.broker.peers._table import Peer
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.engine_child import MODEL
-from kvbroker.v1 import common_pb2
 
 
 def _free_port() -> int:
@@ -65,15 +61,3 @@ def test_prometheus_endpoint_reports_bytes_rooms_and_latency() -> None:
     assert value("kvbroker_sessions") == 2
     assert value("kvbroker_staging_bytes_in_use_bytes", 'direction="receive"') == 0
 
-
-def test_vram_moving_at_host_speed_is_logged_once() -> None:
-    """A transfer touching VRAM below the threshold logs one warning naming the peer (then waits a minute)."""
-    peer = Peer(address="10.0.0.2:50051")
-    vram = (common_pb2.MEMORY_KIND_VRAM, common_pb2.MEMORY_KIND_VRAM)
-    with capture_logs() as logs:
-        observe_write(peer, 64 << 20, 0.2, vram, 20e9)  # ~0.34 GB/s
-        observe_write(peer, 64 << 20, 0.2, vram, 20e9)
-        observe_write(peer, 64 << 20, 0.2, (common_pb2.MEMORY_KIND_DRAM,) * 2, 20e9)
-    warnings = [e for e in logs if e["event"] == "vram_transfer_at_host_speed"]
-    assert len(warnings) == 1 and warnings[0]["peer"] == "10.0.0.2:50051" and warnings[0]["memory"] == "VRAM->VRAM"
-    assert peer.bytes_sent == 3 * (64 << 20) and 0.3e9 < peer.throughput_bps < 0.4e9

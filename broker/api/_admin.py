@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.api._queries import Queries
+from kvbroker.broker.peers import Peer, pool_name
 from kvbroker.broker.rooms import Receiver, Side, Source
 from kvbroker.errors import NotFound
 from kvbroker.v1 import admin_pb2, peer_pb2
@@ -105,14 +106,35 @@ class Admin:
                     bytes_sent=peer.bytes_sent,
                     throughput_gbps=peer.throughput_bps / 1e9,
                     last_seen_seconds=now - peer.last_seen,
+                    transports=transports(peer, now),
                 )
             )
         return out
 
     async def fleet(self) -> list[admin_pb2.FleetBroker]:
-        """The fleet in etcd as this broker's watch last saw it (empty without --etcd)."""
+        """The fleet in etcd as this broker's watch last saw it (empty without
+        --etcd), with this broker's transport self-test of each member."""
         view = self._broker.fleet_view
-        return await view.describe() if view is not None else []
+        if view is None:
+            return []
+        members = await view.describe()
+        now = time.monotonic()
+        for member in members:
+            peer = self._broker.peers.by_id.get(member.broker_id)
+            if peer is not None:
+                member.transports.extend(transports(peer, now))
+        return members
+
+    async def probe_transport(self, address: str) -> list[admin_pb2.PeerInfo]:
+        """The transport self-test of the peer at ``address`` (every handshaken
+        peer if empty), now; the peers' records with the verdicts."""
+        peers = [p for p in self._q.peers() if p.broker_id is not None and not p.is_self]
+        if address:
+            peers = [p for p in peers if p.address == address]
+            if not peers:
+                raise NotFound(f"no handshaken peer at {address} (ListPeers lists them)")
+        await self._broker.executor.probes.probe(peers)
+        return [info for info in self.list_peers() if any(info.broker_id == p.broker_id for p in peers)]
 
     def fleet_groups(self) -> list[admin_pb2.FleetGroup]:
         view = self._broker.fleet_view
@@ -206,3 +228,20 @@ class Admin:
                     settled=exp.settled,
                 )
         return detail
+
+
+def transports(peer: Peer, now: float) -> list[admin_pb2.TransportProbe]:
+    """The peer's transport self-test verdicts, as the operator sees them."""
+    return [
+        admin_pb2.TransportProbe(
+            local=pool_name(v.local),
+            remote=pool_name(v.remote),
+            verdict=v.verdict,
+            gbps=v.gbps,
+            floor_gbps=v.floor_gbps,
+            bytes=v.nbytes,
+            writes=v.writes,
+            age_seconds=now - v.at,
+        )
+        for v in sorted(peer.transports.values(), key=lambda v: (v.local, v.remote))
+    ]

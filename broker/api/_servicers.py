@@ -211,6 +211,15 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
         return peer_pb2.PingResponse(broker_id=self._broker.broker_id)
 
+    @_peer
+    async def ReserveProbe(self, request: peer_pb2.ReserveProbeRequest, context: Any) -> peer_pb2.ReserveProbeResponse:
+        return await self._broker.peer_calls.reserve_probe(request)
+
+    @_peer
+    async def ReleaseProbe(self, request: peer_pb2.ReleaseProbeRequest, context: Any) -> peer_pb2.ReleaseProbeResponse:
+        self._broker.peer_calls.release_probe(request)
+        return peer_pb2.ReleaseProbeResponse()
+
 
 class AdminService(admin_pb2_grpc.AdminServicer):
     """``kvbroker.v1.Admin``: operators."""
@@ -229,6 +238,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @_unary
     async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Any) -> admin_pb2.ListPeersResponse:
         return admin_pb2.ListPeersResponse(peers=self._admin.list_peers(), fleet=await self._admin.fleet())
+
+    @_unary
+    async def ProbeTransport(
+        self, request: admin_pb2.ProbeTransportRequest, context: Any
+    ) -> admin_pb2.ProbeTransportResponse:
+        return admin_pb2.ProbeTransportResponse(peers=await self._admin.probe_transport(request.peer))
 
     @_unary
     async def ListRooms(self, request: admin_pb2.ListRoomsRequest, context: Any) -> admin_pb2.ListRoomsResponse:

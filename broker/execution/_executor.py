@@ -33,6 +33,7 @@ from kvbroker.broker.device import ArrayViews, Lanes
 from kvbroker.broker.execution._copies import StagingCopies
 from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._peer_calls import PeerCalls
+from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import record_room_end
 from kvbroker.broker.execution._tasks import TaskSet
@@ -96,7 +97,19 @@ class Executor:
         self._tasks = tasks
         self._metrics = metrics
         self._copies = StagingCopies(pools=pools, views=views, lanes=lanes, workers=workers, counters=counters)
+        #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
+        self.probes = TransportProbes(
+            broker_id=broker_id,
+            config=config,
+            dataplane=dataplane,
+            peers=peers,
+            client=client,
+            pools=pools,
+            tasks=tasks,
+            metrics=metrics,
+        )
         self._parts = PartsInFlight(
+            probes=self.probes,
             broker_id=broker_id,
             config=config,
             sender=sender,

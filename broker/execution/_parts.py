@@ -33,6 +33,7 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane, Posting, Settled, XferState
 from kvbroker.broker.execution._copies import StagingCopies, as_broker_error, slot_of
+from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._writes import (
     packed_write,
@@ -43,7 +44,7 @@ from kvbroker.broker.execution._writes import (
     write_tokens,
 )
 from kvbroker.broker.memory import Reservation, StagingPool, StagingPools
-from kvbroker.broker.peers import Peer, PeerClient, PeerTable
+from kvbroker.broker.peers import PeerClient, PeerTable
 from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, SenderCore
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
@@ -51,7 +52,7 @@ from kvbroker.plan import PartKind, kv_block, pool_text
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["PartsInFlight", "observe_write"]
+__all__ = ["PartsInFlight"]
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +68,7 @@ class PartsInFlight:
     def __init__(
         self,
         *,
+        probes: TransportProbes,
         broker_id: str,
         config: BrokerConfig,
         sender: SenderCore,
@@ -80,6 +82,7 @@ class PartsInFlight:
         metrics: BrokerMetrics,
         drain: Callable[[], None],
     ) -> None:
+        self._probes = probes
         self._id = broker_id
         self._config = config
         self._sender = sender
@@ -100,7 +103,6 @@ class PartsInFlight:
         #: Packed parts being gathered into a slot of the send transfer buffer
         #: (while the receiver reserves its slot): what the gather gave, or why not.
         self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError | None]] = {}
-        self._vram_slow_bps = config.vram_slow_gbps * 1e9
         #: Chunk checksums being computed (the first part of a chunk to be
         #: posted starts it; the others wait for the same).
         self._summing: dict[ChunkChecksum, asyncio.Task[tuple[int | None, KvBrokerError | None]]] = {}
@@ -241,6 +243,7 @@ class PartsInFlight:
         assert spec.packing is not None
         pool = self._pools.pool("send", *spec.pools[0])
         try:
+            await self._transport(part)
             if pool is None:
                 raise FailedPrecondition(f"this broker has no send transfer buffer for {pool_text(spec.pools[0])}")
             reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
@@ -264,6 +267,23 @@ class PartsInFlight:
             pool.release(reservation)
             return as_broker_error(exc, "gathering a packed part")
         return _Packed(pool, reservation, crc)
+
+    async def _transport(self, part: Part) -> None:
+        """The transport self-test of the part's pair of transfer buffers (the
+        first part of a pair waits for its probe); its verdict on the part's
+        and the room's spans."""
+        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
+        if peer is None or peer.agent_name is None:
+            return  # posting it fails it, naming the peer
+        local, remote = part.spec.pools
+        verdict = self._probes.verdict(peer, local, remote) or await self._probes.ensure(peer, local, remote)
+        if verdict is not None:
+            text = verdict.text()
+            held = self._parts.get(part)
+            if held is not None:
+                held[0].set_attribute("kvbroker.transport", text)
+            if part.source.span is not None:
+                part.source.span.set_attribute("kvbroker.transport", text)
 
     async def _post_packed(self, part: Part, agent_name: str) -> None:
         """Post a packed part once its gather is done: one write, slot to slot."""
@@ -352,23 +372,7 @@ class PartsInFlight:
         self._metrics.transfer_seconds.record(elapsed, {"path": path})
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is not None:
-            observe_write(peer, part.nbytes, writing, (part.spec.local_kind, part.spec.remote_kind), self._vram_slow_bps)
-
-
-def observe_write(peer: Peer, nbytes: int, elapsed: float, kinds: tuple[int, int], vram_slow_bps: float) -> None:
-    """Count a write to ``peer`` into its throughput; warn (once a minute) when
-    VRAM moves slower than ``vram_slow_bps``: UCX probably fell back to TCP or
-    a host copy."""
-    rate = peer.wrote(nbytes, elapsed, _kinds_text(kinds), min_bytes=_THROUGHPUT_MIN_BYTES)
-    if rate is not None and VRAM in kinds and rate < vram_slow_bps and peer.warn_slow():
-        log.warning(
-            "vram_transfer_at_host_speed",
-            peer=peer.address,
-            memory=_kinds_text(kinds),
-            gbps=round(rate / 1e9, 3),
-            threshold_gbps=vram_slow_bps / 1e9,
-            hint="UCX may have fallen back to TCP or a host copy; check UCX_TLS / UCX_NET_DEVICES and UCX_PROTO_INFO=y",
-        )
+            peer.wrote(part.nbytes, writing, _kinds_text((part.spec.local_kind, part.spec.remote_kind)), min_bytes=_THROUGHPUT_MIN_BYTES)
 
 
 def _kinds_text(kinds: tuple[int, int]) -> str:

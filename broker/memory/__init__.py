@@ -5,9 +5,16 @@ and transfer buffers, and the fd socket memory arrives on.
 from kvbroker.broker.memory._engines import Engine, EngineTable
 from kvbroker.broker.memory._fdsocket import FdConnection, FdSocketServer
 from kvbroker.broker.memory._importers import array_at, map_memory, unmap
-from kvbroker.broker.memory._staging import Reservation, StagingBuffer, StagingPool, StagingPools
+from kvbroker.broker.memory._staging import (
+    DEVICE_SHARE,
+    Reservation,
+    StagingBuffer,
+    StagingPool,
+    StagingPools,
+)
 
 __all__ = [
+    "DEVICE_SHARE",
     "Engine",
     "EngineTable",
     "FdConnection",

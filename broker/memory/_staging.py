@@ -10,7 +10,8 @@ receiving broker made in its receive buffer (the prefetch,
 ``PeerBroker.ReserveStaging``), and the receiving broker scatters them.
 
 Per GPU an engine's KV lives on, the broker also allocates a send and a
-receive **transfer buffer** with ``cuMemAlloc`` (``cudavmm.alloc_device``:
+receive **transfer buffer** (``--device-buffer-mib`` each, at most
+``DEVICE_SHARE`` of the GPU's memory) with ``cuMemAlloc`` (``cudavmm.alloc_device``:
 legacy, CUDA-IPC capable memory; never a VMM allocation, which a NIXL write
 reaches only through a host fallback) and registers them with NIXL as VRAM,
 once: they are the only device memory that touches NIXL. The device path
@@ -46,6 +47,7 @@ from kvbroker.errors import DeadlineExceeded, FailedPrecondition, KvBrokerError,
 from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = [
+    "DEVICE_SHARE",
     "Reservation",
     "StagingBuffer",
     "StagingPool",
@@ -55,6 +57,8 @@ __all__ = [
 DRAM = common_pb2.MEMORY_KIND_DRAM
 VRAM = common_pb2.MEMORY_KIND_VRAM
 _ALIGN = 4096
+#: The most of a GPU's memory each of its transfer buffers (send, receive) may take.
+DEVICE_SHARE = 1 / 32
 
 log = structlog.get_logger(__name__)
 
@@ -223,8 +227,8 @@ class StagingPools:
         receive_bytes: int,
         dataplane: Any,
         workers: Any,
-        device_send_bytes: int = 256 << 20,
-        device_receive_bytes: int = 256 << 20,
+        device_send_bytes: int = 512 << 20,
+        device_receive_bytes: int = 512 << 20,
     ) -> None:
         self._sizes = {"send": send_bytes, "receive": receive_bytes}
         self._device_sizes = {"send": device_send_bytes, "receive": device_receive_bytes}
@@ -256,7 +260,8 @@ class StagingPools:
         with self._claim(device):
             made: list[tuple[str, StagingBuffer]] = []
             try:
-                for direction, size in self._device_sizes.items():
+                sizes = await self._workers.memory(lambda: self._bounded_sizes(device, driver))
+                for direction, size in sizes.items():
                     buffer = await self._workers.memory(lambda size=size: StagingBuffer.device(size, device, driver))
                     made.append((direction, buffer))
                     await self._register(direction, buffer)
@@ -268,6 +273,23 @@ class StagingPools:
                 if isinstance(exc, KvBrokerError):
                     raise FailedPrecondition(f"cannot make the transfer buffers on GPU {device}: {exc.message}") from exc
                 raise FailedPrecondition(f"cannot make the transfer buffers on GPU {device}: {exc!r}") from exc
+
+    def _bounded_sizes(self, device: int, driver: cudavmm.Driver | None) -> dict[str, int]:
+        """Each transfer buffer's size on GPU ``device``: as configured, but at
+        most ``DEVICE_SHARE`` of the GPU's memory (memory thread)."""
+        total = cudavmm.device_total_bytes(device, driver)
+        cap = max(_ALIGN, int(total * DEVICE_SHARE) // _ALIGN * _ALIGN)
+        sizes = {direction: min(size, cap) for direction, size in self._device_sizes.items()}
+        if sizes != self._device_sizes:
+            log.info(
+                "device_buffers_bounded",
+                device=device,
+                gpu_bytes=total,
+                share=DEVICE_SHARE,
+                asked=self._device_sizes,
+                made=sizes,
+            )
+        return sizes
 
     async def release_device(self, device: int) -> None:
         """Free GPU ``device``'s transfer buffers (its last VRAM engine went).
@@ -294,6 +316,10 @@ class StagingPools:
     def pool(self, direction: str, kind: int, device: int) -> StagingPool | None:
         """The ``"send"`` or ``"receive"`` pool for memory ``kind`` on ``device``."""
         return self._pools.get((direction, kind, 0 if kind == DRAM else device))
+
+    def keys(self, direction: str) -> list[tuple[int, int]]:
+        """The (memory kind, device) of every ``"send"`` or ``"receive"`` pool."""
+        return [(kind, device) for d, kind, device in self._pools if d == direction]
 
     def send_bytes(self, kind: int, device: int) -> int:
         """Size of the send pool for this memory (0: none: no staging)."""

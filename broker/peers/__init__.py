@@ -4,9 +4,20 @@ from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, server_o
 from kvbroker.broker.peers._discovery import FleetView, Member, find_in_fleet
 from kvbroker.broker.peers._fleet import FleetRecord, groups_of, read_fleet
 from kvbroker.broker.peers._liveness import PeerMonitor
-from kvbroker.broker.peers._table import Peer, PeerTable, RemoteEngine
+from kvbroker.broker.peers._table import (
+    DEVICE_SPEED,
+    HOST_FALLBACK,
+    Peer,
+    PeerTable,
+    PoolKey,
+    RemoteEngine,
+    TransportVerdict,
+    pool_name,
+)
 
 __all__ = [
+    "DEVICE_SPEED",
+    "HOST_FALLBACK",
     "FleetRecord",
     "FleetView",
     "HandshakeMessage",
@@ -15,9 +26,12 @@ __all__ = [
     "PeerClient",
     "PeerMonitor",
     "PeerTable",
+    "PoolKey",
     "RemoteEngine",
+    "TransportVerdict",
     "find_in_fleet",
     "groups_of",
+    "pool_name",
     "read_fleet",
     "server_options",
 ]

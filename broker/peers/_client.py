@@ -285,6 +285,27 @@ class PeerClient:
             raise type(err)(f"the receiver could not reserve staging: {err.message}") from exc
         return response
 
+    async def reserve_probe(self, broker_id: str, request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
+        """A slot of the peer's receive buffer for the transport self-test."""
+        peer = self._peers.get(broker_id)
+        try:
+            response: peer_pb2.ReserveProbeResponse = await self.stub(peer).ReserveProbe(
+                request, timeout=self._staging_wait + self._timeout
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            raise type(err)(f"the receiver could not reserve a probe slot: {err.message}") from exc
+        return response
+
+    async def release_probe(self, broker_id: str, probe_id: str) -> None:
+        """Give back a probe slot (the peer's lease frees it anyway)."""
+        peer = self._peers.get(broker_id)
+        request = peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=probe_id)
+        try:
+            await self.stub(peer).ReleaseProbe(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+
     async def report_completion(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
         await self.deliver(
             broker_id,

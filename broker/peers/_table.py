@@ -75,6 +75,47 @@ class RemoteEngine:
         self.dlists.clear()
 
 
+#: A transfer buffer by (memory kind, device): ``(VRAM, 0)``, ``(DRAM, 0)``.
+PoolKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TransportVerdict:
+    """The transport self-test of one pair: this broker's send buffer
+    ``local`` written into the peer's receive buffer ``remote``."""
+
+    local: PoolKey
+    remote: PoolKey
+    #: The peer's buffer probed (a new buffer there is probed again).
+    remote_address: int
+    #: "device speed", "host fallback", or "failed: <why>".
+    verdict: str
+    gbps: float
+    floor_gbps: float
+    #: Bytes per write, and writes timed.
+    nbytes: int
+    writes: int
+    at: float = field(default_factory=time.monotonic)
+
+    @property
+    def fell_back(self) -> bool:
+        return self.verdict == HOST_FALLBACK
+
+    def text(self) -> str:
+        """``"VRAM:0->VRAM:1 device speed 312.4 GB/s"``: for spans and logs."""
+        figure = f" {self.gbps:.1f} GB/s" if self.gbps else ""
+        return f"{pool_name(self.local)}->{pool_name(self.remote)} {self.verdict}{figure}"
+
+
+DEVICE_SPEED = "device speed"
+HOST_FALLBACK = "host fallback"
+
+
+def pool_name(key: PoolKey) -> str:
+    """``"VRAM:0"`` for GPU 0's transfer buffer, ``"DRAM"`` for host staging."""
+    return f"VRAM:{key[1]}" if key[0] == common_pb2.MEMORY_KIND_VRAM else "DRAM"
+
+
 @dataclass(eq=False)
 class Peer:
     """Another broker (or this one)."""
@@ -100,8 +141,9 @@ class Peer:
     throughput_bps: float = 0.0
     #: Memory kinds (local -> remote, e.g. "DRAM->VRAM") written to the peer.
     kinds: set[str] = field(default_factory=set)
-    #: When the broker last warned that this peer is slow for its memory.
-    slow_warned_at: float = 0.0
+    #: The transport self-test of each pair of our send buffer and its
+    #: receive buffer that was probed (``execution.TransportProbes``).
+    transports: dict[tuple[PoolKey, PoolKey], TransportVerdict] = field(default_factory=dict)
     channel: grpc.aio.Channel | None = None
     stub: peer_pb2_grpc.PeerBrokerStub | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -125,14 +167,6 @@ class Peer:
         rate = nbytes / elapsed
         self.throughput_bps = rate if not self.throughput_bps else 0.8 * self.throughput_bps + 0.2 * rate
         return rate
-
-    def warn_slow(self, every_seconds: float = 60.0) -> bool:
-        """Whether to warn that writes to the peer are slow now (at most once per ``every_seconds``)."""
-        now = time.monotonic()
-        if now - self.slow_warned_at <= every_seconds:
-            return False
-        self.slow_warned_at = now
-        return True
 
     def staging_bytes(self, kind: int, device: int) -> int:
         """Size of the receive staging buffer the peer announced for memory
@@ -297,6 +331,7 @@ class PeerTable:
         peer.metadata = b""
         peer.announced_epoch = -1
         peer.receive_staging = {}
+        peer.transports = {}
 
     def _release(self, engine: RemoteEngine) -> None:
         self._dataplane.call(engine.release)

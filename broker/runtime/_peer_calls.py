@@ -9,6 +9,8 @@ succeeds or fails on its own.
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import sys
 
 from opentelemetry import context as otel_context
@@ -17,8 +19,8 @@ from opentelemetry import propagate, trace
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane
 from kvbroker.broker.execution import Executor
-from kvbroker.broker.memory import EngineTable, StagingPools
-from kvbroker.broker.peers import HandshakeMessage, PeerTable
+from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, StagingPools
+from kvbroker.broker.peers import HandshakeMessage, PeerTable, pool_name
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, TransferInfo, cause
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._sides import NO_TRACE, check_version, decode_state
@@ -67,6 +69,8 @@ class PeerCalls:
         self._receiver = receiver
         self._executor = executor
         self._operators = operators
+        #: Probe slots held for peers' transport self-tests, by probe id.
+        self._probes: dict[str, tuple[StagingPool, Reservation, asyncio.TimerHandle]] = {}
 
     async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
         """A peer introduces itself (its agent, its engines); the answer introduces this broker."""
@@ -141,6 +145,37 @@ class PeerCalls:
             finally:
                 self._executor.drain()
         return peer_pb2.ReserveStagingResponse(offset=held.offset, bytes=held.nbytes, buffer=pool.buffer.descriptor())
+
+    async def reserve_probe(self, request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
+        """A slot of a receive transfer buffer for a peer's transport self-test,
+        tied to no room: held until ReleaseProbe, or the lease's end."""
+        check_version(request.protocol_version, "ReserveProbe")
+        self._peers.get(request.sender_broker_id)
+        pool = self._pools.pool("receive", request.kind, request.device_id)
+        if pool is None:
+            raise FailedPrecondition(f"this broker has no receive buffer for {pool_name((request.kind, request.device_id))}")
+        reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds)
+        probe_id = secrets.token_hex(8)
+        # Past the sender's transfer timeout nothing of its probe can still be
+        # landing (it cancels its writes by then).
+        lease = self._config.transfer_timeout_seconds + self._config.peer_rpc_timeout_seconds
+        timer = asyncio.get_running_loop().call_later(lease, self._end_probe, probe_id)
+        self._probes[probe_id] = (pool, reservation, timer)
+        return peer_pb2.ReserveProbeResponse(
+            probe_id=probe_id, offset=reservation.offset, bytes=reservation.nbytes, buffer=pool.buffer.descriptor(), lease_seconds=lease
+        )
+
+    def release_probe(self, request: peer_pb2.ReleaseProbeRequest) -> None:
+        """The sender's probe writes settled: the slot goes back. Idempotent."""
+        check_version(request.protocol_version, "ReleaseProbe")
+        self._end_probe(request.probe_id)
+
+    def _end_probe(self, probe_id: str) -> None:
+        held = self._probes.pop(probe_id, None)
+        if held is not None:
+            pool, reservation, timer = held
+            timer.cancel()
+            pool.release(reservation)
 
     def completion_report(self, request: peer_pb2.CompletionReport) -> None:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""

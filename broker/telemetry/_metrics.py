@@ -18,6 +18,9 @@ Instruments:
 - ``kvbroker.peers`` (gauge): handshaken peers
 - ``kvbroker.peer.throughput`` (gauge, By/s; ``peer``, ``transport``):
   observed write throughput to each peer (moving average)
+- ``kvbroker.transport.gbps`` (gauge, GB/s; ``peer``, ``pair``,
+  ``verdict``): the transport self-test of each pair of transfer buffers
+  probed ("device speed", "host fallback", "failed")
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class BrokerMetrics:
         meter.create_observable_gauge(
             "kvbroker.peer.throughput", unit="By/s", callbacks=[self._throughput], description="observed write throughput"
         )
+        #: (peer address, pair, verdict) -> GB/s of its last self-test; replaced whole on the loop.
+        self.transport_gbps: dict[tuple[str, str, str], float] = {}
+        meter.create_observable_gauge(
+            "kvbroker.transport.gbps", unit="GBy/s", callbacks=[self._transport], description="transport self-test, per pair of transfer buffers"
+        )
 
     def _rooms(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {"side": side, "state": state}) for (side, state), n in self.snapshot.rooms.items()]
@@ -91,3 +99,6 @@ class BrokerMetrics:
 
     def _throughput(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(v, {"peer": p, "transport": t}) for (p, t), v in self.snapshot.throughput.items()]
+
+    def _transport(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(v, {"peer": p, "pair": pair, "verdict": verdict}) for (p, pair, verdict), v in self.transport_gbps.items()]

@@ -42,6 +42,7 @@ __all__ = [
     "VmmMapping",
     "default_driver",
     "device_for_uuid",
+    "device_total_bytes",
     "device_uuid",
     "driver_present",
     "AllocationExport",
@@ -116,6 +117,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
     "cuDeviceGetUuid": [ctypes.c_char_p, ctypes.c_int],
     "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+    "cuDeviceTotalMem_v2": [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int],
     "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
     "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
     "cuCtxSetCurrent": [ctypes.c_void_p],
@@ -442,6 +444,15 @@ def device_uuid(ordinal: int, driver: Driver | None = None) -> bytes:
     uuid = ctypes.create_string_buffer(16)
     drv.call("cuDeviceGetUuid", uuid, dev)
     return uuid.raw
+
+
+def device_total_bytes(ordinal: int, driver: Driver | None = None) -> int:
+    """The memory of CUDA device ``ordinal``, in bytes."""
+    drv = driver or default_driver()
+    dev = drv.device(ordinal)
+    total = ctypes.c_size_t()
+    drv.call("cuDeviceTotalMem_v2", ctypes.byref(total), dev)
+    return total.value
 
 
 def device_for_uuid(uuid: bytes, driver: Driver | None = None) -> int:

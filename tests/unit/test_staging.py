@@ -170,3 +170,33 @@ def test_a_gpu_without_room_for_its_buffers_is_refused_by_name_and_keeps_nothing
             await _pools(plane, device_send_bytes=0).ensure_device(0, cudavmm.Driver(fake))
 
     asyncio.run(run())
+
+
+def test_a_gpus_transfer_buffers_take_at_most_their_share_of_its_memory() -> None:
+    """Each transfer buffer is as configured (the defaults: 512 MiB, four 128 MiB parts) where
+    the GPU has room, and at most DEVICE_SHARE of the GPU's memory where it has not."""
+    from kvbroker.broker import BrokerConfig
+    from kvbroker.broker.memory import DEVICE_SHARE
+
+    config = BrokerConfig()
+    assert config.device_send_bytes == config.device_receive_bytes == 4 * config.device_part_bytes == 512 << 20
+    fake = FakeCudaLib(devices=1, granularity=4096)
+    driver = cudavmm.Driver(fake)
+    plane = _Plane()
+
+    def sizes() -> list[int]:
+        return sorted(size for _, size, _, _ in plane.registered.values())
+
+    async def run() -> None:
+        pools = _pools(plane, device_send_bytes=8 << 20, device_receive_bytes=16 << 20)
+        fake.total_bytes = 80 << 30  # an H100: the configured sizes stand
+        await pools.ensure_device(0, driver)
+        assert sizes() == [8 << 20, 16 << 20]
+        await pools.release_device(0)
+        fake.total_bytes = 256 << 20  # a small GPU: 1/32 of it each
+        await pools.ensure_device(0, driver)
+        assert sizes() == [int((256 << 20) * DEVICE_SHARE)] * 2 == [8 << 20] * 2
+        await pools.close()
+        assert fake.leaks() == []
+
+    asyncio.run(run())

@@ -71,6 +71,8 @@ class FakeCudaLib:
         self.foreign_fds = foreign_fds
         self.granularity_bytes = granularity
         self.rdma = rdma
+        #: What each device says its memory is (cuDeviceTotalMem).
+        self.total_bytes = 80 << 30
         #: call name -> CUresult to return instead of succeeding (once each time it is called).
         self.fail: dict[str, int] = {}
         self.calls: list[str] = []
@@ -177,6 +179,9 @@ class FakeCudaLib:
 
     def _cuDeviceGetAttribute(self, out: Any, attribute: Any, dev: Any) -> None:
         _out(out).value = int(self.rdma)
+
+    def _cuDeviceTotalMem_v2(self, out: Any, dev: Any) -> None:
+        _out(out).value = self.total_bytes
 
     def _cuDevicePrimaryCtxRetain(self, out: Any, dev: Any) -> None:
         self.contexts[_value(dev)] += 1

@@ -132,7 +132,7 @@ class FleetGroup(_message.Message):
     def __init__(self, group: _Optional[str] = ..., role: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[str]] = ..., broker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class FleetBroker(_message.Message):
-    __slots__ = ("broker_id", "address", "protocol", "version", "started_at", "lease_ttl_seconds", "lease_granted_seconds", "draining", "groups", "usable")
+    __slots__ = ("broker_id", "address", "protocol", "version", "started_at", "lease_ttl_seconds", "lease_granted_seconds", "draining", "groups", "usable", "transports")
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class FleetBroker(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     USABLE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     address: str
     protocol: int
@@ -153,14 +154,15 @@ class FleetBroker(_message.Message):
     draining: bool
     groups: _containers.RepeatedCompositeFieldContainer[FleetGroup]
     usable: bool
-    def __init__(self, broker_id: _Optional[str] = ..., address: _Optional[str] = ..., protocol: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[int] = ..., lease_granted_seconds: _Optional[int] = ..., draining: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[FleetGroup, _Mapping]]] = ..., usable: _Optional[bool] = ...) -> None: ...
+    transports: _containers.RepeatedCompositeFieldContainer[TransportProbe]
+    def __init__(self, broker_id: _Optional[str] = ..., address: _Optional[str] = ..., protocol: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[int] = ..., lease_granted_seconds: _Optional[int] = ..., draining: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[FleetGroup, _Mapping]]] = ..., usable: _Optional[bool] = ..., transports: _Optional[_Iterable[_Union[TransportProbe, _Mapping]]] = ...) -> None: ...
 
 class ListPeersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms", "transport", "memory", "bytes_sent", "throughput_gbps", "last_seen_seconds")
+    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms", "transport", "memory", "bytes_sent", "throughput_gbps", "last_seen_seconds", "transports")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +174,7 @@ class PeerInfo(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_GBPS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     address: str
     broker_id: str
     nixl_agent_name: str
@@ -183,7 +186,40 @@ class PeerInfo(_message.Message):
     bytes_sent: int
     throughput_gbps: float
     last_seen_seconds: float
-    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ..., transport: _Optional[str] = ..., memory: _Optional[_Iterable[str]] = ..., bytes_sent: _Optional[int] = ..., throughput_gbps: _Optional[float] = ..., last_seen_seconds: _Optional[float] = ...) -> None: ...
+    transports: _containers.RepeatedCompositeFieldContainer[TransportProbe]
+    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ..., transport: _Optional[str] = ..., memory: _Optional[_Iterable[str]] = ..., bytes_sent: _Optional[int] = ..., throughput_gbps: _Optional[float] = ..., last_seen_seconds: _Optional[float] = ..., transports: _Optional[_Iterable[_Union[TransportProbe, _Mapping]]] = ...) -> None: ...
+
+class TransportProbe(_message.Message):
+    __slots__ = ("local", "remote", "verdict", "gbps", "floor_gbps", "bytes", "writes", "age_seconds")
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    GBPS_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_GBPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    local: str
+    remote: str
+    verdict: str
+    gbps: float
+    floor_gbps: float
+    bytes: int
+    writes: int
+    age_seconds: float
+    def __init__(self, local: _Optional[str] = ..., remote: _Optional[str] = ..., verdict: _Optional[str] = ..., gbps: _Optional[float] = ..., floor_gbps: _Optional[float] = ..., bytes: _Optional[int] = ..., writes: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class ProbeTransportRequest(_message.Message):
+    __slots__ = ("peer",)
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    def __init__(self, peer: _Optional[str] = ...) -> None: ...
+
+class ProbeTransportResponse(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class ListPeersResponse(_message.Message):
     __slots__ = ("peers", "fleet")

@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=kvbroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ProbeTransport = channel.unary_unary(
+                '/kvbroker.v1.Admin/ProbeTransport',
+                request_serializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -126,6 +131,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeTransport(self, request, context):
+        """The transport self-test, now: each of this broker's transfer buffers
+        writes probe slots into each receive buffer of the peer (or of every
+        handshaken peer) where either side is a GPU's, and the verdicts are
+        recorded (ListPeers shows them) and returned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +178,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvbroker_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'ProbeTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeTransport,
+                    request_deserializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +374,33 @@ class Admin:
             '/kvbroker.v1.Admin/Drain',
             kvbroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             kvbroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Admin/ProbeTransport',
+            kvbroker_dot_v1_dot_admin__pb2.ProbeTransportRequest.SerializeToString,
+            kvbroker_dot_v1_dot_admin__pb2.ProbeTransportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -200,6 +200,46 @@ class ReserveStagingResponse(_message.Message):
     buffer: RemoteBuffer
     def __init__(self, offset: _Optional[int] = ..., bytes: _Optional[int] = ..., buffer: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
 
+class ReserveProbeRequest(_message.Message):
+    __slots__ = ("protocol_version", "sender_broker_id", "kind", "device_id", "bytes")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sender_broker_id: str
+    kind: _common_pb2.MemoryKind
+    device_id: int
+    bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveProbeResponse(_message.Message):
+    __slots__ = ("probe_id", "offset", "bytes", "buffer", "lease_seconds")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    probe_id: str
+    offset: int
+    bytes: int
+    buffer: RemoteBuffer
+    lease_seconds: float
+    def __init__(self, probe_id: _Optional[str] = ..., offset: _Optional[int] = ..., bytes: _Optional[int] = ..., buffer: _Optional[_Union[RemoteBuffer, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseProbeRequest(_message.Message):
+    __slots__ = ("protocol_version", "probe_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    probe_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., probe_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseProbeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CompletionReport(_message.Message):
     __slots__ = ("room", "sender_broker_id", "source", "receiver", "failure", "settled", "protocol_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]

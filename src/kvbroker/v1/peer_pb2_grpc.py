@@ -64,6 +64,16 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.ReserveProbe = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/ReserveProbe',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReserveProbeRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReserveProbeResponse.FromString,
+                _registered_method=True)
+        self.ReleaseProbe = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/ReleaseProbe',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeResponse.FromString,
+                _registered_method=True)
 
 
 class PeerBrokerServicer:
@@ -126,6 +136,22 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveProbe(self, request, context):
+        """The transport self-test (protocol 7), sender's broker -> receiver's
+        broker: a slot of a receive transfer buffer for probe writes, tied to no
+        room, held until ReleaseProbe (or for lease_seconds at most). Waits
+        while the buffer is full, as ReserveStaging.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseProbe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +184,16 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PingRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.PingResponse.SerializeToString,
+            ),
+            'ReserveProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveProbe,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReserveProbeRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.ReserveProbeResponse.SerializeToString,
+            ),
+            'ReleaseProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseProbe,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -322,6 +358,60 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/Ping',
             kvbroker_dot_v1_dot_peer__pb2.PingRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/ReserveProbe',
+            kvbroker_dot_v1_dot_peer__pb2.ReserveProbeRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.ReserveProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/ReleaseProbe',
+            kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,
