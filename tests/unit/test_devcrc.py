@@ -1,7 +1,12 @@
-"""kvbroker.broker.device against zlib.crc32, on CPU tensors."""
+"""kvbroker.broker.device's CRC-32 against zlib.crc32: the torch path on CPU tensors, the
+Triton kernel in Triton's interpreter (where triton is installed), both on a GPU (where
+there is one), and the launches each makes, counted."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -11,12 +16,25 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvbroker.broker.device._devcrc import LANE_BYTES, crc32, crc32_tensor
+from kvbroker.broker.device import _devcrc
+from kvbroker.broker.device._devcrc import (
+    LANE_BYTES,
+    MAX_BYTES,
+    STEP_BYTES,
+    TORCH_LAUNCHES,
+    backend,
+    crc32,
+    crc32_tensor,
+    launches_for,
+    prepare,
+)
 
-L = LANE_BYTES
+L, S = LANE_BYTES, STEP_BYTES
 VALUES = (0, 1, 0x12345678, 0xFFFFFFFF)
+MIB = 1 << 20
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _bytes(n: int, seed: int = 0) -> bytes:
@@ -27,58 +45,72 @@ def _tensor(data: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
 
 
-# Short inputs, and around the first few multiples of the lane length (head only, lanes
-# only, head and lanes, odd and even lane counts).
-SIZES = [*range(9), 100, *(k * L + d for k in range(1, 10) for d in (-4, -1, 0, 1, 5))]
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the torch path (whatever the environment says)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert backend("cpu") == "torch"
+
+
+# -- the torch path ----------------------------------------------------------------------
+
+# Short inputs; heads of every bag count (q) with an empty, a 1-byte and a full first bag
+# (r); lanes only; head and lanes; and item counts around the first level's groups.
+SIZES = sorted(
+    {
+        *range(10),
+        *(q * S + r for q in range(8) for r in (0, 1, S - 1)),
+        *(k * L + d for k in (1, 2, 3, 7) for d in (-1, 0, 1, S, S + 3, L - 1)),
+        *(k * L + d for k in (254, 255, 256, 257, 511, 512) for d in (0, 5)),
+    }
+)
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_matches_zlib_around_lane_boundaries(n: int) -> None:
+def test_matches_zlib_around_step_lane_and_group_boundaries(torch_path: None, n: int) -> None:
     data = _bytes(n, seed=n)
     tensor = _tensor(data)
     for value in VALUES:
         assert crc32(tensor, value) == zlib.crc32(data, value), (n, value)
 
 
-def test_matches_zlib_for_random_lengths_up_to_3_mib() -> None:
+def test_matches_zlib_across_the_second_and_third_levels(torch_path: None) -> None:
+    # 256 * 128 items fill the second level's first group: one more lane spills into a
+    # second group there, and so into the third level.
+    for n in (255 * 128 * L + 17, 256 * 128 * L - 1, 256 * 128 * L + 3 * L + 5):
+        data = _bytes(n, seed=n % 1000)
+        assert crc32(_tensor(data), 0xCAFE) == zlib.crc32(data, 0xCAFE), n
+
+
+def test_matches_zlib_for_random_lengths_and_values(torch_path: None) -> None:
     rng = np.random.default_rng(7)
-    lengths = [int(x) for x in rng.integers(1, 3 << 20, 4)] + [3 << 20, (3 << 20) + L - 1]
+    lengths = [int(x) for x in rng.integers(1, 3 * MIB, 6)] + [3 * MIB, 3 * MIB + L - 1]
     for i, n in enumerate(lengths):
         data = _bytes(n, seed=100 + i)
         value = int(rng.integers(0, 1 << 32))
         assert crc32(_tensor(data), value) == zlib.crc32(data, value), (n, value)
-        assert crc32(_tensor(data)) == zlib.crc32(data), n
 
 
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x5A])
-def test_constant_data(fill: int) -> None:
-    data = bytes([fill]) * (37 * L + 11)
+def test_constant_data(torch_path: None, fill: int) -> None:
+    data = bytes([fill]) * (37 * L + 3 * S + 11)
     for value in VALUES:
         assert crc32(_tensor(data), value) == zlib.crc32(data, value)
 
 
-@pytest.mark.parametrize("offset", [1, 2, 3, 4, 5, L + 7])
-@pytest.mark.parametrize("n", [3, L - 1, L + 1, 10 * L + 13, 70_001])
-def test_slice_of_a_larger_tensor_at_any_alignment(offset: int, n: int) -> None:
+@pytest.mark.parametrize("offset", [1, 2, 3, 4, 5, 7, L + 9])
+@pytest.mark.parametrize("n", [3, S - 1, L - 1, L + 1, 10 * L + 13, 70_001])
+def test_slice_of_a_larger_tensor_at_any_alignment(torch_path: None, offset: int, n: int) -> None:
     data = _bytes(offset + n + 9, seed=offset * 31 + n)
     view = _tensor(data)[offset : offset + n]
     assert view.storage_offset() == offset and view.is_contiguous()
     assert crc32(view, 0xCAFEF00D) == zlib.crc32(data[offset : offset + n], 0xCAFEF00D)
 
 
-def test_unaligned_address() -> None:
-    data = _bytes(64 * L + 3, seed=5)
-    buf = _tensor(data)
-    for start in (1, 2, 3):
-        view = buf[start:]
-        assert view.data_ptr() % 4 != 0 or buf.data_ptr() % 4 != 0
-        assert crc32(view) == zlib.crc32(data[start:])
-
-
-def test_chaining() -> None:
+def test_chaining(torch_path: None) -> None:
     data = _bytes(50 * L + 77, seed=11)
     tensor = _tensor(data)
-    for cut in (0, 1, L - 1, L, 17 * L + 3, len(data) - 1, len(data)):
+    for cut in (0, 1, S - 1, L, 17 * L + 3, len(data) - 1, len(data)):
         first = crc32(tensor[:cut])
         assert crc32(tensor[cut:], first) == zlib.crc32(data), cut
     a, b = 5 * L + 1, 30 * L + 2
@@ -87,13 +119,13 @@ def test_chaining() -> None:
 
 
 @pytest.mark.parametrize("value", [0, 1, 0xFFFFFFFF, -1, (1 << 40) + 5])
-def test_empty_input_returns_value_as_zlib_does(value: int) -> None:
+def test_empty_input_returns_value_as_zlib_does(torch_path: None, value: int) -> None:
     empty = torch.empty(0, dtype=torch.uint8)
     assert crc32(empty, value) == zlib.crc32(b"", value)
     assert crc32(_tensor(b"xyz"), value) == zlib.crc32(b"xyz", value)
 
 
-def test_tensor_result_is_a_0_dim_int64_on_the_data_device() -> None:
+def test_tensor_result_is_a_0_dim_int64_on_the_data_device(torch_path: None) -> None:
     data = _bytes(3 * L + 1, seed=3)
     out = crc32_tensor(_tensor(data), 42)
     assert out.shape == () and out.dtype == torch.int64 and out.device == torch.device("cpu")
@@ -109,64 +141,236 @@ def test_rejects_what_it_cannot_hash() -> None:
         crc32(torch.zeros((2, 4), dtype=torch.uint8))
     with pytest.raises(ValueError):
         crc32(torch.zeros(16, dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError):
+        launches_for(MAX_BYTES + 1)
+    assert MAX_BYTES >= (4 << 30) - 1
 
 
-class _Calls(TorchFunctionMode):
-    """Records the torch functions called (and whether they got a tensor index)."""
+# -- launches, counted -------------------------------------------------------------------
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the torch operations dispatched that do work on the device: all but views
+    and allocations (which launch nothing). ``paused`` stops the count (a Triton launch
+    in the interpreter moves its arguments with torch operations of its own)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.names: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
+        self.kernels = 0
+        self.paused = False
+        self.calls: list[tuple[str, dict[str, Any]]] = []
 
-    def __torch_function__(
+    def __torch_dispatch__(
         self,
-        func: Callable[..., Any],
+        func: Any,
         types: Any,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        name = getattr(func, "__name__", str(func))
-        if name == "__getitem__" and isinstance(args[1], torch.Tensor):
-            name = "__getitem__[tensor]"
-        self.names[name] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if not self.paused:
+            self.calls.append((str(func), kwargs))
+            if not func.is_view and func.__name__.split(".")[0] not in ("empty", "empty_strided"):
+                self.ops[str(func)] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values()) + self.kernels
 
 
 @contextmanager
-def _recording() -> Iterator[_Calls]:
-    calls = _Calls()
-    with calls:
-        yield calls
+def _counting() -> Iterator[_Launches]:
+    """Counts launches: torch operations, and Triton kernels (each call of the Triton
+    module's one launching function, if it is loaded, counts one; the torch operations
+    it makes itself, none)."""
+    launches = _Launches()
+    module = sys.modules.get("kvbroker.broker.device._devcrc_triton")
+    launch: Callable[..., None] | None = getattr(module, "_launch", None)
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        assert launch is not None
+        launches.kernels += 1
+        launches.paused = True
+        try:
+            launch(*args, **kwargs)
+        finally:
+            launches.paused = False
+
+    if module is not None:
+        setattr(module, "_launch", counted)  # noqa: B010
+    try:
+        with launches:
+            yield launches
+    finally:
+        if module is not None:
+            setattr(module, "_launch", launch)  # noqa: B010
 
 
-# The calls that launch work on the device (views, shapes and allocations do not).
-_COMPUTE = set(
-    "bitwise_xor bitwise_or __xor__ index_select copy_ __setitem__ zeros full sum".split()
-)
-_COMPUTE.add("__getitem__[tensor]")
-
-
-def _compute_ops(n: int) -> int:
+def _count(n: int) -> int:
+    prepare("cpu")  # the tables are on the device already
     tensor = torch.zeros(n, dtype=torch.uint8)
-    crc32(tensor)  # the tables are on the device already
-    with _recording() as calls:
-        crc32_tensor(tensor)
-    return sum(count for name, count in calls.names.items() if name in _COMPUTE)
+    with _counting() as launches:
+        crc32_tensor(tensor, 5)
+    return launches.total
 
 
-def test_operations_grow_with_log_n() -> None:
-    small, large = L << 6, L << 12
-    ops_small, ops_large = _compute_ops(small), _compute_ops(large)
-    # LANE_BYTES / 4 lane steps of 4 operations, then 4 per tree level (+1 at an odd one).
-    assert ops_small <= L + 5 * 6 + 8
-    assert ops_large - ops_small <= 5 * 6
-    assert _compute_ops(large + 3) <= L + 5 * 13 + 16
+def test_launches_do_not_depend_on_the_size(torch_path: None) -> None:
+    counts = {n: _count(n) for n in (1, S + 1, L, 3 * L + 7, MIB, 256 * MIB)}
+    assert set(counts.values()) == {TORCH_LAUNCHES}, counts
+    assert TORCH_LAUNCHES == launches_for(MIB) == launches_for(256 * MIB) == launches_for(1)
+    assert TORCH_LAUNCHES < 50
+    assert _count(0) == launches_for(0) == 1
 
 
-def test_data_stays_on_its_device() -> None:
+def test_data_stays_on_its_device(torch_path: None) -> None:
     tensor = _tensor(_bytes(20 * L + 5, seed=9))
     crc32(tensor)
-    with _recording() as calls:
+    with _counting() as launches:
         crc32_tensor(tensor, 7)
-    host = {"cpu", "numpy", "tolist", "item", "to", "__int__", "__index__", "__bool__", "__array__"}
-    assert not host & set(calls.names), calls.names
+    names = {name for name, _ in launches.calls}
+    # No read back (item), no tensor made from host data, no copy to another device.
+    assert not {"aten._local_scalar_dense.default", "aten.lift_fresh.default"} & names
+    assert all("device" not in kwargs for name, kwargs in launches.calls if "_to_copy" in name)
+
+
+def test_prepare_uploads_and_says_which_path(torch_path: None) -> None:
+    assert prepare("cpu") == "torch"
+    assert torch.device("cpu") in _devcrc._device_tables
+
+
+def test_prepare_falls_back_to_torch_where_the_kernel_is_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A stand-in Triton path that answers wrong: prepare() turns the device to torch.
+    fake = types.ModuleType("kvbroker.broker.device._devcrc_triton")
+    fake.crc32_triton = lambda data, conditioning: torch.tensor(12345)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvbroker.broker.device._devcrc_triton", fake)
+    monkeypatch.setattr(_devcrc, "_triton_installed", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_devcrc, "_no_triton", set())
+    assert backend("cpu") == "triton"
+    assert prepare("cpu") == "torch"
+    assert backend("cpu") == "torch"
+    data = _bytes(1000, seed=1)
+    assert crc32(_tensor(data)) == zlib.crc32(data)
+
+
+# -- the Triton kernel, in Triton's interpreter -------------------------------------------
+
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="needs triton (its interpreter runs the kernel)"
+)
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """CPU tensors take the Triton path, run by Triton's interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_devcrc, "_no_triton", set())
+    from kvbroker.broker.device import _devcrc_triton
+
+    assert backend("cpu") == "triton"
+    yield _devcrc_triton
+
+
+@needs_triton
+def test_triton_kernel_matches_zlib(interpreted: Any) -> None:
+    chunk = interpreted.CHUNK
+    lane = interpreted.LANE
+    # One chunk, partly or wholly; around lanes and chunks; and 9 chunks (4 bits of
+    # distance between chunks).
+    sizes = [
+        1,
+        2,
+        5,
+        17,
+        lane - 1,
+        lane + 1,
+        chunk - 1,
+        chunk,
+        chunk + 1,
+        2 * chunk + 77,
+        8 * chunk + 3,
+    ]
+    for n in sizes:
+        data = _bytes(n + 3, seed=n)
+        for offset, value in ((0, 0), (3, 0xFFFFFFFF), (1, 0x9E3779B9)):
+            view = _tensor(data)[offset : offset + n]
+            expected = zlib.crc32(data[offset : offset + n], value)
+            assert crc32(view, value) == expected, (n, offset, value)
+
+
+@needs_triton
+def test_triton_kernel_chains_and_handles_empty_and_constant_data(interpreted: Any) -> None:
+    data = _bytes(interpreted.CHUNK + 999, seed=4)
+    tensor = _tensor(data)
+    cut = interpreted.CHUNK // 2 + 1
+    assert crc32(tensor[cut:], crc32(tensor[:cut], 7)) == zlib.crc32(data, 7)
+    assert crc32(torch.empty(0, dtype=torch.uint8), 9) == 9
+    ones = b"\xff" * (interpreted.CHUNK + 1)
+    assert crc32(_tensor(ones)) == zlib.crc32(ones)
+
+
+@needs_triton
+def test_triton_launches_do_not_depend_on_the_size(interpreted: Any) -> None:
+    counts = {n: _count(n) for n in (1, interpreted.CHUNK + 1, 5 * interpreted.CHUNK)}
+    assert set(counts.values()) == {interpreted.LAUNCHES} == {launches_for(1)} == {2}, counts
+
+
+@needs_triton
+def test_prepare_keeps_a_correct_kernel(interpreted: Any) -> None:
+    assert prepare("cpu") == "triton"
+    assert backend("cpu") == "triton"
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+def test_gpu_checksums_match_zlib_of_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random CUDA tensors (unaligned views, one over 64 MiB) hashed on the GPU by each
+    path there is (Triton where installed, and torch), against zlib.crc32 of the same
+    bytes copied to the host; without a synchronization (CUDA's sync debug mode raises
+    on one) and in the launches counted."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    device = torch.device("cuda", torch.cuda.current_device())
+    paths = ["torch"] + (["triton"] if backend(device) == "triton" else [])
+    generator = torch.Generator(device=device).manual_seed(28)
+    buffer = torch.randint(
+        0, 256, (65 * MIB + 4 * L + 11,), dtype=torch.uint8, device=device, generator=generator
+    )
+    host = buffer.cpu().numpy().tobytes()
+    cases = [
+        (0, 1),
+        (1, 1000),
+        (3, S * 7 + 5),
+        (0, MIB),
+        (2, MIB + 3),
+        (5, 16 * MIB + L - 1),
+        (0, 65 * MIB + 4 * L),
+        (7, 65 * MIB + 4 * L),
+    ]
+    for path in paths:
+        if path == "torch":
+            monkeypatch.setattr(_devcrc, "_no_triton", {device})
+        else:
+            monkeypatch.setattr(_devcrc, "_no_triton", set())
+        assert backend(device) == path
+        assert prepare(device) == path
+        for offset, n in cases:
+            view = buffer[offset : offset + n]
+            for value in (0, 0xFFFFFFFF, 0x2468ACE1):
+                expected = zlib.crc32(host[offset : offset + n], value)
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with _counting() as launches:
+                        result = crc32_tensor(view, value)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                assert launches.total == launches_for(n, device), (path, n, launches.ops)
+                assert result.device == device and result.dtype == torch.int64
+                assert int(result.item()) == expected, (path, offset, n, value)
