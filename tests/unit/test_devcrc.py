@@ -374,3 +374,34 @@ def test_gpu_checksums_match_zlib_of_the_same_bytes(monkeypatch: pytest.MonkeyPa
                 assert launches.total == launches_for(n, device), (path, n, launches.ops)
                 assert result.device == device and result.dtype == torch.int64
                 assert int(result.item()) == expected, (path, offset, n, value)
+
+
+@needs_triton
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("capability", [80, 90])
+def test_triton_kernel_compiles_for_a_gpu(capability: int) -> None:
+    """Triton compiles the kernel to a cubin for an A100 and an H100 without a GPU (the
+    interpreter runs the Python, not the compiler's rules), its result XOR-ed in once
+    per program with a 64-bit atomic."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from kvbroker.broker.device import _devcrc_triton as module
+
+    kernel = triton.JITFunction(module._crc32_kernel, do_not_specialize=["pad", "bits"])
+    pointers = {
+        "data": "*u8",
+        "steps": "*i32",
+        "lanes": "*i32",
+        "chunk_tables": "*i32",
+        "out": "*i64",
+    }
+    signature = {**pointers, "pad": "i64", "bits": "i32"}
+    constants = {"LANES": module.LANES, "LANE": module.LANE, "WIDTH": module.WIDTH}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", capability, 32), options=dict(module._OPTIONS)
+    )
+    assert compiled.asm["cubin"]
+    assert "atom.global.gpu.acq_rel.xor.b64" in compiled.asm["ptx"]
