@@ -10,23 +10,33 @@ unpacks a slot into blocks. Two ways, by where the memory is:
   lie equally spaced in one buffer (measured here: 9.4 GB/s for a chunk of
   8 pages in 2 runs over 64 regions, 5.7 GB/s beside another copy; fancy
   indexing did 6.3 and 2.3);
-- anything in VRAM (the device path): torch index ops, one ``index_select``
-  (gather) or ``index_copy_`` (scatter) per block over a stacked view of
-  its regions, so a chunk of random pages over 64 layer regions is one
-  launch, not one per page or per run; on a GPU they run on the device's
-  lane (``lanes``), on CPU tensors in CI — the same code.
+- anything in VRAM (the device path): torch index ops, one gather
+  (``index_select``, or advanced indexing on a GPU) or one ``index_copy_``
+  per block over a flat view of the words from its lowest region to the
+  end of its highest, whatever their spacing (equally spaced layers, or
+  adopted tensors and vLLM's layouts: one allocation per layer), with an
+  index of where each (region, item) starts in that span. So a block of
+  random pages over 64 layer regions is one index upload and one launch,
+  not one per region, page or run (measured on CPU tensors here: a 1-page
+  part over 64 uneven regions in 0.1 ms, not 0.5-1 ms). Regions in
+  different memories (two devices, VRAM and host) go region by region. On
+  a GPU these run on the device's lane (``lanes``), on CPU tensors in CI:
+  the same code.
 
-Views are made of the widest word (8, 4, 2 or 1 bytes) that every offset,
-stride and length of the block divides. Nothing here runs on the control
-loop: the executor hands these to the copy thread or a GPU lane.
+Region views and what a block's set of regions needs (the span, where each
+region starts in it) are made once (``ArrayViews`` caches them by address),
+not per part. Views are made of the widest word (8, 4, 2 or 1 bytes) that
+every offset, stride and length of the block divides. Nothing here runs on
+the control loop: the executor hands these to the copy thread or a GPU lane.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +52,8 @@ VRAM = common_pb2.MEMORY_KIND_VRAM
 
 #: An array over mapped memory: a numpy array (host) or a torch tensor.
 Array = Any
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -61,14 +73,22 @@ class ArrayViews:
     Tests whose "VRAM" is host memory behind the fake CUDA driver set
     ``device_as_host``: VRAM is then viewed as torch CPU tensors, so the
     device path's code runs unchanged on the host.
+
+    Views of regions (:meth:`words`) and what the copies need of a block's
+    regions (:meth:`regions`) are kept, the last ``_CACHED`` of each used, by
+    address: a view holds no memory, so one over memory since unmapped is
+    only used again if the same address range is mapped again.
     """
 
     def __init__(self, *, device_as_host: bool = False) -> None:
         self.device_as_host = device_as_host
         #: Device operations the copies issued (``Stats.device_launches``): each
         #: index upload, index op and cross-device copy, and each checksum's.
-        #: Counted on the copy thread, which issues them all.
+        #: Counted on the copy thread, which issues them all; counted as a GPU
+        #: would launch them where the fake driver's "VRAM" is host memory.
         self.launches = 0
+        self._words: OrderedDict[tuple[int, int, int, int, int], Any] = OrderedDict()
+        self._regions: OrderedDict[tuple[tuple[int, int, int, int], ...], _Regions] = OrderedDict()
 
     def view(self, span: Extent) -> Array:
         """A uint8 numpy array (DRAM) or torch tensor (VRAM) over ``span`` (no copy)."""
@@ -77,16 +97,38 @@ class ArrayViews:
         return self.tensor(span)
 
     def tensor(self, span: Extent) -> Any:
-        """A uint8 torch tensor over ``span``, on its device (the host for DRAM)."""
+        """A uint8 torch tensor over ``span``, on its device (the host for DRAM); made anew
+        (slots: a part's slot is made once per part; regions: :meth:`words`)."""
         import torch  # only a broker that touches VRAM pays for torch
 
         if span.kind == DRAM or self.device_as_host:
             return torch.from_numpy(array_at(span.address, span.nbytes))
         return torch.as_tensor(_CudaBytes(span.address, span.nbytes), device=torch.device("cuda", span.device))
 
+    def words(self, span: Extent, width: int) -> Any:
+        """A torch tensor of ``width``-byte words over region ``span``, made once."""
+        key = (span.address, span.nbytes, span.kind, span.device, width)
+        return self._cached(self._words, key, lambda: self.tensor(span).view(_dtype(width)))
+
+    def regions(self, spans: Sequence[Extent]) -> _Regions:
+        """What the device copies need of a block's regions, worked out once per set of regions."""
+        key = tuple([(s.address, s.nbytes, s.kind, s.device) for s in spans])
+        return self._cached(self._regions, key, lambda: _Regions(tuple(spans)))
+
     def on_host(self, span: Extent) -> bool:
         """Whether ``span`` is addressable by the CPU (its copies run on the copy thread)."""
         return span.kind == DRAM or self.device_as_host
+
+    def _cached(self, cache: OrderedDict[K, V], key: K, make: Callable[[], V]) -> V:
+        # The copy thread's only (where it issues every copy), as ``launches``.
+        made = cache.get(key)
+        if made is None:
+            made = cache[key] = make()
+            if len(cache) > _CACHED:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
+        return made
 
 
 class _CudaBytes:
@@ -133,14 +175,17 @@ _CRC_LAUNCHES = 1
 
 def _copy(views: ArrayViews, blocks: Sequence[Block], regions: Sequence[Sequence[Extent]], slot: Extent, *, into_slot: bool) -> None:
     host = slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans)
+    whole: Any = None  # the slot as a tensor, made once per part
     for block, spans, offset in zip(blocks, regions, packed_offsets(blocks)):
         if not block.nbytes:
             continue
         part = Extent(slot.address + offset, block.nbytes, slot.kind, slot.device)
         if host:
             _numpy_copy(block, spans, part, into_slot)
-        else:
-            _torch_copy(views, block, spans, part, into_slot)
+            continue
+        if whole is None:
+            whole = views.tensor(slot)
+        _torch_copy(views, block, views.regions(spans), whole[offset : offset + block.nbytes], part, into_slot)
 
 
 # -- host memory: numpy, by runs ------------------------------------------------------
@@ -204,62 +249,157 @@ def _region_items(block: Block, span: Extent) -> int:
 # -- anything on a device: torch index ops ---------------------------------------------
 
 
-def _width(block: Block, spans: Sequence[Extent], slot: Extent) -> int:
-    """The widest word every offset, stride and length of the copy is a multiple of."""
-    values = [block.row_bytes, block.row_offset, block.item_stride, slot.address, slot.nbytes]
-    if block.rows > 1:
-        values.append(block.row_stride)
-    for s in spans:
-        values += [s.address, s.nbytes]
-    for width in (8, 4, 2):
-        if all(v % width == 0 for v in values):
-            return width
-    return 1
+class _Regions:
+    """What the device copies need of one block's regions (``ArrayViews.regions`` keeps it):
+    the flat span from the lowest region to the end of the highest, where each region
+    starts in it, and whether one index op over that span can serve them all."""
+
+    __slots__ = ("_bases", "_starts", "flat", "lo", "nbytes", "place", "shortest", "spans", "starts", "width")
+
+    def __init__(self, spans: tuple[Extent, ...]) -> None:
+        self.spans = spans
+        places = {_place(s.kind, s.device) for s in spans}
+        #: The one memory the regions all lie in, or None.
+        self.place = places.pop() if len(places) == 1 else None
+        self.lo = min(s.address for s in spans)
+        self.nbytes = max(s.address + s.nbytes for s in spans) - self.lo
+        self.starts = np.array([s.address - self.lo for s in spans], dtype=np.int64)
+        self.shortest = min(s.nbytes for s in spans)
+        bits = 0
+        for s in spans:
+            bits |= s.address | s.nbytes
+        self.width = _widest(bits)
+        # One op over a flat span needs the regions in one memory (one tensor on one device)
+        # and a span of a size a view may sanely have: regions in different memories, or
+        # farther apart than _MAX_SPAN (not one device's allocations), go region by region.
+        self.flat = self.place is not None and self.nbytes <= _MAX_SPAN
+        self._bases: dict[int, Any] = {}
+        self._starts: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+
+    def base(self, views: ArrayViews, width: int) -> Any:
+        """The flat span as a 1-D tensor of ``width``-byte words (made once per width)."""
+        made = self._bases.get(width)
+        if made is None:
+            assert self.place is not None
+            made = self._bases[width] = views.tensor(Extent(self.lo, self.nbytes, *self.place)).view(_dtype(width))
+        return made
+
+    def first_words(self, width: int, row_offset: int) -> npt.NDArray[np.int64]:
+        """Where each region's first row starts in the span, in words (made once)."""
+        made = self._starts.get((width, row_offset))
+        if made is None:
+            made = self._starts[(width, row_offset)] = self.starts // width + row_offset
+        return made
 
 
-def _torch_copy(views: ArrayViews, block: Block, spans: Sequence[Extent], slot: Extent, into_slot: bool) -> None:
+#: The largest span of regions (bytes) one index op covers (a view of it is only
+#: its size: nothing between the regions is read or written).
+_MAX_SPAN = 1 << 40
+#: How many region views and sets of regions ArrayViews keeps (least recently used go).
+_CACHED = 1024
+#: Tests set this to run the GPU's gather op (advanced indexing) on CPU tensors.
+_GPU_GATHER_ON_HOST = False
+
+
+def _dtype(width: int) -> Any:
     import torch
 
-    width = _width(block, spans, slot)
-    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+
+
+def _place(kind: int, device: int) -> tuple[int, int]:
+    """Where memory lies as a GPU sees it: VRAM of a device, or the host (the fake CUDA
+    driver's "VRAM" is host memory, but its launches are counted as on a GPU)."""
+    return (VRAM, device) if kind == VRAM else (DRAM, -1)
+
+
+def _widest(bits: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that values whose bitwise or is ``bits`` are all multiples of."""
+    return min(8, bits & -bits) if bits else 8
+
+
+def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, part: Any, slot: Extent, into_slot: bool) -> None:
+    """Copy one block between its regions and ``part`` (a uint8 tensor over its bytes of
+    ``slot``), counting in ``views.launches`` what a GPU would launch: one index upload and
+    one index op (and one copy if the slot lies in other memory) where the regions share a
+    memory, whatever their number and spacing and the block's size."""
+    import torch
+
+    # The widest word every offset, stride and length of the copy is a multiple of.
+    bits = block.row_bytes | block.row_offset | block.item_stride | slot.address | slot.nbytes
+    width = min(_widest(bits | (block.row_stride if block.rows > 1 else 0)), regions.width)
     rows, row = block.rows, block.row_bytes // width
-    packed = views.tensor(slot).view(dtype).view(len(spans), int(block.items.size), rows, row)
-    index = torch.from_numpy(block.items)
-    shape = (_region_items(block, spans[0]), rows, row)
-    strides = (block.item_stride // width, (block.row_stride or block.row_bytes) // width, 1)
-    stacked = _stack(spans)
-    if stacked is not None:
-        first, step, total = stacked
-        base = views.tensor(Extent(first, total, spans[0].kind, spans[0].device)).view(dtype)
-        region = torch.as_strided(base, (len(spans), *shape), (step // width, *strides), block.row_offset // width)
-        if into_slot and region.device.type == "cpu":
-            # torch's CPU index_select over a view strided in its first dimension
-            # is 10-25x slower than region by region (measured here); on a GPU
-            # the one launch over the stacked view is the point.
-            for i in range(len(spans)):
-                views.launches += _move(region[i], 0, index, packed[i], into_slot)
-        else:
-            views.launches += _move(region, 1, index, packed, into_slot)
+    row_stride, item_stride, row_offset = (block.row_stride or block.row_bytes) // width, block.item_stride // width, block.row_offset // width
+    items = np.ascontiguousarray(block.items, dtype=np.int64)
+    reach = (rows - 1) * row_stride + row  # the words of one item, from its first row's start
+    last = (regions.shortest // width - row_offset - reach) // item_stride  # the last item every region holds
+    if int(items.view(np.uint64).max()) > last:  # (a negative item is a large unsigned one)
+        raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {last} of its shortest region")
+    count = int(items.size)
+    packed = part.view(_dtype(width)).view(len(regions.spans) * count, rows, row)
+    slot_place = _place(slot.kind, slot.device)
+    if regions.flat:
+        assert regions.place is not None
+        base = regions.base(views, width)
+        # Overlapping windows over the span: entry p is the rows of an item starting at word p.
+        flat = torch.as_strided(base, (base.numel() - reach + 1, rows, row), (1, row_stride, 1))
+        offsets = regions.first_words(width, row_offset)[:, None] + items[None, :] * item_stride
+        index = _index(views, offsets.reshape(-1), flat, regions.place)
+        views.launches += _move(flat, index, packed, into_slot, cross=regions.place != slot_place)
         return
-    for i, span in enumerate(spans):
-        base = views.tensor(span).view(dtype)
-        region = torch.as_strided(base, shape, strides, block.row_offset // width)
-        views.launches += _move(region, 0, index, packed[i], into_slot)
+    # Region by region (the regions lie in different memories, or too far apart), each
+    # index made (and uploaded) once per memory, not once per region.
+    indexes: dict[tuple[int, int], Any] = {}
+    for i, span in enumerate(regions.spans):
+        place = _place(span.kind, span.device)
+        base = views.words(span, width)
+        region = torch.as_strided(base, (last + 1, rows, row), (item_stride, row_stride, 1), row_offset)
+        index = indexes.get(place)
+        if index is None:
+            index = indexes[place] = _index(views, items, region, place)
+        views.launches += _move(region, index, packed[i * count : (i + 1) * count], into_slot, cross=place != slot_place)
 
 
-def _move(region: Any, dim: int, index: Any, packed: Any, into_slot: bool) -> int:
-    """One index op between ``region`` (items along ``dim``) and its packed block; the
-    launches it issued (the index upload counts, a no-op on the host, a copy on a GPU)."""
+def _index(views: ArrayViews, values: npt.NDArray[np.int64], on: Any, place: tuple[int, int]) -> Any:
+    """``values`` as an index tensor on ``on``'s device: on the host the array itself (no
+    copy); on a GPU one upload from pinned memory, not waited for (torch's pinned memory
+    cache keeps the buffer until the copy is done). The upload counts where ``place`` is VRAM."""
     import torch
 
-    index = index.to(region.device, non_blocking=True)
-    if into_slot:
-        if region.device == packed.device:
-            torch.index_select(region, dim, index, out=packed)
-            return 2
-        packed.copy_(torch.index_select(region, dim, index), non_blocking=True)
-        return 3
-    source = packed if packed.device == region.device else packed.to(region.device, non_blocking=True)
-    region.index_copy_(dim, index, source)
-    return 2 if source is packed else 3
+    if place[0] == VRAM:
+        views.launches += 1
+    if on.device.type == "cpu":
+        return torch.from_numpy(values)
+    pinned = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+    pinned.numpy()[...] = values
+    return pinned.to(on.device, non_blocking=True)
 
+
+def _move(src: Any, index: Any, packed: Any, into_slot: bool, *, cross: bool) -> int:
+    """One index op between ``src`` (items along its first dimension) and its packed block,
+    on ``src``'s device; where the slot lies in other memory (``cross``), one copy too. The
+    launches: the op, and the copy (counted as on a GPU, also where both are host memory)."""
+    if into_slot:
+        if packed.device == src.device:
+            _gather(src, index, packed)
+        else:
+            packed.copy_(_gather(src, index, None), non_blocking=True)
+    else:
+        source = packed if packed.device == src.device else packed.to(src.device, non_blocking=True)
+        src.index_copy_(0, index, source)
+    return 2 if cross else 1
+
+
+def _gather(src: Any, index: Any, out: Any) -> Any:
+    """``src[index]`` (into ``out`` if given). On the host ``index_select``, the fastest there
+    (measured: 1.4-2.6x faster than advanced indexing); on a GPU advanced indexing,
+    whose kernel iterates over the output with 32-bit math and adds index * stride in 64
+    bits, where ``index_select``'s CUDA kernel (in some torch versions) drops to 64-bit
+    offset math for a source view of 2^31 elements or more, as a span's view has."""
+    import torch
+
+    if src.device.type == "cpu" and not _GPU_GATHER_ON_HOST:
+        return torch.index_select(src, 0, index) if out is None else torch.index_select(src, 0, index, out=out)
+    if out is None:
+        return src[index]
+    return torch.ops.aten.index.Tensor_out(src, [index], out=out)
