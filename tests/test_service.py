@@ -1135,4 +1135,7 @@ def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_broker
 def test_peers_register_and_abort_rooms_only_in_batches() -> None:
     """The PeerBroker service has no unary RegisterRoom or AbortRoom: brokers call RegisterRooms and AbortRooms."""
     methods = set(peer_pb2.DESCRIPTOR.services_by_name["PeerBroker"].methods_by_name)
-    assert methods == {"Handshake", "RegisterRooms", "ReserveStaging", "ReportCompletion", "AbortRooms", "Ping", "ReserveProbe", "ReleaseProbe"}
+    assert methods == {
+        "Handshake", "RegisterRooms", "ReserveStaging", "ReportCompletion", "AbortRooms", "Ping",
+        "ReserveProbe", "ReleaseProbe", "GrantCredits", "ReturnCredits",
+    }

@@ -176,6 +176,7 @@ def test_a_probe_slot_whose_release_never_comes_is_freed_by_the_lease(fake_broke
     d = fake_brokers("d", transfer_timeout_seconds=0.3, peer_rpc_timeout_seconds=0.3, **FLOOR)
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     _room(pe, de, p, 1)
+    eventually(lambda: _in_use(d) == (0, 0), 5)  # the prefill broker's idle credits went back
     request = peer_pb2.ReserveProbeRequest(
         protocol_version=PROTOCOL_VERSION, sender_broker_id=p.broker.broker_id, kind=VRAM, device_id=0, bytes=1 << 20
     )

@@ -220,6 +220,15 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         self._broker.peer_calls.release_probe(request)
         return peer_pb2.ReleaseProbeResponse()
 
+    @_peer
+    async def GrantCredits(self, request: peer_pb2.GrantCreditsRequest, context: Any) -> peer_pb2.GrantCreditsResponse:
+        return await self._broker.peer_calls.grant_credits(request)
+
+    @_peer
+    async def ReturnCredits(self, request: peer_pb2.ReturnCreditsRequest, context: Any) -> peer_pb2.ReturnCreditsResponse:
+        self._broker.peer_calls.return_credits(request)
+        return peer_pb2.ReturnCreditsResponse()
+
 
 class AdminService(admin_pb2_grpc.AdminServicer):
     """``kvbroker.v1.Admin``: operators."""

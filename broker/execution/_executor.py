@@ -31,13 +31,14 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane, Event, Notices, Settled, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
 from kvbroker.broker.execution._copies import StagingCopies
+from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
 from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._peer_calls import PeerCalls
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import record_room_end
 from kvbroker.broker.execution._tasks import TaskSet
-from kvbroker.broker.memory import StagingPools
+from kvbroker.broker.memory import CreditLedger, StagingPools
 from kvbroker.broker.peers import FleetView, PeerClient, PeerTable
 from kvbroker.broker.rooms import (
     AbortAtPeer,
@@ -85,6 +86,7 @@ class Executor:
         tasks: TaskSet,
         counters: Counters,
         metrics: BrokerMetrics,
+        ledger: CreditLedger,
         fleet: FleetView | None = None,
     ) -> None:
         self._config = config
@@ -108,7 +110,19 @@ class Executor:
             tasks=tasks,
             metrics=metrics,
         )
+        #: Receive credits, both sides (the receiver's ledger is shared with its state machine).
+        self.credits = Credits(
+            broker_id=broker_id,
+            config=config,
+            dataplane=dataplane,
+            peers=peers,
+            client=client,
+            pools=pools,
+            tasks=tasks,
+            ledger=ledger,
+        )
         self._parts = PartsInFlight(
+            credits=self.credits,
             probes=self.probes,
             broker_id=broker_id,
             config=config,
@@ -142,7 +156,8 @@ class Executor:
                     self._run(effect)
                 except Exception:
                     log.exception("effect_failed", effect=type(effect).__name__)
-        self._dataplane.listening = self._receiver.awaiting_data()
+        # Poll for notifications while rooms wait for data, or credits for their return.
+        self._dataplane.listening = self._receiver.awaiting_data() or self.credits.awaiting_returns()
 
     def on_events(self, events: list[Event]) -> None:
         """What the data plane reports (on the loop): settled parts, notifications."""
@@ -150,7 +165,14 @@ class Executor:
             if isinstance(event, Settled):
                 self._parts.settled(event)
             elif isinstance(event, Notices):
-                self._receiver.notices(event.items)
+                notices = []
+                for agent, payload in event.items:
+                    if payload[:1] == CREDIT_RETURN:
+                        self.credits.returned(agent, payload)
+                    else:
+                        notices.append((agent, payload))
+                if notices:
+                    self._receiver.notices(notices)
         self.drain()
 
     def _run(self, effect: Effect) -> None:
@@ -176,6 +198,9 @@ class Executor:
             self._tasks.spawn(self._verify(effect), name=f"verify-{effect.receiver.room}")
         elif isinstance(effect, ReleaseStaging):
             for kind, device, reservation in effect.reservations:
+                if reservation.owner:  # a range of a sending peer's credits: back to it
+                    self.credits.hand_back(kind, device, reservation)
+                    continue
                 pool = self._pools.pool("receive", kind, device)
                 if pool is not None:
                     pool.release(reservation)

@@ -6,8 +6,10 @@ span, then goes to the data-plane thread in the write its kind takes
 
 - a staged part asks the receiver for room in its staging buffer
   (ReserveStaging) before it is written there;
-- a packed part takes a slot of the local send transfer buffer, then asks
-  the receiver for its slot while it is gathered into ours (``_copies``),
+- a packed part takes a slot of the local send transfer buffer, then a
+  range of this broker's credits in the receiver's buffer (``_credits``: no
+  call to the receiver in steady state) while it is gathered into ours
+  (``_copies``),
   then goes as one write, slot to slot;
 - a gathered part (the sender's side packs the head slice) takes a slot of
   the local send pool, is gathered into it, and is written page by page.
@@ -33,6 +35,7 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane, Posting, Settled, XferState
 from kvbroker.broker.execution._copies import StagingCopies, as_broker_error, slot_of
+from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._writes import (
@@ -43,7 +46,7 @@ from kvbroker.broker.execution._writes import (
     write_runs,
     write_tokens,
 )
-from kvbroker.broker.memory import Reservation, StagingPool, StagingPools
+from kvbroker.broker.memory import Credit, Reservation, StagingPool, StagingPools
 from kvbroker.broker.peers import PeerClient, PeerTable
 from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, SenderCore
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
@@ -68,6 +71,7 @@ class PartsInFlight:
     def __init__(
         self,
         *,
+        credits: Credits,
         probes: TransportProbes,
         broker_id: str,
         config: BrokerConfig,
@@ -83,6 +87,10 @@ class PartsInFlight:
         drain: Callable[[], None],
     ) -> None:
         self._probes = probes
+        self._credits = credits
+        #: Packed parts' ranges in the receiver's credits, until they settle:
+        #: one that never reached the receiver gives its range back here.
+        self._credited: dict[Part, Credit] = {}
         self._id = broker_id
         self._config = config
         self._sender = sender
@@ -256,7 +264,7 @@ class PartsInFlight:
             self._packing.pop(part, None)
             self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
             return None
-        self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
+        self._tasks.spawn(self._credit(part), name=f"credit-{part.source.room}")
         span = self._parts[part][0]
         try:
             slot = slot_of(pool, reservation, part.nbytes)
@@ -267,6 +275,30 @@ class PartsInFlight:
             pool.release(reservation)
             return as_broker_error(exc, "gathering a packed part")
         return _Packed(pool, reservation, crc)
+
+    async def _credit(self, part: Part) -> None:
+        """A packed part's range in the receiver's transfer buffer, from this
+        broker's credits there (no call to the receiver unless its window must
+        grow); then it is posted once gathered."""
+        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
+        if peer is None or peer.agent_name is None:
+            self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
+            return
+        try:
+            buffer, credit = await self._credits.acquire(peer, part.spec.pools[1], part.nbytes)
+        except KvBrokerError as exc:
+            self.fail(part, exc)
+            return
+        if part not in self._parts:  # it settled (failed) while it waited
+            self._credits.release(credit)
+            return
+        self._credited[part] = credit
+        if part.source.state == FAILED:
+            self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
+            return
+        part.notice.credit_id = credit.credit_id
+        self._sender.staging_reserved(part, buffer, credit.offset)
+        self._drain()
 
     async def _transport(self, part: Part) -> None:
         """The transport self-test of the part's pair of transfer buffers (the
@@ -345,6 +377,10 @@ class PartsInFlight:
         held = self._sending.pop(part, None)
         if held is not None:
             held[0].release(held[1])
+        credit = self._credited.pop(part, None)
+        if credit is not None and event.state is not XferState.DONE:
+            # It never reached the receiver: its range is free (a DONE one the receiver hands back).
+            self._credits.release(credit)
         packing = self._packing.pop(part, None)
         if packing is not None:
             # It settled before its gather was posted: give the slot back once it is gathered.

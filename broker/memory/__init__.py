@@ -1,12 +1,14 @@
 """Memory and its owners: importing engines' buffers, the engine table, staging
-and transfer buffers, and the fd socket memory arrives on.
+and transfer buffers, receive credits in them, and the fd socket memory arrives on.
 """
 
+from kvbroker.broker.memory._credits import Credit, CreditLedger, CreditWindow, Grant
 from kvbroker.broker.memory._engines import Engine, EngineTable
 from kvbroker.broker.memory._fdsocket import FdConnection, FdSocketServer
 from kvbroker.broker.memory._importers import array_at, map_memory, unmap
 from kvbroker.broker.memory._staging import (
     DEVICE_SHARE,
+    FreeList,
     Reservation,
     StagingBuffer,
     StagingPool,
@@ -15,10 +17,15 @@ from kvbroker.broker.memory._staging import (
 
 __all__ = [
     "DEVICE_SHARE",
+    "Credit",
+    "CreditLedger",
+    "CreditWindow",
     "Engine",
     "EngineTable",
     "FdConnection",
     "FdSocketServer",
+    "FreeList",
+    "Grant",
     "Reservation",
     "StagingBuffer",
     "StagingPool",

@@ -32,6 +32,7 @@ thread. The copies themselves are ``copies``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = [
     "DEVICE_SHARE",
+    "FreeList",
     "Reservation",
     "StagingBuffer",
     "StagingPool",
@@ -65,10 +67,52 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class Reservation:
-    """``nbytes`` at ``offset`` of one staging buffer, until released."""
+    """``nbytes`` at ``offset`` of one staging buffer, until released.
+    ``owner``: the sending broker whose receive credits these bytes are
+    (``credits``): they go back to it, not to the pool; "" for the pool's own."""
 
     offset: int
     nbytes: int
+    owner: str = ""
+    credit_id: int = 0
+
+
+class FreeList:
+    """Free spans of a buffer, first fit, 4 KiB aligned, merged when adjacent."""
+
+    def __init__(self, spans: list[tuple[int, int]] | None = None) -> None:
+        self._free: list[tuple[int, int]] = sorted(spans or [])
+
+    @staticmethod
+    def aligned(nbytes: int) -> int:
+        return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+
+    def take(self, nbytes: int) -> int | None:
+        """The offset of ``nbytes`` (aligned) taken from the first span that fits, or None."""
+        size = self.aligned(nbytes)
+        for i, (offset, span) in enumerate(self._free):
+            if span >= size:
+                if span == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, span - size)
+                return offset
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        """Free ``nbytes`` (aligned) at ``offset``, merging with its neighbours."""
+        self._free.append((offset, self.aligned(nbytes)))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, span in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + span)
+            else:
+                merged.append((start, span))
+        self._free = merged
+
+    def free_bytes(self) -> int:
+        return sum(span for _, span in self._free)
 
 
 @dataclass(eq=False)
@@ -125,25 +169,23 @@ class StagingPool:
     def __init__(self, buffer: StagingBuffer) -> None:
         self.buffer = buffer
         self.size_bytes = buffer.size_bytes
-        self._free: list[tuple[int, int]] = [(0, buffer.size_bytes)]
+        self._free = FreeList([(0, buffer.size_bytes)])
         #: Reservations waiting for room, oldest first: (bytes, its future).
         self._waiting: deque[tuple[int, asyncio.Future[Reservation]]] = deque()
         self.in_use_bytes = 0
         self.reservations = 0
+        #: Called when the last reservation is released (a release of its GPU's buffers waits for it).
+        self.on_empty: Callable[[], None] | None = None
 
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """A reservation of ``nbytes`` now, or None if no free span fits."""
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        for i, (offset, span) in enumerate(self._free):
-            if span >= size:
-                if span == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, span - size)
-                self.in_use_bytes += size
-                self.reservations += 1
-                return Reservation(offset=offset, nbytes=size)
-        return None
+        size = FreeList.aligned(nbytes)
+        offset = self._free.take(size)
+        if offset is None:
+            return None
+        self.in_use_bytes += size
+        self.reservations += 1
+        return Reservation(offset=offset, nbytes=size)
 
     async def reserve(self, nbytes: int, timeout_seconds: float) -> Reservation:
         """A reservation of ``nbytes``, waiting for releases up to the timeout.
@@ -178,6 +220,11 @@ class StagingPool:
             )
         return future.result()
 
+    @property
+    def waiting(self) -> int:
+        """Reservations waiting for room now."""
+        return len(self._waiting)
+
     def _give_up(self, entry: tuple[int, asyncio.Future[Reservation]]) -> None:
         self._waiting.remove(entry)
         entry[1].cancel()
@@ -185,18 +232,12 @@ class StagingPool:
 
     def release(self, reservation: Reservation) -> None:
         """Give ``reservation`` back (merging free neighbours), and serve the waiters it lets in."""
-        self._free.append((reservation.offset, reservation.nbytes))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for offset, span in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == offset:
-                merged[-1] = (merged[-1][0], merged[-1][1] + span)
-            else:
-                merged.append((offset, span))
-        self._free = merged
+        self._free.give(reservation.offset, reservation.nbytes)
         self.in_use_bytes -= reservation.nbytes
         self.reservations -= 1
         self._grant()
+        if not self.reservations and self.on_empty is not None:
+            self.on_empty()
 
     def _grant(self) -> None:
         """Reserve for the oldest waiters while they fit."""
@@ -254,6 +295,10 @@ class StagingPools:
         ``FailedPrecondition`` (nothing kept) if the GPU cannot give them."""
         await self._wait_for(device)
         if ("send", VRAM, device) in self._pools:
+            for direction in ("send", "receive"):  # a release waiting for reservations is off
+                pool = self._pools.get((direction, VRAM, device))
+                if pool is not None:
+                    pool.on_empty = None
             return
         if not all(self._device_sizes.values()):
             raise FailedPrecondition("the device transfer buffers are off (--device-buffer-mib 0): VRAM cannot move")
@@ -277,7 +322,10 @@ class StagingPools:
     def _bounded_sizes(self, device: int, driver: cudavmm.Driver | None) -> dict[str, int]:
         """Each transfer buffer's size on GPU ``device``: as configured, but at
         most ``DEVICE_SHARE`` of the GPU's memory (memory thread)."""
-        total = cudavmm.device_total_bytes(device, driver)
+        drv = driver or cudavmm.default_driver()
+        total_bytes = ctypes.c_size_t()
+        drv.call("cuDeviceTotalMem_v2", ctypes.byref(total_bytes), drv.device(device))
+        total = total_bytes.value
         cap = max(_ALIGN, int(total * DEVICE_SHARE) // _ALIGN * _ALIGN)
         sizes = {direction: min(size, cap) for direction, size in self._device_sizes.items()}
         if sizes != self._device_sizes:
@@ -293,13 +341,26 @@ class StagingPools:
 
     async def release_device(self, device: int) -> None:
         """Free GPU ``device``'s transfer buffers (its last VRAM engine went).
-        Reservations still held (a transfer that did not settle) keep them
-        until the broker stops. Safe to call concurrently: the pools leave
-        the table before the first await."""
+        Reservations still held (a transfer that did not settle, a peer's
+        idle credits, given back within a second) keep them until the last
+        is released. Safe to call concurrently: the pools leave the table
+        before the first await."""
         await self._wait_for(device)
         keys = [k for k in self._pools if k[1] == VRAM and k[2] == device]
-        if any(self._pools[k].reservations for k in keys):
-            log.warning("device_staging_busy", device=device, kept_until="the broker stops")
+        held = [self._pools[k] for k in keys if self._pools[k].reservations]
+        if held:
+            log.info("device_buffers_held", device=device, reservations=sum(p.reservations for p in held), freed="when released")
+            loop = asyncio.get_running_loop()
+
+            def emptied() -> None:
+                if all(not self._pools[k].reservations for k in keys if k in self._pools):
+                    for k in keys:
+                        if k in self._pools:
+                            self._pools[k].on_empty = None
+                    loop.create_task(self.release_device(device))
+
+            for pool in held:
+                pool.on_empty = emptied
             return
         pools = [self._pools.pop(key) for key in keys]
         with self._claim(device):

@@ -297,6 +297,27 @@ class PeerClient:
             raise type(err)(f"the receiver could not reserve a probe slot: {err.message}") from exc
         return response
 
+    async def grant_credits(self, broker_id: str, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
+        """Room in the peer's receive buffer for our packed parts (waits while it is full)."""
+        peer = self._peers.get(broker_id)
+        try:
+            response: peer_pb2.GrantCreditsResponse = await self.stub(peer).GrantCredits(
+                request, timeout=self._staging_wait + self._timeout
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            raise type(err)(f"the receiver could not grant credits: {err.message}") from exc
+        return response
+
+    async def return_credits(self, broker_id: str, grant_ids: list[str]) -> None:
+        """Give whole grants back to the peer."""
+        peer = self._peers.get(broker_id)
+        request = peer_pb2.ReturnCreditsRequest(protocol_version=PROTOCOL_VERSION, sender_broker_id=self._peers.broker_id, grant_ids=grant_ids)
+        try:
+            await self.stub(peer).ReturnCredits(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+
     async def release_probe(self, broker_id: str, probe_id: str) -> None:
         """Give back a probe slot (the peer's lease frees it anyway)."""
         peer = self._peers.get(broker_id)

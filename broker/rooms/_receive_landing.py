@@ -62,28 +62,34 @@ class ReceiverLanding(ReceiverBase):
 
     # -- data --------------------------------------------------------------
     def notices(self, items: list[tuple[str, bytes]]) -> None:
-        """NIXL notifications: each says one part of one chunk of one source landed."""
+        """NIXL notifications: each says one part of one chunk of one source
+        landed. A part written into its sender's credits whose range is not
+        held here afterwards (its room is gone, the notice was refused) goes
+        back to the sender at once."""
         for agent, payload in items:
-            self._notice(agent, payload)
+            try:
+                notice = peer_pb2.TransferNotice.FromString(payload)
+            except DecodeError:
+                self._counters.bad_notices += 1
+                log.warning("bad_notification", agent=agent, size=len(payload))
+                continue
+            if notice.protocol_version != PROTOCOL_VERSION:
+                self._counters.bad_notices += 1
+                log.warning("bad_notification", agent=agent, protocol_version=notice.protocol_version, speaks=PROTOCOL_VERSION)
+                continue
+            if not self._notice(notice) and notice.credit_id:
+                credit = Reservation(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
+                self._out.append(ReleaseStaging(((0, 0, credit),)))
 
-    def _notice(self, agent: str, payload: bytes) -> None:
-        try:
-            notice = peer_pb2.TransferNotice.FromString(payload)
-        except DecodeError:
-            self._counters.bad_notices += 1
-            log.warning("bad_notification", agent=agent, size=len(payload))
-            return
-        if notice.protocol_version != PROTOCOL_VERSION:
-            self._counters.bad_notices += 1
-            log.warning("bad_notification", agent=agent, protocol_version=notice.protocol_version, speaks=PROTOCOL_VERSION)
-            return
+    def _notice(self, notice: peer_pb2.TransferNotice) -> bool:
+        """Take one notice; whether its credit range (if any) is held by a rank now."""
         room = self._rooms.receiver.get(notice.room)
         rank = room.ranks.get(rank_key(notice.receiver)) if room is not None else None
         leg = rank.leg(notice.sender_broker_id) if rank is not None else None
         if rank is None or (rank.legs and leg is None):
             self._counters.late_notices += 1
             log.debug("late_notification", room=notice.room, receiver=str(rank_key(notice.receiver)))
-            return
+            return False
         source_key = rank_key(notice.source)
         exp = rank.expected.get(source_key) if rank.expected is not None else None
         if exp is None or exp.leg is not leg:
@@ -91,7 +97,7 @@ class ReceiverLanding(ReceiverBase):
                 rank,
                 cause(common_pb2.FAILURE_KIND_MISMATCH, f"an unexpected source {source_key} wrote into the room", self._id),
             )
-            return
+            return False
         key = (source_key, notice.chunk_index, notice.part)
         if not notice.part < max(1, notice.parts) <= MAX_PARTS:
             self.fail(
@@ -102,27 +108,46 @@ class ReceiverLanding(ReceiverBase):
                     self._id,
                 ),
             )
-            return
+            return False
         if exp.has_part(notice.chunk_index, notice.part) or key in rank.scattering:
-            return
+            return False
         if notice.token_end and (problem := token_problem(rank, notice)):
             self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, f"source {source_key} {problem}", self._id))
-            return
+            return False
         if notice.staged:
             if rank.terminal:
                 # A failed rank scatters nothing more: the part counts as
                 # settled, but its chunk's pages did not arrive.
                 exp.unapplied = exp.unapplied | {notice.chunk_index}
             else:
+                if notice.credit_id and not self._hold_credit(rank, key, notice):
+                    return False
                 try:
                     landing = landing_of(rank, key, exp, notice)
                 except KvBrokerError as exc:
                     self.fail(rank, cause_of(exc, self._id))
-                    return
+                    return key in rank.staging
                 rank.scattering[key] = None
                 self._out.append(Scatter(rank, landing))
-                return
+                return True
         self._landed(rank, source_key, exp, notice)
+        return False
+
+    def _hold_credit(self, rank: Receiver, key: StagingKey, notice: peer_pb2.TransferNotice) -> bool:
+        """A packed part written into its sender's credits: the rank holds its
+        range until it is scattered (or the rank ends). Fails the rank if the
+        range is not the sender's to write."""
+        pool = pool_of(rank)
+        if not self._credits.holds(notice.sender_broker_id, pool, notice.staging_offset, notice.staging_bytes):
+            problem = (
+                f"source {key[0]} wrote packed part {notice.part} of chunk {notice.chunk_index} at offset "
+                f"{notice.staging_offset} (+{notice.staging_bytes}), outside the credits this broker granted it"
+            )
+            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+            return False
+        credit = Reservation(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
+        rank.staging[key] = (pool, credit)
+        return True
 
     def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None) -> None:
         """A staged or packed part was unpacked into the pages, or could not be

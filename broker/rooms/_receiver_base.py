@@ -19,6 +19,7 @@ from collections.abc import Callable
 import structlog
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.memory import CreditLedger
 from kvbroker.broker.rooms._effects import (
     AbortAtPeer,
     Effect,
@@ -48,10 +49,13 @@ class ReceiverBase:
         rooms: RoomTables,
         counters: Counters,
         on_bytes: Callable[[int], None] = lambda _n: None,
+        credits: CreditLedger | None = None,
     ) -> None:
         self._id = broker_id
         self._rooms = rooms
         self._counters = counters
+        #: The grants this broker gave sending peers (a packed part's range must lie in one).
+        self._credits = credits if credits is not None else CreditLedger()
         self._on_bytes = on_bytes
         self._out: list[Effect] = []
         self._open: set[Receiver] = set()

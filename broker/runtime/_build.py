@@ -22,7 +22,13 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Agent, DataPlane, Event, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
 from kvbroker.broker.execution import Executor, TaskSet
-from kvbroker.broker.memory import EngineTable, FdConnection, FdSocketServer, StagingPools
+from kvbroker.broker.memory import (
+    CreditLedger,
+    EngineTable,
+    FdConnection,
+    FdSocketServer,
+    StagingPools,
+)
 from kvbroker.broker.peers import (
     FleetRecord,
     FleetView,
@@ -115,10 +121,12 @@ def build_broker(
         send_staging_bytes=pools.send_bytes,
         part_bytes=config.device_part_bytes,
     )
+    ledger = CreditLedger()
     receiver = ReceiverCore(
         broker_id=broker_id,
         rooms=rooms,
         counters=counters,
+        credits=ledger,
         on_bytes=lambda n: metrics.bytes.add(n, {"direction": "received"}),
     )
     fleet_record: FleetRecord | None = None
@@ -151,6 +159,7 @@ def build_broker(
         tasks=tasks,
         counters=counters,
         metrics=metrics,
+        ledger=ledger,
         fleet=fleet_view,
     )
     operators = Operators(

@@ -177,6 +177,16 @@ class PeerCalls:
             timer.cancel()
             pool.release(reservation)
 
+    async def grant_credits(self, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
+        """Room in a receive buffer for a sending peer's packed parts (its credits)."""
+        check_version(request.protocol_version, "GrantCredits")
+        return await self._executor.credits.grant(request)
+
+    def return_credits(self, request: peer_pb2.ReturnCreditsRequest) -> None:
+        """A sending peer gives whole grants back."""
+        check_version(request.protocol_version, "ReturnCredits")
+        self._executor.credits.take_back(request)
+
     def completion_report(self, request: peer_pb2.CompletionReport) -> None:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""
         check_version(request.protocol_version, "ReportCompletion")

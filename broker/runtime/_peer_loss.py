@@ -12,7 +12,7 @@ from kvbroker.broker.dataplane import DataPlane
 from kvbroker.broker.execution import Executor
 from kvbroker.broker.peers import Member, Peer, PeerTable
 from kvbroker.broker.rooms import ReceiverCore, SenderCore, cause
-from kvbroker.errors import NixlError
+from kvbroker.errors import NixlError, Unavailable
 from kvbroker.v1 import common_pb2
 
 __all__ = ["PeerLoss"]
@@ -49,6 +49,7 @@ class PeerLoss:
         log.warning("peer_lost", peer=peer.address, broker=broker_id, reason=what)
         sources = self._sender.peer_lost(broker_id, why)
         ranks = self._receiver.peer_lost(broker_id, why)
+        self._executor.credits.peer_gone(broker_id, lambda: Unavailable(f"peer broker {peer.address} {what}"))
         if peer.agent_name:
             address = peer.address
             self._dataplane.cancel(peer.agent_name, lambda: NixlError(f"transfer to lost peer {address} cancelled"))
@@ -65,4 +66,8 @@ class PeerLoss:
     def has_business(self, peer: Peer) -> bool:
         """Whether some room here involves ``peer`` (the monitor pings only those)."""
         broker_id = peer.broker_id or ""
-        return self._sender.has_business(broker_id) or self._receiver.has_business(broker_id)
+        return (
+            self._sender.has_business(broker_id)
+            or self._receiver.has_business(broker_id)
+            or self._executor.credits.has_business(broker_id)
+        )

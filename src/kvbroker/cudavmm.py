@@ -42,7 +42,6 @@ __all__ = [
     "VmmMapping",
     "default_driver",
     "device_for_uuid",
-    "device_total_bytes",
     "device_uuid",
     "driver_present",
     "AllocationExport",
@@ -444,15 +443,6 @@ def device_uuid(ordinal: int, driver: Driver | None = None) -> bytes:
     uuid = ctypes.create_string_buffer(16)
     drv.call("cuDeviceGetUuid", uuid, dev)
     return uuid.raw
-
-
-def device_total_bytes(ordinal: int, driver: Driver | None = None) -> int:
-    """The memory of CUDA device ``ordinal``, in bytes."""
-    drv = driver or default_driver()
-    dev = drv.device(ordinal)
-    total = ctypes.c_size_t()
-    drv.call("cuDeviceTotalMem_v2", ctypes.byref(total), dev)
-    return total.value
 
 
 def device_for_uuid(uuid: bytes, driver: Driver | None = None) -> int:

@@ -317,7 +317,7 @@ class PingResponse(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum", "token_begin", "token_end", "packed", "packed_kv_begin", "packed_kv_end", "packed_aux", "packed_state", "packed_checksum", "kv_packed", "aux_packed")
+    __slots__ = ("room", "sender_broker_id", "source", "receiver", "chunk_index", "is_last", "total_chunks", "pages", "bytes", "aux", "state_components", "part", "parts", "page_offset", "staged", "staging_offset", "staging_bytes", "protocol_version", "checksum", "token_begin", "token_end", "packed", "packed_kv_begin", "packed_kv_end", "packed_aux", "packed_state", "packed_checksum", "kv_packed", "aux_packed", "credit_id")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,7 @@ class TransferNotice(_message.Message):
     PACKED_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     KV_PACKED_FIELD_NUMBER: _ClassVar[int]
     AUX_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
     room: int
     sender_broker_id: str
     source: _common_pb2.EngineRankId
@@ -376,7 +377,72 @@ class TransferNotice(_message.Message):
     packed_checksum: int
     kv_packed: bool
     aux_packed: bool
-    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ..., token_begin: _Optional[int] = ..., token_end: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_kv_begin: _Optional[int] = ..., packed_kv_end: _Optional[int] = ..., packed_aux: _Optional[bool] = ..., packed_state: _Optional[_Iterable[_Union[PackedState, _Mapping]]] = ..., packed_checksum: _Optional[int] = ..., kv_packed: _Optional[bool] = ..., aux_packed: _Optional[bool] = ...) -> None: ...
+    credit_id: int
+    def __init__(self, room: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., source: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., chunk_index: _Optional[int] = ..., is_last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., aux: _Optional[bool] = ..., state_components: _Optional[_Iterable[str]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., page_offset: _Optional[int] = ..., staged: _Optional[bool] = ..., staging_offset: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., checksum: _Optional[int] = ..., token_begin: _Optional[int] = ..., token_end: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_kv_begin: _Optional[int] = ..., packed_kv_end: _Optional[int] = ..., packed_aux: _Optional[bool] = ..., packed_state: _Optional[_Iterable[_Union[PackedState, _Mapping]]] = ..., packed_checksum: _Optional[int] = ..., kv_packed: _Optional[bool] = ..., aux_packed: _Optional[bool] = ..., credit_id: _Optional[int] = ...) -> None: ...
+
+class CreditReturn(_message.Message):
+    __slots__ = ("protocol_version", "credits", "pressure")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    credits: _containers.RepeatedCompositeFieldContainer[ReturnedCredit]
+    pressure: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., credits: _Optional[_Iterable[_Union[ReturnedCredit, _Mapping]]] = ..., pressure: _Optional[bool] = ...) -> None: ...
+
+class ReturnedCredit(_message.Message):
+    __slots__ = ("credit_id", "kind", "device_id", "offset", "bytes")
+    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    credit_id: int
+    kind: _common_pb2.MemoryKind
+    device_id: int
+    offset: int
+    bytes: int
+    def __init__(self, credit_id: _Optional[int] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ..., offset: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GrantCreditsRequest(_message.Message):
+    __slots__ = ("protocol_version", "sender_broker_id", "kind", "device_id", "bytes")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sender_broker_id: str
+    kind: _common_pb2.MemoryKind
+    device_id: int
+    bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GrantCreditsResponse(_message.Message):
+    __slots__ = ("grant_id", "offset", "bytes", "buffer")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    grant_id: str
+    offset: int
+    bytes: int
+    buffer: RemoteBuffer
+    def __init__(self, grant_id: _Optional[str] = ..., offset: _Optional[int] = ..., bytes: _Optional[int] = ..., buffer: _Optional[_Union[RemoteBuffer, _Mapping]] = ...) -> None: ...
+
+class ReturnCreditsRequest(_message.Message):
+    __slots__ = ("protocol_version", "sender_broker_id", "grant_ids")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    sender_broker_id: str
+    grant_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., sender_broker_id: _Optional[str] = ..., grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReturnCreditsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PackedState(_message.Message):
     __slots__ = ("component", "items")

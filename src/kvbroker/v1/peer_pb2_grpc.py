@@ -74,6 +74,16 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeResponse.FromString,
                 _registered_method=True)
+        self.GrantCredits = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/GrantCredits',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.GrantCreditsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.GrantCreditsResponse.FromString,
+                _registered_method=True)
+        self.ReturnCredits = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/ReturnCredits',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsResponse.FromString,
+                _registered_method=True)
 
 
 class PeerBrokerServicer:
@@ -152,6 +162,26 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantCredits(self, request, context):
+        """Credits (protocol 7), sender's broker -> receiver's broker: room in a
+        receive transfer buffer granted to the sender for its packed parts,
+        tied to no room. The sender places its parts in its grants itself (no
+        call per part); the receiver hands each part's range back (CreditReturn,
+        a NIXL notification) once it scattered or dropped it. GrantCredits waits
+        while the buffer is full, as ReserveStaging. ReturnCredits gives whole
+        grants back (idle, or the receiver said others wait); a peer's grants
+        also go when it is lost or restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReturnCredits(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +224,16 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.ReleaseProbe,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeResponse.SerializeToString,
+            ),
+            'GrantCredits': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantCredits,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.GrantCreditsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.GrantCreditsResponse.SerializeToString,
+            ),
+            'ReturnCredits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReturnCredits,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -412,6 +452,60 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/ReleaseProbe',
             kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.ReleaseProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantCredits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/GrantCredits',
+            kvbroker_dot_v1_dot_peer__pb2.GrantCreditsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.GrantCreditsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReturnCredits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/ReturnCredits',
+            kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,356 @@
+"""Receive credits, carried out: grants asked for and given, parts placed, ranges handed back.
+
+The books are ``memory.CreditLedger`` (the receiver's) and
+``memory.CreditWindow`` (the sender's); see ``memory/_credits.py`` for why.
+This module makes the calls around them, on the control loop:
+
+Sender side, per (peer, receive buffer):
+
+- :meth:`Credits.acquire` places a packed part in the window; parts that do
+  not fit wait, first come first served, while the window grows by one
+  ``GrantCredits`` call at a time (a quarter of the peer's buffer, or the
+  part, up to the whole buffer); a part that waits longer than
+  ``--staging-wait`` fails, as a reservation did;
+- :meth:`Credits.release`: a part that never reached the receiver (it failed
+  before its write, or its write failed) frees its range here;
+- :meth:`Credits.returned`: the receiver's ``CreditReturn`` notifications free
+  the ranges it scattered; with ``pressure`` (others wait for its buffer) the
+  window gives its grants back as they empty, and asks again for what it
+  still needs, behind them;
+- a grant wholly free for ``IDLE_SECONDS`` goes back (``ReturnCredits``).
+
+Receiver side: :meth:`Credits.grant` and :meth:`Credits.take_back` answer the
+two calls; :meth:`Credits.hand_back` queues a part's range for its sender once
+the part is scattered or dropped (one notification per peer and loop pass).
+
+A lost or restarted peer's windows and grants go (:meth:`Credits.peer_gone`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.dataplane import DataPlane
+from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.memory import (
+    Credit,
+    CreditLedger,
+    CreditWindow,
+    FreeList,
+    Grant,
+    Reservation,
+    StagingPools,
+)
+from kvbroker.broker.peers import Peer, PeerClient, PeerTable, PoolKey, pool_name
+from kvbroker.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KvBrokerError,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import peer_pb2
+
+__all__ = ["CREDIT_RETURN", "Credits"]
+
+log = structlog.get_logger(__name__)
+
+#: The first byte of a CreditReturn notification (a TransferNotice never starts with it).
+CREDIT_RETURN = b"\x00"
+#: A grant wholly free this long goes back to its receiver.
+IDLE_SECONDS = 1.0
+
+_WindowKey = tuple[str, PoolKey]
+
+
+class Credits:
+    """Both sides of receive credits. Control loop only."""
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        config: BrokerConfig,
+        dataplane: DataPlane,
+        peers: PeerTable,
+        client: PeerClient,
+        pools: StagingPools,
+        tasks: TaskSet,
+        ledger: CreditLedger,
+    ) -> None:
+        self._id = broker_id
+        self._config = config
+        self._dataplane = dataplane
+        self._peers = peers
+        self._client = client
+        self._pools = pools
+        self._tasks = tasks
+        #: The receiver's book (shared with the receiver's state machine, which checks ranges).
+        self.ledger = ledger
+        self._windows: dict[_WindowKey, CreditWindow] = {}
+        self._waiting: dict[_WindowKey, deque[tuple[int, asyncio.Future[Credit]]]] = {}
+        self._asking: set[_WindowKey] = set()
+        #: Placed credits by id: their window (a return names the id).
+        self._placed: dict[int, _WindowKey] = {}
+        self._idle_checks: dict[_WindowKey, asyncio.TimerHandle] = {}
+        #: Ranges to hand back, by sending peer.
+        self._returns: dict[str, list[peer_pb2.ReturnedCredit]] = {}
+        self._flush_scheduled = False
+        #: Calls made (Stats): grants asked for and given back.
+        self.grants_asked = 0
+
+    # -- the sender's side ----------------------------------------------------------------
+    async def acquire(self, peer: Peer, pool: PoolKey, nbytes: int) -> tuple[peer_pb2.RemoteBuffer, Credit]:
+        """A range for a part of ``nbytes`` in ``peer``'s receive buffer ``pool``:
+        the buffer and the credit. Waits (first come, first served) for room."""
+        assert peer.broker_id is not None
+        buffer = peer.receive_staging.get(pool)
+        if buffer is None:
+            raise FailedPrecondition(f"broker {peer.address} announced no receive buffer for {pool_name(pool)}")
+        if FreeList.aligned(nbytes) > buffer.size_bytes:
+            raise ResourceExhausted(f"{nbytes} bytes can never fit in the peer's {buffer.size_bytes}-byte receive buffer")
+        key = (peer.broker_id, pool)
+        window = self._windows.setdefault(key, CreditWindow())
+        waiting = self._waiting.setdefault(key, deque())
+        if not waiting and (credit := window.place(nbytes)) is not None:
+            self._placed[credit.credit_id] = key
+            return buffer, credit
+        future: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        waiting.append(entry)
+        self._grow(key, buffer.size_bytes)
+        timeout = self._config.staging_wait_seconds
+        try:
+            await asyncio.wait({future}, timeout=timeout)
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result())
+            elif entry in waiting:
+                waiting.remove(entry)
+            raise
+        if not future.done():
+            waiting.remove(entry)
+            future.cancel()
+            self._serve(key)
+            raise DeadlineExceeded(
+                f"the peer's receive buffer {pool_name(pool)} had no room for {timeout:g} s "
+                f"({window.granted_bytes} of its {buffer.size_bytes} bytes granted to this broker)"
+            )
+        return buffer, future.result()
+
+    def release(self, credit: Credit) -> None:
+        """A part that never reached the receiver frees its range."""
+        key = self._placed.pop(credit.credit_id, None)
+        window = self._windows.get(key) if key is not None else None
+        if window is not None and key is not None and window.give_back(credit.offset, credit.credit_id):
+            self._freed(key)
+
+    def returned(self, agent_name: str, payload: bytes) -> None:
+        """A receiver's CreditReturn notification: its ranges are free again."""
+        try:
+            message = peer_pb2.CreditReturn.FromString(payload[len(CREDIT_RETURN) :])
+        except Exception:  # noqa: BLE001 - a bad notification is dropped, as a bad notice
+            log.warning("bad_credit_return", agent=agent_name, size=len(payload))
+            return
+        freed: set[_WindowKey] = set()
+        for item in message.credits:
+            key = self._placed.pop(item.credit_id, None)
+            window = self._windows.get(key) if key is not None else None
+            if window is not None and key is not None and window.give_back(item.offset, item.credit_id):
+                freed.add(key)
+        if message.pressure:
+            peer_id = next((p.broker_id for p in self._peers.by_id.values() if p.agent_name == agent_name), None)
+            for key, window in self._windows.items():
+                if key[0] == peer_id:
+                    window.drain()
+                    freed.add(key)
+        for key in freed:
+            self._freed(key)
+
+    def _freed(self, key: _WindowKey) -> None:
+        """Room came back in a window: serve its waiters; give back what is to go."""
+        self._serve(key)
+        self._give_back(key, IDLE_SECONDS)
+        if key not in self._idle_checks and key in self._windows:
+            loop = asyncio.get_running_loop()
+            self._idle_checks[key] = loop.call_later(IDLE_SECONDS, self._idle_check, key)
+
+    def _idle_check(self, key: _WindowKey) -> None:
+        self._idle_checks.pop(key, None)
+        window = self._windows.get(key)
+        if window is None:
+            return
+        self._give_back(key, IDLE_SECONDS)
+        if window.grant_ids():
+            self._idle_checks[key] = asyncio.get_running_loop().call_later(IDLE_SECONDS, self._idle_check, key)
+
+    def _serve(self, key: _WindowKey) -> None:
+        """Place the waiting parts that fit, oldest first; ask for more room for the rest."""
+        window, waiting = self._windows.get(key), self._waiting.get(key)
+        if window is None or not waiting:
+            return
+        while waiting:
+            nbytes, future = waiting[0]
+            if future.done():
+                waiting.popleft()
+                continue
+            credit = window.place(nbytes)
+            if credit is None:
+                break
+            waiting.popleft()
+            self._placed[credit.credit_id] = key
+            future.set_result(credit)
+        if waiting:
+            peer = self._peers.by_id.get(key[0])
+            buffer = peer.receive_staging.get(key[1]) if peer is not None else None
+            if buffer is not None:
+                self._grow(key, buffer.size_bytes)
+
+    def _grow(self, key: _WindowKey, buffer_bytes: int) -> None:
+        """Ask for one more grant for the window's first waiter (one call at a time)."""
+        window, waiting = self._windows[key], self._waiting.get(key)
+        if key in self._asking or not waiting:
+            return
+        room = buffer_bytes - window.granted_bytes
+        want = min(max(FreeList.aligned(waiting[0][0]), buffer_bytes // 4), room)
+        if want < FreeList.aligned(waiting[0][0]):
+            return  # the whole buffer is ours: wait for ranges to come back
+        self._asking.add(key)
+        self._tasks.spawn(self._ask(key, want), name=f"credits-{pool_name(key[1])}")
+
+    async def _ask(self, key: _WindowKey, nbytes: int) -> None:
+        peer_id, pool = key
+        request = peer_pb2.GrantCreditsRequest(
+            protocol_version=PROTOCOL_VERSION, sender_broker_id=self._id, kind=pool[0], device_id=pool[1], bytes=nbytes  # type: ignore[arg-type]
+        )
+        try:
+            self.grants_asked += 1
+            response = await self._client.grant_credits(peer_id, request)
+        except KvBrokerError as exc:
+            window = self._windows.get(key)
+            if window is not None and not window.granted_bytes:
+                # Nothing will come back to this window: its parts fail with the cause.
+                for _, future in self._waiting.pop(key, deque()):
+                    if not future.done():
+                        future.set_exception(exc)
+            log.info("credits_not_granted", peer=peer_id, pool=pool_name(pool), error=exc.message)
+            return
+        finally:
+            self._asking.discard(key)
+        window = self._windows.get(key)
+        if window is None:  # the peer is gone meanwhile: its grant went with it
+            return
+        window.add_grant(response.grant_id, response.offset, response.bytes)
+        self._serve(key)
+
+    def _give_back(self, key: _WindowKey, idle_seconds: float) -> None:
+        window = self._windows.get(key)
+        if window is None:
+            return
+        grants = window.free_grants(idle_seconds)
+        if not grants:
+            return
+        for grant_id in grants:
+            window.remove_grant(grant_id)
+        self._tasks.spawn(self._return(key[0], grants), name="credits-return")
+        self._serve(key)
+
+    async def _return(self, peer_id: str, grant_ids: list[str]) -> None:
+        try:
+            await self._client.return_credits(peer_id, grant_ids)
+        except KvBrokerError as exc:  # the peer is gone (its grants went with it) or will take them back when it drops us
+            log.info("credits_not_returned", peer=peer_id, grants=len(grant_ids), error=exc.message)
+
+    def awaiting_returns(self) -> bool:
+        """Whether parts sit in our credits at a peer (its CreditReturn notifications are due)."""
+        return bool(self._placed)
+
+    # -- the receiver's side --------------------------------------------------------------
+    async def grant(self, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
+        """Room in a receive buffer for a sending peer's packed parts (waits while it is full)."""
+        self._peers.get(request.sender_broker_id)
+        key = (int(request.kind), request.device_id)
+        pool = self._pools.pool("receive", *key)
+        if pool is None:
+            raise FailedPrecondition(f"this broker has no receive buffer for {pool_name(key)}")
+        reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds)
+        if request.sender_broker_id not in self._peers.by_id:  # lost while it waited
+            pool.release(reservation)
+            raise Unavailable(f"broker {request.sender_broker_id} was dropped while it waited for credits")
+        grant = Grant(secrets.token_hex(8), request.sender_broker_id, key, reservation)
+        self.ledger.add(grant)
+        return peer_pb2.GrantCreditsResponse(
+            grant_id=grant.grant_id, offset=reservation.offset, bytes=reservation.nbytes, buffer=pool.buffer.descriptor()
+        )
+
+    def take_back(self, request: peer_pb2.ReturnCreditsRequest) -> None:
+        """A sending peer gives whole grants back. Idempotent."""
+        for grant_id in request.grant_ids:
+            grant = self.ledger.take(request.sender_broker_id, grant_id)
+            if grant is not None:
+                self._release(grant)
+
+    def hand_back(self, kind: int, device: int, reservation: Reservation) -> None:
+        """A part's range in its sender's grant is free here (scattered or
+        dropped): it goes back to the sender with the next notification."""
+        item = peer_pb2.ReturnedCredit(
+            credit_id=reservation.credit_id, kind=kind, device_id=device, offset=reservation.offset, bytes=reservation.nbytes  # type: ignore[arg-type]
+        )
+        self._returns.setdefault(reservation.owner, []).append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        returns, self._returns = self._returns, {}
+        for peer_id, items in returns.items():
+            peer = self._peers.by_id.get(peer_id)
+            if peer is None or peer.agent_name is None:
+                continue  # the peer is gone: its grants went with it
+            pressure = any(
+                (pool := self._pools.pool("receive", item.kind, item.device_id)) is not None and pool.waiting for item in items
+            )
+            message = peer_pb2.CreditReturn(protocol_version=PROTOCOL_VERSION, credits=items, pressure=pressure)
+            payload = CREDIT_RETURN + message.SerializeToString()
+            agent_name = peer.agent_name
+            self._tasks.spawn(self._send(peer_id, agent_name, payload), name="credits-hand-back")
+
+    async def _send(self, peer_id: str, agent_name: str, payload: bytes) -> None:
+        try:
+            await self._dataplane.call(lambda agent: agent.send_notif(agent_name, payload))
+        except KvBrokerError as exc:
+            log.warning("credit_return_lost", peer=peer_id, error=exc.message)
+
+    def _release(self, grant: Grant) -> None:
+        pool = self._pools.pool("receive", *grant.pool)
+        if pool is not None:
+            pool.release(grant.reservation)
+
+    # -- peers ----------------------------------------------------------------------------
+    def has_business(self, peer_id: str) -> bool:
+        """Whether credits tie this broker to ``peer_id`` (the monitor pings it then)."""
+        return peer_id in self.ledger.peers() or any(key[0] == peer_id and w.granted_bytes for key, w in self._windows.items())
+
+    def peer_gone(self, peer_id: str, why: Callable[[], KvBrokerError]) -> None:
+        """``peer_id`` is lost or restarted: its grants here go back to the
+        pools, our windows at it go, and parts waiting for them fail."""
+        for grant in self.ledger.drop_peer(peer_id):
+            self._release(grant)
+        for key in [k for k in self._windows if k[0] == peer_id]:
+            del self._windows[key]
+            timer = self._idle_checks.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+            for _, future in self._waiting.pop(key, deque()):
+                if not future.done():
+                    future.set_exception(why())
+        self._placed = {cid: key for cid, key in self._placed.items() if key[0] != peer_id}
+        self._returns.pop(peer_id, None)
