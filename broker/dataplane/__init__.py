@@ -2,7 +2,7 @@
 
 from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState
 from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
-from kvbroker.broker.dataplane._workers import Workers, name_thread
+from kvbroker.broker.dataplane._workers import Workers, name_thread, settle
 
 __all__ = [
     "Agent",
@@ -16,4 +16,5 @@ __all__ = [
     "Workers",
     "XferState",
     "name_thread",
+    "settle",
 ]

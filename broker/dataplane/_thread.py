@@ -216,6 +216,18 @@ class DataPlane:
 
         self._submit(job)
 
+    def send(self, remote_agent: str, payload: bytes) -> None:
+        """Send a notification and forget it (a refused one is logged): for
+        messages nothing waits on, such as credit returns."""
+
+        def job() -> None:
+            try:
+                self._agent.send_notif(remote_agent, payload)
+            except KvBrokerError as exc:
+                log.warning("notification_not_sent", remote=remote_agent, error=exc.message)
+
+        self._submit(job)
+
     def cancel(self, remote_agent: str, why: Callable[[], KvBrokerError]) -> None:
         """Cancel every transfer in flight to ``remote_agent`` (a lost peer).
 

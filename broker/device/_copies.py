@@ -158,19 +158,26 @@ def scatter(views: ArrayViews, slot: Extent, blocks: Sequence[Block], regions: S
 
 
 def checksum(views: ArrayViews, slot: Extent) -> Any:
-    """The CRC-32 of a slot's bytes: an int (host memory), or a 0-dim device
-    tensor not yet read (the caller reads it once the lane finished)."""
+    """The CRC-32 of a slot's bytes: an int (host memory), or a 0-dim host
+    tensor that holds it once the lane's work queued so far is done (the
+    caller reads it after the lane's event: ``int()`` on it then waits for
+    nothing, where reading a device tensor would wait for everything queued
+    on the lane's stream after it, such as the next part's gather)."""
     if slot.kind == DRAM:
         return zlib.crc32(array_at(slot.address, slot.nbytes).data)
-    from kvbroker.broker.device._devcrc import crc32_tensor
+    import torch
 
-    views.launches += _CRC_LAUNCHES
-    return crc32_tensor(views.tensor(slot))
+    from kvbroker.broker.device._devcrc import crc32_tensor, launches_for
 
-
-#: Launches counted per device checksum: one entry point, until ``_devcrc``
-#: reports its own count per call.
-_CRC_LAUNCHES = 1
+    data = views.tensor(slot)
+    views.launches += launches_for(data.numel(), data.device)
+    crc = crc32_tensor(data)
+    if crc.device.type == "cpu":
+        return crc
+    host = torch.empty((), dtype=crc.dtype, pin_memory=True)
+    host.copy_(crc, non_blocking=True)
+    views.launches += 1
+    return host
 
 
 def _copy(views: ArrayViews, blocks: Sequence[Block], regions: Sequence[Sequence[Extent]], slot: Extent, *, into_slot: bool) -> None:

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvbroker.broker.dataplane import Workers, name_thread
+from kvbroker.broker.dataplane import Workers, name_thread, settle
 from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent
 
 __all__ = ["Job", "Lanes"]
@@ -95,6 +95,12 @@ class _GpuLane:
 
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # The device CRC's tables (and its Triton kernel, compiled and checked
+        # against zlib): here, at registration, not in the first checksum.
+        from kvbroker.broker.device._devcrc import prepare
+
+        with torch.cuda.device(device):
+            prepare(torch.device("cuda", device))
         self._waiting: queue.SimpleQueue[tuple[Any, Callable[[], Any], asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
         self._thread.start()
@@ -129,7 +135,7 @@ class _GpuLane:
             except BaseException as exc:  # handed to the awaiting task
                 outcome = (None, exc)
             try:
-                loop.call_soon_threadsafe(_settle, future, *outcome)
+                loop.call_soon_threadsafe(settle, future, *outcome)
             except RuntimeError:  # the loop closed under us (process exit)
                 pass
 
@@ -137,11 +143,3 @@ class _GpuLane:
         self._waiting.put(None)
         self._thread.join(timeout=10)
 
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # the awaiting task was cancelled (the broker is stopping)
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

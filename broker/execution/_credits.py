@@ -320,14 +320,10 @@ class Credits:
             )
             message = peer_pb2.CreditReturn(protocol_version=PROTOCOL_VERSION, credits=items, pressure=pressure)
             payload = CREDIT_RETURN + message.SerializeToString()
-            agent_name = peer.agent_name
-            self._tasks.spawn(self._send(peer_id, agent_name, payload), name="credits-hand-back")
-
-    async def _send(self, peer_id: str, agent_name: str, payload: bytes) -> None:
-        try:
-            await self._dataplane.call(lambda agent: agent.send_notif(agent_name, payload))
-        except KvBrokerError as exc:
-            log.warning("credit_return_lost", peer=peer_id, error=exc.message)
+            try:
+                self._dataplane.send(peer.agent_name, payload)
+            except KvBrokerError as exc:  # the data plane is stopping
+                log.warning("credit_return_lost", peer=peer_id, error=exc.message)
 
     def _release(self, grant: Grant) -> None:
         pool = self._pools.pool("receive", *grant.pool)
