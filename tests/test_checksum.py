@@ -151,4 +151,4 @@ def test_checksums_are_computed_on_the_copy_thread_never_on_the_control_loop(
     assert receiver.wait(10).state == RoomState.SUCCESS
     # Two chunks, hashed once by the sender and once by the receiver (packed
     # chunks hash nothing directly, and are checked part by part instead).
-    assert threads and set(threads) <= {"kvbroker-copy_0"}, threads
+    assert threads and set(threads) <= {"kvbroker-copy"}, threads

@@ -114,8 +114,22 @@ class StagingCopies:
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:
-    """Where ``block``'s regions lie in this broker."""
-    return [Extent(*engine.region_address(region)) for region in block.regions]
+    """Where ``block``'s regions lie in this broker (kept per engine
+    registration and set of regions: every part of a room names the same)."""
+    key = (engine.engine_id, block.regions)
+    found = _EXTENTS.get(key)
+    if found is None:
+        found = [Extent(*engine.region_address(region)) for region in block.regions]
+        if len(_EXTENTS) >= _EXTENTS_KEPT:
+            _EXTENTS.pop(next(iter(_EXTENTS)))
+        _EXTENTS[key] = found
+    return found
+
+
+#: extents() of recent (engine, regions), oldest first. An engine id is never
+#: reused, so an entry can only go stale, never wrong. Control loop only.
+_EXTENTS: dict[tuple[str, tuple[int, ...]], list[Extent]] = {}
+_EXTENTS_KEPT = 4096
 
 
 def host_region(engine: Engine, region: int) -> np.ndarray:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import structlog
 
+from kvbroker.broker.aio import await_grant
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane
 from kvbroker.broker.execution._tasks import TaskSet
@@ -127,23 +128,19 @@ class Credits:
         waiting.append(entry)
         self._grow(key, buffer.size_bytes)
         timeout = self._config.staging_wait_seconds
-        try:
-            await asyncio.wait({future}, timeout=timeout)
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.release(future.result())
-            elif entry in waiting:
+
+        def give_up() -> None:
+            if entry in waiting:
                 waiting.remove(entry)
-            raise
-        if not future.done():
-            waiting.remove(entry)
-            future.cancel()
-            self._serve(key)
+                self._serve(key)
+
+        credit = await await_grant(future, timeout, give_up=give_up, undo=self.release)
+        if credit is None:
             raise DeadlineExceeded(
                 f"the peer's receive buffer {pool_name(pool)} had no room for {timeout:g} s "
                 f"({window.granted_bytes} of its {buffer.size_bytes} bytes granted to this broker)"
             )
-        return buffer, future.result()
+        return buffer, credit
 
     def release(self, credit: Credit) -> None:
         """A part that never reached the receiver frees its range."""

@@ -23,6 +23,7 @@ count it, and ``SenderCore.part_settled`` hears it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +122,11 @@ class PartsInFlight:
         known = self._parts.get(part)
         if known is not None:
             return known[0]
+        parent = part.source.span
+        if parent is not None and not telemetry.records_children(parent):
+            # An untraced room: the part's span would be the room's own (start_span hands it back).
+            self._parts[part] = (parent, time.monotonic())
+            return parent
         dest, notice = part.dest, part.notice
         kinds = (part.spec.local_kind, part.spec.remote_kind) if part.kind is not PartKind.NOTICE else (DRAM, DRAM)
         span = telemetry.start_span(
@@ -184,7 +190,11 @@ class PartsInFlight:
             self._counters.transfers_staged += 1
             self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes))
         elif part.kind is PartKind.PACKED:
-            self._tasks.spawn(self._post_packed(part, agent_name), name=f"post-packed-{part.source.room}")
+            packing = self._packing.get(part)
+            if packing is None:
+                self.fail(part, Internal("a packed part was posted without its gather"))
+            else:
+                packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
@@ -264,7 +274,9 @@ class PartsInFlight:
             self._packing.pop(part, None)
             self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
             return None
-        self._tasks.spawn(self._credit(part), name=f"credit-{part.source.room}")
+        if not await self._credit(part):
+            pool.release(reservation)
+            return None
         span = self._parts[part][0]
         try:
             slot = slot_of(pool, reservation, part.nbytes)
@@ -276,29 +288,34 @@ class PartsInFlight:
             return as_broker_error(exc, "gathering a packed part")
         return _Packed(pool, reservation, crc)
 
-    async def _credit(self, part: Part) -> None:
+    async def _credit(self, part: Part) -> bool:
         """A packed part's range in the receiver's transfer buffer, from this
         broker's credits there (no call to the receiver unless its window must
-        grow); then it is posted once gathered."""
+        grow; in steady state no wait either); the part is then handed on to
+        be posted once gathered. False if it failed (settled) instead."""
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
+            self._packing.pop(part, None)
             self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
-            return
+            return False
         try:
             buffer, credit = await self._credits.acquire(peer, part.spec.pools[1], part.nbytes)
         except KvBrokerError as exc:
+            self._packing.pop(part, None)
             self.fail(part, exc)
-            return
+            return False
         if part not in self._parts:  # it settled (failed) while it waited
             self._credits.release(credit)
-            return
+            return False
         self._credited[part] = credit
         if part.source.state == FAILED:
+            self._packing.pop(part, None)
             self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return
+            return False
         part.notice.credit_id = credit.credit_id
         self._sender.staging_reserved(part, buffer, credit.offset)
         self._drain()
+        return True
 
     async def _transport(self, part: Part) -> None:
         """The transport self-test of the part's pair of transfer buffers (the
@@ -317,10 +334,18 @@ class PartsInFlight:
             if part.source.span is not None:
                 part.source.span.set_attribute("kvbroker.transport", text)
 
-    async def _post_packed(self, part: Part, agent_name: str) -> None:
-        """Post a packed part once its gather is done: one write, slot to slot."""
-        packing = self._packing.pop(part, None)
-        outcome = await packing if packing is not None else None
+    def _post_packed(self, part: Part, agent_name: str, packing: asyncio.Task[_Packed | KvBrokerError | None]) -> None:
+        """Post a packed part once its gather is done (a callback of its
+        ``_pack`` task, not a task of its own): one write, slot to slot."""
+        if part not in self._parts:
+            return  # it settled meanwhile; settled() gives its slot back
+        self._packing.pop(part, None)
+        outcome: _Packed | KvBrokerError | None = None
+        if not packing.cancelled():
+            try:
+                outcome = packing.result()
+            except Exception as exc:  # a bug in _pack: the part fails, naming it
+                outcome = as_broker_error(exc, "packing a part")
         if not isinstance(outcome, _Packed):
             self.fail(part, outcome or Internal("a packed part was posted without its gather"))
             return

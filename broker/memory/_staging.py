@@ -43,6 +43,7 @@ import numpy.typing as npt
 import structlog
 
 from kvbroker import cudavmm
+from kvbroker.broker.aio import await_grant
 from kvbroker.broker.memory._importers import map_anonymous, unmap
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, KvBrokerError, ResourceExhausted
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -204,21 +205,13 @@ class StagingPool:
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
         entry = (nbytes, future)
         self._waiting.append(entry)
-        try:
-            await asyncio.wait({future}, timeout=timeout_seconds)
-        except asyncio.CancelledError:
-            if future.done():
-                self.release(future.result())  # granted, but nobody will take it
-            else:
-                self._give_up(entry)
-            raise
-        if not future.done():
-            self._give_up(entry)
+        granted = await await_grant(future, timeout_seconds, give_up=lambda: self._give_up(entry), undo=self.release)
+        if granted is None:
             raise DeadlineExceeded(
                 f"the staging buffer stayed full for {timeout_seconds:g} s "
                 f"({self.in_use_bytes} of {self.size_bytes} bytes reserved)"
             )
-        return future.result()
+        return granted
 
     @property
     def waiting(self) -> int:
@@ -226,6 +219,8 @@ class StagingPool:
         return len(self._waiting)
 
     def _give_up(self, entry: tuple[int, asyncio.Future[Reservation]]) -> None:
+        if entry not in self._waiting:
+            return
         self._waiting.remove(entry)
         entry[1].cancel()
         self._grant()  # the ones behind it may fit now

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvbroker.broker.aio import cancel_and_wait
 
 
@@ -64,3 +66,42 @@ def test_ended_and_ordinary_tasks_end_at_once() -> None:
         assert sleeping.cancelled() and loop.time() - started < 0.5
 
     asyncio.run(main())
+
+
+def test_await_grant_returns_the_grant_times_out_by_giving_up_and_undoes_a_grant_it_cannot_take() -> None:
+    """``await_grant``: a grant in time is the result; at the deadline the request gives up and
+    the result is None; a caller cancelled before the grant gives up, one cancelled just after it
+    undoes the grant (a reservation nobody would take back otherwise)."""
+    from kvbroker.broker.aio import await_grant
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        gave_up: list[str] = []
+        undone: list[int] = []
+
+        granted = loop.create_future()
+        loop.call_later(0.01, granted.set_result, 7)
+        assert await await_grant(granted, 5, give_up=lambda: gave_up.append("a"), undo=undone.append) == 7
+
+        late = loop.create_future()
+        assert await await_grant(late, 0.02, give_up=lambda: gave_up.append("b"), undo=undone.append) is None
+        assert late.cancelled() and gave_up == ["b"]
+
+        waiting = loop.create_future()
+        task = asyncio.ensure_future(await_grant(waiting, 5, give_up=lambda: gave_up.append("c"), undo=undone.append))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert gave_up == ["b", "c"]
+
+        racing = loop.create_future()
+        task = asyncio.ensure_future(await_grant(racing, 5, give_up=lambda: gave_up.append("d"), undo=undone.append))
+        await asyncio.sleep(0.01)
+        racing.set_result(9)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert undone == [9] and gave_up == ["b", "c"]
+
+    asyncio.run(run())

@@ -285,7 +285,8 @@ def split(packed: Packed, limit: int) -> list[PackedChunk]:
             "(raise --device-part-mib)"
         )
     cuts = [*range(0, items, limit // per_item), items]
-    parts = [PackedChunk((kv.take(a, b),), a, b, False, (), kv.take(a, b).nbytes) for a, b in zip(cuts, cuts[1:])]
+    pieces = [kv] if len(cuts) == 2 else [kv.take(a, b) for a, b in zip(cuts, cuts[1:])]
+    parts = [PackedChunk((piece,), a, b, False, (), piece.nbytes) for piece, a, b in zip(pieces, cuts, cuts[1:])]
     if tail:
         last = parts[-1]
         blocks = (*last.blocks, *tail)
