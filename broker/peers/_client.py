@@ -275,55 +275,40 @@ class PeerClient:
 
     async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """The prefetch: room for one staged part in the receiver's staging buffer."""
-        peer = self._peers.get(broker_id)
-        try:
-            response: peer_pb2.ReserveStagingResponse = await self.stub(peer).ReserveStaging(
-                request, timeout=self._staging_wait + self._timeout
-            )
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-            raise type(err)(f"the receiver could not reserve staging: {err.message}") from exc
-        return response
+        return await self._room_call(broker_id, "reserve staging", lambda stub, timeout: stub.ReserveStaging(request, timeout=timeout))
 
     async def reserve_probe(self, broker_id: str, request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
         """A slot of the peer's receive buffer for the transport self-test."""
-        peer = self._peers.get(broker_id)
-        try:
-            response: peer_pb2.ReserveProbeResponse = await self.stub(peer).ReserveProbe(
-                request, timeout=self._staging_wait + self._timeout
-            )
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-            raise type(err)(f"the receiver could not reserve a probe slot: {err.message}") from exc
-        return response
+        return await self._room_call(broker_id, "reserve a probe slot", lambda stub, timeout: stub.ReserveProbe(request, timeout=timeout))
 
     async def grant_credits(self, broker_id: str, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
         """Room in the peer's receive buffer for our packed parts (waits while it is full)."""
-        peer = self._peers.get(broker_id)
+        return await self._room_call(broker_id, "grant credits", lambda stub, timeout: stub.GrantCredits(request, timeout=timeout))
+
+    async def _room_call(self, broker_id: str, what: str, call: Callable[[peer_pb2_grpc.PeerBrokerStub, float], Awaitable[T]]) -> T:
+        """A call for room in the peer's buffers: it may wait there up to the
+        staging wait; its failure says what could not be had."""
+        stub = self.stub(self._peers.get(broker_id))
         try:
-            response: peer_pb2.GrantCreditsResponse = await self.stub(peer).GrantCredits(
-                request, timeout=self._staging_wait + self._timeout
-            )
+            return await call(stub, self._staging_wait + self._timeout)
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
-            raise type(err)(f"the receiver could not grant credits: {err.message}") from exc
-        return response
+            raise type(err)(f"the receiver could not {what}: {err.message}") from exc
 
     async def return_credits(self, broker_id: str, grant_ids: list[str]) -> None:
         """Give whole grants back to the peer."""
-        peer = self._peers.get(broker_id)
         request = peer_pb2.ReturnCreditsRequest(protocol_version=PROTOCOL_VERSION, sender_broker_id=self._peers.broker_id, grant_ids=grant_ids)
-        try:
-            await self.stub(peer).ReturnCredits(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        await self._plain_call(broker_id, lambda stub: stub.ReturnCredits(request, timeout=self._timeout))
 
     async def release_probe(self, broker_id: str, probe_id: str) -> None:
         """Give back a probe slot (the peer's lease frees it anyway)."""
-        peer = self._peers.get(broker_id)
         request = peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=probe_id)
+        await self._plain_call(broker_id, lambda stub: stub.ReleaseProbe(request, timeout=self._timeout))
+
+    async def _plain_call(self, broker_id: str, call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[Any]]) -> None:
+        stub = self.stub(self._peers.get(broker_id))
         try:
-            await self.stub(peer).ReleaseProbe(request, timeout=self._timeout)
+            await call(stub)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
 
