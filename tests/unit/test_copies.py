@@ -10,6 +10,7 @@ GPU would make them.
 
 from __future__ import annotations
 
+import mmap
 import zlib
 
 import numpy as np
@@ -122,11 +123,17 @@ def test_blocks_of_a_packed_part_start_aligned_and_come_back_in_order(device: bo
 
 def _memories(layout: str, regions: int, seed: int) -> list[tuple[np.ndarray, int]]:
     """Where each region lies, as (array, offset): ``spaced``: one buffer, gaps of different sizes
-    (odd ones too); ``buffers``: an array each (adopted tensors: one allocation per layer);
-    ``reversed``: one buffer, regions in descending address order."""
+    (odd ones too); ``buffers``: a mapping each (adopted tensors: one allocation per layer; mapped,
+    as a device's allocations are, within a terabyte of each other: a small array from the heap
+    and one from a mapping can lie 40 TiB apart, past ``_MAX_SPAN``, which made the launch
+    counts depend on where malloc put them); ``reversed``: one buffer, regions in descending
+    address order."""
     rng = np.random.default_rng(seed)
     if layout == "buffers":
-        return [(rng.integers(0, 256, REGION + 64, dtype=np.uint8), 8 * int(rng.integers(0, 8))) for _ in range(regions)]
+        mapped = [np.frombuffer(mmap.mmap(-1, REGION + 64), dtype=np.uint8) for _ in range(regions)]
+        for array in mapped:
+            array[:] = rng.integers(0, 256, REGION + 64, dtype=np.uint8)
+        return [(array, 8 * int(rng.integers(0, 8))) for array in mapped]
     gaps = rng.integers(0, 3, regions) * 8 + (rng.integers(0, 2, regions) if layout == "spaced" else 0)
     starts = np.concatenate(([0], np.cumsum(REGION + gaps)[:-1]))
     buf = rng.integers(0, 256, int(starts[-1]) + REGION + 64, dtype=np.uint8)
