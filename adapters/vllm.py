@@ -111,6 +111,23 @@ def room_of(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
+def _allow_amx() -> None:
+    """Let this process use the CPU's AMX tiles, where it has them.
+
+    Linux lets a process use AMX only once it has asked (``arch_prctl
+    ARCH_REQ_XCOMP_PERM``; torch's ``torch.cpu._init_amx``). vLLM's CPU attention
+    kernel uses AMX tiles for bf16 caches and does not ask; an engine whose
+    first steps compute whole prompts runs fine (oneDNN, by our reading, asks
+    at its first AMX matmul), but a decode engine whose prompts' KV comes
+    through kvbroker runs only one-token steps, and its worker died of SIGILL
+    in ``cpu_attention_with_kv_cache`` at its first step (vLLM 0.32.0's CPU
+    build, unbound tp 1 workers, a Xeon with amx_bf16). A fresh vLLM engine
+    whose first prompt is one token dies the same way, kvbroker or not, and
+    lives if the process asked first. Asking is free where AMX is absent."""
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 @dataclass
 class _Send:
     request_id: str
@@ -398,6 +415,8 @@ class _Worker:
         role = self.c._role
         rank = RankSpec(group=self.c._group, role=role, tp_size=self.c._tp_size, tp_rank=get_tensor_model_parallel_rank())
         self._device = layers[0][1].device
+        if self._device.type == "cpu":
+            _allow_amx()
         self._memory = EngineMemory.adopt(rank, model, kv=kv)
         self._client = BrokerClient(self.c._broker)
         self._engine = self._client.register_engine(rank, self._memory, timeouts=self.c._timeouts)
