@@ -26,6 +26,43 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 MAX_TOKENS = 8
 
 
+def _workers_wait_instead_of_spinning() -> None:
+    """vLLM's tp > 1 engine passes each step to its worker processes, and their
+    answers back, through shared-memory queues whose readers spin on
+    sched_yield() for a second after every read (``SpinCondition``, busy_loop_s
+    1 s), so for as long as the engine steps: while a decode waits for its KV,
+    the engine core and both workers (each pinned to one core by
+    VLLM_CPU_OMP_THREADS_BIND) run flat out. On this 2-core host that session
+    took 99% of both CPUs for minutes (Linux 6.18, autogroup: its scheduling
+    entity was charged 58 ms of vruntime for 34 s of CPU) and everything else,
+    the brokers, pytest and unrelated processes, waited on the run queue:
+    a broker answered GetStats after 20-30 s, a sleep(0.2) beside it took
+    160 s, handshakes timed out before gRPC's SETTINGS frame, and keepalive
+    pings from the engines failed. Readers with busy_loop_s 0 take vLLM's own
+    idle path at once (they wait on the queue's notification socket, which the
+    writer signals on every write), and the brokers answer in milliseconds.
+    An engine with cores of its own spins harmlessly; two cores shared by two
+    engines and two brokers cannot afford it."""
+    import inspect
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    init = shm_broadcast.SpinCondition.__init__
+    if "busy_loop_s" not in inspect.signature(init).parameters:
+        raise RuntimeError("vLLM's SpinCondition has no busy_loop_s any more: tests/vllm/engine.py needs a new way to stop its spinning")
+
+    def __init__(self: object, is_reader: bool, context: object, notify_address: str, busy_loop_s: float = 1) -> None:
+        init(self, is_reader, context, notify_address, busy_loop_s=0)  # type: ignore[arg-type]
+
+    shm_broadcast.SpinCondition.__init__ = __init__  # type: ignore[method-assign]
+
+
+if __name__ == "__mp_main__":
+    # A process vLLM spawned (its engine core, its tp workers): multiprocessing's
+    # spawn imports this module under that name first, then runs the child.
+    _workers_wait_instead_of_spinning()
+
+
 def _wait_for(path: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -48,6 +85,8 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    _workers_wait_instead_of_spinning()
 
     kwargs: dict = dict(model=job["model"], skip_tokenizer_init=True, max_model_len=512, enforce_eager=True, dtype="bfloat16", seed=0)
     if job.get("block_size"):
