@@ -104,8 +104,6 @@ class Credits:
         #: Ranges to hand back, by sending peer.
         self._returns: dict[str, list[peer_pb2.ReturnedCredit]] = {}
         self._flush_scheduled = False
-        #: Calls made (Stats): grants asked for and given back.
-        self.grants_asked = 0
 
     # -- the sender's side ----------------------------------------------------------------
     async def acquire(self, peer: Peer, pool: PoolKey, nbytes: int) -> tuple[peer_pb2.RemoteBuffer, Credit]:
@@ -228,7 +226,6 @@ class Credits:
             protocol_version=PROTOCOL_VERSION, sender_broker_id=self._id, kind=pool[0], device_id=pool[1], bytes=nbytes  # type: ignore[arg-type]
         )
         try:
-            self.grants_asked += 1
             response = await self._client.grant_credits(peer_id, request)
         except KvBrokerError as exc:
             window = self._windows.get(key)

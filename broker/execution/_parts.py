@@ -325,7 +325,7 @@ class PartsInFlight:
         if peer is None or peer.agent_name is None:
             return  # posting it fails it, naming the peer
         local, remote = part.spec.pools
-        verdict = self._probes.verdict(peer, local, remote) or await self._probes.ensure(peer, local, remote)
+        verdict = await self._probes.ensure(peer, local, remote)
         if verdict is not None:
             text = verdict.text()
             held = self._parts.get(part)
