@@ -89,6 +89,8 @@ class ArrayViews:
         self.launches = 0
         self._words: OrderedDict[tuple[int, int, int, int, int], Any] = OrderedDict()
         self._regions: OrderedDict[tuple[tuple[int, int, int, int], ...], _Regions] = OrderedDict()
+        #: id(list of spans) -> (that list, its _Regions): the list is kept, so its id is not reused meanwhile.
+        self._by_list: dict[int, tuple[Sequence[Extent], _Regions]] = {}
 
     def view(self, span: Extent) -> Array:
         """A uint8 numpy array (DRAM) or torch tensor (VRAM) over ``span`` (no copy)."""
@@ -111,9 +113,17 @@ class ArrayViews:
         return self._cached(self._words, key, lambda: self.tensor(span).view(_dtype(width)))
 
     def regions(self, spans: Sequence[Extent]) -> _Regions:
-        """What the device copies need of a block's regions, worked out once per set of regions."""
+        """What the device copies need of a block's regions, worked out once per set of regions
+        (found by the list's identity first: callers keep one list per engine and regions)."""
+        known = self._by_list.get(id(spans))
+        if known is not None and known[0] is spans:
+            return known[1]
         key = tuple([(s.address, s.nbytes, s.kind, s.device) for s in spans])
-        return self._cached(self._regions, key, lambda: _Regions(tuple(spans)))
+        made = self._cached(self._regions, key, lambda: _Regions(tuple(spans)))
+        if len(self._by_list) >= _CACHED:
+            self._by_list.clear()
+        self._by_list[id(spans)] = (spans, made)
+        return made
 
     def on_host(self, span: Extent) -> bool:
         """Whether ``span`` is addressable by the CPU (its copies run on the copy thread)."""
@@ -261,7 +271,7 @@ class _Regions:
     the flat span from the lowest region to the end of the highest, where each region
     starts in it, and whether one index op over that span can serve them all."""
 
-    __slots__ = ("_bases", "_starts", "flat", "lo", "nbytes", "place", "shortest", "spans", "starts", "width")
+    __slots__ = ("_bases", "_hows", "_starts", "flat", "lo", "nbytes", "place", "shortest", "spans", "starts", "width")
 
     def __init__(self, spans: tuple[Extent, ...]) -> None:
         self.spans = spans
@@ -282,6 +292,16 @@ class _Regions:
         self.flat = self.place is not None and self.nbytes <= _MAX_SPAN
         self._bases: dict[int, Any] = {}
         self._starts: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+        self._hows: dict[tuple[int, ...], _How] = {}
+
+    def how(self, views: ArrayViews, block: Block, slot_bits: int) -> _How:
+        """How blocks shaped like ``block`` copy over these regions into slots whose address
+        and size or to ``slot_bits`` (worked out once per shape: every part of a room has one)."""
+        key = (block.row_bytes, block.row_offset, block.item_stride, block.rows, block.row_stride, _widest(slot_bits))
+        made = self._hows.get(key)
+        if made is None:
+            made = self._hows[key] = _How(views, self, block, key[-1])
+        return made
 
     def base(self, views: ArrayViews, width: int) -> Any:
         """The flat span as a 1-D tensor of ``width``-byte words (made once per width)."""
@@ -297,6 +317,35 @@ class _Regions:
         if made is None:
             made = self._starts[(width, row_offset)] = self.starts // width + row_offset
         return made
+
+
+class _How:
+    """What copying one shape of block over one set of regions needs, worked out once: the
+    widest word every offset, stride and length divides, the block's rows in words, the
+    last item every region holds, and (one op over the span) the overlapping windows over
+    the span and where each region's first row starts in it."""
+
+    __slots__ = ("dtype", "first", "flat", "item_stride", "last", "row", "row_offset", "row_stride", "rows", "width")
+
+    def __init__(self, views: ArrayViews, regions: _Regions, block: Block, slot_width: int) -> None:
+        import torch
+
+        bits = block.row_bytes | block.row_offset | block.item_stride
+        width = min(_widest(bits | (block.row_stride if block.rows > 1 else 0)), regions.width, slot_width)
+        self.width, self.dtype = width, _dtype(width)
+        self.rows, self.row = block.rows, block.row_bytes // width
+        self.row_stride = (block.row_stride or block.row_bytes) // width
+        self.item_stride, self.row_offset = block.item_stride // width, block.row_offset // width
+        reach = (self.rows - 1) * self.row_stride + self.row  # the words of one item, from its first row's start
+        #: The last item every region holds.
+        self.last = (regions.shortest // width - self.row_offset - reach) // self.item_stride
+        self.flat: Any = None
+        self.first: npt.NDArray[np.int64] | None = None
+        if regions.flat:
+            base = regions.base(views, width)
+            # Overlapping windows over the span: entry p is the rows of an item starting at word p.
+            self.flat = torch.as_strided(base, (base.numel() - reach + 1, self.rows, self.row), (1, self.row_stride, 1))
+            self.first = regions.first_words(width, self.row_offset)[:, None]
 
 
 #: The largest span of regions (bytes) one index op covers (a view of it is only
@@ -332,35 +381,26 @@ def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, part: Any, s
     memory, whatever their number and spacing and the block's size."""
     import torch
 
-    # The widest word every offset, stride and length of the copy is a multiple of.
-    bits = block.row_bytes | block.row_offset | block.item_stride | slot.address | slot.nbytes
-    width = min(_widest(bits | (block.row_stride if block.rows > 1 else 0)), regions.width)
-    rows, row = block.rows, block.row_bytes // width
-    row_stride, item_stride, row_offset = (block.row_stride or block.row_bytes) // width, block.item_stride // width, block.row_offset // width
+    how = regions.how(views, block, slot.address | slot.nbytes)
     items = np.ascontiguousarray(block.items, dtype=np.int64)
-    reach = (rows - 1) * row_stride + row  # the words of one item, from its first row's start
-    last = (regions.shortest // width - row_offset - reach) // item_stride  # the last item every region holds
-    if int(items.view(np.uint64).max()) > last:  # (a negative item is a large unsigned one)
-        raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {last} of its shortest region")
+    if int(items.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
+        raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
     count = int(items.size)
-    packed = part.view(_dtype(width)).view(len(regions.spans) * count, rows, row)
+    packed = part.view(how.dtype).view(len(regions.spans) * count, how.rows, how.row)
     slot_place = _place(slot.kind, slot.device)
-    if regions.flat:
-        assert regions.place is not None
-        base = regions.base(views, width)
-        # Overlapping windows over the span: entry p is the rows of an item starting at word p.
-        flat = torch.as_strided(base, (base.numel() - reach + 1, rows, row), (1, row_stride, 1))
-        offsets = regions.first_words(width, row_offset)[:, None] + items[None, :] * item_stride
-        index = _index(views, offsets.reshape(-1), flat, regions.place)
-        views.launches += _move(flat, index, packed, into_slot, cross=regions.place != slot_place)
+    if how.flat is not None:
+        assert regions.place is not None and how.first is not None
+        offsets = how.first + items[None, :] * how.item_stride
+        index = _index(views, offsets.reshape(-1), how.flat, regions.place)
+        views.launches += _move(how.flat, index, packed, into_slot, cross=regions.place != slot_place)
         return
     # Region by region (the regions lie in different memories, or too far apart), each
     # index made (and uploaded) once per memory, not once per region.
     indexes: dict[tuple[int, int], Any] = {}
     for i, span in enumerate(regions.spans):
         place = _place(span.kind, span.device)
-        base = views.words(span, width)
-        region = torch.as_strided(base, (last + 1, rows, row), (item_stride, row_stride, 1), row_offset)
+        base = views.words(span, how.width)
+        region = torch.as_strided(base, (how.last + 1, how.rows, how.row), (how.item_stride, how.row_stride, 1), how.row_offset)
         index = indexes.get(place)
         if index is None:
             index = indexes[place] = _index(views, items, region, place)

@@ -68,49 +68,100 @@ class StagingCopies:
         except Exception as exc:
             return None, as_broker_error(exc, "checksumming a chunk")
 
-    async def scatter(self, effect: Scatter) -> KvBrokerError | None:
-        """Unpack a landed staged or packed part into the rank's pages (a packed
-        part's checksum, when the sender sent one, is checked first: a part that
-        arrived corrupted is never scattered). Why it could not, or None."""
-        rank, landing = effect.receiver, effect.landing
-        error: KvBrokerError | None = None
-        pool = self._pools.pool("receive", *landing.pool)
-        span = telemetry.start_span(
-            "kvbroker.staging.scatter",
-            parent=rank.span,
-            attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
-        )
-        try:
+    async def scatter(self, effects: Sequence[Scatter]) -> list[KvBrokerError | None]:
+        """Unpack landed staged or packed parts into their ranks' pages: those
+        that landed together go to their lane as one job (a notification
+        batch lands several parts; one job each made the copy thread and the
+        loop trade the GIL per part). A packed part's checksum, when its
+        sender sent one, is checked first: a part that arrived corrupted is
+        never scattered. Why each could not, or None, in order."""
+        errors: list[KvBrokerError | None] = [None] * len(effects)
+        slots: list[Extent | None] = []
+        spans = []
+        for i, effect in enumerate(effects):
+            rank, landing = effect.receiver, effect.landing
+            spans.append(
+                telemetry.start_span(
+                    "kvbroker.staging.scatter",
+                    parent=rank.span,
+                    attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
+                )
+            )
+            pool = self._pools.pool("receive", *landing.pool)
             if pool is None:
-                raise FailedPrecondition("the receive staging pool of this part is gone")
-            slot = slot_of(pool, landing.reservation, landing.nbytes)
-            notice = landing.notice
-            if notice.HasField("packed_checksum"):
-
-                def crc_job() -> Callable[[], int]:
-                    crc = checksum(self._views, slot)
-                    return lambda: int(crc)
-
-                got = await self._lanes.run(slot, crc_job)
-                self._counters.packed_checksums_checked += 1
-                if got != notice.packed_checksum:
-                    self._counters.checksum_mismatches += 1
-                    raise FailedPrecondition(
-                        f"packed part {notice.part} of chunk {notice.chunk_index} from source {landing.key[0]} arrived "
-                        f"with checksum {got:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
-                    )
-            regions = [extents(rank.engine, block) for block in landing.blocks]
-
-            def job() -> Callable[[], None]:
-                scatter(self._views, slot, landing.blocks, regions)
-                return lambda: None
-
-            await self._lanes.run(slot, job)
-        except Exception as exc:
-            error = as_broker_error(exc, "scattering a staged part")
+                errors[i] = FailedPrecondition("the receive staging pool of this part is gone")
+                slots.append(None)
+            else:
+                slots.append(slot_of(pool, landing.reservation, landing.nbytes))
+        try:
+            summed = [i for i, effect in enumerate(effects) if slots[i] is not None and effect.landing.notice.HasField("packed_checksum")]
+            for lane in _by_lane(summed, slots):
+                await self._check(lane, effects, slots, errors)
+            for lane in _by_lane([i for i in range(len(effects)) if errors[i] is None], slots):
+                await self._scatter(lane, effects, slots, errors)
         finally:
-            span.end()
-        return error
+            for span in spans:
+                span.end()
+        return errors
+
+    async def _check(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
+        """The checksums of the packed parts ``lane`` (indices, one lane's) against their senders'."""
+
+        def job() -> Callable[[], list[int]]:
+            crcs = [checksum(self._views, _slot(slots, i)) for i in lane]
+            return lambda: [int(crc) for crc in crcs]
+
+        try:
+            got = await self._lanes.run(_slot(slots, lane[0]), job)
+        except Exception as exc:
+            error = as_broker_error(exc, "checksumming a packed part")
+            for i in lane:
+                errors[i] = error
+            return
+        for i, crc in zip(lane, got):
+            notice = effects[i].landing.notice
+            self._counters.packed_checksums_checked += 1
+            if crc != notice.packed_checksum:
+                self._counters.checksum_mismatches += 1
+                errors[i] = FailedPrecondition(
+                    f"packed part {notice.part} of chunk {notice.chunk_index} from source {effects[i].landing.key[0]} arrived "
+                    f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
+                )
+
+    async def _scatter(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
+        """Scatter the parts ``lane`` (indices, one lane's) in one job; a part whose copy raised fails alone."""
+        regions = {i: [extents(effects[i].receiver.engine, block) for block in effects[i].landing.blocks] for i in lane}
+
+        def job() -> Callable[[], dict[int, Exception]]:
+            failed: dict[int, Exception] = {}
+            for i in lane:
+                try:
+                    scatter(self._views, _slot(slots, i), effects[i].landing.blocks, regions[i])
+                except Exception as exc:  # this part fails, the others go on
+                    failed[i] = exc
+            return lambda: failed
+
+        try:
+            failed = await self._lanes.run(_slot(slots, lane[0]), job)
+        except Exception as exc:
+            failed = dict.fromkeys(lane, exc)
+        for i, raised in failed.items():
+            errors[i] = as_broker_error(raised, "scattering a staged part")
+
+
+def _slot(slots: Sequence[Extent | None], i: int) -> Extent:
+    slot = slots[i]
+    assert slot is not None
+    return slot
+
+
+def _by_lane(indices: Sequence[int], slots: Sequence[Extent | None]) -> list[list[int]]:
+    """``indices`` grouped by the memory of their slots (one lane each), in order."""
+    lanes: dict[tuple[int, int], list[int]] = {}
+    for i in indices:
+        slot = _slot(slots, i)
+        lanes.setdefault((slot.kind, slot.device), []).append(i)
+    return list(lanes.values())
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:

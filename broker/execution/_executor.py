@@ -99,6 +99,8 @@ class Executor:
         self._tasks = tasks
         self._metrics = metrics
         self._copies = StagingCopies(pools=pools, views=views, lanes=lanes, workers=workers, counters=counters)
+        #: Scatters asked for in this drain: they go to their lanes as one batch.
+        self._scattering: list[Scatter] = []
         #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
         self.probes = TransportProbes(
             broker_id=broker_id,
@@ -156,6 +158,9 @@ class Executor:
                     self._run(effect)
                 except Exception:
                     log.exception("effect_failed", effect=type(effect).__name__)
+            if self._scattering:
+                batch, self._scattering = self._scattering, []
+                self._tasks.spawn(self._scatter(batch), name=f"scatter-{batch[0].receiver.room}")
         # Poll for notifications while rooms wait for data, or credits for their return.
         self._dataplane.listening = self._receiver.awaiting_data() or self.credits.awaiting_returns()
 
@@ -193,7 +198,7 @@ class Executor:
         elif isinstance(effect, AbortAtPeer):
             self._tasks.spawn(self._calls.abort_at_peer(effect), name=f"abort-{effect.room}")
         elif isinstance(effect, Scatter):
-            self._tasks.spawn(self._scatter(effect), name=f"scatter-{effect.receiver.room}")
+            self._scattering.append(effect)  # those of one drain go as one batch (``drain``)
         elif isinstance(effect, VerifyChunk):
             self._tasks.spawn(self._verify(effect), name=f"verify-{effect.receiver.room}")
         elif isinstance(effect, ReleaseStaging):
@@ -209,10 +214,11 @@ class Executor:
         else:  # pragma: no cover - a new effect without a handler is a bug
             raise AssertionError(f"no handler for {effect!r}")
 
-    async def _scatter(self, effect: Scatter) -> None:
-        """Unpack a landed staged or packed part into its rank's pages; the receiver hears how it went."""
-        error = await self._copies.scatter(effect)
-        self._receiver.scattered(effect.receiver, effect.landing, error)
+    async def _scatter(self, effects: list[Scatter]) -> None:
+        """Unpack landed staged or packed parts into their ranks' pages (together); the receiver hears how each went."""
+        errors = await self._copies.scatter(effects)
+        for effect, error in zip(effects, errors):
+            self._receiver.scattered(effect.receiver, effect.landing, error)
         self.drain()
 
     async def _verify(self, effect: VerifyChunk) -> None:

@@ -426,10 +426,10 @@ class PartsInFlight:
         throughput (``writing``: the NIXL write alone); warn when VRAM moves at
         host-copy speed."""
         path = part.kind.value
-        self._metrics.transfers.add(1, {"path": path, "result": "done" if ok else "error"})
+        self._metrics.count_transfer(path, "done" if ok else "error")
         if not ok:
             return
-        self._metrics.bytes.add(part.nbytes, {"direction": "sent"})
+        self._metrics.count_bytes("sent", part.nbytes)
         self._metrics.transfer_seconds.record(elapsed, {"path": path})
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is not None:

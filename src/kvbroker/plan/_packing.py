@@ -238,7 +238,7 @@ def plan_packed(
     return Packed(kv=kv, aux=aux, state=tuple(state))
 
 
-def _kv_pair(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape, pairs: list[tuple[int, int]]) -> tuple[Block, Block]:
+def _kv_pair(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape, pairs: Sequence[tuple[int, int]]) -> tuple[Block, Block]:
     s_regions, d_regions = [s for s, _ in pairs], [d for _, d in pairs]
     if shape.tokens is not None and shape.tokens.end > shape.tokens.begin:
         if shape.dst_tokens is None:
@@ -357,6 +357,7 @@ def landing_blocks(
         indices = state.get(entry.component)
         if indices is None or entry.component not in notice.state_components or entry.items > indices.size:
             raise FailedPrecondition(f"a packed part carries state {entry.component!r} this rank did not list (or more of it)")
-        regions = state_regions(layout, entry.component, plan.layer_begin, plan.layer_end)
-        blocks.extend(_item_block(layout, r, indices[: entry.items]) for r in regions)
+        blocks.extend(
+            _item_block(layout, r, indices[: entry.items]) for r in state_regions(layout, entry.component, plan.layer_begin, plan.layer_end)
+        )
     return blocks
