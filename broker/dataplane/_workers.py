@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 _PR_SET_NAME = 15
 #: Within a batch of jobs, outcomes are told to the loop at least this often.
-_TELL_AFTER_S = 200e-6
+_TELL_AFTER_S = 500e-6
 
 
 def name_thread(name: str) -> None:
@@ -73,13 +73,14 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    async def run(self, fn: Callable[[], T]) -> T:
+    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``fn`` on the thread; its outcome in the future (on the loop)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._asked.append((fn, future))
         if len(self._asked) == 1:
             loop.call_soon(self._hand_over)
-        return await future
+        return future
 
     def _hand_over(self) -> None:
         asked, self._asked = self._asked, []
@@ -132,11 +133,15 @@ class Workers:
 
     async def copy(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the copy thread."""
-        return await self._copy.run(fn)
+        return await self._copy.submit(fn)
+
+    def copy_soon(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``fn`` on the copy thread; its outcome in the future (no task to await it)."""
+        return self._copy.submit(fn)
 
     async def memory(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the memory thread."""
-        return await self._memory.run(fn)
+        return await self._memory.submit(fn)
 
     def shutdown(self) -> None:
         """Finish queued work, then stop both threads."""

@@ -107,6 +107,16 @@ class ArrayViews:
             return torch.from_numpy(array_at(span.address, span.nbytes))
         return torch.as_tensor(_CudaBytes(span.address, span.nbytes), device=torch.device("cuda", span.device))
 
+    def shaped(self, span: Extent, width: int, shape: tuple[int, ...]) -> Any:
+        """A torch tensor of ``width``-byte words in ``shape`` (C order) over ``span``, made in
+        one step (a slice and two views of a uint8 tensor were three torch calls per part, each
+        giving up the GIL and taking it back)."""
+        import torch
+
+        if span.kind == DRAM or self.device_as_host:
+            return torch.from_numpy(array_at(span.address, span.nbytes).view(_NP_WORDS[width]).reshape(shape))
+        return torch.as_tensor(_CudaBytes(span.address, span.nbytes, shape, _TYPESTR[width]), device=torch.device("cuda", span.device))
+
     def words(self, span: Extent, width: int) -> Any:
         """A torch tensor of ``width``-byte words over region ``span``, made once."""
         key = (span.address, span.nbytes, span.kind, span.device, width)
@@ -142,12 +152,13 @@ class ArrayViews:
 
 
 class _CudaBytes:
-    """``__cuda_array_interface__`` over device memory the broker mapped (not owned)."""
+    """``__cuda_array_interface__`` over device memory the broker mapped (not owned): bytes,
+    or words of a type string in a shape (C order)."""
 
-    def __init__(self, address: int, nbytes: int) -> None:
+    def __init__(self, address: int, nbytes: int, shape: tuple[int, ...] | None = None, typestr: str = "|u1") -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
+            "shape": shape if shape is not None else (nbytes,),
+            "typestr": typestr,
             "data": (address, False),
             "strides": None,
             "version": 2,
@@ -192,17 +203,14 @@ def checksum(views: ArrayViews, slot: Extent) -> Any:
 
 def _copy(views: ArrayViews, blocks: Sequence[Block], regions: Sequence[Sequence[Extent]], slot: Extent, *, into_slot: bool) -> None:
     host = slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans)
-    whole: Any = None  # the slot as a tensor, made once per part
     for block, spans, offset in zip(blocks, regions, packed_offsets(blocks)):
         if not block.nbytes:
             continue
         part = Extent(slot.address + offset, block.nbytes, slot.kind, slot.device)
         if host:
             _numpy_copy(block, spans, part, into_slot)
-            continue
-        if whole is None:
-            whole = views.tensor(slot)
-        _torch_copy(views, block, views.regions(spans), whole[offset : offset + block.nbytes], part, into_slot)
+        else:
+            _torch_copy(views, block, views.regions(spans), part, into_slot)
 
 
 # -- host memory: numpy, by runs ------------------------------------------------------
@@ -357,6 +365,11 @@ _CACHED = 1024
 _GPU_GATHER_ON_HOST = False
 
 
+#: Word widths as numpy dtypes and as ``__cuda_array_interface__`` type strings.
+_NP_WORDS = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
+_TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
+
+
 def _dtype(width: int) -> Any:
     import torch
 
@@ -374,9 +387,8 @@ def _widest(bits: int) -> int:
     return min(8, bits & -bits) if bits else 8
 
 
-def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, part: Any, slot: Extent, into_slot: bool) -> None:
-    """Copy one block between its regions and ``part`` (a uint8 tensor over its bytes of
-    ``slot``), counting in ``views.launches`` what a GPU would launch: one index upload and
+def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, slot: Extent, into_slot: bool) -> None:
+    """Copy one block between its regions and ``slot`` (its bytes of a part's slot), counting in ``views.launches`` what a GPU would launch: one index upload and
     one index op (and one copy if the slot lies in other memory) where the regions share a
     memory, whatever their number and spacing and the block's size."""
     import torch
@@ -386,7 +398,7 @@ def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, part: Any, s
     if int(items.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
         raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
     count = int(items.size)
-    packed = part.view(how.dtype).view(len(regions.spans) * count, how.rows, how.row)
+    packed = views.shaped(slot, how.width, (len(regions.spans) * count, how.rows, how.row))
     slot_place = _place(slot.kind, slot.device)
     if how.flat is not None:
         assert regions.place is not None and how.first is not None

@@ -12,6 +12,7 @@ on the control loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -47,6 +48,12 @@ class StagingCopies:
     async def gather(self, engine: Engine, blocks: Sequence[Block], slot: Extent, parent: Span, *, with_checksum: bool) -> int | None:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` (in a span of
         its own under ``parent``); the slot's CRC-32 when ``with_checksum``."""
+        return await self.gather_soon(engine, blocks, slot, parent, with_checksum=with_checksum)
+
+    def gather_soon(
+        self, engine: Engine, blocks: Sequence[Block], slot: Extent, parent: Span, *, with_checksum: bool
+    ) -> asyncio.Future[int | None]:
+        """:meth:`gather`, its outcome in a future (for a caller that goes on in a callback)."""
         regions = [extents(engine, block) for block in blocks]
         gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
 
@@ -55,10 +62,9 @@ class StagingCopies:
             crc = checksum(self._views, slot) if with_checksum else None
             return lambda: None if crc is None else int(crc)
 
-        try:
-            return await self._lanes.run(slot, job)
-        finally:
-            gathering.end()
+        future = self._lanes.submit(slot, job)
+        future.add_done_callback(lambda _f: gathering.end())
+        return future
 
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
         """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy

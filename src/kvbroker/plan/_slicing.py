@@ -19,6 +19,7 @@ Two ways to move them (docs/design.md sections 5 and 6):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -123,14 +124,20 @@ def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) 
     if found is not None and found[0] is dst:
         return found[1]
     pairs = _pairs(src, dst, layer_begin, layer_end)
-    if len(src.memo) >= _MEMO_KEPT:  # receivers' layouts come and go: keep none of them alive for long
-        src.memo.clear()
-    src.memo[key] = (dst, pairs)
+    remember(src, key, (dst, pairs))
     return pairs
 
 
+def remember(layout: Layout, key: Any, value: Any) -> None:
+    """Keep ``value`` in ``layout``'s memo (one that grew full starts over: the
+    receivers' layouts and tables its entries hold come and go)."""
+    if len(layout.memo) >= _MEMO_KEPT:
+        layout.memo.clear()
+    layout.memo[key] = value
+
+
 #: How many entries a layout's memo holds before it starts over.
-_MEMO_KEPT = 64
+_MEMO_KEPT = 256
 
 
 def _pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) -> tuple[tuple[int, int], ...]:
