@@ -51,9 +51,16 @@ class StagingCopies:
         return await self.gather_soon(engine, blocks, slot, parent, with_checksum=with_checksum)
 
     def gather_soon(
-        self, engine: Engine, blocks: Sequence[Block], slot: Extent, parent: Span, *, with_checksum: bool
+        self,
+        engine: Engine,
+        blocks: Sequence[Block],
+        slot: Extent,
+        parent: Span,
+        *,
+        with_checksum: bool,
+        then: Callable[[asyncio.Future[int | None]], None] | None = None,
     ) -> asyncio.Future[int | None]:
-        """:meth:`gather`, its outcome in a future (for a caller that goes on in a callback)."""
+        """:meth:`gather`, its outcome in a future (``then``: called with it once done)."""
         regions = [extents(engine, block) for block in blocks]
         gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
 
@@ -62,8 +69,13 @@ class StagingCopies:
             crc = checksum(self._views, slot) if with_checksum else None
             return lambda: None if crc is None else int(crc)
 
+        def done(future: asyncio.Future[int | None]) -> None:
+            gathering.end()
+            if then is not None:
+                then(future)
+
         future = self._lanes.submit(slot, job)
-        future.add_done_callback(lambda _f: gathering.end())
+        future.add_done_callback(done)
         return future
 
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:

@@ -358,13 +358,6 @@ class PartsInFlight:
         spec = part.spec
         assert spec.packing is not None
         outcome: asyncio.Future[_Packed | KvBrokerError | None] = asyncio.get_running_loop().create_future()
-        try:
-            slot = slot_of(pool, reservation, part.nbytes)
-            gathering = self._copies.gather_soon(part.source.engine, spec.packing.blocks, slot, span, with_checksum=part.dest.info.verify_checksum)
-        except Exception as exc:
-            pool.release(reservation)
-            outcome.set_result(as_broker_error(exc, "gathering a packed part"))
-            return outcome
 
         def gathered(done: asyncio.Future[int | None]) -> None:
             error = Internal("a packed part's gather was cancelled") if done.cancelled() else done.exception()
@@ -377,7 +370,14 @@ class PartsInFlight:
             else:
                 outcome.set_result(_Packed(pool, reservation, done.result()))
 
-        gathering.add_done_callback(gathered)
+        try:
+            slot = slot_of(pool, reservation, part.nbytes)
+            self._copies.gather_soon(
+                part.source.engine, spec.packing.blocks, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
+            )
+        except Exception as exc:
+            pool.release(reservation)
+            outcome.set_result(as_broker_error(exc, "gathering a packed part"))
         return outcome
 
     async def _transport(self, part: Part) -> None:

@@ -107,7 +107,9 @@ class Block:
         return len(self.regions) * self.rows * self.row_bytes
 
     def take(self, begin: int, end: int) -> Block:
-        """The same block over items ``[begin, end)`` only."""
+        """The same block over items ``[begin, end)`` only (itself, if that is all of them)."""
+        if begin == 0 and end >= self.items.size:
+            return self
         return replace(self, items=self.items[begin:end])
 
 
