@@ -250,6 +250,9 @@ class _KvPacking:
     dst_regions: tuple[int, ...]
     src_head: SliceSide | None
     dst_head: SliceSide | None
+    #: Why whole pages cannot pair (their items differ in size), or None: a
+    #: chunk of token runs (page sizes differ) packs all the same.
+    pages_problem: str | None = None
 
 
 def _kv_packing(src: Layout, src_table: DescriptorTable, dst: Layout, dst_table: DescriptorTable, plan: SourcePlan) -> _KvPacking | None:
@@ -265,14 +268,17 @@ def _kv_packing(src: Layout, src_table: DescriptorTable, dst: Layout, dst_table:
     s_regions, d_regions = tuple(s for s, _ in pairs), tuple(d for _, d in pairs)
     packing = None
     if pairs and (_in_vram(src_table, s_regions) or _in_vram(dst_table, d_regions)):
-        heads: tuple[SliceSide | None, SliceSide | None]
         if plan.head_sliced:
-            heads = (slice_side(src, plan.src_head_start, plan.num_heads, "sender"), slice_side(dst, plan.dst_head_start, plan.num_heads, "receiver"))
+            src_head, dst_head = slice_side(src, plan.src_head_start, plan.num_heads, "sender"), slice_side(dst, plan.dst_head_start, plan.num_heads, "receiver")
+            packing = _KvPacking(s_regions, d_regions, src_head, dst_head)
         else:
-            for s, d in pairs:
-                same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
-            heads = (None, None)
-        packing = _KvPacking(s_regions, d_regions, *heads)
+            problem = None
+            try:
+                for s, d in pairs:
+                    same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
+            except FailedPrecondition as exc:
+                problem = exc.message
+            packing = _KvPacking(s_regions, d_regions, None, None, problem)
     remember(src, key, (dst, src_table, dst_table, packing))
     return packing
 
@@ -286,6 +292,8 @@ def _kv_pair(src: Layout, dst: Layout, shape: ChunkShape, packing: _KvPacking) -
             kv_block(dst, packing.dst_regions, token_items(shape.dst_tokens, dst.page_size_tokens), None, tokens=True),
         )
     else:
+        if packing.pages_problem is not None:
+            raise FailedPrecondition(packing.pages_problem)
         pair = (
             kv_block(src, packing.src_regions, shape.src_pages, packing.src_head, False),
             kv_block(dst, packing.dst_regions, shape.dst_pages, packing.dst_head, False),
