@@ -161,3 +161,54 @@ def test_the_backoff_stays_short_while_a_young_transfer_is_in_flight() -> None:
     assert plane._wait(_thread._MIN_WAIT_S) == _thread._MIN_WAIT_S
     plane._inflight = [_thread._InFlight(posting, None, time.monotonic() - 1.0)]
     assert plane._wait(_thread._MAX_WAIT_S) == _thread._SLOW_WAIT_S
+
+
+class _Checks:
+    """An agent stub: each handle's state, and the handles checked, in order."""
+
+    def __init__(self, states: dict[str, XferState]) -> None:
+        self.states = states
+        self.checked: list[str] = []
+
+    def check(self, handle: str) -> XferState:
+        self.checked.append(handle)
+        return self.states[handle]
+
+    def descriptor_count(self, _handle: str) -> int:
+        return 1
+
+    def release_xfer(self, _handle: str) -> None:
+        pass
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        return []
+
+
+def test_many_in_flight_are_checked_in_order_per_peer_and_all_every_few_passes() -> None:
+    """With more than 8 transfers in flight (small parts), a pass checks each peer's in the order
+    posted up to the first not done (each check progresses UCX: 1-page parts had 20 in flight and
+    5 checks each), and every 4th pass checks them all, so one that finished out of order is seen
+    within 4 passes; with 8 or fewer, every pass checks every one."""
+    from kvbroker.broker.dataplane import _thread
+
+    states = {f"a{i}": XferState.DONE for i in range(12)} | {"b0": XferState.DONE, "b1": XferState.PROC}
+    states["a0"] = XferState.PROC
+    agent = _Checks(states)
+    events: list[Event] = []
+    plane = DataPlane(agent, on_events=events.extend, transfer_timeout_seconds=30)  # type: ignore[arg-type]
+    now = time.monotonic()
+    plane._inflight = [
+        _thread._InFlight(Posting(h, lambda _a: None, h[0], 1), h, now) for h in [f"a{i}" for i in range(12)] + ["b0", "b1"]
+    ]
+    plane.passes = 0  # the next pass is the first: not a sweep
+    assert plane._poll()
+    assert agent.checked == ["a0", "b0", "b1"], "a pass went past a peer's first transfer in flight"
+    assert [e.token for e in plane._events if isinstance(e, Settled)] == ["b0"]
+    while plane.passes % _thread._SWEEP_EVERY:
+        plane._poll()
+    settled = {e.token for e in plane._events if isinstance(e, Settled)}
+    assert settled == {"b0"} | {f"a{i}" for i in range(1, 12)}, "a sweep did not see the ones done out of order"
+    assert [t.handle for t in plane._inflight] == ["a0", "b1"]
+    agent.checked.clear()
+    plane._poll()  # 2 in flight: every one is checked
+    assert agent.checked == ["a0", "b1"]
