@@ -101,7 +101,7 @@ class ArrayViews:
     def tensor(self, span: Extent) -> Any:
         """A uint8 torch tensor over ``span``, on its device (the host for DRAM); made anew
         (slots: a part's slot is made once per part; regions: :meth:`words`)."""
-        import torch  # only a broker that touches VRAM pays for torch
+        torch = torch_for_copies()  # only a broker that touches VRAM pays for torch
 
         if span.kind == DRAM or self.device_as_host:
             return torch.from_numpy(array_at(span.address, span.nbytes))
@@ -111,7 +111,7 @@ class ArrayViews:
         """A torch tensor of ``width``-byte words in ``shape`` (C order) over ``span``, made in
         one step (a slice and two views of a uint8 tensor were three torch calls per part, each
         giving up the GIL and taking it back)."""
-        import torch
+        torch = torch_for_copies()
 
         if span.kind == DRAM or self.device_as_host:
             return torch.from_numpy(array_at(span.address, span.nbytes).view(_NP_WORDS[width]).reshape(shape))
@@ -149,6 +149,23 @@ class ArrayViews:
         else:
             cache.move_to_end(key)
         return made
+
+
+def torch_for_copies() -> Any:
+    """torch, imported on first use, with one intra-op thread: the broker's copies run on one
+    thread of their own (``kvb-copy``), and torch's pool of a thread per core spun on the
+    cores the engines and the broker's other threads need (on CPU tensors an index op over
+    a batch of parts cost about twice its time in CPU)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        torch.set_num_threads(1)
+        _TORCH = torch
+    return _TORCH
+
+
+_TORCH: Any = None
 
 
 class _CudaBytes:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvbroker.broker.dataplane import Workers, name_thread, settle
-from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent
+from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent, torch_for_copies
 
 __all__ = ["Job", "Lanes"]
 
@@ -104,6 +104,7 @@ class _GpuLane:
     def __init__(self, device: int) -> None:
         import torch
 
+        torch_for_copies()  # (one intra-op thread)
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         # The device CRC's tables (and its Triton kernel, compiled and checked

@@ -22,7 +22,7 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import Workers
-from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter
+from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter_all
 from kvbroker.broker.memory import Engine, Reservation, StagingPool, StagingPools, array_at
 from kvbroker.broker.rooms import Scatter
 from kvbroker.broker.telemetry import Counters
@@ -148,23 +148,21 @@ class StagingCopies:
 
     async def _scatter(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
         """Scatter the parts ``lane`` (indices, one lane's) in one job; a part whose copy raised fails alone."""
-        regions = {i: [extents(effects[i].receiver.engine, block) for block in effects[i].landing.blocks] for i in lane}
+        parts = [(_slot(slots, i), effects[i].landing.blocks, [extents(effects[i].receiver.engine, b) for b in effects[i].landing.blocks]) for i in lane]
+        pool = self._pools.pool("receive", *effects[lane[0]].landing.pool)
+        assert pool is not None  # (slots were found in it)
+        buffer = Extent(pool.buffer.address, pool.buffer.size_bytes, pool.buffer.kind, pool.buffer.device_id)
 
         def job() -> Callable[[], dict[int, Exception]]:
-            failed: dict[int, Exception] = {}
-            for i in lane:
-                try:
-                    scatter(self._views, _slot(slots, i), effects[i].landing.blocks, regions[i])
-                except Exception as exc:  # this part fails, the others go on
-                    failed[i] = exc
+            failed = scatter_all(self._views, buffer, parts)
             return lambda: failed
 
         try:
             failed = await self._lanes.run(_slot(slots, lane[0]), job)
         except Exception as exc:
-            failed = dict.fromkeys(lane, exc)
-        for i, raised in failed.items():
-            errors[i] = as_broker_error(raised, "scattering a staged part")
+            failed = dict.fromkeys(range(len(lane)), exc)
+        for k, raised in failed.items():
+            errors[lane[k]] = as_broker_error(raised, "scattering a staged part")
 
 
 def _slot(slots: Sequence[Extent | None], i: int) -> Extent:
