@@ -1,19 +1,21 @@
-"""Scattering the parts that landed together in one op per shape, not one per part.
+"""Copying the parts of one batch in two index ops per shape, not one or more per part.
 
 A notification batch lands several packed parts of the same rooms at once
-(about ten, with 1-page parts and 8 rooms in flight). Their blocks over the
-same regions, of the same shape (the same ``_How``), in one memory, are
-unpacked by two index ops for all of them, whatever their number: one
-gathers every item's rows out of the parts' slots (a view of the receive
-buffer as overlapping windows, one per word, as the regions' span is), one
-writes them into the regions. On a GPU that is two launches and two index
-uploads for the batch where each part took two; on CPU tensors (CI, the
-fake-GPU benchmark) the per-op cost of torch, about 20 us, once per batch.
+(about ten, with 1-page parts and 8 rooms in flight), and an engine's
+commands hand on many chunks in one pass of the loop (hundreds, in the
+fake-GPU benchmark). Their blocks over the same regions, of the same shape
+(the same ``_How``), in one memory, are copied by two index ops for all of
+them, whatever their number: one reads every item's rows (out of the
+regions, or out of the parts' slots: a view of the transfer buffer as
+overlapping windows, one per word, as the regions' span is), one writes
+them (into the slots, or into the regions). On a GPU that is two launches
+and two index uploads a batch where each part took two; on CPU tensors (CI,
+the fake-GPU benchmark) the per-op cost of torch, about 20 us, once a batch.
 
-What cannot go together goes part by part (``scatter``): host memory,
-regions in different memories or too far apart, a lone block of its shape.
-Where the batched op raises, each of its parts is tried alone, so only a bad
-part fails.
+What cannot go together goes part by part (``gather``, ``scatter``): host
+memory, regions in different memories or too far apart, a lone block of its
+shape. Where the batched op raises, each of its parts is tried alone, so
+only a bad part fails.
 """
 
 from __future__ import annotations
@@ -33,33 +35,42 @@ from kvbroker.broker.device._copies import (
     _place,
     _Regions,
     _torch_copy,
+    gather,
     scatter,
 )
 from kvbroker.plan import Block, packed_offsets
 
-__all__ = ["Landed", "scatter_all"]
+__all__ = ["Landed", "gather_all", "scatter_all"]
 
-#: One landed part: its slot, and its blocks with where each block's regions lie.
+#: One part: its slot, and its blocks with where each block's regions lie.
 Landed = tuple[Extent, Sequence[Block], Sequence[Sequence[Extent]]]
 #: A block to scatter in a batch: its part's index, the block, its bytes of the slot, its regions, how.
 _Entry = tuple[int, Block, Extent, _Regions, _How]
 
 
+def gather_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed]) -> dict[int, Exception]:
+    """Pack every part of ``parts`` (slots of the one send ``buffer``) from its blocks; what
+    each part whose copy raised raised, by its index."""
+    return _copy_all(views, buffer, parts, into_slot=True)
+
+
 def scatter_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed]) -> dict[int, Exception]:
     """Unpack every part of ``parts`` (slots of the one receive ``buffer``) into its blocks;
     what each part whose copy raised raised, by its index."""
+    return _copy_all(views, buffer, parts, into_slot=False)
+
+
+def _copy_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed], *, into_slot: bool) -> dict[int, Exception]:
     failed: dict[int, Exception] = {}
-    if len(parts) == 1:
-        try:
-            scatter(views, *parts[0])
-        except Exception as exc:
-            failed[0] = exc
-        return failed
     groups: dict[tuple[int, int], list[_Entry]] = {}
     for i, (slot, blocks, regions) in enumerate(parts):
         try:
-            if slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans):
-                scatter(views, slot, blocks, regions)  # host staging: numpy, by runs
+            if len(parts) == 1 or (slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans)):
+                # a lone part, or host staging (numpy, by runs): part by part
+                if into_slot:
+                    gather(views, blocks, regions, slot)
+                else:
+                    scatter(views, slot, blocks, regions)
                 continue
             for block, spans, offset in zip(blocks, regions, packed_offsets(blocks)):
                 if not block.nbytes:
@@ -68,7 +79,7 @@ def scatter_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed]) -> d
                 regs = views.regions(spans)
                 how = regs.how(views, block, part.address | part.nbytes)
                 if how.flat is None or _place(part.kind, part.device) != regs.place:
-                    _torch_copy(views, block, regs, part, False)
+                    _torch_copy(views, block, regs, part, into_slot)
                     continue
                 groups.setdefault((id(regs), id(how)), []).append((i, block, part, regs, how))
         except Exception as exc:  # this part fails, the others go on
@@ -77,38 +88,42 @@ def scatter_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed]) -> d
         entries = [e for e in entries if e[0] not in failed]
         if len(entries) > 1:
             try:
-                _scatter_group(views, buffer, entries)
+                _copy_group(views, buffer, entries, into_slot)
                 continue
             except Exception:  # noqa: BLE001 - one op for all of them raised: each part alone, to fail only the bad
                 pass
         for i, block, part, regs, _ in entries:
             try:
-                _torch_copy(views, block, regs, part, False)
+                _torch_copy(views, block, regs, part, into_slot)
             except Exception as exc:
                 failed.setdefault(i, exc)
     return failed
 
 
-def _scatter_group(views: ArrayViews, buffer: Extent, entries: list[_Entry]) -> None:
-    """Two index ops for blocks of one shape over one set of regions: their items' rows out of
-    the slots (windows over ``buffer``), then into the regions."""
+def _copy_group(views: ArrayViews, buffer: Extent, entries: list[_Entry], into_slot: bool) -> None:
+    """Two index ops for blocks of one shape over one set of regions: their items' rows read
+    out of the regions (or the slots: windows over ``buffer``), then written into the slots
+    (or the regions)."""
     regs, how = entries[0][3], entries[0][4]
     width, item_words = how.width, how.rows * how.row
     assert how.flat is not None and how.first is not None and regs.place is not None
-    sources, targets = [], []
+    slots, regions = [], []
     for _, block, part, _, _ in entries:
         items = np.ascontiguousarray(block.items, dtype=np.int64)
         if int(items.view(np.uint64).max()) > how.last:
             raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
         at = part.address - buffer.address
         if at % width or at < 0 or at + part.nbytes > buffer.nbytes:
-            raise ValueError(f"a slot at {part.address:#x} is not a word of the receive buffer")
-        sources.append(at // width + np.arange(len(regs.spans) * items.size, dtype=np.int64) * item_words)
-        targets.append((how.first + items[None, :] * how.item_stride).reshape(-1))
-    words = views.words(buffer, width)
-    windows: Any = _windows(words, how.rows, how.row)
-    rows = _gather(windows, _index(views, np.concatenate(sources), windows, regs.place), None)
-    how.flat.index_copy_(0, _index(views, np.concatenate(targets), how.flat, regs.place), rows)
+            raise ValueError(f"a slot at {part.address:#x} is not a word of the transfer buffer")
+        slots.append(at // width + np.arange(len(regs.spans) * items.size, dtype=np.int64) * item_words)
+        regions.append((how.first + items[None, :] * how.item_stride).reshape(-1))
+    windows: Any = _windows(views.words(buffer, width), how.rows, how.row)
+    slot_index = _index(views, np.concatenate(slots), windows, regs.place)
+    region_index = _index(views, np.concatenate(regions), how.flat, regs.place)
+    if into_slot:
+        windows.index_copy_(0, slot_index, _gather(how.flat, region_index, None))
+    else:
+        how.flat.index_copy_(0, region_index, _gather(windows, slot_index, None))
     views.launches += 2
 
 

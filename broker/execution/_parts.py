@@ -373,7 +373,7 @@ class PartsInFlight:
         try:
             slot = slot_of(pool, reservation, part.nbytes)
             self._copies.gather_soon(
-                part.source.engine, spec.packing.blocks, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
+                part.source.engine, spec.packing.blocks, pool.buffer, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
             )
         except Exception as exc:
             pool.release(reservation)
@@ -444,7 +444,7 @@ class PartsInFlight:
                 raise FailedPrecondition("the room failed before its staged part was written")
             block = kv_block(engine.layout, [s for s, _ in spec.pairs], spec.src_pages, spec.slice.src, tokens=False)
             slot = slot_of(pool, reservation, part.nbytes)
-            await self._copies.gather(engine, [block], slot, span, with_checksum=False)
+            await self._copies.gather(engine, [block], pool.buffer, slot, span, with_checksum=False)
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)
