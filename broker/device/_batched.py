@@ -107,19 +107,26 @@ def _copy_group(views: ArrayViews, buffer: Extent, entries: list[_Entry], into_s
     regs, how = entries[0][3], entries[0][4]
     width, item_words = how.width, how.rows * how.row
     assert how.flat is not None and how.first is not None and regs.place is not None
-    slots, regions = [], []
-    for _, block, part, _, _ in entries:
-        items = np.ascontiguousarray(block.items, dtype=np.int64)
-        if int(items.view(np.uint64).max()) > how.last:
-            raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
-        at = part.address - buffer.address
-        if at % width or at < 0 or at + part.nbytes > buffer.nbytes:
-            raise ValueError(f"a slot at {part.address:#x} is not a word of the transfer buffer")
-        slots.append(at // width + np.arange(len(regs.spans) * items.size, dtype=np.int64) * item_words)
-        regions.append((how.first + items[None, :] * how.item_stride).reshape(-1))
+    items = [np.ascontiguousarray(block.items, dtype=np.int64) for _, block, _, _, _ in entries]
+    ats = np.array([part.address - buffer.address for _, _, part, _, _ in entries], dtype=np.int64)
+    ends = ats + np.array([part.nbytes for _, _, part, _, _ in entries], dtype=np.int64)
+    if (ats % width).any() or (ats < 0).any() or (ends > buffer.nbytes).any():
+        raise ValueError("a slot of the batch is not a word of the transfer buffer")
+    counts = {int(i.size) for i in items}
+    every = np.concatenate(items) if len(items) > 1 else items[0]
+    if int(every.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
+        raise IndexError(f"items {int(every.min())}..{int(every.max())} of a block, past item {how.last} of its shortest region")
+    spans = len(regs.spans)
+    if len(counts) == 1:  # parts of one size (the common case): every index in a few numpy ops
+        count = counts.pop()
+        slot_index_values = ((ats // width)[:, None] + np.arange(spans * count, dtype=np.int64)[None, :] * item_words).reshape(-1)
+        region_values = (how.first[None, :, :] + every.reshape(len(items), 1, count) * how.item_stride).reshape(-1)
+    else:
+        slot_index_values = np.concatenate([at // width + np.arange(spans * i.size, dtype=np.int64) * item_words for at, i in zip(ats, items)])
+        region_values = np.concatenate([(how.first + i[None, :] * how.item_stride).reshape(-1) for i in items])
     windows: Any = _windows(views.words(buffer, width), how.rows, how.row)
-    slot_index = _index(views, np.concatenate(slots), windows, regs.place)
-    region_index = _index(views, np.concatenate(regions), how.flat, regs.place)
+    slot_index = _index(views, slot_index_values, windows, regs.place)
+    region_index = _index(views, region_values, how.flat, regs.place)
     if into_slot:
         windows.index_copy_(0, slot_index, _gather(how.flat, region_index, None))
     else:

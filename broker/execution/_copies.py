@@ -129,13 +129,16 @@ class StagingCopies:
         spans = []
         for i, effect in enumerate(effects):
             rank, landing = effect.receiver, effect.landing
-            spans.append(
-                telemetry.start_span(
-                    "kvbroker.staging.scatter",
-                    parent=rank.span,
-                    attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
+            if rank.span is not None and not telemetry.records_children(rank.span):
+                spans.append(rank.span)  # an untraced room: no span (nor its attributes) to make
+            else:
+                spans.append(
+                    telemetry.start_span(
+                        "kvbroker.staging.scatter",
+                        parent=rank.span,
+                        attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
+                    )
                 )
-            )
             pool = self._pools.pool("receive", *landing.pool)
             if pool is None:
                 errors[i] = FailedPrecondition("the receive staging pool of this part is gone")
