@@ -3,6 +3,8 @@ per-part copies, two index ops per shape however many parts, and a bad part fail
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -72,13 +74,14 @@ def test_scatter_all_writes_what_per_part_scatters_write(parts: list[list[int]],
         assert np.array_equal(a, b)
 
 
-def test_launches_per_batch_do_not_grow_with_its_parts() -> None:
+@pytest.mark.parametrize("copy_all", [scatter_all, gather_all], ids=["scatter", "gather"])
+def test_launches_per_batch_do_not_grow_with_its_parts(copy_all: Any) -> None:
     """Two index uploads and two ops for a batch of one shape, for 2 parts or 6 (one by one:
-    two per part)."""
+    two per part), both ways."""
     for count in (2, 6):
         kept, whole, landed, _ = _setup([[i] for i in range(count)], 16, 0, seed=2)
         views = ArrayViews(device_as_host=True)
-        assert scatter_all(views, whole, landed) == {}
+        assert copy_all(views, whole, landed) == {}
         assert views.launches == 4
 
 
@@ -114,15 +117,6 @@ def test_gather_all_packs_what_per_part_gathers_pack(parts: list[list[int]], lo:
     for slot, blocks, spans in packed:
         gather(views, blocks, spans, slot)
     assert np.array_equal(together, kept)
-
-
-def test_gather_launches_per_batch_do_not_grow_with_its_parts() -> None:
-    """Gathering: two index uploads and two ops for a batch of one shape, for 2 parts or 6."""
-    for count in (2, 6):
-        kept, whole, packed, _ = _setup([[i] for i in range(count)], 16, 0, seed=5)
-        views = ArrayViews(device_as_host=True)
-        assert gather_all(views, whole, packed) == {}
-        assert views.launches == 4
 
 
 def test_a_gather_whose_items_are_outside_its_regions_fails_alone() -> None:
