@@ -225,13 +225,13 @@ def _gathered(gathers: list[_Gather], done: asyncio.Future[list[int | None | Exc
         outcomes = done.result()
     for asked, outcome in zip(gathers, outcomes):
         asked.span.end()
-        if asked.future.done():  # its awaiter gave up (the broker is stopping)
-            continue
-        if isinstance(outcome, Exception):
+        if asked.future.done():  # its awaiter gave up (the broker is stopping): it stays cancelled
+            pass
+        elif isinstance(outcome, Exception):
             asked.future.set_exception(outcome)
         else:
             asked.future.set_result(outcome)
-        if asked.then is not None:
+        if asked.then is not None:  # (which gives the slot back, whatever the outcome)
             asked.then(asked.future)
 
 
