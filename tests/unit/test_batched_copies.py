@@ -30,7 +30,10 @@ def _setup(parts: list[list[int]], width: int, lo: int, seed: int) -> tuple[np.n
     buffer = rng.integers(0, 256, SLOT * (len(parts) + 1), dtype=np.uint8)
     whole = Extent(buffer.ctypes.data, buffer.nbytes, VRAM, 0)
     landed = []
-    targets = [np.zeros(REGION, dtype=np.uint8) for _ in range(3)]
+    # The three regions in one allocation (64 bytes apart): separately allocated arrays can lie
+    # terabytes apart in a long run, past what one op spans, and then go region by region.
+    memory = np.zeros(3 * (REGION + 64), dtype=np.uint8)
+    targets = [memory[i * (REGION + 64) : i * (REGION + 64) + REGION] for i in range(3)]
     spans = [Extent(t.ctypes.data, REGION, VRAM, 0) for t in targets]
     for i, pages in enumerate(parts):
         block = Block((0, 1, 2), np.array(pages, dtype=np.int64), item_stride=PAGE * TOKEN, row_bytes=width, rows=PAGE, row_stride=TOKEN, row_offset=lo)
