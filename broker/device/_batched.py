@@ -44,7 +44,7 @@ __all__ = ["Landed", "gather_all", "scatter_all"]
 
 #: One part: its slot, and its blocks with where each block's regions lie.
 Landed = tuple[Extent, Sequence[Block], Sequence[Sequence[Extent]]]
-#: A block to scatter in a batch: its part's index, the block, its bytes of the slot, its regions, how.
+#: A block to copy in a batch: its part's index, the block, its bytes of the slot, its regions, how.
 _Entry = tuple[int, Block, Extent, _Regions, _How]
 
 
