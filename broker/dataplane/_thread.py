@@ -24,8 +24,6 @@ Polling, without a busy loop:
 
 - nothing in flight and no room waiting for data: the thread sleeps until
   work arrives (and once a second drains stray notifications);
-- many transfers in flight: a pass checks each peer's in the order they
-  were posted, up to the first not done, and every few passes all of them;
 - transfers in flight, or rooms waiting for notifications (``listening``):
   it polls, sleeping between passes with a backoff that starts at
   ``_MIN_WAIT_S`` and doubles up to ``_MAX_WAIT_S`` while nothing happens
@@ -76,12 +74,6 @@ _HURRY_WAIT_S = 200e-6
 _HURRY_S = 0.05
 #: While a young transfer is in flight: poll at most this far apart.
 _INFLIGHT_WAIT_S = 200e-6
-#: Up to this many transfers in flight, every pass checks every one; with
-#: more, a pass checks each peer's up to its first not done, and every
-#: ``_SWEEP_EVERY``-th pass all of them (1-page parts had 20 in flight, 5
-#: checks each: a third of the data-plane thread's time per part).
-_SWEEP_UPTO = 8
-_SWEEP_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -319,20 +311,10 @@ class DataPlane:
         if self._inflight:
             now = time.monotonic()
             still: list[_InFlight] = []
-            # Many in flight (small parts): check each peer's in the order
-            # posted, up to its first not done (UCX finishes one endpoint's
-            # in order, and each check progresses the worker), and all of
-            # them every few passes in case one finished out of order.
-            sweep = len(self._inflight) <= _SWEEP_UPTO or self.passes % _SWEEP_EVERY == 0
-            waiting: set[str] = set()
             for transfer in self._inflight:
-                if not sweep and transfer.posting.remote_agent in waiting:
-                    still.append(transfer)
-                    continue
                 state = self._agent.check(transfer.handle)
                 if state is XferState.PROC:
                     still.append(transfer)
-                    waiting.add(transfer.posting.remote_agent)
                     continue
                 active = True
                 descs = self._agent.descriptor_count(transfer.handle)
