@@ -24,7 +24,15 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import Workers
-from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather_all, scatter_all
+from kvbroker.broker.device import (
+    ArrayViews,
+    Extent,
+    Lanes,
+    checksum,
+    gather,
+    gather_all,
+    scatter_all,
+)
 from kvbroker.broker.memory import (
     Engine,
     Reservation,
@@ -60,8 +68,20 @@ class StagingCopies:
         self, engine: Engine, blocks: Sequence[Block], buffer: StagingBuffer, slot: Extent, parent: Span, *, with_checksum: bool
     ) -> int | None:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
-        span of its own under ``parent``); the slot's CRC-32 when ``with_checksum``."""
-        return await self.gather_soon(engine, blocks, buffer, slot, parent, with_checksum=with_checksum)
+        span of its own under ``parent``), on its own (a staged head slice: not
+        batched); the slot's CRC-32 when ``with_checksum``."""
+        regions = [extents(engine, block) for block in blocks]
+        gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
+
+        def job() -> Callable[[], int | None]:
+            gather(self._views, blocks, regions, slot)
+            crc = checksum(self._views, slot) if with_checksum else None
+            return lambda: None if crc is None else int(crc)
+
+        try:
+            return await self._lanes.run(slot, job)
+        finally:
+            gathering.end()
 
     def gather_soon(
         self,
