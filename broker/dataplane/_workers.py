@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 _PR_SET_NAME = 15
 #: Within a batch of jobs, outcomes are told to the loop at least this often.
-_TELL_AFTER_S = 200e-6
+_TELL_AFTER_S = 500e-6
 
 
 def name_thread(name: str) -> None:

@@ -1,21 +1,19 @@
-"""Copying the parts of one batch in two index ops per shape, not one or more per part.
+"""Scattering the parts that landed together in one op per shape, not one per part.
 
 A notification batch lands several packed parts of the same rooms at once
-(about ten, with 1-page parts and 8 rooms in flight), and an engine's
-commands hand on many chunks in one pass of the loop (hundreds, in the
-fake-GPU benchmark). Their blocks over the same regions, of the same shape
-(the same ``_How``), in one memory, are copied by two index ops for all of
-them, whatever their number: one reads every item's rows (out of the
-regions, or out of the parts' slots: a view of the transfer buffer as
-overlapping windows, one per word, as the regions' span is), one writes
-them (into the slots, or into the regions). On a GPU that is two launches
-and two index uploads a batch where each part took two; on CPU tensors (CI,
-the fake-GPU benchmark) the per-op cost of torch, about 20 us, once a batch.
+(about ten, with 1-page parts and 8 rooms in flight). Their blocks over the
+same regions, of the same shape (the same ``_How``), in one memory, are
+unpacked by two index ops for all of them, whatever their number: one
+gathers every item's rows out of the parts' slots (a view of the receive
+buffer as overlapping windows, one per word, as the regions' span is), one
+writes them into the regions. On a GPU that is two launches and two index
+uploads for the batch where each part took two; on CPU tensors (CI, the
+fake-GPU benchmark) the per-op cost of torch, about 20 us, once per batch.
 
-What cannot go together goes part by part (``gather``, ``scatter``): host
-memory, regions in different memories or too far apart, a lone block of its
-shape. Where the batched op raises, each of its parts is tried alone, so
-only a bad part fails.
+What cannot go together goes part by part (``scatter``): host memory,
+regions in different memories or too far apart, a lone block of its shape.
+Where the batched op raises, each of its parts is tried alone, so only a bad
+part fails.
 """
 
 from __future__ import annotations
@@ -35,42 +33,33 @@ from kvbroker.broker.device._copies import (
     _place,
     _Regions,
     _torch_copy,
-    gather,
     scatter,
 )
 from kvbroker.plan import Block, packed_offsets
 
-__all__ = ["Landed", "gather_all", "scatter_all"]
+__all__ = ["Landed", "scatter_all"]
 
-#: One part: its slot, and its blocks with where each block's regions lie.
+#: One landed part: its slot, and its blocks with where each block's regions lie.
 Landed = tuple[Extent, Sequence[Block], Sequence[Sequence[Extent]]]
-#: A block to copy in a batch: its part's index, the block, its bytes of the slot, its regions, how.
+#: A block to scatter in a batch: its part's index, the block, its bytes of the slot, its regions, how.
 _Entry = tuple[int, Block, Extent, _Regions, _How]
-
-
-def gather_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed]) -> dict[int, Exception]:
-    """Pack every part of ``parts`` (slots of the one send ``buffer``) from its blocks; what
-    each part whose copy raised raised, by its index."""
-    return _copy_all(views, buffer, parts, into_slot=True)
 
 
 def scatter_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed]) -> dict[int, Exception]:
     """Unpack every part of ``parts`` (slots of the one receive ``buffer``) into its blocks;
     what each part whose copy raised raised, by its index."""
-    return _copy_all(views, buffer, parts, into_slot=False)
-
-
-def _copy_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed], *, into_slot: bool) -> dict[int, Exception]:
     failed: dict[int, Exception] = {}
+    if len(parts) == 1:
+        try:
+            scatter(views, *parts[0])
+        except Exception as exc:
+            failed[0] = exc
+        return failed
     groups: dict[tuple[int, int], list[_Entry]] = {}
     for i, (slot, blocks, regions) in enumerate(parts):
         try:
-            if len(parts) == 1 or (slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans)):
-                # a lone part, or host staging (numpy, by runs): part by part
-                if into_slot:
-                    gather(views, blocks, regions, slot)
-                else:
-                    scatter(views, slot, blocks, regions)
+            if slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans):
+                scatter(views, slot, blocks, regions)  # host staging: numpy, by runs
                 continue
             for block, spans, offset in zip(blocks, regions, packed_offsets(blocks)):
                 if not block.nbytes:
@@ -79,7 +68,7 @@ def _copy_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed], *, int
                 regs = views.regions(spans)
                 how = regs.how(views, block, part.address | part.nbytes)
                 if how.flat is None or _place(part.kind, part.device) != regs.place:
-                    _torch_copy(views, block, regs, part, into_slot)
+                    _torch_copy(views, block, regs, part, False)
                     continue
                 groups.setdefault((id(regs), id(how)), []).append((i, block, part, regs, how))
         except Exception as exc:  # this part fails, the others go on
@@ -88,49 +77,38 @@ def _copy_all(views: ArrayViews, buffer: Extent, parts: Sequence[Landed], *, int
         entries = [e for e in entries if e[0] not in failed]
         if len(entries) > 1:
             try:
-                _copy_group(views, buffer, entries, into_slot)
+                _scatter_group(views, buffer, entries)
                 continue
             except Exception:  # noqa: BLE001 - one op for all of them raised: each part alone, to fail only the bad
                 pass
         for i, block, part, regs, _ in entries:
             try:
-                _torch_copy(views, block, regs, part, into_slot)
+                _torch_copy(views, block, regs, part, False)
             except Exception as exc:
                 failed.setdefault(i, exc)
     return failed
 
 
-def _copy_group(views: ArrayViews, buffer: Extent, entries: list[_Entry], into_slot: bool) -> None:
-    """Two index ops for blocks of one shape over one set of regions: their items' rows read
-    out of the regions (or the slots: windows over ``buffer``), then written into the slots
-    (or the regions)."""
+def _scatter_group(views: ArrayViews, buffer: Extent, entries: list[_Entry]) -> None:
+    """Two index ops for blocks of one shape over one set of regions: their items' rows out of
+    the slots (windows over ``buffer``), then into the regions."""
     regs, how = entries[0][3], entries[0][4]
     width, item_words = how.width, how.rows * how.row
     assert how.flat is not None and how.first is not None and regs.place is not None
-    items = [np.ascontiguousarray(block.items, dtype=np.int64) for _, block, _, _, _ in entries]
-    ats = np.array([part.address - buffer.address for _, _, part, _, _ in entries], dtype=np.int64)
-    ends = ats + np.array([part.nbytes for _, _, part, _, _ in entries], dtype=np.int64)
-    if (ats % width).any() or (ats < 0).any() or (ends > buffer.nbytes).any():
-        raise ValueError("a slot of the batch is not a word of the transfer buffer")
-    counts = {int(i.size) for i in items}
-    every = np.concatenate(items) if len(items) > 1 else items[0]
-    if int(every.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
-        raise IndexError(f"items {int(every.min())}..{int(every.max())} of a block, past item {how.last} of its shortest region")
-    spans = len(regs.spans)
-    if len(counts) == 1:  # parts of one size (the common case): every index in a few numpy ops
-        count = counts.pop()
-        slot_index_values = ((ats // width)[:, None] + np.arange(spans * count, dtype=np.int64)[None, :] * item_words).reshape(-1)
-        region_values = (how.first[None, :, :] + every.reshape(len(items), 1, count) * how.item_stride).reshape(-1)
-    else:
-        slot_index_values = np.concatenate([at // width + np.arange(spans * i.size, dtype=np.int64) * item_words for at, i in zip(ats, items)])
-        region_values = np.concatenate([(how.first + i[None, :] * how.item_stride).reshape(-1) for i in items])
-    windows: Any = _windows(views.words(buffer, width), how.rows, how.row)
-    slot_index = _index(views, slot_index_values, windows, regs.place)
-    region_index = _index(views, region_values, how.flat, regs.place)
-    if into_slot:
-        windows.index_copy_(0, slot_index, _gather(how.flat, region_index, None))
-    else:
-        how.flat.index_copy_(0, region_index, _gather(windows, slot_index, None))
+    sources, targets = [], []
+    for _, block, part, _, _ in entries:
+        items = np.ascontiguousarray(block.items, dtype=np.int64)
+        if int(items.view(np.uint64).max()) > how.last:
+            raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
+        at = part.address - buffer.address
+        if at % width or at < 0 or at + part.nbytes > buffer.nbytes:
+            raise ValueError(f"a slot at {part.address:#x} is not a word of the receive buffer")
+        sources.append(at // width + np.arange(len(regs.spans) * items.size, dtype=np.int64) * item_words)
+        targets.append((how.first + items[None, :] * how.item_stride).reshape(-1))
+    words = views.words(buffer, width)
+    windows: Any = _windows(words, how.rows, how.row)
+    rows = _gather(windows, _index(views, np.concatenate(sources), windows, regs.place), None)
+    how.flat.index_copy_(0, _index(views, np.concatenate(targets), how.flat, regs.place), rows)
     views.launches += 2
 
 

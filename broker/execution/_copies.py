@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import numpy as np
 import structlog
@@ -24,23 +22,8 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import Workers
-from kvbroker.broker.device import (
-    ArrayViews,
-    Extent,
-    Lanes,
-    checksum,
-    gather,
-    gather_all,
-    scatter_all,
-)
-from kvbroker.broker.memory import (
-    Engine,
-    Reservation,
-    StagingBuffer,
-    StagingPool,
-    StagingPools,
-    array_at,
-)
+from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter_all
+from kvbroker.broker.memory import Engine, Reservation, StagingPool, StagingPools, array_at
 from kvbroker.broker.rooms import Scatter
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, Unimplemented
@@ -61,15 +44,23 @@ class StagingCopies:
         self._views = views
         self._lanes = lanes
         self._counters = counters
-        #: Gathers asked for in this pass of the loop: handed to their lanes at its end.
-        self._gathering: list[_Gather] = []
 
-    async def gather(
-        self, engine: Engine, blocks: Sequence[Block], buffer: StagingBuffer, slot: Extent, parent: Span, *, with_checksum: bool
-    ) -> int | None:
-        """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
-        span of its own under ``parent``), on its own (a staged head slice: not
-        batched); the slot's CRC-32 when ``with_checksum``."""
+    async def gather(self, engine: Engine, blocks: Sequence[Block], slot: Extent, parent: Span, *, with_checksum: bool) -> int | None:
+        """Gather ``blocks`` of ``engine``'s pages into ``slot`` (in a span of
+        its own under ``parent``); the slot's CRC-32 when ``with_checksum``."""
+        return await self.gather_soon(engine, blocks, slot, parent, with_checksum=with_checksum)
+
+    def gather_soon(
+        self,
+        engine: Engine,
+        blocks: Sequence[Block],
+        slot: Extent,
+        parent: Span,
+        *,
+        with_checksum: bool,
+        then: Callable[[asyncio.Future[int | None]], None] | None = None,
+    ) -> asyncio.Future[int | None]:
+        """:meth:`gather`, its outcome in a future (``then``: called with it once done)."""
         regions = [extents(engine, block) for block in blocks]
         gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
 
@@ -78,56 +69,14 @@ class StagingCopies:
             crc = checksum(self._views, slot) if with_checksum else None
             return lambda: None if crc is None else int(crc)
 
-        try:
-            return await self._lanes.run(slot, job)
-        finally:
+        def done(future: asyncio.Future[int | None]) -> None:
             gathering.end()
+            if then is not None:
+                then(future)
 
-    def gather_soon(
-        self,
-        engine: Engine,
-        blocks: Sequence[Block],
-        buffer: StagingBuffer,
-        slot: Extent,
-        parent: Span,
-        *,
-        with_checksum: bool,
-        then: Callable[[asyncio.Future[int | None]], None] | None = None,
-    ) -> asyncio.Future[int | None]:
-        """:meth:`gather`, its outcome in a future (``then``: called with it once
-        done). The gathers asked for in one pass of the loop go to their lanes
-        together, one job a buffer (``device.gather_all``: two index ops per
-        shape of block for all of them)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int | None] = loop.create_future()
-        span = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
-        whole = Extent(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
-        self._gathering.append(_Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then))
-        if len(self._gathering) == 1:
-            loop.call_soon(self._gather_batch)
+        future = self._lanes.submit(slot, job)
+        future.add_done_callback(done)
         return future
-
-    def _gather_batch(self) -> None:
-        batch, self._gathering = self._gathering, []
-        by_buffer: dict[int, list[_Gather]] = {}
-        for asked in batch:
-            by_buffer.setdefault(asked.buffer.address, []).append(asked)
-        for gathers in by_buffer.values():
-            self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers)).add_done_callback(partial(_gathered, gathers))
-
-    def _gather_job(self, gathers: list[_Gather]) -> Callable[[], list[int | None | Exception]]:
-        """On the lane's thread: gather them all, then each one's checksum if asked for."""
-        failed = gather_all(self._views, gathers[0].buffer, [(g.slot, g.blocks, g.regions) for g in gathers])
-        sums: list[Any] = []
-        for k, asked in enumerate(gathers):
-            if k in failed or not asked.with_checksum:
-                sums.append(failed.get(k))
-                continue
-            try:
-                sums.append(checksum(self._views, asked.slot))
-            except Exception as exc:  # this part fails, the others go on
-                sums.append(exc)
-        return lambda: [c if c is None or isinstance(c, Exception) else int(c) for c in sums]
 
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
         """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy
@@ -149,16 +98,13 @@ class StagingCopies:
         spans = []
         for i, effect in enumerate(effects):
             rank, landing = effect.receiver, effect.landing
-            if rank.span is not None and not telemetry.records_children(rank.span):
-                spans.append(rank.span)  # an untraced room: no span (nor its attributes) to make
-            else:
-                spans.append(
-                    telemetry.start_span(
-                        "kvbroker.staging.scatter",
-                        parent=rank.span,
-                        attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
-                    )
+            spans.append(
+                telemetry.start_span(
+                    "kvbroker.staging.scatter",
+                    parent=rank.span,
+                    attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
                 )
+            )
             pool = self._pools.pool("receive", *landing.pool)
             if pool is None:
                 errors[i] = FailedPrecondition("the receive staging pool of this part is gone")
@@ -217,42 +163,6 @@ class StagingCopies:
             failed = dict.fromkeys(range(len(lane)), exc)
         for k, raised in failed.items():
             errors[lane[k]] = as_broker_error(raised, "scattering a staged part")
-
-
-@dataclass(eq=False, slots=True)
-class _Gather:
-    """A gather asked for in this pass of the loop."""
-
-    slot: Extent
-    blocks: Sequence[Block]
-    regions: list[list[Extent]]
-    #: The transfer or staging buffer the slot lies in.
-    buffer: Extent
-    with_checksum: bool
-    span: Span
-    future: asyncio.Future[int | None]
-    then: Callable[[asyncio.Future[int | None]], None] | None
-
-
-def _gathered(gathers: list[_Gather], done: asyncio.Future[list[int | None | Exception]]) -> None:
-    """A batch of gathers is done (or failed as one): each one's outcome, span and continuation."""
-    outcomes: list[int | None | Exception]
-    if done.cancelled():
-        outcomes = [Internal("a batch of gathers was cancelled")] * len(gathers)
-    elif (error := done.exception()) is not None:
-        outcomes = [error if isinstance(error, Exception) else Internal(repr(error))] * len(gathers)
-    else:
-        outcomes = done.result()
-    for asked, outcome in zip(gathers, outcomes):
-        asked.span.end()
-        if asked.future.done():  # its awaiter gave up (the broker is stopping): it stays cancelled
-            pass
-        elif isinstance(outcome, Exception):
-            asked.future.set_exception(outcome)
-        else:
-            asked.future.set_result(outcome)
-        if asked.then is not None:  # (which gives the slot back, whatever the outcome)
-            asked.then(asked.future)
 
 
 def _slot(slots: Sequence[Extent | None], i: int) -> Extent:

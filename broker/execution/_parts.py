@@ -172,15 +172,8 @@ class PartsInFlight:
             self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
             return
         agent_name = peer.agent_name
-        self._counters.transfers_posted += part.kind is not PartKind.NOTICE
-        if part.kind is PartKind.PACKED:  # its notice is complete once gathered (checksum)
-            packing = self._packing.get(part)
-            if packing is None:
-                self.fail(part, Internal("a packed part was posted without its gather"))
-            else:
-                packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
-            return
         notif = part.notice.SerializeToString()
+        self._counters.transfers_posted += part.kind is not PartKind.NOTICE
         if part.kind is PartKind.NOTICE:
             self._dataplane.notify(part, agent_name, notif)
         elif part.kind is PartKind.WHOLE:
@@ -197,6 +190,12 @@ class PartsInFlight:
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1
             self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes))
+        elif part.kind is PartKind.PACKED:
+            packing = self._packing.get(part)
+            if packing is None:
+                self.fail(part, Internal("a packed part was posted without its gather"))
+            else:
+                packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
@@ -374,7 +373,7 @@ class PartsInFlight:
         try:
             slot = slot_of(pool, reservation, part.nbytes)
             self._copies.gather_soon(
-                part.source.engine, spec.packing.blocks, pool.buffer, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
+                part.source.engine, spec.packing.blocks, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
             )
         except Exception as exc:
             pool.release(reservation)
@@ -395,12 +394,12 @@ class PartsInFlight:
 
     def _show_transport(self, part: Part, verdict: TransportVerdict) -> None:
         """The transport verdict on the part's and the room's spans."""
+        text = verdict.text()
         held = self._parts.get(part)
-        spans = [span for span in (held[0] if held is not None else None, part.source.span) if span is not None and span.is_recording()]
-        if spans:  # (an untraced room's spans record nothing: no text to make per part)
-            text = verdict.text()
-            for span in spans:
-                span.set_attribute("kvbroker.transport", text)
+        if held is not None:
+            held[0].set_attribute("kvbroker.transport", text)
+        if part.source.span is not None:
+            part.source.span.set_attribute("kvbroker.transport", text)
 
     def _post_packed(self, part: Part, agent_name: str, packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
         """Post a packed part once its gather is done (a callback of its
@@ -445,7 +444,7 @@ class PartsInFlight:
                 raise FailedPrecondition("the room failed before its staged part was written")
             block = kv_block(engine.layout, [s for s, _ in spec.pairs], spec.src_pages, spec.slice.src, tokens=False)
             slot = slot_of(pool, reservation, part.nbytes)
-            await self._copies.gather(engine, [block], pool.buffer, slot, span, with_checksum=False)
+            await self._copies.gather(engine, [block], slot, span, with_checksum=False)
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)

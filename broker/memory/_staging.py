@@ -84,8 +84,6 @@ class FreeList:
 
     def __init__(self, spans: list[tuple[int, int]] | None = None) -> None:
         self._free: list[tuple[int, int]] = sorted(spans or [])
-        #: The free bytes (kept: summing the spans per part was quadratic in the parts in flight).
-        self._bytes = sum(span for _, span in self._free)
 
     @staticmethod
     def aligned(nbytes: int) -> int:
@@ -100,7 +98,6 @@ class FreeList:
                     del self._free[i]
                 else:
                     self._free[i] = (offset + size, span - size)
-                self._bytes -= size
                 return offset
         return None
 
@@ -108,7 +105,6 @@ class FreeList:
         """Free ``nbytes`` (aligned) at ``offset``, merging with its neighbours
         (found by bisection: hundreds of small parts in flight fragment the list)."""
         free, size = self._free, self.aligned(nbytes)
-        self._bytes += size
         i = bisect.bisect_left(free, (offset, 0))
         if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
             i -= 1
@@ -120,7 +116,7 @@ class FreeList:
         free.insert(i, (offset, size))
 
     def free_bytes(self) -> int:
-        return self._bytes
+        return sum(span for _, span in self._free)
 
 
 @dataclass(eq=False)

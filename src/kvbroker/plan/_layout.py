@@ -162,13 +162,8 @@ class Layout:
 
     @property
     def kv_page_bytes(self) -> int:
-        """Bytes of one KV page of one layer region on this rank (worked out once)."""
-        found: int | None = self.memo.get("kv_page_bytes")
-        if found is None:
-            found = self.memo["kv_page_bytes"] = kv_page_bytes_of(
-                self.page_size_tokens, self.kv_heads_per_rank, self.head_dim, self.dtype_bytes, self.kv_layout
-            )
-        return found
+        """Bytes of one KV page of one layer region on this rank."""
+        return kv_page_bytes_of(self.page_size_tokens, self.kv_heads_per_rank, self.head_dim, self.dtype_bytes, self.kv_layout)
 
     def kv_kinds(self) -> tuple[int, ...]:
         """Region kinds holding KV: (MLA,), (KV,) or (KEY, VALUE)."""
