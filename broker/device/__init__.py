@@ -2,8 +2,7 @@
 lanes, and CRC-32 on the device.
 """
 
-from kvbroker.broker.device._batched import scatter_all
 from kvbroker.broker.device._copies import ArrayViews, Extent, checksum, gather, scatter
 from kvbroker.broker.device._lanes import Lanes
 
-__all__ = ["ArrayViews", "Extent", "Lanes", "checksum", "gather", "scatter", "scatter_all"]
+__all__ = ["ArrayViews", "Extent", "Lanes", "checksum", "gather", "scatter"]

@@ -12,7 +12,6 @@ on the control loop.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -22,7 +21,7 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import Workers
-from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter_all
+from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter
 from kvbroker.broker.memory import Engine, Reservation, StagingPool, StagingPools, array_at
 from kvbroker.broker.rooms import Scatter
 from kvbroker.broker.telemetry import Counters
@@ -48,19 +47,6 @@ class StagingCopies:
     async def gather(self, engine: Engine, blocks: Sequence[Block], slot: Extent, parent: Span, *, with_checksum: bool) -> int | None:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` (in a span of
         its own under ``parent``); the slot's CRC-32 when ``with_checksum``."""
-        return await self.gather_soon(engine, blocks, slot, parent, with_checksum=with_checksum)
-
-    def gather_soon(
-        self,
-        engine: Engine,
-        blocks: Sequence[Block],
-        slot: Extent,
-        parent: Span,
-        *,
-        with_checksum: bool,
-        then: Callable[[asyncio.Future[int | None]], None] | None = None,
-    ) -> asyncio.Future[int | None]:
-        """:meth:`gather`, its outcome in a future (``then``: called with it once done)."""
         regions = [extents(engine, block) for block in blocks]
         gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
 
@@ -69,14 +55,10 @@ class StagingCopies:
             crc = checksum(self._views, slot) if with_checksum else None
             return lambda: None if crc is None else int(crc)
 
-        def done(future: asyncio.Future[int | None]) -> None:
+        try:
+            return await self._lanes.run(slot, job)
+        finally:
             gathering.end()
-            if then is not None:
-                then(future)
-
-        future = self._lanes.submit(slot, job)
-        future.add_done_callback(done)
-        return future
 
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
         """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy
@@ -86,98 +68,49 @@ class StagingCopies:
         except Exception as exc:
             return None, as_broker_error(exc, "checksumming a chunk")
 
-    async def scatter(self, effects: Sequence[Scatter]) -> list[KvBrokerError | None]:
-        """Unpack landed staged or packed parts into their ranks' pages: those
-        that landed together go to their lane as one job (a notification
-        batch lands several parts; one job each made the copy thread and the
-        loop trade the GIL per part). A packed part's checksum, when its
-        sender sent one, is checked first: a part that arrived corrupted is
-        never scattered. Why each could not, or None, in order."""
-        errors: list[KvBrokerError | None] = [None] * len(effects)
-        slots: list[Extent | None] = []
-        spans = []
-        for i, effect in enumerate(effects):
-            rank, landing = effect.receiver, effect.landing
-            spans.append(
-                telemetry.start_span(
-                    "kvbroker.staging.scatter",
-                    parent=rank.span,
-                    attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
-                )
-            )
-            pool = self._pools.pool("receive", *landing.pool)
+    async def scatter(self, effect: Scatter) -> KvBrokerError | None:
+        """Unpack a landed staged or packed part into the rank's pages (a packed
+        part's checksum, when the sender sent one, is checked first: a part that
+        arrived corrupted is never scattered). Why it could not, or None."""
+        rank, landing = effect.receiver, effect.landing
+        error: KvBrokerError | None = None
+        pool = self._pools.pool("receive", *landing.pool)
+        span = telemetry.start_span(
+            "kvbroker.staging.scatter",
+            parent=rank.span,
+            attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
+        )
+        try:
             if pool is None:
-                errors[i] = FailedPrecondition("the receive staging pool of this part is gone")
-                slots.append(None)
-            else:
-                slots.append(slot_of(pool, landing.reservation, landing.nbytes))
-        try:
-            summed = [i for i, effect in enumerate(effects) if slots[i] is not None and effect.landing.notice.HasField("packed_checksum")]
-            for lane in _by_lane(summed, slots):
-                await self._check(lane, effects, slots, errors)
-            for lane in _by_lane([i for i in range(len(effects)) if errors[i] is None], slots):
-                await self._scatter(lane, effects, slots, errors)
+                raise FailedPrecondition("the receive staging pool of this part is gone")
+            slot = slot_of(pool, landing.reservation, landing.nbytes)
+            notice = landing.notice
+            if notice.HasField("packed_checksum"):
+
+                def crc_job() -> Callable[[], int]:
+                    crc = checksum(self._views, slot)
+                    return lambda: int(crc)
+
+                got = await self._lanes.run(slot, crc_job)
+                self._counters.packed_checksums_checked += 1
+                if got != notice.packed_checksum:
+                    self._counters.checksum_mismatches += 1
+                    raise FailedPrecondition(
+                        f"packed part {notice.part} of chunk {notice.chunk_index} from source {landing.key[0]} arrived "
+                        f"with checksum {got:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
+                    )
+            regions = [extents(rank.engine, block) for block in landing.blocks]
+
+            def job() -> Callable[[], None]:
+                scatter(self._views, slot, landing.blocks, regions)
+                return lambda: None
+
+            await self._lanes.run(slot, job)
+        except Exception as exc:
+            error = as_broker_error(exc, "scattering a staged part")
         finally:
-            for span in spans:
-                span.end()
-        return errors
-
-    async def _check(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
-        """The checksums of the packed parts ``lane`` (indices, one lane's) against their senders'."""
-
-        def job() -> Callable[[], list[int]]:
-            crcs = [checksum(self._views, _slot(slots, i)) for i in lane]
-            return lambda: [int(crc) for crc in crcs]
-
-        try:
-            got = await self._lanes.run(_slot(slots, lane[0]), job)
-        except Exception as exc:
-            error = as_broker_error(exc, "checksumming a packed part")
-            for i in lane:
-                errors[i] = error
-            return
-        for i, crc in zip(lane, got):
-            notice = effects[i].landing.notice
-            self._counters.packed_checksums_checked += 1
-            if crc != notice.packed_checksum:
-                self._counters.checksum_mismatches += 1
-                errors[i] = FailedPrecondition(
-                    f"packed part {notice.part} of chunk {notice.chunk_index} from source {effects[i].landing.key[0]} arrived "
-                    f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
-                )
-
-    async def _scatter(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
-        """Scatter the parts ``lane`` (indices, one lane's) in one job; a part whose copy raised fails alone."""
-        parts = [(_slot(slots, i), effects[i].landing.blocks, [extents(effects[i].receiver.engine, b) for b in effects[i].landing.blocks]) for i in lane]
-        pool = self._pools.pool("receive", *effects[lane[0]].landing.pool)
-        assert pool is not None  # (slots were found in it)
-        buffer = Extent(pool.buffer.address, pool.buffer.size_bytes, pool.buffer.kind, pool.buffer.device_id)
-
-        def job() -> Callable[[], dict[int, Exception]]:
-            failed = scatter_all(self._views, buffer, parts)
-            return lambda: failed
-
-        try:
-            failed = await self._lanes.run(_slot(slots, lane[0]), job)
-        except Exception as exc:
-            failed = dict.fromkeys(range(len(lane)), exc)
-        for k, raised in failed.items():
-            errors[lane[k]] = as_broker_error(raised, "scattering a staged part")
-
-
-def _slot(slots: Sequence[Extent | None], i: int) -> Extent:
-    slot = slots[i]
-    assert slot is not None
-    return slot
-
-
-def _by_lane(indices: Sequence[int], slots: Sequence[Extent | None]) -> list[list[int]]:
-    """``indices`` grouped by the memory of their slots (one lane each), in order."""
-    lanes: dict[tuple[int, int], list[int]] = {}
-    for i in indices:
-        slot = _slot(slots, i)
-        lanes.setdefault((slot.kind, slot.device), []).append(i)
-    return list(lanes.values())
+            span.end()
+        return error
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:

@@ -32,7 +32,6 @@ thread. The copies themselves are ``copies``.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import ctypes
 from collections import deque
 from collections.abc import Callable
@@ -102,18 +101,16 @@ class FreeList:
         return None
 
     def give(self, offset: int, nbytes: int) -> None:
-        """Free ``nbytes`` (aligned) at ``offset``, merging with its neighbours
-        (found by bisection: hundreds of small parts in flight fragment the list)."""
-        free, size = self._free, self.aligned(nbytes)
-        i = bisect.bisect_left(free, (offset, 0))
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
-            i -= 1
-            offset, size = free[i][0], free[i][1] + size
-            del free[i]
-        if i < len(free) and offset + size == free[i][0]:
-            size += free[i][1]
-            del free[i]
-        free.insert(i, (offset, size))
+        """Free ``nbytes`` (aligned) at ``offset``, merging with its neighbours."""
+        self._free.append((offset, self.aligned(nbytes)))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, span in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + span)
+            else:
+                merged.append((start, span))
+        self._free = merged
 
     def free_bytes(self) -> int:
         return sum(span for _, span in self._free)
