@@ -89,6 +89,8 @@ class ArrayViews:
         self.launches = 0
         self._words: OrderedDict[tuple[int, int, int, int, int], Any] = OrderedDict()
         self._regions: OrderedDict[tuple[tuple[int, int, int, int], ...], _Regions] = OrderedDict()
+        #: id(list of spans) -> (that list, its _Regions): the list is kept, so its id is not reused meanwhile.
+        self._by_list: dict[int, tuple[Sequence[Extent], _Regions]] = {}
 
     def view(self, span: Extent) -> Array:
         """A uint8 numpy array (DRAM) or torch tensor (VRAM) over ``span`` (no copy)."""
@@ -99,11 +101,21 @@ class ArrayViews:
     def tensor(self, span: Extent) -> Any:
         """A uint8 torch tensor over ``span``, on its device (the host for DRAM); made anew
         (slots: a part's slot is made once per part; regions: :meth:`words`)."""
-        import torch  # only a broker that touches VRAM pays for torch
+        torch = torch_for_copies()  # only a broker that touches VRAM pays for torch
 
         if span.kind == DRAM or self.device_as_host:
             return torch.from_numpy(array_at(span.address, span.nbytes))
         return torch.as_tensor(_CudaBytes(span.address, span.nbytes), device=torch.device("cuda", span.device))
+
+    def shaped(self, span: Extent, width: int, shape: tuple[int, ...]) -> Any:
+        """A torch tensor of ``width``-byte words in ``shape`` (C order) over ``span``, made in
+        one step (a slice and two views of a uint8 tensor were three torch calls per part, each
+        giving up the GIL and taking it back)."""
+        torch = torch_for_copies()
+
+        if span.kind == DRAM or self.device_as_host:
+            return torch.from_numpy(array_at(span.address, span.nbytes).view(_NP_WORDS[width]).reshape(shape))
+        return torch.as_tensor(_CudaBytes(span.address, span.nbytes, shape, _TYPESTR[width]), device=torch.device("cuda", span.device))
 
     def words(self, span: Extent, width: int) -> Any:
         """A torch tensor of ``width``-byte words over region ``span``, made once."""
@@ -111,9 +123,17 @@ class ArrayViews:
         return self._cached(self._words, key, lambda: self.tensor(span).view(_dtype(width)))
 
     def regions(self, spans: Sequence[Extent]) -> _Regions:
-        """What the device copies need of a block's regions, worked out once per set of regions."""
+        """What the device copies need of a block's regions, worked out once per set of regions
+        (found by the list's identity first: callers keep one list per engine and regions)."""
+        known = self._by_list.get(id(spans))
+        if known is not None and known[0] is spans:
+            return known[1]
         key = tuple([(s.address, s.nbytes, s.kind, s.device) for s in spans])
-        return self._cached(self._regions, key, lambda: _Regions(tuple(spans)))
+        made = self._cached(self._regions, key, lambda: _Regions(tuple(spans)))
+        if len(self._by_list) >= _CACHED:
+            self._by_list.clear()
+        self._by_list[id(spans)] = (spans, made)
+        return made
 
     def on_host(self, span: Extent) -> bool:
         """Whether ``span`` is addressable by the CPU (its copies run on the copy thread)."""
@@ -131,13 +151,31 @@ class ArrayViews:
         return made
 
 
-class _CudaBytes:
-    """``__cuda_array_interface__`` over device memory the broker mapped (not owned)."""
+def torch_for_copies() -> Any:
+    """torch, imported on first use, with one intra-op thread: the broker's copies run on one
+    thread of their own (``kvb-copy``), and torch's pool of a thread per core spun on the
+    cores the engines and the broker's other threads need (on CPU tensors an index op over
+    a batch of parts cost about twice its time in CPU)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
 
-    def __init__(self, address: int, nbytes: int) -> None:
+        torch.set_num_threads(1)
+        _TORCH = torch
+    return _TORCH
+
+
+_TORCH: Any = None
+
+
+class _CudaBytes:
+    """``__cuda_array_interface__`` over device memory the broker mapped (not owned): bytes,
+    or words of a type string in a shape (C order)."""
+
+    def __init__(self, address: int, nbytes: int, shape: tuple[int, ...] | None = None, typestr: str = "|u1") -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
+            "shape": shape if shape is not None else (nbytes,),
+            "typestr": typestr,
             "data": (address, False),
             "strides": None,
             "version": 2,
@@ -182,17 +220,14 @@ def checksum(views: ArrayViews, slot: Extent) -> Any:
 
 def _copy(views: ArrayViews, blocks: Sequence[Block], regions: Sequence[Sequence[Extent]], slot: Extent, *, into_slot: bool) -> None:
     host = slot.kind == DRAM and all(s.kind == DRAM for spans in regions for s in spans)
-    whole: Any = None  # the slot as a tensor, made once per part
     for block, spans, offset in zip(blocks, regions, packed_offsets(blocks)):
         if not block.nbytes:
             continue
         part = Extent(slot.address + offset, block.nbytes, slot.kind, slot.device)
         if host:
             _numpy_copy(block, spans, part, into_slot)
-            continue
-        if whole is None:
-            whole = views.tensor(slot)
-        _torch_copy(views, block, views.regions(spans), whole[offset : offset + block.nbytes], part, into_slot)
+        else:
+            _torch_copy(views, block, views.regions(spans), part, into_slot)
 
 
 # -- host memory: numpy, by runs ------------------------------------------------------
@@ -261,7 +296,7 @@ class _Regions:
     the flat span from the lowest region to the end of the highest, where each region
     starts in it, and whether one index op over that span can serve them all."""
 
-    __slots__ = ("_bases", "_starts", "flat", "lo", "nbytes", "place", "shortest", "spans", "starts", "width")
+    __slots__ = ("_bases", "_hows", "_starts", "flat", "lo", "nbytes", "place", "shortest", "spans", "starts", "width")
 
     def __init__(self, spans: tuple[Extent, ...]) -> None:
         self.spans = spans
@@ -282,6 +317,16 @@ class _Regions:
         self.flat = self.place is not None and self.nbytes <= _MAX_SPAN
         self._bases: dict[int, Any] = {}
         self._starts: dict[tuple[int, int], npt.NDArray[np.int64]] = {}
+        self._hows: dict[tuple[int, ...], _How] = {}
+
+    def how(self, views: ArrayViews, block: Block, slot_bits: int) -> _How:
+        """How blocks shaped like ``block`` copy over these regions into slots whose address
+        and size or to ``slot_bits`` (worked out once per shape: every part of a room has one)."""
+        key = (block.row_bytes, block.row_offset, block.item_stride, block.rows, block.row_stride, _widest(slot_bits))
+        made = self._hows.get(key)
+        if made is None:
+            made = self._hows[key] = _How(views, self, block, key[-1])
+        return made
 
     def base(self, views: ArrayViews, width: int) -> Any:
         """The flat span as a 1-D tensor of ``width``-byte words (made once per width)."""
@@ -299,6 +344,35 @@ class _Regions:
         return made
 
 
+class _How:
+    """What copying one shape of block over one set of regions needs, worked out once: the
+    widest word every offset, stride and length divides, the block's rows in words, the
+    last item every region holds, and (one op over the span) the overlapping windows over
+    the span and where each region's first row starts in it."""
+
+    __slots__ = ("dtype", "first", "flat", "item_stride", "last", "row", "row_offset", "row_stride", "rows", "width")
+
+    def __init__(self, views: ArrayViews, regions: _Regions, block: Block, slot_width: int) -> None:
+        import torch
+
+        bits = block.row_bytes | block.row_offset | block.item_stride
+        width = min(_widest(bits | (block.row_stride if block.rows > 1 else 0)), regions.width, slot_width)
+        self.width, self.dtype = width, _dtype(width)
+        self.rows, self.row = block.rows, block.row_bytes // width
+        self.row_stride = (block.row_stride or block.row_bytes) // width
+        self.item_stride, self.row_offset = block.item_stride // width, block.row_offset // width
+        reach = (self.rows - 1) * self.row_stride + self.row  # the words of one item, from its first row's start
+        #: The last item every region holds.
+        self.last = (regions.shortest // width - self.row_offset - reach) // self.item_stride
+        self.flat: Any = None
+        self.first: npt.NDArray[np.int64] | None = None
+        if regions.flat:
+            base = regions.base(views, width)
+            # Overlapping windows over the span: entry p is the rows of an item starting at word p.
+            self.flat = torch.as_strided(base, (base.numel() - reach + 1, self.rows, self.row), (1, self.row_stride, 1))
+            self.first = regions.first_words(width, self.row_offset)[:, None]
+
+
 #: The largest span of regions (bytes) one index op covers (a view of it is only
 #: its size: nothing between the regions is read or written).
 _MAX_SPAN = 1 << 40
@@ -306,6 +380,11 @@ _MAX_SPAN = 1 << 40
 _CACHED = 1024
 #: Tests set this to run the GPU's gather op (advanced indexing) on CPU tensors.
 _GPU_GATHER_ON_HOST = False
+
+
+#: Word widths as numpy dtypes and as ``__cuda_array_interface__`` type strings.
+_NP_WORDS = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
+_TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
 
 
 def _dtype(width: int) -> Any:
@@ -325,42 +404,32 @@ def _widest(bits: int) -> int:
     return min(8, bits & -bits) if bits else 8
 
 
-def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, part: Any, slot: Extent, into_slot: bool) -> None:
-    """Copy one block between its regions and ``part`` (a uint8 tensor over its bytes of
-    ``slot``), counting in ``views.launches`` what a GPU would launch: one index upload and
+def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, slot: Extent, into_slot: bool) -> None:
+    """Copy one block between its regions and ``slot`` (its bytes of a part's slot), counting in ``views.launches`` what a GPU would launch: one index upload and
     one index op (and one copy if the slot lies in other memory) where the regions share a
     memory, whatever their number and spacing and the block's size."""
     import torch
 
-    # The widest word every offset, stride and length of the copy is a multiple of.
-    bits = block.row_bytes | block.row_offset | block.item_stride | slot.address | slot.nbytes
-    width = min(_widest(bits | (block.row_stride if block.rows > 1 else 0)), regions.width)
-    rows, row = block.rows, block.row_bytes // width
-    row_stride, item_stride, row_offset = (block.row_stride or block.row_bytes) // width, block.item_stride // width, block.row_offset // width
+    how = regions.how(views, block, slot.address | slot.nbytes)
     items = np.ascontiguousarray(block.items, dtype=np.int64)
-    reach = (rows - 1) * row_stride + row  # the words of one item, from its first row's start
-    last = (regions.shortest // width - row_offset - reach) // item_stride  # the last item every region holds
-    if int(items.view(np.uint64).max()) > last:  # (a negative item is a large unsigned one)
-        raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {last} of its shortest region")
+    if int(items.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
+        raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
     count = int(items.size)
-    packed = part.view(_dtype(width)).view(len(regions.spans) * count, rows, row)
+    packed = views.shaped(slot, how.width, (len(regions.spans) * count, how.rows, how.row))
     slot_place = _place(slot.kind, slot.device)
-    if regions.flat:
-        assert regions.place is not None
-        base = regions.base(views, width)
-        # Overlapping windows over the span: entry p is the rows of an item starting at word p.
-        flat = torch.as_strided(base, (base.numel() - reach + 1, rows, row), (1, row_stride, 1))
-        offsets = regions.first_words(width, row_offset)[:, None] + items[None, :] * item_stride
-        index = _index(views, offsets.reshape(-1), flat, regions.place)
-        views.launches += _move(flat, index, packed, into_slot, cross=regions.place != slot_place)
+    if how.flat is not None:
+        assert regions.place is not None and how.first is not None
+        offsets = how.first + items[None, :] * how.item_stride
+        index = _index(views, offsets.reshape(-1), how.flat, regions.place)
+        views.launches += _move(how.flat, index, packed, into_slot, cross=regions.place != slot_place)
         return
     # Region by region (the regions lie in different memories, or too far apart), each
     # index made (and uploaded) once per memory, not once per region.
     indexes: dict[tuple[int, int], Any] = {}
     for i, span in enumerate(regions.spans):
         place = _place(span.kind, span.device)
-        base = views.words(span, width)
-        region = torch.as_strided(base, (last + 1, rows, row), (item_stride, row_stride, 1), row_offset)
+        base = views.words(span, how.width)
+        region = torch.as_strided(base, (how.last + 1, how.rows, how.row), (how.item_stride, how.row_stride, 1), how.row_offset)
         index = indexes.get(place)
         if index is None:
             index = indexes[place] = _index(views, items, region, place)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvbroker.broker.dataplane import Workers, name_thread, settle
-from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent
+from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent, torch_for_copies
 
 __all__ = ["Job", "Lanes"]
 
@@ -61,10 +61,21 @@ class Lanes:
 
     async def run(self, slot: Extent, job: Job[T]) -> T:
         """Run ``job`` on the lane of ``slot``'s memory; its result."""
+        return await self.submit(slot, job)
+
+    def submit(self, slot: Extent, job: Job[T]) -> asyncio.Future[T]:
+        """Run ``job`` on the lane of ``slot``'s memory; its result in the future
+        (a callback's way to :meth:`run`: no task where the lane is up)."""
         if self._views.on_host(slot):
-            return await self._workers.copy(lambda: job()())
-        lane = await self._lane(slot.device)
-        return await lane.run(self._workers, job)
+            return self._workers.copy_soon(lambda: job()())
+        made = self._gpus.get(slot.device)
+        if made is not None and made.done() and not made.cancelled() and made.exception() is None:
+            return made.result().submit(self._workers, job)
+        return asyncio.ensure_future(self._run_opening(slot.device, job))
+
+    async def _run_opening(self, device: int, job: Job[T]) -> T:
+        lane = await self._lane(device)
+        return await lane.submit(self._workers, job)
 
     async def _lane(self, device: int) -> _GpuLane:
         made = self._gpus.get(device)
@@ -93,6 +104,7 @@ class _GpuLane:
     def __init__(self, device: int) -> None:
         import torch
 
+        torch_for_copies()  # (one intra-op thread)
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         # The device CRC's tables (and its Triton kernel, compiled and checked
@@ -105,7 +117,8 @@ class _GpuLane:
         self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
         self._thread.start()
 
-    async def run(self, workers: Workers, job: Job[T]) -> T:
+    def submit(self, workers: Workers, job: Job[T]) -> asyncio.Future[T]:
+        """Launch ``job`` from the copy thread; its result, once the waiter saw its event, in the future."""
         import torch
 
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
@@ -117,8 +130,16 @@ class _GpuLane:
                 event.record(self.stream)
             self._waiting.put((event, finish, future))
 
-        await workers.copy(launch)
-        return await future
+        def launched(done: asyncio.Future[None]) -> None:
+            # A launch that raised never reaches the waiter: its error is the job's.
+            if not future.done():
+                if done.cancelled():
+                    future.cancel()
+                elif (error := done.exception()) is not None:
+                    future.set_exception(error)
+
+        workers.copy_soon(launch).add_done_callback(launched)
+        return future
 
     def _wait(self) -> None:
         import torch

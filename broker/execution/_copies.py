@@ -12,8 +12,11 @@ on the control loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import structlog
@@ -21,8 +24,23 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import Workers
-from kvbroker.broker.device import ArrayViews, Extent, Lanes, checksum, gather, scatter
-from kvbroker.broker.memory import Engine, Reservation, StagingPool, StagingPools, array_at
+from kvbroker.broker.device import (
+    ArrayViews,
+    Extent,
+    Lanes,
+    checksum,
+    gather,
+    gather_all,
+    scatter_all,
+)
+from kvbroker.broker.memory import (
+    Engine,
+    Reservation,
+    StagingBuffer,
+    StagingPool,
+    StagingPools,
+    array_at,
+)
 from kvbroker.broker.rooms import Scatter
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, Unimplemented
@@ -43,10 +61,15 @@ class StagingCopies:
         self._views = views
         self._lanes = lanes
         self._counters = counters
+        #: Gathers asked for in this pass of the loop: handed to their lanes at its end.
+        self._gathering: list[_Gather] = []
 
-    async def gather(self, engine: Engine, blocks: Sequence[Block], slot: Extent, parent: Span, *, with_checksum: bool) -> int | None:
-        """Gather ``blocks`` of ``engine``'s pages into ``slot`` (in a span of
-        its own under ``parent``); the slot's CRC-32 when ``with_checksum``."""
+    async def gather(
+        self, engine: Engine, blocks: Sequence[Block], buffer: StagingBuffer, slot: Extent, parent: Span, *, with_checksum: bool
+    ) -> int | None:
+        """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
+        span of its own under ``parent``), on its own (a staged head slice: not
+        batched); the slot's CRC-32 when ``with_checksum``."""
         regions = [extents(engine, block) for block in blocks]
         gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
 
@@ -60,6 +83,52 @@ class StagingCopies:
         finally:
             gathering.end()
 
+    def gather_soon(
+        self,
+        engine: Engine,
+        blocks: Sequence[Block],
+        buffer: StagingBuffer,
+        slot: Extent,
+        parent: Span,
+        *,
+        with_checksum: bool,
+        then: Callable[[asyncio.Future[int | None]], None] | None = None,
+    ) -> asyncio.Future[int | None]:
+        """:meth:`gather`, its outcome in a future (``then``: called with it once
+        done). The gathers asked for in one pass of the loop go to their lanes
+        together, one job a buffer (``device.gather_all``: two index ops per
+        shape of block for all of them)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int | None] = loop.create_future()
+        span = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
+        whole = Extent(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
+        self._gathering.append(_Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then))
+        if len(self._gathering) == 1:
+            loop.call_soon(self._gather_batch)
+        return future
+
+    def _gather_batch(self) -> None:
+        batch, self._gathering = self._gathering, []
+        by_buffer: dict[int, list[_Gather]] = {}
+        for asked in batch:
+            by_buffer.setdefault(asked.buffer.address, []).append(asked)
+        for gathers in by_buffer.values():
+            self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers)).add_done_callback(partial(_gathered, gathers))
+
+    def _gather_job(self, gathers: list[_Gather]) -> Callable[[], list[int | None | Exception]]:
+        """On the lane's thread: gather them all, then each one's checksum if asked for."""
+        failed = gather_all(self._views, gathers[0].buffer, [(g.slot, g.blocks, g.regions) for g in gathers])
+        sums: list[Any] = []
+        for k, asked in enumerate(gathers):
+            if k in failed or not asked.with_checksum:
+                sums.append(failed.get(k))
+                continue
+            try:
+                sums.append(checksum(self._views, asked.slot))
+            except Exception as exc:  # this part fails, the others go on
+                sums.append(exc)
+        return lambda: [c if c is None or isinstance(c, Exception) else int(c) for c in sums]
+
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
         """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy
         thread (host memory only: a chunk's direct bytes); or why it could not be."""
@@ -68,49 +137,137 @@ class StagingCopies:
         except Exception as exc:
             return None, as_broker_error(exc, "checksumming a chunk")
 
-    async def scatter(self, effect: Scatter) -> KvBrokerError | None:
-        """Unpack a landed staged or packed part into the rank's pages (a packed
-        part's checksum, when the sender sent one, is checked first: a part that
-        arrived corrupted is never scattered). Why it could not, or None."""
-        rank, landing = effect.receiver, effect.landing
-        error: KvBrokerError | None = None
-        pool = self._pools.pool("receive", *landing.pool)
-        span = telemetry.start_span(
-            "kvbroker.staging.scatter",
-            parent=rank.span,
-            attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
-        )
-        try:
-            if pool is None:
-                raise FailedPrecondition("the receive staging pool of this part is gone")
-            slot = slot_of(pool, landing.reservation, landing.nbytes)
-            notice = landing.notice
-            if notice.HasField("packed_checksum"):
-
-                def crc_job() -> Callable[[], int]:
-                    crc = checksum(self._views, slot)
-                    return lambda: int(crc)
-
-                got = await self._lanes.run(slot, crc_job)
-                self._counters.packed_checksums_checked += 1
-                if got != notice.packed_checksum:
-                    self._counters.checksum_mismatches += 1
-                    raise FailedPrecondition(
-                        f"packed part {notice.part} of chunk {notice.chunk_index} from source {landing.key[0]} arrived "
-                        f"with checksum {got:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
+    async def scatter(self, effects: Sequence[Scatter]) -> list[KvBrokerError | None]:
+        """Unpack landed staged or packed parts into their ranks' pages: those
+        that landed together go to their lane as one job (a notification
+        batch lands several parts; one job each made the copy thread and the
+        loop trade the GIL per part). A packed part's checksum, when its
+        sender sent one, is checked first: a part that arrived corrupted is
+        never scattered. Why each could not, or None, in order."""
+        errors: list[KvBrokerError | None] = [None] * len(effects)
+        slots: list[Extent | None] = []
+        spans = []
+        for i, effect in enumerate(effects):
+            rank, landing = effect.receiver, effect.landing
+            if rank.span is not None and not telemetry.records_children(rank.span):
+                spans.append(rank.span)  # an untraced room: no span (nor its attributes) to make
+            else:
+                spans.append(
+                    telemetry.start_span(
+                        "kvbroker.staging.scatter",
+                        parent=rank.span,
+                        attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
                     )
-            regions = [extents(rank.engine, block) for block in landing.blocks]
-
-            def job() -> Callable[[], None]:
-                scatter(self._views, slot, landing.blocks, regions)
-                return lambda: None
-
-            await self._lanes.run(slot, job)
-        except Exception as exc:
-            error = as_broker_error(exc, "scattering a staged part")
+                )
+            pool = self._pools.pool("receive", *landing.pool)
+            if pool is None:
+                errors[i] = FailedPrecondition("the receive staging pool of this part is gone")
+                slots.append(None)
+            else:
+                slots.append(slot_of(pool, landing.reservation, landing.nbytes))
+        try:
+            summed = [i for i, effect in enumerate(effects) if slots[i] is not None and effect.landing.notice.HasField("packed_checksum")]
+            for lane in _by_lane(summed, slots):
+                await self._check(lane, effects, slots, errors)
+            for lane in _by_lane([i for i in range(len(effects)) if errors[i] is None], slots):
+                await self._scatter(lane, effects, slots, errors)
         finally:
-            span.end()
-        return error
+            for span in spans:
+                span.end()
+        return errors
+
+    async def _check(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
+        """The checksums of the packed parts ``lane`` (indices, one lane's) against their senders'."""
+
+        def job() -> Callable[[], list[int]]:
+            crcs = [checksum(self._views, _slot(slots, i)) for i in lane]
+            return lambda: [int(crc) for crc in crcs]
+
+        try:
+            got = await self._lanes.run(_slot(slots, lane[0]), job)
+        except Exception as exc:
+            error = as_broker_error(exc, "checksumming a packed part")
+            for i in lane:
+                errors[i] = error
+            return
+        for i, crc in zip(lane, got):
+            notice = effects[i].landing.notice
+            self._counters.packed_checksums_checked += 1
+            if crc != notice.packed_checksum:
+                self._counters.checksum_mismatches += 1
+                errors[i] = FailedPrecondition(
+                    f"packed part {notice.part} of chunk {notice.chunk_index} from source {effects[i].landing.key[0]} arrived "
+                    f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
+                )
+
+    async def _scatter(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
+        """Scatter the parts ``lane`` (indices, one lane's) in one job; a part whose copy raised fails alone."""
+        parts = [(_slot(slots, i), effects[i].landing.blocks, [extents(effects[i].receiver.engine, b) for b in effects[i].landing.blocks]) for i in lane]
+        pool = self._pools.pool("receive", *effects[lane[0]].landing.pool)
+        assert pool is not None  # (slots were found in it)
+        buffer = Extent(pool.buffer.address, pool.buffer.size_bytes, pool.buffer.kind, pool.buffer.device_id)
+
+        def job() -> Callable[[], dict[int, Exception]]:
+            failed = scatter_all(self._views, buffer, parts)
+            return lambda: failed
+
+        try:
+            failed = await self._lanes.run(_slot(slots, lane[0]), job)
+        except Exception as exc:
+            failed = dict.fromkeys(range(len(lane)), exc)
+        for k, raised in failed.items():
+            errors[lane[k]] = as_broker_error(raised, "scattering a staged part")
+
+
+@dataclass(eq=False, slots=True)
+class _Gather:
+    """A gather asked for in this pass of the loop."""
+
+    slot: Extent
+    blocks: Sequence[Block]
+    regions: list[list[Extent]]
+    #: The transfer or staging buffer the slot lies in.
+    buffer: Extent
+    with_checksum: bool
+    span: Span
+    future: asyncio.Future[int | None]
+    then: Callable[[asyncio.Future[int | None]], None] | None
+
+
+def _gathered(gathers: list[_Gather], done: asyncio.Future[list[int | None | Exception]]) -> None:
+    """A batch of gathers is done (or failed as one): each one's outcome, span and continuation."""
+    outcomes: list[int | None | Exception]
+    if done.cancelled():
+        outcomes = [Internal("a batch of gathers was cancelled")] * len(gathers)
+    elif (error := done.exception()) is not None:
+        outcomes = [error if isinstance(error, Exception) else Internal(repr(error))] * len(gathers)
+    else:
+        outcomes = done.result()
+    for asked, outcome in zip(gathers, outcomes):
+        asked.span.end()
+        if asked.future.done():  # its awaiter gave up (the broker is stopping): it stays cancelled
+            pass
+        elif isinstance(outcome, Exception):
+            asked.future.set_exception(outcome)
+        else:
+            asked.future.set_result(outcome)
+        if asked.then is not None:  # (which gives the slot back, whatever the outcome)
+            asked.then(asked.future)
+
+
+def _slot(slots: Sequence[Extent | None], i: int) -> Extent:
+    slot = slots[i]
+    assert slot is not None
+    return slot
+
+
+def _by_lane(indices: Sequence[int], slots: Sequence[Extent | None]) -> list[list[int]]:
+    """``indices`` grouped by the memory of their slots (one lane each), in order."""
+    lanes: dict[tuple[int, int], list[int]] = {}
+    for i in indices:
+        slot = _slot(slots, i)
+        lanes.setdefault((slot.kind, slot.device), []).append(i)
+    return list(lanes.values())
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:

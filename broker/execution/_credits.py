@@ -115,12 +115,12 @@ class Credits:
             raise FailedPrecondition(f"broker {peer.address} announced no receive buffer for {pool_name(pool)}")
         if FreeList.aligned(nbytes) > buffer.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the peer's {buffer.size_bytes}-byte receive buffer")
+        got = self.try_acquire(peer, pool, nbytes)
+        if got is not None:
+            return got
         key = (peer.broker_id, pool)
         window = self._windows.setdefault(key, CreditWindow())
         waiting = self._waiting.setdefault(key, deque())
-        if not waiting and (credit := window.place(nbytes)) is not None:
-            self._placed[credit.credit_id] = key
-            return buffer, credit
         future: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
         entry = (nbytes, future)
         waiting.append(entry)
@@ -138,6 +138,22 @@ class Credits:
                 f"the peer's receive buffer {pool_name(pool)} had no room for {timeout:g} s "
                 f"({window.granted_bytes} of its {buffer.size_bytes} bytes granted to this broker)"
             )
+        return buffer, credit
+
+    def try_acquire(self, peer: Peer, pool: PoolKey, nbytes: int) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
+        """:meth:`acquire` where it needs no wait (nobody waits before it, and its
+        window has room now); else None."""
+        buffer = peer.receive_staging.get(pool)
+        if buffer is None or peer.broker_id is None:
+            return None
+        key = (peer.broker_id, pool)
+        window = self._windows.get(key)
+        if window is None or self._waiting.get(key):
+            return None
+        credit = window.place(nbytes)
+        if credit is None:
+            return None
+        self._placed[credit.credit_id] = key
         return buffer, credit
 
     def release(self, credit: Credit) -> None:

@@ -24,6 +24,8 @@ the effects it causes are carried out in turn.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -99,6 +101,8 @@ class Executor:
         self._tasks = tasks
         self._metrics = metrics
         self._copies = StagingCopies(pools=pools, views=views, lanes=lanes, workers=workers, counters=counters)
+        #: Scatters asked for in this drain: they go to their lanes as one batch.
+        self._scattering: list[Scatter] = []
         #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
         self.probes = TransportProbes(
             broker_id=broker_id,
@@ -143,6 +147,7 @@ class Executor:
         self._registrations = Registrations(
             peers=peers, client=client, receiver=receiver, dataplane=dataplane, tasks=tasks, drain=self.drain
         )
+        self._handlers = self._effect_handlers()
 
     # -- the loop -------------------------------------------------------------
     def drain(self) -> None:
@@ -156,6 +161,9 @@ class Executor:
                     self._run(effect)
                 except Exception:
                     log.exception("effect_failed", effect=type(effect).__name__)
+            if self._scattering:
+                batch, self._scattering = self._scattering, []
+                self._tasks.spawn(self._scatter(batch), name=f"scatter-{batch[0].receiver.room}")
         # Poll for notifications while rooms wait for data, or credits for their return.
         self._dataplane.listening = self._receiver.awaiting_data() or self.credits.awaiting_returns()
 
@@ -176,43 +184,44 @@ class Executor:
         self.drain()
 
     def _run(self, effect: Effect) -> None:
-        if isinstance(effect, Publish):
-            self._hub.publish(effect.engine_id, effect.status)
-        elif isinstance(effect, RoomEnded):
-            record_room_end(effect.side, self._metrics)
-        elif isinstance(effect, PostPart):
-            self._parts.post(effect.part)
-        elif isinstance(effect, ReserveStaging):
-            self._parts.reserve_staging(effect.part)
-        elif isinstance(effect, SendReport):
-            self._tasks.spawn(self._calls.report(effect), name=f"report-{effect.report.room}")
-        elif isinstance(effect, FindSender):
-            self._tasks.spawn(self._calls.find_sender(effect.receiver), name=f"bootstrap-{effect.receiver.room}")
-        elif isinstance(effect, RegisterRoom):
-            self._registrations.start(effect)
-        elif isinstance(effect, AbortAtPeer):
-            self._tasks.spawn(self._calls.abort_at_peer(effect), name=f"abort-{effect.room}")
-        elif isinstance(effect, Scatter):
-            self._tasks.spawn(self._scatter(effect), name=f"scatter-{effect.receiver.room}")
-        elif isinstance(effect, VerifyChunk):
-            self._tasks.spawn(self._verify(effect), name=f"verify-{effect.receiver.room}")
-        elif isinstance(effect, ReleaseStaging):
-            for kind, device, reservation in effect.reservations:
-                if reservation.owner:  # a range of a sending peer's credits: back to it
-                    self.credits.hand_back(kind, device, reservation)
-                    continue
-                pool = self._pools.pool("receive", kind, device)
-                if pool is not None:
-                    pool.release(reservation)
-        elif isinstance(effect, TellSuccessor):
-            self._tasks.spawn(self._calls.tell_successor(effect.address), name=f"tell-successor-{effect.address}")
-        else:  # pragma: no cover - a new effect without a handler is a bug
+        handler = self._handlers.get(type(effect))
+        if handler is None:  # pragma: no cover - a new effect without a handler is a bug
             raise AssertionError(f"no handler for {effect!r}")
+        handler(effect)
 
-    async def _scatter(self, effect: Scatter) -> None:
-        """Unpack a landed staged or packed part into its rank's pages; the receiver hears how it went."""
-        error = await self._copies.scatter(effect)
-        self._receiver.scattered(effect.receiver, effect.landing, error)
+    def _effect_handlers(self) -> dict[type[Any], Callable[[Any], object]]:
+        """What carries out each kind of effect (found by its type: a chain of
+        isinstance checks cost a landed part a dozen of them)."""
+        spawn = self._tasks.spawn
+        return {
+            Publish: lambda e: self._hub.publish(e.engine_id, e.status),
+            RoomEnded: lambda e: record_room_end(e.side, self._metrics),
+            PostPart: lambda e: self._parts.post(e.part),
+            ReserveStaging: lambda e: self._parts.reserve_staging(e.part),
+            SendReport: lambda e: spawn(self._calls.report(e), name=f"report-{e.report.room}"),
+            FindSender: lambda e: spawn(self._calls.find_sender(e.receiver), name=f"bootstrap-{e.receiver.room}"),
+            RegisterRoom: lambda e: self._registrations.start(e),
+            AbortAtPeer: lambda e: spawn(self._calls.abort_at_peer(e), name=f"abort-{e.room}"),
+            Scatter: lambda e: self._scattering.append(e),  # those of one drain go as one batch (``drain``)
+            VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
+            ReleaseStaging: self._release_staging,
+            TellSuccessor: lambda e: spawn(self._calls.tell_successor(e.address), name=f"tell-successor-{e.address}"),
+        }
+
+    def _release_staging(self, effect: ReleaseStaging) -> None:
+        for kind, device, reservation in effect.reservations:
+            if reservation.owner:  # a range of a sending peer's credits: back to it
+                self.credits.hand_back(kind, device, reservation)
+                continue
+            pool = self._pools.pool("receive", kind, device)
+            if pool is not None:
+                pool.release(reservation)
+
+    async def _scatter(self, effects: list[Scatter]) -> None:
+        """Unpack landed staged or packed parts into their ranks' pages (together); the receiver hears how each went."""
+        errors = await self._copies.scatter(effects)
+        for effect, error in zip(effects, errors):
+            self._receiver.scattered(effect.receiver, effect.landing, error)
         self.drain()
 
     async def _verify(self, effect: VerifyChunk) -> None:

@@ -48,7 +48,7 @@ from kvbroker.broker.execution._writes import (
     write_tokens,
 )
 from kvbroker.broker.memory import Credit, Reservation, StagingPool, StagingPools
-from kvbroker.broker.peers import PeerClient, PeerTable
+from kvbroker.broker.peers import PeerClient, PeerTable, TransportVerdict
 from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, SenderCore
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
@@ -111,7 +111,7 @@ class PartsInFlight:
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
         #: Packed parts being gathered into a slot of the send transfer buffer
         #: (while the receiver reserves its slot): what the gather gave, or why not.
-        self._packing: dict[Part, asyncio.Task[_Packed | KvBrokerError | None]] = {}
+        self._packing: dict[Part, asyncio.Future[_Packed | KvBrokerError | None]] = {}
         #: Chunk checksums being computed (the first part of a chunk to be
         #: posted starts it; the others wait for the same).
         self._summing: dict[ChunkChecksum, asyncio.Task[tuple[int | None, KvBrokerError | None]]] = {}
@@ -153,7 +153,8 @@ class PartsInFlight:
         takes our slot first, then the receiver's (asked for while we gather)."""
         self.start(part)
         if part.kind is PartKind.PACKED:
-            self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
+            if not self._pack_now(part):
+                self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
         else:
             self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
 
@@ -171,8 +172,15 @@ class PartsInFlight:
             self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
             return
         agent_name = peer.agent_name
-        notif = part.notice.SerializeToString()
         self._counters.transfers_posted += part.kind is not PartKind.NOTICE
+        if part.kind is PartKind.PACKED:  # its notice is complete once gathered (checksum)
+            packing = self._packing.get(part)
+            if packing is None:
+                self.fail(part, Internal("a packed part was posted without its gather"))
+            else:
+                packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
+            return
+        notif = part.notice.SerializeToString()
         if part.kind is PartKind.NOTICE:
             self._dataplane.notify(part, agent_name, notif)
         elif part.kind is PartKind.WHOLE:
@@ -189,12 +197,6 @@ class PartsInFlight:
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1
             self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes))
-        elif part.kind is PartKind.PACKED:
-            packing = self._packing.get(part)
-            if packing is None:
-                self.fail(part, Internal("a packed part was posted without its gather"))
-            else:
-                packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
@@ -248,15 +250,44 @@ class PartsInFlight:
         self._sender.staging_reserved(part, buffer, response.offset)
         self._drain()
 
+    def _pack_now(self, part: Part) -> bool:
+        """The steady state of a packed part, without a task: where nothing
+        must be waited for (the pair's transport verdict is known, nobody
+        waits before it, our send buffer and our credits at the receiver have
+        room now), take both ranges and start the gather here. False where
+        something must be waited for: ``_pack`` then does it all."""
+        spec = part.spec
+        local, remote = spec.pools
+        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
+        pool = self._pools.pool("send", *local)
+        held = self._parts.get(part)
+        if peer is None or peer.agent_name is None or pool is None or pool.waiting or held is None or part.source.state == FAILED:
+            return False
+        verdict = self._probes.verdict(peer, local, remote) if VRAM in (local[0], remote[0]) else None
+        if verdict is None and VRAM in (local[0], remote[0]):
+            return False
+        reservation = pool.try_reserve(part.nbytes)
+        if reservation is None:
+            return False
+        got = self._credits.try_acquire(peer, remote, part.nbytes)
+        if got is None:
+            pool.release(reservation)
+            return False
+        if verdict is not None:
+            self._show_transport(part, verdict)
+        self._packing[part] = self._gather_into(part, held[0], pool, reservation)
+        self._placed(part, *got)
+        return True
+
     async def _pack(self, part: Part) -> _Packed | KvBrokerError | None:
-        """Reserve a slot of the send transfer buffer, then ask the receiver for
-        its slot and gather the part meanwhile (and its checksum, if asked
-        for). The order matters: a part that holds a receive slot already holds
-        its send slot and waits for nothing else, so parts waiting for one
-        buffer never hold the other one full (they did, deadlocked, when both
-        were asked for at once). A part that gets no send slot fails here
-        (None); past that, the error is returned, not raised: ``_post_packed``
-        or ``settled`` takes the outcome."""
+        """Reserve a slot of the send transfer buffer, then a range of our
+        credits in the receiver's buffer, then gather the part (and its
+        checksum, if asked for). The order matters: a part that holds a
+        receive range already holds its send slot and waits for nothing else,
+        so parts waiting for one buffer never hold the other one full (they
+        did, deadlocked, when both were asked for at once). A part that gets
+        no slot or range fails here (None); past that, the error is returned,
+        not raised: ``_post_packed`` or ``settled`` takes the outcome."""
         spec = part.spec
         assert spec.packing is not None
         pool = self._pools.pool("send", *spec.pools[0])
@@ -269,53 +300,86 @@ class PartsInFlight:
             self._packing.pop(part, None)
             self.fail(part, as_broker_error(exc, "reserving a send slot"))
             return None
+        if part not in self._parts:  # it settled (failed) while it waited
+            pool.release(reservation)
+            return None
         if part.source.state == FAILED:
             pool.release(reservation)
             self._packing.pop(part, None)
             self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
             return None
-        if not await self._credit(part):
+        got = await self._credit(part)
+        held = self._parts.get(part)
+        if got is None or held is None:
             pool.release(reservation)
+            if got is not None:  # it settled (failed) while it waited
+                self._credits.release(got[1])
             return None
-        span = self._parts[part][0]
-        try:
-            slot = slot_of(pool, reservation, part.nbytes)
-            crc = await self._copies.gather(
-                part.source.engine, spec.packing.blocks, slot, span, with_checksum=part.dest.info.verify_checksum
-            )
-        except Exception as exc:
-            pool.release(reservation)
-            return as_broker_error(exc, "gathering a packed part")
-        return _Packed(pool, reservation, crc)
+        gathering = self._gather_into(part, held[0], pool, reservation)
+        self._placed(part, *got)
+        return await gathering
 
-    async def _credit(self, part: Part) -> bool:
+    async def _credit(self, part: Part) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
         """A packed part's range in the receiver's transfer buffer, from this
         broker's credits there (no call to the receiver unless its window must
-        grow; in steady state no wait either); the part is then handed on to
-        be posted once gathered. False if it failed (settled) instead."""
+        grow); None if the part failed (settled) instead."""
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
             self._packing.pop(part, None)
             self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
-            return False
+            return None
         try:
-            buffer, credit = await self._credits.acquire(peer, part.spec.pools[1], part.nbytes)
+            got = await self._credits.acquire(peer, part.spec.pools[1], part.nbytes)
         except KvBrokerError as exc:
             self._packing.pop(part, None)
             self.fail(part, exc)
-            return False
+            return None
         if part not in self._parts:  # it settled (failed) while it waited
-            self._credits.release(credit)
-            return False
-        self._credited[part] = credit
+            self._credits.release(got[1])
+            return None
         if part.source.state == FAILED:
+            self._credits.release(got[1])
             self._packing.pop(part, None)
             self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return False
+            return None
+        return got
+
+    def _placed(self, part: Part, buffer: peer_pb2.RemoteBuffer, credit: Credit) -> None:
+        """A packed part holds its range in the receiver's buffer: its notice
+        names the credit, and the sender's state machine hands it on to be
+        posted (once gathered)."""
+        self._credited[part] = credit
         part.notice.credit_id = credit.credit_id
         self._sender.staging_reserved(part, buffer, credit.offset)
         self._drain()
-        return True
+
+    def _gather_into(self, part: Part, span: Span, pool: StagingPool, reservation: Reservation) -> asyncio.Future[_Packed | KvBrokerError | None]:
+        """Start gathering a packed part into its send slot; what the gather
+        gave (or why not: its slot is then given back) in the future."""
+        spec = part.spec
+        assert spec.packing is not None
+        outcome: asyncio.Future[_Packed | KvBrokerError | None] = asyncio.get_running_loop().create_future()
+
+        def gathered(done: asyncio.Future[int | None]) -> None:
+            error = Internal("a packed part's gather was cancelled") if done.cancelled() else done.exception()
+            if error is not None or outcome.done():
+                pool.release(reservation)
+            if outcome.done():  # its awaiter gave up (the broker is stopping)
+                return
+            if error is not None:
+                outcome.set_result(as_broker_error(error if isinstance(error, Exception) else Internal(repr(error)), "gathering a packed part"))
+            else:
+                outcome.set_result(_Packed(pool, reservation, done.result()))
+
+        try:
+            slot = slot_of(pool, reservation, part.nbytes)
+            self._copies.gather_soon(
+                part.source.engine, spec.packing.blocks, pool.buffer, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
+            )
+        except Exception as exc:
+            pool.release(reservation)
+            outcome.set_result(as_broker_error(exc, "gathering a packed part"))
+        return outcome
 
     async def _transport(self, part: Part) -> None:
         """The transport self-test of the part's pair of transfer buffers (the
@@ -327,14 +391,18 @@ class PartsInFlight:
         local, remote = part.spec.pools
         verdict = await self._probes.ensure(peer, local, remote)
         if verdict is not None:
-            text = verdict.text()
-            held = self._parts.get(part)
-            if held is not None:
-                held[0].set_attribute("kvbroker.transport", text)
-            if part.source.span is not None:
-                part.source.span.set_attribute("kvbroker.transport", text)
+            self._show_transport(part, verdict)
 
-    def _post_packed(self, part: Part, agent_name: str, packing: asyncio.Task[_Packed | KvBrokerError | None]) -> None:
+    def _show_transport(self, part: Part, verdict: TransportVerdict) -> None:
+        """The transport verdict on the part's and the room's spans."""
+        held = self._parts.get(part)
+        spans = [span for span in (held[0] if held is not None else None, part.source.span) if span is not None and span.is_recording()]
+        if spans:  # (an untraced room's spans record nothing: no text to make per part)
+            text = verdict.text()
+            for span in spans:
+                span.set_attribute("kvbroker.transport", text)
+
+    def _post_packed(self, part: Part, agent_name: str, packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
         """Post a packed part once its gather is done (a callback of its
         ``_pack`` task, not a task of its own): one write, slot to slot."""
         if part not in self._parts:
@@ -377,7 +445,7 @@ class PartsInFlight:
                 raise FailedPrecondition("the room failed before its staged part was written")
             block = kv_block(engine.layout, [s for s, _ in spec.pairs], spec.src_pages, spec.slice.src, tokens=False)
             slot = slot_of(pool, reservation, part.nbytes)
-            await self._copies.gather(engine, [block], slot, span, with_checksum=False)
+            await self._copies.gather(engine, [block], pool.buffer, slot, span, with_checksum=False)
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)
@@ -426,10 +494,10 @@ class PartsInFlight:
         throughput (``writing``: the NIXL write alone); warn when VRAM moves at
         host-copy speed."""
         path = part.kind.value
-        self._metrics.transfers.add(1, {"path": path, "result": "done" if ok else "error"})
+        self._metrics.count_transfer(path, "done" if ok else "error")
         if not ok:
             return
-        self._metrics.bytes.add(part.nbytes, {"direction": "sent"})
+        self._metrics.count_bytes("sent", part.nbytes)
         self._metrics.transfer_seconds.record(elapsed, {"path": path})
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is not None:
@@ -451,6 +519,6 @@ class _Packed:
     checksum: int | None
 
 
-def _release_packed(task: asyncio.Task[_Packed | KvBrokerError | None]) -> None:
-    if not task.cancelled() and isinstance(outcome := task.result(), _Packed):
+def _release_packed(packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
+    if not packing.cancelled() and packing.exception() is None and isinstance(outcome := packing.result(), _Packed):
         outcome.pool.release(outcome.reservation)

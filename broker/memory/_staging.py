@@ -32,6 +32,7 @@ thread. The copies themselves are ``copies``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 from collections import deque
 from collections.abc import Callable
@@ -83,6 +84,8 @@ class FreeList:
 
     def __init__(self, spans: list[tuple[int, int]] | None = None) -> None:
         self._free: list[tuple[int, int]] = sorted(spans or [])
+        #: The free bytes (kept: summing the spans per part was quadratic in the parts in flight).
+        self._bytes = sum(span for _, span in self._free)
 
     @staticmethod
     def aligned(nbytes: int) -> int:
@@ -97,23 +100,27 @@ class FreeList:
                     del self._free[i]
                 else:
                     self._free[i] = (offset + size, span - size)
+                self._bytes -= size
                 return offset
         return None
 
     def give(self, offset: int, nbytes: int) -> None:
-        """Free ``nbytes`` (aligned) at ``offset``, merging with its neighbours."""
-        self._free.append((offset, self.aligned(nbytes)))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for start, span in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + span)
-            else:
-                merged.append((start, span))
-        self._free = merged
+        """Free ``nbytes`` (aligned) at ``offset``, merging with its neighbours
+        (found by bisection: hundreds of small parts in flight fragment the list)."""
+        free, size = self._free, self.aligned(nbytes)
+        self._bytes += size
+        i = bisect.bisect_left(free, (offset, 0))
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
+            i -= 1
+            offset, size = free[i][0], free[i][1] + size
+            del free[i]
+        if i < len(free) and offset + size == free[i][0]:
+            size += free[i][1]
+            del free[i]
+        free.insert(i, (offset, size))
 
     def free_bytes(self) -> int:
-        return sum(span for _, span in self._free)
+        return self._bytes
 
 
 @dataclass(eq=False)

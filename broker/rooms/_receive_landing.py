@@ -166,8 +166,8 @@ class ReceiverLanding(ReceiverBase):
             self._maybe_settled(rank)
 
     def _landed(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
-        exp.parts_received[notice.chunk_index] = exp.parts_received.get(notice.chunk_index, 0) | 1 << notice.part
-        exp.parts_expected[notice.chunk_index] = max(1, notice.parts)
+        had = exp.whole_chunks
+        whole = exp.part_landed(notice.chunk_index, notice.part, notice.parts)
         exp.chunk_pages[notice.chunk_index] = (notice.page_offset, notice.pages)
         if notice.token_end > notice.token_begin:
             if exp.chunk_tokens is None:
@@ -178,14 +178,14 @@ class ReceiverLanding(ReceiverBase):
             exp.components_seen = exp.components_seen.union(notice.state_components)
         if notice.is_last:
             exp.total_chunks = notice.total_chunks
-        if rank.verify_checksum and exp.parts_of(notice.chunk_index) == exp.parts_expected[notice.chunk_index]:
+        if rank.verify_checksum and whole:
             self._verify(rank, source_key, exp, notice)
         rank.bytes += notice.bytes
         self._counters.bytes_received += notice.bytes
         self._on_bytes(notice.bytes)
         rank.mark("first_byte")
         assert rank.expected is not None
-        rank.chunks = sum(e.chunks_landed() for e in rank.expected.values())
+        rank.chunks += exp.whole_chunks - had
         if rank.terminal:
             # Data still landing after an abort: once a source's parts have
             # all landed, nothing of it is in flight any more.

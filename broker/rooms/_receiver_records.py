@@ -73,6 +73,9 @@ class SourceExpectation:
     #: a notice's part index is checked against ``MAX_PARTS`` first).
     parts_received: dict[int, int] = field(default_factory=dict)
     parts_expected: dict[int, int] = field(default_factory=dict)
+    #: Chunks every part of which landed (kept by :meth:`part_landed`: counting
+    #: them per part was quadratic in a room's chunks).
+    whole_chunks: int = 0
     #: chunk index -> (offset in the receiver's pages, pages) of the chunk
     #: (the pages it completed, when the page sizes differ).
     chunk_pages: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -95,8 +98,20 @@ class SourceExpectation:
     def parts_of(self, chunk: int) -> int:
         return self.parts_received.get(chunk, 0).bit_count()
 
+    def part_landed(self, chunk: int, part: int, parts: int) -> bool:
+        """Part ``part`` of ``parts`` of chunk ``chunk`` landed; whether every part of the chunk has."""
+        before = self._whole(chunk)
+        self.parts_received[chunk] = self.parts_received.get(chunk, 0) | 1 << part
+        self.parts_expected[chunk] = max(1, parts)
+        after = self._whole(chunk)
+        self.whole_chunks += after - before
+        return after
+
+    def _whole(self, chunk: int) -> bool:
+        return self.parts_received.get(chunk, 0).bit_count() == self.parts_expected.get(chunk, -1)
+
     def chunks_landed(self) -> int:
-        return sum(1 for c, mask in self.parts_received.items() if mask.bit_count() == self.parts_expected.get(c, -1))
+        return self.whole_chunks
 
     def pages_landed(self) -> int:
         return sum(pages for _, pages in self.chunk_pages.values())
@@ -106,15 +121,15 @@ class SourceExpectation:
         ``first``, of ``page_size`` tokens) that this source wrote whole: of the
         chunks every part of which landed, and, when the page sizes differ,
         whose earlier tokens came with chunks that landed too."""
-        done = {chunk for chunk in self.chunk_pages if self.parts_of(chunk) == self.parts_expected.get(chunk, -1)} - self.unapplied
+        done = {chunk for chunk in self.chunk_pages if self._whole(chunk)} - self.unapplied
         return {
             position
             for chunk in done
             for position in range(self.chunk_pages[chunk][0], sum(self.chunk_pages[chunk]))
-            if self.chunk_tokens is None or self._whole(chunk, (first + position) * page_size, done)
+            if self.chunk_tokens is None or self._wrote_page(chunk, (first + position) * page_size, done)
         }
 
-    def _whole(self, chunk: int, page_begin: int, done: set[int]) -> bool:
+    def _wrote_page(self, chunk: int, page_begin: int, done: set[int]) -> bool:
         """Whether every chunk that wrote tokens of the page beginning at room
         token ``page_begin`` (``chunk`` wrote its last ones) landed. Chunks
         are consecutive in tokens, so those are ``chunk`` and the ones before
@@ -131,9 +146,7 @@ class SourceExpectation:
     def all_parts_landed(self) -> bool:
         """Every part of every chunk of the source's last notice's count has landed."""
         assert self.total_chunks is not None
-        return all(
-            self.parts_of(chunk) == self.parts_expected.get(chunk, -1) for chunk in range(self.total_chunks)
-        )
+        return self.whole_chunks >= self.total_chunks and all(self._whole(chunk) for chunk in range(self.total_chunks))
 
 
 @dataclass(eq=False, slots=True)

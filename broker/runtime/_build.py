@@ -127,7 +127,7 @@ def build_broker(
         rooms=rooms,
         counters=counters,
         credits=ledger,
-        on_bytes=lambda n: metrics.bytes.add(n, {"direction": "received"}),
+        on_bytes=functools.partial(metrics.count_bytes, "received"),
     )
     fleet_record: FleetRecord | None = None
     fleet_view: FleetView | None = None

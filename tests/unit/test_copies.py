@@ -210,10 +210,11 @@ def test_launches_per_block_grow_with_neither_regions_nor_part_size(regions: int
 
 
 def test_region_views_are_made_once_not_per_part(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A second part over the same regions makes one tensor (its slot), not one per region."""
+    """A second part over the same regions makes one tensor (its slot, shaped), not one per region."""
     made: list[Extent] = []
-    tensor = ArrayViews.tensor
+    tensor, shaped = ArrayViews.tensor, ArrayViews.shaped
     monkeypatch.setattr(ArrayViews, "tensor", lambda self, span: made.append(span) or tensor(self, span))
+    monkeypatch.setattr(ArrayViews, "shaped", lambda self, span, width, shape: made.append(span) or shaped(self, span, width, shape))
     views = ArrayViews(device_as_host=True)
     memories = _memories("buffers", 8, seed=3)
     block = Block(tuple(range(8)), np.array([3, 1]), item_stride=PAGE * TOKEN, row_bytes=PAGE * TOKEN)
@@ -223,7 +224,7 @@ def test_region_views_are_made_once_not_per_part(monkeypatch: pytest.MonkeyPatch
     made.clear()
     gather(views, [block], [_extents(memories)], slot)
     scatter(views, slot, [Block(block.regions, np.array([5]), item_stride=PAGE * TOKEN, row_bytes=PAGE * TOKEN)], [_extents(memories)])
-    assert made == [slot, slot], "one view per part: its slot"
+    assert made == [slot, Extent(slot.address, 8 * PAGE * TOKEN, VRAM, 0)], "one view per part: its slot"
 
 
 def test_regions_in_different_memories_go_region_by_region_with_one_index_per_memory(gather_op: str) -> None:

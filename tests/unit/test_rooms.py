@@ -620,11 +620,16 @@ def test_source_expectation_counts() -> None:
     """chunks_landed counts chunks with every part in; pages_landed sums pages; landed_positions
     lists the positions of the chunks with every part in."""
     exp = SourceExpectation(plan=_plan(), leg=LEG, expects_aux=True, expected_components=frozenset())
-    exp.parts_expected = {0: 2, 1: 1}
-    exp.parts_received = {0: 0b01, 1: 0b01}  # bit i: part i
+    assert exp.part_landed(0, 0, 2) is False and exp.part_landed(1, 0, 1) is True
+    assert exp.parts_received == {0: 0b01, 1: 0b01}  # bit i: part i
     exp.chunk_pages = {0: (0, 4), 1: (4, 3)}
     assert exp.chunks_landed() == 1 and exp.landed_positions(0, 16) == {4, 5, 6}
     assert exp.has_part(0, 0) and not exp.has_part(0, 1) and exp.parts_of(0) == 1
-    exp.parts_received[0] |= 0b10
+    assert exp.part_landed(0, 1, 2) is True
     assert exp.chunks_landed() == 2 and exp.parts_of(0) == 2
     assert exp.pages_landed() == 7 and exp.landed_positions(0, 16) == set(range(7))
+    # A later notice that says the chunk has more parts: it is no longer whole, and not counted.
+    assert exp.part_landed(1, 1, 3) is False and exp.chunks_landed() == 1
+    assert exp.part_landed(1, 0, 3) is False and exp.part_landed(1, 2, 3) is True and exp.chunks_landed() == 2
+    exp.total_chunks = 2
+    assert exp.all_parts_landed()

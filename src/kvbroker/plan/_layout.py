@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
@@ -146,6 +146,9 @@ class Layout:
     #: The layers of [layer_begin, layer_end) that hold KV (a hybrid model's
     #: attention layers); None: every one.
     kv_layers: tuple[int, ...] | None = None
+    #: What the planners work out of this layout alone, once (``kv_regions``,
+    #: ``kv_region_pairs``): every chunk of every room asks the same.
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def kv_layers_in(self, begin: int, end: int) -> list[int]:
         """The layers of [begin, end) that hold KV on this rank's model."""
@@ -159,8 +162,13 @@ class Layout:
 
     @property
     def kv_page_bytes(self) -> int:
-        """Bytes of one KV page of one layer region on this rank."""
-        return kv_page_bytes_of(self.page_size_tokens, self.kv_heads_per_rank, self.head_dim, self.dtype_bytes, self.kv_layout)
+        """Bytes of one KV page of one layer region on this rank (worked out once)."""
+        found: int | None = self.memo.get("kv_page_bytes")
+        if found is None:
+            found = self.memo["kv_page_bytes"] = kv_page_bytes_of(
+                self.page_size_tokens, self.kv_heads_per_rank, self.head_dim, self.dtype_bytes, self.kv_layout
+            )
+        return found
 
     def kv_kinds(self) -> tuple[int, ...]:
         """Region kinds holding KV: (MLA,), (KV,) or (KEY, VALUE)."""

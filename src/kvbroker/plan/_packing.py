@@ -47,7 +47,7 @@ from kvbroker.plan._indices import IndexArray
 from kvbroker.plan._layout import Layout
 from kvbroker.plan._mapping import SourcePlan
 from kvbroker.plan._segments import ChunkShape, same_item_bytes, state_regions, state_segments
-from kvbroker.plan._slicing import SliceSide, kv_region_pairs, kv_regions, slice_side
+from kvbroker.plan._slicing import SliceSide, kv_region_pairs, kv_regions, remember, slice_side
 from kvbroker.plan._tokens import TokenRange, token_geometry
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -107,7 +107,9 @@ class Block:
         return len(self.regions) * self.rows * self.row_bytes
 
     def take(self, begin: int, end: int) -> Block:
-        """The same block over items ``[begin, end)`` only."""
+        """The same block over items ``[begin, end)`` only (itself, if that is all of them)."""
+        if begin == 0 and end >= self.items.size:
+            return self
         return replace(self, items=self.items[begin:end])
 
 
@@ -216,9 +218,9 @@ def plan_packed(
     kv = None
     has_tokens = shape.tokens is not None and shape.tokens.end > shape.tokens.begin
     if plan.writes_data and (shape.src_pages.size or has_tokens):
-        pairs = kv_region_pairs(src, dst, plan.layer_begin, plan.layer_end)
-        if pairs and (_in_vram(src_table, [s for s, _ in pairs]) or _in_vram(dst_table, [d for _, d in pairs])):
-            kv = _kv_pair(src, dst, plan, shape, pairs)
+        packing = _kv_packing(src, src_table, dst, dst_table, plan)
+        if packing is not None:
+            kv = _kv_pair(src, dst, shape, packing)
     aux: tuple[tuple[Block, Block], ...] = ()
     if shape.aux_rows is not None and (_in_vram(src_table, src.aux_regions) or _in_vram(dst_table, dst.aux_regions)):
         if len(src.aux_regions) != len(dst.aux_regions):
@@ -238,24 +240,64 @@ def plan_packed(
     return Packed(kv=kv, aux=aux, state=tuple(state))
 
 
-def _kv_pair(src: Layout, dst: Layout, plan: SourcePlan, shape: ChunkShape, pairs: list[tuple[int, int]]) -> tuple[Block, Block]:
-    s_regions, d_regions = [s for s, _ in pairs], [d for _, d in pairs]
+@dataclass(frozen=True)
+class _KvPacking:
+    """What packing a chunk's KV between two ranks needs that no chunk changes:
+    each side's regions and head slice (None: whole pages). The pairing's
+    checks passed when it was made."""
+
+    src_regions: tuple[int, ...]
+    dst_regions: tuple[int, ...]
+    src_head: SliceSide | None
+    dst_head: SliceSide | None
+    #: Why whole pages cannot pair (their items differ in size), or None: a
+    #: chunk of token runs (page sizes differ) packs all the same.
+    pages_problem: str | None = None
+
+
+def _kv_packing(src: Layout, src_table: DescriptorTable, dst: Layout, dst_table: DescriptorTable, plan: SourcePlan) -> _KvPacking | None:
+    """The KV packing of a source and a receiver under ``plan``, or None if
+    neither side's KV is in VRAM (it moves directly); worked out once per pair
+    of ranks and plan (kept in the source layout's memo: every chunk asks)."""
+    key = ("kv-packing", id(dst), id(src_table), id(dst_table), plan.mode, plan.layer_begin, plan.layer_end, plan.src_head_start, plan.dst_head_start, plan.num_heads)
+    found = src.memo.get(key)
+    if found is not None and found[0] is dst and found[1] is src_table and found[2] is dst_table:
+        packing: _KvPacking | None = found[3]
+        return packing
+    pairs = kv_region_pairs(src, dst, plan.layer_begin, plan.layer_end)
+    s_regions, d_regions = tuple(s for s, _ in pairs), tuple(d for _, d in pairs)
+    packing = None
+    if pairs and (_in_vram(src_table, s_regions) or _in_vram(dst_table, d_regions)):
+        if plan.head_sliced:
+            src_head, dst_head = slice_side(src, plan.src_head_start, plan.num_heads, "sender"), slice_side(dst, plan.dst_head_start, plan.num_heads, "receiver")
+            packing = _KvPacking(s_regions, d_regions, src_head, dst_head)
+        else:
+            problem = None
+            try:
+                for s, d in pairs:
+                    same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
+            except FailedPrecondition as exc:
+                problem = exc.message
+            packing = _KvPacking(s_regions, d_regions, None, None, problem)
+    remember(src, key, (dst, src_table, dst_table, packing))
+    return packing
+
+
+def _kv_pair(src: Layout, dst: Layout, shape: ChunkShape, packing: _KvPacking) -> tuple[Block, Block]:
     if shape.tokens is not None and shape.tokens.end > shape.tokens.begin:
         if shape.dst_tokens is None:
             raise FailedPrecondition("a token-run chunk without the receiver's tokens")
         pair = (
-            kv_block(src, s_regions, token_items(shape.tokens, src.page_size_tokens), None, tokens=True),
-            kv_block(dst, d_regions, token_items(shape.dst_tokens, dst.page_size_tokens), None, tokens=True),
-        )
-    elif plan.head_sliced:
-        pair = (
-            kv_block(src, s_regions, shape.src_pages, slice_side(src, plan.src_head_start, plan.num_heads, "sender"), False),
-            kv_block(dst, d_regions, shape.dst_pages, slice_side(dst, plan.dst_head_start, plan.num_heads, "receiver"), False),
+            kv_block(src, packing.src_regions, token_items(shape.tokens, src.page_size_tokens), None, tokens=True),
+            kv_block(dst, packing.dst_regions, token_items(shape.dst_tokens, dst.page_size_tokens), None, tokens=True),
         )
     else:
-        for s, d in pairs:
-            same_item_bytes(src, s, dst, d, f"layer {src.regions[s].layer_id}")
-        pair = (kv_block(src, s_regions, shape.src_pages, None, False), kv_block(dst, d_regions, shape.dst_pages, None, False))
+        if packing.pages_problem is not None:
+            raise FailedPrecondition(packing.pages_problem)
+        pair = (
+            kv_block(src, packing.src_regions, shape.src_pages, packing.src_head, False),
+            kv_block(dst, packing.dst_regions, shape.dst_pages, packing.dst_head, False),
+        )
     if pair[0].shape != pair[1].shape:
         raise FailedPrecondition(
             f"the packed KV is {pair[0].shape} (regions, items, rows, bytes) on the sender and {pair[1].shape} on the receiver"
@@ -267,6 +309,10 @@ def split(packed: Packed, limit: int) -> list[PackedChunk]:
     """Cut ``packed`` into parts of at most ``limit`` bytes, by KV items; aux
     and state go with the last (alone when they do not fit beside the KV).
     ``FailedPrecondition`` if one KV item, or the aux and state, exceed it."""
+    if packed.kv is not None and not packed.aux and not packed.state:
+        kv = packed.kv[0]
+        if kv.items.size and kv.nbytes <= limit:  # the common case: the chunk's KV in one part
+            return [PackedChunk((kv,), 0, int(kv.items.size), False, (), kv.nbytes)]
     tail = [pair[0] for pair in packed.aux] + [pair[0] for _, pairs in packed.state for pair in pairs]
     counts = tuple((name, int(pairs[0][0].items.size)) for name, pairs in packed.state)
     tail_bytes = packed_bytes(tail)
@@ -306,11 +352,18 @@ def transfer_pool(layout: Layout, table: DescriptorTable) -> tuple[int, int]:
     """The (memory kind, device) of the transfer buffer that serves a rank: its
     KV's GPU, or host memory. A receiving broker reserves its packed parts
     there, and the sender sizes them for it."""
-    kv = list(layout.kv_regions.values())
-    for region in kv or range(len(layout.regions)):
+    key = ("transfer-pool", id(table))
+    found = layout.memo.get(key)
+    if found is not None and found[0] is table:
+        pool: tuple[int, int] = found[1]
+        return pool
+    pool = (DRAM, 0)
+    for region in list(layout.kv_regions.values()) or range(len(layout.regions)):
         if table.region_kind[region] == VRAM:
-            return (VRAM, table.region_device[region])
-    return (DRAM, 0)
+            pool = (VRAM, table.region_device[region])
+            break
+    remember(layout, key, (table, pool))
+    return pool
 
 
 # -- the receiver's side of a packed part -----------------------------------------
@@ -357,6 +410,7 @@ def landing_blocks(
         indices = state.get(entry.component)
         if indices is None or entry.component not in notice.state_components or entry.items > indices.size:
             raise FailedPrecondition(f"a packed part carries state {entry.component!r} this rank did not list (or more of it)")
-        regions = state_regions(layout, entry.component, plan.layer_begin, plan.layer_end)
-        blocks.extend(_item_block(layout, r, indices[: entry.items]) for r in regions)
+        blocks.extend(
+            _item_block(layout, r, indices[: entry.items]) for r in state_regions(layout, entry.component, plan.layer_begin, plan.layer_end)
+        )
     return blocks

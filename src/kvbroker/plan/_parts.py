@@ -163,6 +163,8 @@ def plan_chunk(
         found = plan_packed(src, src_table, dst, dst_table, plan, shape)
         if not found.empty:
             packed = _packed_parts(found, transfer_pool(src, src_table), transfer_pool(dst, dst_table), pack_limit)
+            if found.kv is not None and (shape.aux_rows is None or found.aux) and len(found.state) == len(shape.state) and len(packed) <= MAX_PARTS:
+                return packed  # all of the chunk moves packed: nothing is left to plan directly
             shape = _left_direct(shape, found)
     # (local kind, remote kind) -> local index arrays, remote index arrays, bytes; in order of appearance.
     whole: dict[tuple[int, int], tuple[list[IndexArray], list[IndexArray], list[int]]] = {}

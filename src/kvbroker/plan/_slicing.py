@@ -19,6 +19,7 @@ Two ways to move them (docs/design.md sections 5 and 6):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -95,12 +96,16 @@ def head_slice(src: Layout, dst: Layout, plan: SourcePlan) -> HeadSlice:
     )
 
 
-def kv_regions(layout: Layout, layer_begin: int, layer_end: int, who: str) -> list[int]:
+def kv_regions(layout: Layout, layer_begin: int, layer_end: int, who: str) -> tuple[int, ...]:
     """KV regions of every layer in [layer_begin, layer_end) that holds KV, each layer's kinds in order."""
-    return _regions_of(layout, layout.kv_layers_in(layer_begin, layer_end), who)
+    key = ("kv", layer_begin, layer_end)
+    found: tuple[int, ...] | None = layout.memo.get(key)
+    if found is None:
+        found = layout.memo[key] = _regions_of(layout, layout.kv_layers_in(layer_begin, layer_end), who)
+    return found
 
 
-def _regions_of(layout: Layout, layers: list[int], who: str) -> list[int]:
+def _regions_of(layout: Layout, layers: list[int], who: str) -> tuple[int, ...]:
     out = []
     for layer in layers:
         for kind in layout.kv_kinds():
@@ -108,11 +113,34 @@ def _regions_of(layout: Layout, layers: list[int], who: str) -> list[int]:
             if region is None:
                 raise FailedPrecondition(f"the {who} has no {common_pb2.RegionKind.Name(kind)} region for layer {layer}")
             out.append(region)
-    return out
+    return tuple(out)
 
 
-def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) -> list[tuple[int, int]]:
-    """(source region, receiver region) of every KV kind of every layer in the range, paired by layer id."""
+def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) -> tuple[tuple[int, int], ...]:
+    """(source region, receiver region) of every KV kind of every layer in the range, paired by layer id
+    (worked out once per pair of layouts and range: kept in the source's memo, beside the receiver's layout)."""
+    key = ("pairs", id(dst), layer_begin, layer_end)
+    found: tuple[Layout, tuple[tuple[int, int], ...]] | None = src.memo.get(key)
+    if found is not None and found[0] is dst:
+        return found[1]
+    pairs = _pairs(src, dst, layer_begin, layer_end)
+    remember(src, key, (dst, pairs))
+    return pairs
+
+
+def remember(layout: Layout, key: Any, value: Any) -> None:
+    """Keep ``value`` in ``layout``'s memo (one that grew full starts over: the
+    receivers' layouts and tables its entries hold come and go)."""
+    if len(layout.memo) >= _MEMO_KEPT:
+        layout.memo.clear()
+    layout.memo[key] = value
+
+
+#: How many entries a layout's memo holds before it starts over.
+_MEMO_KEPT = 256
+
+
+def _pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) -> tuple[tuple[int, int], ...]:
     if src.mla != dst.mla:
         raise FailedPrecondition("one side is MLA and the other is not")
     if src.kv_layout != dst.kv_layout:
@@ -123,7 +151,7 @@ def kv_region_pairs(src: Layout, dst: Layout, layer_begin: int, layer_end: int) 
             f"the sender holds KV on layers {layers} and the receiver on {theirs} of [{layer_begin}, {layer_end}): "
             "not the same model (kv_layers)"
         )
-    return list(zip(_regions_of(src, layers, "sender"), _regions_of(dst, layers, "receiver")))
+    return tuple(zip(_regions_of(src, layers, "sender"), _regions_of(dst, layers, "receiver")))
 
 
 def staged_bytes(num_regions: int, num_pages: int, side: SliceSide) -> int:
