@@ -114,8 +114,7 @@ def _copy_group(views: ArrayViews, buffer: Extent, entries: list[_Entry], into_s
         raise ValueError("a slot of the batch is not a word of the transfer buffer")
     counts = {int(i.size) for i in items}
     every = np.concatenate(items) if len(items) > 1 else items[0]
-    if int(every.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
-        raise IndexError(f"items {int(every.min())}..{int(every.max())} of a block, past item {how.last} of its shortest region")
+    how.check(every)
     spans = len(regs.spans)
     if len(counts) == 1:  # parts of one size (the common case): every index in a few numpy ops
         count = counts.pop()

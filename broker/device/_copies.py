@@ -372,6 +372,12 @@ class _How:
             self.flat = torch.as_strided(base, (base.numel() - reach + 1, self.rows, self.row), (1, self.row_stride, 1))
             self.first = regions.first_words(width, self.row_offset)[:, None]
 
+    def check(self, items: npt.NDArray[np.int64]) -> None:
+        """``IndexError`` unless every one of ``items`` lies in every region (a negative
+        item is a large unsigned one)."""
+        if items.size and int(items.view(np.uint64).max()) > self.last:
+            raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {self.last} of its shortest region")
+
 
 #: The largest span of regions (bytes) one index op covers (a view of it is only
 #: its size: nothing between the regions is read or written).
@@ -412,8 +418,7 @@ def _torch_copy(views: ArrayViews, block: Block, regions: _Regions, slot: Extent
 
     how = regions.how(views, block, slot.address | slot.nbytes)
     items = np.ascontiguousarray(block.items, dtype=np.int64)
-    if int(items.view(np.uint64).max()) > how.last:  # (a negative item is a large unsigned one)
-        raise IndexError(f"items {int(items.min())}..{int(items.max())} of a block, past item {how.last} of its shortest region")
+    how.check(items)
     count = int(items.size)
     packed = views.shaped(slot, how.width, (len(regions.spans) * count, how.rows, how.row))
     slot_place = _place(slot.kind, slot.device)

@@ -29,7 +29,6 @@ from kvbroker.broker.device import (
     Extent,
     Lanes,
     checksum,
-    gather,
     gather_all,
     scatter_all,
 )
@@ -70,18 +69,9 @@ class StagingCopies:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
         span of its own under ``parent``), on its own (a staged head slice: not
         batched); the slot's CRC-32 when ``with_checksum``."""
-        regions = [extents(engine, block) for block in blocks]
-        gathering = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
-
-        def job() -> Callable[[], int | None]:
-            gather(self._views, blocks, regions, slot)
-            crc = checksum(self._views, slot) if with_checksum else None
-            return lambda: None if crc is None else int(crc)
-
-        try:
-            return await self._lanes.run(slot, job)
-        finally:
-            gathering.end()
+        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, None)
+        self._submit([asked])
+        return await asked.future
 
     def gather_soon(
         self,
@@ -98,14 +88,30 @@ class StagingCopies:
         done). The gathers asked for in one pass of the loop go to their lanes
         together, one job a buffer (``device.gather_all``: two index ops per
         shape of block for all of them)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int | None] = loop.create_future()
+        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, then)
+        self._gathering.append(asked)
+        if len(self._gathering) == 1:
+            asyncio.get_running_loop().call_soon(self._gather_batch)
+        return asked.future
+
+    def _ask(
+        self,
+        engine: Engine,
+        blocks: Sequence[Block],
+        buffer: StagingBuffer,
+        slot: Extent,
+        parent: Span,
+        with_checksum: bool,
+        then: Callable[[asyncio.Future[int | None]], None] | None,
+    ) -> _Gather:
         span = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
         whole = Extent(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
-        self._gathering.append(_Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then))
-        if len(self._gathering) == 1:
-            loop.call_soon(self._gather_batch)
-        return future
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        return _Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then)
+
+    def _submit(self, gathers: list[_Gather]) -> None:
+        """Hand ``gathers`` (slots of one buffer) to their lane as one job."""
+        self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers)).add_done_callback(partial(_gathered, gathers))
 
     def _gather_batch(self) -> None:
         batch, self._gathering = self._gathering, []
@@ -113,7 +119,7 @@ class StagingCopies:
         for asked in batch:
             by_buffer.setdefault(asked.buffer.address, []).append(asked)
         for gathers in by_buffer.values():
-            self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers)).add_done_callback(partial(_gathered, gathers))
+            self._submit(gathers)
 
     def _gather_job(self, gathers: list[_Gather]) -> Callable[[], list[int | None | Exception]]:
         """On the lane's thread: gather them all, then each one's checksum if asked for."""
