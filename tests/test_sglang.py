@@ -284,11 +284,11 @@ def test_a_prefill_abort_fails_the_request_on_both_engines(h: Any, pair: Any, br
     allocator = pair.decode.token_to_kv_pool_allocator
     free_before = allocator.available_size()
     preq, dreq = pair.request("abort", 400, list(range(4000, 4010)))
-    pair.run_until(lambda: preq in pair.bootstrapped and not pair.decode.disagg_decode_prealloc_queue.queue)
+    pair.run_until(lambda: preq in pair.bootstrapped and pair.decode_stage(dreq) == "transfer")
     assert allocator.available_size() < free_before  # the decode allocated its pages
     pair.prefill_only(preq, first_token=4)
     preq.disagg_kv_sender.abort()
-    pair.run_until(lambda: preq in pair.prefilled and dreq not in pair.decode.disagg_decode_transfer_queue.queue)
+    pair.run_until(lambda: preq in pair.prefilled and pair.decode_stage(dreq) is None, what="both engines let the request go")
     assert dreq not in pair.received
     assert isinstance(dreq.finished_reason, FINISH_ABORT)
     assert "aborted" in dreq.finished_reason.message, dreq.finished_reason.message

@@ -346,6 +346,20 @@ class Pair:
         self.prefilled += self.prefill.process_disagg_prefill_inflight_queue()
         self.received += self.decode.disagg_decode_transfer_queue.pop_transferred()
 
+    def decode_stage(self, req: Req) -> str | None:
+        """Where the decode engine holds ``req``: ``"pending"`` (its prefill's DP rank not yet
+        resolved), ``"prealloc"``, ``"transfer"``, or ``None`` once it left them all. The queues
+        hold SGLang's ``DecodeRequest`` wrappers, so a plain ``req in queue`` is never true."""
+        prealloc = self.decode.disagg_decode_prealloc_queue
+        for stage, queue in (
+            ("pending", prealloc.pending_reqs),
+            ("prealloc", prealloc.queue),
+            ("transfer", self.decode.disagg_decode_transfer_queue.queue),
+        ):
+            if any(decode_req.req is req for decode_req in queue):
+                return stage
+        return None
+
     def run_until(self, done: Callable[[], bool], timeout_seconds: float = 30.0, what: str = "") -> None:
         deadline = time.monotonic() + timeout_seconds
         while not done():
