@@ -25,7 +25,7 @@ import torch
 
 from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess, Cleanup, eventually
+from kvbroker.testing import BrokerProcess, Cleanup, eventually, wait_until_idle
 from kvbroker.testing.engine_child import MODEL, hold_rooms
 from kvbroker.v1 import common_pb2
 
@@ -106,10 +106,6 @@ def _all_failed(seen: dict[int, dict[int, common_pb2.RoomStatus]], statuses: dic
     return len(first) == len(statuses)
 
 
-def _tables_empty(*brokers: BrokerProcess) -> None:
-    eventually(lambda: all(not any(b.stats().per_room_state.values()) for b in brokers), 15, interval_seconds=POLL_SECONDS)
-
-
 def _room(prefill: Rank, decode: Rank, address: str, room: int, src: list[int], dst: list[int], *, last: bool = True) -> None:
     decode.engine.receiver(room, SenderRef(address, prefill.spec.group)).init(dst, aux_row=0)
     sender = prefill.engine.sender(room)
@@ -157,7 +153,7 @@ def test_killed_decode_broker_fails_prefill_rooms_and_spares_the_others(brokers)
             cleanup.run(prefill.close)
             cleanup.run(spared.close)
             cleanup.run(lambda: doomed.close(broker_killed=True))
-    _tables_empty(p, d2)
+    wait_until_idle(p, d2)
     for b in (p, d2):
         assert b.stop() == 0, b.log_tail()
 
@@ -190,7 +186,7 @@ def test_killed_prefill_engine_fails_decode_rooms_and_releases_its_memory(broker
         with Cleanup() as cleanup:
             cleanup.run(proc.kill)
             cleanup.run(decode.close)
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
     for b in (p, d):
         assert b.stop() == 0, b.log_tail()
 
@@ -239,7 +235,7 @@ def test_restarted_prefill_broker_is_handshaken_afresh(brokers) -> None:
         with Cleanup() as cleanup:
             cleanup.run(prefill.close)
             cleanup.run(decode.close)
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
     for b in (p, d):
         assert b.stop() == 0, b.log_tail()
 
@@ -268,7 +264,7 @@ def test_restart_noticed_only_by_the_next_room(brokers) -> None:
         with Cleanup() as cleanup:
             cleanup.run(prefill.close)
             cleanup.run(decode.close)
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 def test_abort_racing_the_last_chunk(brokers) -> None:
@@ -322,7 +318,7 @@ def test_abort_racing_the_last_chunk(brokers) -> None:
         with Cleanup() as cleanup:
             cleanup.run(prefill.close)
             cleanup.run(decode.close)
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
     for b in (p, d):
         assert b.stop() == 0, b.log_tail()
 

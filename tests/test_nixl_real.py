@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
-from kvbroker.testing import BrokerProcess, eventually, scratch_dir
+from kvbroker.testing import BrokerProcess, scratch_dir, wait_until_idle
 
 from .conftest import fill_regions, token_bytes
 
@@ -113,37 +113,25 @@ def _move_rooms(
         decode.close()
 
 
-def _tables_empty(*brokers: BrokerProcess, timeout_seconds: float = 10.0) -> None:
-    def tables() -> dict[str, dict[str, int]]:
-        return {b.name: dict(b.stats().per_room_state) for b in brokers}
-
-    eventually(
-        lambda: not any(v for t in tables().values() for v in t.values()),
-        timeout_seconds,
-        interval_seconds=0.1,
-        describe=lambda: f"per-room tables did not return to zero: {tables()}",
-    )
-
-
 def test_mha_rooms_arrive_byte_exact(brokers) -> None:
     """Chunked, non-contiguous MHA rooms cross two broker processes byte-exact; tables return to zero."""
     p, d = brokers
     _move_rooms(p, d, MHA, "mha")
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 def test_mla_rooms_arrive_byte_exact(brokers) -> None:
     """MLA layouts (one latent region per layer) move byte-exact too."""
     p, d = brokers
     _move_rooms(p, d, MLA, "mla")
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 def test_incremental_rooms_write_only_the_pages_after_the_prefix(brokers) -> None:
     """Over real NIXL: decode ranks that hold a room's leading pages get only the rest, byte-exact."""
     p, d = brokers
     _move_rooms(p, d, MHA, "prefix", rooms=8, prefixed=True)
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 def test_verified_rooms_over_nixl(brokers) -> None:
@@ -151,7 +139,7 @@ def test_verified_rooms_over_nixl(brokers) -> None:
     p, d = brokers
     _move_rooms(p, d, MHA, "verify", rooms=4, prefixed=True, verify=True)
     assert d.stats().checksum_mismatches == 0
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 @pytest.mark.parametrize("layout", ["mha", "mla"])
@@ -190,14 +178,14 @@ def test_rooms_between_different_page_sizes_over_nixl(brokers, layout: str) -> N
     finally:
         prefill.close()
         decode.close()
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 def test_one_broker_holds_both_ends(brokers) -> None:
     """Both ends on one broker: NIXL writes loopback within the broker's own agent."""
     p, _ = brokers
     _move_rooms(p, p, MHA, "solo", rooms=3, sender_address="")
-    _tables_empty(p)
+    wait_until_idle(p)
 
 
 def test_lesson1_aux_only_room_over_nixl(brokers) -> None:
@@ -267,4 +255,4 @@ def test_demo_against_running_brokers(brokers) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["rooms_verified"] == 4
-    _tables_empty(p, d)
+    wait_until_idle(p, d)

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbroker.testing import BrokerProcess, eventually
+from kvbroker.testing import BrokerProcess, eventually, wait_until_idle
 
 pytestmark = [
     pytest.mark.sglang,
@@ -125,13 +125,6 @@ def _engines(
 def pair(h: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> Iterator[Any]:
     """A prefill and a decode engine rank of the plain model."""
     yield from _engines(h, brokers, hybrid=False)
-
-
-def _tables_empty(*brokers: BrokerProcess) -> None:
-    def left() -> dict[str, dict[str, int]]:
-        return {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
-
-    eventually(lambda: not any(left().values()), 30, describe=lambda: f"per-room tables not empty: {left()}")
 
 
 def _bytes(brokers: tuple[BrokerProcess, BrokerProcess]) -> int:
@@ -232,7 +225,7 @@ def test_prompts_move_byte_exact_through_sglangs_queues(h: Any, pair: Any, broke
     aux_bytes = sum(pair.decode.disagg_metadata_buffers.get_buf_infos()[2])
     assert _bytes(brokers) - before == pages * PAGE_BYTES + len(prompts) * aux_bytes
     pair.bootstrapped.clear(), pair.prefilled.clear(), pair.received.clear()
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_a_prefix_in_the_decodes_radix_cache_is_not_sent_again(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
@@ -260,7 +253,7 @@ def test_a_prefix_in_the_decodes_radix_cache_is_not_sent_again(h: Any, pair: Any
     assert list(dreq2.output_ids) == [2]
     aux_bytes = sum(pair.decode.disagg_metadata_buffers.get_buf_infos()[2])
     assert _bytes(brokers) - before == 2 * PAGE_BYTES + aux_bytes  # pages 2 and 3 only
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_a_zero_page_last_chunk_still_carries_the_first_token(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
@@ -272,7 +265,7 @@ def test_a_zero_page_last_chunk_still_carries_the_first_token(h: Any, pair: Any,
     pair.run_until(lambda: dreq in pair.received and preq in pair.prefilled)
     assert torch.equal(pair.decode_kv(dreq).view(torch.int16), h.kv_pattern(ids).view(torch.int16))
     assert list(dreq.output_ids) == [33]
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_a_prefill_abort_fails_the_request_on_both_engines(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
@@ -296,7 +289,7 @@ def test_a_prefill_abort_fails_the_request_on_both_engines(h: Any, pair: Any, br
     with pytest.raises(Exception, match="ABORTED"):
         preq.disagg_kv_sender.failure_exception()
     eventually(lambda: allocator.available_size() == free_before, 10)
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_a_prefill_that_never_comes_fails_the_decode_request(h: Any, pair: Any, brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
@@ -319,7 +312,7 @@ def test_a_prefill_that_never_comes_fails_the_decode_request(h: Any, pair: Any, 
     )
     assert "500" in dreq.finished_reason.message
     eventually(lambda: allocator.available_size() == free_before, 10)
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_a_decode_of_another_model_with_the_same_shapes_fails_its_requests_naming_both(
@@ -348,7 +341,7 @@ def test_a_decode_of_another_model_with_the_same_shapes_fails_its_requests_namin
         assert _bytes(own_brokers) == before
     finally:
         next(engines, None)
-    _tables_empty(*own_brokers)
+    wait_until_idle(*own_brokers)
 
 
 def test_a_retracted_requests_rebootstrap_fails_it_through_sglangs_failure_path(
@@ -384,7 +377,7 @@ def test_a_retracted_requests_rebootstrap_fails_it_through_sglangs_failure_path(
     assert isinstance(preq.finished_reason, FINISH_ABORT), preq.finished_reason
     eventually(lambda: allocator.available_size() == free_before, 10)
     pair.bootstrapped.clear(), pair.prefilled.clear(), pair.received.clear()
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> None:
@@ -414,7 +407,6 @@ def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> N
             backend.KVBrokerKVManager(draft, "prefill", pair.prefill.server_args)
     finally:
         backend._QUEUE.reset(token)
-
 
 
 def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(
@@ -467,7 +459,7 @@ def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(
         eventually(lambda: allocator.available_size() == free_before, 10)
     finally:
         next(engines, None)
-    _tables_empty(*own_brokers)
+    wait_until_idle(*own_brokers)
 
 
 def test_a_prefills_lease_is_sglangs_own_bootstrap_timeout(h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]) -> None:
@@ -504,7 +496,7 @@ def test_a_prefills_lease_is_sglangs_own_bootstrap_timeout(h: Any, own_brokers: 
         eventually(lambda: allocator.available_size() == free_before, 10)
     finally:
         next(engines, None)
-    _tables_empty(*own_brokers)
+    wait_until_idle(*own_brokers)
 
 
 @pytest.fixture(scope="module")
@@ -537,4 +529,4 @@ def test_a_hybrid_models_kv_and_mamba_state_move_through_sglangs_queues(
     for entry, state in enumerate(received):
         assert torch.equal(state, h.mamba_pattern(ids, entry, state.shape).to(state.dtype)), f"state entry {entry}"
     assert list(dreq.output_ids) == [66]
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.testing import BrokerProcess, eventually
+from kvbroker.testing import BrokerProcess, eventually, wait_until_idle
 
 # The engines run in their own processes: this one only needs to know vllm is there.
 pytestmark = [
@@ -191,13 +191,6 @@ def _diagnosis(work: Path, *brokers: BrokerProcess) -> str:
     return "\n".join(["diagnosis:", *lines[-40:]])
 
 
-def _tables_empty(*brokers: BrokerProcess) -> None:
-    def left() -> dict[str, dict[str, int]]:
-        return {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
-
-    eventually(lambda: not any(left().values()), 30, describe=lambda: f"per-room tables not empty: {left()}")
-
-
 def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
     """Greedy tokens through kvbroker equal one engine's, for every prompt length and with a held prefix."""
     work = workdir / "pd"
@@ -205,7 +198,7 @@ def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, mod
     assert tokens == baseline, _diagnosis(work, *brokers)
     # The decode held HELD's first two blocks: 1 + 2 + 3 + 1 blocks moved, no more.
     assert brokers[1].stats().bytes_received == 7 * BLOCK_BYTES, _diagnosis(work, *brokers)
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
     # vLLM's own metrics (its KVConnectorStats, exported as vllm:kvbroker_*) say the same.
     def value(side: str, name: str, **labels: str) -> float:
         rows = json.loads((work / f"{side}.metrics.json").read_text())
@@ -242,7 +235,7 @@ def test_kv_both_engines_on_two_hosts_match_one_engine(
     assert sent.bytes_sent == 3 * BLOCK_BYTES, _diagnosis(work, *two_hosts)
     published = {params["remote_broker"] for params in json.loads((work / "params.json").read_text())}
     assert published == {p.address}, published
-    _tables_empty(*two_hosts)
+    wait_until_idle(*two_hosts)
 
 
 def test_prefill_tp1_to_decode_tp2_moves_each_rank_its_heads(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
@@ -264,7 +257,7 @@ def test_prefill_tp1_to_decode_tp2_moves_each_rank_its_heads(workdir: Path, mode
     assert tokens == [baseline[PROMPTS.index(ODD)], baseline[PROMPTS.index(LONG)]], _diagnosis(work, *brokers)
     assert brokers[1].stats().bytes_received == 5 * BLOCK_BYTES, _diagnosis(work, *brokers)
     assert brokers[0].stats().transfers_per_token > 0  # head slices of fused blocks
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_different_block_sizes_are_refused_by_name_and_recomputed(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
@@ -277,7 +270,7 @@ def test_different_block_sizes_are_refused_by_name_and_recomputed(workdir: Path,
     assert tokens == [baseline[PROMPTS.index(ODD)], baseline[PROMPTS.index(LONG)]], _diagnosis(work, *brokers)
     assert "fused pages move whole only" in (work / "decode.engine.log").read_text(), _diagnosis(work, *brokers)
     assert brokers[1].stats().bytes_received == 0
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_corrupted_prefill_kv_changes_the_decode_tokens(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
@@ -331,7 +324,7 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
         assert "no rank of engine group 'vllm-prefill'" in log
         assert "the bootstrap timeout is 5 s, the engine's RoomTimeouts.bootstrap_seconds" in log, _diagnosis(run, p, d)
     assert d.stats().bytes_received == 0
-    _tables_empty(p, d)
+    wait_until_idle(p, d)
 
 
 def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_decode_comes(
@@ -364,7 +357,7 @@ def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_dec
         for event in ended():
             assert event["state"] == "ROOM_STATE_FAILED", event
             assert "waited 3 s (the engine's RoomTimeouts.sender_info_seconds)" in str(event["cause_message"]), event
-        _tables_empty(p)
+        wait_until_idle(p)
         (work / "stop").touch()
         _finish(pre, work, "prefill", timeout=120)
     finally:
@@ -399,7 +392,7 @@ def test_a_decode_of_another_model_with_the_same_shapes_is_refused_naming_both(
     ]
     assert refusals and refusals[0]["cause_message"].count("vllm-") == 2, _diagnosis(work, *brokers)
     assert d.stats().bytes_received == 0
-    _tables_empty(*brokers)
+    wait_until_idle(*brokers)
 
 
 def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_once(
@@ -427,7 +420,7 @@ def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_onc
         eventually(lambda: (work / "decode.aborted").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
         assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
         # Both engines are still up: only the aborts can have ended the prefill's rooms.
-        _tables_empty(p, d)
+        wait_until_idle(p, d)
         ended = [
             json.loads(line) for line in p.log_path.read_text().splitlines()
             if '"room_ended"' in line and '"side": "sender"' in line

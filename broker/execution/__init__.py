@@ -3,6 +3,7 @@ device copies, peer calls and notices.
 """
 
 from kvbroker.broker.execution._executor import Executor
+from kvbroker.broker.execution._room_end import receive_wait_owner
 from kvbroker.broker.execution._tasks import TaskSet
 
-__all__ = ["Executor", "TaskSet"]
+__all__ = ["Executor", "TaskSet", "receive_wait_owner"]

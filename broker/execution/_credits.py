@@ -278,6 +278,10 @@ class Credits:
         except KvBrokerError as exc:  # the peer is gone (its grants went with it) or will take them back when it drops us
             log.info("credits_not_returned", peer=peer_id, grants=len(grant_ids), error=exc.message)
 
+    def waiting_parts(self) -> int:
+        """Packed parts waiting for room in their receiver's buffer (our credits there)."""
+        return sum(len(waiting) for waiting in self._waiting.values())
+
     def awaiting_returns(self) -> bool:
         """Whether parts sit in our credits at a peer (its CreditReturn notifications are due)."""
         return bool(self._placed)

@@ -38,7 +38,7 @@ from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._peer_calls import PeerCalls
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._registration import Registrations
-from kvbroker.broker.execution._room_end import record_room_end
+from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.memory import CreditLedger, StagingPools
 from kvbroker.broker.peers import FleetView, PeerClient, PeerTable
@@ -56,6 +56,7 @@ from kvbroker.broker.rooms import (
     Scatter,
     SenderCore,
     SendReport,
+    Side,
     TellSuccessor,
     VerifyChunk,
     WatchHub,
@@ -189,13 +190,17 @@ class Executor:
             raise AssertionError(f"no handler for {effect!r}")
         handler(effect)
 
+    def _room_ended(self, side: Side) -> None:
+        record_room_end(side, self._metrics)
+        end_receive_waits(side, self._pools)
+
     def _effect_handlers(self) -> dict[type[Any], Callable[[Any], object]]:
         """What carries out each kind of effect (found by its type: a chain of
         isinstance checks cost a landed part a dozen of them)."""
         spawn = self._tasks.spawn
         return {
             Publish: lambda e: self._hub.publish(e.engine_id, e.status),
-            RoomEnded: lambda e: record_room_end(e.side, self._metrics),
+            RoomEnded: lambda e: self._room_ended(e.side),
             PostPart: lambda e: self._parts.post(e.part),
             ReserveStaging: lambda e: self._parts.reserve_staging(e.part),
             SendReport: lambda e: spawn(self._calls.report(e), name=f"report-{e.report.room}"),

@@ -1,5 +1,7 @@
 """The end of a room's side: its span closes, its metrics are recorded, and
-its one canonical log line (``room_ended``) is written."""
+its one canonical log line (``room_ended``) is written. A receiver rank's
+waits for room in a receive buffer (a sender's ReserveStaging, still queued)
+end with it."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import time
 import structlog
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.memory import StagingPools
 from kvbroker.broker.rooms import Receiver, Side, Source
 from kvbroker.broker.telemetry import BrokerMetrics
+from kvbroker.errors import FailedPrecondition
+from kvbroker.plan import RankKey
 from kvbroker.v1 import common_pb2
 
-__all__ = ["record_room_end"]
+__all__ = ["end_receive_waits", "receive_wait_owner", "record_room_end"]
 
 log = structlog.get_logger(__name__)
 
@@ -59,3 +64,18 @@ def _between(times: dict[str, float], start: str, end: str) -> float | None:
     if start in times and end in times:
         return round(times[end] - times[start], 6)
     return None
+
+
+def receive_wait_owner(room: int, receiver: RankKey) -> tuple[str, int, RankKey]:
+    """Whose wait for room in a receive buffer: one receiver rank's room."""
+    return ("receive", room, receiver)
+
+
+def end_receive_waits(side: Side, pools: StagingPools) -> None:
+    """A receiver rank ended: the reservations still queued for it fail now.
+    Granted later, they would only be given back; and the slots they wait for
+    may be held by the same rank until it settles, which waits for the
+    sources whose parts wait here (both stalled until the wait ran out)."""
+    if isinstance(side, Receiver):
+        why = FailedPrecondition(f"room {side.room} ended while it waited for staging")
+        pools.abandon("receive", receive_wait_owner(side.room, side.key), why)

@@ -178,8 +178,8 @@ class StagingPool:
         self.buffer = buffer
         self.size_bytes = buffer.size_bytes
         self._free = FreeList([(0, buffer.size_bytes)])
-        #: Reservations waiting for room, oldest first: (bytes, its future).
-        self._waiting: deque[tuple[int, asyncio.Future[Reservation]]] = deque()
+        #: Reservations waiting for room, oldest first: (bytes, its future, whose).
+        self._waiting: deque[tuple[int, asyncio.Future[Reservation], object]] = deque()
         self.in_use_bytes = 0
         self.reservations = 0
         #: Called when the last reservation is released (a release of its GPU's buffers waits for it).
@@ -195,13 +195,15 @@ class StagingPool:
         self.reservations += 1
         return Reservation(offset=offset, nbytes=size)
 
-    async def reserve(self, nbytes: int, timeout_seconds: float) -> Reservation:
+    async def reserve(self, nbytes: int, timeout_seconds: float, *, owner: object = None) -> Reservation:
         """A reservation of ``nbytes``, waiting for releases up to the timeout.
 
         Waiters are served in the order they came (a large one is not passed
         over for ever by smaller ones behind it): under a backlog, the parts of
         the rooms that asked first move first. ``ResourceExhausted`` if it can
-        never fit; ``DeadlineExceeded`` if the pool stayed too full.
+        never fit; ``DeadlineExceeded`` if the pool stayed too full; the error
+        given to :meth:`abandon` if the wait was for ``owner`` (a room), which
+        no longer wants it.
         """
         if nbytes > self.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the {self.size_bytes}-byte staging buffer")
@@ -210,7 +212,7 @@ class StagingPool:
             if reservation is not None:
                 return reservation
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        entry = (nbytes, future)
+        entry = (nbytes, future, owner)
         self._waiting.append(entry)
         granted = await await_grant(future, timeout_seconds, give_up=lambda: self._give_up(entry), undo=self.release)
         if granted is None:
@@ -225,7 +227,19 @@ class StagingPool:
         """Reservations waiting for room now."""
         return len(self._waiting)
 
-    def _give_up(self, entry: tuple[int, asyncio.Future[Reservation]]) -> None:
+    def abandon(self, owner: object, error: KvBrokerError) -> None:
+        """Fail the waits made for ``owner`` with ``error`` (its room ended:
+        a slot granted now would only be given back, and the slots it waits
+        for may be held by its own room until it settles)."""
+        abandoned = [entry for entry in self._waiting if entry[2] == owner]
+        for entry in abandoned:
+            self._waiting.remove(entry)
+            if not entry[1].done():
+                entry[1].set_exception(error)
+        if abandoned:
+            self._grant()  # the ones behind them may fit now
+
+    def _give_up(self, entry: tuple[int, asyncio.Future[Reservation], object]) -> None:
         if entry not in self._waiting:
             return
         self._waiting.remove(entry)
@@ -244,7 +258,7 @@ class StagingPool:
     def _grant(self) -> None:
         """Reserve for the oldest waiters while they fit."""
         while self._waiting:
-            nbytes, future = self._waiting[0]
+            nbytes, future, _ = self._waiting[0]
             reservation = self.try_reserve(nbytes)
             if reservation is None:
                 return
@@ -392,6 +406,12 @@ class StagingPools:
     def receive_buffers(self) -> list[peer_pb2.RemoteBuffer]:
         """The receive buffers peers may write into (handshake)."""
         return [p.buffer.descriptor() for (d, _, _), p in self._pools.items() if d == "receive"]
+
+    def abandon(self, direction: str, owner: object, error: KvBrokerError) -> None:
+        """Fail the waits for room made for ``owner`` in every ``direction`` pool (:meth:`StagingPool.abandon`)."""
+        for (d, _, _), pool in self._pools.items():
+            if d == direction and pool.waiting:
+                pool.abandon(owner, error)
 
     def in_use_bytes(self, direction: str) -> int:
         return sum(p.in_use_bytes for (d, _, _), p in self._pools.items() if d == direction)

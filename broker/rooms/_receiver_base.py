@@ -28,10 +28,11 @@ from kvbroker.broker.rooms._effects import (
     RoomEnded,
     TellSuccessor,
 )
-from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg
+from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, StagingKey
 from kvbroker.broker.rooms._records import FAILED, RoomTables, Side
 from kvbroker.broker.rooms._successors import SuccessorNotices
 from kvbroker.broker.telemetry import Counters
+from kvbroker.plan import RankKey
 from kvbroker.v1 import common_pb2
 
 __all__ = ["ReceiverBase", "nothing_in_flight"]
@@ -126,13 +127,28 @@ class ReceiverBase:
             rank.mark_settled()
         if rank.pages_settled:
             self._release_staging(rank)
+        elif rank.state == FAILED and rank.staging and rank.expected is not None:
+            # A failed rank's sources that write no more: the slots reserved for
+            # their parts go now. Another source of the same rank may be waiting
+            # for one of them (ReserveStaging), and that source settles only once
+            # it is answered: holding them until the whole rank settled stalled
+            # both until the reservation's wait ran out.
+            done = {source for source, exp in rank.expected.items() if exp.settled or exp.complete}
+            if done:
+                self._release_staging(rank, sources=done)
 
-    def _release_staging(self, rank: Receiver) -> None:
-        """The one release routine for a rank's staging reservations (room ended, settled)."""
-        held = [(*pool, reservation) for key, (pool, reservation) in rank.staging.items() if key not in rank.scattering]
+    def _release_staging(self, rank: Receiver, *, sources: set[RankKey] | None = None) -> None:
+        """The one release routine for a rank's staging reservations (room
+        ended, settled; or only those of ``sources``, which write no more).
+        A slot being scattered from stays until its scatter is done."""
+
+        def releasable(key: StagingKey) -> bool:
+            return key not in rank.scattering and (sources is None or key[0] in sources)
+
+        held = [(*pool, reservation) for key, (pool, reservation) in rank.staging.items() if releasable(key)]
         if held:
             self._out.append(ReleaseStaging(tuple(held)))
-        rank.staging = {k: v for k, v in rank.staging.items() if k in rank.scattering}
+            rank.staging = {k: v for k, v in rank.staging.items() if not releasable(k)}
 
     def _tell_successor_now(self, address: str, now: float | None = None) -> None:
         """Tell the broker at ``address`` now of the rooms kept for it (unless that is under way)."""

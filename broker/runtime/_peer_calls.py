@@ -18,7 +18,7 @@ from opentelemetry import propagate, trace
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane
-from kvbroker.broker.execution import Executor
+from kvbroker.broker.execution import Executor, receive_wait_owner
 from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, StagingPools
 from kvbroker.broker.peers import HandshakeMessage, PeerTable, pool_name
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, TransferInfo, cause
@@ -136,7 +136,9 @@ class PeerCalls:
         if pool is None:
             raise FailedPrecondition("this broker has no receive staging buffer for that memory (--no-staging?)")
         if held is None:
-            reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds)
+            # Its wait ends early if the room ends meanwhile (RoomEnded: the executor abandons it).
+            owner = receive_wait_owner(request.room, rank_key(request.receiver))
+            reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds, owner=owner)
             try:
                 held = self._receiver.staging_granted(request, pool_key, reservation)
             except BaseException:

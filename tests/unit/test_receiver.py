@@ -537,3 +537,53 @@ def test_an_abort_while_a_chunk_is_verified_settles_once_the_hashing_is_done(wor
     assert rank.state == FAILED and not rank.pages_settled
     world.core.chunk_verified(verify, 7, None)
     assert rank.pages_settled and rank.state == FAILED
+
+
+def test_a_settled_report_while_a_staged_part_is_scattered_settles_only_after_the_scatter(world: World) -> None:
+    """The sender reports its writes settled while this broker still unpacks a staged part into the
+    rank's pages: those pages are not free until the scatter is done (seed #27011's kind: a
+    ``nothing_in_flight`` that ignored a rank still scattering let them go while it ran)."""
+    rank, request = _staged_rank(world)
+    pool, _ = world.core.staging_wanted(request)
+    reservation = Reservation(offset=0, nbytes=8192)
+    world.core.staging_granted(request, pool, reservation)
+    nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2
+    world.core.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=nbytes)])
+    (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
+    world.core.abort(rank.engine, rank.room, "the engine gave up")
+    report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
+    world.core.completion_report(report)
+    assert rank.state == FAILED and rank.scattering and not rank.pages_settled
+    assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # the scatter still reads the slot
+    world.core.scattered(rank, scatter.landing, None)
+    effects = world.take()
+    assert rank.pages_settled and rank.staging == {}
+    assert any(isinstance(e, ReleaseStaging) and e.reservations == ((*pool, reservation),) for e in effects)
+
+
+def test_a_failed_ranks_staging_goes_source_by_source_as_each_writes_no_more(world: World) -> None:
+    """Prefill tp 2 -> decode tp 1: both sources stage into this broker. The rank fails; one source
+    reports itself settled while the other still waits for a reservation. The settled source's
+    slot goes at once (the other may be waiting for it); the rank settles with the second."""
+    senders = [world.engine_stub("prefill", tp_size=2, tp_rank=r) for r in range(2)]
+    rank = world.registered(senders=senders, pages=i32([0, 1]))
+    sources = [s.key for s in senders]
+    reservation = Reservation(offset=0, nbytes=4096)
+    request = peer_pb2.ReserveStagingRequest(
+        protocol_version=PROTOCOL_VERSION, room=rank.room, sender_broker_id=P, source=sources[0].to_proto(),
+        receiver=rank.key.to_proto(), chunk_index=0, part=0, bytes=4096,
+    )
+    pool, _ = world.core.staging_wanted(request)
+    world.core.staging_granted(request, pool, reservation)
+    world.core.abort(rank.engine, rank.room, "the engine gave up")
+    assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # source 0 may still write into it
+
+    def settled(source: RankKey) -> peer_pb2.CompletionReport:
+        return peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=source.to_proto(), receiver=rank.key.to_proto(), settled=True)
+
+    world.core.completion_report(settled(sources[0]))
+    assert not rank.pages_settled
+    assert [e.reservations for e in world.take() if isinstance(e, ReleaseStaging)] == [((*pool, reservation),)]
+    world.core.completion_report(settled(sources[1]))
+    assert rank.pages_settled and rank.staging == {}
+    assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # nothing released twice

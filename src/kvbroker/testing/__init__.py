@@ -6,6 +6,7 @@
   a fake agent, on a :class:`LoopThread`;
 - :class:`~kvbroker.brokerproc.BrokerProcess` — ``kvbroker serve`` as a child;
 - :func:`eventually` — wait until a condition holds (the one polling helper);
+- :func:`wait_until_idle` — brokers back to idle: no rooms, no buffer reserved;
 - :class:`Cleanup` — teardown steps that all run and whose errors all surface;
 - :func:`scratch_dir` — a short working directory, removed afterwards;
 - :class:`TcpGate` — a TCP forwarder that cuts a client off its broker and lets it back.
@@ -17,6 +18,7 @@ from kvbroker.brokerproc import BrokerProcess
 from kvbroker.testing.cleanup import Cleanup
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
 from kvbroker.testing.gate import TcpGate
+from kvbroker.testing.idle import wait_until_idle
 from kvbroker.testing.inprocess import FakeBroker, start_fake_broker
 from kvbroker.testing.loop import LoopThread
 from kvbroker.testing.scratch import scratch_dir
@@ -34,4 +36,5 @@ __all__ = [
     "eventually",
     "scratch_dir",
     "start_fake_broker",
+    "wait_until_idle",
 ]

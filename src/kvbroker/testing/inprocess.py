@@ -20,6 +20,7 @@ from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.broker.runtime import Broker
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric
 from kvbroker.testing.loop import LoopThread
+from kvbroker.testing.waiting import eventually
 
 if TYPE_CHECKING:
     from kvbroker.testing.fake_cuda import FakeCudaLib
@@ -34,6 +35,8 @@ class FakeBroker:
     server: BrokerServer
     agent: FakeAgent
     loop: LoopThread
+    #: Whether :meth:`stop` was called (a stopped broker has released everything).
+    stopped: bool = False
 
     @property
     def address(self) -> str:
@@ -49,6 +52,25 @@ class FakeBroker:
         """The sizes of the broker's room tables."""
         return dict(self.loop.call(self.broker.rooms.sizes))
 
+    def pools_in_use(self) -> tuple[int, int]:
+        """Bytes reserved now in the broker's send and receive buffers (staging
+        and transfer buffers: what the Admin service's Stats reports)."""
+        pools = self.broker.pools
+        send: int = self.loop.call(lambda: pools.in_use_bytes("send"))
+        receive: int = self.loop.call(lambda: pools.in_use_bytes("receive"))
+        return send, receive
+
+    def wait_buffers_free(self, timeout_seconds: float = 10.0) -> None:
+        """Wait until nothing is reserved in the broker's buffers (``AssertionError``
+        naming what still is, if not in time). However its rooms failed, every
+        slot comes back; idle credits go back to their receiver after a second
+        unused, so this may wait that long."""
+        eventually(
+            lambda: self.pools_in_use() == (0, 0),
+            timeout_seconds,
+            describe=lambda: f"{self.agent.name}: {self.pools_in_use()} bytes (send, receive) still reserved",
+        )
+
     def evict_now(self) -> None:
         """Evict every finished room and tombstone at once."""
         self.loop.call(lambda: self.broker.housekeeping.evict(time.monotonic() + 3600, everything=True))
@@ -56,6 +78,7 @@ class FakeBroker:
 
     def stop(self, grace_seconds: float = 0.1) -> None:
         """Stop serving and release everything (``BrokerServer.stop``)."""
+        self.stopped = True
         self.loop.run(self.server.stop(grace_seconds=grace_seconds))
 
 
