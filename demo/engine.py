@@ -29,8 +29,8 @@ from kvbroker.client import (
     RoomState,
     SenderRef,
 )
-from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
-from kvbroker.demo.plan import RoomPlan, plan_room, pool_pages, state_indices, state_specs
+from kvbroker.testing.pattern import fill_rank, verify_room, write_aux
+from kvbroker.testing.room_plan import RoomPlan, plan_room, pool_pages, state_indices, state_specs
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 __all__ = ["EngineConfig", "run_engine"]
@@ -117,7 +117,12 @@ def _register(cfg: EngineConfig) -> tuple[BrokerClient, EngineHandle, ModelSpec,
         device=cfg.device,
     )
     client = BrokerClient(cfg.broker)
-    engine = client.register_engine(rank, memory)
+    try:
+        engine = client.register_engine(rank, memory)
+    except Exception as exc:
+        client.close()
+        # Whichever phase it fails in, the demo's report names the broker.
+        raise RuntimeError(f"registering with the broker at {cfg.broker} failed: {exc}") from exc
     return client, engine, model, memory, rank
 
 

@@ -20,7 +20,7 @@ import grpc
 
 from kvbroker.brokerproc import BrokerProcess
 from kvbroker.demo.engine import EngineConfig, run_engine
-from kvbroker.demo.plan import STATE_KINDS
+from kvbroker.testing.room_plan import STATE_KINDS
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 __all__ = ["run_demo"]

@@ -211,7 +211,17 @@ def test_the_demo_stops_within_seconds_when_a_broker_dies_and_says_which(brokers
             args += ["--prefill-broker", external[0].address, "--decode-broker", external[1].address]
         demo = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            time.sleep(8)  # rooms are moving
+            if external:
+                # Rooms are moving once the decode broker saw one succeed (under load the engines'
+                # start can take longer than any fixed sleep: a broker killed while they still
+                # register fails the demo another way).
+                eventually(
+                    lambda: demo.poll() is not None or external[1].stats().rooms_succeeded > 0,
+                    60,
+                    interval_seconds=0.2,
+                )
+            else:
+                time.sleep(8)  # rooms are moving
             assert demo.poll() is None, demo.communicate()[0]
             if external:
                 dead = external[0 if victim == "p" else 1]

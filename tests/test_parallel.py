@@ -3,7 +3,7 @@
 Each case registers every rank of both groups, moves chunked rooms with aux
 rows (and state, where the layout allows it) and checks every received byte
 against the reference computed from the model's coordinates
-(``kvbroker.demo.pattern``). The same scenarios run over real NIXL in
+(``kvbroker.testing.pattern``). The same scenarios run over real NIXL in
 ``test_nixl_matrix.py``.
 """
 

@@ -535,6 +535,6 @@ def test_a_room_that_ended_while_its_broker_was_unreachable_settles_once_it_answ
 
 def _sides_of(broker, room: int) -> list:  # type: ignore[no-untyped-def]
     """(loop thread) Every side of ``room`` in ``broker``'s tables."""
-    from kvbroker.broker.runtime._sides import sides
+    from kvbroker.broker.runtime._room_sides import sides
 
     return [s for s in sides(broker.broker.rooms) if s.room == room]

@@ -133,7 +133,7 @@ def test_a_probe_that_cannot_run_is_a_failed_verdict_and_the_rooms_move(
     async def refuse(request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
         raise Unimplemented("no ReserveProbe here")
 
-    monkeypatch.setattr(d.broker.peer_calls, "reserve_probe", refuse)
+    monkeypatch.setattr(d.broker.peer_requests, "reserve_probe", refuse)
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     with capture_logs() as logs:
         _room(pe, de, p, 1)
@@ -180,7 +180,7 @@ def test_a_probe_slot_whose_release_never_comes_is_freed_by_the_lease(fake_broke
     request = peer_pb2.ReserveProbeRequest(
         protocol_version=PROTOCOL_VERSION, sender_broker_id=p.broker.broker_id, kind=VRAM, device_id=0, bytes=1 << 20
     )
-    response = d.loop.run(d.broker.peer_calls.reserve_probe(request))
+    response = d.loop.run(d.broker.peer_requests.reserve_probe(request))
     assert response.lease_seconds == pytest.approx(0.6) and _in_use(d)[1] == 1 << 20
     eventually(lambda: _in_use(d)[1] == 0, 5)
-    d.broker.peer_calls.release_probe(peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=response.probe_id))
+    d.broker.peer_requests.release_probe(peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=response.probe_id))

@@ -186,26 +186,26 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 
     @_peer
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
-        return await self._broker.peer_calls.handshake(request)
+        return await self._broker.peer_requests.handshake(request)
 
     @_peer
     async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
-        return self._broker.peer_calls.register_rooms(request)
+        return self._broker.peer_requests.register_rooms(request)
 
     @_peer
     async def ReserveStaging(
         self, request: peer_pb2.ReserveStagingRequest, context: Any
     ) -> peer_pb2.ReserveStagingResponse:
-        return await self._broker.peer_calls.reserve_staging(request)
+        return await self._broker.peer_requests.reserve_staging(request)
 
     @_peer
     async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
-        self._broker.peer_calls.completion_report(request)
+        self._broker.peer_requests.completion_report(request)
         return peer_pb2.CompletionAck()
 
     @_peer
     async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
-        return self._broker.peer_calls.peer_aborts(request)
+        return self._broker.peer_requests.peer_aborts(request)
 
     @_peer
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
@@ -213,20 +213,20 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 
     @_peer
     async def ReserveProbe(self, request: peer_pb2.ReserveProbeRequest, context: Any) -> peer_pb2.ReserveProbeResponse:
-        return await self._broker.peer_calls.reserve_probe(request)
+        return await self._broker.peer_requests.reserve_probe(request)
 
     @_peer
     async def ReleaseProbe(self, request: peer_pb2.ReleaseProbeRequest, context: Any) -> peer_pb2.ReleaseProbeResponse:
-        self._broker.peer_calls.release_probe(request)
+        self._broker.peer_requests.release_probe(request)
         return peer_pb2.ReleaseProbeResponse()
 
     @_peer
     async def GrantCredits(self, request: peer_pb2.GrantCreditsRequest, context: Any) -> peer_pb2.GrantCreditsResponse:
-        return await self._broker.peer_calls.grant_credits(request)
+        return await self._broker.peer_requests.grant_credits(request)
 
     @_peer
     async def ReturnCredits(self, request: peer_pb2.ReturnCreditsRequest, context: Any) -> peer_pb2.ReturnCreditsResponse:
-        self._broker.peer_calls.return_credits(request)
+        self._broker.peer_requests.return_credits(request)
         return peer_pb2.ReturnCreditsResponse()
 
 

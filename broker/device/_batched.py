@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbroker.broker.device._copies import (
+from kvbroker.broker.device._block_copies import (
     DRAM,
     ArrayViews,
     Extent,

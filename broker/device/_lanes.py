@@ -1,8 +1,9 @@
 """Where the broker's copies run: the host lane and one lane per GPU.
 
-A copy job (``copies.gather``, ``copies.scatter``, ``copies.checksum``) is a
-function that queues copies and returns a function that reads its result
-once they are done. Where it runs depends on the slot it fills or empties:
+A copy job (``_block_copies.gather``, ``_block_copies.scatter``,
+``_block_copies.checksum``) is a function that queues copies and returns a
+function that reads its result once they are done. Where it runs depends on
+the slot it fills or empties:
 
 - host memory (and the fake CUDA driver's "VRAM", which is host memory):
   on the copy thread (``workers``), which does the copies itself;
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvbroker.broker.dataplane import Workers, name_thread, settle
-from kvbroker.broker.device._copies import VRAM, ArrayViews, Extent, torch_for_copies
+from kvbroker.broker.device._block_copies import VRAM, ArrayViews, Extent, torch_for_copies
 
 __all__ = ["Job", "Lanes"]
 

@@ -9,11 +9,11 @@ package that carries it out, without blocking the control loop:
   and comes back through :meth:`Executor.on_events` as
   ``SenderCore.part_settled``; notifications come back the same way, as
   ``ReceiverCore.notices``;
-- staging copies (``_copies``): a staged part is gathered on its memory's
-  lane before it is posted, a landed one scattered before it counts;
-- calls to other brokers (``_peer_calls``; room registration and its retry
-  policy: ``_registration``), each in a task of its own; their answers come
-  back as calls on the state machines;
+- staging copies (``_staging_copies``): a staged part is gathered on its
+  memory's lane before it is posted, a landed one scattered before it counts;
+- calls to other brokers (``_calls_to_peers``; room registration and its
+  retry policy: ``_registration``), each in a task of its own; their answers
+  come back as calls on the state machines;
 - statuses go to the engines' watch streams; a room's end closes its span,
   records its metrics and writes its one canonical log line (``_room_end``).
 
@@ -32,13 +32,13 @@ import structlog
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane, Event, Notices, Settled, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
-from kvbroker.broker.execution._copies import StagingCopies
+from kvbroker.broker.execution._calls_to_peers import CallsToPeers
 from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
 from kvbroker.broker.execution._parts import PartsInFlight
-from kvbroker.broker.execution._peer_calls import PeerCalls
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
+from kvbroker.broker.execution._staging_copies import StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.memory import CreditLedger, StagingPools
 from kvbroker.broker.peers import FleetView, PeerClient, PeerTable
@@ -142,7 +142,7 @@ class Executor:
             metrics=metrics,
             drain=self.drain,
         )
-        self._calls = PeerCalls(
+        self._calls = CallsToPeers(
             broker_id=broker_id, client=client, peers=peers, receiver=receiver, drain=self.drain, fleet=fleet
         )
         self._registrations = Registrations(

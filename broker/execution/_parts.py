@@ -9,7 +9,7 @@ span, then goes to the data-plane thread in the write its kind takes
 - a packed part takes a slot of the local send transfer buffer, then a
   range of this broker's credits in the receiver's buffer (``_credits``: no
   call to the receiver in steady state) while it is gathered into ours
-  (``_copies``),
+  (``_staging_copies``),
   then goes as one write, slot to slot;
 - a gathered part (the sender's side packs the head slice) takes a slot of
   the local send pool, is gathered into it, and is written page by page.
@@ -35,9 +35,9 @@ from opentelemetry.trace import Span
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane, Posting, Settled, XferState
-from kvbroker.broker.execution._copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._probes import TransportProbes
+from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._writes import (
     packed_write,

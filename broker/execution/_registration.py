@@ -26,7 +26,7 @@ machine (``ReceiverCore``) where the registration ended:
   or the handshake before the retry failed) ends in ``registration_error``.
 
 Nothing here waits for the bootstrap deadline: finding the sender did that
-before the room was planned (``PeerCalls.find_sender``).
+before the room was planned (``CallsToPeers.find_sender``).
 
 The first attempt of a room takes no task: a task (and its frames) per room
 was most of a broker's memory while a burst of rooms registered
@@ -46,7 +46,7 @@ import grpc
 import structlog
 
 from kvbroker.broker.dataplane import DataPlane
-from kvbroker.broker.execution._peer_calls import in_span
+from kvbroker.broker.execution._calls_to_peers import in_span
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable
 from kvbroker.broker.rooms import ReceiverCore, RegisterRoom

@@ -26,7 +26,8 @@ Reservations (:class:`StagingPool`) are first-fit, 4 KiB aligned; one that
 does not fit waits until another is released: reservations are the credits
 that bound how many parts are in flight. Pools belong to the control loop;
 buffers are allocated on the memory thread and registered on the data-plane
-thread. The copies themselves are ``copies``.
+thread. The copies themselves are ``execution._staging_copies``, on ``device``'s
+lanes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One broker: its parts, and starting and stopping them.
 
-``servicer -> the call route (engine calls, session streams, peer calls,
+``servicer -> the call route (engine calls, session streams, peer requests,
 operators) -> state machine -> effects -> executor``. :func:`build_broker`
 (``_build``) makes every part; a :class:`Broker` holds them, final from then
 on, and starts and stops them in order. Each route decodes its request,
@@ -9,7 +9,7 @@ executor carry out the effects (:meth:`Executor.drain`) before it answers:
 
 - ``engine_calls``: engines on this host (register, open rooms, send chunks, abort, poll, watch);
 - ``sessions``: the engines' session streams, which carry the same room commands;
-- ``peer_calls``: other brokers (handshake, room registrations, staging, completion, aborts);
+- ``peer_requests``: other brokers (handshake, room registrations, staging, completion, aborts);
 - ``peer_loss``: a peer broker lost (silent, restarted, or gone from etcd);
 - ``operators``: drain, abort a room, the counts Admin reads;
 - ``housekeeping``: timeouts, eviction and the metric gauges, while nobody calls.
@@ -38,10 +38,10 @@ from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub
 from kvbroker.broker.runtime._engine_calls import EngineCalls
 from kvbroker.broker.runtime._housekeeping import Housekeeping
 from kvbroker.broker.runtime._operators import Operators
-from kvbroker.broker.runtime._peer_calls import PeerCalls
 from kvbroker.broker.runtime._peer_loss import PeerLoss
+from kvbroker.broker.runtime._peer_requests import PeerRequests
+from kvbroker.broker.runtime._room_sides import wait_settled
 from kvbroker.broker.runtime._sessions import Sessions
-from kvbroker.broker.runtime._sides import wait_settled
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
 from kvbroker.errors import Unavailable
 from kvbroker.protocol import PROTOCOL_VERSION
@@ -100,7 +100,7 @@ class Broker:
     operators: Operators
     engine_calls: EngineCalls
     sessions: Sessions
-    peer_calls: PeerCalls
+    peer_requests: PeerRequests
     peer_loss: PeerLoss
     housekeeping: Housekeeping
     started_at: float = field(default_factory=time.monotonic)

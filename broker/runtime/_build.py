@@ -44,8 +44,8 @@ from kvbroker.broker.runtime._broker import Broker, Endpoints
 from kvbroker.broker.runtime._engine_calls import EngineCalls
 from kvbroker.broker.runtime._housekeeping import Housekeeping
 from kvbroker.broker.runtime._operators import Operators
-from kvbroker.broker.runtime._peer_calls import PeerCalls, handshake_message
 from kvbroker.broker.runtime._peer_loss import PeerLoss
+from kvbroker.broker.runtime._peer_requests import PeerRequests, handshake_message
 from kvbroker.broker.runtime._sessions import Sessions
 from kvbroker.broker.telemetry import BrokerMetrics, Counters
 from kvbroker.broker.tls import channel_credentials
@@ -236,7 +236,7 @@ def build_broker(
             hub=hub,
             engine_calls=engine_calls,
         ),
-        peer_calls=PeerCalls(
+        peer_requests=PeerRequests(
             broker_id=broker_id,
             config=config,
             engines=engines,

@@ -5,7 +5,9 @@ abort, and ask for their rooms' states (Poll, WatchRooms).
 Each call decodes its request, checks the caller, calls the sender or
 receiver state machine, and lets the executor carry out the effects
 (:meth:`Executor.drain`) before it answers. The engine's session stream
-(``_sessions``) carries the same room commands.
+(``_sessions``) carries the same room commands. The GPUs an engine's memory
+is on (:func:`vram_devices`) are those whose transfer buffers and copy lanes
+its registration opens and its release may free.
 """
 
 from __future__ import annotations
@@ -30,14 +32,8 @@ from kvbroker.broker.rooms import (
     cause,
 )
 from kvbroker.broker.runtime._operators import Operators
-from kvbroker.broker.runtime._sides import (
-    decode_state,
-    side_of,
-    sides,
-    table_vram_devices,
-    vram_devices,
-    wait_settled,
-)
+from kvbroker.broker.runtime._requests import decode_state
+from kvbroker.broker.runtime._room_sides import side_of, sides, wait_settled
 from kvbroker.errors import NotFound
 from kvbroker.plan import DescriptorTable, RoomTimeouts, decode_indices
 from kvbroker.v1 import common_pb2, transfer_pb2
@@ -260,3 +256,14 @@ class EngineCalls:
 
     def _open_rooms(self, engine: Engine) -> list[int]:
         return [s.room for s in sides(self._rooms) if s.engine is engine and not s.terminal]
+
+
+# -- the GPUs an engine's memory is on -----------------------------------------------
+def vram_devices(engine: Engine) -> set[int]:
+    """The GPUs holding some of ``engine``'s regions (where transfer buffers serve it)."""
+    return table_vram_devices(engine.table)
+
+
+def table_vram_devices(table: DescriptorTable) -> set[int]:
+    """The GPUs holding some of the regions of a rank with this descriptor table."""
+    return {device for kind, device in zip(table.region_kind, table.region_device) if kind == common_pb2.MEMORY_KIND_VRAM}

@@ -23,7 +23,7 @@ from kvbroker.broker.rooms import (
     Source,
     cause,
 )
-from kvbroker.broker.runtime._sides import sides
+from kvbroker.broker.runtime._room_sides import sides
 from kvbroker.broker.telemetry import child_done
 from kvbroker.errors import NotFound, Unavailable
 from kvbroker.v1 import common_pb2

@@ -39,7 +39,8 @@ from kvbroker.broker.rooms import (
     cause,
 )
 from kvbroker.broker.runtime._engine_calls import EngineCalls
-from kvbroker.broker.runtime._sides import NO_TRACE, check_version, settled, side_of
+from kvbroker.broker.runtime._requests import NO_TRACE, check_version
+from kvbroker.broker.runtime._room_sides import settled, side_of
 from kvbroker.errors import (
     Aborted,
     FailedPrecondition,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.broker.device import _copies as copies_module
+from kvbroker.broker.device import _block_copies as copies_module
 from kvbroker.broker.device._batched import gather_all, scatter_all
-from kvbroker.broker.device._copies import ArrayViews, Extent, gather, scatter
+from kvbroker.broker.device._block_copies import ArrayViews, Extent, gather, scatter
 from kvbroker.plan._packing import Block, packed_bytes
 from kvbroker.v1 import common_pb2
 

@@ -10,19 +10,31 @@
 - :class:`Cleanup` — teardown steps that all run and whose errors all surface;
 - :func:`scratch_dir` — a short working directory, removed afterwards;
 - :class:`TcpGate` — a TCP forwarder that cuts a client off its broker and lets it back.
+
+The reference workload, imported by module (``kvbroker demo`` and the soak
+benchmark use it too): ``pattern``, the reference bytes of every element
+from the model's coordinates alone; ``room_plan``, which pages each room uses
+on each side.
+
+Each name above loads on first use, so importing one module of the package
+(the demo's engine processes import ``pattern``) does not load the broker.
 """
 
 from __future__ import annotations
 
-from kvbroker.brokerproc import BrokerProcess
-from kvbroker.testing.cleanup import Cleanup
-from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
-from kvbroker.testing.gate import TcpGate
-from kvbroker.testing.idle import wait_until_idle
-from kvbroker.testing.inprocess import FakeBroker, start_fake_broker
-from kvbroker.testing.loop import LoopThread
-from kvbroker.testing.scratch import scratch_dir
-from kvbroker.testing.waiting import eventually
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvbroker.brokerproc import BrokerProcess
+    from kvbroker.testing.cleanup import Cleanup
+    from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
+    from kvbroker.testing.gate import TcpGate
+    from kvbroker.testing.idle import wait_until_idle
+    from kvbroker.testing.inprocess import FakeBroker, start_fake_broker
+    from kvbroker.testing.loop import LoopThread
+    from kvbroker.testing.scratch import scratch_dir
+    from kvbroker.testing.waiting import eventually
 
 __all__ = [
     "BrokerProcess",
@@ -38,3 +50,26 @@ __all__ = [
     "start_fake_broker",
     "wait_until_idle",
 ]
+
+#: The module each name of ``__all__`` lives in.
+_HOMES = {
+    "BrokerProcess": "kvbroker.brokerproc",
+    "Cleanup": "kvbroker.testing.cleanup",
+    "FakeAgent": "kvbroker.testing.fake_nixl",
+    "FakeBroker": "kvbroker.testing.inprocess",
+    "FakeFabric": "kvbroker.testing.fake_nixl",
+    "LoopThread": "kvbroker.testing.loop",
+    "TcpGate": "kvbroker.testing.gate",
+    "XferScript": "kvbroker.testing.fake_nixl",
+    "eventually": "kvbroker.testing.waiting",
+    "scratch_dir": "kvbroker.testing.scratch",
+    "start_fake_broker": "kvbroker.testing.inprocess",
+    "wait_until_idle": "kvbroker.testing.idle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

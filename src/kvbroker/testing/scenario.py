@@ -3,7 +3,7 @@
 ``run_scenario`` registers every prefill and decode rank of a layout (tp x pp
 on each side, one client and one memfd per rank) with the given brokers,
 moves a few chunked rooms with aux rows and state, and checks every byte each
-decode rank received against the reference of ``kvbroker.demo.pattern``,
+decode rank received against the reference of ``kvbroker.testing.pattern``,
 computed from the model's coordinates, not from the broker's slicing code.
 Used by the service tests (fake NIXL) and the real-NIXL matrix.
 """
@@ -30,8 +30,9 @@ from kvbroker.client import (
     SenderRef,
 )
 from kvbroker.client.rooms import KVSender
-from kvbroker.demo.pattern import fill_rank, verify_room, write_aux
-from kvbroker.demo.plan import (
+from kvbroker.errors import KvBrokerError
+from kvbroker.testing.pattern import fill_rank, verify_room, write_aux
+from kvbroker.testing.room_plan import (
     STATE_KINDS,
     RoomPlan,
     plan_room,
@@ -39,7 +40,6 @@ from kvbroker.demo.plan import (
     state_indices,
     state_specs,
 )
-from kvbroker.errors import KvBrokerError
 
 __all__ = [
     "STATE_KINDS",

@@ -4,7 +4,8 @@ Rooms run in batches of ``window``; room ``i`` of a batch uses slot ``i``. A
 slot owns a span of pages in each side's pool; a room picks its pages from
 its span, in random order of runs with gaps between them, so page lists are
 non-contiguous but have contiguous runs (which the broker coalesces). Both
-sides compute the same plan independently.
+sides compute the same plan independently. ``kvbroker demo`` and the
+parallel-layout scenarios (``scenario``) share it.
 """
 
 from __future__ import annotations

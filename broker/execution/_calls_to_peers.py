@@ -30,12 +30,12 @@ from kvbroker.errors import KvBrokerError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["PeerCalls", "in_span"]
+__all__ = ["CallsToPeers", "in_span"]
 
 log = structlog.get_logger(__name__)
 
 
-class PeerCalls:
+class CallsToPeers:
     """The calls to other brokers, and what their answers tell the receiver. Control loop only."""
 
     def __init__(

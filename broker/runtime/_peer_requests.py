@@ -23,12 +23,12 @@ from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, Stagin
 from kvbroker.broker.peers import HandshakeMessage, PeerTable, pool_name
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, TransferInfo, cause
 from kvbroker.broker.runtime._operators import Operators
-from kvbroker.broker.runtime._sides import NO_TRACE, check_version, decode_state
+from kvbroker.broker.runtime._requests import NO_TRACE, check_version, decode_state
 from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError, Unavailable
 from kvbroker.plan import SourcePlan, decode_indices, rank_key
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["PeerCalls", "handshake_message"]
+__all__ = ["PeerRequests", "handshake_message"]
 
 
 async def handshake_message(engines: EngineTable, dataplane: DataPlane, pools: StagingPools) -> HandshakeMessage:
@@ -40,7 +40,7 @@ async def handshake_message(engines: EngineTable, dataplane: DataPlane, pools: S
     return metadata, descriptors, pools.receive_buffers(), epoch
 
 
-class PeerCalls:
+class PeerRequests:
     """The peer API of one broker. Control loop only."""
 
     def __init__(

@@ -7,6 +7,10 @@ tensors with the heads it holds (:func:`fill_rank`); a decode rank checks
 every page it received against what the coordinates alone say it must hold
 (:func:`verify_room`). Neither uses the broker's slicing code, so a wrong
 head, layer, page or state item shows up as a mismatch.
+
+The reference of ``kvbroker demo``, the parallel-layout scenarios
+(``scenario``) and the soak benchmark. It imports nothing of the broker nor
+of the plan package: keep it that way.
 """
 
 from __future__ import annotations
