@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.dataplane._agent import XferState
-from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
-from kvbroker.broker.memory._importers import array_at, map_anonymous, unmap
+from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled, XferState
+from kvbroker.broker.memory import array_at, map_anonymous, unmap
 from kvbroker.errors import NixlError, TransferTimeout
 from kvbroker.testing import FakeAgent, FakeFabric, XferScript
 

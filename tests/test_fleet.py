@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.broker.peers._fleet import etcd_client, parse_endpoint, read_fleet
+from kvbroker.broker.peers import etcd_client, parse_endpoint, read_fleet
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import BrokerProcess, eventually

@@ -12,7 +12,7 @@ import torch
 
 from kvbroker import errors
 from kvbroker.client import EngineMemory, RankSpec, RoomState, SenderRef, StateSpec
-from kvbroker.plan._layout import Layout, rank_key
+from kvbroker.plan import Layout, rank_key
 
 from .conftest import SMALL_MODEL, page_bytes
 from .test_service import _wait_tables_empty

@@ -18,7 +18,7 @@ import torch
 
 from kvbroker import errors
 from kvbroker.client import RoomState, SenderRef
-from kvbroker.plan._indices import encode_indices
+from kvbroker.plan import encode_indices
 from kvbroker.testing import FakeBroker, eventually
 from kvbroker.v1 import common_pb2, transfer_pb2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvbroker.broker.api._admin import Admin
+from kvbroker.broker.api import Admin
 from kvbroker.client import RoomState, SenderRef
 from kvbroker.testing import eventually
 

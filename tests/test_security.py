@@ -11,7 +11,7 @@ import pytest
 
 from kvbroker import errors
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.plan._indices import encode_indices
+from kvbroker.plan import encode_indices
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc, transfer_pb2
 
 from .conftest import SMALL_MODEL

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbroker import errors
-from kvbroker.broker.dataplane._thread import Notices
+from kvbroker.broker.dataplane import Notices
 from kvbroker.client import RoomState, SenderRef, StateSpec
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import FakeBroker, XferScript, eventually

@@ -2,6 +2,7 @@
 reach with grpcurl.
 """
 
+from kvbroker.broker.api._admin import Admin
 from kvbroker.broker.api._server import BrokerServer
 
-__all__ = ["BrokerServer"]
+__all__ = ["Admin", "BrokerServer"]

@@ -5,7 +5,14 @@ and transfer buffers, receive credits in them, and the fd socket memory arrives 
 from kvbroker.broker.memory._credits import Credit, CreditLedger, CreditWindow, Grant
 from kvbroker.broker.memory._engines import Engine, EngineTable
 from kvbroker.broker.memory._fdsocket import FdConnection, FdSocketServer
-from kvbroker.broker.memory._importers import array_at, map_memory, unmap
+from kvbroker.broker.memory._importers import (
+    VramImporter,
+    array_at,
+    importer_for,
+    map_anonymous,
+    map_memory,
+    unmap,
+)
 from kvbroker.broker.memory._staging import (
     DEVICE_SHARE,
     FreeList,
@@ -30,7 +37,10 @@ __all__ = [
     "StagingBuffer",
     "StagingPool",
     "StagingPools",
+    "VramImporter",
     "array_at",
+    "importer_for",
+    "map_anonymous",
     "map_memory",
     "unmap",
 ]

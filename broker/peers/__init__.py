@@ -2,7 +2,13 @@
 
 from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, server_options
 from kvbroker.broker.peers._discovery import FleetView, Member, find_in_fleet
-from kvbroker.broker.peers._fleet import FleetRecord, groups_of, read_fleet
+from kvbroker.broker.peers._fleet import (
+    FleetRecord,
+    etcd_client,
+    groups_of,
+    parse_endpoint,
+    read_fleet,
+)
 from kvbroker.broker.peers._liveness import PeerMonitor
 from kvbroker.broker.peers._table import (
     DEVICE_SPEED,
@@ -29,8 +35,10 @@ __all__ = [
     "PoolKey",
     "RemoteEngine",
     "TransportVerdict",
+    "etcd_client",
     "find_in_fleet",
     "groups_of",
+    "parse_endpoint",
     "pool_name",
     "read_fleet",
     "server_options",

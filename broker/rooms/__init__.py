@@ -18,13 +18,34 @@ from kvbroker.broker.rooms._effects import (
     VerifyChunk,
 )
 from kvbroker.broker.rooms._receiver import ReceiverCore
-from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg
-from kvbroker.broker.rooms._records import FAILED, RoomTables, Side, cause
+from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, SourceExpectation
+from kvbroker.broker.rooms._records import (
+    FAILED,
+    ReceiverRoom,
+    RoomTables,
+    SenderRoom,
+    Side,
+    cause,
+    cause_of,
+)
 from kvbroker.broker.rooms._sender import SenderCore
-from kvbroker.broker.rooms._sender_records import ChunkChecksum, Part, Source, TransferInfo
+from kvbroker.broker.rooms._sender_records import (
+    Chunk,
+    ChunkChecksum,
+    Destination,
+    Part,
+    Source,
+    TransferInfo,
+)
 from kvbroker.broker.rooms._watch import WatchHub
 
 __all__ = [
+    "cause_of",
+    "SourceExpectation",
+    "SenderRoom",
+    "ReceiverRoom",
+    "Destination",
+    "Chunk",
     "AbortAtPeer",
     "ChunkChecksum",
     "Effect",

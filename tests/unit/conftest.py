@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.plan._layout import DTYPE_BYTES, Layout, RankKey
-from kvbroker.plan._timeouts import RoomTimeouts
+from kvbroker.plan import DTYPE_BYTES, Layout, RankKey, RoomTimeouts
 from kvbroker.v1 import common_pb2
 
 
@@ -210,7 +209,7 @@ def _engine_stub(
     base_address: int = 1 << 30,
     **kwargs: Any,
 ) -> EngineStub:
-    from kvbroker.plan._descriptors import BufferPlacement, build_descriptor_table
+    from kvbroker.plan import BufferPlacement, build_descriptor_table
 
     role_value = common_pb2.ROLE_PREFILL if role == "prefill" else common_pb2.ROLE_DECODE
     built = _layout_proto(role=role_value, group=group or f"{role}-group", **kwargs)

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbroker.broker.device import ArrayViews, Extent, gather, gather_all, scatter, scatter_all
 from kvbroker.broker.device import _block_copies as copies_module
-from kvbroker.broker.device._batched import gather_all, scatter_all
-from kvbroker.broker.device._block_copies import ArrayViews, Extent, gather, scatter
-from kvbroker.plan._packing import Block, packed_bytes
+from kvbroker.plan import Block, packed_bytes
 from kvbroker.v1 import common_pb2
 
 ITEMS, PAGE, TOKEN = 12, 4, 16  # pages per region, tokens per page, bytes per token

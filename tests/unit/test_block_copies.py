@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbroker.broker.device import ArrayViews, Extent, checksum, gather, scatter
 from kvbroker.broker.device import _block_copies as copies_module
-from kvbroker.broker.device._block_copies import ArrayViews, Extent, checksum, gather, scatter
-from kvbroker.plan._packing import Block, packed_bytes, packed_offsets
+from kvbroker.plan import Block, packed_bytes, packed_offsets
 from kvbroker.v1 import common_pb2
 
 ITEMS, PAGE, TOKEN = 12, 4, 16  # pages per region, tokens per page, bytes per token

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from kvbroker import cudavmm
-from kvbroker.broker.memory._importers import VramImporter, importer_for
+from kvbroker.broker.memory import VramImporter, importer_for
 from kvbroker.errors import FailedPrecondition, InvalidArgument
 from kvbroker.testing.fake_cuda import FakeCudaLib
 from kvbroker.v1 import common_pb2

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.errors import InvalidArgument
+from kvbroker.plan import Layout
 from kvbroker.plan._descriptors import (
     BufferPlacement,
     DescriptorTable,
@@ -22,7 +23,6 @@ from kvbroker.plan._descriptors import (
     expand_rows,
     plan_parts,
 )
-from kvbroker.plan._layout import Layout
 from kvbroker.v1 import common_pb2
 
 DRAM = common_pb2.MEMORY_KIND_DRAM

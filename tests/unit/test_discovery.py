@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from kvbroker.broker.peers._discovery import FleetView, Member
+from kvbroker.broker.peers import FleetView, Member
 from kvbroker.protocol import PROTOCOL_VERSION
 
 

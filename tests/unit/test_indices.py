@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.errors import InvalidArgument
-from kvbroker.plan._indices import as_index, decode_indices, encode_indices
+from kvbroker.plan import as_index, decode_indices, encode_indices
 from kvbroker.v1 import common_pb2
 
 INT32_MIN = int(np.iinfo(np.int32).min)

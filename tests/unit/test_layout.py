@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvbroker.errors import InvalidArgument
-from kvbroker.plan._layout import Layout, RankKey, rank_key
+from kvbroker.plan import Layout, RankKey, rank_key
 from kvbroker.v1 import common_pb2
 
 K = common_pb2.REGION_KIND_KEY

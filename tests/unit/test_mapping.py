@@ -12,8 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.errors import FailedPrecondition, Unimplemented
-from kvbroker.plan._layout import RankKey, rank_key
-from kvbroker.plan._mapping import GroupShape, SourcePlan, plan_sources
+from kvbroker.plan import GroupShape, RankKey, SourcePlan, plan_sources, rank_key
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FULL = peer_pb2.SOURCE_MODE_FULL_PAGES

@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 
 from kvbroker.errors import FailedPrecondition
-from kvbroker.plan._layout import Layout, RankKey
-from kvbroker.plan._mapping import SourcePlan
-from kvbroker.plan._packing import plan_packed
-from kvbroker.plan._segments import ChunkShape
+from kvbroker.plan import ChunkShape, Layout, RankKey, SourcePlan, plan_packed
 from kvbroker.v1 import common_pb2, peer_pb2
 
 VRAM = common_pb2.MEMORY_KIND_VRAM

@@ -8,23 +8,25 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.memory._staging import Reservation
-from kvbroker.broker.rooms._effects import (
+from kvbroker.broker.memory import Reservation
+from kvbroker.broker.rooms import (
     AbortAtPeer,
     Effect,
     FindSender,
     Publish,
+    Receiver,
+    ReceiverCore,
     RegisterRoom,
     ReleaseStaging,
     RoomEnded,
+    RoomTables,
     Scatter,
+    SenderLeg,
     TellSuccessor,
     VerifyChunk,
+    cause,
 )
-from kvbroker.broker.rooms._receiver import ReceiverCore
-from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg
-from kvbroker.broker.rooms._records import RoomTables, cause
-from kvbroker.broker.telemetry._counters import Counters
+from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -32,8 +34,7 @@ from kvbroker.errors import (
     NotFound,
     Unavailable,
 )
-from kvbroker.plan._layout import RankKey
-from kvbroker.plan._parts import MAX_PARTS
+from kvbroker.plan import MAX_PARTS, RankKey
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 

@@ -9,17 +9,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.memory._staging import Reservation
-from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, SourceExpectation
-from kvbroker.broker.rooms._records import (
+from kvbroker.broker.memory import Reservation
+from kvbroker.broker.rooms import (
+    Chunk,
+    Destination,
+    Receiver,
     ReceiverRoom,
     RoomTables,
+    SenderLeg,
     SenderRoom,
     Side,
+    Source,
+    SourceExpectation,
+    TransferInfo,
     cause,
     cause_of,
 )
-from kvbroker.broker.rooms._sender_records import Chunk, Destination, Source, TransferInfo
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -30,8 +35,7 @@ from kvbroker.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvbroker.plan._layout import RankKey
-from kvbroker.plan._mapping import SourcePlan
+from kvbroker.plan import RankKey, SourcePlan
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FAILED = common_pb2.ROOM_STATE_FAILED

@@ -10,9 +10,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvbroker.errors import FailedPrecondition
-from kvbroker.plan._descriptors import Segment
-from kvbroker.plan._layout import Layout, RankKey
-from kvbroker.plan._mapping import SourcePlan
+from kvbroker.plan import Layout, RankKey, Segment, SourcePlan
 from kvbroker.plan._segments import ChunkShape, build_segments, state_segments
 from kvbroker.v1 import common_pb2, peer_pb2
 

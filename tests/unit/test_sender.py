@@ -9,20 +9,23 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.dataplane._agent import XferState
-from kvbroker.broker.peers._table import RemoteEngine
-from kvbroker.broker.rooms._effects import (
+from kvbroker.broker.dataplane import XferState
+from kvbroker.broker.peers import RemoteEngine
+from kvbroker.broker.rooms import (
     Effect,
+    Part,
     PostPart,
     Publish,
     ReserveStaging,
     RoomEnded,
+    RoomTables,
+    SenderCore,
     SendReport,
+    Source,
+    TransferInfo,
+    cause,
 )
-from kvbroker.broker.rooms._records import RoomTables, cause
-from kvbroker.broker.rooms._sender import SenderCore
-from kvbroker.broker.rooms._sender_records import Part, Source, TransferInfo
-from kvbroker.broker.telemetry._counters import Counters
+from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -32,9 +35,7 @@ from kvbroker.errors import (
     NotFound,
     PermissionDenied,
 )
-from kvbroker.plan._layout import RankKey
-from kvbroker.plan._mapping import GroupShape, plan_sources
-from kvbroker.plan._parts import PartKind
+from kvbroker.plan import GroupShape, PartKind, RankKey, plan_sources
 from kvbroker.v1 import common_pb2, peer_pb2
 
 FAILED = common_pb2.ROOM_STATE_FAILED

@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 
 from kvbroker import cudavmm
-from kvbroker.broker.memory._staging import Reservation, StagingBuffer, StagingPool, StagingPools
+from kvbroker.broker.memory import Reservation, StagingBuffer, StagingPool, StagingPools
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
-from kvbroker.plan._descriptors import BufferPlacement, build_descriptor_table
-from kvbroker.plan._layout import Layout
-from kvbroker.plan._parts import page_blocks
+from kvbroker.plan import BufferPlacement, Layout, build_descriptor_table, page_blocks
 from kvbroker.testing.fake_cuda import FakeCudaLib
 from kvbroker.v1 import common_pb2
 

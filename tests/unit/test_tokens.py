@@ -7,11 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.broker.rooms._receiver_records import SenderLeg, SourceExpectation
+from kvbroker.broker.rooms import SenderLeg, SourceExpectation
 from kvbroker.errors import FailedPrecondition
-from kvbroker.plan._descriptors import DescriptorTable
-from kvbroker.plan._layout import RankKey
-from kvbroker.plan._mapping import FULL_PAGES, SourcePlan
+from kvbroker.plan import FULL_PAGES, DescriptorTable, RankKey, SourcePlan
 from kvbroker.plan._tokens import (
     TokenGeometry,
     completed_pages,

@@ -8,6 +8,7 @@ from kvbroker.plan._checksum import ChunkSum, chunk_checksum
 from kvbroker.plan._descriptors import (
     BufferPlacement,
     DescriptorTable,
+    Segment,
     build_descriptor_table,
     expand_rows,
 )
@@ -19,7 +20,7 @@ from kvbroker.plan._indices import (
     decode_indices,
     encode_indices,
 )
-from kvbroker.plan._layout import Layout, RankKey, kv_kinds_of, rank_key
+from kvbroker.plan._layout import DTYPE_BYTES, Layout, RankKey, kv_kinds_of, rank_key
 from kvbroker.plan._mapping import (
     FULL_PAGES,
     GroupShape,
@@ -33,6 +34,7 @@ from kvbroker.plan._packing import (
     landing_blocks,
     packed_bytes,
     packed_offsets,
+    plan_packed,
     pool_text,
     transfer_pool,
 )
@@ -63,6 +65,7 @@ from kvbroker.plan._validation import check_chunk, check_declared_pages, check_r
 
 __all__ = [
     # Engine layouts and rank keys (_layout).
+    "DTYPE_BYTES",
     "Layout",
     "RankKey",
     "kv_kinds_of",
@@ -87,6 +90,7 @@ __all__ = [
     # Descriptor tables: regions and indices to NIXL index lists (_descriptors).
     "BufferPlacement",
     "DescriptorTable",
+    "Segment",
     "build_descriptor_table",
     "expand_rows",
     # What one chunk moves, region by region (_segments).
@@ -121,6 +125,7 @@ __all__ = [
     "landing_blocks",
     "packed_bytes",
     "packed_offsets",
+    "plan_packed",
     "pool_text",
     "transfer_pool",
     # End-to-end chunk checksums (_checksum).
