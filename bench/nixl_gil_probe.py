@@ -1,38 +1,30 @@
 """Does NIXL's Python ``transfer()`` hold the GIL while UCX copies?
 
-Two NIXL agents in this process (UCX, DRAM) and one WRITE of ``--mib`` MiB.
-A Python thread counts loop iterations while the main thread posts the
-transfer; the same count is taken with the main thread asleep (the idle
-rate) and busy in Python (two threads sharing the GIL). A call that holds the
-GIL for the whole copy stops the counting thread (ratio near 0); one that
-releases it leaves the counter running (near the idle rate, less what the
-copy takes from a shared core and memory bus), and then a broker could post
-from a thread of its own while its event loop keeps answering gRPC.
-
     UCX_NET_DEVICES=lo python bench/nixl_gil_probe.py
+
+Two NIXL agents in this process (UCX, DRAM), one WRITE of ``--mib`` MiB. A Python thread counts loop
+iterations while the main thread posts the transfer, sleeps (the idle rate) or spins in Python (two threads
+sharing the GIL). Near 0 of the idle rate: ``transfer()`` held the GIL for the copy; near the idle rate: it
+released it (and a broker could post from a thread of its own while its event loop answers gRPC).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
+import harness as h
 import torch
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 
 class Spinner:
     """A thread that counts loop iterations until stopped."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
+        self.count, self._stop = 0, False
         self._thread = threading.Thread(target=self._spin, daemon=True)
 
     def _spin(self) -> None:
@@ -51,10 +43,8 @@ class Spinner:
         return (c1 - c0) / (t1 - t0), t1 - t0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=512, help="bytes moved by the one WRITE (MiB)")
-    args = parser.parse_args()
+def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
+    from nixl._api import nixl_agent, nixl_agent_config
     size = args.mib << 20
     cfg = nixl_agent_config(backends=["UCX"])
     a, b = nixl_agent("probe_a", cfg), nixl_agent("probe_b", cfg)
@@ -69,25 +59,38 @@ def main() -> int:
         while state not in ("DONE", "ERR"):
             state = a.check_xfer_state(handle)
         if state != "DONE":
-            raise SystemExit(f"transfer ended {state}")
-
-    during, took = Spinner().rate_during(post)
-    idle, _ = Spinner().rate_during(lambda: time.sleep(took))
+            held.problems.append(f"the transfer ended {state}")
 
     def busy() -> None:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < took:
             pass
 
+    during, took = Spinner().rate_during(post)
+    idle, _ = Spinner().rate_during(lambda: time.sleep(took))
     contended, _ = Spinner().rate_during(busy)
     ok = bool((dst == 1).all())
-    print(f"one WRITE of {args.mib} MiB took {took * 1000:.0f} ms ({size / took / 1e9:.2f} GB/s), bytes {'verified' if ok else 'WRONG'}")
+    if not ok:
+        held.problems.append("the destination's bytes differ from the source's")
+    return {"mib": args.mib, "seconds": took, "gbps": size / took / 1e9, "verified": ok, "idle_rate": idle,
+            "contended_rate": contended, "during_rate": during}
+
+
+def print_report(r: dict[str, Any]) -> None:
+    during, idle, contended = r["during_rate"], r["idle_rate"], r["contended_rate"]
+    print(f"one WRITE of {r['mib']} MiB took {r['seconds'] * 1000:.0f} ms ({r['gbps']:.2f} GB/s), bytes {'verified' if r['verified'] else 'WRONG'}")
     print(f"spinning thread, iterations/s: idle main thread {idle:,.0f}; main thread busy in Python {contended:,.0f}; "
           f"main thread inside transfer() {during:,.0f}")
     print(f"during the post / idle: {during / idle:.2f} (near 0: transfer() held the GIL for the copy; "
           f"well above 0: it released it; two Python threads sharing the GIL give {contended / idle:.2f})")
-    return 0 if ok else 1
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=512, help="bytes moved by the one WRITE (MiB)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the report")
+    args = parser.parse_args()
+    return h.bench_main("nixl_gil_probe", args, lambda held: run(args, held), print_report)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,66 +1,42 @@
-"""Small rooms through one broker pair: rooms/s, single-room latency, and what the engine pays.
+"""Small rooms through one broker pair: rooms/s, single-room latency, what the engine pays; ``--scale``: the
+room tables with 10,000 rooms open.
 
-Two ``kvbroker serve`` processes (a prefill and a decode broker, 127.0.0.1),
-and two engine processes, each registered with its broker through the public
-client: a prefill rank and a decode rank. Each engine process drives its rooms
-with the per-room API an engine uses (``KVReceiver.init``; ``KVSender.init``
-and ``send``; ``poll``/``wait`` on the engine handle).
+Two ``kvbroker serve`` and two engine processes (a prefill and a decode rank) using the per-room client
+API. For each shape (``--shapes``: 1-page rooms of 4 layers, 64-page rooms of 32 layers): a bare ``Poll``
+round trip (the unit latency is also given in); single-room latency (``--latency-rooms``: the decode
+engine opens a room and tells the prefill engine over a pipe, which sends it in one chunk; ExpectRoom to
+SUCCESS); rooms/s with W rooms in flight a side (``--windows``) and CPU per room of each process; where a
+room's time goes (medians of both brokers' ``GetRoom`` timeline events, ms after the decode broker opened
+it); how long ``KVSender.send`` blocked (median, p99). At the end the decode pool must equal the prefill
+pool over every page a room wrote, and every room must have succeeded (else exit 1).
 
-For each room shape (``--shapes``; default: 1-page rooms of a 4-layer model,
-and 64-page rooms of a 32-layer model) it prints:
-
-- the round trip of a bare unary ``Poll`` of one room from the decode engine
-  (``poll_rtt``): the unit the latency is also given in;
-- single-room latency: the decode engine opens a room (ExpectRoom), tells the
-  prefill engine over a pipe, which opens its side and sends the room's pages
-  in one chunk; the decode engine waits for SUCCESS. Timed on the decode
-  engine from before ExpectRoom to SUCCESS (median, p90, p99 of
-  ``--latency-rooms``); the pipe hop (tens of µs) is part of it;
-- rooms/s with W rooms in flight (``--windows``, default 1 16 200): each
-  engine keeps W rooms of its own open (the decode side opens the next room as
-  one succeeds; the prefill side opens and sends the next as one of its rooms
-  finishes), over ``--rooms`` rooms; timed on the decode engine from its first
-  ExpectRoom to its last SUCCESS;
-- where a single room's time goes: the median of each event of the latency
-  rooms' ``GetRoom`` timelines on both brokers, and of the decode engine's
-  ``init`` and its seeing SUCCESS, in ms after the decode broker opened the
-  room;
-- how long ``KVSender.send`` blocked the prefill engine's calling thread
-  (median, p99, over every room of the run);
-- CPU seconds per room of each broker, and of each engine process.
-
-After every phase the decode pool is compared with the prefill pool, byte for
-byte, over every page a room wrote (each room copies prefill slot ``i mod
-slots`` to decode slot ``i mod slots``, so the expected bytes are known), and
-every room must end SUCCESS; anything else fails the run (exit status 1).
-
-Compare numbers within one run; this 2-core VM varies between runs. The two
-brokers and the two engines share the two cores. See docs/benchmarks.md.
+``--scale``: ``--rooms`` (10,000) 1-page rooms open at once (short TTLs; ranks registered here). Idle RSS,
+``Poll`` and session round trips (a room aborted until its FAILED is back); then every room opened, half
+with a chunk landed: RSS per open room (target <= 4 KiB) and the round trips again (target <= 2x idle);
+then half complete (bytes checked), half aborted, and after the TTLs every table must be back at zero.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import multiprocessing
 import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from common import (
-    Held,
-    bench_main,
-    cpu_snapshot,
-    fill_pattern,
-    model_spec,
-    percentile,
-    poll_round_trips,
-    spawn,
-)
+import grpc
+import harness as h
+import numpy as np
+import torch
+
+from kvbroker.client import BrokerClient, EngineMemory, ExpectSpec, RankSpec, RoomState, SenderRef
+from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 PREFILL_GROUP = "rooms-prefill"
 
@@ -74,112 +50,83 @@ class Shape:
     head_dim: int = 64
     page_size: int = 4
 
-
 SHAPES = {
     "small": Shape("1-page rooms, 4 layers", layers=4, pages=1),
     "large": Shape("64-page rooms, 32 layers", layers=32, pages=64),
 }
 
 
-def _model(shape: Shape) -> Any:
-    return model_spec(shape.layers, kv_heads=shape.heads, head_dim=shape.head_dim, page_size=shape.page_size)
+def _memory(role: str, shape: Shape, slots: int) -> Any:
+    """The role's pool: the prefill's filled with the pattern (seed 7), the decode's zero."""
+    rank = RankSpec(group=PREFILL_GROUP if role == "prefill" else "rooms-decode", role=role)
+    model = h.model_spec(shape.layers, kv_heads=shape.heads, head_dim=shape.head_dim, page_size=shape.page_size)
+    memory = EngineMemory.allocate(rank, model, num_pages=slots * shape.pages)
+    if role == "prefill":
+        h.fill_pattern(memory.raw.numpy(), 7)
+    return rank, memory
 
 
 def _slot_pages(shape: Shape, room_index: int, slots: int) -> Any:
-    import numpy as np
-
     base = (room_index % slots) * shape.pages
     return np.arange(base, base + shape.pages, dtype=np.int32)
 
 
-# -- engine processes ---------------------------------------------------------------
+def _digest(memory: Any, shape: Shape, used_slots: int) -> list[str]:
+    """SHA-256 of every KV page of the first ``used_slots`` slots, per layer tensor."""
+    return [hashlib.sha256(tensor[: used_slots * shape.pages].contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for layer in range(shape.layers) for tensor in memory.kv_tensors(layer)]
 
 
-def _engine(role: str, address: str, shape: Shape, slots: int) -> tuple[Any, Any]:
-    from kvbroker.client import BrokerClient, EngineMemory, RankSpec
-
-    rank = RankSpec(group=PREFILL_GROUP if role == "prefill" else "rooms-decode", role=role)
-    memory = EngineMemory.allocate(rank, _model(shape), num_pages=slots * shape.pages)
-    assert memory.raw is not None
-    if role == "prefill":
-        fill_pattern(memory.raw.numpy(), 7)
-    else:
-        memory.raw.zero_()
-    client = BrokerClient(address)
-    return client.register_engine(rank, memory), memory
-
-
-def prefill_main(conn: Any, peer: Any, address: str, shape: Shape, slots: int) -> None:
-    engine, memory = _engine("prefill", address, shape, slots)
+def engine_main(conn: Any, peer: Any, role: str, address: str, prefill_address: str, shape: Shape, slots: int) -> None:
+    """An engine process of ``role``: registers, then runs the commands of the driver (this file's ``Pair``)."""
+    rank, memory = _memory(role, shape, slots)
+    engine = BrokerClient(address).register_engine(rank, memory)
+    ref = SenderRef(prefill_address, PREFILL_GROUP)
     conn.send(("ready", None))
     blocked: list[float] = []
+
+    def send(room: int, index: int) -> None:
+        sender = engine.sender(room)
+        sender.init(num_pages=shape.pages)
+        t = time.perf_counter()
+        sender.send(_slot_pages(shape, index, slots))
+        blocked.append(time.perf_counter() - t)
+
+    def check(statuses: dict[int, Any], bad: list[str]) -> None:
+        bad.extend(f"room {room}: {s.cause.message}" for room, s in statuses.items() if s.state != RoomState.SUCCESS)
+
     while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
+        cmd, *rest = conn.recv()
+        arg = rest[0] if rest else None
+        if cmd in ("stop", "exit"):
             engine.close()
             conn.send(("stopped", None))
             return
         if cmd == "blocked":
             conn.send(("blocked", blocked))
             blocked = []
-        elif cmd == "latency":
+        elif cmd == "rtt":
+            conn.send(("rtt", h.poll_round_trips(engine, *arg)))
+        elif cmd == "verify":
+            conn.send(("verify", _digest(memory, shape, arg)))
+        elif cmd == "latency" and role == "prefill":
             base, count = arg
             for _ in range(count):
                 index = peer.recv()
-                sender = engine.sender(base + index)
-                sender.init(num_pages=shape.pages)
-                t = time.perf_counter()
-                sender.send(_slot_pages(shape, index, slots))
-                blocked.append(time.perf_counter() - t)
+                send(base + index, index)
             engine.wait([base + i for i in range(count)], timeout_seconds=60)
             conn.send(("done", None))
-        elif cmd == "window":
-            base, count, window = arg
-            open_rooms: set[int] = set()
-            for index in range(count):
-                while len(open_rooms) >= window:
-                    for room in engine.wait_any(sorted(open_rooms), timeout_seconds=60):
-                        open_rooms.discard(room)
-                sender = engine.sender(base + index)
-                sender.init(num_pages=shape.pages)
-                t = time.perf_counter()
-                sender.send(_slot_pages(shape, index, slots))
-                blocked.append(time.perf_counter() - t)
-                open_rooms.add(base + index)
-            engine.wait(sorted(open_rooms), timeout_seconds=60)
-            conn.send(("done", None))
-
-
-def decode_main(conn: Any, peer: Any, address: str, prefill_address: str, shape: Shape, slots: int) -> None:
-    from kvbroker.client import RoomState, SenderRef
-
-    engine, memory = _engine("decode", address, shape, slots)
-    ref = SenderRef(prefill_address, PREFILL_GROUP)
-    conn.send(("ready", None))
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            engine.close()
-            conn.send(("stopped", None))
-            return
-        if cmd == "rtt":
-            room, count = arg
-            conn.send(("rtt", poll_round_trips(engine, room, count)))
         elif cmd == "latency":
             base, count = arg
-            latencies = []
-            walls = []  # (wall clock at init, at SUCCESS seen): placed on the brokers' timelines
-            bad = []
+            latencies, walls, bad = [], [], []  # walls: (wall clock at init, at SUCCESS seen), placed on the brokers' timelines
             for index in range(count):
-                wall = time.time()
-                t = time.perf_counter()
+                wall, t = time.time(), time.perf_counter()
                 engine.receiver(base + index, ref).init(_slot_pages(shape, index, slots))
                 peer.send(index)
-                status = engine.wait([base + index], timeout_seconds=60)[base + index]
+                statuses = engine.wait([base + index], timeout_seconds=60)
                 latencies.append(time.perf_counter() - t)
+                check(statuses, bad)
                 walls.append((wall, wall + latencies[-1]))
-                if status.state != RoomState.SUCCESS:
-                    bad.append(f"room {base + index}: {status.cause.message}")
             conn.send(("latency", (latencies, walls, bad)))
         elif cmd == "window":
             base, count, window = arg
@@ -188,178 +135,119 @@ def decode_main(conn: Any, peer: Any, address: str, prefill_address: str, shape:
             t0 = time.perf_counter()
             for index in range(count):
                 while len(open_rooms) >= window:
-                    for room, status in engine.wait_any(sorted(open_rooms), timeout_seconds=60).items():
-                        open_rooms.discard(room)
-                        if status.state != RoomState.SUCCESS:
-                            bad.append(f"room {room}: {status.cause.message}")
-                engine.receiver(base + index, ref).init(_slot_pages(shape, index, slots))
+                    statuses = engine.wait_any(sorted(open_rooms), timeout_seconds=60)
+                    open_rooms.difference_update(statuses)
+                    check(statuses, bad)
+                if role == "prefill":
+                    send(base + index, index)
+                else:
+                    engine.receiver(base + index, ref).init(_slot_pages(shape, index, slots))
                 open_rooms.add(base + index)
-            for room, status in engine.wait(sorted(open_rooms), timeout_seconds=60).items():
-                if status.state != RoomState.SUCCESS:
-                    bad.append(f"room {room}: {status.cause.message}")
+            check(engine.wait(sorted(open_rooms), timeout_seconds=60), bad)
             conn.send(("window", (time.perf_counter() - t0, bad)))
-        elif cmd == "verify":
-            used = arg
-            assert memory.raw is not None
-            conn.send(("verify", _digest(memory, shape, used)))
-
-
-def _digest(memory: Any, shape: Shape, used_slots: int) -> list[str]:
-    """SHA-256 of every KV page of the first ``used_slots`` slots, per layer tensor."""
-    import hashlib
-
-    out = []
-    for layer in range(shape.layers):
-        for tensor in memory.kv_tensors(layer):
-            pages = tensor[: used_slots * shape.pages].contiguous().view(-1).view(__import__("torch").uint8).numpy()
-            out.append(hashlib.sha256(pages.tobytes()).hexdigest())
-    return out
-
-
-# -- the driver ---------------------------------------------------------------------
 
 
 class Pair:
     """Two brokers and two engine processes for one room shape."""
 
-    def __init__(self, shape: Shape, slots: int, workdir: Path) -> None:
-        from kvbroker.testing import BrokerProcess
-
-        self.shape = shape
-        self.slots = slots
-        workdir.mkdir()
-        self.brokers = BrokerProcess.start_many(["prefill", "decode"], workdir, ["--log-level", "warning"])
-        prefill_broker, decode_broker = self.brokers
+    def __init__(self, held: h.Held, shape: Shape, slots: int, broker_args: Sequence[str]) -> None:
+        self.held = held
+        self.brokers = held.start_brokers([f"{shape.pages}p-prefill", f"{shape.pages}p-decode"], ["--log-level", "warning", *broker_args])
         p_peer, d_peer = multiprocessing.get_context("spawn").Pipe()
-        self.prefill = spawn("prefill engine", prefill_main, p_peer, prefill_broker.address, shape, slots)
-        self.decode = spawn(
-            "decode engine", decode_main, d_peer, decode_broker.address, prefill_broker.address, shape, slots
-        )
+        address = self.brokers[0].address
+        self.prefill = held.spawn("prefill engine", engine_main, p_peer, "prefill", address, address, shape, slots)
+        self.decode = held.spawn("decode engine", engine_main, d_peer, "decode", self.brokers[1].address, address, shape, slots)
         for child in (self.prefill, self.decode):
             child.recv(120, "ready")
         self.next_room = (os.getpid() << 24) + 1
 
     def rooms(self, count: int) -> int:
-        base = self.next_room
         self.next_room += count
-        return base
+        return self.next_room - count
+
+    def both(self, cmd: str, arg: Any) -> Any:
+        """``cmd`` on both engines; the decode engine's answer."""
+        self.prefill.conn.send((cmd, arg))
+        answer = self.decode.ask(cmd, arg)[1]
+        self.prefill.recv(600)
+        return answer
 
     def pids(self) -> dict[str, int]:
-        return {
-            "prefill broker": self.brokers[0].process.pid,
-            "decode broker": self.brokers[1].process.pid,
-            "prefill engine": self.prefill.proc.pid or 0,
-            "decode engine": self.decode.proc.pid or 0,
-        }
+        return {"prefill broker": self.brokers[0].process.pid, "decode broker": self.brokers[1].process.pid,
+                "prefill engine": self.prefill.proc.pid or 0, "decode engine": self.decode.proc.pid or 0}
 
     def blocked(self) -> list[float]:
         return self.prefill.ask("blocked", None)[1]  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        for child in (self.prefill, self.decode):
-            child.stop(("stop", None), wait=30)
+        self.held.now(self.prefill.stop, self.decode.stop)
         for broker in self.brokers:
-            try:
-                broker.stop()
-            except Exception:
-                broker.kill()
+            self.held.brokers.remove(broker)
+            broker.stop()
 
 
-def run_shape(name: str, args: argparse.Namespace, held: Held) -> dict[str, Any]:
+def measure(name: str, args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     shape = SHAPES[name]
     slots = max(args.windows) + 56
-    pair = Pair(shape, slots, held.workdir / name)
-    try:
-        return _measure(pair, shape, slots, args, held.problems)
-    finally:
-        pair.close()
-
-
-def _measure(pair: Pair, shape: Shape, slots: int, args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
+    pair = Pair(held, shape, slots, args.broker_arg)
+    problems = held.problems
     out: dict[str, Any] = {"shape": shape.name, "bytes_per_room": shape.pages * shape.layers * 2 * shape.page_size * shape.heads * shape.head_dim * 2}
     # Warm-up: handshakes, first descriptors, the session streams.
     base = pair.rooms(slots)
-    pair.prefill.conn.send(("window", (base, slots, 16)))
-    elapsed, bad = pair.decode.ask("window", (base, slots, 16))[1]
-    pair.prefill.recv(600)
+    _, bad = pair.both("window", (base, slots, 16))
     problems.extend(f"{shape.name} warm-up: {b}" for b in bad[:3])
     pair.blocked()
-    expected = _digest_prefill(pair, shape, slots)
-
-    rtts = pair.decode.ask("rtt", (base, args.rtt_calls))[1]
-    poll_rtt = statistics.median(rtts)
+    _, memory = _memory("prefill", shape, slots)  # the prefill pool, made here from the same seed
+    expected = _digest(memory, shape, slots)
+    memory.close()
+    poll_rtt = statistics.median(pair.decode.ask("rtt", (base, args.rtt_calls))[1])
     out["poll_rtt_us"] = poll_rtt * 1e6
-
     base = pair.rooms(args.latency_rooms)
-    pair.prefill.conn.send(("latency", (base, args.latency_rooms)))
-    latencies, walls, bad = pair.decode.ask("latency", (base, args.latency_rooms))[1]
-    pair.prefill.recv(600)
+    latencies, walls, bad = pair.both("latency", (base, args.latency_rooms))
     problems.extend(f"{shape.name} latency: {b}" for b in bad[:3])
-    blocked = pair.blocked()
-    out["latency"] = {
-        "median_us": statistics.median(latencies) * 1e6,
-        "p90_us": percentile(latencies, 0.9) * 1e6,
-        "p99_us": percentile(latencies, 0.99) * 1e6,
-        "median_rtts": statistics.median(latencies) / poll_rtt,
-        "p90_rtts": percentile(latencies, 0.9) / poll_rtt,
-        "p99_rtts": percentile(latencies, 0.99) / poll_rtt,
-    }
+    all_blocked = pair.blocked()
+    lat = h.us_stats(latencies, 0.9, 0.99)
+    out["latency"] = {k: lat[k] for k in ("median_us", "p90_us", "p99_us")}
+    out["latency"] |= {f"{k[:-3]}_rtts": lat[k] / 1e6 / poll_rtt for k in ("median_us", "p90_us", "p99_us")}
     out["latency"]["timeline_ms"] = _timelines(pair, base, walls)
-    all_blocked = list(blocked)
     out["windows"] = {}
     for window in args.windows:
         count = args.rooms if shape.pages == 1 else max(window * 4, args.rooms // 8)
-        base = pair.rooms(count)
         pids = pair.pids()
-        cpu0 = cpu_snapshot(pids)
-        pair.prefill.conn.send(("window", (base, count, window)))
-        elapsed, bad = pair.decode.ask("window", (base, count, window))[1]
-        pair.prefill.recv(600)
-        cpu = {name: (v - cpu0[name]) for name, v in cpu_snapshot(pids).items()}
+        cpu0 = h.cpu_snapshot(pids)
+        elapsed, bad = pair.both("window", (pair.rooms(count), count, window))
+        cpu = h.cpu_delta(cpu0, h.cpu_snapshot(pids), 1.0)
         problems.extend(f"{shape.name} W={window}: {b}" for b in bad[:3])
         blocked = pair.blocked()
         all_blocked += blocked
-        out["windows"][window] = {
-            "rooms": count,
-            "seconds": elapsed,
-            "rooms_per_s": count / elapsed,
-            "cpu_ms_per_room": {name: v / count * 1e3 for name, v in cpu.items()},
-            "send_blocked_median_us": statistics.median(blocked) * 1e6,
-        }
+        out["windows"][window] = {"rooms": count, "seconds": elapsed, "rooms_per_s": count / elapsed,
+                                  "cpu_ms_per_room": {name: v / count * 1e3 for name, v in cpu.items()},
+                                  "send_blocked_median_us": statistics.median(blocked) * 1e6}
     got = pair.decode.ask("verify", slots)[1]
     if got != expected:
         problems.append(f"{shape.name}: the decode pool differs from the prefill pool in {sum(a != b for a, b in zip(got, expected))} layer tensors")
     out["verified_layer_tensors"] = len(expected)
-    out["send_blocked"] = {"median_us": statistics.median(all_blocked) * 1e6, "p99_us": percentile(all_blocked, 0.99) * 1e6, "calls": len(all_blocked)}
+    sb = h.us_stats(all_blocked, 0.99)
+    out["send_blocked"] = {"median_us": sb["median_us"], "p99_us": sb["p99_us"], "calls": sb["n"]}
+    pair.close()
     return out
 
 
 def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]]) -> dict[str, float]:
-    """Median time of each event of the latency rooms' GetRoom timelines on
-    both brokers ("decode.registered", "prefill.ready", ...), and of the decode
-    engine's init call and its seeing SUCCESS ("engine.init", "engine.success";
-    one host, one wall clock), in ms after the decode broker opened the room:
-    where a single room's time goes."""
-    import grpc
-
-    from kvbroker.v1 import admin_pb2, admin_pb2_grpc
-
+    """Median time of each event of the latency rooms' GetRoom timelines on both brokers ("decode.registered",
+    "prefill.ready", ...), and of the decode engine's init call and its seeing SUCCESS ("engine.init",
+    "engine.success"; one host, one wall clock), in ms after the decode broker opened the room: where a single
+    room's time goes."""
     offsets: dict[str, list[float]] = {}
-    channels = {b.name: grpc.insecure_channel(b.address) for b in pair.brokers}
+    channels = {b.name.split("-")[1]: grpc.insecure_channel(b.address) for b in pair.brokers}
     try:
         stubs = {name: admin_pb2_grpc.AdminStub(channel) for name, channel in channels.items()}
         for room, (init, seen) in zip(range(base, base + len(walls)), walls):
             events = {"engine.init": init, "engine.success": seen}
-            events |= {
-                f"{name}.{event.event}": event.at
-                for name, stub in stubs.items()
-                for side in stub.GetRoom(admin_pb2.GetRoomRequest(room=room), timeout=10).sides
-                for event in side.timeline
-            }
+            events |= {f"{name}.{event.event}": event.at for name, stub in stubs.items()
+                       for side in stub.GetRoom(admin_pb2.GetRoomRequest(room=room), timeout=10).sides for event in side.timeline}
             opened = events.get("decode.opened")
-            if opened is None:
-                continue
-            for name, at in events.items():
+            for name, at in events.items() if opened is not None else ():
                 offsets.setdefault(name, []).append((at - opened) * 1e3)
     finally:
         for channel in channels.values():
@@ -367,28 +255,13 @@ def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]]) -> dict[
     return dict(sorted(((name, statistics.median(v)) for name, v in offsets.items()), key=lambda kv: kv[1]))
 
 
-def _digest_prefill(pair: Pair, shape: Shape, slots: int) -> list[str]:
-    """The prefill pool's digest, computed here from the same seed the prefill engine used."""
-    from kvbroker.client import EngineMemory, RankSpec
-
-    memory = EngineMemory.allocate(RankSpec(PREFILL_GROUP, "prefill"), _model(shape), num_pages=slots * shape.pages)
-    try:
-        assert memory.raw is not None
-        fill_pattern(memory.raw.numpy(), 7)
-        return _digest(memory, shape, slots)
-    finally:
-        memory.close()
-
-
 def print_report(result: dict[str, Any]) -> None:
     for shape in result["shapes"]:
         print(f"\n{shape['shape']} ({shape['bytes_per_room'] / 1024:.0f} KiB per room)")
         print(f"  bare Poll round trip (decode engine -> its broker): {shape['poll_rtt_us']:.0f} us")
         lat = shape["latency"]
-        print(
-            f"  single-room latency: median {lat['median_us']:.0f} us ({lat['median_rtts']:.1f} Poll RTTs), "
-            f"p90 {lat['p90_us']:.0f} us ({lat['p90_rtts']:.1f}), p99 {lat['p99_us']:.0f} us ({lat['p99_rtts']:.1f})"
-        )
+        print(f"  single-room latency: median {lat['median_us']:.0f} us ({lat['median_rtts']:.1f} Poll RTTs), "
+              f"p90 {lat['p90_us']:.0f} us ({lat['p90_rtts']:.1f}), p99 {lat['p99_us']:.0f} us ({lat['p99_rtts']:.1f})")
         steps = ", ".join(f"{name} {ms:.2f}" for name, ms in lat["timeline_ms"].items() if name != "decode.opened")
         print(f"  where it goes (median ms after the decode broker opened the room, GetRoom timelines): {steps}")
         blocked = shape["send_blocked"]
@@ -396,28 +269,129 @@ def print_report(result: dict[str, Any]) -> None:
         print("  W     rooms   rooms/s   CPU ms per room: prefill broker / decode broker / prefill engine / decode engine")
         for window, w in shape["windows"].items():
             cpu = w["cpu_ms_per_room"]
-            print(
-                f"  {window:<5} {w['rooms']:<7} {w['rooms_per_s']:>7.0f}   "
-                f"{cpu['prefill broker']:.3f} / {cpu['decode broker']:.3f} / {cpu['prefill engine']:.3f} / {cpu['decode engine']:.3f}"
-            )
+            print(f"  {window:<5} {w['rooms']:<7} {w['rooms_per_s']:>7.0f}   "
+                  f"{cpu['prefill broker']:.3f} / {cpu['decode broker']:.3f} / {cpu['prefill engine']:.3f} / {cpu['decode engine']:.3f}")
         print(f"  bytes verified: {shape['verified_layer_tensors']} layer tensors of the decode pool equal the prefill pool")
+
+TTL = "1.0"
+
+
+def median_call(calls: int, fn: Callable[[], object]) -> float:
+    return statistics.median(h.timed_calls(calls, fn))
+
+
+def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
+    problems, n = held.problems, args.rooms or 10_000
+    model = h.model_spec(1, kv_heads=1, head_dim=8, page_size=1)
+    extra = ["--log-level", "warning", "--finished-room-ttl", TTL, "--tombstone-ttl", TTL, "--receiver-data-timeout", "600",
+             "--sender-info-timeout", "600", *args.broker_arg]
+    brokers = held.start_brokers(["prefill", "decode"], extra)
+    # Room i moves pages 2i and 2i + 1 (one chunk each).
+    prefill = held.group(brokers[0].address, "prefill", model, 2 * n, seed=5, name="scale-prefill")
+    decode = held.group(brokers[1].address, "decode", model, 2 * n, name="scale-decode")
+    pe, de, ref = prefill.engines[0], decode.engines[0], prefill.ref()
+    base = (os.getpid() << 24) + 1
+    ids = itertools.count(base + 1)
+
+    def session_rtt() -> None:
+        receiver = de.receiver(next(ids), ref)
+        receiver.init([0])
+        receiver.abort("scale: round trip")
+        receiver.wait(30)
+
+    def rss() -> dict[str, int | None]:
+        return {b.name: h.rss_bytes(b.process.pid) for b in brokers}
+
+    # Warm-up: handshakes, first descriptors, the streams; then evicted.
+    warm = [next(ids) for _ in range(200)]
+    for i, room in enumerate(warm):
+        de.receiver(room, ref).init([i])
+        sender = pe.sender(room)
+        sender.init(1)
+        sender.send([i])
+    de.wait(warm, timeout_seconds=60)
+    median_call(50, session_rtt)
+    time.sleep(float(TTL) * 2 + 1.5)
+    idle_rss = rss()
+    idle_poll = statistics.median(h.poll_round_trips(de, base, args.rtt_calls))
+    idle_session = median_call(args.rtt_calls // 5, session_rtt)
+    rooms = [next(ids) for _ in range(n)]
+    half = n // 2
+    t0 = time.perf_counter()
+    for i in range(0, n, 1000):
+        de.expect([ExpectSpec(room, ref, [2 * (i + j), 2 * (i + j) + 1]) for j, room in enumerate(rooms[i : i + 1000])])
+    senders = [pe.sender(room) for room in rooms]
+    for sender in senders:
+        sender.init(2)
+    pe.send([(senders[i], [2 * i]) for i in range(half)])
+    pe.flush(120)
+    de.flush(120)
+    # Every room registered (the first half also landed its first chunk).
+    h.wait_open(de, rooms, 120, interval=0.1)
+    open_s = time.perf_counter() - t0
+    open_counts = {b.name: dict(b.stats().per_room_state) for b in brokers}
+    open_rss = rss()
+    open_poll = statistics.median(h.poll_round_trips(de, base, args.rtt_calls))
+    open_session = median_call(args.rtt_calls // 5, session_rtt)
+    # Finish: the first half complete, the second half are aborted.
+    pe.send([(senders[i], [2 * i + 1]) for i in range(half)])
+    for room in rooms[half:]:
+        de.receiver(room, ref).abort("scale: done")
+    final = de.wait(rooms, timeout_seconds=180)
+    sent = set(rooms[:half])
+    bad = [(r, s.cause.message) for r, s in final.items() if (s.state == RoomState.SUCCESS) != (r in sent)]
+    if bad:
+        problems.append(f"{len(bad)} rooms ended otherwise than planned, e.g. {bad[:2]}")
+    pages = list(range(2 * half))
+    problems.extend(h.kv_mismatches("the decode pages of the completed rooms", prefill.memories, decode.memories, pages, pages))
+    # The TTLs pass; every table must empty.
+    deadline = time.monotonic() + float(TTL) * 2 + 30
+    while True:
+        left = {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if any(left.values()):
+        problems.append(f"per-room tables not empty after the TTLs: {left}")
+    return {"rooms": n, "open_seconds": open_s, "rss_idle_mib": {k: v / 2**20 for k, v in idle_rss.items() if v},
+            "rss_open_mib": {k: v / 2**20 for k, v in open_rss.items() if v},
+            "rss_per_open_room_kib": {k: (open_rss[k] - idle_rss[k]) / n / 1024 for k in idle_rss if open_rss[k] and idle_rss[k]},
+            "open_tables": open_counts, "tables_after": left,
+            "poll_rtt_us": {"idle": idle_poll * 1e6, "open": open_poll * 1e6, "ratio": open_poll / idle_poll},
+            "session_rtt_us": {"idle": idle_session * 1e6, "open": open_session * 1e6, "ratio": open_session / idle_session}}
+
+
+def print_scale(res: dict[str, Any]) -> None:
+    n = res["rooms"]
+    print(f"{n} rooms open on one broker pair (opened in {res['open_seconds']:.1f} s; half with a chunk landed, half waiting)")
+    for name in ("prefill", "decode"):
+        print(f"  {name:8} broker RSS {res['rss_idle_mib'][name]:.1f} MiB idle -> {res['rss_open_mib'][name]:.1f} MiB open: "
+              f"{res['rss_per_open_room_kib'][name]:.2f} KiB per open room (target <= 4)")
+        counts = {k: v for k, v in res["open_tables"][name].items() if v}
+        print(f"           tables while open: {counts}")
+    poll, sess = res["poll_rtt_us"], res["session_rtt_us"]
+    print(f"  Poll round trip: idle {poll['idle']:.0f} us, {n} open {poll['open']:.0f} us: {poll['ratio']:.2f}x (target <= 2x)")
+    print(f"  session round trip (abort -> FAILED seen): idle {sess['idle']:.0f} us, {n} open {sess['open']:.0f} us: "
+          f"{sess['ratio']:.2f}x (target <= 2x)")
+    left = res["tables_after"]
+    print(f"  per-room tables after the TTLs: {'all zero' if not any(left.values()) else left}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["small", "large"])
     parser.add_argument("--windows", nargs="+", type=int, default=[1, 16, 200])
-    parser.add_argument("--rooms", type=int, default=4000, help="rooms per window for 1-page rooms (larger rooms: an eighth, at least 4 W)")
+    parser.add_argument("--rooms", type=int, help="rooms per window for 1-page rooms, default 4000 (larger rooms: an eighth, at "
+                        "least 4 W); --scale: rooms open at once, default 10,000")
     parser.add_argument("--latency-rooms", type=int, default=300)
-    parser.add_argument("--rtt-calls", type=int, default=500)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rtt-calls", type=int, default=500, help="round trips per Poll measurement (--scale: a fifth of it for the session's)")
+    parser.add_argument("--scale", action="store_true", help="the room tables at scale (see the module docstring)")
+    h.add_run_options(parser)
     args = parser.parse_args(argv)
-
-    def measure(held: Held) -> dict[str, Any]:
-        return {"shapes": [run_shape(name, args, held) for name in args.shapes]}
-
-    return bench_main("rooms_bench", args, measure, print_report=print_report)
-
+    if args.scale:
+        return h.bench_main("rooms_bench --scale", args, lambda held: run_scale(args, held), print_scale)
+    args.rooms = args.rooms or 4000
+    return h.bench_main("rooms_bench", args, lambda held: {"shapes": [measure(name, args, held) for name in args.shapes]}, print_report)
 
 if __name__ == "__main__":
     sys.exit(main())
