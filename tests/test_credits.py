@@ -28,10 +28,6 @@ from .conftest import page_bytes
 MEMORY_KINDS = ("vram",)
 
 
-def _in_use(broker: FakeBroker) -> tuple[int, int]:
-    return broker.loop.call(lambda: (broker.broker.pools.in_use_bytes("send"), broker.broker.pools.in_use_bytes("receive")))
-
-
 def _calls(broker: FakeBroker) -> dict[str, int]:
     return dict(broker.broker.counters.peer_calls_answered)
 
@@ -66,7 +62,7 @@ def test_packed_parts_take_no_call_to_the_receiver_in_steady_state(
     assert p.broker.counters.transfers_packed >= 40
     assert calls.get("ReserveStaging", 0) == 0, calls
     assert 1 <= calls.get("GrantCredits", 0) <= 4, calls
-    eventually(lambda: _in_use(p) == _in_use(d) == (0, 0), 5)
+    eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 5)
     assert d.loop.call(lambda: d.broker.executor.credits.ledger.granted_bytes()) == 0
 
 
@@ -83,7 +79,7 @@ def test_a_failed_write_gives_its_range_back_and_later_rooms_move(
     eventually(lambda: p.loop.call(lambda: p.broker.executor.credits.awaiting_returns()) is False, 5)
     for room in (3, 4):
         assert _room(pe, de, p, room, [room], [room]).wait(10).state == RoomState.SUCCESS
-    eventually(lambda: _in_use(p) == _in_use(d) == (0, 0), 5)
+    eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 5)
 
 
 def test_an_aborted_rooms_landed_ranges_go_back_to_their_sender(
@@ -107,7 +103,7 @@ def test_an_aborted_rooms_landed_ranges_go_back_to_their_sender(
     assert receiver.wait(10).state == RoomState.FAILED
     eventually(lambda: receiver.status().pages_settled, 10)
     assert sender.wait(10).state == RoomState.FAILED
-    eventually(lambda: _in_use(p) == _in_use(d) == (0, 0), 10)
+    eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 10)
     assert p.loop.call(lambda: p.broker.executor.credits.awaiting_returns()) is False
 
 
@@ -121,7 +117,7 @@ def test_a_lost_peers_grants_and_windows_go(fake_brokers: Callable[..., FakeBrok
     d.loop.call(lambda: d.broker.peer_loss.peer_lost(d.broker.peers.by_id[p.broker.broker_id], "stopped answering (test)"))
     p.loop.call(lambda: p.broker.peer_loss.peer_lost(p.broker.peers.by_id[d.broker.broker_id], "stopped answering (test)"))
     assert d.loop.call(lambda: d.broker.executor.credits.ledger.granted_bytes()) == 0
-    assert _in_use(d) == (0, 0)
+    assert d.pools_in_use() == (0, 0)
     assert p.loop.call(lambda: p.broker.executor.credits.has_business(d.broker.broker_id)) is False
 
 
@@ -154,7 +150,7 @@ def test_two_senders_into_one_small_buffer_both_move(fake_brokers: Callable[...,
     assert all(r.ok for r in results.values()), [r.problems[:3] for r in results.values()]
     assert p1.broker.counters.transfers_packed >= 24 and p2.broker.counters.transfers_packed >= 24
     for broker in (p1, p2, d):
-        eventually(lambda b=broker: _in_use(b) == (0, 0), 5)
+        eventually(lambda b=broker: b.pools_in_use() == (0, 0), 5)
 
 
 @pytest.mark.parametrize("inside", [True, False], ids=["inside", "outside"])

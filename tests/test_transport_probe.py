@@ -49,10 +49,6 @@ def _admin(broker: FakeBroker) -> admin_pb2_grpc.AdminStub:
     return admin_pb2_grpc.AdminStub(grpc.insecure_channel(broker.address))
 
 
-def _in_use(broker: FakeBroker) -> tuple[int, int]:
-    return broker.loop.call(lambda: (broker.broker.pools.in_use_bytes("send"), broker.broker.pools.in_use_bytes("receive")))
-
-
 def test_a_gpu_pair_is_probed_once_before_its_first_part_and_judged_device_speed(
     fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Any], finished_spans: InMemorySpanExporter
 ) -> None:
@@ -84,7 +80,7 @@ def test_a_gpu_pair_is_probed_once_before_its_first_part_and_judged_device_speed
     assert all(s.attributes["kvbroker.transport"].startswith("VRAM:0->VRAM:0 device speed") for s in rooms)
     parts = [s for s in finished_spans.get_finished_spans() if s.name == "kvbroker.transfer" and s.attributes.get("kvbroker.path") == "packed"]
     assert parts and all("device speed" in s.attributes["kvbroker.transport"] for s in parts)
-    eventually(lambda: _in_use(p) == _in_use(d) == (0, 0), 5)
+    eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 5)
 
 
 def _host_speed(broker: FakeBroker) -> None:
@@ -120,7 +116,7 @@ def test_a_pair_that_moves_through_the_host_is_judged_host_fallback_and_warned_o
     [verdict] = [t for t in peer.transports if (t.local, t.remote) == ("VRAM:0", "VRAM:0")]
     assert verdict.verdict == "host fallback" and 0.2 < verdict.gbps < 0.6 and verdict.age_seconds < 5
     assert verdict.writes == 1, "the first write under the floor ends the probe"
-    eventually(lambda: _in_use(p) == _in_use(d) == (0, 0), 5)
+    eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 5)
 
 
 def test_a_probe_that_cannot_run_is_a_failed_verdict_and_the_rooms_move(
@@ -176,11 +172,11 @@ def test_a_probe_slot_whose_release_never_comes_is_freed_by_the_lease(fake_broke
     d = fake_brokers("d", transfer_timeout_seconds=0.3, peer_rpc_timeout_seconds=0.3, **FLOOR)
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     _room(pe, de, p, 1)
-    eventually(lambda: _in_use(d) == (0, 0), 5)  # the prefill broker's idle credits went back
+    eventually(lambda: d.pools_in_use() == (0, 0), 5)  # the prefill broker's idle credits went back
     request = peer_pb2.ReserveProbeRequest(
         protocol_version=PROTOCOL_VERSION, sender_broker_id=p.broker.broker_id, kind=VRAM, device_id=0, bytes=1 << 20
     )
     response = d.loop.run(d.broker.peer_requests.reserve_probe(request))
-    assert response.lease_seconds == pytest.approx(0.6) and _in_use(d)[1] == 1 << 20
-    eventually(lambda: _in_use(d)[1] == 0, 5)
+    assert response.lease_seconds == pytest.approx(0.6) and d.pools_in_use()[1] == 1 << 20
+    eventually(lambda: d.pools_in_use()[1] == 0, 5)
     d.broker.peer_requests.release_probe(peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=response.probe_id))
