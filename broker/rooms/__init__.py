@@ -19,15 +19,7 @@ from kvbroker.broker.rooms._effects import (
 )
 from kvbroker.broker.rooms._receiver import ReceiverCore
 from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, SourceExpectation
-from kvbroker.broker.rooms._records import (
-    FAILED,
-    ReceiverRoom,
-    RoomTables,
-    SenderRoom,
-    Side,
-    cause,
-    cause_of,
-)
+from kvbroker.broker.rooms._records import ReceiverRoom, RoomTables, SenderRoom
 from kvbroker.broker.rooms._sender import SenderCore
 from kvbroker.broker.rooms._sender_records import (
     Chunk,
@@ -37,6 +29,7 @@ from kvbroker.broker.rooms._sender_records import (
     Source,
     TransferInfo,
 )
+from kvbroker.broker.rooms._sides import FAILED, Side, cause, cause_of
 from kvbroker.broker.rooms._watch import WatchHub
 
 __all__ = [

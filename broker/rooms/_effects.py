@@ -20,8 +20,8 @@ from kvbroker.v1 import common_pb2, peer_pb2
 if TYPE_CHECKING:
     from kvbroker.broker.memory import Reservation
     from kvbroker.broker.rooms._receiver_records import Landing, Receiver, SenderLeg
-    from kvbroker.broker.rooms._records import Side
     from kvbroker.broker.rooms._sender_records import Part
+    from kvbroker.broker.rooms._sides import Side
     from kvbroker.plan import ChunkSum, RankKey
 
 __all__ = [

@@ -29,13 +29,8 @@ from kvbroker.broker.rooms._receiver_records import (
     SenderLeg,
     SourceExpectation,
 )
-from kvbroker.broker.rooms._records import (
-    BOOTSTRAPPING,
-    WAITING_FOR_INPUT,
-    ReceiverRoom,
-    cause,
-    cause_of,
-)
+from kvbroker.broker.rooms._records import ReceiverRoom
+from kvbroker.broker.rooms._sides import BOOTSTRAPPING, WAITING_FOR_INPUT, cause, cause_of
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (

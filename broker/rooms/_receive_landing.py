@@ -33,7 +33,7 @@ from kvbroker.broker.rooms._receiver_records import (
     SourceExpectation,
     StagingKey,
 )
-from kvbroker.broker.rooms._records import FAILED, SUCCESS, TRANSFERRING, cause, cause_of
+from kvbroker.broker.rooms._sides import FAILED, SUCCESS, TRANSFERRING, cause, cause_of
 from kvbroker.errors import FailedPrecondition, KvBrokerError, NotFound
 from kvbroker.plan import (
     MAX_PARTS,

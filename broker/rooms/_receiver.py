@@ -45,7 +45,7 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.rooms._receive_bootstrap import ReceiverBootstrap
 from kvbroker.broker.rooms._receive_landing import ReceiverLanding
 from kvbroker.broker.rooms._receiver_records import Receiver
-from kvbroker.broker.rooms._records import FAILED, cause
+from kvbroker.broker.rooms._sides import FAILED, cause
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:

@@ -29,7 +29,8 @@ from kvbroker.broker.rooms._effects import (
     TellSuccessor,
 )
 from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, StagingKey
-from kvbroker.broker.rooms._records import FAILED, RoomTables, Side
+from kvbroker.broker.rooms._records import RoomTables
+from kvbroker.broker.rooms._sides import FAILED, Side
 from kvbroker.broker.rooms._successors import SuccessorNotices
 from kvbroker.broker.telemetry import Counters
 from kvbroker.plan import RankKey

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbroker.broker.memory import Reservation
-from kvbroker.broker.rooms._records import BOOTSTRAPPING, FAILED, SUCCESS, Side
+from kvbroker.broker.rooms._sides import BOOTSTRAPPING, FAILED, SUCCESS, Side
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.plan import Block, IndexArray, RankKey, SourcePlan, encode_indices
 from kvbroker.v1 import common_pb2, peer_pb2

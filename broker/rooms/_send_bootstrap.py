@@ -20,10 +20,11 @@ from opentelemetry import trace
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.rooms._effects import SendReport
-from kvbroker.broker.rooms._records import FAILED, SenderRoom, cause
+from kvbroker.broker.rooms._records import SenderRoom
 from kvbroker.broker.rooms._send_chunks import room_mismatch
 from kvbroker.broker.rooms._send_parts import SenderParts
 from kvbroker.broker.rooms._sender_records import Destination, Source, TransferInfo
+from kvbroker.broker.rooms._sides import FAILED, cause
 from kvbroker.errors import Aborted, AlreadyExists, FailedPrecondition
 from kvbroker.plan import RankKey, check_declared_pages, check_room_indices
 from kvbroker.v1 import common_pb2, peer_pb2

@@ -32,16 +32,7 @@ from kvbroker.broker.rooms._effects import (
     RoomEnded,
     SendReport,
 )
-from kvbroker.broker.rooms._records import (
-    FAILED,
-    SUCCESS,
-    TRANSFERRING,
-    WAITING_FOR_INPUT,
-    RoomTables,
-    Side,
-    cause,
-    cause_of,
-)
+from kvbroker.broker.rooms._records import RoomTables
 from kvbroker.broker.rooms._send_chunks import (
     chunk_notice,
     chunk_window,
@@ -58,6 +49,15 @@ from kvbroker.broker.rooms._sender_records import (
     PeerView,
     Source,
     TransferInfo,
+)
+from kvbroker.broker.rooms._sides import (
+    FAILED,
+    SUCCESS,
+    TRANSFERRING,
+    WAITING_FOR_INPUT,
+    Side,
+    cause,
+    cause_of,
 )
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import FailedPrecondition, KvBrokerError

@@ -39,10 +39,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.rooms._records import FAILED, SenderRoom, cause
+from kvbroker.broker.rooms._records import SenderRoom
 from kvbroker.broker.rooms._send_bootstrap import SenderBootstrap
 from kvbroker.broker.rooms._send_chunks import room_mismatch
 from kvbroker.broker.rooms._sender_records import Chunk, Source
+from kvbroker.broker.rooms._sides import FAILED, cause
 from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvbroker.plan import IndexArray, check_chunk
 from kvbroker.v1 import common_pb2

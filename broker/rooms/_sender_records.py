@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvbroker.broker.rooms._records import Side
+from kvbroker.broker.rooms._sides import Side
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.plan import (
     ChunkSum,
