@@ -1,14 +1,16 @@
 """A source meets its receivers: BeginSend and the receivers' transfer infos, in either order.
 
-:class:`SenderBootstrap` opens a source (:meth:`~SenderBootstrap.begin`,
+:class:`SourceBootstrap` opens a source (:meth:`~SourceBootstrap.begin`,
 BOOTSTRAPPING) and takes each receiver rank's registration of the room
-(:meth:`~SenderBootstrap.transfer_info`), which may come before or after
+(:meth:`~SourceBootstrap.transfer_info`), which may come before or after
 BeginSend; each pairing of the two becomes a destination of the source, to
-which its chunks go from then on. Transfer infos whose source never opens
-the room are answered too (:meth:`~SenderBootstrap.abandon`: when the
-source's engine goes away, or after the orphan timeout), and that
-receiver's info is never attached to that source again (its pages may have
-been reused since).
+which the ``PartLedger`` (``_send_parts``) posts its chunks from then on. It
+holds the sources still open, whose wait for transfer infos times out
+(:meth:`~SourceBootstrap.time_out`). Transfer infos whose source never opens
+the room are answered too (:meth:`~SourceBootstrap.abandon`: when the
+source's engine goes away, or after the orphan timeout,
+:meth:`~SourceBootstrap.answer_orphans`), and that receiver's info is never
+attached to that source again (its pages may have been reused since).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from opentelemetry import trace
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.rooms._effects import SendReport
+from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._records import SenderRoom
 from kvbroker.broker.rooms._send_chunks import room_mismatch
-from kvbroker.broker.rooms._send_parts import SenderParts
-from kvbroker.broker.rooms._sender_records import Destination, Source, TransferInfo
+from kvbroker.broker.rooms._send_outcomes import SourceOutcomes
+from kvbroker.broker.rooms._send_parts import PartLedger
+from kvbroker.broker.rooms._sender_records import Destination, PeerView, Source, TransferInfo
 from kvbroker.broker.rooms._sides import FAILED, cause
 from kvbroker.errors import Aborted, AlreadyExists, FailedPrecondition
 from kvbroker.plan import RankKey, check_declared_pages, check_room_indices
@@ -32,13 +36,24 @@ from kvbroker.v1 import common_pb2, peer_pb2
 if TYPE_CHECKING:
     from kvbroker.broker.memory import Engine
 
-__all__ = ["SenderBootstrap"]
+__all__ = ["SourceBootstrap"]
 
 log = structlog.get_logger(__name__)
 
 
-class SenderBootstrap(SenderParts):
-    """Opening sources and pairing them with the receivers' transfer infos."""
+class SourceBootstrap:
+    """The sources still open: opening them and pairing them with the receivers' transfer infos."""
+
+    def __init__(self, core: MachineCore, outcomes: SourceOutcomes, ledger: PartLedger, *, peers: PeerView) -> None:
+        self._id = core.broker_id
+        self._rooms = core.rooms
+        self._emit = core.emit
+        self._outcomes = outcomes
+        self._ledger = ledger
+        self._peers = peers
+        #: Sources that were open at the last look (the timeouts scan these, not every record).
+        self._open: set[Source] = set()
+        self._orphans_checked_at = 0.0
 
     def begin(self, engine: Engine, room_id: int, num_pages: int) -> Source:
         """Open ``room_id`` for sending from ``engine`` (BeginSend): ``num_pages``
@@ -52,23 +67,23 @@ class SenderBootstrap(SenderParts):
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
         room.opened += (engine.key,)
-        source = Source(room=room_id, engine=engine, listener=self._changed, num_pages=num_pages)
+        source = Source(room=room_id, engine=engine, listener=self._outcomes.changed, num_pages=num_pages)
         source.begin_context = telemetry.current_span()
         source.engine_traced = telemetry.has_remote_parent(trace.get_current_span())
         if source.engine_traced:
             # The engine passed its request's trace: the room joins it.
-            self._open_span(source, source.begin_context)
+            self._outcomes.open_span(source, source.begin_context)
         room.sources[engine.key] = source
         self._open.add(source)
         log.debug("send_opened", room=room_id, engine=engine.label, num_pages=num_pages)
         if room.aborted is not None:
-            self.fail(source, room.aborted)
+            self._outcomes.fail(source, room.aborted)
             return source
         gave_up = [(info, room.abandoned[(info.receiver, engine.key)]) for info in room.infos.values()
                    if (info.receiver, engine.key) in room.abandoned]
         if gave_up:
             info, told = gave_up[0]
-            self.fail(
+            self._outcomes.fail(
                 source,
                 cause(
                     told.kind,
@@ -142,12 +157,39 @@ class SenderBootstrap(SenderParts):
                     failure=why,
                     settled=True,
                 )
-                self._out.append(SendReport(info.receiver_broker_id, report))
+                self._emit(SendReport(info.receiver_broker_id, report))
                 told += 1
         return told
 
-    def _abandon_orphans(self, now: float, orphan_timeout_seconds: float) -> None:
-        """Answer every transfer info whose source did not open the room within the orphan timeout."""
+    def time_out(self, now: float, info_timeout_seconds: float) -> None:
+        """Fail the open sources that waited too long for their receivers'
+        transfer infos (each engine's own bound, else ``info_timeout_seconds``)."""
+        for source in list(self._open):
+            if source.terminal:
+                self._open.discard(source)
+                continue
+            own = source.engine.timeouts.sender_info_seconds
+            if source.ready() or now - source.opened_at <= (own or info_timeout_seconds):
+                continue
+            limit = source.engine.timeouts.limit("sender_info_seconds", info_timeout_seconds)
+            want = source.expected_destinations
+            self._outcomes.fail(
+                source,
+                cause(
+                    common_pb2.FAILURE_KIND_TIMEOUT,
+                    f"waited {limit} for the receivers' transfer info (ExpectRoom on the decode "
+                    f"side); {len(source.destinations)} of {want if want is not None else 'an unknown number of'} "
+                    "receivers registered",
+                    self._id,
+                ),
+            )
+
+    def answer_orphans(self, now: float, orphan_timeout_seconds: float, every: float) -> None:
+        """Answer every transfer info whose source did not open the room within
+        the orphan timeout (that scan of every room at most every ``every`` s)."""
+        if now - self._orphans_checked_at < every:
+            return
+        self._orphans_checked_at = now
         for room in list(self._rooms.sender.values()):
             for info, rank in list(room.unserved()):
                 if now - info.received_at <= orphan_timeout_seconds:
@@ -169,13 +211,13 @@ class SenderBootstrap(SenderParts):
         dest = Destination(info=info, plan=plan)
         source.destinations[info.receiver] = dest
         if source.span is None:
-            self._open_span(source, info.trace_context)
+            self._outcomes.open_span(source, info.trace_context)
         if source.state == FAILED:
-            self._report(source, dest)
+            self._outcomes.report(source, dest)
             return
         problem = room_mismatch(source, info) if plan.writes_data else None
         if problem:
-            self.fail(source, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+            self._outcomes.fail(source, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
             return
-        self._pump(source, dest)
-        self._update(source)
+        self._ledger.pump(source, dest)
+        self._outcomes.advance(source)

@@ -9,7 +9,7 @@ the notice that tells the receiver (:func:`chunk_notice`,
 :func:`data_notice`) and each part's copy of it (:func:`part_notices`); and
 the staging sizes the parts are planned against (:func:`pack_limit`,
 :func:`stage_policy`). Nothing here keeps state or leaves effects:
-``SenderParts`` (``_send_parts``) turns the plan into parts in flight.
+``PartLedger`` (``_send_parts``) turns the plan into parts in flight.
 """
 
 from __future__ import annotations

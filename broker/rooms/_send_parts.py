@@ -1,16 +1,17 @@
-"""A source's parts, from planning until they settle: the ground floor of ``SenderCore``.
+"""A source's chunks and parts, from SendChunk until every part settles.
 
-:class:`SenderParts` holds the sender state machine's state and outbox and
-what every one of its calls comes down to: posting every accepted chunk of a
-source to every destination, in chunk order (each chunk planned by
+:class:`PartLedger` accepts each chunk of a source
+(:meth:`~PartLedger.chunk`, SendChunk: validated against the engine's regions
+before anything is recorded) and posts every accepted chunk to every
+destination, in chunk order (:meth:`~PartLedger.pump`; each chunk planned by
 ``_send_chunks`` into parts: NIXL writes, each with a ``TransferNotice``; a
 staged part first reserves room at the receiver, ``ReserveStaging`` ->
-:meth:`~SenderParts.staging_reserved`), settling the parts
-(:meth:`~SenderParts.part_settled`), moving the source forward to SUCCESS,
-and failing it (the first cause is kept; every receiver's broker is told
-with a ``CompletionReport``, and told again once nothing of the source is in
-flight). ``SenderRegistration`` (``_send_registration``) and ``SenderCore``
-(``_sender``) build on it.
+:meth:`~PartLedger.staging_reserved`). It counts the parts in flight until
+each settles (:meth:`~PartLedger.part_settled`), and owns the KV pairings
+planned once per (engine, receiver rank) pair. How a source ends is
+``SourceOutcomes``'s (``_send_outcomes``), which it is given at
+construction; ``SourceBootstrap`` (``_send_bootstrap``) pumps a new
+destination through it.
 """
 
 from __future__ import annotations
@@ -20,27 +21,19 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
-from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import XferState
-from kvbroker.broker.rooms._effects import (
-    Effect,
-    PostPart,
-    Publish,
-    ReserveStaging,
-    RoomEnded,
-    SendReport,
-)
-from kvbroker.broker.rooms._records import RoomTables
+from kvbroker.broker.rooms._effects import PostPart, ReserveStaging
+from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._send_chunks import (
     chunk_notice,
     chunk_window,
     data_notice,
     pack_limit,
     part_notices,
+    room_mismatch,
     stage_policy,
 )
+from kvbroker.broker.rooms._send_outcomes import SourceOutcomes
 from kvbroker.broker.rooms._sender_records import (
     Chunk,
     ChunkChecksum,
@@ -50,25 +43,18 @@ from kvbroker.broker.rooms._sender_records import (
     Source,
     TransferInfo,
 )
-from kvbroker.broker.rooms._sides import (
-    FAILED,
-    SUCCESS,
-    TRANSFERRING,
-    WAITING_FOR_INPUT,
-    Side,
-    cause,
-    cause_of,
-)
-from kvbroker.broker.telemetry import Counters
-from kvbroker.errors import FailedPrecondition, KvBrokerError
+from kvbroker.broker.rooms._sides import FAILED, cause, cause_of
+from kvbroker.errors import FailedPrecondition, InvalidArgument, KvBrokerError, NotFound
 from kvbroker.plan import (
     FULL_PAGES,
     NO_INDICES,
     ChunkSum,
+    IndexArray,
     KvPairs,
     PartKind,
     PartSpec,
     SourcePlan,
+    check_chunk,
     kv_pairs,
     plan_chunk,
     slice_side,
@@ -76,34 +62,37 @@ from kvbroker.plan import (
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
+    from kvbroker.broker.memory import Engine
     from kvbroker.broker.peers import RemoteEngine
 
-__all__ = ["SenderParts"]
+__all__ = ["PartLedger"]
 
-log = structlog.get_logger(__name__)
-
-#: KV pairings kept (``SenderParts._kv_plans``): far more than the (engine,
+#: KV pairings kept (``PartLedger._kv_plans``): far more than the (engine,
 #: receiver rank) pairs of a fleet; each is a few small arrays.
 _KV_PLANS = 4096
 
 
-class SenderParts:
-    """The sender state machine's state, outbox, failures and parts in flight."""
+class PartLedger:
+    """Every source's accepted chunks and its parts in flight to each destination."""
 
     def __init__(
         self,
+        core: MachineCore,
+        outcomes: SourceOutcomes,
         *,
-        broker_id: str,
-        rooms: RoomTables,
-        counters: Counters,
         peers: PeerView,
         send_staging_bytes: Callable[[int, int], int],
-        on_bytes: Callable[[int], None] = lambda _n: None,
-        part_bytes: int = 64 << 20,
+        on_bytes: Callable[[int], None],
+        part_bytes: int,
     ) -> None:
-        self._id = broker_id
-        self._rooms = rooms
-        self._counters = counters
+        self._id = core.broker_id
+        self._rooms = core.rooms
+        self._counters = core.counters
+        self._emit = core.emit
+        # Bound once: these run for every part.
+        self._fail = outcomes.fail
+        self._advance = outcomes.advance
+        self._report = outcomes.report
         self._peers = peers
         self._send_staging_bytes = send_staging_bytes
         #: The largest packed part (``BrokerConfig.device_part_bytes``).
@@ -111,33 +100,77 @@ class SenderParts:
         #: KV pairings by (engine, its generation, receiver broker, rank, its generation, layers).
         self._kv_plans: collections.OrderedDict[tuple[Any, ...], KvPairs] = collections.OrderedDict()
         self._on_bytes = on_bytes
-        self._out: list[Effect] = []
-        #: Sources that were open at the last look (the timeouts scan these, not every record).
-        self._open: set[Source] = set()
-        self._orphans_checked_at = 0.0
 
-    def take(self) -> list[Effect]:
-        """The effects of the calls so far, in order; the outbox is emptied."""
-        out, self._out = self._out, []
-        return out
+    # -- chunks ------------------------------------------------------------
+    def chunk(
+        self,
+        engine: Engine,
+        room_id: int,
+        pages: IndexArray,
+        *,
+        is_last: bool,
+        aux_row: int | None,
+        state: dict[str, IndexArray],
+        room_page: int | None = None,
+    ) -> tuple[int, Source]:
+        """Accept one chunk (SendChunk) and post it to every known destination.
 
-    def fail(self, source: Source, why: common_pb2.FailureCause) -> None:
-        """Fail ``source`` (first cause wins) and report to every receiver."""
-        if not source.terminal:
-            self.ensure_span(source)
-        if not source.fail(why, settled=source.inflight == 0):
-            return
-        self._counters.rooms_failed += 1
-        log.info(
-            "send_failed",
-            room=source.room,
-            engine=source.engine.label,
-            peer=",".join(sorted({d.info.receiver_broker_id for d in source.destinations.values()})),
-            cause=why.message,
-            **telemetry.span_ids(source.span),
+        Returns the chunk index and the source. A chunk for a FAILED source is
+        accepted and dropped (the status says why); everything is validated
+        before anything is recorded. ``room_page``: the room page the chunk
+        starts at; only the first chunk may move it (incremental transfer).
+        """
+        room = self._rooms.sender.get(room_id)
+        source = room.sources.get(engine.key) if room is not None else None
+        if source is None:
+            raise NotFound(f"room {room_id} is not open for sending on engine {engine.engine_id}; call BeginSend first")
+        if source.last_received:
+            raise FailedPrecondition(f"room {room_id} already received its last chunk")
+        check_chunk(
+            source.engine.layout,
+            declared=source.num_pages,
+            sent=source.cursor,
+            pages=pages,
+            is_last=is_last,
+            aux_row=aux_row,
+            state=state,
         )
-        for dest in source.destinations.values():
-            self._report(source, dest)
+        first = source.chunks == 0
+        if room_page is not None and not first and room_page != source.first_page + source.cursor:
+            raise InvalidArgument(
+                f"room {room_id}: chunk {source.chunks} starts at room page {room_page}, but it follows on at "
+                f"{source.first_page + source.cursor} (only the first chunk may say where it starts)"
+            )
+        if first and room_page:
+            source.first_page = room_page
+        if source.state == FAILED:
+            # Accepted and dropped: keep counting, so the engine's later
+            # chunks validate as they would have.
+            source.cursor += int(pages.size)
+            source.chunks += 1
+            source.last_received = is_last
+            return source.chunks - 1, source
+        chunk = Chunk(
+            index=len(source.chunk_list),
+            pages=pages,
+            page_offset=source.cursor,
+            is_last=is_last,
+            aux_row=aux_row,
+            state=state,
+        )
+        source.chunk_list.append(chunk)
+        source.cursor += int(pages.size)
+        source.chunks += 1
+        source.last_received = is_last
+        if first:
+            # Where the source starts is known now: check it against the receivers that registered.
+            for dest in list(source.destinations.values()):
+                problem = room_mismatch(source, dest.info) if dest.plan.writes_data else None
+                if problem:
+                    self._fail(source, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+                    return chunk.index, source
+        self.pump_all(source)
+        return chunk.index, source
 
     # -- transfers -------------------------------------------------------
     def staging_reserved(self, part: Part, buffer: peer_pb2.RemoteBuffer, offset: int) -> None:
@@ -152,7 +185,7 @@ class SenderParts:
         part.notice.staged = True
         part.notice.staging_offset = offset
         part.notice.staging_bytes = part.nbytes
-        self._out.append(PostPart(part))
+        self._emit(PostPart(part))
 
     def part_settled(self, part: Part, state: XferState, descriptors: int | None, error: KvBrokerError | None) -> None:
         """A part finished (DONE or ERR), or could not be posted or staged (``error``)."""
@@ -167,9 +200,9 @@ class SenderParts:
             self._on_bytes(part.nbytes)
             source.mark("first_byte")
         elif error is not None:
-            self.fail(source, cause_of(error, self._id))
+            self._fail(source, cause_of(error, self._id))
         else:
-            self.fail(
+            self._fail(
                 source,
                 cause(
                     common_pb2.FAILURE_KIND_TRANSFER,
@@ -184,27 +217,28 @@ class SenderParts:
             if dest.inflight == 0 and dest.failure_reported and not dest.settle_reported:
                 self._report(source, dest)
             return
-        self._check_complete(source, dest)
-        self._update(source)
+        _check_complete(source, dest)
+        self._advance(source)
 
     # -- posting ---------------------------------------------------------
-    def _pump_all(self, source: Source) -> None:
+    def pump_all(self, source: Source) -> None:
+        """Post what every destination of ``source`` was not posted yet, then move it forward."""
         for dest in list(source.destinations.values()):
-            self._pump(source, dest)
-        self._update(source)
+            self.pump(source, dest)
+        self._advance(source)
 
-    def _pump(self, source: Source, dest: Destination) -> None:
+    def pump(self, source: Source, dest: Destination) -> None:
         """Post every accepted chunk not yet posted to ``dest``, in order."""
         while dest.posted_chunks < len(source.chunk_list) and source.state != FAILED:
             chunk = source.chunk_list[dest.posted_chunks]
             try:
                 self._post_chunk(source, dest, chunk)
             except KvBrokerError as exc:
-                self.fail(source, cause_of(exc, self._id))
+                self._fail(source, cause_of(exc, self._id))
                 return
             dest.posted_chunks += 1
             dest.last_posted = chunk.is_last
-        self._check_complete(source, dest)
+        _check_complete(source, dest)
 
     def _post_chunk(self, source: Source, dest: Destination, chunk: Chunk) -> None:
         """Plan ``chunk``'s parts for ``dest`` and hand them on. Raises
@@ -266,7 +300,7 @@ class SenderParts:
             source.inflight += 1
             dest.inflight += 1
             staged = spec.kind is PartKind.STAGED or spec.kind is PartKind.PACKED
-            self._out.append(ReserveStaging(part) if staged else PostPart(part))
+            self._emit(ReserveStaging(part) if staged else PostPart(part))
 
     def _kv_pairs(self, source: Source, info: TransferInfo, remote: RemoteEngine, plan: SourcePlan) -> KvPairs:
         """How ``source``'s KV pages pair with the receiver's: planned once per
@@ -283,63 +317,8 @@ class SenderParts:
             self._kv_plans.move_to_end(key)
         return pairs
 
-    # -- progress and reports ----------------------------------------------
-    def _check_complete(self, source: Source, dest: Destination) -> None:
-        if not dest.complete and dest.last_posted and dest.inflight == 0 and source.state != FAILED:
-            dest.complete = True
 
-    def _update(self, source: Source) -> None:
-        if source.terminal or not source.ready():
-            return
-        if source.wait_span is not None:
-            source.wait_span.set_attribute("kvbroker.receivers", len(source.destinations))
-            source.wait_span.end()
-            source.wait_span = None
-        source.mark("ready")
-        if source.last_received and all(d.complete for d in source.destinations.values()):
-            source.mark("last_byte")
-            telemetry.child_done(source.span, "kvbroker.completion", {"kvbroker.receivers": len(source.destinations)})
-            if source.advance(SUCCESS):
-                self._counters.rooms_succeeded += 1
-                log.debug(
-                    "send_done", room=source.room, engine=source.engine.label, bytes=source.bytes, **telemetry.span_ids(source.span)
-                )
-        elif source.chunk_list:
-            source.advance(TRANSFERRING)
-        else:
-            source.advance(WAITING_FOR_INPUT)
-
-    def _report(self, source: Source, dest: Destination) -> None:
-        """Tell the receiver's broker this source failed (if it did), and whether it settled."""
-        settled = dest.inflight == 0
-        dest.failure_reported = source.cause is not None
-        dest.settle_reported = settled
-        report = peer_pb2.CompletionReport(
-            room=source.room,
-            sender_broker_id=self._id,
-            source=source.key.to_proto(),
-            receiver=dest.info.receiver.to_proto(),
-            settled=settled,
-        )
-        if source.cause is not None:
-            report.failure.CopyFrom(source.cause)
-        self._out.append(SendReport(dest.info.receiver_broker_id, report))
-
-    def _changed(self, side: Side) -> None:
-        self._out.append(Publish(side.engine.engine_id, side.status()))
-        if side.terminal and not side.ended:
-            side.ended = True
-            self._out.append(RoomEnded(side))
-
-    def _open_span(self, source: Source, parent: Any) -> None:
-        """The sender's room span (back-dated to BeginSend) and its wait for transfer info."""
-        span = telemetry.open_room_span(source, "sender", parent, start_ns=source.opened_ns)
-        if not source.ready():
-            source.wait_span = telemetry.start_span(
-                "kvbroker.wait_for_transfer_info", parent=span, start_ns=source.opened_ns
-            )
-
-    def ensure_span(self, source: Source) -> None:
-        """A room span even for a source that ends before any receiver registered."""
-        if source.span is None:
-            self._open_span(source, source.begin_context)
+def _check_complete(source: Source, dest: Destination) -> None:
+    """``dest`` completed: every part through the last chunk posted to it settled DONE."""
+    if not dest.complete and dest.last_posted and dest.inflight == 0 and source.state != FAILED:
+        dest.complete = True

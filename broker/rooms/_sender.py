@@ -7,7 +7,8 @@ A **source** is one prefill engine rank's side of one room. Its life:
    ``transfer_info``, may come before or after BeginSend), then
    WAITING_FOR_INPUT (``_send_bootstrap``).
 2. ``chunk`` (SendChunk) accepts chunks of source pages, validated against
-   the engine's regions; the last one carries the aux row and state.
+   the engine's regions; the last one carries the aux row and state
+   (``_send_parts``).
 3. Every accepted chunk is posted to every registered destination, in chunk
    order (``_send_parts``): :func:`~kvbroker.plan.plan_chunk` splits it into
    parts (where it lands and what it carries: ``_send_chunks``), each a NIXL
@@ -16,7 +17,7 @@ A **source** is one prefill engine rank's side of one room. Its life:
    (``ReserveStaging`` -> ``staging_reserved``). The source counts its parts
    in flight until each settles (``part_settled``); TRANSFERRING meanwhile.
 4. SUCCESS when every destination registered and every part through the
-   last chunk settled DONE.
+   last chunk settled DONE (``_send_outcomes``).
 5. Failure (an abort from the engine, the operator or the receiver's broker;
    a NIXL error; a mismatch; a timeout; a lost peer or engine) keeps the
    first cause, stops posting, and tells each receiver's broker with a
@@ -29,23 +30,40 @@ source's engine goes away (``engine_gone``) or after the orphan timeout
 receiver's info is never attached to that source again (its pages may have
 been reused since).
 
-Every method returns nothing but leaves effects (``_effects``) in the
-outbox; :meth:`SenderCore.take` hands them to the executor. The records are
-in ``_sender_records``.
+:class:`SenderCore` is a facade over collaborators that each own their
+state, composed at construction around one shared
+:class:`~kvbroker.broker.rooms._machine.MachineCore` (room tables, counters,
+broker id, outbox):
+
+- ``SourceOutcomes`` (``_send_outcomes``): moves sources forward, fails
+  them, reports to their receivers; their spans.
+- ``PartLedger`` (``_send_parts``): accepted chunks and the parts in flight
+  (pump, post, staging reserved, part settled).
+- ``SourceBootstrap`` (``_send_bootstrap``): the open sources, BeginSend,
+  transfer infos, their timeouts and the orphaned infos.
+
+The calls that only one collaborator answers are that collaborator's bound
+methods (no extra hop); the facade's own methods are the events that cross
+them (aborts, lost engines and peers, timers). Every call returns nothing
+but leaves effects (``_effects``) in the outbox; :meth:`SenderCore.take`
+hands them to the executor. The records are in ``_sender_records``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.rooms._records import SenderRoom
-from kvbroker.broker.rooms._send_bootstrap import SenderBootstrap
-from kvbroker.broker.rooms._send_chunks import room_mismatch
-from kvbroker.broker.rooms._sender_records import Chunk, Source
-from kvbroker.broker.rooms._sides import FAILED, cause
-from kvbroker.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvbroker.plan import IndexArray, check_chunk
+from kvbroker.broker.rooms._machine import MachineCore
+from kvbroker.broker.rooms._records import RoomTables, SenderRoom
+from kvbroker.broker.rooms._send_bootstrap import SourceBootstrap
+from kvbroker.broker.rooms._send_outcomes import SourceOutcomes
+from kvbroker.broker.rooms._send_parts import PartLedger
+from kvbroker.broker.rooms._sender_records import PeerView, Source
+from kvbroker.broker.rooms._sides import cause
+from kvbroker.broker.telemetry import Counters
+from kvbroker.errors import PermissionDenied
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -54,95 +72,61 @@ if TYPE_CHECKING:
 __all__ = ["SenderCore"]
 
 
-class SenderCore(SenderBootstrap):
+class SenderCore:
     """Every source of this broker. No I/O: calls leave effects (:meth:`take`).
 
-    Its state, ``fail`` and the parts in flight (``staging_reserved``,
-    ``part_settled``) are :class:`~kvbroker.broker.rooms._send_parts.SenderParts`'s;
-    ``begin``, ``transfer_info`` and ``abandon`` are
-    :class:`~kvbroker.broker.rooms._send_bootstrap.SenderBootstrap`'s.
+    The facade over the sender's collaborators: ``take`` is the shared
+    outbox's; ``fail`` and ``ensure_span`` are
+    :class:`~kvbroker.broker.rooms._send_outcomes.SourceOutcomes`'s;
+    ``chunk``, ``staging_reserved`` and ``part_settled`` are
+    :class:`~kvbroker.broker.rooms._send_parts.PartLedger`'s; ``begin``,
+    ``transfer_info`` and ``abandon`` are
+    :class:`~kvbroker.broker.rooms._send_bootstrap.SourceBootstrap`'s (each
+    bound here at construction).
     """
 
-    # -- engine calls ----------------------------------------------------
-    def chunk(
+    def __init__(
         self,
-        engine: Engine,
-        room_id: int,
-        pages: IndexArray,
         *,
-        is_last: bool,
-        aux_row: int | None,
-        state: dict[str, IndexArray],
-        room_page: int | None = None,
-    ) -> tuple[int, Source]:
-        """Accept one chunk (SendChunk) and post it to every known destination.
-
-        Returns the chunk index and the source. A chunk for a FAILED source is
-        accepted and dropped (the status says why); everything is validated
-        before anything is recorded. ``room_page``: the room page the chunk
-        starts at; only the first chunk may move it (incremental transfer).
-        """
-        room = self._rooms.sender.get(room_id)
-        source = room.sources.get(engine.key) if room is not None else None
-        if source is None:
-            raise NotFound(f"room {room_id} is not open for sending on engine {engine.engine_id}; call BeginSend first")
-        if source.last_received:
-            raise FailedPrecondition(f"room {room_id} already received its last chunk")
-        check_chunk(
-            source.engine.layout,
-            declared=source.num_pages,
-            sent=source.cursor,
-            pages=pages,
-            is_last=is_last,
-            aux_row=aux_row,
-            state=state,
+        broker_id: str,
+        rooms: RoomTables,
+        counters: Counters,
+        peers: PeerView,
+        send_staging_bytes: Callable[[int, int], int],
+        on_bytes: Callable[[int], None] = lambda _n: None,
+        part_bytes: int = 64 << 20,
+    ) -> None:
+        core = MachineCore(broker_id=broker_id, rooms=rooms, counters=counters)
+        outcomes = SourceOutcomes(core)
+        ledger = PartLedger(
+            core, outcomes, peers=peers, send_staging_bytes=send_staging_bytes, on_bytes=on_bytes, part_bytes=part_bytes
         )
-        first = source.chunks == 0
-        if room_page is not None and not first and room_page != source.first_page + source.cursor:
-            raise InvalidArgument(
-                f"room {room_id}: chunk {source.chunks} starts at room page {room_page}, but it follows on at "
-                f"{source.first_page + source.cursor} (only the first chunk may say where it starts)"
-            )
-        if first and room_page:
-            source.first_page = room_page
-        if source.state == FAILED:
-            # Accepted and dropped: keep counting, so the engine's later
-            # chunks validate as they would have.
-            source.cursor += int(pages.size)
-            source.chunks += 1
-            source.last_received = is_last
-            return source.chunks - 1, source
-        chunk = Chunk(
-            index=len(source.chunk_list),
-            pages=pages,
-            page_offset=source.cursor,
-            is_last=is_last,
-            aux_row=aux_row,
-            state=state,
-        )
-        source.chunk_list.append(chunk)
-        source.cursor += int(pages.size)
-        source.chunks += 1
-        source.last_received = is_last
-        if first:
-            # Where the source starts is known now: check it against the receivers that registered.
-            for dest in list(source.destinations.values()):
-                problem = room_mismatch(source, dest.info) if dest.plan.writes_data else None
-                if problem:
-                    self.fail(source, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
-                    return chunk.index, source
-        self._pump_all(source)
-        return chunk.index, source
+        bootstrap = SourceBootstrap(core, outcomes, ledger, peers=peers)
+        self._id = broker_id
+        self._rooms = rooms
+        self._outcomes = outcomes
+        self._bootstrap = bootstrap
+        # -- the calls one collaborator answers, bound (no hop) --------------
+        self.take = core.take
+        self.fail = outcomes.fail
+        self.ensure_span = outcomes.ensure_span
+        self.chunk = ledger.chunk
+        self.staging_reserved = ledger.staging_reserved
+        self.part_settled = ledger.part_settled
+        self.begin = bootstrap.begin
+        self.transfer_info = bootstrap.transfer_info
+        self.abandon = bootstrap.abandon
 
+    # -- engine calls ----------------------------------------------------
     def abort(self, engine: Engine, room_id: int, reason: str, *, by: str = "engine") -> Source | None:
         """Fail the engine's side of the room and tell its receivers. Idempotent."""
         room = self._rooms.sender.get(room_id)
         source = room.sources.get(engine.key) if room is not None else None
         if source is not None:
             why = reason or "aborted by the sending engine"
-            self.ensure_span(source)
+            self._outcomes.ensure_span(source)
             telemetry.child_done(source.span, "kvbroker.abort", {"kvbroker.reason": why, "kvbroker.by": by})
-            self.fail(source, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
+            self._outcomes.fail(source, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
         return source
 
     def engine_gone(self, engine: Engine, why: common_pb2.FailureCause) -> int:
@@ -151,8 +135,8 @@ class SenderCore(SenderBootstrap):
         sources failed."""
         sources = [s for s in self._rooms.all_sources() if s.engine is engine]
         for source in sources:
-            self.fail(source, why)
-        self.abandon(engine.key, why)
+            self._outcomes.fail(source, why)
+        self._bootstrap.abandon(engine.key, why)
         return sum(1 for s in sources if s.cause is why)
 
     # -- peer calls ------------------------------------------------------
@@ -180,9 +164,9 @@ class SenderCore(SenderBootstrap):
                 # anything of it can land, so their pages settle.
                 for dest in source.destinations.values():
                     if dest.inflight == 0 and not dest.settle_reported:
-                        self._report(source, dest)
+                        self._outcomes.report(source, dest)
             else:
-                self.fail(source, why)
+                self._outcomes.fail(source, why)
         return all(source.inflight == 0 for source in room.sources.values())
 
     def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
@@ -193,7 +177,7 @@ class SenderCore(SenderBootstrap):
             if not s.terminal and any(d.info.receiver_broker_id == broker_id for d in s.destinations.values())
         ]
         for source in lost:
-            self.fail(source, why)
+            self._outcomes.fail(source, why)
         return len(lost)
 
     # -- timers ----------------------------------------------------------
@@ -201,29 +185,8 @@ class SenderCore(SenderBootstrap):
         """Time out sources waiting for transfer infos (each engine's own bound,
         else ``info_timeout_seconds``); answer infos whose source never came
         (that scan of every room at most every ``orphans_every`` s)."""
-        for source in list(self._open):
-            if source.terminal:
-                self._open.discard(source)
-                continue
-            own = source.engine.timeouts.sender_info_seconds
-            if source.ready() or now - source.opened_at <= (own or info_timeout_seconds):
-                continue
-            limit = source.engine.timeouts.limit("sender_info_seconds", info_timeout_seconds)
-            want = source.expected_destinations
-            self.fail(
-                source,
-                cause(
-                    common_pb2.FAILURE_KIND_TIMEOUT,
-                    f"waited {limit} for the receivers' transfer info (ExpectRoom on the decode "
-                    f"side); {len(source.destinations)} of {want if want is not None else 'an unknown number of'} "
-                    "receivers registered",
-                    self._id,
-                ),
-            )
-        if now - self._orphans_checked_at < orphans_every:
-            return
-        self._orphans_checked_at = now
-        self._abandon_orphans(now, orphan_timeout_seconds)
+        self._bootstrap.time_out(now, info_timeout_seconds)
+        self._bootstrap.answer_orphans(now, orphan_timeout_seconds, orphans_every)
 
     # -- queries ---------------------------------------------------------
     def has_business(self, broker_id: str) -> bool:
