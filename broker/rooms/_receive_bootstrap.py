@@ -1,18 +1,20 @@
 """A receiver rank finds its sender and registers the room there: ExpectRoom up to WAITING_FOR_INPUT.
 
-:class:`ReceiverBootstrap` opens a rank (:meth:`~ReceiverBootstrap.expect`,
+:class:`RankBootstrap` opens a rank (:meth:`~RankBootstrap.expect`,
 BOOTSTRAPPING) and asks for its sender's broker to be found (``FindSender``:
 handshake, retried up to the bootstrap timeout). When it is
-(:meth:`~ReceiverBootstrap.sender_found`), the rank plans which sources owe
+(:meth:`~RankBootstrap.sender_found`), the rank plans which sources owe
 it what (``plan_sources``), records that plan, and only then registers the
 room with the sender's broker (``RegisterRoom``), since the sender may start
 writing the moment it has the transfer info. A rank whose sources live on
 several brokers (a sender group spread over hosts, found through etcd) has
 one ``SenderLeg`` per broker and registers with each, for the sources it
 holds. The outcomes of the registrations come back here: accepted by every
-one (:meth:`~ReceiverBootstrap.room_registered`: WAITING_FOR_INPUT, and the
+one (:meth:`~RankBootstrap.room_registered`: WAITING_FOR_INPUT, and the
 data timeout runs from here), refused as stale (registered again after a
-fresh handshake), or failed.
+fresh handshake), or failed. It keeps no state of its own beyond the
+records: a rank it opens is tracked, failed and settled by ``RankSettling``
+(``_receive_settling``), given at construction.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.rooms._effects import AbortAtPeer, FindSender, Publish, RegisterRoom
-from kvbroker.broker.rooms._receiver_base import ReceiverBase
+from kvbroker.broker.rooms._machine import MachineCore
+from kvbroker.broker.rooms._receive_settling import RankSettling
 from kvbroker.broker.rooms._receiver_records import (
     NO_COMPONENTS,
     Receiver,
@@ -32,6 +35,7 @@ from kvbroker.broker.rooms._receiver_records import (
 from kvbroker.broker.rooms._records import ReceiverRoom
 from kvbroker.broker.rooms._sides import BOOTSTRAPPING, WAITING_FOR_INPUT, cause, cause_of
 from kvbroker.broker.rooms._smallmap import SmallMap
+from kvbroker.broker.rooms._successors import SuccessorNotices
 from kvbroker.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (
     GroupShape,
@@ -51,11 +55,18 @@ from kvbroker.v1 import common_pb2, peer_pb2
 if TYPE_CHECKING:
     from kvbroker.broker.memory import Engine
 
-__all__ = ["ReceiverBootstrap", "expectation", "leg_of", "register_request"]
+__all__ = ["RankBootstrap", "expectation", "leg_of", "register_request"]
 
 
-class ReceiverBootstrap(ReceiverBase):
+class RankBootstrap:
     """Opening receiver ranks, finding their senders and registering their rooms there."""
+
+    def __init__(self, core: MachineCore, settling: RankSettling, successors: SuccessorNotices) -> None:
+        self._id = core.broker_id
+        self._rooms = core.rooms
+        self._emit = core.emit
+        self._settling = settling
+        self._successors = successors
 
     def expect(
         self,
@@ -85,7 +96,7 @@ class ReceiverBootstrap(ReceiverBase):
         rank = Receiver(
             room=room_id,
             engine=engine,
-            listener=self._changed,
+            listener=self._settling.changed,
             sender_address=sender_address,
             sender_group=sender_group,
             pages=pages,
@@ -96,13 +107,13 @@ class ReceiverBootstrap(ReceiverBase):
             state_indices={name: indices for name, indices in state.items() if indices.size},
         )
         room.ranks[engine.key] = rank
-        self._open.add(rank)
+        self._settling.track(rank)
         # The room span continues the engine's trace (the context its
         # ExpectRoom came with) or starts one; the bootstrap runs in it, so
         # the handshake and the registration (and, through the registration,
         # the sender's side) join the trace.
         telemetry.open_room_span(rank, "receiver", None)
-        self._out.append(FindSender(rank))
+        self._emit(FindSender(rank))
         return rank
 
     def sender_found(self, rank: Receiver, found: str | list[SenderLeg], layouts: list[Layout]) -> None:
@@ -120,9 +131,9 @@ class ReceiverBootstrap(ReceiverBase):
             # remembered for it).
             for leg in rank.legs:
                 if self._successors.remembered(leg.address, rank.room):
-                    self._tell_successor_now(leg.address)
+                    self._settling.tell_successor_now(leg.address)
                 elif rank.cause is not None:
-                    self._out.append(AbortAtPeer(leg.broker_id, rank.room, rank.cause))
+                    self._emit(AbortAtPeer(leg.broker_id, rank.room, rank.cause))
             return
         try:
             sender_shape, receiver_shape = GroupShape.of(layouts[0]), GroupShape.of(rank.engine.layout)
@@ -131,7 +142,7 @@ class ReceiverBootstrap(ReceiverBase):
             plans = plan_sources(sender_shape, rank.sender_group, receiver_shape, rank.key.tp_rank, rank.key.pp_rank)
             placed = [(p, leg_of(rank, p.rank)) for p in plans]
         except KvBrokerError as exc:
-            self.fail(rank, cause_of(exc, self._id))
+            self._settling.fail(rank, cause_of(exc, self._id))
             return
         rank.expected = SmallMap((p.rank, expectation(rank, p, leg)) for p, leg in placed)
         for leg in rank.legs:
@@ -140,18 +151,18 @@ class ReceiverBootstrap(ReceiverBase):
                 continue  # (a leg the plan does not need: nothing to register there)
             request = register_request(self._id, rank, leg, mine)
             leg.registered = leg.registering = True
-            self._out.append(RegisterRoom(rank, leg, request))
+            self._emit(RegisterRoom(rank, leg, request))
 
     def still_looking(self, rank: Receiver, why: str) -> None:
         """Its sender was looked for and not found yet (retried until the
         bootstrap timeout): the engine's status says why, when that changes."""
         if rank.state == BOOTSTRAPPING and why != rank.waiting_for:
             rank.waiting_for = why
-            self._out.append(Publish(rank.engine.engine_id, rank.status()))
+            self._emit(Publish(rank.engine.engine_id, rank.status()))
 
     def bootstrap_failed(self, rank: Receiver, error: KvBrokerError) -> None:
         """The sender's broker or group could not be found within the bootstrap timeout."""
-        self.fail(rank, cause_of(error, self._id))
+        self._settling.fail(rank, cause_of(error, self._id))
 
     def registration_stale(self, rank: Receiver, leg: SenderLeg) -> None:
         """The sender broker ``leg`` refused the registration as stale
@@ -189,12 +200,12 @@ class ReceiverBootstrap(ReceiverBase):
                 f"peer broker {leg.address} ({broker_id}) went away while room {rank.room} registered there",
                 self._id,
             )
-            self._lose_sender(rank, why, leg)
+            self._settling.lose_sender(rank, why, leg)
             return
         if rank.terminal:
             # Aborted while we registered: the sender has the info now.
             if rank.cause is not None:
-                self._out.append(AbortAtPeer(broker_id, rank.room, rank.cause))
+                self._emit(AbortAtPeer(broker_id, rank.room, rank.cause))
             return
         if rank.registering:
             return  # another sender broker has not answered yet
@@ -209,7 +220,7 @@ class ReceiverBootstrap(ReceiverBase):
         may write: the pages are not settled until it says so or is lost."""
         leg.registering = False
         leg.registered = leg.registered and maybe_delivered
-        self.fail(rank, cause_of(type(error)(f"the sender's broker refused room {rank.room}: {error.message}"), self._id))
+        self._settling.fail(rank, cause_of(type(error)(f"the sender's broker refused room {rank.room}: {error.message}"), self._id))
 
 
 def leg_of(rank: Receiver, source: RankKey) -> SenderLeg:

@@ -1,31 +1,37 @@
 """Data landing in a receiver rank: notices, scattered parts, checksums and completion.
 
-:class:`ReceiverLanding` takes the NIXL notifications
-(:meth:`~ReceiverLanding.notices`): each says one part of one chunk of one
+:class:`RankLanding` takes the NIXL notifications
+(:meth:`~RankLanding.notices`): each says one part of one chunk of one
 source landed. A staged or packed part landed in the receive staging buffer
-(reserved for it by the sender's prefetch, :meth:`~ReceiverLanding.staging_wanted`
-and :meth:`~ReceiverLanding.staging_granted`) and is scattered into the
-pages first (``Scatter`` -> :meth:`~ReceiverLanding.scattered`);
+(reserved for it by the sender's prefetch, :meth:`~RankLanding.staging_wanted`
+and :meth:`~RankLanding.staging_granted`) and is scattered into the
+pages first (``Scatter`` -> :meth:`~RankLanding.scattered`);
 TRANSFERRING. A chunk all of whose parts landed is checked against the
 sender's checksum when the rank asked for that. SUCCESS when every source
 it expects, counted by unique (group, tp rank, pp rank) (lesson 2), is
 complete: every part of every chunk of its last notice's count landed, the
 aux row if it asked for one, and every state component it listed with
 indices (lesson 1). A source's out-of-band report
-(:meth:`~ReceiverLanding.completion_report`) says it failed, and whether
+(:meth:`~RankLanding.completion_report`) says it failed, and whether
 anything of it is still in flight. Notices for rooms that are not here are
-counted and dropped; they never create a room (lesson 6).
+counted and dropped; they never create a room (lesson 6). It holds the
+ledger of the credits this broker granted sending peers (a packed part's
+range must lie in one); ranks fail and settle through ``RankSettling``
+(``_receive_settling``), given at construction.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import structlog
 from google.protobuf.message import DecodeError
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.memory import Reservation
+from kvbroker.broker.memory import CreditLedger, Reservation
 from kvbroker.broker.rooms._effects import ReleaseStaging, Scatter, VerifyChunk
-from kvbroker.broker.rooms._receiver_base import ReceiverBase
+from kvbroker.broker.rooms._machine import MachineCore
+from kvbroker.broker.rooms._receive_settling import RankSettling
 from kvbroker.broker.rooms._receiver_records import (
     Landing,
     PoolKey,
@@ -52,13 +58,28 @@ from kvbroker.plan import (
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["ReceiverLanding", "landing_of", "pool_of", "token_problem"]
+__all__ = ["RankLanding", "landing_of", "pool_of", "token_problem"]
 
 log = structlog.get_logger(__name__)
 
 
-class ReceiverLanding(ReceiverBase):
-    """What lands in receiver ranks, and when a rank is complete."""
+class RankLanding:
+    """What lands in receiver ranks, and when a rank is complete; the credits granted to senders."""
+
+    def __init__(
+        self, core: MachineCore, settling: RankSettling, *, credits: CreditLedger, on_bytes: Callable[[int], None]
+    ) -> None:
+        self._id = core.broker_id
+        self._rooms = core.rooms
+        self._counters = core.counters
+        self._emit = core.emit
+        # Bound once: these run for every notice.
+        self._fail = settling.fail
+        self._maybe_settled = settling.maybe_settled
+        self._release_staging = settling.release_staging
+        #: The grants this broker gave sending peers (a packed part's range must lie in one).
+        self._credits = credits
+        self._on_bytes = on_bytes
 
     # -- data --------------------------------------------------------------
     def notices(self, items: list[tuple[str, bytes]]) -> None:
@@ -79,7 +100,7 @@ class ReceiverLanding(ReceiverBase):
                 continue
             if not self._notice(notice) and notice.credit_id:
                 credit = Reservation(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
-                self._out.append(ReleaseStaging(((0, 0, credit),)))
+                self._emit(ReleaseStaging(((0, 0, credit),)))
 
     def _notice(self, notice: peer_pb2.TransferNotice) -> bool:
         """Take one notice; whether its credit range (if any) is held by a rank now."""
@@ -93,14 +114,14 @@ class ReceiverLanding(ReceiverBase):
         source_key = rank_key(notice.source)
         exp = rank.expected.get(source_key) if rank.expected is not None else None
         if exp is None or exp.leg is not leg:
-            self.fail(
+            self._fail(
                 rank,
                 cause(common_pb2.FAILURE_KIND_MISMATCH, f"an unexpected source {source_key} wrote into the room", self._id),
             )
             return False
         key = (source_key, notice.chunk_index, notice.part)
         if not notice.part < max(1, notice.parts) <= MAX_PARTS:
-            self.fail(
+            self._fail(
                 rank,
                 cause(
                     common_pb2.FAILURE_KIND_MISMATCH,
@@ -112,7 +133,7 @@ class ReceiverLanding(ReceiverBase):
         if exp.has_part(notice.chunk_index, notice.part) or key in rank.scattering:
             return False
         if notice.token_end and (problem := token_problem(rank, notice)):
-            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, f"source {source_key} {problem}", self._id))
+            self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, f"source {source_key} {problem}", self._id))
             return False
         if notice.staged:
             if rank.terminal:
@@ -125,10 +146,10 @@ class ReceiverLanding(ReceiverBase):
                 try:
                     landing = landing_of(rank, key, exp, notice)
                 except KvBrokerError as exc:
-                    self.fail(rank, cause_of(exc, self._id))
+                    self._fail(rank, cause_of(exc, self._id))
                     return key in rank.staging
                 rank.scattering[key] = None
-                self._out.append(Scatter(rank, landing))
+                self._emit(Scatter(rank, landing))
                 return True
         self._landed(rank, source_key, exp, notice)
         return False
@@ -143,7 +164,7 @@ class ReceiverLanding(ReceiverBase):
                 f"source {key[0]} wrote packed part {notice.part} of chunk {notice.chunk_index} at offset "
                 f"{notice.staging_offset} (+{notice.staging_bytes}), outside the credits this broker granted it"
             )
-            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+            self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
             return False
         credit = Reservation(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
         rank.staging[key] = (pool, credit)
@@ -156,10 +177,10 @@ class ReceiverLanding(ReceiverBase):
         rank.scattering.pop(landing.key, None)
         held = rank.staging.pop(landing.key, None)
         if held is not None:
-            self._out.append(ReleaseStaging(((*held[0], held[1]),)))
+            self._emit(ReleaseStaging(((*held[0], held[1]),)))
         exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
         if error is not None:
-            self.fail(rank, cause_of(error, self._id))
+            self._fail(rank, cause_of(error, self._id))
         if exp is not None and error is None:
             self._landed(rank, landing.key[0], exp, landing.notice)
         else:
@@ -203,14 +224,14 @@ class ReceiverLanding(ReceiverBase):
         rank = effect.receiver
         rank.verifying -= 1
         if error is not None:
-            self.fail(rank, cause_of(error, self._id))
+            self._fail(rank, cause_of(error, self._id))
         elif got != effect.expected and not rank.terminal:
             self._counters.checksum_mismatches += 1
             problem = (
                 f"chunk {effect.chunk_index} from source {effect.source} arrived with checksum {got:08x}, the sender read "
                 f"{effect.expected:08x}: the transport corrupted it"
             )
-            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+            self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
         if rank.terminal:
             self._maybe_settled(rank)
         else:
@@ -245,7 +266,7 @@ class ReceiverLanding(ReceiverBase):
         if report.settled and exp is not None and exp.leg.broker_id == report.sender_broker_id:
             exp.settled = True
         if report.HasField("failure"):
-            self.fail(rank, report.failure, told_by=report.sender_broker_id)
+            self._fail(rank, report.failure, told_by=report.sender_broker_id)
         self._maybe_settled(rank)
 
     # -- staging -------------------------------------------------------------
@@ -270,7 +291,7 @@ class ReceiverLanding(ReceiverBase):
         key = (rank_key(request.source), request.chunk_index, request.part)
         held = rank.staging.get(key)
         if held is not None:
-            self._out.append(ReleaseStaging(((*pool, reservation),)))
+            self._emit(ReleaseStaging(((*pool, reservation),)))
             return held[1]
         if rank.terminal:
             raise FailedPrecondition(f"room {request.room} ended while it waited for staging")
@@ -297,7 +318,7 @@ class ReceiverLanding(ReceiverBase):
             problem = f"source {key} sent {exp.pages_landed()} pages, this rank expects {rank.pages.size}"
         exp.complete = True
         if problem:
-            self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+            self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
 
     def _verify(self, rank: Receiver, source_key: RankKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> None:
         """Have a chunk whose parts all landed checked against the sender's
@@ -322,14 +343,14 @@ class ReceiverLanding(ReceiverBase):
                     pages, tokens = rank.pages[notice.page_offset : notice.page_offset + notice.pages], None
                 aux_row = rank.aux_row if notice.is_last and exp.expects_aux and not notice.aux_packed else None
             except KvBrokerError as exc:
-                self.fail(rank, cause_of(exc, self._id))
+                self._fail(rank, cause_of(exc, self._id))
                 return
             what = ChunkSum(plan, pages, head, aux_row, "receiver", tokens)
             rank.verifying += 1
-            self._out.append(VerifyChunk(rank, source_key, notice.chunk_index, notice.checksum, what))
+            self._emit(VerifyChunk(rank, source_key, notice.chunk_index, notice.checksum, what))
             return
         self._counters.checksum_mismatches += 1
-        self.fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
+        self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
 
 
 def pool_of(rank: Receiver) -> PoolKey:

@@ -29,23 +29,49 @@ A **receiver** is one decode engine rank's side of one room. Its life:
    at its address next (``TellSuccessor``; ``_successors``). The pages are
    settled (``pages_settled``) only when nothing can land in them any more:
    every source completed, settled, owes no data, or its broker is gone —
-   and no scatter is running (``_receiver_base``).
+   and no scatter is running (``_receive_settling``).
 
 Notices for rooms that are not here are counted and dropped; they never
-create a room (lesson 6). Every method leaves effects (``_effects``) in the
-outbox; :meth:`ReceiverCore.take` hands them to the executor. The records
-are in ``_receiver_records``.
+create a room (lesson 6).
+
+:class:`ReceiverCore` is a facade over collaborators that each own their
+state, composed at construction around one shared
+:class:`~kvbroker.broker.rooms._machine.MachineCore` (room tables, counters,
+broker id, outbox):
+
+- ``RankSettling`` (``_receive_settling``): the ranks not settled yet;
+  failing a rank, settling its pages, releasing its staging, the data
+  timeout.
+- ``RankBootstrap`` (``_receive_bootstrap``): ExpectRoom, finding the
+  sender, registering the room and the registrations' outcomes.
+- ``RankLanding`` (``_receive_landing``): notices, scatters, checksums,
+  completion reports, staging grants, the credits granted to senders.
+- ``SuccessorNotices`` (``_successors``): rooms to tell the next broker at
+  a lost sender's address.
+
+The calls that only one collaborator answers are that collaborator's bound
+methods (no extra hop); the facade's own methods are the events that cross
+them (aborts, lost engines and peers, timers). Every call leaves effects
+(``_effects``) in the outbox; :meth:`ReceiverCore.take` hands them to the
+executor. The records are in ``_receiver_records``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.rooms._receive_bootstrap import ReceiverBootstrap
-from kvbroker.broker.rooms._receive_landing import ReceiverLanding
+from kvbroker.broker.memory import CreditLedger
+from kvbroker.broker.rooms._machine import MachineCore
+from kvbroker.broker.rooms._receive_bootstrap import RankBootstrap
+from kvbroker.broker.rooms._receive_landing import RankLanding
+from kvbroker.broker.rooms._receive_settling import RankSettling
 from kvbroker.broker.rooms._receiver_records import Receiver
+from kvbroker.broker.rooms._records import RoomTables
 from kvbroker.broker.rooms._sides import FAILED, cause
+from kvbroker.broker.rooms._successors import SuccessorNotices
+from kvbroker.broker.telemetry import Counters
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -54,16 +80,63 @@ if TYPE_CHECKING:
 __all__ = ["ReceiverCore"]
 
 
-class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
+class ReceiverCore:
     """Every receiver rank of this broker. No I/O: calls leave effects (:meth:`take`).
 
-    Its state, ``fail`` and ``awaiting_data`` are
-    :class:`~kvbroker.broker.rooms._receiver_base.ReceiverBase`'s; ``expect``
-    and the registration outcomes are
-    :class:`~kvbroker.broker.rooms._receive_bootstrap.ReceiverBootstrap`'s;
-    notices, scatters, staging and completion reports are
-    :class:`~kvbroker.broker.rooms._receive_landing.ReceiverLanding`'s.
+    The facade over the receiver's collaborators: ``take`` is the shared
+    outbox's; ``fail`` and ``awaiting_data`` are
+    :class:`~kvbroker.broker.rooms._receive_settling.RankSettling`'s;
+    ``expect``, ``sender_found``, ``still_looking``, ``bootstrap_failed`` and
+    the registration outcomes (``registration_stale``, ``register_again``,
+    ``registration_error``, ``room_registered``, ``registration_failed``) are
+    :class:`~kvbroker.broker.rooms._receive_bootstrap.RankBootstrap`'s;
+    ``notices``, ``scattered``, ``chunk_verified``, ``completion_report``,
+    ``staging_wanted`` and ``staging_granted`` are
+    :class:`~kvbroker.broker.rooms._receive_landing.RankLanding`'s;
+    ``successor_notices`` and ``successor_done`` are
+    :class:`~kvbroker.broker.rooms._successors.SuccessorNotices`' ``take``
+    and ``done`` (each bound here at construction).
     """
+
+    def __init__(
+        self,
+        *,
+        broker_id: str,
+        rooms: RoomTables,
+        counters: Counters,
+        on_bytes: Callable[[int], None] = lambda _n: None,
+        credits: CreditLedger | None = None,
+    ) -> None:
+        core = MachineCore(broker_id=broker_id, rooms=rooms, counters=counters)
+        successors = SuccessorNotices(rooms)
+        settling = RankSettling(core, successors)
+        bootstrap = RankBootstrap(core, settling, successors)
+        landing = RankLanding(core, settling, credits=credits if credits is not None else CreditLedger(), on_bytes=on_bytes)
+        self._id = broker_id
+        self._rooms = rooms
+        self._settling = settling
+        self._successors = successors
+        # -- the calls one collaborator answers, bound (no hop) --------------
+        self.take = core.take
+        self.fail = settling.fail
+        self.awaiting_data = settling.awaiting_data
+        self.expect = bootstrap.expect
+        self.sender_found = bootstrap.sender_found
+        self.still_looking = bootstrap.still_looking
+        self.bootstrap_failed = bootstrap.bootstrap_failed
+        self.registration_stale = bootstrap.registration_stale
+        self.register_again = bootstrap.register_again
+        self.registration_error = bootstrap.registration_error
+        self.room_registered = bootstrap.room_registered
+        self.registration_failed = bootstrap.registration_failed
+        self.notices = landing.notices
+        self.scattered = landing.scattered
+        self.chunk_verified = landing.chunk_verified
+        self.completion_report = landing.completion_report
+        self.staging_wanted = landing.staging_wanted
+        self.staging_granted = landing.staging_granted
+        self.successor_notices = successors.take
+        self.successor_done = successors.done
 
     # -- engine calls ----------------------------------------------------
     def abort(self, engine: Engine, room_id: int, reason: str, *, by: str = "engine") -> Receiver | None:
@@ -73,14 +146,14 @@ class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
         if rank is not None:
             why = reason or "aborted by the receiving engine"
             telemetry.child_done(rank.span, "kvbroker.abort", {"kvbroker.reason": why, "kvbroker.by": by})
-            self.fail(rank, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
+            self._settling.fail(rank, cause(common_pb2.FAILURE_KIND_ABORTED, why, self._id))
         return rank
 
     def engine_gone(self, engine: Engine, why: common_pb2.FailureCause) -> int:
         """``engine`` unregistered or died: fail its ranks. Returns how many failed."""
         ranks = [r for r in self._rooms.all_receivers() if r.engine is engine]
         for rank in ranks:
-            self.fail(rank, why)
+            self._settling.fail(rank, why)
         return sum(1 for r in ranks if r.cause is why)
 
     # -- peers -----------------------------------------------------------------
@@ -91,7 +164,7 @@ class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
             return 0
         ranks = [r for r in room.ranks.values() if r.leg(from_broker) is not None]
         for rank in ranks:
-            self.fail(rank, why, told_by=from_broker)
+            self._settling.fail(rank, why, told_by=from_broker)
         return len(ranks)
 
     def peer_settled(self, broker_id: str, room_id: int) -> None:
@@ -101,7 +174,7 @@ class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
         room = self._rooms.receiver.get(room_id)
         for rank in room.ranks.values() if room is not None else ():
             if rank.leg(broker_id) is not None and rank.state == FAILED:
-                self._settle_sources(rank, broker_id)
+                self._settling.settle_sources(rank, broker_id)
 
     def abort_undelivered(self, broker_id: str, room_id: int, why: common_pb2.FailureCause) -> None:
         """An abort could not reach ``broker_id`` (it went away): tell the broker
@@ -126,7 +199,7 @@ class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
             if (leg := r.leg(broker_id)) is not None and (leg.registered or r.terminal) and not leg.registering
         ]
         for rank, leg in lost:
-            self._lose_sender(rank, why, leg)
+            self._settling.lose_sender(rank, why, leg)
         return len(lost)
 
     def has_business(self, broker_id: str) -> bool:
@@ -139,31 +212,7 @@ class ReceiverCore(ReceiverBootstrap, ReceiverLanding):
     def tick(self, now: float, *, data_timeout_seconds: float, retry_seconds: float) -> None:
         """Time out ranks waiting for data (each engine's own bound, else
         ``data_timeout_seconds``); tell successors of lost rooms (every ``retry_seconds``)."""
-        for rank in list(self._open):
-            if rank.terminal and not self._recorded(rank):
-                self._open.discard(rank)  # evicted before its pages settled
-                continue
-            own = rank.engine.timeouts.receiver_data_seconds
-            if rank.terminal or rank.registered_at is None or now - rank.registered_at <= (own or data_timeout_seconds):
-                continue
-            limit = rank.engine.timeouts.limit("receiver_data_seconds", data_timeout_seconds)
-            pending = [str(k) for k, e in (rank.expected or {}).items() if not e.complete]
-            self.fail(
-                rank,
-                cause(
-                    common_pb2.FAILURE_KIND_TIMEOUT,
-                    f"waited {limit} for data from the sender's broker; sources not complete: {pending}",
-                    self._id,
-                ),
-            )
+        self._settling.time_out(now, data_timeout_seconds)
         for address in self._successors.due(now, retry_seconds):
-            self._tell_successor_now(address, now)
+            self._settling.tell_successor_now(address, now)
         self._successors.forget_old_tries(now, retry_seconds)
-
-    def successor_notices(self, address: str) -> list[tuple[int, common_pb2.FailureCause]]:
-        """Take the rooms to tell the broker now at ``address`` (they leave the table)."""
-        return self._successors.take(address)
-
-    def successor_done(self, address: str) -> None:
-        """A TellSuccessor finished (told, or unreachable: tried again later)."""
-        self._successors.done(address)

@@ -7,7 +7,8 @@ answered, the failure is remembered under that address
 is told (``TellSuccessor``), so a source opened there does not wait for a
 transfer info that will never come. :class:`SuccessorNotices` keeps those
 notices and which addresses are being told, and when each was last tried;
-``ReceiverCore`` turns its answers into ``TellSuccessor`` effects.
+``RankSettling`` (``_receive_settling``) turns its answers into
+``TellSuccessor`` effects.
 """
 
 from __future__ import annotations
