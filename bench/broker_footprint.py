@@ -2,12 +2,7 @@
 
     python bench/broker_footprint.py              # ~30 s: two 10 s windows (--seconds)
 
-Two ``kvbroker serve`` (P prefill, D decode), one engine rank registered with each from this process and a
-warm-up room (bytes checked). Each broker's CPU (utime + stime, % of one core) over ``--seconds`` idle,
-then while one room waits for data (ExpectRoom on D, nothing sent; it must still be open at the end); its
-VmRSS after start (anon, file, shmem), after the windows and after the engines left; thread counts;
-whether libtorch*, libc10*, libcuda.so* or libcudart* are mapped; a bare ``python -c "import grpc,
-numpy"`` RSS as the floor. Nothing is asserted; a failed warm-up or waiting room or a dead broker exits 1.
+Nothing is asserted; a failed warm-up room (bytes checked), a waiting room that ends or a dead broker exits 1.
 """
 
 from __future__ import annotations
@@ -44,11 +39,10 @@ def libraries(pid: int) -> dict[str, list[str]]:
 
 def measure_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """% of one core each process used over ``seconds`` of wall time."""
-    before = {name: h.cpu_seconds(pid) for name, pid in pids.items()}
-    t0 = time.monotonic()
+    before, t0 = h.cpu_snapshot(pids), time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - t0
-    return {name: 100.0 * (h.cpu_seconds(pid) - before[name]) / wall for name, pid in pids.items()}
+    return {name: 100.0 * s / wall for name, s in h.cpu_delta(before, h.cpu_snapshot(pids), 1.0).items()}
 
 
 def bare_python_rss() -> float | None:
@@ -72,10 +66,9 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     rss = {n: {"start": mib(pid)} for n, pid in pids.items()}
     rss_parts = {n: {part: mib(pid, part) for part in ("RssAnon", "RssFile", "RssShmem")} for n, pid in pids.items()}
     threads = {n: {"start": h.proc_status(pid, "Threads")} for n, pid in pids.items()}
-    tag = secrets.token_hex(3)
     model = h.model_spec(args.layers)
-    prefill = held.group(p_broker.address, "prefill", model, args.pages, seed=1, name=f"fp-prefill-{tag}")
-    decode = held.group(d_broker.address, "decode", model, args.pages, name=f"fp-decode-{tag}")
+    prefill = held.group(p_broker.address, "prefill", model, args.pages, seed=1)
+    decode = held.group(d_broker.address, "decode", model, args.pages)
     eng_p, eng_d, ref = prefill.engines[0], decode.engines[0], prefill.ref()
     pool = sum(spec.size_bytes for _, spec in prefill.memories[0].buffers)
     # Warm-up room: handshake, NIXL connection, one transfer; checked byte for byte.
@@ -146,12 +139,10 @@ def print_report(res: dict[str, Any]) -> None:
     print(f'\nreference: bare `python -c "import grpc, numpy"` RSS {mb(res["bare_python_grpc_numpy_rss_mib"])} MiB')
     ws = res["waiting_room_state"]
     print(f"waiting room: {ws['before']} when the window opened, {ws['after']} when it closed")
-    if c["broker_args"]:
-        print(f"brokers started with extra arguments: {' '.join(c['broker_args'])}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Idle CPU, RSS and loaded libraries of a broker (see the module docstring).",
+    p = argparse.ArgumentParser(description="Idle CPU, RSS and loaded libraries of a broker (docs/benchmarks.md).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seconds", type=float, default=10.0, help="length of each CPU window")
     p.add_argument("--layers", type=int, default=4)

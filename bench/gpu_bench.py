@@ -25,18 +25,12 @@ Raw rows move the tp1->tp1 case's bytes. Also 1-page room latency (median, p90),
 DRAM. Every sample's bytes are checked on the device (a difference, failed room or transfer exits 1). Read
 ratios within one run; the targets at the end, from this run's medians, are for one H100.
 
-On fake GPUs (``--fake-gpu``; ``--help`` marks its options). Two brokers with ``KVBROKER_TESTING_FAKE_GPUS=1``
-(``kvbroker.testing.fake_gpu``: a scripted CUDA driver, "device memory" in memfds viewed as torch CPU
-tensors, transfer buffers registered with the real NIXL agent as DRAM); engines here hand them fake VRAM
-(``as_fake_vram``), so a chunk moves on the real device path (gathered with torch index ops on the prefill
-broker, one UCX write, scattered on the decode broker), while engines with DRAM memory move the same shape
-of chunk the DRAM way on the same brokers:
+On fake GPUs (``--fake-gpu``; ``--help`` marks its options; the setup: docs/benchmarks.md). Engines here hand
+two fake-GPU brokers fake VRAM (``as_fake_vram``) or DRAM, and chunks of one shape move both ways:
 
 1 per part   ``--rooms`` x ``--chunks`` 1-page chunks (``--layers`` x K,V regions of ``--page-tokens``
              tokens: no copy counts), all in flight, packed and DRAM samples interleaved after a warm-up.
-             Per sample and broker: CPU of its threads by role (/proc/PID/task/*/schedstat) from the
-             first ExpectRoom to the last SUCCESS on both sides; from Admin.GetStats the parts, the
-             device_launches and every broker-to-broker RPC (peer_calls_answered). Medians.
+             Per sample and broker, first ExpectRoom to last SUCCESS: CPU by thread role, GetStats counters.
 2 part size  as 1, packed, chunks of ``--big-chunk-pages`` pages: launches per part must not grow.
 3 throughput kvbroker on fake VRAM (``--tput-*``) against method 3 above on host tensors.
 
@@ -46,6 +40,7 @@ These say what the brokers' Python costs per part on this host's CPUs, not what 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import platform
@@ -69,7 +64,6 @@ from kvbroker.client import ExpectSpec
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 
-MiB = 1 << 20
 PARTS = ("broker", "raw-pages", "raw-staged", "raw-one", "copy", "latency")
 PROFILES = {  # defaults: one H100 (what the targets are for), --quick (a 2-core smoke test), --fake-gpu
     "gpu": dict(layers=32, chunk_mib=128, rooms=8, chunks=2, repeat=3, latency_rooms=100, timeout=300.0),
@@ -171,10 +165,6 @@ class Engines:
             h.failed_rooms("kvbroker, the prefill side", engine.wait(ids, timeout_seconds=timeout))
         return seconds
 
-    def verify(self, what: str, plan: Plan) -> None:
-        """decode[dst pages] == rank r's prefill[src pages] in r's heads, as bytes, every region."""
-        h.check_kv(what, self.prefill, self.decode, plan.src, plan.dst)
-
 
 @dataclass
 class Measure:
@@ -221,10 +211,10 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    geos = {kib: Geometry(2 * a.layers, kib << 10, a.chunk_mib * MiB // (2 * a.layers << 10) // kib, a.chunks, a.rooms)
+    geos = {kib: Geometry(2 * a.layers, kib << 10, a.chunk_mib * h.MIB // (2 * a.layers << 10) // kib, a.chunks, a.rooms)
             for kib in a.page_kib}
     slot = max(g.chunk_bytes for g in geos.values())
-    part = -(-slot // MiB)  # a chunk rounded up to MiB: it fits one part
+    part = -(-slot // h.MIB)  # a chunk rounded up to MiB: it fits one part
     broker_args = ["--device-buffer-mib", str(4 * part), "--device-part-mib", str(part), "--log-level", "warning"]
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"no GPU: host CPU {platform.machine()}, {os.cpu_count()} cores")
@@ -236,8 +226,8 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
              f"{a.rooms} rooms x {a.chunks} chunks; raw staged: {a.slots} slots; best/median of {a.repeat} samples after "
              f"1 warm-up; {a.latency_rooms} 1-page rooms per KV kind, {a.page_kib[0]} KiB pages")
     for kib, g in geos.items():
-        held.say(f"  {kib} KiB pages: chunk {g.chunk_pages} pages x {g.regions} regions = {g.chunk_bytes / MiB:g} MiB, room "
-                 f"{g.room_pages} pages, sample {g.payload / MiB:g} MiB = {g.regions * g.pool_pages} page descriptors")
+        held.say(f"  {kib} KiB pages: chunk {g.chunk_pages} pages x {g.regions} regions = {g.chunk_bytes / h.MIB:g} MiB, room "
+                 f"{g.room_pages} pages, sample {g.payload / h.MIB:g} MiB = {g.regions * g.pool_pages} page descriptors")
     held.say("compare within this run, as ratios; this machine is noisy\n")
     ids = itertools.count(secrets.randbits(40) << 20)  # room ids
     payload = max(g.payload for g in geos.values())
@@ -294,7 +284,8 @@ def case_measures(a: argparse.Namespace, raw: h.RawPeer | None, engines: dict[in
     chunks, pages, case = plan.chunks(geo.chunk_pages), (plan.src, plan.dst), (kib, pattern)
     out = [Measure("kvbroker", geo.payload, eng.zero_decode,
                    lambda e=eng: e.move(list(itertools.islice(ids, a.rooms)), plan, geo.chunk_pages, a.timeout),
-                   lambda e=eng, t=tp: e.verify(f"kvbroker {kib} KiB {pattern} tp{t}", plan), *case, tp, pids)
+                   lambda e=eng, t=tp: h.check_kv(f"kvbroker {kib} KiB {pattern} tp{t}", e.prefill, e.decode, *pages),
+                   *case, tp, pids)
            for tp, eng in engines.items()]
     if raw and "raw-pages" in a.parts:
         work = [(raw.descs(page_descs(raw.src.data_ptr(), geo.shape, s, raw.dev)),
@@ -322,7 +313,7 @@ def one_page_rooms(pairs: dict[str, Engines], n: int, ids: Iterator[int], timeou
             if i >= warm:
                 out[key].append(seconds)
     for key, eng in pairs.items():
-        eng.verify(f"1-page rooms, KV {key}", plans[key])
+        h.check_kv(f"1-page rooms, KV {key}", eng.prefill, eng.decode, plans[key].src, plans[key].dst)
     return out
 
 
@@ -338,7 +329,7 @@ def report(res: dict[str, Any]) -> None:
             note = f"x{m.gbps() / staged.gbps():.2f} of raw staged; " if staged else ""
             note += f"brokers' CPU {statistics.median(m.cpu) * 1e3:.0f} ms/sample"
         label = LABELS[m.method] + (" (memcpy)" if m.method == "copy" and a.device == "cpu" else "")
-        print(f"{m.case:29} {label:31} {m.nbytes / MiB:6.0f} {m.gbps('best'):9.2f} {m.gbps():11.2f}  {note}")
+        print(f"{m.case:29} {label:31} {m.nbytes / h.MIB:6.0f} {m.gbps('best'):9.2f} {m.gbps():11.2f}  {note}")
     print("raw rows move the bytes of the tp1->tp1 case; tp2->tp1 moves as many into decode")
     lat = {k: (statistics.median(v) * 1e3, h.percentile(v, 0.9) * 1e3) for k, v in latency.items()}
     for key, (med, p90) in lat.items():
@@ -402,7 +393,7 @@ def fake_sample(brokers: Sequence[Any], eng: Engines, what: str, plan: Plan, cp:
     before, roles0 = counts(), {side: h.thread_cpu_seconds(b.process.pid) for side, b in zip(SIDES, brokers)}
     seconds = eng.move(rooms, plan, cp, timeout, both=True)
     roles1, after = {side: h.thread_cpu_seconds(b.process.pid) for side, b in zip(SIDES, brokers)}, counts()
-    eng.verify(what, plan)
+    h.check_kv(what, eng.prefill, eng.decode, plan.src, plan.dst)
     rpcs: Counter[str] = Counter()
     for side in SIDES:
         rpcs.update(after[side]["rpcs"])
@@ -423,16 +414,13 @@ def run_fake(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     page = a.page_tokens * token
     geo = Geometry(2 * a.layers, page, 1, a.chunks, a.rooms)
     tgeo = Geometry(2 * a.tput_layers, a.tput_page_kib << 10,
-                    (a.tput_chunk_mib * MiB) // (2 * a.tput_layers * (a.tput_page_kib << 10)), a.tput_chunks, a.tput_rooms)
-    part_mib = max(1, -(-tgeo.chunk_bytes // MiB))
+                    (a.tput_chunk_mib * h.MIB) // (2 * a.tput_layers * (a.tput_page_kib << 10)), a.tput_chunks, a.tput_rooms)
+    part_mib = max(1, -(-tgeo.chunk_bytes // h.MIB))
     args = ["--log-level", "warning", "--device-part-mib", str(part_mib), "--device-buffer-mib", str(4 * part_mib),
             *(["--verify-checksums"] if a.checksums else [])]
     ids = itertools.count(secrets.randbits(40) << 20)
     fake = FakeCudaLib(devices=1, granularity=GRANULARITY)  # the engines' driver, in this process
-
-    def vram(memory: Any) -> None:
-        as_fake_vram(memory, fake)
-
+    vram = functools.partial(as_fake_vram, fake=fake)
     brokers = held.start_brokers(SIDES, args, env={**os.environ, FAKE_GPUS_ENV: "1"})
     for b in brokers:
         if "FAKE GPU" not in b.log_tail(100_000):
@@ -552,7 +540,7 @@ def report_fake(out: dict[str, Any]) -> None:
     if tput and tput["kvbroker"]:
         kb, raw, g = statistics.median(tput["kvbroker"]), statistics.median(tput["raw"]), out["tgeo"]
         print(f"\n3 throughput ({g.rooms} rooms x {g.chunks} chunks of {g.chunk_pages} pages x {g.regions} regions x "
-              f"{g.page_bytes >> 10} KiB = {g.payload / MiB:g} MiB, {g.chunk_bytes / MiB:g} MiB parts; median (best) of "
+              f"{g.page_bytes >> 10} KiB = {g.payload / h.MIB:g} MiB, {g.chunk_bytes / h.MIB:g} MiB parts; median (best) of "
               f"{len(tput['raw'])}): kvbroker on fake VRAM {kb:.2f} ({max(tput['kvbroker']):.2f}) GB/s, raw "
               f"gather->WRITE->scatter {raw:.2f} ({max(tput['raw']):.2f}) GB/s: kvbroker / raw {kb / raw:.2f}")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
@@ -615,7 +603,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--patterns: random, contiguous; --tp: 1, 2; --parts: {', '.join(PARTS)}")
     token = h.KV_HEADS * a.head_dim * 2
     for kib in a.page_kib:
-        if (kib << 10) % token or a.chunk_mib * MiB < 2 * a.layers * (kib << 10):
+        if (kib << 10) % token or a.chunk_mib * h.MIB < 2 * a.layers * (kib << 10):
             p.error(f"--page-kib {kib}: not whole tokens of {token} B, or more than a chunk")
     if a.device != "cpu" and not torch.cuda.is_available():
         p.error(f"--device {a.device}: torch sees no CUDA device; --device cpu is the smoke test")

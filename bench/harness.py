@@ -1,11 +1,7 @@
-"""The harness every benchmark in bench/ runs on: the model they move, how a run starts and stops brokers,
-engines and child processes, what it reads from /proc (CPU per process and per broker thread, memory),
-how it checks the bytes that moved, raw NIXL to compare with, and how a run ends (its report or JSON
-line, failures, exit status).
+"""The harness every benchmark in bench/ runs on (what it holds: bench/README.md).
 
-The scripts import it as a sibling module (``python bench/x.py`` puts bench/ on ``sys.path``). Importing
-it sets ``UCX_NET_DEVICES=lo`` unless the environment says otherwise, so no benchmark traffic leaves
-loopback (UCX reads it when the first NIXL agent starts; NIXL is imported only where one is made).
+Importing it sets ``UCX_NET_DEVICES=lo`` unless the environment says otherwise, so no benchmark traffic
+leaves loopback (UCX reads it when the first NIXL agent starts; NIXL is imported only where one is made).
 """
 
 from __future__ import annotations
@@ -68,9 +64,10 @@ class BenchFailed(RuntimeError):
 def bench_main(script: str, args: Any, measure: Callable[[Held], dict[str, Any]], report: Callable[[dict[str, Any]], None],
                *, report_lists_failures: bool = False) -> int:
     """Run ``measure`` with a :class:`Held` of its own (a fresh scratch directory), stop what it holds, print the result
-    (``report``, or one JSON line with ``args.json``; when ``measure`` failed, what it put in ``held.result``) with
-    the problems as ``failures`` (those it added or returned, the error it raised, what stopping found), each problem
-    on stderr unless the report lists them; exit status 130 when interrupted, 1 on any problem, else 0."""
+    (``report`` and ``args.broker_arg``, or one JSON line with ``args.json``; when ``measure`` failed, what it put in
+    ``held.result``) with the problems as ``failures`` (those it added or returned, the error it raised, what stopping
+    found), each problem on stderr unless the report lists them; exit status 130 when interrupted, 1 on any problem,
+    else 0."""
     as_json, keep = bool(getattr(args, "json", False)), bool(getattr(args, "keep_logs", False))
     held = Held(Path(tempfile.mkdtemp(prefix=f"kvb-{script}-")), as_json)
     result: dict[str, Any] | None = None
@@ -105,6 +102,8 @@ def bench_main(script: str, args: Any, measure: Callable[[Held], dict[str, Any]]
             print(json.dumps(result, default=str))
         else:
             report(result)
+            if getattr(args, "broker_arg", None):
+                print(f"brokers started with extra arguments: {' '.join(args.broker_arg)}")
     for problem in problems if result is None or as_json or not report_lists_failures else ():
         print(f"{script}: FAILED: {problem}", file=sys.stderr)
     if problems and held.brokers and not keep:
@@ -172,36 +171,29 @@ class Held:
         return brokers
 
     def spawn(self, name: str, target: Callable[..., object], *args: Any) -> Child:
-        child = spawn(name, target, *args)
+        """:func:`spawn` ``target``, which tells this process what failed in it (``("error", text)``)."""
+        child = spawn(name, _reporting, target, *args)
         self.defer(f"stopping {name}", child.stop)
         return child
-
-    def register(self, address: str, rank: Any, model: Any, prepare: Sequence[Callable[[Any], None]] = (),
-                 **kwargs: Any) -> tuple[Any, Any]:
-        """``EngineMemory.allocate(rank, model, **kwargs)``, each of ``prepare`` run on it, registered with the broker
-        at ``address`` (a client of its own); the engine and its memory."""
-        memory = EngineMemory.allocate(rank, model, **kwargs)
-        self.defer("freeing engine memory", memory.close)
-        for fn in prepare:
-            fn(memory)
-        client = BrokerClient(address)
-        self.defer("closing a client", client.close)
-        engine = client.register_engine(rank, memory)
-        self.defer("unregistering an engine", engine.close)
-        return engine, memory
 
     def group(self, address: str, role: str, model: Any, pages: int, *, tp: int = 1, device: str = "cpu",
               seed: int | None = None, prepare: Callable[[Any], None] | None = None, name: str = "") -> Group:
         """A tp group of ``tp`` ranks of ``role``, ``pages`` pages each on ``device``, registered with the broker at
-        ``address`` rank by rank: allocated, K and V filled (``seed``: :func:`fill_kv`; else zero),
-        ``prepare(memory)``, registered."""
+        ``address`` rank by rank (each a client of its own): allocated, K and V filled (``seed``: :func:`fill_kv`;
+        else zero), ``prepare(memory)``, registered."""
         group = Group(name or f"bench-{role}-{secrets.token_hex(4)}", address)
         for tp_rank in range(tp):
             spec = RankSpec(group.name, role, tp_size=tp, tp_rank=tp_rank)
-            fill = [lambda m, s=seed + 1000 * tp_rank: fill_kv(m, s)] if seed is not None else []
-            engine, memory = self.register(address, spec, model, [*fill, *([prepare] if prepare else [])],
-                                           num_pages=pages, device=device)
-            group.engines.append(engine)
+            memory = EngineMemory.allocate(spec, model, num_pages=pages, device=device)
+            self.defer("freeing engine memory", memory.close)
+            if seed is not None:
+                fill_kv(memory, seed + 1000 * tp_rank)
+            if prepare is not None:
+                prepare(memory)
+            client = BrokerClient(address)
+            self.defer("closing a client", client.close)
+            group.engines.append(client.register_engine(spec, memory))
+            self.defer("unregistering an engine", group.engines[-1].close)
             group.memories.append(memory)
         return group
 
@@ -234,6 +226,17 @@ def _run(step: Step, problems: list[str]) -> None:
         step[1]()
     except Exception as exc:
         problems.append(f"{step[0]}: {exc!r}")
+
+
+def allocate(rank: Any, model: Any, num_pages: int, touch: bool = False) -> tuple[Any, float, int]:
+    """``EngineMemory.allocate`` (``touch``: and a write to every 4 KiB page, so that the pages are resident); the
+    memory, the seconds that took and the memory's bytes."""
+    t0 = time.perf_counter()
+    memory = EngineMemory.allocate(rank, model, num_pages=num_pages)
+    if touch:
+        pages = memory.raw.numpy()[::4096]
+        pages += 0  # contents and guards unchanged
+    return memory, time.perf_counter() - t0, sum(spec.size_bytes for _, spec in memory.buffers)
 
 
 def release(engine: Any = None, client: Any = None, memory: Any = None) -> Exception | None:
@@ -306,10 +309,10 @@ def proc_status(pid: int, name: str) -> int | None:
         return None
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Resident memory of process ``pid`` (VmRSS), or None if it is gone."""
+def rss(pid: int, unit: int = 1) -> int | None:
+    """Resident memory of process ``pid`` (VmRSS) in units of ``unit`` bytes, or None if it is gone."""
     kib = proc_status(pid, "VmRSS")
-    return None if kib is None else kib * 1024
+    return None if kib is None else kib * 1024 // unit
 
 
 def meminfo_bytes(name: str) -> int:
@@ -410,10 +413,16 @@ def spawn(name: str, target: Callable[..., object], *args: Any) -> Child:
     return Child(name, proc, parent)
 
 
-def report_error(conn: Connection) -> None:
-    """In a child: tell the parent what failed (the traceback being handled)."""
-    with suppress(Exception):
-        conn.send(("error", traceback.format_exc(limit=6)))
+def _reporting(conn: Connection, target: Callable[..., object], *args: Any) -> None:
+    """In a child: ``target(conn, *args)``; what fails in it (an interrupt aside) is told to the parent."""
+    try:
+        target(conn, *args)
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        with suppress(Exception):
+            conn.send(("error", traceback.format_exc(limit=6)))
+        raise
 
 # -- rooms ---------------------------------------------------------------------------------
 
@@ -662,52 +671,49 @@ def _target_main(conn: Connection, device_name: str, nbytes: int, dst_path: str,
                  seed: int, ucx_error_mode: str) -> None:
     """The raw NIXL target process: the destination and slots; zeroes, checks, waits for a notification and scatters on
     command (each answered ("ok", value))."""
-    try:
-        device = torch.device(device_name)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        agent = bare_agent(f"bench-target-{os.getpid()}", ucx_error_mode=ucx_error_mode)
-        if dst_path:  # the initiator's memfd: it reads the bytes itself
-            fd = os.open(dst_path, os.O_RDWR)
-            dst = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-            os.close(fd)
-        else:
-            dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        ring = torch.zeros(slots, slot_bytes, dtype=torch.uint8, device=device)
-        _register(agent, dst, *([ring] if slots else []))
-        ref = None
-        conn.send((bytes(agent.get_agent_metadata()), dst.data_ptr(), ring.data_ptr()))
-        peer = agent.add_remote_agent(conn.recv())
-        shape, didx = (1, nbytes, 1), []
-        while True:
-            while not conn.poll(0.001):
-                agent.get_new_notifs()  # progress while idle, as a serving process would
-            cmd, *a = conn.recv()
-            out: Any = None
-            if cmd == "exit":
-                break
-            if cmd == "zero":
-                dst.zero_()
-            elif cmd == "plan":  # the dst pages of each chunk, for the staged path
-                shape, didx = a[0], [torch.from_numpy(d).to(device) for d in a[1]]
-            elif cmd == "scatter":
-                conn.send(("ok", None))
-                out = _scatter_slots(agent, peer, shaped(dst, shape), ring, didx, a[0])
-            elif cmd == "arm":  # when the notification ``a[0]`` arrives (None: not within a[1] s)
-                conn.send(("ok", None))
-                deadline = time.monotonic() + a[1]
-                while out is None and time.monotonic() < deadline:
-                    if any(a[0] in msgs for msgs in agent.get_new_notifs().values()):
-                        out = time.perf_counter()
-                    else:
-                        time.sleep(100e-6)
-            elif cmd == "verify":
-                ref = pattern_bytes(seed, nbytes, device) if ref is None else ref  # the initiator's source
-                out = differs(dst, ref, a[0], a[1])
-            sync(device)
-            conn.send(("ok", out))
-    except Exception:
-        report_error(conn)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    agent = bare_agent(f"bench-target-{os.getpid()}", ucx_error_mode=ucx_error_mode)
+    if dst_path:  # the initiator's memfd: it reads the bytes itself
+        fd = os.open(dst_path, os.O_RDWR)
+        dst = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+        os.close(fd)
+    else:
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    ring = torch.zeros(slots, slot_bytes, dtype=torch.uint8, device=device)
+    _register(agent, dst, *([ring] if slots else []))
+    ref = None
+    conn.send((bytes(agent.get_agent_metadata()), dst.data_ptr(), ring.data_ptr()))
+    peer = agent.add_remote_agent(conn.recv())
+    shape, didx = (1, nbytes, 1), []
+    while True:
+        while not conn.poll(0.001):
+            agent.get_new_notifs()  # progress while idle, as a serving process would
+        cmd, *a = conn.recv()
+        out: Any = None
+        if cmd == "exit":
+            break
+        if cmd == "zero":
+            dst.zero_()
+        elif cmd == "plan":  # the dst pages of each chunk, for the staged path
+            shape, didx = a[0], [torch.from_numpy(d).to(device) for d in a[1]]
+        elif cmd == "scatter":
+            conn.send(("ok", None))
+            out = _scatter_slots(agent, peer, shaped(dst, shape), ring, didx, a[0])
+        elif cmd == "arm":  # when the notification ``a[0]`` arrives (None: not within a[1] s)
+            conn.send(("ok", None))
+            deadline = time.monotonic() + a[1]
+            while out is None and time.monotonic() < deadline:
+                if any(a[0] in msgs for msgs in agent.get_new_notifs().values()):
+                    out = time.perf_counter()
+                else:
+                    time.sleep(100e-6)
+        elif cmd == "verify":
+            ref = pattern_bytes(seed, nbytes, device) if ref is None else ref  # the initiator's source
+            out = differs(dst, ref, a[0], a[1])
+        sync(device)
+        conn.send(("ok", out))
 
 
 class RawPeer:

@@ -2,10 +2,8 @@
 
     UCX_NET_DEVICES=lo python bench/nixl_gil_probe.py
 
-Two NIXL agents in this process (UCX, DRAM), one WRITE of ``--mib`` MiB. A Python thread counts loop
-iterations while the main thread posts the transfer, sleeps (the idle rate) or spins in Python (two threads
-sharing the GIL). Near 0 of the idle rate: ``transfer()`` held the GIL for the copy; near the idle rate: it
-released it (and a broker could post from a thread of its own while its event loop answers gRPC).
+A Python thread counts loop iterations while this thread posts one WRITE between two NIXL agents, sleeps
+or spins: near its idle rate, ``transfer()`` released the GIL; near 0, it held it for the copy.
 """
 
 from __future__ import annotations

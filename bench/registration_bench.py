@@ -4,16 +4,9 @@
     python bench/registration_bench.py --repeat 3       # median of 3, sizes interleaved (figures to quote)
     python bench/registration_bench.py --engine-touch   # the engine writes its pages first
 
-One ``kvbroker serve`` and one engine in this process. For each size a prefill rank (``--layers`` layers of
-8 KV heads, bfloat16) allocates a pool of about that many bytes (allocate_s; ``--engine-touch``: and writes
-every 4 KiB page, so the broker finds them resident), registers it (register_s: fd upload and
-RegisterEngine: the broker maps and faults in the buffer, registers it with NIXL, prepares descriptor
-lists), unregisters it (unregister_s), frees it and checks (``Shmem``, /proc/meminfo) that the memory went.
-Printed per size: those times, register s per GiB, the broker's RSS, the numeric ``*_s`` step timings of
-its ``engine_registered`` (``engine_released``, ``engine_unregistered``) log lines, and the linearity
-(register s/GiB of the largest size over the smallest). Fresh shared memory faults in slowly here, at a
-speed that depends on the VM's recent past: single rounds scatter. Nothing is asserted; a failed
-registration, memory not released or a dead broker exits 1.
+Also the broker's step timings (its log) and whether the memory went (``Shmem``). Fresh shared memory faults
+in slowly here, at a speed that depends on the VM's recent past: single rounds scatter. Nothing is
+asserted; a failed registration, memory not released or a dead broker exits 1.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from typing import Any
 import harness as h
 import torch
 
-from kvbroker.client import BrokerClient, EngineMemory, RankSpec
+from kvbroker.client import BrokerClient, RankSpec
 
 #: Shared memory left over after a buffer was freed that counts as not released.
 LEAK_SLACK_BYTES = 256 * h.MIB
@@ -67,7 +60,7 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     model, page = h.model_spec(args.layers), h.page_bytes(args.layers)
     broker = held.start_brokers(["broker"], ["--log-level", "info", *args.broker_arg])[0]
     pid = broker.process.pid
-    rss_start = h.rss_bytes(pid)
+    rss_start = h.rss(pid)
     client = BrokerClient(broker.address)
     held.defer("closing the client", client.close)
     tag = secrets.token_hex(3)
@@ -79,20 +72,13 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
             group = f"regbench-{tag}-{len(groups)}"
             groups[group] = (size, rnd)
             rank = RankSpec(group, "prefill")
-            t0 = time.perf_counter()
-            memory = EngineMemory.allocate(rank, model, num_pages=max(1, round(size * h.GIB / page)))
-            if args.engine_touch:
-                assert memory.raw is not None
-                pages = memory.raw.numpy()[::4096]
-                pages += 0  # a write to every 4 KiB page (contents, guards unchanged)
-            allocate_s = time.perf_counter() - t0
-            nbytes = sum(spec.size_bytes for _, spec in memory.buffers)
+            memory, allocate_s, nbytes = h.allocate(rank, model, max(1, round(size * h.GIB / page)), args.engine_touch)
             engine = None
             try:
                 t0 = time.perf_counter()
                 engine = client.register_engine(rank, memory)
                 register_s = time.perf_counter() - t0
-                rss_registered = h.rss_bytes(pid)
+                rss_registered = h.rss(pid)
                 t0 = time.perf_counter()
                 engine.close()
                 unregister_s = time.perf_counter() - t0
@@ -103,7 +89,7 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
                 gc.collect()
             left = h.meminfo_bytes("Shmem") - shmem_base
             samples[size].append({"bytes": nbytes, "allocate_s": allocate_s, "register_s": register_s, "unregister_s": unregister_s,
-                                  "broker_rss_registered": rss_registered or 0, "broker_rss_after": h.rss_bytes(pid) or 0,
+                                  "broker_rss_registered": rss_registered or 0, "broker_rss_after": h.rss(pid) or 0,
                                   "shmem_left": left})
             print(f"  round {rnd + 1}/{args.repeat} {size:g} GiB: allocate {allocate_s:.2f} s, register {register_s:.2f} s, "
                   f"unregister {unregister_s:.2f} s", file=sys.stderr)
@@ -164,13 +150,11 @@ def print_report(res: dict[str, Any]) -> None:
         print("broker step timings: none in the broker's log (no numeric *_s fields on engine_registered)")
     if res["broker_rss_start"]:
         print(f"broker RSS before any registration: {res['broker_rss_start'] / h.MIB:.0f} MiB")
-    if c["broker_args"]:
-        print(f"broker started with extra arguments: {' '.join(c['broker_args'])}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Seconds to register and unregister big engine buffers with one broker "
-                                "(see the module docstring).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                "(docs/benchmarks.md).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes-gib", type=lambda text: [float(x) for x in text.split(",") if x.strip()], default=[1.0, 4.0, 8.0],
                    help="comma-separated")
     p.add_argument("--repeat", type=int, default=1, help="rounds; the median is printed")

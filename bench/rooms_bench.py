@@ -1,19 +1,11 @@
 """Small rooms through one broker pair: rooms/s, single-room latency, what the engine pays; ``--scale``: the
 room tables with 10,000 rooms open.
 
-Two ``kvbroker serve`` and two engine processes (a prefill and a decode rank) using the per-room client
-API. For each shape (``--shapes``: 1-page rooms of 4 layers, 64-page rooms of 32 layers): a bare ``Poll``
-round trip (the unit latency is also given in); single-room latency (``--latency-rooms``: the decode
-engine opens a room and tells the prefill engine over a pipe, which sends it in one chunk; ExpectRoom to
-SUCCESS); rooms/s with W rooms in flight a side (``--windows``) and CPU per room of each process; where a
-room's time goes (medians of both brokers' ``GetRoom`` timeline events, ms after the decode broker opened
-it); how long ``KVSender.send`` blocked (median, p99). At the end the decode pool must equal the prefill
-pool over every page a room wrote, and every room must have succeeded (else exit 1).
+    python bench/rooms_bench.py [--shapes small large] [--windows 1 16 200]
+    python bench/rooms_bench.py --scale
 
-``--scale``: ``--rooms`` (10,000) 1-page rooms open at once (short TTLs; ranks registered here). Idle RSS,
-``Poll`` and session round trips (a room aborted until its FAILED is back); then every room opened, half
-with a chunk landed: RSS per open room (target <= 4 KiB) and the round trips again (target <= 2x idle);
-then half complete (bytes checked), half aborted, and after the TTLs every table must be back at zero.
+The method and the figures: docs/benchmarks.md. The decode pool must equal the prefill pool and every room
+succeed; ``--scale``: every per-room table must be back at zero after the TTLs.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +28,7 @@ import numpy as np
 import torch
 
 from kvbroker.client import BrokerClient, EngineMemory, ExpectSpec, RankSpec, RoomState, SenderRef
+from kvbroker.testing.idle import wait_until_idle
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
 PREFILL_GROUP = "rooms-prefill"
@@ -98,9 +91,8 @@ def engine_main(conn: Any, peer: Any, role: str, address: str, prefill_address: 
     while True:
         cmd, *rest = conn.recv()
         arg = rest[0] if rest else None
-        if cmd in ("stop", "exit"):
+        if cmd == "exit":  # Child.stop's
             engine.close()
-            conn.send(("stopped", None))
             return
         if cmd == "blocked":
             conn.send(("blocked", blocked))
@@ -276,10 +268,6 @@ def print_report(result: dict[str, Any]) -> None:
 TTL = "1.0"
 
 
-def median_call(calls: int, fn: Callable[[], object]) -> float:
-    return statistics.median(h.timed_calls(calls, fn))
-
-
 def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     problems, n = held.problems, args.rooms or 10_000
     model = h.model_spec(1, kv_heads=1, head_dim=8, page_size=1)
@@ -300,7 +288,7 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         receiver.wait(30)
 
     def rss() -> dict[str, int | None]:
-        return {b.name: h.rss_bytes(b.process.pid) for b in brokers}
+        return {b.name: h.rss(b.process.pid) for b in brokers}
 
     # Warm-up: handshakes, first descriptors, the streams; then evicted.
     warm = [next(ids) for _ in range(200)]
@@ -310,11 +298,11 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         sender.init(1)
         sender.send([i])
     de.wait(warm, timeout_seconds=60)
-    median_call(50, session_rtt)
+    h.timed_calls(50, session_rtt)
     time.sleep(float(TTL) * 2 + 1.5)
     idle_rss = rss()
     idle_poll = statistics.median(h.poll_round_trips(de, base, args.rtt_calls))
-    idle_session = median_call(args.rtt_calls // 5, session_rtt)
+    idle_session = statistics.median(h.timed_calls(args.rtt_calls // 5, session_rtt))
     rooms = [next(ids) for _ in range(n)]
     half = n // 2
     t0 = time.perf_counter()
@@ -332,7 +320,7 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     open_counts = {b.name: dict(b.stats().per_room_state) for b in brokers}
     open_rss = rss()
     open_poll = statistics.median(h.poll_round_trips(de, base, args.rtt_calls))
-    open_session = median_call(args.rtt_calls // 5, session_rtt)
+    open_session = statistics.median(h.timed_calls(args.rtt_calls // 5, session_rtt))
     # Finish: the first half complete, the second half are aborted.
     pe.send([(senders[i], [2 * i + 1]) for i in range(half)])
     for room in rooms[half:]:
@@ -344,15 +332,12 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         problems.append(f"{len(bad)} rooms ended otherwise than planned, e.g. {bad[:2]}")
     pages = list(range(2 * half))
     problems.extend(h.kv_mismatches("the decode pages of the completed rooms", prefill.memories, decode.memories, pages, pages))
-    # The TTLs pass; every table must empty.
-    deadline = time.monotonic() + float(TTL) * 2 + 30
-    while True:
-        left = {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
-        if not any(left.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if any(left.values()):
-        problems.append(f"per-room tables not empty after the TTLs: {left}")
+    # The TTLs pass; every table must empty (and no buffer hold anything reserved).
+    try:
+        wait_until_idle(*brokers, timeout_seconds=float(TTL) * 2 + 30, interval_seconds=0.5)
+    except AssertionError as exc:
+        problems.append(f"per-room tables not empty after the TTLs: {exc}")
+    left = {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
     return {"rooms": n, "open_seconds": open_s, "rss_idle_mib": {k: v / 2**20 for k, v in idle_rss.items() if v},
             "rss_open_mib": {k: v / 2**20 for k, v in open_rss.items() if v},
             "rss_per_open_room_kib": {k: (open_rss[k] - idle_rss[k]) / n / 1024 for k in idle_rss if open_rss[k] and idle_rss[k]},
@@ -385,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "least 4 W); --scale: rooms open at once, default 10,000")
     parser.add_argument("--latency-rooms", type=int, default=300)
     parser.add_argument("--rtt-calls", type=int, default=500, help="round trips per Poll measurement (--scale: a fifth of it for the session's)")
-    parser.add_argument("--scale", action="store_true", help="the room tables at scale (see the module docstring)")
+    parser.add_argument("--scale", action="store_true", help="the room tables at scale (docs/benchmarks.md)")
     h.add_run_options(parser)
     args = parser.parse_args(argv)
     if args.scale:

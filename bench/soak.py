@@ -2,18 +2,9 @@
 
     python bench/soak.py --minutes 10 [--fault-rate 0.1] [--kill-every 45] [--restart-every 120] [--json]
 
-Two ``kvbroker serve``: a prefill broker on a fixed port (restarted at the same address) and a decode
-broker, fast liveness and short TTLs. The decode rank lives in this process (``Soak``): it opens every room,
-checks every byte of every SUCCESS room (KV pages and aux row, ``kvbroker.testing.pattern``) and reuses a slot
-only once its pages settled. Two prefill ranks (``soak-steady``, ``soak-victim``) are child processes
-(``PrefillEngine``): they send the rooms ordered (1-4 chunks, small gaps), report each outcome and, when
-their broker goes away, their open rooms as lost, and register again. Faults (not in the warm-up or the
-quiet tail): aborts of ``--fault-rate`` of the rooms on a random side; the victim SIGKILLed every
-``--kill-every`` s and the prefill broker every ``--restart-every`` s (+-30%), both started again. A room
-in flight when a fault hits carries its tag; a failure its tags do not explain (ABORTED, ENGINE_LOST,
-PEER) is listed. At the end every room finishes, the engines unregister and, after the TTLs, every
-``per_room_state`` table must be zero. Exit 1 on a byte mismatch, a leaked record, a broker that died
-unbidden or exited non-zero, or no verified room. See docs/benchmarks.md.
+The run, its faults and what fails it: docs/benchmarks.md. The decode rank lives in this process (``Soak``)
+and checks every byte of every SUCCESS room; the prefill ranks are child processes (``PrefillEngine``). A
+room in flight when a fault hits carries its tag; a failure its tags do not explain is listed.
 """
 
 from __future__ import annotations
@@ -22,7 +13,6 @@ import argparse
 import collections
 import contextlib
 import heapq
-import json
 import os
 import random
 import secrets
@@ -32,7 +22,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import harness as h
@@ -43,6 +32,7 @@ from kvbroker.brokerproc import BrokerProcess
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.errors import KvBrokerError, NotFound, Unavailable
 from kvbroker.testing.pattern import fill_rank, verify_room, write_aux
+from kvbroker.testing.room_plan import pool_pages
 from kvbroker.v1 import common_pb2
 
 MODEL = h.model_spec(4, kv_heads=4, head_dim=32)
@@ -59,14 +49,10 @@ def kind_name(kind: int) -> str:
     return common_pb2.FailureKind.Name(kind).removeprefix("FAILURE_KIND_")
 
 
-def span_pages(pages: int) -> int:
-    return pages + max(2, pages // 2)
-
-
 def pick_pages(rng: random.Random, pages: int, base: int) -> list[int]:
-    """``pages`` distinct pages from [base, base + span): contiguous runs in shuffled order."""
+    """``pages`` distinct pages from [base, base + ``pool_pages(pages, 1)``): contiguous runs in shuffled order."""
     runs: list[list[int]] = []
-    for page in sorted(rng.sample(range(span_pages(pages)), pages)):
+    for page in sorted(rng.sample(range(pool_pages(pages, 1)), pages)):
         if runs and runs[-1][-1] == page - 1:
             runs[-1].append(page)
         else:
@@ -77,10 +63,6 @@ def pick_pages(rng: random.Random, pages: int, base: int) -> list[int]:
 
 def mib(kib: int | None) -> str:
     return "-" if kib is None else f"{kib / 1024:.1f} MiB"
-
-
-def rss_kib(pid: int) -> int | None:
-    return None if (rss := h.rss_bytes(pid)) is None else rss // 1024
 
 
 class BrokerGone(Exception):
@@ -279,9 +261,8 @@ class Room:
     dst: list[int]
     started: float
     fault: str | None
-    tags: set[str] = field(default_factory=set)
-    #: When each fault hit this room (monotonic).
-    tagged_at: dict[str, float] = field(default_factory=dict)
+    #: The faults that hit this room, and when (monotonic).
+    tags: dict[str, float] = field(default_factory=dict)
     abort_at: float | None = None
     decode_state: str | None = None
     decode_cause: str = ""
@@ -290,8 +271,7 @@ class Room:
     sender_state: str | None = None
 
     def tag(self, what: str) -> None:
-        self.tags.add(what)
-        self.tagged_at.setdefault(what, time.monotonic())
+        self.tags.setdefault(what, time.monotonic())
 
     def tag_list(self) -> str:
         return ",".join(sorted(self.tags)) or "no fault"
@@ -299,7 +279,7 @@ class Room:
     def timing(self) -> str:
         now = time.monotonic()
         return ", ".join([f"{now - self.started:.1f} s after it opened"] + [
-            f"{now - at:.1f} s after {what}" for what, at in self.tagged_at.items()
+            f"{now - at:.1f} s after {what}" for what, at in self.tags.items()
             if what in ("engine-kill", "broker-restart", "broker-died")])
 
 
@@ -330,8 +310,8 @@ class Tally:
         expected = set().union(*(EXPECTED_CAUSE.get(t, set()) for t in room.tags))
         bare = cause.removeprefix("FAILED ")
         for tag in ("engine-kill", "broker-restart"):
-            if tag in room.tagged_at:
-                self.fault_latency[tag].append(time.monotonic() - room.tagged_at[tag])
+            if tag in room.tags:
+                self.fault_latency[tag].append(time.monotonic() - room.tags[tag])
         if bare not in expected:
             self.counts["rooms_failed_unexpectedly"] += 1
             self.example("unexpected", 10, f"room {room.id} [{room.tag_list()}] {cause} ({room.timing()}): {message[:300]}")
@@ -386,7 +366,7 @@ class Child:
 @dataclass
 class Incarnation:
     n: int
-    pid: int
+    broker: BrokerProcess
     started_at: float
     rss_warm_kib: int | None = None
     rss_last_kib: int | None = None
@@ -421,14 +401,13 @@ class Soak:
         self.last_fault_at = self.next_kill = self.next_restart = 0.0
         self.last_progress = (0.0, 0)
         self.stopping_children = False
-        # The decode side: its rank, the rooms in flight by id, the destination slots free and retired.
+        # The decode side: its rank, the rooms in flight by id, the destination slots free.
         self.spec = RankSpec(group=DECODE_GROUP, role="decode")
         self.memory: Any = None
         self.engine: Any = None
         self.rooms: dict[int, Room] = {}
         self.room_ids = secrets.randbits(30) << 24
         self.free_slots = list(range(args.slots))
-        self.retired_slots: list[int] = []
 
     def event(self, text: str) -> None:
         line = f"[{time.monotonic() - self.t0:7.1f}s] {text}"
@@ -449,7 +428,7 @@ class Soak:
                 time.sleep(0.5)
                 continue
             self.prefill = broker
-            self.incarnations.append(Incarnation(n, broker.process.pid, time.monotonic()))
+            self.incarnations.append(Incarnation(n, broker, time.monotonic()))
             return
         raise RuntimeError("the prefill broker could not be restarted on its port")
 
@@ -465,11 +444,11 @@ class Soak:
     def restart_prefill_broker(self) -> None:
         assert self.prefill is not None
         inc = self.incarnations[-1]
-        inc.rss_last_kib = rss_kib(self.prefill.process.pid)
+        inc.rss_last_kib = h.rss(self.prefill.process.pid, 1024)
         self.prefill_gone("killed", "broker-restart")
         self.prefill.kill()
         self.counts["broker_restarts"] += 1
-        self.event(f"SIGKILL prefill broker #{inc.n} (pid {inc.pid}, RSS {mib(inc.rss_last_kib)}), {len(self.rooms)} rooms in flight")
+        self.event(f"SIGKILL prefill broker #{inc.n} (pid {inc.broker.process.pid}, RSS {mib(inc.rss_last_kib)}), {len(self.rooms)} rooms in flight")
         restarted = time.monotonic()
         self.start_prefill_broker()
         for child in self.children:
@@ -576,8 +555,8 @@ class Soak:
         args, rng = self.args, self.rng
         slot = self.free_slots.pop(0)
         n = rng.randint(args.min_pages, args.max_pages)
-        src = pick_pages(rng, n, rng.randrange(0, PREFILL_POOL_PAGES - span_pages(n) + 1))
-        dst = pick_pages(rng, n, slot * span_pages(args.max_pages))
+        src = pick_pages(rng, n, rng.randrange(0, PREFILL_POOL_PAGES - pool_pages(n, 1) + 1))
+        dst = pick_pages(rng, n, slot * pool_pages(args.max_pages, 1))
         nchunks = rng.randint(1, min(4, n))
         edges = [0, *(sorted(rng.sample(range(1, n), nchunks - 1)) if nchunks > 1 else []), n]
         fault = rng.choice(["abort-decode", "abort-prefill"]) if faults and rng.random() < args.fault_rate else None
@@ -679,7 +658,8 @@ class Soak:
         self.tally.released(room)
         del self.rooms[room.id]
         room.child.rooms.discard(room.id)
-        (self.free_slots if keep_slot else self.retired_slots).append(room.slot)
+        if keep_slot:  # else the slot is retired: its pages may still be written
+            self.free_slots.append(room.slot)
 
     def faults_on(self) -> bool:
         return self.args.warmup <= time.monotonic() - self.t0 <= self.duration - self.args.quiet_tail
@@ -703,8 +683,8 @@ class Soak:
         rate = c["rooms_verified"] / max(elapsed, 1e-9)
         recent = (c["rooms_verified"] - self.last_progress[1]) / max(elapsed - self.last_progress[0], 1e-9)
         self.last_progress = (elapsed, c["rooms_verified"])
-        p_rss = rss_kib(self.prefill.process.pid) if self.prefill else None
-        d_rss = rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
+        p_rss = h.rss(self.prefill.process.pid, 1024) if self.prefill else None
+        d_rss = h.rss(self.decode_broker.process.pid, 1024) if self.decode_broker else None
         self.held.say(f"[{elapsed:6.0f}s] started {c['rooms_started']}, verified {c['rooms_verified']}, failed {c['rooms_failed']} "
                       f"({c['rooms_failed_unexpectedly']} unexpected), mismatches {c['byte_mismatches']}, in flight {len(self.rooms)} | "
                       f"kills {c['engine_kills']}, restarts {c['broker_restarts']} | RSS prefill#{len(self.incarnations)} {mib(p_rss)}, "
@@ -718,7 +698,7 @@ class Soak:
         self.decode_broker = BrokerProcess.launch("decode", self.workdir, self.broker_args)
         self.start_prefill_broker()
         self.decode_broker.wait_ready(60)
-        self.memory = EngineMemory.allocate(self.spec, MODEL, num_pages=args.slots * span_pages(args.max_pages),
+        self.memory = EngineMemory.allocate(self.spec, MODEL, num_pages=pool_pages(args.max_pages, args.slots),
                                             aux_rows=args.slots, aux_row_bytes=AUX_ROW_BYTES)
         self.engine = BrokerClient(self.decode_broker.address).register_engine(self.spec, self.memory)
         self.children = [Child("steady", STEADY, killable=False), Child("victim", VICTIM, killable=True)]
@@ -737,11 +717,11 @@ class Soak:
                     break
                 if not warm_done and now - self.t0 >= args.warmup:
                     warm_done = True
-                    self.rss_decode["start"] = rss_kib(self.decode_broker.process.pid)
-                    self.incarnations[0].rss_warm_kib = rss_kib(self.incarnations[0].pid)
+                    self.rss_decode["start"] = h.rss(self.decode_broker.process.pid, 1024)
+                    self.incarnations[0].rss_warm_kib = h.rss(self.incarnations[0].broker.process.pid, 1024)
                 for inc in self.incarnations[1:]:
                     if inc.rss_warm_kib is None and inc.ended == "running" and now - inc.started_at >= args.warmup:
-                        inc.rss_warm_kib = rss_kib(inc.pid)
+                        inc.rss_warm_kib = h.rss(inc.broker.process.pid, 1024)
             self.maybe_fault()
             self.read_children()
             for child in self.children:
@@ -768,9 +748,9 @@ class Soak:
         args, c, t = self.args, self.counts, self.tally
         # RSS at the end of the load (engines still registered: comparable with the warm-up).
         last = self.incarnations[-1]
-        self.rss_decode["end"] = rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
+        self.rss_decode["end"] = h.rss(self.decode_broker.process.pid, 1024) if self.decode_broker else None
         if last.ended == "running" and self.prefill is not None:
-            last.rss_last_kib = rss_kib(self.prefill.process.pid)
+            last.rss_last_kib = h.rss(self.prefill.process.pid, 1024)
         # 1. Stop sending; let every room in flight end.
         drain_deadline = time.monotonic() + args.stuck_after + 15
         while decode_alive and self.rooms and time.monotonic() < drain_deadline:
@@ -823,11 +803,13 @@ class Soak:
             except Exception:
                 break
         # 4. RSS once idle (engines unregistered, tables evicted), then stop the brokers.
-        self.rss_decode["idle"] = rss_kib(self.decode_broker.process.pid) if self.decode_broker else None
-        rss_prefill_idle = rss_kib(self.prefill.process.pid) if self.prefill is not None and self.prefill.process.poll() is None else None
+        self.rss_decode["idle"] = h.rss(self.decode_broker.process.pid, 1024) if self.decode_broker else None
+        rss_prefill_idle = h.rss(self.prefill.process.pid, 1024) if self.prefill is not None and self.prefill.process.poll() is None else None
         exit_codes = {name: b.stop() if b.process.poll() is None else f"already dead ({b.process.returncode})"
                       for name, b in brokers.items() if b is not None}
         last.ended = "stopped" if last.ended == "running" else last.ended
+        seen = [b for b in (self.decode_broker, *(i.broker for i in self.incarnations)) if b is not None]
+        warnings = {b.name: w for b in seen if (w := b.warnings())}  # each broker's log, warning and worse
         bad_exit = {k: v for k, v in exit_codes.items() if v != 0}
         reasons = [text for failed, text in (
             (c["byte_mismatches"] or guard_problems, f"{c['byte_mismatches']} byte mismatches, {len(guard_problems)} overwritten guards"),
@@ -856,8 +838,8 @@ class Soak:
             "engine_crashes": self.engine_crashes, "broker_deaths": self.broker_deaths, "per_room_state": tables,
             "leaked": leaked, "leak_drained_after_s": late_drain, "eviction_wait_s": wait,
             "rss_kib": {"decode": self.rss_decode, "prefill_idle": rss_prefill_idle, "prefill_incarnations": [
-                {"n": i.n, "pid": i.pid, "warm": i.rss_warm_kib, "last": i.rss_last_kib, "ended": i.ended} for i in self.incarnations]},
-            "broker_exit": exit_codes, "broker_log_warnings": log_summary(self.workdir), "events": self.events[-40:],
+                {"n": i.n, "pid": i.broker.process.pid, "warm": i.rss_warm_kib, "last": i.rss_last_kib, "ended": i.ended} for i in self.incarnations]},
+            "broker_exit": exit_codes, "broker_log_warnings": warnings, "events": self.events[-40:],
         }
 
     def cleanup(self) -> None:
@@ -869,19 +851,6 @@ class Soak:
                 broker.kill()
         if self.memory is not None:
             self.memory.close()
-
-
-def log_summary(workdir: Path) -> dict[str, dict[str, int]]:
-    """Warning-and-worse events of each broker's JSON log in ``workdir`` (a crashed engine's log is in
-    ``engine_crashes``): "level event" -> count."""
-    out: dict[str, dict[str, int]] = {}
-    for path in sorted(workdir.glob("*.log")):
-        records = [json.loads(line) for line in path.read_text(errors="replace").splitlines() if line.startswith('{"') and line.endswith("}")]
-        levels = ("warning", "error", "critical", "exception")
-        counter = collections.Counter(f"{r.get('level')} {r.get('event')}" for r in records if r.get("level") in levels)
-        if counter:
-            out[path.name] = dict(counter.most_common(12))
-    return out
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -943,7 +912,7 @@ def print_report(r: dict[str, Any]) -> None:
     if r["broker_log_warnings"]:
         p("warnings and errors in the broker logs (event: count):")
         for name, counter in r["broker_log_warnings"].items():
-            p(f"  {name}: " + ", ".join(f"{k} x{v}" for k, v in counter.items()))
+            p(f"  {name}: " + ", ".join(f"{k} x{v}" for k, v in sorted(counter.items(), key=lambda kv: -kv[1])))
     p("=" * 78)
     if r["config"]["verbose"] or not r["ok"]:
         p("last events:\n" + "\n".join(f"  {line}" for line in r["events"]))
@@ -975,7 +944,7 @@ def main() -> int:
     args.keep_logs = True  # the brokers' and engines' logs: the report names them
     if args.slots < 2 * args.inflight:
         parser.error("--slots must be at least 2 x --inflight")
-    if span_pages(args.max_pages) > PREFILL_POOL_PAGES or args.min_pages < 1 or args.min_pages > args.max_pages:
+    if pool_pages(args.max_pages, 1) > PREFILL_POOL_PAGES or args.min_pages < 1 or args.min_pages > args.max_pages:
         parser.error("bad --min-pages/--max-pages")
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

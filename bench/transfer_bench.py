@@ -1,28 +1,11 @@
 """One KV transfer measured three ways, through kvbroker, with raw NIXL and with memcpy; ``--hetero``: staging
 vs per-token descriptors vs raw NIXL for heterogeneous tp.
 
-``--rooms`` rooms of ``--pages-per-room`` pages of every layer's K and V (``--page-kib`` KiB a page and
-layer) in ``--chunks`` chunks, pages in contiguous runs (mean ``--run-pages``) shuffled with gaps on each
-side (a run coalesces into one descriptor per region), after an untimed warm-up room:
+    python bench/transfer_bench.py [--ucx-error-mode none] [--hetero]
 
-(a) broker   two ``kvbroker serve`` and a prefill and a decode engine registered from this process; every
-             room command one after another, as one engine would; first ExpectRoom to last SUCCESS.
-(b) raw NIXL bare NIXL agents made like the broker's (the harness's ``RawPeer``) on the same buffers and
-             runs: ``chunked`` a transfer per chunk, ``single`` one for everything, ``prepped`` the
-             broker's own calls (per-page lists from ``build_descriptor_table``, one make_prepped_xfer a
-             chunk); until all are DONE and the target saw the notification (polled every 100 us).
-(c) memcpy   numpy slices of the same runs between two buffers: what one core can do.
-
-Also how long ``KVSender.send`` of a 1-page chunk blocks (receiver registered or not yet), a bare Poll round
-trip, and CPU per process and broker thread. Every destination is zeroed before and checked after each
-sample (the pages equal their source, every other page still zero; else exit 1). ``--repeat`` interleaves
-N samples (best, median); read ratios within one run.
-
-``--hetero``: two broker pairs, one with staging and one ``--no-staging``, move the same rooms (8 KV heads,
-``--head-dim``, ``--page-size`` tokens; 4 rooms) from prefill tp Pp to decode tp Pd, (1, 2) and (2, 1), via
-``kvbroker.testing.scenario`` (ranks registered here, a warm-up room, every byte checked after): GB/s of
-each path, the prefill broker's transfers and descriptors, the staging path's CPU by process and broker
-thread, and raw NIXL writing the same bytes in blocks of one staged part: staging's floor.
+The method and the figures: docs/benchmarks.md; raw NIXL's variants: ``chunked`` a transfer per chunk,
+``single`` one for everything, ``prepped`` the broker's own calls (``build_descriptor_table`` lists, one
+make_prepped_xfer a chunk). Every destination is zeroed before and checked after each sample.
 """
 
 from __future__ import annotations
@@ -267,10 +250,9 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     for variant in ("chunked", "prepped"):
         raw_run(variant, warm_todo[variant], warm)
     copies = [tuple(map(int, row)) for p in timed for a, b in p.chunks for row in chunk_runs(offsets, item, p.src[a:b], p.dst[a:b])]
-    stats_before = broker.stats()
     # Round -1 is the warm pass (not recorded): every page of the pattern
     # is touched once through every mapping involved, as in steady state.
-    for rep in range(-1 if args.warm_pass else 0, args.repeat):
+    for rep in range(-1, args.repeat):
         decode_np[:] = 0
         sample = broker.run(timed)
         h.check_kv("broker", broker.prefill, broker.decode, np.concatenate([p.src for p in timed]), np.concatenate([p.dst for p in timed]))
@@ -442,7 +424,7 @@ def print_hetero(res: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Measure one KV transfer through kvbroker, raw NIXL and memcpy (see the module docstring).",
+    p = argparse.ArgumentParser(description="Measure one KV transfer through kvbroker, raw NIXL and memcpy (docs/benchmarks.md).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
     add("--layers", type=int, default=32)
@@ -453,10 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--chunks", type=int, default=4, help="SendChunk calls (and NIXL transfers) per room")
     add("--run-pages", type=int, default=4, help="mean length of the contiguous page runs")
     add("--ucx-error-mode", choices=("peer", "none"), default="peer")
-    add("--ucx-tls", default=None, help="set UCX_TLS for every process (default: leave the environment alone)")
     add("--repeat", type=int, default=3, help="run every measurement N times; print the best and the median")
-    add("--no-warm-pass", dest="warm_pass", action="store_false",
-        help="skip the untimed full pass before the timed ones (then the first sample pays first-touch page faults)")
     add("--rtt-calls", type=int, default=300, help="calls per round-trip measurement (0: skip them)")
     add("--timeout", type=float, default=120.0, help="seconds to wait for one measurement's rooms")
     add("--seed", type=int, default=1)
@@ -476,8 +455,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.ucx_tls:
-        os.environ["UCX_TLS"] = args.ucx_tls
     if args.hetero:
         return h.bench_main("transfer_bench --hetero", args, lambda held: run_hetero(args, held), print_hetero)
     return h.bench_main("transfer_bench", args, lambda held: run(args, held), print_report)
