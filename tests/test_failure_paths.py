@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbroker.broker.rooms import Abort
 from kvbroker.client import KVReceiver, KVSender, RoomState, SenderRef
 from kvbroker.testing import FakeBroker, XferScript, eventually
 from kvbroker.v1 import common_pb2
@@ -152,7 +153,7 @@ def test_a_receive_slot_granted_as_its_room_ends_is_given_back(fake_brokers, mak
     def grant_then_end() -> None:
         pool.release(held)  # the first queued reservation is granted: its room is open
         engine = broker.engines.get(decode[0].handle.engine_id)
-        broker.receiver.abort(engine, 702, "the decode engine gave up")
+        broker.receiver.abort(Abort(engine=engine, room=702, reason="the decode engine gave up"))
         broker.executor.drain()  # the room ends before the granted call resumes
 
     d.loop.call(grant_then_end)

@@ -2,6 +2,7 @@
 the effects they return.
 """
 
+from kvbroker.broker.rooms._commands import Abort, BeginSend, ExpectRoom, SendChunk
 from kvbroker.broker.rooms._effects import (
     AbortAtPeer,
     Effect,
@@ -33,6 +34,10 @@ from kvbroker.broker.rooms._sides import FAILED, Side, cause, cause_of
 from kvbroker.broker.rooms._watch import WatchHub
 
 __all__ = [
+    "Abort",
+    "BeginSend",
+    "ExpectRoom",
+    "SendChunk",
     "cause_of",
     "SourceExpectation",
     "SenderRoom",

@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.rooms._commands import ExpectRoom
 from kvbroker.broker.rooms._effects import AbortAtPeer, FindSender, Publish, RegisterRoom
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._receive_settling import RankSettling
@@ -39,7 +40,6 @@ from kvbroker.broker.rooms._successors import SuccessorNotices
 from kvbroker.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (
     GroupShape,
-    IndexArray,
     Layout,
     RankKey,
     SourcePlan,
@@ -53,7 +53,7 @@ from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.memory import Engine
+    pass
 
 __all__ = ["RankBootstrap", "expectation", "leg_of", "register_request"]
 
@@ -68,21 +68,13 @@ class RankBootstrap:
         self._settling = settling
         self._successors = successors
 
-    def expect(
-        self,
-        engine: Engine,
-        room_id: int,
-        *,
-        sender_address: str,
-        sender_group: str,
-        pages: IndexArray,
-        aux_row: int | None,
-        state: dict[str, IndexArray],
-        prefix_pages: int = 0,
-        verify_checksum: bool = False,
-    ) -> Receiver:
-        """Open ``room_id`` for receiving into ``engine`` (ExpectRoom) and start
-        bootstrapping; ``prefix_pages``: the leading pages of the room it holds."""
+    def expect(self, command: ExpectRoom) -> Receiver:
+        """Open the command's room for receiving into its engine (ExpectRoom)
+        and start bootstrapping; ``prefix_pages``: the leading pages of the
+        room the rank holds."""
+        engine, room_id, pages, aux_row, state = command.engine, command.room, command.pages, command.aux_row, command.state
+        sender_address, sender_group = command.sender_address, command.sender_group
+        prefix_pages, verify_checksum = command.prefix_pages, command.verify_checksum
         if not sender_group:
             raise InvalidArgument("sender.group must name the prefill engine group")
         if self._rooms.is_tombstoned("receiver", room_id):

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.memory import CreditLedger
+from kvbroker.broker.rooms._commands import Abort
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._receive_bootstrap import RankBootstrap
 from kvbroker.broker.rooms._receive_landing import RankLanding
@@ -139,8 +140,9 @@ class ReceiverCore:
         self.successor_done = successors.done
 
     # -- engine calls ----------------------------------------------------
-    def abort(self, engine: Engine, room_id: int, reason: str, *, by: str = "engine") -> Receiver | None:
+    def abort(self, command: Abort) -> Receiver | None:
         """Fail the engine's side of the room and tell the sender's broker. Idempotent."""
+        engine, room_id, reason, by = command.engine, command.room, command.reason, command.by
         room = self._rooms.receiver.get(room_id)
         rank = room.ranks.get(engine.key) if room is not None else None
         if rank is not None:

@@ -21,6 +21,7 @@ import structlog
 from opentelemetry import trace
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.rooms._commands import BeginSend
 from kvbroker.broker.rooms._effects import SendReport
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._records import SenderRoom
@@ -34,7 +35,7 @@ from kvbroker.plan import RankKey, check_declared_pages, check_room_indices
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.memory import Engine
+    pass
 
 __all__ = ["SourceBootstrap"]
 
@@ -55,9 +56,10 @@ class SourceBootstrap:
         self._open: set[Source] = set()
         self._orphans_checked_at = 0.0
 
-    def begin(self, engine: Engine, room_id: int, num_pages: int) -> Source:
-        """Open ``room_id`` for sending from ``engine`` (BeginSend): ``num_pages``
-        over all chunks (0: not said)."""
+    def begin(self, command: BeginSend) -> Source:
+        """Open the command's room for sending from its engine (BeginSend):
+        ``num_pages`` over all chunks (0: not said)."""
+        engine, room_id, num_pages = command.engine, command.room, command.num_pages
         if self._rooms.is_tombstoned("sender", room_id):
             raise AlreadyExists(f"room {room_id} already ended on this broker; room ids must be unique")
         room = self._rooms.sender.get(room_id)

@@ -22,6 +22,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvbroker.broker.dataplane import XferState
+from kvbroker.broker.rooms._commands import SendChunk
 from kvbroker.broker.rooms._effects import PostPart, ReserveStaging
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._send_chunks import (
@@ -49,7 +50,6 @@ from kvbroker.plan import (
     FULL_PAGES,
     NO_INDICES,
     ChunkSum,
-    IndexArray,
     KvPairs,
     PartKind,
     PartSpec,
@@ -62,7 +62,6 @@ from kvbroker.plan import (
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.memory import Engine
     from kvbroker.broker.peers import RemoteEngine
 
 __all__ = ["PartLedger"]
@@ -102,17 +101,7 @@ class PartLedger:
         self._on_bytes = on_bytes
 
     # -- chunks ------------------------------------------------------------
-    def chunk(
-        self,
-        engine: Engine,
-        room_id: int,
-        pages: IndexArray,
-        *,
-        is_last: bool,
-        aux_row: int | None,
-        state: dict[str, IndexArray],
-        room_page: int | None = None,
-    ) -> tuple[int, Source]:
+    def chunk(self, command: SendChunk) -> tuple[int, Source]:
         """Accept one chunk (SendChunk) and post it to every known destination.
 
         Returns the chunk index and the source. A chunk for a FAILED source is
@@ -120,6 +109,8 @@ class PartLedger:
         before anything is recorded. ``room_page``: the room page the chunk
         starts at; only the first chunk may move it (incremental transfer).
         """
+        engine, room_id, pages, is_last = command.engine, command.room, command.pages, command.is_last
+        aux_row, state, room_page = command.aux_row, command.state, command.room_page
         room = self._rooms.sender.get(room_id)
         source = room.sources.get(engine.key) if room is not None else None
         if source is None:

@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
+from kvbroker.broker.rooms._commands import Abort
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._records import RoomTables, SenderRoom
 from kvbroker.broker.rooms._send_bootstrap import SourceBootstrap
@@ -118,8 +119,9 @@ class SenderCore:
         self.abandon = bootstrap.abandon
 
     # -- engine calls ----------------------------------------------------
-    def abort(self, engine: Engine, room_id: int, reason: str, *, by: str = "engine") -> Source | None:
+    def abort(self, command: Abort) -> Source | None:
         """Fail the engine's side of the room and tell its receivers. Idempotent."""
+        engine, room_id, reason, by = command.engine, command.room, command.reason, command.by
         room = self._rooms.sender.get(room_id)
         source = room.sources.get(engine.key) if room is not None else None
         if source is not None:

@@ -12,7 +12,6 @@ its registration opens and its release may free.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -31,11 +30,16 @@ from kvbroker.broker.rooms import (
     WatchHub,
     cause,
 )
+from kvbroker.broker.runtime._commands import (
+    decode_abort,
+    decode_begin_send,
+    decode_expect_room,
+    decode_send_chunk,
+)
 from kvbroker.broker.runtime._operators import Operators
-from kvbroker.broker.runtime._requests import decode_state
 from kvbroker.broker.runtime._room_sides import side_of, sides, wait_settled
 from kvbroker.errors import NotFound
-from kvbroker.plan import DescriptorTable, RoomTimeouts, decode_indices
+from kvbroker.plan import DescriptorTable, RoomTimeouts
 from kvbroker.v1 import common_pb2, transfer_pb2
 
 __all__ = ["EngineCalls"]
@@ -168,18 +172,7 @@ class EngineCalls:
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_DECODE, "expect rooms")
         self._operators.refuse_if_draining()
-        rank = self._receiver.expect(
-            engine,
-            request.room,
-            # Interned: every room of a sender group names the same two strings.
-            sender_address=sys.intern(request.sender.broker_address),
-            sender_group=sys.intern(request.sender.group),
-            pages=decode_indices(request.pages),
-            aux_row=request.aux_row if request.HasField("aux_row") else None,
-            state=decode_state(request.state),
-            prefix_pages=request.prefix_pages,
-            verify_checksum=request.verify_checksum or self._config.verify_checksums,
-        )
+        rank = self._receiver.expect(decode_expect_room(request, engine, verify_checksums=self._config.verify_checksums))
         self._executor.drain()
         return rank
 
@@ -188,7 +181,7 @@ class EngineCalls:
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_PREFILL, "send rooms")
         self._operators.refuse_if_draining()
-        source = self._sender.begin(engine, request.room, request.num_pages)
+        source = self._sender.begin(decode_begin_send(request, engine))
         self._executor.drain()
         return source
 
@@ -196,25 +189,18 @@ class EngineCalls:
         """A prefill rank's next computed pages of a room: (the chunk's index, the source)."""
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_PREFILL, "send chunks")
-        result = self._sender.chunk(
-            engine,
-            request.room,
-            decode_indices(request.pages),
-            is_last=request.is_last,
-            aux_row=request.aux_row if request.HasField("aux_row") else None,
-            state=decode_state(request.state),
-            room_page=request.room_page if request.HasField("room_page") else None,
-        )
+        result = self._sender.chunk(decode_send_chunk(request, engine))
         self._executor.drain()
         return result
 
     def abort(self, request: transfer_pb2.AbortRequest) -> common_pb2.RoomStatus:
         """The engine gives up its side of a room; the peers hear of it."""
         engine = self._engines.get(request.engine_id)
+        command = decode_abort(request, engine)
         if engine.role == common_pb2.ROLE_PREFILL:
-            self._sender.abort(engine, request.room, request.reason)
+            self._sender.abort(command)
         else:
-            self._receiver.abort(engine, request.room, request.reason)
+            self._receiver.abort(command)
         self._executor.drain()
         return self.status(engine, request.room)
 

@@ -10,8 +10,10 @@ import pytest
 
 from kvbroker.broker.memory import Reservation
 from kvbroker.broker.rooms import (
+    Abort,
     AbortAtPeer,
     Effect,
+    ExpectRoom,
     FindSender,
     Publish,
     Receiver,
@@ -68,7 +70,7 @@ class World:
         de = decode or self.engine_stub("decode")
         senders = senders or [self.engine_stub("prefill")]
         args: dict[str, Any] = {"pages": i32([0, 1, 2]), "aux_row": 1, "state": {}, **expect}
-        rank = self.core.expect(de, room, sender_address=ADDRESS, sender_group=senders[0].key.group, **args)
+        rank = self.core.expect(ExpectRoom(engine=de, room=room, sender_address=ADDRESS, sender_group=senders[0].key.group, **args))
         self.core.sender_found(rank, P, [s.layout for s in senders])
         self.core.room_registered(rank, rank.legs[0], P, still_known=True)
         self.take()
@@ -112,7 +114,7 @@ def test_a_receiver_bootstraps_registers_and_succeeds_on_its_notices(world: Worl
     """ExpectRoom -> FindSender; the plan made, RegisterRoom; registered: WAITING_FOR_INPUT;
     notices: TRANSFERRING, then SUCCESS when every part of every chunk and the aux row landed."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([4, 5, 6]), aux_row=2, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([4, 5, 6]), aux_row=2))
     (find,) = world.take()
     assert isinstance(find, FindSender) and find.receiver is rank and rank.state == BOOTSTRAPPING
     world.core.sender_found(rank, P, [pe.layout])
@@ -275,7 +277,7 @@ def test_a_staged_notice_without_a_reservation_fails_the_room(world: World) -> N
 def test_staging_requests_for_ended_or_unknown_rooms_are_refused(world: World) -> None:
     """No reservation for a room that ended, or that is not expecting that sender."""
     rank, request = _staged_rank(world)
-    world.core.abort(rank.engine, rank.room, "")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room))
     with pytest.raises(FailedPrecondition):
         world.core.staging_wanted(request)
     request.room = 999
@@ -290,7 +292,7 @@ def test_an_abort_tells_the_sender_and_settles_only_when_it_says_so(world: World
     """Lesson 7: after an abort the pages are not free while a source may still write; the sender's
     report that it settled frees them."""
     rank = world.registered()
-    world.core.abort(rank.engine, rank.room, "client went away")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="client went away"))
     effects = world.take()
     (abort,) = [e for e in effects if isinstance(e, AbortAtPeer)]
     assert abort.broker_id == P and abort.cause.message == "client went away"
@@ -326,7 +328,7 @@ def test_a_rank_registering_when_its_peer_is_lost_learns_where_its_room_landed(w
     """A loss seen while RegisterRoom is out leaves the rank alone; the answer tells: the process that
     took it is gone, so the room fails PEER, settled."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
     world.core.sender_found(rank, P, [pe.layout])
     assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "gone", "decode-broker")) == 0
     world.core.room_registered(rank, rank.legs[0], P, still_known=False)
@@ -337,7 +339,7 @@ def test_a_rank_registering_when_its_peer_is_lost_learns_where_its_room_landed(w
 def test_a_failed_registration_settles_unless_it_may_have_reached_the_sender(world: World, maybe_delivered: bool) -> None:
     """A timeout may have delivered the room (the sender may write); a refusal did not."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
     world.core.sender_found(rank, P, [pe.layout])
     world.core.registration_failed(rank, rank.legs[0], Unavailable("deadline"), maybe_delivered=maybe_delivered)
     assert rank.state == FAILED and rank.pages_settled is not maybe_delivered
@@ -346,7 +348,7 @@ def test_a_failed_registration_settles_unless_it_may_have_reached_the_sender(wor
 def test_a_sender_that_cannot_be_reached_fails_the_room_and_is_remembered(world: World) -> None:
     """Bootstrapping gave up: the room fails, and the broker that answers at that address next is told."""
     de = world.engine_stub("decode")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
     world.core.bootstrap_failed(rank, Unavailable("nobody home (gave up after 30 s)"))
     assert rank.state == FAILED and rank.pages_settled and rank.cause.kind == common_pb2.FAILURE_KIND_PEER  # type: ignore[union-attr]
     assert (ADDRESS, 1) in world.rooms.successor_notices
@@ -363,7 +365,7 @@ def test_a_registered_rank_times_out_waiting_for_data(world: World) -> None:
 def test_data_still_landing_after_an_abort_settles_the_pages(world: World) -> None:
     """Once every part of a failed rank's sources landed, nothing of them is in flight: settled."""
     rank = world.registered()
-    world.core.abort(rank.engine, rank.room, "")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room))
     assert not rank.pages_settled
     world.core.notices([notice(rank, SOURCE)])
     assert rank.pages_settled and rank.state == FAILED
@@ -375,7 +377,7 @@ def test_the_data_plane_listens_until_a_failed_ranks_pages_settle(world: World) 
     the once-a-second drain, so an aborted room's pages settled up to 1 s late)."""
     rank = world.registered()
     assert world.core.awaiting_data()
-    world.core.abort(rank.engine, rank.room, "")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room))
     assert rank.state == FAILED and world.core.awaiting_data()
     world.core.notices([notice(rank, SOURCE)])
     assert rank.pages_settled and not world.core.awaiting_data()
@@ -385,7 +387,7 @@ def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_hand
     """ABORTED (the sender's view of us is stale, or it restarted): until the answer the rank may not be
     written by anyone; after a fresh handshake it registers with whichever process answers now."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
     world.core.sender_found(rank, P, [pe.layout])
     world.core.registration_stale(rank, rank.legs[0])
     assert not rank.registered_with_sender and not rank.registering
@@ -399,10 +401,10 @@ def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_hand
 def test_a_rank_that_ended_meanwhile_does_not_register_again(world: World) -> None:
     """Aborted while the registration was being retried: the retry is dropped."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
     world.core.sender_found(rank, P, [pe.layout])
     world.core.registration_stale(rank, rank.legs[0])
-    world.core.abort(de, 1, "cancelled")
+    world.core.abort(Abort(engine=de, room=1, reason="cancelled"))
     assert not world.core.register_again(rank, rank.legs[0], "prefill-broker-2")
 
 
@@ -423,21 +425,21 @@ def test_bad_expectations_are_refused_and_change_nothing(world: World) -> None:
     """Out-of-range indices, a missing group, a reused room id: refused before any record exists."""
     de = world.engine_stub("decode")
     with pytest.raises(InvalidArgument, match="out of range"):
-        world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([16]), aux_row=None, state={})
+        world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="g", pages=i32([16])))
     with pytest.raises(InvalidArgument, match="group"):
-        world.core.expect(de, 1, sender_address=ADDRESS, sender_group="", pages=i32([0]), aux_row=None, state={})
+        world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="", pages=i32([0])))
     assert world.rooms.receiver == {} and world.take() == []
-    world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([0]), aux_row=None, state={})
+    world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="g", pages=i32([0])))
     with pytest.raises(AlreadyExists):
-        world.core.expect(de, 1, sender_address=ADDRESS, sender_group="g", pages=i32([0]), aux_row=None, state={})
+        world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="g", pages=i32([0])))
 
 
 def test_a_rank_that_failed_before_its_sender_was_reachable_tells_the_broker_found_later(world: World) -> None:
     """Aborted while the sender's broker could not be reached: remembered for whoever answers there; when
     the bootstrap then finds a broker, that broker is told the remembered way (once), not a second way."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
-    rank = world.core.expect(de, 1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0]), aux_row=None, state={})
-    world.core.abort(de, 1, "cancelled")
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
+    world.core.abort(Abort(engine=de, room=1, reason="cancelled"))
     assert (ADDRESS, 1) in world.rooms.successor_notices
     world.take()
     world.core.sender_found(rank, P, [pe.layout])
@@ -455,7 +457,7 @@ def _two_legs(world: World) -> tuple[Receiver, list[RegisterRoom]]:
     """A decode rank reading a pp2 prefill group whose pp0 is on broker P and pp1 on broker Q."""
     de = world.engine_stub("decode")
     pe = world.engine_stub("prefill", pp_size=2, pp_rank=0)
-    rank = world.core.expect(de, 1, sender_address="", sender_group="prefill-group", pages=i32([0, 1, 2]), aux_row=1, state={})
+    rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address="", sender_group="prefill-group", pages=i32([0, 1, 2]), aux_row=1))
     world.take()
     legs = [SenderLeg(P, ADDRESS, frozenset({(0, 0)})), SenderLeg(Q, "host-b:50051", frozenset({(0, 1)}))]
     world.core.sender_found(rank, legs, [pe.layout])
@@ -534,7 +536,7 @@ def test_an_abort_while_a_chunk_is_verified_settles_once_the_hashing_is_done(wor
     rank = world.registered(verify_checksum=True)
     world.core.notices([notice(rank, SOURCE, checksum=7)])
     (verify,) = [e for e in world.take() if isinstance(e, VerifyChunk)]
-    world.core.abort(rank.engine, rank.room, "the engine gave up")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     assert rank.state == FAILED and not rank.pages_settled
     world.core.chunk_verified(verify, 7, None)
     assert rank.pages_settled and rank.state == FAILED
@@ -551,7 +553,7 @@ def test_a_settled_report_while_a_staged_part_is_scattered_settles_only_after_th
     nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2
     world.core.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=nbytes)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
-    world.core.abort(rank.engine, rank.room, "the engine gave up")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
     world.core.completion_report(report)
     assert rank.state == FAILED and rank.scattering and not rank.pages_settled
@@ -576,7 +578,7 @@ def test_a_failed_ranks_staging_goes_source_by_source_as_each_writes_no_more(wor
     )
     pool, _ = world.core.staging_wanted(request)
     world.core.staging_granted(request, pool, reservation)
-    world.core.abort(rank.engine, rank.room, "the engine gave up")
+    world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # source 0 may still write into it
 
     def settled(source: RankKey) -> peer_pb2.CompletionReport:

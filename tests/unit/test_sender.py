@@ -12,6 +12,8 @@ import pytest
 from kvbroker.broker.dataplane import XferState
 from kvbroker.broker.peers import RemoteEngine
 from kvbroker.broker.rooms import (
+    Abort,
+    BeginSend,
     Effect,
     Part,
     PostPart,
@@ -19,6 +21,7 @@ from kvbroker.broker.rooms import (
     ReserveStaging,
     RoomEnded,
     RoomTables,
+    SendChunk,
     SenderCore,
     SendReport,
     Source,
@@ -134,7 +137,7 @@ def _pair(world: World, room: int = 1, pages: list[int] | None = None, **kw: Any
     de = world.engine_stub("decode", **kw)
     world.peers.add(D, de)
     pages = pages if pages is not None else [4, 5, 6]
-    source = world.core.begin(pe, room, len(pages))
+    source = world.core.begin(BeginSend(engine=pe, room=room, num_pages=len(pages)))
     world.core.transfer_info(world.info(pe, de, room, pages))
     return pe, de, source
 
@@ -148,18 +151,18 @@ def test_a_source_waits_for_its_receiver_then_posts_every_chunk_and_succeeds(wor
     pe = world.engine_stub("prefill")
     de = world.engine_stub("decode")
     world.peers.add(D, de)
-    source = world.core.begin(pe, 7, 3)
+    source = world.core.begin(BeginSend(engine=pe, room=7, num_pages=3))
     assert source.state == BOOTSTRAPPING and world.take() == []
     world.core.transfer_info(world.info(pe, de, 7, [10, 11, 12]))
     assert source.state == WAITING and [type(e) for e in world.take()] == [Publish]
-    world.core.chunk(pe, 7, i32([1, 2]), is_last=False, aux_row=None, state={})
+    world.core.chunk(SendChunk(engine=pe, room=7, pages=i32([1, 2]), is_last=False))
     effects = world.take()
     (first,) = _posts(effects)
     assert first.kind is PartKind.WHOLE and source.inflight == 1 and source.state == TRANSFERRING
     # K and V of 4 layers, pages 1, 2 -> receiver pages 10, 11; indices into the prepared lists.
     assert first.spec.local_indices is not None and first.spec.local_indices.size == 8 * 2
     assert first.notice.chunk_index == 0 and not first.notice.is_last and first.notice.parts == 1
-    world.core.chunk(pe, 7, i32([3]), is_last=True, aux_row=1, state={})
+    world.core.chunk(SendChunk(engine=pe, room=7, pages=i32([3]), is_last=True, aux_row=1))
     (last,) = _posts(world.take())
     assert last.notice.is_last and last.notice.total_chunks == 2 and last.notice.aux and last.notice.page_offset == 2
     _settle_all(world, [first])
@@ -175,9 +178,9 @@ def test_chunks_before_the_transfer_info_are_posted_in_order_when_it_comes(world
     """Either order works: chunks wait for the receiver's info, then go in chunk order."""
     pe, de = world.engine_stub("prefill"), world.engine_stub("decode")
     world.peers.add(D, de)
-    world.core.begin(pe, 3, 3)
-    world.core.chunk(pe, 3, i32([1]), is_last=False, aux_row=None, state={})
-    world.core.chunk(pe, 3, i32([2, 3]), is_last=True, aux_row=0, state={})
+    world.core.begin(BeginSend(engine=pe, room=3, num_pages=3))
+    world.core.chunk(SendChunk(engine=pe, room=3, pages=i32([1]), is_last=False))
+    world.core.chunk(SendChunk(engine=pe, room=3, pages=i32([2, 3]), is_last=True, aux_row=0))
     assert _posts(world.take()) == []
     world.core.transfer_info(world.info(pe, de, 3, [7, 8, 9]))
     posted = _posts(world.take())
@@ -189,7 +192,7 @@ def test_lesson1_aux_goes_on_a_last_chunk_with_no_pages(world: World) -> None:
     """A last chunk without pages still carries the aux row (it used to be gated on state)."""
     pe, de, source = _pair(world, pages=[])
     world.take()
-    world.core.chunk(pe, 1, i32([]), is_last=True, aux_row=2, state={})
+    world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([]), is_last=True, aux_row=2))
     (part,) = _posts(world.take())
     assert part.notice.aux and part.kind is PartKind.WHOLE and part.notice.pages == 0
     assert part.spec.carries == ("kvbroker.aux",)
@@ -200,9 +203,9 @@ def test_a_completion_only_source_sends_a_notice_on_its_last_chunk(world: World)
     pe = world.engine_stub("prefill", mla=True, tp_size=2, tp_rank=1)
     de = world.engine_stub("decode", mla=True)
     world.peers.add(D, de)
-    source = world.core.begin(pe, 5, 2)
+    source = world.core.begin(BeginSend(engine=pe, room=5, num_pages=2))
     world.core.transfer_info(world.info(pe, de, 5, [0, 1]))
-    world.core.chunk(pe, 5, i32([3, 4]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=5, pages=i32([3, 4]), is_last=True, aux_row=0))
     (part,) = _posts(world.take())
     assert part.kind is PartKind.NOTICE and part.notice.total_chunks == 1 and part.notice.pages == 0
     world.core.part_settled(part, XferState.DONE, 0, None)
@@ -216,7 +219,7 @@ def test_a_failed_part_fails_the_source_and_reports_settled_to_the_receiver(worl
     """An ERR settles the part: the source fails (TRANSFER), is settled, and the receiver hears both."""
     pe, _de, source = _pair(world)
     world.take()
-    world.core.chunk(pe, 1, i32([1, 2, 3]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3]), is_last=True, aux_row=0))
     (part,) = _posts(world.take())
     world.core.part_settled(part, XferState.ERR, None, None)
     effects = world.take()
@@ -233,9 +236,9 @@ def test_an_abort_with_parts_in_flight_reports_settled_only_when_they_settle(wor
     """Lesson 7: the receiver is told of the abort at once, and that its pages are safe only later."""
     pe, _de, source = _pair(world)
     world.take()
-    world.core.chunk(pe, 1, i32([1, 2, 3]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3]), is_last=True, aux_row=0))
     (part,) = _posts(world.take())
-    world.core.abort(pe, 1, "client went away")
+    world.core.abort(Abort(engine=pe, room=1, reason="client went away"))
     effects = world.take()
     (report,) = [e.report for e in effects if isinstance(e, SendReport)]
     assert source.state == FAILED and not source.pages_settled and not report.settled
@@ -249,9 +252,9 @@ def test_an_abort_with_parts_in_flight_reports_settled_only_when_they_settle(wor
 def test_a_failed_source_accepts_and_drops_later_chunks(world: World) -> None:
     """Chunks after a failure are counted, not posted (the engine's calls still validate)."""
     pe, _de, source = _pair(world)
-    world.core.abort(pe, 1, "")
+    world.core.abort(Abort(engine=pe, room=1))
     world.take()
-    index, _ = world.core.chunk(pe, 1, i32([1, 2, 3]), is_last=True, aux_row=0, state={})
+    index, _ = world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3]), is_last=True, aux_row=0))
     assert index == 0 and source.cursor == 3 and _posts(world.take()) == []
 
 
@@ -262,7 +265,7 @@ def test_the_receivers_abort_fails_sources_and_later_openers(world: World) -> No
     assert world.core.peer_abort(1, why, D) is True
     assert source.state == FAILED and source.cause == why
     other = world.engine_stub("prefill", tp_size=2, tp_rank=1)
-    late = world.core.begin(other, 1, 3)
+    late = world.core.begin(BeginSend(engine=other, room=1, num_pages=3))
     assert late.state == FAILED and late.cause == why
 
 
@@ -287,7 +290,7 @@ def test_page_counts_that_disagree_fail_with_mismatch(world: World) -> None:
     """BeginSend's page count and the receiver's disagree: MISMATCH naming both."""
     pe, de = world.engine_stub("prefill"), world.engine_stub("decode")
     world.peers.add(D, de)
-    source = world.core.begin(pe, 2, 3)
+    source = world.core.begin(BeginSend(engine=pe, room=2, num_pages=3))
     world.core.transfer_info(world.info(pe, de, 2, [1, 2]))
     assert source.state == FAILED and source.cause is not None
     assert source.cause.kind == common_pb2.FAILURE_KIND_MISMATCH and "expects 2" in source.cause.message
@@ -297,7 +300,7 @@ def test_a_post_that_cannot_be_planned_fails_the_source(world: World) -> None:
     """A receiver that re-registered (its generation changed) cannot be written: the source fails."""
     pe, de, source = _pair(world)
     world.peers.remotes[(D, de.key)].generation = 99
-    world.core.chunk(pe, 1, i32([1, 2, 3]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3]), is_last=True, aux_row=0))
     assert source.state == FAILED and source.cause is not None and "is gone" in source.cause.message
     assert _posts(world.take()) == []
 
@@ -310,26 +313,26 @@ def test_bad_chunks_are_refused_and_change_nothing(world: World) -> None:
     pe, _de, source = _pair(world)
     world.take()
     with pytest.raises(InvalidArgument, match="out of range"):
-        world.core.chunk(pe, 1, i32([16]), is_last=False, aux_row=None, state={})
+        world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([16]), is_last=False))
     with pytest.raises(InvalidArgument, match="declared 3"):
-        world.core.chunk(pe, 1, i32([1, 2, 3, 4]), is_last=False, aux_row=None, state={})
+        world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3, 4]), is_last=False))
     with pytest.raises(InvalidArgument, match="last chunk"):
-        world.core.chunk(pe, 1, i32([1]), is_last=False, aux_row=0, state={})
+        world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1]), is_last=False, aux_row=0))
     with pytest.raises(InvalidArgument, match="must carry aux_row"):
-        world.core.chunk(pe, 1, i32([1, 2, 3]), is_last=True, aux_row=None, state={})
+        world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3]), is_last=True))
     assert source.chunk_list == [] and source.cursor == 0 and world.take() == []
     with pytest.raises(NotFound):
-        world.core.chunk(pe, 99, i32([1]), is_last=True, aux_row=0, state={})
+        world.core.chunk(SendChunk(engine=pe, room=99, pages=i32([1]), is_last=True, aux_row=0))
 
 
 def test_a_room_is_opened_once_per_rank(world: World) -> None:
     """A second BeginSend of the same rank is ALREADY_EXISTS; so is a tombstoned room id."""
     pe, _de, _source = _pair(world)
     with pytest.raises(AlreadyExists):
-        world.core.begin(pe, 1, 3)
+        world.core.begin(BeginSend(engine=pe, room=1, num_pages=3))
     world.rooms.tombstones[("sender", 42)] = 1e12
     with pytest.raises(AlreadyExists, match="unique"):
-        world.core.begin(pe, 42, 1)
+        world.core.begin(BeginSend(engine=pe, room=42, num_pages=1))
 
 
 def test_transfer_infos_are_checked_against_what_the_receiver_announced(world: World) -> None:
@@ -363,10 +366,10 @@ def test_a_source_whose_engine_died_first_is_reported_and_cannot_reopen_the_room
     (report,) = [e.report for e in world.take() if isinstance(e, SendReport)]
     assert report.settled and report.failure == why
     restarted = world.engine_stub("prefill")
-    source = world.core.begin(restarted, 9, 2)
+    source = world.core.begin(BeginSend(engine=restarted, room=9, num_pages=2))
     assert source.state == FAILED and source.cause is not None
     assert source.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST and "cannot be opened again" in source.cause.message
-    world.core.chunk(restarted, 9, i32([3, 4]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=restarted, room=9, pages=i32([3, 4]), is_last=True, aux_row=0))
     assert _posts(world.take()) == []
 
 
@@ -374,7 +377,7 @@ def test_timeouts_fail_waiting_sources_and_answer_orphan_infos(world: World) -> 
     """A source without its transfer info times out; an info whose source never opens is answered."""
     pe, de = world.engine_stub("prefill"), world.engine_stub("decode")
     world.peers.add(D, de)
-    waiting = world.core.begin(pe, 1, 1)
+    waiting = world.core.begin(BeginSend(engine=pe, room=1, num_pages=1))
     other = world.engine_stub("prefill", tp_size=2, tp_rank=1)
     world.core.transfer_info(world.info(other, de, 2, [0]))
     now = waiting.opened_at + 1000
@@ -396,10 +399,10 @@ def test_a_staged_part_reserves_at_the_receiver_before_it_is_posted(engine_stub:
     de = engine_stub("decode")
     world.peers.add(D, de)
     world.peers.staging[(D, DRAM, 0)] = 1 << 20
-    source = world.core.begin(pe, 4, 2)
+    source = world.core.begin(BeginSend(engine=pe, room=4, num_pages=2))
     world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
     world.take()
-    world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=4, pages=i32([5, 6]), is_last=True, aux_row=0))
     effects = world.take()
     (part,) = [e.part for e in effects if isinstance(e, ReserveStaging)]
     assert part.kind is PartKind.STAGED and part not in _posts(effects) and source.inflight == 2
@@ -423,9 +426,9 @@ def test_vram_moves_packed_through_transfer_buffers_on_the_receivers_own_gpu(eng
         world = World(engine_stub, send_staging=1 << 20)
         world.peers.add(D, de)
         world.peers.staging[(D, VRAM, announced)] = 1 << 20
-        source = world.core.begin(pe, 4, 2)
+        source = world.core.begin(BeginSend(engine=pe, room=4, num_pages=2))
         world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
-        world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+        world.core.chunk(SendChunk(engine=pe, room=4, pages=i32([5, 6]), is_last=True, aux_row=0))
         effects = world.take()
         reserved = [e.part for e in effects if isinstance(e, ReserveStaging)]
         outcomes.append((source.state, [p.kind for p in reserved], [p.kind for p in _posts(effects)]))
@@ -449,9 +452,9 @@ def test_a_packed_chunk_is_cut_to_half_the_smaller_transfer_buffer(engine_stub: 
     world = World(engine_stub, send_staging=8 * page)
     world.peers.add(D, de)
     world.peers.staging[(D, VRAM, 0)] = 6 * page  # parts of at most 3 pages
-    source = world.core.begin(pe, 9, 7)
+    source = world.core.begin(BeginSend(engine=pe, room=9, num_pages=7))
     world.core.transfer_info(world.info(pe, de, 9, list(range(7))))
-    world.core.chunk(pe, 9, i32(range(7)), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=9, pages=i32(range(7)), is_last=True, aux_row=0))
     effects = world.take()
     parts = [e.part for e in effects if isinstance(e, ReserveStaging)]
     assert [(p.notice.packed_kv_begin, p.notice.packed_kv_end, p.notice.packed_aux) for p in parts] == [
@@ -471,11 +474,11 @@ def test_a_gathered_part_is_posted_without_the_receivers_staging(engine_stub: Bu
     ranks = [engine_stub("decode", tp_size=2, tp_rank=r) for r in (0, 1)]
     for de in ranks:
         world.peers.add(D, de)
-    source = world.core.begin(pe, 4, 2)
+    source = world.core.begin(BeginSend(engine=pe, room=4, num_pages=2))
     for de in ranks:
         world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
     world.take()
-    world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=4, pages=i32([5, 6]), is_last=True, aux_row=0))
     effects = world.take()
     gathered = [p for p in _posts(effects) if p.kind is PartKind.GATHERED]
     assert len(gathered) == 2 and not any(isinstance(e, ReserveStaging) for e in effects)
@@ -490,12 +493,12 @@ def test_a_staged_part_whose_room_failed_meanwhile_is_not_posted(engine_stub: Bu
     pe, de = engine_stub("prefill", tp_size=2), engine_stub("decode")
     world.peers.add(D, de)
     world.peers.staging[(D, DRAM, 0)] = 1 << 20
-    source = world.core.begin(pe, 4, 2)
+    source = world.core.begin(BeginSend(engine=pe, room=4, num_pages=2))
     world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
-    world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=4, pages=i32([5, 6]), is_last=True, aux_row=0))
     effects = world.take()
     (part,) = [e.part for e in effects if isinstance(e, ReserveStaging)]
-    world.core.abort(pe, 4, "")
+    world.core.abort(Abort(engine=pe, room=4))
     for whole in _posts(effects):
         world.core.part_settled(whole, XferState.DONE, 1, None)
     world.core.staging_reserved(part, peer_pb2.RemoteBuffer(size_bytes=1 << 20, kind=DRAM), 0)
@@ -506,9 +509,9 @@ def test_without_staging_head_slices_go_per_token(world: World) -> None:
     """No staging buffers: the head slice is one TOKENS part."""
     pe, de = world.engine_stub("prefill"), world.engine_stub("decode", tp_size=2)
     world.peers.add(D, de)
-    world.core.begin(pe, 4, 2)
+    world.core.begin(BeginSend(engine=pe, room=4, num_pages=2))
     world.core.transfer_info(world.info(pe, de, 4, [0, 1]))
-    world.core.chunk(pe, 4, i32([5, 6]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=4, pages=i32([5, 6]), is_last=True, aux_row=0))
     kinds = [p.kind for p in _posts(world.take())]
     assert PartKind.TOKENS in kinds and PartKind.STAGED not in kinds
 
@@ -516,7 +519,7 @@ def test_without_staging_head_slices_go_per_token(world: World) -> None:
 def test_a_part_that_could_not_be_posted_fails_with_its_error(world: World) -> None:
     """An error raised by the post (NIXL rejected it) becomes the cause."""
     pe, _de, source = _pair(world)
-    world.core.chunk(pe, 1, i32([1, 2, 3]), is_last=True, aux_row=0, state={})
+    world.core.chunk(SendChunk(engine=pe, room=1, pages=i32([1, 2, 3]), is_last=True, aux_row=0))
     (part,) = _posts(world.take())
     world.core.part_settled(part, XferState.ERR, None, NixlError("NIXL could not post the transfer: boom"))
     assert source.cause is not None and source.cause.kind == common_pb2.FAILURE_KIND_TRANSFER and "boom" in source.cause.message
@@ -528,10 +531,10 @@ def test_a_verified_chunk_leaves_its_checksum_to_the_executor_and_reads_no_memor
     no notice carries a value until the executor fills it in."""
     pe, de = world.engine_stub("prefill"), world.engine_stub("decode")
     world.peers.add(D, de)
-    world.core.begin(pe, 9, 3)
+    world.core.begin(BeginSend(engine=pe, room=9, num_pages=3))
     world.core.transfer_info(world.info(pe, de, 9, [4, 5, 6], verify_checksum=True))
     world.take()
-    world.core.chunk(pe, 9, i32([1, 2, 3]), is_last=True, aux_row=1, state={})
+    world.core.chunk(SendChunk(engine=pe, room=9, pages=i32([1, 2, 3]), is_last=True, aux_row=1))
     parts = _posts(world.take())
     assert parts
     holders = {id(part.checksum) for part in parts}

@@ -1,0 +1,70 @@
+"""The engines' room commands, typed: what an engine asks of a room machine.
+
+Each is decoded from its proto once (``runtime``'s ``_commands``, for the
+unary calls and the session stream alike) and handed to one machine method:
+:class:`ExpectRoom` to ``ReceiverCore.expect``, :class:`BeginSend` to
+``SenderCore.begin``, :class:`SendChunk` to ``SenderCore.chunk`` and
+:class:`Abort` to either side's ``abort``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbroker.broker.memory import Engine
+from kvbroker.plan import IndexArray
+
+__all__ = ["Abort", "BeginSend", "ExpectRoom", "SendChunk"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectRoom:
+    """A decode rank opens ``room`` to receive into ``pages`` from a sender group."""
+
+    engine: Engine
+    room: int
+    #: The sender's broker, and the prefill engine group whose ranks send.
+    sender_address: str
+    sender_group: str
+    #: The engine's pages the room's KV lands in, in room order.
+    pages: IndexArray
+    aux_row: int | None = None
+    #: State components' indices, by component.
+    state: dict[str, IndexArray] = field(default_factory=dict)
+    #: The leading pages of the room the rank holds already (not sent).
+    prefix_pages: int = 0
+    #: Checksum every chunk where it landed, against the sender's.
+    verify_checksum: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BeginSend:
+    """A prefill rank opens its side of ``room``: ``num_pages`` over all chunks (0: not said)."""
+
+    engine: Engine
+    room: int
+    num_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendChunk:
+    """A prefill rank's next computed ``pages`` of ``room``."""
+
+    engine: Engine
+    room: int
+    pages: IndexArray
+    is_last: bool = False
+    aux_row: int | None = None
+    state: dict[str, IndexArray] = field(default_factory=dict)
+    #: The room page the chunk starts at (only the first chunk may move it).
+    room_page: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Give up ``engine``'s side of ``room``; ``by``: who asked (engine, operator)."""
+
+    engine: Engine
+    room: int
+    reason: str = ""
+    by: str = "engine"
