@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -34,11 +33,13 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import DataPlane, Posting, Settled, XferState
+from kvbroker.broker.dataplane import Posting, Settled, XferState
+from kvbroker.broker.execution._bundles import Machines, Telemetry, Transport
 from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.execution._writes import (
     packed_write,
     whole_write,
@@ -47,10 +48,9 @@ from kvbroker.broker.execution._writes import (
     write_runs,
     write_tokens,
 )
-from kvbroker.broker.memory import Credit, Reservation, StagingPool, StagingPools
-from kvbroker.broker.peers import PeerClient, PeerTable, TransportVerdict
-from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, SenderCore
-from kvbroker.broker.telemetry import BrokerMetrics, Counters
+from kvbroker.broker.memory import Credit, Reservation, StagingPool
+from kvbroker.broker.peers import TransportVerdict
+from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
 from kvbroker.plan import PartKind, kv_block, pool_text
 from kvbroker.protocol import PROTOCOL_VERSION
@@ -72,39 +72,33 @@ class PartsInFlight:
     def __init__(
         self,
         *,
+        config: BrokerConfig,
+        machines: Machines,
+        transport: Transport,
         credits: Credits,
         probes: TransportProbes,
-        broker_id: str,
-        config: BrokerConfig,
-        sender: SenderCore,
-        dataplane: DataPlane,
-        peers: PeerTable,
-        client: PeerClient,
-        pools: StagingPools,
         copies: StagingCopies,
         tasks: TaskSet,
-        counters: Counters,
-        metrics: BrokerMetrics,
-        drain: Callable[[], None],
+        telemetry: Telemetry,
     ) -> None:
         self._probes = probes
         self._credits = credits
         #: Packed parts' ranges in the receiver's credits, until they settle:
         #: one that never reached the receiver gives its range back here.
         self._credited: dict[Part, Credit] = {}
-        self._id = broker_id
+        self._id = machines.broker_id
         self._config = config
-        self._sender = sender
-        self._dataplane = dataplane
-        self._peers = peers
-        self._client = client
-        self._pools = pools
+        self._sender = machines.sender
+        #: Each answer to the sender's state machine is a turn.
+        self._turn = machines.turn
+        self._dataplane = transport.dataplane
+        self._peers = transport.peers
+        self._client = transport.client
+        self._pools = transport.pools
         self._copies = copies
         self._tasks = tasks
-        self._counters = counters
-        self._metrics = metrics
-        #: The executor's loop: carries out what an answer to a state machine caused.
-        self._drain = drain
+        self._counters = telemetry.counters
+        self._metrics = telemetry.metrics
         #: Parts handed on and not settled: their span and when they started.
         self._parts: dict[Part, tuple[Span, float]] = {}
         #: Staged parts' reservations in the local send pool, until they settle.
@@ -247,8 +241,8 @@ class PartsInFlight:
         if part.source.state == FAILED:
             self.fail(part, FailedPrecondition("the room failed before its staged part was written"))
             return
-        self._sender.staging_reserved(part, buffer, response.offset)
-        self._drain()
+        with self._turn:
+            self._sender.staging_reserved(part, buffer, response.offset)
 
     def _pack_now(self, part: Part) -> bool:
         """The steady state of a packed part, without a task: where nothing
@@ -344,6 +338,7 @@ class PartsInFlight:
             return None
         return got
 
+    @in_turn
     def _placed(self, part: Part, buffer: peer_pb2.RemoteBuffer, credit: Credit) -> None:
         """A packed part holds its range in the receiver's buffer: its notice
         names the credit, and the sender's state machine hands it on to be
@@ -351,7 +346,6 @@ class PartsInFlight:
         self._credited[part] = credit
         part.notice.credit_id = credit.credit_id
         self._sender.staging_reserved(part, buffer, credit.offset)
-        self._drain()
 
     def _gather_into(self, part: Part, span: Span, pool: StagingPool, reservation: Reservation) -> asyncio.Future[_Packed | KvBrokerError | None]:
         """Start gathering a packed part into its send slot; what the gather
@@ -458,10 +452,10 @@ class PartsInFlight:
         self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
 
     # -- settling ----------------------------------------------------------------------
+    @in_turn
     def fail(self, part: Part, error: KvBrokerError) -> None:
         """A part that never reached NIXL: it settles now, as failed."""
         self.settled(Settled(part, XferState.ERR, None, error, 0.0))
-        self._drain()
 
     def settled(self, event: Settled) -> None:
         """A part's outcome: give back what it held, end its span, count it,

@@ -31,7 +31,7 @@ from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Agent, DataPlane, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
-from kvbroker.broker.execution import Executor, TaskSet
+from kvbroker.broker.execution import Executor, Machines, TaskSet
 from kvbroker.broker.memory import EngineTable, FdSocketServer, StagingPools
 from kvbroker.broker.peers import FleetRecord, FleetView, PeerClient, PeerMonitor, PeerTable
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub, cause
@@ -88,6 +88,7 @@ class Broker:
     peers: PeerTable
     peer_client: PeerClient
     sender: SenderCore
+    machines: Machines
     receiver: ReceiverCore
     executor: Executor
     monitor: PeerMonitor
@@ -148,13 +149,13 @@ class Broker:
                 # An error, not a clean end: the engine's session reconnects
                 # and registers again with the next process at this address.
                 engine.session.end(Unavailable("the broker is shutting down"))
-        for source in list(self.rooms.all_sources()):
-            self.sender.fail(source, why)
-        for rank in list(self.rooms.all_receivers()):
-            self.receiver.fail(rank, why)
-        self.executor.drain()
+        with self.machines.turn:
+            for source in list(self.rooms.all_sources()):
+                self.sender.fail(source, why)
+            for rank in list(self.rooms.all_receivers()):
+                self.receiver.fail(rank, why)
         await wait_settled(self.rooms, list(self.engines.by_id.values()), self.config.unregister_settle_timeout_seconds)
-        await self.tasks.drain(timeout_seconds=2.0)
+        await self.tasks.finish(timeout_seconds=2.0)
         await self.housekeeping.stop()
         await cancel_and_wait(self._running)
         for engine in list(self.engines.by_id.values()):
