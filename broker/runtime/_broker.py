@@ -4,8 +4,9 @@
 operators) -> state machine -> effects -> executor``. :func:`build_broker`
 (``_build``) makes every part; a :class:`Broker` holds them, final from then
 on, and starts and stops them in order. Each route decodes its request,
-checks the caller, calls the sender or receiver state machine, and lets the
-executor carry out the effects (:meth:`Executor.drain`) before it answers:
+checks the caller and calls the sender or receiver state machine in a turn
+(``execution.Turn``, of the ``Machines`` bundle every route is handed): the
+effects are carried out when the turn ends, before the route answers:
 
 - ``engine_calls``: engines on this host (register, open rooms, send chunks, abort, poll, watch);
 - ``sessions``: the engines' session streams, which carry the same room commands;
