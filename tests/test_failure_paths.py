@@ -153,8 +153,8 @@ def test_a_receive_slot_granted_as_its_room_ends_is_given_back(fake_brokers, mak
     def grant_then_end() -> None:
         pool.release(held)  # the first queued reservation is granted: its room is open
         engine = broker.engines.get(decode[0].handle.engine_id)
-        broker.receiver.abort(Abort(engine=engine, room=702, reason="the decode engine gave up"))
-        broker.executor.drain()  # the room ends before the granted call resumes
+        with broker.machines.turn:  # the room ends (its effects run) before the granted call resumes
+            broker.receiver.abort(Abort(engine=engine, room=702, reason="the decode engine gave up"))
 
     d.loop.call(grant_then_end)
     assert_nothing_left(p, d)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from kvbroker.broker.execution import transport_text
 from kvbroker.broker.memory import Engine
 from kvbroker.broker.peers import Peer
 from kvbroker.broker.rooms import Receiver, Side, Source
@@ -63,7 +64,7 @@ class Queries:
         return self._b.peers.by_address.get(address)
 
     def transport(self) -> str:
-        return self._b.executor.transport()
+        return transport_text(self._b.config)
 
     def sides(self) -> Iterator[Side]:
         """Every room side held (sources, then receivers)."""

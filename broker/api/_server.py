@@ -25,6 +25,7 @@ from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
 from kvbroker import cudavmm
 from kvbroker.broker.aio import cancel_and_wait
+from kvbroker.broker.api._admin import Admin
 from kvbroker.broker.api._servicers import AdminService, PeerService, TransferService
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.dataplane import Agent, AgentConfig, UcxAgent
@@ -158,9 +159,13 @@ class BrokerServer:
             cuda_driver=self._cuda_driver,
             device_as_host=self._device_as_host,
         )
-        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(TransferService(broker), server)
-        peer_pb2_grpc.add_PeerBrokerServicer_to_server(PeerService(broker), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(broker), server)
+        transfer_pb2_grpc.add_TransferBrokerServicer_to_server(
+            TransferService(broker.engine_calls, broker.sessions, broker.broker_info), server
+        )
+        peer_pb2_grpc.add_PeerBrokerServicer_to_server(
+            PeerService(broker.peer_requests, broker.broker_id, broker.counters), server
+        )
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(broker)), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)

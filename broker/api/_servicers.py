@@ -1,4 +1,4 @@
-"""The gRPC servicers: thin. Hand the request to the broker's call route, map errors.
+"""The gRPC servicers: thin. Hand the request to the call route each is given, map errors.
 
 Errors map to statuses here and only here: a ``KvBrokerError`` becomes its
 own status code and message; anything else is logged with its traceback and
@@ -16,7 +16,8 @@ import grpc
 import structlog
 
 from kvbroker.broker.api._admin import Admin
-from kvbroker.broker.runtime import Broker, SessionStream
+from kvbroker.broker.runtime import EngineCalls, PeerRequests, Sessions, SessionStream
+from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import Internal, InvalidArgument, KvBrokerError
 from kvbroker.v1 import (
     admin_pb2,
@@ -56,56 +57,60 @@ def _unary(
 class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
     """``kvbroker.v1.TransferBroker``: engines on this host."""
 
-    def __init__(self, broker: Broker) -> None:
-        self._broker = broker
+    def __init__(
+        self, engine_calls: EngineCalls, sessions: Sessions, broker_info: Callable[[], transfer_pb2.BrokerInfo]
+    ) -> None:
+        self._calls = engine_calls
+        self._sessions = sessions
+        self._broker_info = broker_info
 
     @_unary
     async def GetBrokerInfo(self, request: transfer_pb2.GetBrokerInfoRequest, context: Any) -> transfer_pb2.BrokerInfo:
-        return self._broker.broker_info()
+        return self._broker_info()
 
     @_unary
     async def RegisterEngine(
         self, request: transfer_pb2.RegisterEngineRequest, context: Any
     ) -> transfer_pb2.RegisterEngineResponse:
-        engine = await self._broker.engine_calls.register_engine(request)
+        engine = await self._calls.register_engine(request)
         return transfer_pb2.RegisterEngineResponse(engine_id=engine.engine_id)
 
     @_unary
     async def UnregisterEngine(
         self, request: transfer_pb2.UnregisterEngineRequest, context: Any
     ) -> transfer_pb2.UnregisterEngineResponse:
-        failed = await self._broker.engine_calls.unregister_engine(request.engine_id)
+        failed = await self._calls.unregister_engine(request.engine_id)
         return transfer_pb2.UnregisterEngineResponse(rooms_failed=failed)
 
     @_unary
     async def ExpectRoom(self, request: transfer_pb2.ExpectRoomRequest, context: Any) -> transfer_pb2.ExpectRoomResponse:
-        return transfer_pb2.ExpectRoomResponse(status=self._broker.engine_calls.expect_room(request).status())
+        return transfer_pb2.ExpectRoomResponse(status=self._calls.expect_room(request).status())
 
     @_unary
     async def BeginSend(self, request: transfer_pb2.BeginSendRequest, context: Any) -> transfer_pb2.BeginSendResponse:
-        return transfer_pb2.BeginSendResponse(status=self._broker.engine_calls.begin_send(request).status())
+        return transfer_pb2.BeginSendResponse(status=self._calls.begin_send(request).status())
 
     @_unary
     async def SendChunk(self, request: transfer_pb2.SendChunkRequest, context: Any) -> transfer_pb2.SendChunkResponse:
-        index, source = self._broker.engine_calls.send_chunk(request)
+        index, source = self._calls.send_chunk(request)
         return transfer_pb2.SendChunkResponse(chunk_index=index, status=source.status())
 
     @_unary
     async def Poll(self, request: transfer_pb2.PollRequest, context: Any) -> transfer_pb2.PollResponse:
-        return transfer_pb2.PollResponse(statuses=self._broker.engine_calls.poll(request))
+        return transfer_pb2.PollResponse(statuses=self._calls.poll(request))
 
     async def WatchRooms(
         self, request: transfer_pb2.WatchRoomsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.RoomStatus]:
         try:
-            async for status in self._broker.engine_calls.watch(request):
+            async for status in self._calls.watch(request):
                 yield status
         except KvBrokerError as exc:
             await context.abort(exc.code, exc.message)
 
     @_unary
     async def Abort(self, request: transfer_pb2.AbortRequest, context: Any) -> transfer_pb2.AbortResponse:
-        return transfer_pb2.AbortResponse(status=self._broker.engine_calls.abort(request))
+        return transfer_pb2.AbortResponse(status=self._calls.abort(request))
 
     async def Session(
         self, requests: AsyncIterator[transfer_pb2.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
@@ -114,7 +119,7 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             first = await requests.__anext__()
             if not first.HasField("open"):
                 raise InvalidArgument("the first request of a session stream must carry SessionOpen")
-            engine, stream = self._broker.sessions.open_session(first.open)
+            engine, stream = self._sessions.open_session(first.open)
         except StopAsyncIteration:
             return
         except KvBrokerError as exc:
@@ -134,7 +139,7 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             await context.abort(exc.code, exc.message)
         finally:
             reader.cancel()
-            self._broker.sessions.close_session(engine, stream)
+            self._sessions.close_session(engine, stream)
 
     async def _commands(
         self,
@@ -146,11 +151,11 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
         """Apply the stream's commands as they come (those of the opening first: they
         may come with it); end the stream when the engine half-closes."""
         try:
-            self._broker.sessions.apply_commands(engine, stream, opening)
+            self._sessions.apply_commands(engine, stream, opening)
             async for request in requests:
                 if request.HasField("open"):
                     raise InvalidArgument("SessionOpen may only be the first request of a stream")
-                self._broker.sessions.apply_commands(engine, stream, request.commands)
+                self._sessions.apply_commands(engine, stream, request.commands)
         except KvBrokerError as exc:
             stream.end(exc)
             return
@@ -172,7 +177,7 @@ def _peer(
 
     @functools.wraps(fn)
     async def wrapper(self: PeerService, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
-        self._broker.counters.peer_calls_answered[name] += 1
+        self._counters.peer_calls_answered[name] += 1
         return await inner(self, request, context)
 
     return wrapper
@@ -181,60 +186,62 @@ def _peer(
 class PeerService(peer_pb2_grpc.PeerBrokerServicer):
     """``kvbroker.v1.PeerBroker``: other brokers."""
 
-    def __init__(self, broker: Broker) -> None:
-        self._broker = broker
+    def __init__(self, peer_requests: PeerRequests, broker_id: str, counters: Counters) -> None:
+        self._requests = peer_requests
+        self._broker_id = broker_id
+        self._counters = counters
 
     @_peer
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
-        return await self._broker.peer_requests.handshake(request)
+        return await self._requests.handshake(request)
 
     @_peer
     async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
-        return self._broker.peer_requests.register_rooms(request)
+        return self._requests.register_rooms(request)
 
     @_peer
     async def ReserveStaging(
         self, request: peer_pb2.ReserveStagingRequest, context: Any
     ) -> peer_pb2.ReserveStagingResponse:
-        return await self._broker.peer_requests.reserve_staging(request)
+        return await self._requests.reserve_staging(request)
 
     @_peer
     async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
-        self._broker.peer_requests.completion_report(request)
+        self._requests.completion_report(request)
         return peer_pb2.CompletionAck()
 
     @_peer
     async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
-        return self._broker.peer_requests.peer_aborts(request)
+        return self._requests.peer_aborts(request)
 
     @_peer
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
-        return peer_pb2.PingResponse(broker_id=self._broker.broker_id)
+        return peer_pb2.PingResponse(broker_id=self._broker_id)
 
     @_peer
     async def ReserveProbe(self, request: peer_pb2.ReserveProbeRequest, context: Any) -> peer_pb2.ReserveProbeResponse:
-        return await self._broker.peer_requests.reserve_probe(request)
+        return await self._requests.reserve_probe(request)
 
     @_peer
     async def ReleaseProbe(self, request: peer_pb2.ReleaseProbeRequest, context: Any) -> peer_pb2.ReleaseProbeResponse:
-        self._broker.peer_requests.release_probe(request)
+        self._requests.release_probe(request)
         return peer_pb2.ReleaseProbeResponse()
 
     @_peer
     async def GrantCredits(self, request: peer_pb2.GrantCreditsRequest, context: Any) -> peer_pb2.GrantCreditsResponse:
-        return await self._broker.peer_requests.grant_credits(request)
+        return await self._requests.grant_credits(request)
 
     @_peer
     async def ReturnCredits(self, request: peer_pb2.ReturnCreditsRequest, context: Any) -> peer_pb2.ReturnCreditsResponse:
-        self._broker.peer_requests.return_credits(request)
+        self._requests.return_credits(request)
         return peer_pb2.ReturnCreditsResponse()
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
     """``kvbroker.v1.Admin``: operators."""
 
-    def __init__(self, broker: Broker) -> None:
-        self._admin = Admin(broker)
+    def __init__(self, admin: Admin) -> None:
+        self._admin = admin
 
     @_unary
     async def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.Stats:

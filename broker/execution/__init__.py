@@ -1,9 +1,25 @@
 """Carrying out what the room state machines decide: NIXL writes, staging and
-device copies, peer calls and notices.
+device copies, peer calls and notices; the turn every entry into the state
+machines is made in, and the bundles the broker's parts are handed.
 """
 
-from kvbroker.broker.execution._executor import Executor
+from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
+from kvbroker.broker.execution._credits import Credits
+from kvbroker.broker.execution._executor import Executor, transport_text
 from kvbroker.broker.execution._room_end import receive_wait_owner
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._turn import Turn, in_turn
 
-__all__ = ["Executor", "TaskSet", "receive_wait_owner"]
+__all__ = [
+    "Copying",
+    "Credits",
+    "Executor",
+    "Machines",
+    "TaskSet",
+    "Telemetry",
+    "Transport",
+    "transport_text",
+    "Turn",
+    "in_turn",
+    "receive_wait_owner",
+]

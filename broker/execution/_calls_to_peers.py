@@ -24,6 +24,7 @@ from collections.abc import Callable
 import structlog
 from opentelemetry import trace
 
+from kvbroker.broker.execution._turn import Turn
 from kvbroker.broker.peers import FleetView, PeerClient, PeerTable, find_in_fleet
 from kvbroker.broker.rooms import AbortAtPeer, Receiver, ReceiverCore, SenderLeg, SendReport, cause
 from kvbroker.errors import KvBrokerError
@@ -45,15 +46,15 @@ class CallsToPeers:
         client: PeerClient,
         peers: PeerTable,
         receiver: ReceiverCore,
-        drain: Callable[[], None],
+        turn: Turn,
         fleet: FleetView | None = None,
     ) -> None:
         self._id = broker_id
         self._client = client
         self._peers = peers
         self._receiver = receiver
-        #: The executor's loop: carries out what an answer to a state machine caused.
-        self._drain = drain
+        #: Each answer to the receiver's state machine is a turn.
+        self._turn = turn
         #: The fleet in etcd (``serve --etcd``): resolves senders named by group alone.
         self._fleet = fleet
 
@@ -61,8 +62,8 @@ class CallsToPeers:
         """Find the broker(s) holding ``rank``'s sources, retried until the bootstrap timeout (its engine's, else the flag)."""
 
         def missed(error: KvBrokerError) -> None:
-            self._receiver.still_looking(rank, error.message)
-            self._drain()
+            with self._turn:
+                self._receiver.still_looking(rank, error.message)
 
         try:
             found: str | list[SenderLeg]
@@ -87,10 +88,11 @@ class CallsToPeers:
                     rank.sender_address = placed[0][0].address
                     found = [SenderLeg(p.broker_id or "", p.address, ranks) for p, ranks in placed]
         except KvBrokerError as exc:
-            self._receiver.bootstrap_failed(rank, exc)
+            with self._turn:
+                self._receiver.bootstrap_failed(rank, exc)
         else:
-            self._receiver.sender_found(rank, found, layouts)
-        self._drain()
+            with self._turn:
+                self._receiver.sender_found(rank, found, layouts)
 
     async def report(self, effect: SendReport) -> None:
         """A source's completion report to its receiver's broker (delivered or logged)."""
@@ -106,14 +108,15 @@ class CallsToPeers:
         if effect.remember:
 
             def unreachable() -> None:
-                self._receiver.abort_undelivered(effect.broker_id, effect.room, effect.cause)
+                with self._turn:
+                    self._receiver.abort_undelivered(effect.broker_id, effect.room, effect.cause)
 
         response = await self._client.abort_room(effect.broker_id, request, on_unreachable=unreachable)
         if response is not None and response.settled:
             # Nothing of the room is in flight from that broker (its sources
             # may even be evicted already, so no report would come).
-            self._receiver.peer_settled(effect.broker_id, effect.room)
-        self._drain()
+            with self._turn:
+                self._receiver.peer_settled(effect.broker_id, effect.room)
 
     async def tell_successor(self, address: str) -> None:
         """Tell the broker now at ``address`` which rooms of its predecessor failed here."""
@@ -140,8 +143,8 @@ class CallsToPeers:
                 await self._client.abort_room(broker_id, request)
                 log.info("successor_told", room=room, peer=address, broker=broker_id)
         finally:
-            self._receiver.successor_done(address)
-            self._drain()
+            with self._turn:
+                self._receiver.successor_done(address)
 
 
 def in_span(span: trace.Span | None) -> contextlib.AbstractContextManager[object]:

@@ -180,7 +180,7 @@ class Credits:
             peer_id = next((p.broker_id for p in self._peers.by_id.values() if p.agent_name == agent_name), None)
             for key, window in self._windows.items():
                 if key[0] == peer_id:
-                    window.drain()
+                    window.retire_all()
                     freed.add(key)
         for key in freed:
             self._freed(key)

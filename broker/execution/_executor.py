@@ -1,8 +1,9 @@
 """The effect executor: carries out what the room state machines decided.
 
 The sender and receiver state machines (``rooms``) leave effects;
-:meth:`Executor.drain` takes them and hands each one to the part of this
-package that carries it out, without blocking the control loop:
+the executor's effect loop takes them, when a turn ends (``_turn``: every
+entry into the state machines is one), and hands each one to the part of
+this package that carries it out, without blocking the control loop:
 
 - parts to write (``_parts``): posted to the data-plane thread, after room
   is reserved and they are gathered where they need it; each settles there
@@ -17,8 +18,9 @@ package that carries it out, without blocking the control loop:
 - statuses go to the engines' watch streams; a room's end closes its span,
   records its metrics and writes its one canonical log line (``_room_end``).
 
-Every answer that reaches a state machine is followed by :meth:`drain`, so
-the effects it causes are carried out in turn.
+Every answer that reaches a state machine (a data-plane event, a task's
+outcome) is given in a turn, so the effects it causes are carried out when
+the turn ends.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Any
 import structlog
 
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import DataPlane, Event, Notices, Settled, Workers
-from kvbroker.broker.device import ArrayViews, Lanes
+from kvbroker.broker.dataplane import Event, Notices, Settled
+from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
 from kvbroker.broker.execution._calls_to_peers import CallsToPeers
 from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
 from kvbroker.broker.execution._parts import PartsInFlight
@@ -40,30 +42,27 @@ from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
 from kvbroker.broker.execution._staging_copies import StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
-from kvbroker.broker.memory import CreditLedger, StagingPools
-from kvbroker.broker.peers import FleetView, PeerClient, PeerTable
+from kvbroker.broker.execution._turn import in_turn
+from kvbroker.broker.memory import CreditLedger
+from kvbroker.broker.peers import FleetView
 from kvbroker.broker.rooms import (
     AbortAtPeer,
     Effect,
     FindSender,
     PostPart,
     Publish,
-    ReceiverCore,
     RegisterRoom,
     ReleaseStaging,
     ReserveStaging,
     RoomEnded,
     Scatter,
-    SenderCore,
     SendReport,
     Side,
     TellSuccessor,
     VerifyChunk,
-    WatchHub,
 )
-from kvbroker.broker.telemetry import BrokerMetrics, Counters
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "transport_text"]
 
 log = structlog.get_logger(__name__)
 
@@ -74,85 +73,89 @@ class Executor:
     def __init__(
         self,
         *,
-        broker_id: str,
         config: BrokerConfig,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        dataplane: DataPlane,
-        peers: PeerTable,
-        client: PeerClient,
-        pools: StagingPools,
-        workers: Workers,
-        views: ArrayViews,
-        lanes: Lanes,
-        hub: WatchHub,
+        machines: Machines,
+        transport: Transport,
+        copying: Copying,
+        telemetry: Telemetry,
         tasks: TaskSet,
-        counters: Counters,
-        metrics: BrokerMetrics,
         ledger: CreditLedger,
         fleet: FleetView | None = None,
     ) -> None:
         self._config = config
-        self._sender = sender
-        self._receiver = receiver
-        self._dataplane = dataplane
-        self._pools = pools
-        self._workers = workers
-        self._hub = hub
+        self._turn = machines.turn
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._hub = machines.hub
+        self._dataplane = transport.dataplane
+        self._pools = transport.pools
         self._tasks = tasks
-        self._metrics = metrics
-        self._copies = StagingCopies(pools=pools, views=views, lanes=lanes, workers=workers, counters=counters)
-        #: Scatters asked for in this drain: they go to their lanes as one batch.
+        self._metrics = telemetry.metrics
+        self._copies = StagingCopies(
+            pools=transport.pools,
+            views=copying.views,
+            lanes=copying.lanes,
+            workers=copying.workers,
+            counters=telemetry.counters,
+        )
+        #: Scatters asked for in one pass of the effect loop: they go to their lanes as one batch.
         self._scattering: list[Scatter] = []
         #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
         self.probes = TransportProbes(
-            broker_id=broker_id,
+            broker_id=machines.broker_id,
             config=config,
-            dataplane=dataplane,
-            peers=peers,
-            client=client,
-            pools=pools,
+            dataplane=transport.dataplane,
+            peers=transport.peers,
+            client=transport.client,
+            pools=transport.pools,
             tasks=tasks,
-            metrics=metrics,
+            metrics=telemetry.metrics,
         )
         #: Receive credits, both sides (the receiver's ledger is shared with its state machine).
         self.credits = Credits(
-            broker_id=broker_id,
+            broker_id=machines.broker_id,
             config=config,
-            dataplane=dataplane,
-            peers=peers,
-            client=client,
-            pools=pools,
+            dataplane=transport.dataplane,
+            peers=transport.peers,
+            client=transport.client,
+            pools=transport.pools,
             tasks=tasks,
             ledger=ledger,
         )
         self._parts = PartsInFlight(
+            config=config,
+            machines=machines,
+            transport=transport,
             credits=self.credits,
             probes=self.probes,
-            broker_id=broker_id,
-            config=config,
-            sender=sender,
-            dataplane=dataplane,
-            peers=peers,
-            client=client,
-            pools=pools,
             copies=self._copies,
             tasks=tasks,
-            counters=counters,
-            metrics=metrics,
-            drain=self.drain,
+            telemetry=telemetry,
         )
         self._calls = CallsToPeers(
-            broker_id=broker_id, client=client, peers=peers, receiver=receiver, drain=self.drain, fleet=fleet
+            broker_id=machines.broker_id,
+            client=transport.client,
+            peers=transport.peers,
+            receiver=machines.receiver,
+            turn=machines.turn,
+            fleet=fleet,
         )
         self._registrations = Registrations(
-            peers=peers, client=client, receiver=receiver, dataplane=dataplane, tasks=tasks, drain=self.drain
+            peers=transport.peers,
+            client=transport.client,
+            receiver=machines.receiver,
+            dataplane=transport.dataplane,
+            tasks=tasks,
+            turn=machines.turn,
         )
         self._handlers = self._effect_handlers()
+        machines.turn.bind(self._run_effects)
 
     # -- the loop -------------------------------------------------------------
-    def drain(self) -> None:
-        """Carry out every effect the state machines left, until none is left."""
+    def _run_effects(self) -> None:
+        """The effect loop: carry out every effect the state machines left,
+        until none is left. Run by the turn (``_turn``) when it ends; called
+        nowhere else."""
         while True:
             effects = self._sender.take() + self._receiver.take()
             if not effects:
@@ -168,6 +171,7 @@ class Executor:
         # Poll for notifications while rooms wait for data, or credits for their return.
         self._dataplane.listening = self._receiver.awaiting_data() or self.credits.awaiting_returns()
 
+    @in_turn
     def on_events(self, events: list[Event]) -> None:
         """What the data plane reports (on the loop): settled parts, notifications."""
         for event in events:
@@ -182,7 +186,6 @@ class Executor:
                         notices.append((agent, payload))
                 if notices:
                     self._receiver.notices(notices)
-        self.drain()
 
     def _run(self, effect: Effect) -> None:
         handler = self._handlers.get(type(effect))
@@ -207,7 +210,7 @@ class Executor:
             FindSender: lambda e: spawn(self._calls.find_sender(e.receiver), name=f"bootstrap-{e.receiver.room}"),
             RegisterRoom: lambda e: self._registrations.start(e),
             AbortAtPeer: lambda e: spawn(self._calls.abort_at_peer(e), name=f"abort-{e.room}"),
-            Scatter: lambda e: self._scattering.append(e),  # those of one drain go as one batch (``drain``)
+            Scatter: lambda e: self._scattering.append(e),  # those of one pass go as one batch (``_run_effects``)
             VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
             ReleaseStaging: self._release_staging,
             TellSuccessor: lambda e: spawn(self._calls.tell_successor(e.address), name=f"tell-successor-{e.address}"),
@@ -225,23 +228,23 @@ class Executor:
     async def _scatter(self, effects: list[Scatter]) -> None:
         """Unpack landed staged or packed parts into their ranks' pages (together); the receiver hears how each went."""
         errors = await self._copies.scatter(effects)
-        for effect, error in zip(effects, errors):
-            self._receiver.scattered(effect.receiver, effect.landing, error)
-        self.drain()
+        with self._turn:
+            for effect, error in zip(effects, errors):
+                self._receiver.scattered(effect.receiver, effect.landing, error)
 
     async def _verify(self, effect: VerifyChunk) -> None:
         """Checksum a landed chunk in its rank's pages; the receiver compares."""
         got, error = await self._copies.chunk_checksum(effect.receiver.engine, effect.what)
-        self._receiver.chunk_verified(effect, got, error)
-        self.drain()
+        with self._turn:
+            self._receiver.chunk_verified(effect, got, error)
 
-    # -- what it runs on -------------------------------------------------------------
-    def transport(self) -> str:
-        """What carries the bytes, as far as the broker can tell (NIXL does not
-        report the UCX lane it picked; UCX_PROTO_INFO=y in the broker's
-        environment makes UCX print it)."""
-        env = os.environ
-        return (
-            f"NIXL UCX (error mode {self._config.ucx_error_mode}, UCX_TLS={env.get('UCX_TLS', 'auto')}, "
-            f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', 'auto')})"
-        )
+
+def transport_text(config: BrokerConfig) -> str:
+    """What carries the bytes, as far as the broker can tell (NIXL does not
+    report the UCX lane it picked; UCX_PROTO_INFO=y in the broker's
+    environment makes UCX print it)."""
+    env = os.environ
+    return (
+        f"NIXL UCX (error mode {config.ucx_error_mode}, UCX_TLS={env.get('UCX_TLS', 'auto')}, "
+        f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', 'auto')})"
+    )

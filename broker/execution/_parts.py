@@ -7,10 +7,9 @@ span, then goes to the data-plane thread in the write its kind takes
 - a staged part asks the receiver for room in its staging buffer
   (ReserveStaging) before it is written there;
 - a packed part takes a slot of the local send transfer buffer, then a
-  range of this broker's credits in the receiver's buffer (``_credits``: no
-  call to the receiver in steady state) while it is gathered into ours
-  (``_staging_copies``),
-  then goes as one write, slot to slot;
+  range of this broker's credits in the receiver's buffer while it is
+  gathered into ours, then goes as one write, slot to slot
+  (``_packed_parts``: ``PackedParts``);
 - a gathered part (the sender's side packs the head slice) takes a slot of
   the local send pool, is gathered into it, and is written page by page.
 
@@ -23,10 +22,7 @@ count it, and ``SenderCore.part_settled`` hears it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 from opentelemetry import trace
@@ -34,25 +30,25 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import DataPlane, Posting, Settled, XferState
+from kvbroker.broker.dataplane import Posting, Settled, XferState
+from kvbroker.broker.execution._bundles import Machines, Telemetry, Transport
 from kvbroker.broker.execution._credits import Credits
+from kvbroker.broker.execution._packed_parts import PackedParts, PartsHeld
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.execution._writes import (
-    packed_write,
     whole_write,
     write_from_staging,
     write_into_staging,
     write_runs,
     write_tokens,
 )
-from kvbroker.broker.memory import Credit, Reservation, StagingPool, StagingPools
-from kvbroker.broker.peers import PeerClient, PeerTable, TransportVerdict
-from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, SenderCore
-from kvbroker.broker.telemetry import BrokerMetrics, Counters
+from kvbroker.broker.memory import Reservation, StagingPool
+from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
-from kvbroker.plan import PartKind, kv_block, pool_text
+from kvbroker.plan import PartKind, kv_block
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -72,46 +68,43 @@ class PartsInFlight:
     def __init__(
         self,
         *,
+        config: BrokerConfig,
+        machines: Machines,
+        transport: Transport,
         credits: Credits,
         probes: TransportProbes,
-        broker_id: str,
-        config: BrokerConfig,
-        sender: SenderCore,
-        dataplane: DataPlane,
-        peers: PeerTable,
-        client: PeerClient,
-        pools: StagingPools,
         copies: StagingCopies,
         tasks: TaskSet,
-        counters: Counters,
-        metrics: BrokerMetrics,
-        drain: Callable[[], None],
+        telemetry: Telemetry,
     ) -> None:
-        self._probes = probes
-        self._credits = credits
-        #: Packed parts' ranges in the receiver's credits, until they settle:
-        #: one that never reached the receiver gives its range back here.
-        self._credited: dict[Part, Credit] = {}
-        self._id = broker_id
+        self._id = machines.broker_id
         self._config = config
-        self._sender = sender
-        self._dataplane = dataplane
-        self._peers = peers
-        self._client = client
-        self._pools = pools
+        self._sender = machines.sender
+        #: Each answer to the sender's state machine is a turn.
+        self._turn = machines.turn
+        self._dataplane = transport.dataplane
+        self._peers = transport.peers
+        self._client = transport.client
+        self._pools = transport.pools
         self._copies = copies
         self._tasks = tasks
-        self._counters = counters
-        self._metrics = metrics
-        #: The executor's loop: carries out what an answer to a state machine caused.
-        self._drain = drain
+        self._counters = telemetry.counters
+        self._metrics = telemetry.metrics
         #: Parts handed on and not settled: their span and when they started.
         self._parts: dict[Part, tuple[Span, float]] = {}
         #: Staged parts' reservations in the local send pool, until they settle.
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
-        #: Packed parts being gathered into a slot of the send transfer buffer
-        #: (while the receiver reserves its slot): what the gather gave, or why not.
-        self._packing: dict[Part, asyncio.Future[_Packed | KvBrokerError | None]] = {}
+        #: The packed path (``_packed_parts``): it reads the spans and adds to what is sending.
+        self._packed = PackedParts(
+            config=config,
+            machines=machines,
+            transport=transport,
+            credits=credits,
+            probes=probes,
+            copies=copies,
+            tasks=tasks,
+            held=PartsHeld(spans=self._parts, sending=self._sending, counters=self._counters, fail=self.fail),
+        )
         #: Chunk checksums being computed (the first part of a chunk to be
         #: posted starts it; the others wait for the same).
         self._summing: dict[ChunkChecksum, asyncio.Task[tuple[int | None, KvBrokerError | None]]] = {}
@@ -153,8 +146,7 @@ class PartsInFlight:
         takes our slot first, then the receiver's (asked for while we gather)."""
         self.start(part)
         if part.kind is PartKind.PACKED:
-            if not self._pack_now(part):
-                self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
+            self._packed.reserve(part)
         else:
             self._tasks.spawn(self._reserve(part), name=f"reserve-{part.source.room}")
 
@@ -174,11 +166,7 @@ class PartsInFlight:
         agent_name = peer.agent_name
         self._counters.transfers_posted += part.kind is not PartKind.NOTICE
         if part.kind is PartKind.PACKED:  # its notice is complete once gathered (checksum)
-            packing = self._packing.get(part)
-            if packing is None:
-                self.fail(part, Internal("a packed part was posted without its gather"))
-            else:
-                packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
+            self._packed.post(part, agent_name)
             return
         notif = part.notice.SerializeToString()
         if part.kind is PartKind.NOTICE:
@@ -247,186 +235,8 @@ class PartsInFlight:
         if part.source.state == FAILED:
             self.fail(part, FailedPrecondition("the room failed before its staged part was written"))
             return
-        self._sender.staging_reserved(part, buffer, response.offset)
-        self._drain()
-
-    def _pack_now(self, part: Part) -> bool:
-        """The steady state of a packed part, without a task: where nothing
-        must be waited for (the pair's transport verdict is known, nobody
-        waits before it, our send buffer and our credits at the receiver have
-        room now), take both ranges and start the gather here. False where
-        something must be waited for: ``_pack`` then does it all."""
-        spec = part.spec
-        local, remote = spec.pools
-        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
-        pool = self._pools.pool("send", *local)
-        held = self._parts.get(part)
-        if peer is None or peer.agent_name is None or pool is None or pool.waiting or held is None or part.source.state == FAILED:
-            return False
-        verdict = self._probes.verdict(peer, local, remote) if VRAM in (local[0], remote[0]) else None
-        if verdict is None and VRAM in (local[0], remote[0]):
-            return False
-        reservation = pool.try_reserve(part.nbytes)
-        if reservation is None:
-            return False
-        got = self._credits.try_acquire(peer, remote, part.nbytes)
-        if got is None:
-            pool.release(reservation)
-            return False
-        if verdict is not None:
-            self._show_transport(part, verdict)
-        self._packing[part] = self._gather_into(part, held[0], pool, reservation)
-        self._placed(part, *got)
-        return True
-
-    async def _pack(self, part: Part) -> _Packed | KvBrokerError | None:
-        """Reserve a slot of the send transfer buffer, then a range of our
-        credits in the receiver's buffer, then gather the part (and its
-        checksum, if asked for). The order matters: a part that holds a
-        receive range already holds its send slot and waits for nothing else,
-        so parts waiting for one buffer never hold the other one full (they
-        did, deadlocked, when both were asked for at once). A part that gets
-        no slot or range fails here (None); past that, the error is returned,
-        not raised: ``_post_packed`` or ``settled`` takes the outcome."""
-        spec = part.spec
-        assert spec.packing is not None
-        pool = self._pools.pool("send", *spec.pools[0])
-        try:
-            await self._transport(part)
-            if pool is None:
-                raise FailedPrecondition(f"this broker has no send transfer buffer for {pool_text(spec.pools[0])}")
-            reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
-        except Exception as exc:
-            self._packing.pop(part, None)
-            self.fail(part, as_broker_error(exc, "reserving a send slot"))
-            return None
-        if part not in self._parts:  # it settled (failed) while it waited
-            pool.release(reservation)
-            return None
-        if part.source.state == FAILED:
-            pool.release(reservation)
-            self._packing.pop(part, None)
-            self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return None
-        got = await self._credit(part)
-        held = self._parts.get(part)
-        if got is None or held is None:
-            pool.release(reservation)
-            if got is not None:  # it settled (failed) while it waited
-                self._credits.release(got[1])
-            return None
-        gathering = self._gather_into(part, held[0], pool, reservation)
-        self._placed(part, *got)
-        return await gathering
-
-    async def _credit(self, part: Part) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
-        """A packed part's range in the receiver's transfer buffer, from this
-        broker's credits there (no call to the receiver unless its window must
-        grow); None if the part failed (settled) instead."""
-        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
-        if peer is None or peer.agent_name is None:
-            self._packing.pop(part, None)
-            self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
-            return None
-        try:
-            got = await self._credits.acquire(peer, part.spec.pools[1], part.nbytes)
-        except KvBrokerError as exc:
-            self._packing.pop(part, None)
-            self.fail(part, exc)
-            return None
-        if part not in self._parts:  # it settled (failed) while it waited
-            self._credits.release(got[1])
-            return None
-        if part.source.state == FAILED:
-            self._credits.release(got[1])
-            self._packing.pop(part, None)
-            self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return None
-        return got
-
-    def _placed(self, part: Part, buffer: peer_pb2.RemoteBuffer, credit: Credit) -> None:
-        """A packed part holds its range in the receiver's buffer: its notice
-        names the credit, and the sender's state machine hands it on to be
-        posted (once gathered)."""
-        self._credited[part] = credit
-        part.notice.credit_id = credit.credit_id
-        self._sender.staging_reserved(part, buffer, credit.offset)
-        self._drain()
-
-    def _gather_into(self, part: Part, span: Span, pool: StagingPool, reservation: Reservation) -> asyncio.Future[_Packed | KvBrokerError | None]:
-        """Start gathering a packed part into its send slot; what the gather
-        gave (or why not: its slot is then given back) in the future."""
-        spec = part.spec
-        assert spec.packing is not None
-        outcome: asyncio.Future[_Packed | KvBrokerError | None] = asyncio.get_running_loop().create_future()
-
-        def gathered(done: asyncio.Future[int | None]) -> None:
-            error = Internal("a packed part's gather was cancelled") if done.cancelled() else done.exception()
-            if error is not None or outcome.done():
-                pool.release(reservation)
-            if outcome.done():  # its awaiter gave up (the broker is stopping)
-                return
-            if error is not None:
-                outcome.set_result(as_broker_error(error if isinstance(error, Exception) else Internal(repr(error)), "gathering a packed part"))
-            else:
-                outcome.set_result(_Packed(pool, reservation, done.result()))
-
-        try:
-            slot = slot_of(pool, reservation, part.nbytes)
-            self._copies.gather_soon(
-                part.source.engine, spec.packing.blocks, pool.buffer, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
-            )
-        except Exception as exc:
-            pool.release(reservation)
-            outcome.set_result(as_broker_error(exc, "gathering a packed part"))
-        return outcome
-
-    async def _transport(self, part: Part) -> None:
-        """The transport self-test of the part's pair of transfer buffers (the
-        first part of a pair waits for its probe); its verdict on the part's
-        and the room's spans."""
-        peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
-        if peer is None or peer.agent_name is None:
-            return  # posting it fails it, naming the peer
-        local, remote = part.spec.pools
-        verdict = await self._probes.ensure(peer, local, remote)
-        if verdict is not None:
-            self._show_transport(part, verdict)
-
-    def _show_transport(self, part: Part, verdict: TransportVerdict) -> None:
-        """The transport verdict on the part's and the room's spans."""
-        held = self._parts.get(part)
-        spans = [span for span in (held[0] if held is not None else None, part.source.span) if span is not None and span.is_recording()]
-        if spans:  # (an untraced room's spans record nothing: no text to make per part)
-            text = verdict.text()
-            for span in spans:
-                span.set_attribute("kvbroker.transport", text)
-
-    def _post_packed(self, part: Part, agent_name: str, packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
-        """Post a packed part once its gather is done (a callback of its
-        ``_pack`` task, not a task of its own): one write, slot to slot."""
-        if part not in self._parts:
-            return  # it settled meanwhile; settled() gives its slot back
-        self._packing.pop(part, None)
-        outcome: _Packed | KvBrokerError | None = None
-        if not packing.cancelled():
-            try:
-                outcome = packing.result()
-            except Exception as exc:  # a bug in _pack: the part fails, naming it
-                outcome = as_broker_error(exc, "packing a part")
-        if not isinstance(outcome, _Packed):
-            self.fail(part, outcome or Internal("a packed part was posted without its gather"))
-            return
-        if part.source.state == FAILED:
-            outcome.pool.release(outcome.reservation)
-            self.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return
-        if outcome.checksum is not None:
-            part.notice.packed_checksum = outcome.checksum
-        self._sending[part] = (outcome.pool, outcome.reservation)
-        self._counters.transfers_packed += 1
-        make = packed_write(part, outcome.pool.buffer, outcome.reservation.offset, agent_name, part.notice.SerializeToString())
-        self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
+        with self._turn:
+            self._sender.staging_reserved(part, buffer, response.offset)
 
     async def _gather(self, part: Part, agent_name: str, notif: bytes, span: Span) -> None:
         """Reserve in the local send pool, pack the head slice on the copy thread,
@@ -458,10 +268,10 @@ class PartsInFlight:
         self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
 
     # -- settling ----------------------------------------------------------------------
+    @in_turn
     def fail(self, part: Part, error: KvBrokerError) -> None:
         """A part that never reached NIXL: it settles now, as failed."""
         self.settled(Settled(part, XferState.ERR, None, error, 0.0))
-        self._drain()
 
     def settled(self, event: Settled) -> None:
         """A part's outcome: give back what it held, end its span, count it,
@@ -470,14 +280,7 @@ class PartsInFlight:
         held = self._sending.pop(part, None)
         if held is not None:
             held[0].release(held[1])
-        credit = self._credited.pop(part, None)
-        if credit is not None and event.state is not XferState.DONE:
-            # It never reached the receiver: its range is free (a DONE one the receiver hands back).
-            self._credits.release(credit)
-        packing = self._packing.pop(part, None)
-        if packing is not None:
-            # It settled before its gather was posted: give the slot back once it is gathered.
-            packing.add_done_callback(_release_packed)
+        self._packed.settled(part, event.state is XferState.DONE)
         span, started = self._parts.pop(part, (None, time.monotonic()))
         elapsed = time.monotonic() - started
         ok = event.state is XferState.DONE
@@ -508,17 +311,3 @@ def _kinds_text(kinds: tuple[int, int]) -> str:
     """A write's memory kinds, source to destination: ``"VRAM->DRAM"``."""
     names: dict[int, str] = {DRAM: "DRAM", VRAM: "VRAM"}
     return f"{names.get(kinds[0], '?')}->{names.get(kinds[1], '?')}"
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """A gathered packed part: its slot in the send transfer buffer, and its checksum."""
-
-    pool: StagingPool
-    reservation: Reservation
-    checksum: int | None
-
-
-def _release_packed(packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
-    if not packing.cancelled() and packing.exception() is None and isinstance(outcome := packing.result(), _Packed):
-        outcome.pool.release(outcome.reservation)

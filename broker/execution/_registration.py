@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -48,6 +48,7 @@ import structlog
 from kvbroker.broker.dataplane import DataPlane
 from kvbroker.broker.execution._calls_to_peers import in_span
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._turn import Turn, in_turn
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable
 from kvbroker.broker.rooms import ReceiverCore, RegisterRoom
 from kvbroker.errors import KvBrokerError
@@ -108,15 +109,15 @@ class Registrations:
         receiver: ReceiverCore,
         dataplane: DataPlane,
         tasks: TaskSet,
-        drain: Callable[[], None],
+        turn: Turn,
     ) -> None:
         self._peers = peers
         self._client = client
         self._receiver = receiver
         self._dataplane = dataplane
         self._tasks = tasks
-        #: The executor's loop: carries out what an answer to a state machine caused.
-        self._drain = drain
+        #: Each answer to the receiver's state machine is a turn.
+        self._turn = turn
 
     def start(self, effect: RegisterRoom) -> None:
         """Register ``effect``'s room with its sender broker: the first attempt."""
@@ -132,8 +133,8 @@ class Registrations:
         try:
             peer = self._peers.get(effect.broker_id)
         except KvBrokerError as exc:
-            self._receiver.registration_error(effect.receiver, effect.leg, exc)
-            self._drain()
+            with self._turn:
+                self._receiver.registration_error(effect.receiver, effect.leg, exc)
             return
         self._attempt(effect, peer, retried=False)
 
@@ -144,6 +145,7 @@ class Registrations:
             outcome = self._client.submit_registration(peer, effect.request)
         outcome.add_done_callback(lambda done: self._answered(effect, peer, done, retried=retried))
 
+    @in_turn
     def _answered(self, effect: RegisterRoom, peer: Peer, done: asyncio.Future[None], *, retried: bool) -> None:
         """An attempt's outcome: take the step :data:`POLICY` says."""
         if done.cancelled():
@@ -166,7 +168,6 @@ class Registrations:
         else:
             assert error is not None
             self._receiver.registration_failed(rank, leg, error, maybe_delivered=step is Step.FAIL_MAYBE_DELIVERED)
-        self._drain()
 
     async def _handshake_and_retry(self, effect: RegisterRoom, peer: Peer) -> None:
         """The peer refused the room as stale: handshake afresh (``peer`` is the
@@ -174,14 +175,15 @@ class Registrations:
         process at its address and re-keyed it), then try once more with the
         process found there, unless the rank ended meanwhile."""
         rank, leg = effect.receiver, effect.leg
-        self._receiver.registration_stale(rank, leg)
+        with self._turn:
+            self._receiver.registration_stale(rank, leg)
         try:
             with in_span(rank.span):
                 await self._client.handshake(peer)
         except KvBrokerError as exc:
-            self._receiver.registration_error(rank, leg, exc)
+            with self._turn:
+                self._receiver.registration_error(rank, leg, exc)
         else:
-            if self._receiver.register_again(rank, leg, peer.broker_id or ""):
-                self._attempt(effect, peer, retried=True)
-                return
-        self._drain()
+            with self._turn:
+                if self._receiver.register_again(rank, leg, peer.broker_id or ""):
+                    self._attempt(effect, peer, retried=True)

@@ -31,7 +31,7 @@ class TaskSet:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def drain(self, timeout_seconds: float) -> None:
+    async def finish(self, timeout_seconds: float) -> None:
         """Wait for running tasks (up to the timeout), then cancel the rest."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_seconds)

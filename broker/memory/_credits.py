@@ -110,7 +110,7 @@ class CreditWindow:
         #: Placed parts by offset: their credit.
         self._placed: dict[int, Credit] = {}
         #: Grants to give back once wholly free: no part is placed in them any more.
-        self._draining: set[str] = set()
+        self._retiring: set[str] = set()
 
     @property
     def granted_bytes(self) -> int:
@@ -127,7 +127,7 @@ class CreditWindow:
     def place(self, nbytes: int) -> Credit | None:
         """Room for a part of ``nbytes`` in the first grant that has it, or None."""
         for grant_id, grant in self._grants.items():
-            if grant_id in self._draining:
+            if grant_id in self._retiring:
                 continue
             offset = grant.free.take(nbytes)
             if offset is not None:
@@ -151,25 +151,25 @@ class CreditWindow:
                 grant.idle_since = time.monotonic()
         return True
 
-    def drain(self) -> None:
+    def retire_all(self) -> None:
         """Place no more parts in the grants held now (the receiver said others
         wait): each goes back once wholly free (:meth:`free_grants`)."""
-        self._draining.update(self._grants)
+        self._retiring.update(self._grants)
 
     def free_grants(self, idle_seconds: float) -> list[str]:
-        """Grants to give back: wholly free and draining, or wholly free for at
+        """Grants to give back: wholly free and retired, or wholly free for at
         least ``idle_seconds``."""
         now = time.monotonic()
         return [
             grant_id
             for grant_id, g in self._grants.items()
-            if g.free.free_bytes() == g.nbytes and (grant_id in self._draining or now - g.idle_since >= idle_seconds)
+            if g.free.free_bytes() == g.nbytes and (grant_id in self._retiring or now - g.idle_since >= idle_seconds)
         ]
 
     def remove_grant(self, grant_id: str) -> None:
         """Forget a grant (given back): it must be wholly free."""
         self._grants.pop(grant_id, None)
-        self._draining.discard(grant_id)
+        self._retiring.discard(grant_id)
 
     def grant_ids(self) -> list[str]:
         return list(self._grants)

@@ -4,8 +4,9 @@
 operators) -> state machine -> effects -> executor``. :func:`build_broker`
 (``_build``) makes every part; a :class:`Broker` holds them, final from then
 on, and starts and stops them in order. Each route decodes its request,
-checks the caller, calls the sender or receiver state machine, and lets the
-executor carry out the effects (:meth:`Executor.drain`) before it answers:
+checks the caller and calls the sender or receiver state machine in a turn
+(``execution.Turn``, of the ``Machines`` bundle every route is handed): the
+effects are carried out when the turn ends, before the route answers:
 
 - ``engine_calls``: engines on this host (register, open rooms, send chunks, abort, poll, watch);
 - ``sessions``: the engines' session streams, which carry the same room commands;
@@ -31,7 +32,7 @@ from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Agent, DataPlane, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
-from kvbroker.broker.execution import Executor, TaskSet
+from kvbroker.broker.execution import Executor, Machines, TaskSet
 from kvbroker.broker.memory import EngineTable, FdSocketServer, StagingPools
 from kvbroker.broker.peers import FleetRecord, FleetView, PeerClient, PeerMonitor, PeerTable
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub, cause
@@ -88,6 +89,7 @@ class Broker:
     peers: PeerTable
     peer_client: PeerClient
     sender: SenderCore
+    machines: Machines
     receiver: ReceiverCore
     executor: Executor
     monitor: PeerMonitor
@@ -148,13 +150,13 @@ class Broker:
                 # An error, not a clean end: the engine's session reconnects
                 # and registers again with the next process at this address.
                 engine.session.end(Unavailable("the broker is shutting down"))
-        for source in list(self.rooms.all_sources()):
-            self.sender.fail(source, why)
-        for rank in list(self.rooms.all_receivers()):
-            self.receiver.fail(rank, why)
-        self.executor.drain()
+        with self.machines.turn:
+            for source in list(self.rooms.all_sources()):
+                self.sender.fail(source, why)
+            for rank in list(self.rooms.all_receivers()):
+                self.receiver.fail(rank, why)
         await wait_settled(self.rooms, list(self.engines.by_id.values()), self.config.unregister_settle_timeout_seconds)
-        await self.tasks.drain(timeout_seconds=2.0)
+        await self.tasks.finish(timeout_seconds=2.0)
         await self.housekeeping.stop()
         await cancel_and_wait(self._running)
         for engine in list(self.engines.by_id.values()):

@@ -21,7 +21,15 @@ from kvbroker import cudavmm
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Agent, DataPlane, Event, Workers
 from kvbroker.broker.device import ArrayViews, Lanes
-from kvbroker.broker.execution import Executor, TaskSet
+from kvbroker.broker.execution import (
+    Copying,
+    Executor,
+    Machines,
+    TaskSet,
+    Telemetry,
+    Transport,
+    Turn,
+)
 from kvbroker.broker.memory import (
     CreditLedger,
     EngineTable,
@@ -143,54 +151,33 @@ def build_broker(
         )
         engines.on_change.append(fleet_record.changed)
         fleet_view = FleetView(config.etcd_url, config.etcd_prefix, self_id=broker_id, on_left=broker_left)
+    turn = Turn()
+    machines = Machines(broker_id=broker_id, rooms=rooms, sender=sender, receiver=receiver, hub=hub, turn=turn)
+    transport = Transport(dataplane=dataplane, peers=peers, client=peer_client, pools=pools)
+    telemetry = Telemetry(counters=counters, metrics=metrics)
     executor = Executor(
-        broker_id=broker_id,
         config=config,
-        sender=sender,
-        receiver=receiver,
-        dataplane=dataplane,
-        peers=peers,
-        client=peer_client,
-        pools=pools,
-        workers=workers,
-        views=views,
-        lanes=lanes,
-        hub=hub,
+        machines=machines,
+        transport=transport,
+        copying=Copying(workers=workers, views=views, lanes=lanes),
+        telemetry=telemetry,
         tasks=tasks,
-        counters=counters,
-        metrics=metrics,
         ledger=ledger,
         fleet=fleet_view,
     )
-    operators = Operators(
-        broker_id=broker_id,
-        rooms=rooms,
-        sender=sender,
-        receiver=receiver,
-        executor=executor,
-        fleet_record=fleet_record,
-        fleet_view=fleet_view,
-        on_draining=on_draining,
-    )
+    operators = Operators(machines=machines, fleet_record=fleet_record, fleet_view=fleet_view, on_draining=on_draining)
     fd_server = FdSocketServer(endpoints.fd_socket_path, on_close=fd_connection_closed)
     engine_calls = EngineCalls(
-        broker_id=broker_id,
         config=config,
+        machines=machines,
         engines=engines,
         fd_server=fd_server,
         pools=pools,
-        rooms=rooms,
-        sender=sender,
-        receiver=receiver,
-        executor=executor,
-        hub=hub,
+        lanes=lanes,
         tasks=tasks,
         operators=operators,
-        lanes=lanes,
     )
-    peer_loss = PeerLoss(
-        broker_id=broker_id, dataplane=dataplane, peers=peers, sender=sender, receiver=receiver, executor=executor
-    )
+    peer_loss = PeerLoss(machines=machines, transport=transport, credits=executor.credits)
     monitor = PeerMonitor(
         peers,
         peer_client,
@@ -218,6 +205,7 @@ def build_broker(
         peers=peers,
         peer_client=peer_client,
         sender=sender,
+        machines=machines,
         receiver=receiver,
         executor=executor,
         monitor=monitor,
@@ -226,39 +214,17 @@ def build_broker(
         fleet_view=fleet_view,
         operators=operators,
         engine_calls=engine_calls,
-        sessions=Sessions(
-            broker_id=broker_id,
-            engines=engines,
-            rooms=rooms,
-            sender=sender,
-            receiver=receiver,
-            executor=executor,
-            hub=hub,
-            engine_calls=engine_calls,
-        ),
+        sessions=Sessions(machines=machines, engines=engines, engine_calls=engine_calls),
         peer_requests=PeerRequests(
-            broker_id=broker_id,
             config=config,
+            machines=machines,
             engines=engines,
-            dataplane=dataplane,
-            pools=pools,
-            peers=peers,
-            rooms=rooms,
-            sender=sender,
-            receiver=receiver,
-            executor=executor,
+            transport=transport,
+            credits=executor.credits,
             operators=operators,
         ),
         peer_loss=peer_loss,
         housekeeping=Housekeeping(
-            config=config,
-            rooms=rooms,
-            sender=sender,
-            receiver=receiver,
-            executor=executor,
-            engines=engines,
-            pools=pools,
-            peers=peers,
-            metrics=metrics,
+            config=config, machines=machines, engines=engines, transport=transport, metrics=metrics
         ),
     )

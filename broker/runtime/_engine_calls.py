@@ -2,9 +2,9 @@
 register and unregister, open rooms (ExpectRoom, BeginSend), send chunks,
 abort, and ask for their rooms' states (Poll, WatchRooms).
 
-Each call decodes its request, checks the caller, calls the sender or
-receiver state machine, and lets the executor carry out the effects
-(:meth:`Executor.drain`) before it answers. The engine's session stream
+Each room command decodes its request, checks the caller and calls the
+sender or receiver state machine in a turn (``execution.Turn``): the
+effects it leaves are carried out when the turn ends, before it answers. The engine's session stream
 (``_sessions``) carries the same room commands. The GPUs an engine's memory
 is on (:func:`vram_devices`) are those whose transfer buffers and copy lanes
 its registration opens and its release may free.
@@ -19,15 +19,11 @@ import structlog
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.device import Lanes
-from kvbroker.broker.execution import Executor, TaskSet
+from kvbroker.broker.execution import Machines, TaskSet, in_turn
 from kvbroker.broker.memory import Engine, EngineTable, FdConnection, FdSocketServer, StagingPools
 from kvbroker.broker.rooms import (
     Receiver,
-    ReceiverCore,
-    RoomTables,
-    SenderCore,
     Source,
-    WatchHub,
     cause,
 )
 from kvbroker.broker.runtime._commands import (
@@ -53,30 +49,25 @@ class EngineCalls:
     def __init__(
         self,
         *,
-        broker_id: str,
         config: BrokerConfig,
+        machines: Machines,
         engines: EngineTable,
         fd_server: FdSocketServer,
         pools: StagingPools,
-        rooms: RoomTables,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        executor: Executor,
-        hub: WatchHub,
+        lanes: Lanes,
         tasks: TaskSet,
         operators: Operators,
-        lanes: Lanes,
     ) -> None:
-        self._broker_id = broker_id
+        self._broker_id = machines.broker_id
         self._config = config
         self._engines = engines
         self._fd_server = fd_server
         self._pools = pools
-        self._rooms = rooms
-        self._sender = sender
-        self._receiver = receiver
-        self._executor = executor
-        self._hub = hub
+        self._rooms = machines.rooms
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._turn = machines.turn
+        self._hub = machines.hub
         self._tasks = tasks
         self._operators = operators
         self._lanes = lanes
@@ -135,8 +126,8 @@ class EngineCalls:
             f"engine rank {engine.key} {'went away (its fd connection closed)' if lost else 'unregistered'}",
             self._broker_id,
         )
-        failed = self._sender.engine_gone(engine, why) + self._receiver.engine_gone(engine, why)
-        self._executor.drain()
+        with self._turn:
+            failed = self._sender.engine_gone(engine, why) + self._receiver.engine_gone(engine, why)
         await wait_settled(self._rooms, [engine], self._config.unregister_settle_timeout_seconds)
         if self._engines.by_id.get(engine_id) is not engine:
             return 0
@@ -167,41 +158,42 @@ class EngineCalls:
             await self._pools.release_device(device)
 
     # -- room commands ---------------------------------------------------------------
+    @in_turn
     def expect_room(self, request: transfer_pb2.ExpectRoomRequest) -> Receiver:
         """A decode rank expects a room's KV from a sender group."""
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_DECODE, "expect rooms")
         self._operators.refuse_if_draining()
         rank = self._receiver.expect(decode_expect_room(request, engine, verify_checksums=self._config.verify_checksums))
-        self._executor.drain()
         return rank
 
+    @in_turn
     def begin_send(self, request: transfer_pb2.BeginSendRequest) -> Source:
         """A prefill rank opens its side of a room."""
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_PREFILL, "send rooms")
         self._operators.refuse_if_draining()
         source = self._sender.begin(decode_begin_send(request, engine))
-        self._executor.drain()
         return source
 
+    @in_turn
     def send_chunk(self, request: transfer_pb2.SendChunkRequest) -> tuple[int, Source]:
         """A prefill rank's next computed pages of a room: (the chunk's index, the source)."""
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_PREFILL, "send chunks")
         result = self._sender.chunk(decode_send_chunk(request, engine))
-        self._executor.drain()
         return result
 
     def abort(self, request: transfer_pb2.AbortRequest) -> common_pb2.RoomStatus:
-        """The engine gives up its side of a room; the peers hear of it."""
+        """The engine gives up its side of a room; the peers hear of it. (Its
+        status is read once the turn's effects are carried out.)"""
         engine = self._engines.get(request.engine_id)
         command = decode_abort(request, engine)
-        if engine.role == common_pb2.ROLE_PREFILL:
-            self._sender.abort(command)
-        else:
-            self._receiver.abort(command)
-        self._executor.drain()
+        with self._turn:
+            if engine.role == common_pb2.ROLE_PREFILL:
+                self._sender.abort(command)
+            else:
+                self._receiver.abort(command)
         return self.status(engine, request.room)
 
     # -- room states -----------------------------------------------------------------

@@ -13,10 +13,9 @@ import structlog
 
 from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.execution import Executor
-from kvbroker.broker.memory import EngineTable, StagingPools
-from kvbroker.broker.peers import PeerTable
-from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, Side
+from kvbroker.broker.execution import Machines, Transport, transport_text
+from kvbroker.broker.memory import EngineTable
+from kvbroker.broker.rooms import Side
 from kvbroker.broker.telemetry import BrokerMetrics, GaugeSnapshot, child_done
 from kvbroker.v1 import common_pb2
 
@@ -35,23 +34,19 @@ class Housekeeping:
         self,
         *,
         config: BrokerConfig,
-        rooms: RoomTables,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        executor: Executor,
+        machines: Machines,
         engines: EngineTable,
-        pools: StagingPools,
-        peers: PeerTable,
+        transport: Transport,
         metrics: BrokerMetrics,
     ) -> None:
         self._config = config
-        self._rooms = rooms
-        self._sender = sender
-        self._receiver = receiver
-        self._executor = executor
+        self._rooms = machines.rooms
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._turn = machines.turn
         self._engines = engines
-        self._pools = pools
-        self._peers = peers
+        self._pools = transport.pools
+        self._peers = transport.peers
         self._metrics = metrics
         self._task: asyncio.Task[None] | None = None
 
@@ -73,18 +68,18 @@ class Housekeeping:
             await asyncio.sleep(cfg.housekeeping_interval_seconds)
             try:
                 now = time.monotonic()
-                self._sender.tick(
-                    now,
-                    info_timeout_seconds=cfg.sender_info_timeout_seconds,
-                    orphan_timeout_seconds=cfg.orphan_room_timeout_seconds,
-                    orphans_every=slow_every,
-                )
-                self._receiver.tick(now, data_timeout_seconds=cfg.receiver_data_timeout_seconds, retry_seconds=cfg.peer_heartbeat_seconds)
-                if now - slow_at >= slow_every:
-                    slow_at = now
-                    self.evict(now)
-                    self._refresh_gauges()
-                self._executor.drain()
+                with self._turn:
+                    self._sender.tick(
+                        now,
+                        info_timeout_seconds=cfg.sender_info_timeout_seconds,
+                        orphan_timeout_seconds=cfg.orphan_room_timeout_seconds,
+                        orphans_every=slow_every,
+                    )
+                    self._receiver.tick(now, data_timeout_seconds=cfg.receiver_data_timeout_seconds, retry_seconds=cfg.peer_heartbeat_seconds)
+                    if now - slow_at >= slow_every:
+                        slow_at = now
+                        self.evict(now)
+                        self._refresh_gauges()
             except Exception:
                 log.exception("housekeeping_failed")
 
@@ -110,7 +105,7 @@ class Housekeeping:
                 key = (name, common_pb2.RoomState.Name(side.state))
                 rooms[key] = rooms.get(key, 0) + 1
         peers = [p for p in self._peers.peers() if not p.is_self and p.broker_id]
-        transport = self._executor.transport()
+        transport = transport_text(self._config)
         self._metrics.snapshot = GaugeSnapshot(
             rooms=rooms,
             staging={"send": self._pools.in_use_bytes("send"), "receive": self._pools.in_use_bytes("receive")},

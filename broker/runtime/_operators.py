@@ -12,13 +12,10 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from kvbroker.broker.execution import Executor
+from kvbroker.broker.execution import Machines, in_turn
 from kvbroker.broker.peers import FleetRecord, FleetView
 from kvbroker.broker.rooms import (
     Receiver,
-    ReceiverCore,
-    RoomTables,
-    SenderCore,
     Side,
     Source,
     cause,
@@ -39,20 +36,16 @@ class Operators:
     def __init__(
         self,
         *,
-        broker_id: str,
-        rooms: RoomTables,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        executor: Executor,
+        machines: Machines,
         fleet_record: FleetRecord | None,
         fleet_view: FleetView | None,
         on_draining: Callable[[bool], Awaitable[None]] | None,
     ) -> None:
-        self._broker_id = broker_id
-        self._rooms = rooms
-        self._sender = sender
-        self._receiver = receiver
-        self._executor = executor
+        self._broker_id = machines.broker_id
+        self._rooms = machines.rooms
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._turn = machines.turn
         self._fleet_record = fleet_record
         self._fleet_view = fleet_view
         #: Called with the flag whenever it is set (the server's health service follows).
@@ -76,6 +69,7 @@ class Operators:
             raise Unavailable("this broker is draining: it accepts no new rooms (Admin.Drain)")
 
     # -- rooms ------------------------------------------------------------------
+    @in_turn
     def admin_abort(self, room: int, reason: str) -> int:
         """Fail every open local side of ``room``; the peers hear of it."""
         why = cause(common_pb2.FAILURE_KIND_ABORTED, f"aborted by the operator: {reason or 'no reason given'}", self._broker_id)
@@ -93,7 +87,6 @@ class Operators:
                 assert isinstance(side, Receiver)
                 self._receiver.fail(side, why)
             aborted += 1
-        self._executor.drain()
         return aborted
 
     def sides_of(self, room: int) -> list[Side]:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import structlog
 
-from kvbroker.broker.dataplane import DataPlane
-from kvbroker.broker.execution import Executor
-from kvbroker.broker.peers import Member, Peer, PeerTable
-from kvbroker.broker.rooms import ReceiverCore, SenderCore, cause
+from kvbroker.broker.execution import Credits, Machines, Transport, in_turn
+from kvbroker.broker.peers import Member, Peer
+from kvbroker.broker.rooms import cause
 from kvbroker.errors import NixlError, Unavailable
 from kvbroker.v1 import common_pb2
 
@@ -23,23 +22,16 @@ log = structlog.get_logger(__name__)
 class PeerLoss:
     """What this broker does when a peer is gone. Control loop only."""
 
-    def __init__(
-        self,
-        *,
-        broker_id: str,
-        dataplane: DataPlane,
-        peers: PeerTable,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        executor: Executor,
-    ) -> None:
-        self._broker_id = broker_id
-        self._dataplane = dataplane
-        self._peers = peers
-        self._sender = sender
-        self._receiver = receiver
-        self._executor = executor
+    def __init__(self, *, machines: Machines, transport: Transport, credits: Credits) -> None:
+        self._broker_id = machines.broker_id
+        self._dataplane = transport.dataplane
+        self._peers = transport.peers
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._turn = machines.turn
+        self._credits = credits
 
+    @in_turn
     def peer_lost(self, peer: Peer, what: str) -> None:
         """``peer`` died or restarted: fail its rooms, cancel transfers to it, drop it."""
         broker_id = peer.broker_id
@@ -49,12 +41,11 @@ class PeerLoss:
         log.warning("peer_lost", peer=peer.address, broker=broker_id, reason=what)
         sources = self._sender.peer_lost(broker_id, why)
         ranks = self._receiver.peer_lost(broker_id, why)
-        self._executor.credits.peer_gone(broker_id, lambda: Unavailable(f"peer broker {peer.address} {what}"))
+        self._credits.peer_gone(broker_id, lambda: Unavailable(f"peer broker {peer.address} {what}"))
         if peer.agent_name:
             address = peer.address
             self._dataplane.cancel(peer.agent_name, lambda: NixlError(f"transfer to lost peer {address} cancelled"))
         self._peers.drop(peer)
-        self._executor.drain()
         log.info("peer_dropped", peer=peer.address, broker=broker_id, sources_failed=sources, receivers_failed=ranks)
 
     def broker_left(self, member: Member) -> None:
@@ -69,5 +60,5 @@ class PeerLoss:
         return (
             self._sender.has_business(broker_id)
             or self._receiver.has_business(broker_id)
-            or self._executor.credits.has_business(broker_id)
+            or self._credits.has_business(broker_id)
         )

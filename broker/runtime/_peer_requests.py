@@ -18,10 +18,10 @@ from opentelemetry import propagate, trace
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane
-from kvbroker.broker.execution import Executor, receive_wait_owner
+from kvbroker.broker.execution import Credits, Machines, Transport, in_turn, receive_wait_owner
 from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, StagingPools
-from kvbroker.broker.peers import HandshakeMessage, PeerTable, pool_name
-from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, TransferInfo, cause
+from kvbroker.broker.peers import HandshakeMessage, pool_name
+from kvbroker.broker.rooms import TransferInfo, cause
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._requests import NO_TRACE, check_version, decode_state
 from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError, Unavailable
@@ -46,28 +46,24 @@ class PeerRequests:
     def __init__(
         self,
         *,
-        broker_id: str,
         config: BrokerConfig,
+        machines: Machines,
         engines: EngineTable,
-        dataplane: DataPlane,
-        pools: StagingPools,
-        peers: PeerTable,
-        rooms: RoomTables,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        executor: Executor,
+        transport: Transport,
+        credits: Credits,
         operators: Operators,
     ) -> None:
-        self._broker_id = broker_id
+        self._broker_id = machines.broker_id
         self._config = config
         self._engines = engines
-        self._dataplane = dataplane
-        self._pools = pools
-        self._peers = peers
-        self._rooms = rooms
-        self._sender = sender
-        self._receiver = receiver
-        self._executor = executor
+        self._dataplane = transport.dataplane
+        self._pools = transport.pools
+        self._peers = transport.peers
+        self._rooms = machines.rooms
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._turn = machines.turn
+        self._credits = credits
         self._operators = operators
         #: Probe slots held for peers' transport self-tests, by probe id.
         self._probes: dict[str, tuple[StagingPool, Reservation, asyncio.TimerHandle]] = {}
@@ -94,6 +90,7 @@ class PeerRequests:
                 otel_context.detach(token)
         return response
 
+    @in_turn
     def _register_room(self, request: peer_pb2.RegisterRoomRequest) -> None:
         """One receiver rank's transfer info for one room."""
         check_version(request.protocol_version, "RegisterRooms")
@@ -125,7 +122,6 @@ class PeerRequests:
             page_size=remote.layout.page_size_tokens if remote is not None else 0,
         )
         self._sender.transfer_info(info)
-        self._executor.drain()
 
     # -- while data moves ---------------------------------------------------------------
     async def reserve_staging(self, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
@@ -139,13 +135,12 @@ class PeerRequests:
             # Its wait ends early if the room ends meanwhile (RoomEnded: the executor abandons it).
             owner = receive_wait_owner(request.room, rank_key(request.receiver))
             reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds, owner=owner)
-            try:
-                held = self._receiver.staging_granted(request, pool_key, reservation)
-            except BaseException:
-                pool.release(reservation)
-                raise
-            finally:
-                self._executor.drain()
+            with self._turn:
+                try:
+                    held = self._receiver.staging_granted(request, pool_key, reservation)
+                except BaseException:
+                    pool.release(reservation)
+                    raise
         return peer_pb2.ReserveStagingResponse(offset=held.offset, bytes=held.nbytes, buffer=pool.buffer.descriptor())
 
     async def reserve_probe(self, request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
@@ -182,18 +177,18 @@ class PeerRequests:
     async def grant_credits(self, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
         """Room in a receive buffer for a sending peer's packed parts (its credits)."""
         check_version(request.protocol_version, "GrantCredits")
-        return await self._executor.credits.grant(request)
+        return await self._credits.grant(request)
 
     def return_credits(self, request: peer_pb2.ReturnCreditsRequest) -> None:
         """A sending peer gives whole grants back."""
         check_version(request.protocol_version, "ReturnCredits")
-        self._executor.credits.take_back(request)
+        self._credits.take_back(request)
 
+    @in_turn
     def completion_report(self, request: peer_pb2.CompletionReport) -> None:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""
         check_version(request.protocol_version, "ReportCompletion")
         self._receiver.completion_report(request)
-        self._executor.drain()
 
     # -- aborts ---------------------------------------------------------------------------
     def peer_aborts(self, request: peer_pb2.PeerAbortRoomsRequest) -> peer_pb2.PeerAbortRoomsResponse:
@@ -208,6 +203,7 @@ class PeerRequests:
                 response.results.add(code=exc.status_number, message=exc.message)
         return response
 
+    @in_turn
     def _peer_abort(self, request: peer_pb2.PeerAbortRequest) -> bool:
         """Fail this broker's sides of one room; whether its transfers into the peer have settled."""
         check_version(request.protocol_version, "AbortRooms")
@@ -221,5 +217,4 @@ class PeerRequests:
             )
         settled = self._sender.peer_abort(request.room, why, request.from_broker_id)
         self._receiver.peer_abort(request.room, why, request.from_broker_id)
-        self._executor.drain()
         return settled

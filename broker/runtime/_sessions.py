@@ -27,15 +27,11 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
-from kvbroker.broker.execution import Executor
+from kvbroker.broker.execution import Machines
 from kvbroker.broker.memory import Engine, EngineTable
 from kvbroker.broker.rooms import (
     Receiver,
-    ReceiverCore,
-    RoomTables,
-    SenderCore,
     Source,
-    WatchHub,
     cause,
 )
 from kvbroker.broker.runtime._engine_calls import EngineCalls
@@ -126,25 +122,14 @@ class SessionStream:
 class Sessions:
     """Opens engines' session streams and applies their commands. Control loop only."""
 
-    def __init__(
-        self,
-        *,
-        broker_id: str,
-        engines: EngineTable,
-        rooms: RoomTables,
-        sender: SenderCore,
-        receiver: ReceiverCore,
-        executor: Executor,
-        hub: WatchHub,
-        engine_calls: EngineCalls,
-    ) -> None:
-        self._broker_id = broker_id
+    def __init__(self, *, machines: Machines, engines: EngineTable, engine_calls: EngineCalls) -> None:
+        self._broker_id = machines.broker_id
         self._engines = engines
-        self._rooms = rooms
-        self._sender = sender
-        self._receiver = receiver
-        self._executor = executor
-        self._hub = hub
+        self._rooms = machines.rooms
+        self._sender = machines.sender
+        self._receiver = machines.receiver
+        self._turn = machines.turn
+        self._hub = machines.hub
         self._calls = engine_calls
         #: Session commands by name (``SessionCommand.command``).
         self._commands: dict[str, Callable[[Any], object]] = {
@@ -232,10 +217,10 @@ class Sessions:
         if side is None or side.terminal:
             return False, side is None or settled(side)
         why = cause(common_pb2.FAILURE_KIND_REFUSED, f"{which} refused: {error.message}", self._broker_id)
-        if isinstance(side, Source):
-            self._sender.fail(side, why)
-        else:
-            assert isinstance(side, Receiver)
-            self._receiver.fail(side, why)
-        self._executor.drain()
+        with self._turn:
+            if isinstance(side, Source):
+                self._sender.fail(side, why)
+            else:
+                assert isinstance(side, Receiver)
+                self._receiver.fail(side, why)
         return True, settled(side)

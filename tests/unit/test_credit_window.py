@@ -34,7 +34,7 @@ def test_a_draining_window_places_nothing_more_and_gives_each_grant_back_once_em
     window.add_grant("g2", 8192, 8192)
     part = window.place(8192)
     assert part is not None and part.grant_id == "g1"
-    window.drain()
+    window.retire_all()
     assert window.place(4096) is None, "no new part in a draining grant"
     assert window.free_grants(3600.0) == ["g2"], "a wholly free draining grant goes back at once"
     window.remove_grant("g2")
