@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +102,116 @@ def test_tests_import_from_package_faces() -> None:
         if bad:
             wrong[name] = bad
     assert not wrong, f"private imports outside PRIVATE_IMPORTS_ALLOWED: {wrong}"
+
+
+# -- the shape of broker/'s classes ------------------------------------------------------
+#: The most methods and lines a class of broker/ may have, counting what it
+#: inherits from the project's own classes (so size is not hidden in a chain
+#: of bases), and the most collaborators its constructor may take.
+MAX_CLASS_METHODS = 25
+MAX_CLASS_LINES = 350
+MAX_COLLABORATORS = 8
+
+
+def _broker_classes() -> dict[str, tuple[Any, str]]:
+    """Every class defined in broker/, by name: (its AST node, its file)."""
+    import ast
+
+    classes: dict[str, tuple[Any, str]] = {}
+    for path in sorted((ROOT / "broker").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, (node, str(path.relative_to(ROOT))))
+    return classes
+
+
+def _chain(name: str, classes: dict[str, tuple[Any, str]]) -> list[Any]:
+    """The class and, recursively, those of its bases the project defines."""
+    import ast
+
+    node = classes[name][0]
+    out = [node]
+    for base in node.bases:
+        base_name = ast.unparse(base).rsplit(".", 1)[-1]
+        if base_name in classes and base_name != name:
+            out += _chain(base_name, classes)
+    return out
+
+
+def test_no_class_of_the_broker_is_too_big() -> None:
+    """No class of broker/ has more than MAX_CLASS_METHODS methods or
+    MAX_CLASS_LINES lines, its project bases' included."""
+    import ast
+
+    classes = _broker_classes()
+    big = {}
+    for name, (_, where) in classes.items():
+        chain = list({id(c): c for c in _chain(name, classes)}.values())
+        methods = sum(isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) for c in chain for m in c.body)
+        lines = sum(c.end_lineno - c.lineno + 1 for c in chain)
+        if methods > MAX_CLASS_METHODS or lines > MAX_CLASS_LINES:
+            big[f"{where}:{name}"] = (methods, lines)
+    assert not big, f"classes over {MAX_CLASS_METHODS} methods or {MAX_CLASS_LINES} lines (methods, lines): {big}"
+
+
+def test_no_constructor_takes_too_many_collaborators() -> None:
+    """An ``__init__`` of broker/ takes at most MAX_COLLABORATORS parameters;
+    a dataclass holds at most MAX_COLLABORATORS collaborators (fields typed
+    with a class of broker/ that is not a record, or a callable: records and
+    configuration are values, not collaborators)."""
+    import ast
+
+    classes = _broker_classes()
+
+    def is_record(node: Any) -> bool:
+        bases = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+        frozen_or_record = any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+        return frozen_or_record or bool(bases & {"Enum", "IntEnum", "NamedTuple", "Exception", "TypedDict", "Protocol"})
+
+    services = {name for name, (node, _) in classes.items() if not is_record(node)}
+
+    def collaborator(annotation: Any) -> bool:
+        names = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(annotation) if isinstance(n, ast.Attribute)}
+        return bool(names & services) or "Callable" in names
+
+    wide = {}
+    for name, (node, where) in classes.items():
+        init = next((m for m in node.body if isinstance(m, ast.FunctionDef) and m.name == "__init__"), None)
+        if init is not None:
+            count = len(init.args.args) - 1 + len(init.args.kwonlyargs)
+        elif is_record(node):
+            fields = [f.annotation for f in node.body if isinstance(f, ast.AnnAssign) and "ClassVar" not in ast.unparse(f.annotation)]
+            count = sum(collaborator(a) for a in fields)
+        else:
+            continue
+        if count > MAX_COLLABORATORS:
+            wide[f"{where}:{name}"] = count
+    assert not wide, f"constructors over {MAX_COLLABORATORS} collaborators: {wide}"
+
+
+def test_the_effect_loop_runs_only_where_a_turn_ends() -> None:
+    """The executor's effect loop is handed to the turn once and called only
+    where the outermost turn ends (execution/_turn.py); nothing else drains,
+    and no collaborator is handed a drain."""
+    import ast
+
+    loop_refs: list[str] = []
+    calls: list[str] = []
+    drains: list[str] = []
+    for path in sorted((ROOT / "broker").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "_run_effects":
+                loop_refs.append(f"{where}:{node.lineno}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_effects":
+                calls.append(f"{where}:{node.lineno}")
+            # The operators' Drain RPC (api/_admin.py) is the one thing of that name.
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("drain", "_drain"):
+                if where != "broker/api/_servicers.py":
+                    drains.append(f"{where}:{node.lineno}")
+            if isinstance(node, ast.arg) and node.arg in ("drain", "_drain", "run_effects"):
+                drains.append(f"{where}:{node.lineno} ({node.arg})")
+    assert len(loop_refs) == 1 and loop_refs[0].startswith("broker/execution/_executor.py"), loop_refs
+    assert calls and all(c.startswith("broker/execution/_turn.py") for c in calls), calls
+    assert not drains, f"drains outside a turn's end: {drains}"
