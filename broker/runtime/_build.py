@@ -49,6 +49,7 @@ from kvbroker.broker.peers import (
 )
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub
 from kvbroker.broker.runtime._broker import Broker, Endpoints
+from kvbroker.broker.runtime._bundles import Routes, Services
 from kvbroker.broker.runtime._engine_calls import EngineCalls
 from kvbroker.broker.runtime._housekeeping import Housekeeping
 from kvbroker.broker.runtime._operators import Operators
@@ -155,11 +156,12 @@ def build_broker(
     machines = Machines(broker_id=broker_id, rooms=rooms, sender=sender, receiver=receiver, hub=hub, turn=turn)
     transport = Transport(dataplane=dataplane, peers=peers, client=peer_client, pools=pools)
     telemetry = Telemetry(counters=counters, metrics=metrics)
+    copying = Copying(workers=workers, views=views, lanes=lanes)
     executor = Executor(
         config=config,
         machines=machines,
         transport=transport,
-        copying=Copying(workers=workers, views=views, lanes=lanes),
+        copying=copying,
         telemetry=telemetry,
         tasks=tasks,
         ledger=ledger,
@@ -186,33 +188,7 @@ def build_broker(
         has_business=peer_loss.has_business,
         on_lost=peer_loss.peer_lost,
     )
-    return Broker(
-        config=config,
-        broker_id=broker_id,
-        agent=agent,
-        endpoints=endpoints,
-        counters=counters,
-        metrics=metrics,
-        rooms=rooms,
-        tasks=tasks,
-        hub=hub,
-        workers=workers,
-        views=views,
-        lanes=lanes,
-        dataplane=dataplane,
-        engines=engines,
-        pools=pools,
-        peers=peers,
-        peer_client=peer_client,
-        sender=sender,
-        machines=machines,
-        receiver=receiver,
-        executor=executor,
-        monitor=monitor,
-        fd_server=fd_server,
-        fleet_record=fleet_record,
-        fleet_view=fleet_view,
-        operators=operators,
+    routes = Routes(
         engine_calls=engine_calls,
         sessions=Sessions(machines=machines, engines=engines, engine_calls=engine_calls),
         peer_requests=PeerRequests(
@@ -224,7 +200,27 @@ def build_broker(
             operators=operators,
         ),
         peer_loss=peer_loss,
-        housekeeping=Housekeeping(
-            config=config, machines=machines, engines=engines, transport=transport, metrics=metrics
-        ),
+        operators=operators,
+        housekeeping=Housekeeping(config=config, machines=machines, engines=engines, transport=transport, metrics=metrics),
+        probes=executor.probes,
+    )
+    services = Services(
+        agent=agent,
+        engines=engines,
+        tasks=tasks,
+        executor=executor,
+        monitor=monitor,
+        fd_server=fd_server,
+        fleet_record=fleet_record,
+        fleet_view=fleet_view,
+    )
+    return Broker(
+        config=config,
+        endpoints=endpoints,
+        machines=machines,
+        transport=transport,
+        copying=copying,
+        telemetry=telemetry,
+        routes=routes,
+        services=services,
     )
