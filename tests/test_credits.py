@@ -98,7 +98,7 @@ def test_an_aborted_rooms_landed_ranges_go_back_to_their_sender(
     eventually(lambda: receiver.status().chunks == 1, 10)
     p.agent.script(XferScript(outcome="HANG"))
     sender.send([6, 7])
-    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) == 1, 10)
+    eventually(lambda: p.loop.call(p.broker.queries.traffic.inflight) == 1, 10)
     receiver.abort("decode preempted")
     assert receiver.wait(10).state == RoomState.FAILED
     eventually(lambda: receiver.status().pages_settled, 10)
