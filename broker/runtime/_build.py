@@ -2,13 +2,18 @@
 
 :func:`build_broker` makes a :class:`Broker` from its configuration, its
 NIXL agent and what only the server knows (where it listens, and what to do
-when draining starts or stops). Nothing is set on a broker afterwards.
+when draining starts or stops), and hands it its parts in frozen bundles
+(``Machines``, ``Transport``, ``Copying``, ``Telemetry``, ``Routes``,
+``Services``). Nothing is set on a broker afterwards.
 
 A few parts call back into parts made after them (the data plane reports
 events to the executor, the peer table and the fleet view report lost peers,
 the fd socket reports closed connections): those callbacks are closures over
 the later part, which exists by the time anything calls them (nothing runs
-before :meth:`Broker.start`).
+before :meth:`Broker.start`). Bundling does not remove them: each is a real
+cycle (the executor needs the data plane that reports to it, the peer loss
+route the peer table that reports to it, the engine calls the fd socket that
+reports to them, the fleet record the operators whose draining it reports).
 """
 
 from __future__ import annotations
