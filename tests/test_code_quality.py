@@ -190,6 +190,22 @@ def test_no_constructor_takes_too_many_collaborators() -> None:
     assert not wide, f"constructors over {MAX_COLLABORATORS} collaborators: {wide}"
 
 
+def test_only_tests_reach_a_brokers_internals() -> None:
+    """``Broker.internals`` (every part of a broker) is the one seam for tests
+    that inject faults: nothing under broker/, client/, adapters/ or demo/
+    reads ``.internals`` (broker code hands each part the bundles it uses;
+    readers use ``Broker.queries``)."""
+    import ast
+
+    reads = []
+    for top in ("broker", "client", "adapters", "demo"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "internals":
+                    reads.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not reads, f"broker internals read outside the tests: {reads}"
+
+
 def test_the_effect_loop_runs_only_where_a_turn_ends() -> None:
     """The executor's effect loop is handed to the turn once and called only
     where the outermost turn ends (execution/_turn.py); nothing else drains,

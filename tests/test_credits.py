@@ -29,7 +29,7 @@ MEMORY_KINDS = ("vram",)
 
 
 def _calls(broker: FakeBroker) -> dict[str, int]:
-    return dict(broker.broker.counters.peer_calls_answered)
+    return dict(broker.broker.queries.counters.peer_calls_answered)
 
 
 def _room(pe: Any, de: Any, p: FakeBroker, room: int, src: list[int], dst: list[int]) -> Any:
@@ -59,11 +59,11 @@ def test_packed_parts_take_no_call_to_the_receiver_in_steady_state(
         sent = page_bytes(pe.memory, 1, [room % 32, (room + 7) % 32])
         assert all(torch.equal(a, b) for a, b in zip(got, sent)), room
     calls = _calls(d)
-    assert p.broker.counters.transfers_packed >= 40
+    assert p.broker.queries.counters.transfers_packed >= 40
     assert calls.get("ReserveStaging", 0) == 0, calls
     assert 1 <= calls.get("GrantCredits", 0) <= 4, calls
     eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 5)
-    assert d.loop.call(lambda: d.broker.executor.credits.ledger.granted_bytes()) == 0
+    assert d.loop.call(lambda: d.broker.queries.traffic.granted_credit_bytes()) == 0
 
 
 def test_a_failed_write_gives_its_range_back_and_later_rooms_move(
@@ -76,7 +76,7 @@ def test_a_failed_write_gives_its_range_back_and_later_rooms_move(
     assert _room(pe, de, p, 1, [1], [1]).wait(10).state == RoomState.SUCCESS
     p.agent.script(XferScript(outcome="ERR"))
     assert _room(pe, de, p, 2, [2], [2]).wait(10).state == RoomState.FAILED
-    eventually(lambda: p.loop.call(lambda: p.broker.executor.credits.awaiting_returns()) is False, 5)
+    eventually(lambda: p.loop.call(lambda: p.broker.queries.traffic.awaiting_credit_returns()) is False, 5)
     for room in (3, 4):
         assert _room(pe, de, p, room, [room], [room]).wait(10).state == RoomState.SUCCESS
     eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 5)
@@ -98,13 +98,13 @@ def test_an_aborted_rooms_landed_ranges_go_back_to_their_sender(
     eventually(lambda: receiver.status().chunks == 1, 10)
     p.agent.script(XferScript(outcome="HANG"))
     sender.send([6, 7])
-    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) == 1, 10)
+    eventually(lambda: p.loop.call(p.broker.queries.traffic.inflight) == 1, 10)
     receiver.abort("decode preempted")
     assert receiver.wait(10).state == RoomState.FAILED
     eventually(lambda: receiver.status().pages_settled, 10)
     assert sender.wait(10).state == RoomState.FAILED
     eventually(lambda: p.pools_in_use() == d.pools_in_use() == (0, 0), 10)
-    assert p.loop.call(lambda: p.broker.executor.credits.awaiting_returns()) is False
+    assert p.loop.call(lambda: p.broker.queries.traffic.awaiting_credit_returns()) is False
 
 
 def test_a_lost_peers_grants_and_windows_go(fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Any]) -> None:
@@ -113,12 +113,12 @@ def test_a_lost_peers_grants_and_windows_go(fake_brokers: Callable[..., FakeBrok
     p, d = fake_brokers("p"), fake_brokers("d")
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     assert _room(pe, de, p, 1, [1], [1]).wait(10).state == RoomState.SUCCESS
-    assert d.loop.call(lambda: d.broker.executor.credits.ledger.granted_bytes()) > 0
-    d.loop.call(lambda: d.broker.peer_loss.peer_lost(d.broker.peers.by_id[p.broker.broker_id], "stopped answering (test)"))
-    p.loop.call(lambda: p.broker.peer_loss.peer_lost(p.broker.peers.by_id[d.broker.broker_id], "stopped answering (test)"))
-    assert d.loop.call(lambda: d.broker.executor.credits.ledger.granted_bytes()) == 0
+    assert d.loop.call(lambda: d.broker.queries.traffic.granted_credit_bytes()) > 0
+    d.loop.call(lambda: d.broker.internals.routes.peer_loss.peer_lost(d.broker.internals.transport.peers.by_id[p.broker.broker_id], "stopped answering (test)"))
+    p.loop.call(lambda: p.broker.internals.routes.peer_loss.peer_lost(p.broker.internals.transport.peers.by_id[d.broker.broker_id], "stopped answering (test)"))
+    assert d.loop.call(lambda: d.broker.queries.traffic.granted_credit_bytes()) == 0
     assert d.pools_in_use() == (0, 0)
-    assert p.loop.call(lambda: p.broker.executor.credits.has_business(d.broker.broker_id)) is False
+    assert p.loop.call(lambda: p.broker.queries.traffic.credit_business_with(d.broker.broker_id)) is False
 
 
 def test_two_senders_into_one_small_buffer_both_move(fake_brokers: Callable[..., FakeBroker]) -> None:
@@ -148,7 +148,7 @@ def test_two_senders_into_one_small_buffer_both_move(fake_brokers: Callable[...,
     for thread in threads:
         thread.join(90)
     assert all(r.ok for r in results.values()), [r.problems[:3] for r in results.values()]
-    assert p1.broker.counters.transfers_packed >= 24 and p2.broker.counters.transfers_packed >= 24
+    assert p1.broker.queries.counters.transfers_packed >= 24 and p2.broker.queries.counters.transfers_packed >= 24
     for broker in (p1, p2, d):
         eventually(lambda b=broker: b.pools_in_use() == (0, 0), 5)
 
@@ -162,11 +162,11 @@ def test_a_part_written_outside_its_senders_credits_fails_its_room(
     p, d = fake_brokers("p"), fake_brokers("d")
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     if not inside:
-        holds = d.broker.executor.credits.ledger.holds
-        d.broker.executor.credits.ledger.holds = lambda *args: False  # type: ignore[method-assign]
+        holds = d.broker.internals.services.executor.credits.ledger.holds
+        d.broker.internals.services.executor.credits.ledger.holds = lambda *args: False  # type: ignore[method-assign]
     status = _room(pe, de, p, 1, [3], [4]).wait(10)
     if inside:
         assert status.state == RoomState.SUCCESS
     else:
         assert status.state == RoomState.FAILED and "outside the credits this broker granted it" in status.cause.message
-        d.broker.executor.credits.ledger.holds = holds  # type: ignore[method-assign]
+        d.broker.internals.services.executor.credits.ledger.holds = holds  # type: ignore[method-assign]

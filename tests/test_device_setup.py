@@ -80,7 +80,7 @@ def test_a_gpus_lane_comes_up_at_registration_on_the_memory_thread(
         sender.send([2, 5])
         assert de.handle.wait([1], timeout_seconds=10)[1].state == RoomState.SUCCESS
         assert all(torch.equal(a, b) for a, b in zip(page_bytes(de.memory, 1, [7, 8]), reference))
-        assert p.broker.counters.transfers_packed == 1
+        assert p.broker.queries.counters.transfers_packed == 1
         assert len(_RecordingLane.made) == 1, "the part used the lane made at registration"
         engine.close()
     memory.close()

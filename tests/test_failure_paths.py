@@ -61,12 +61,7 @@ def warm_up(sender_address: str, prefill: list[Any], decode: list[Any]) -> None:
 
 def waiting(broker: FakeBroker, direction: str) -> int:
     """Reservations waiting for room in the broker's ``direction`` buffers."""
-    pools = broker.broker.pools
-
-    def count() -> int:
-        return sum(p.waiting for key in pools.keys(direction) if (p := pools.pool(direction, *key)) is not None)
-
-    result: int = broker.loop.call(count)
+    result: int = broker.loop.call(broker.broker.queries.traffic.waiting_reservations, direction)
     return result
 
 
@@ -118,9 +113,8 @@ def test_a_receive_slot_granted_after_its_room_ended_is_given_back(fake_brokers,
     senders, (receiver,) = open_room(p.address, prefill, decode, 701)
     # A part waits for room at the decode: in its staging buffer (ReserveStaging), or in the
     # prefill broker's credits there (the device path).
-    credits = p.broker.executor.credits
     eventually(
-        lambda: waiting(d, "receive") + p.loop.call(credits.waiting_parts) >= 1,
+        lambda: waiting(d, "receive") + p.loop.call(p.broker.queries.traffic.parts_waiting_for_credits) >= 1,
         10,
         describe=lambda: f"posted {p.agent.posted}, in use {d.pools_in_use()}",
     )
@@ -142,8 +136,8 @@ def test_a_receive_slot_granted_as_its_room_ends_is_given_back(fake_brokers, mak
     d = fake_brokers("d", staging_receive_bytes=4096)
     prefill = [make_engine(p.address, "prefill", tp_size=2, tp_rank=r, seed=30 + r) for r in range(2)]
     decode = [make_engine(d.address, "decode")]
-    broker = d.broker
-    pool = broker.pools.pool("receive", common_pb2.MEMORY_KIND_DRAM, 0)
+    parts = d.broker.internals  # a reservation held, and a room aborted inside a turn: faults injected
+    pool = parts.transport.pools.pool("receive", common_pb2.MEMORY_KIND_DRAM, 0)
     assert pool is not None
     held = d.loop.call(lambda: pool.try_reserve(4096))  # the buffer is full
     assert held is not None
@@ -152,9 +146,9 @@ def test_a_receive_slot_granted_as_its_room_ends_is_given_back(fake_brokers, mak
 
     def grant_then_end() -> None:
         pool.release(held)  # the first queued reservation is granted: its room is open
-        engine = broker.engines.get(decode[0].handle.engine_id)
-        with broker.machines.turn:  # the room ends (its effects run) before the granted call resumes
-            broker.receiver.abort(Abort(engine=engine, room=702, reason="the decode engine gave up"))
+        engine = parts.services.engines.get(decode[0].handle.engine_id)
+        with parts.machines.turn:  # the room ends (its effects run) before the granted call resumes
+            parts.machines.receiver.abort(Abort(engine=engine, room=702, reason="the decode engine gave up"))
 
     d.loop.call(grant_then_end)
     assert_nothing_left(p, d)

@@ -32,8 +32,7 @@ def test_pages_of_the_chunks_that_landed_are_reported_after_an_abort(fake_broker
     sender.send(SRC[2:4])
     # (The session hears of state changes; chunks landing within TRANSFERRING show in the broker's record.)
     def chunks_landed() -> list[int]:
-        room = d.broker.rooms.receiver.get(60)
-        return [r.chunks for r in room.ranks.values()] if room is not None else []
+        return [r.chunks for r in d.broker.queries.rooms.receivers_of(60)]
 
     eventually(lambda: d.loop.call(chunks_landed) == [2], 10)
     assert receiver.landed_pages().size == 0  # not failed: nothing to report
@@ -64,7 +63,7 @@ def test_a_page_is_whole_only_when_every_source_that_writes_it_delivered_it(fake
 
     def rank1_first_chunk_delivered() -> bool:
         # Rank 1's first chunk must have landed before it aborts (a loaded host may take a while).
-        sides = p.loop.call(lambda: Admin(p.broker).get_room(61)).sides
+        sides = p.loop.call(lambda: Admin(p.broker.queries, p.broker.routes.operators, p.broker.routes.probes).get_room(61)).sides
         (side,) = [s for s in sides if s.info.engine.tp_rank == 1]
         return all(dest.chunks_posted == 1 and dest.inflight == 0 for dest in side.destinations)
 
@@ -104,13 +103,12 @@ def test_pages_that_settle_after_the_failure_still_come_with_the_ones_that_lande
     sender.send(SRC[:2])
 
     def chunks_landed() -> list[int]:
-        room = d.broker.rooms.receiver.get(63)
-        return [r.chunks for r in room.ranks.values()] if room is not None else []
+        return [r.chunks for r in d.broker.queries.rooms.receivers_of(63)]
 
     eventually(lambda: d.loop.call(chunks_landed) == [1], 10)
     p.agent.script(XferScript(outcome="HANG"), XferScript(outcome="HANG"))
     sender.send(SRC[2:4])
-    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) >= 1, 10)
+    eventually(lambda: p.loop.call(lambda: p.broker.queries.traffic.inflight()) >= 1, 10)
     receiver.abort("decode preempted")
     assert receiver.wait(10).state == RoomState.FAILED
     assert not receiver.status().pages_settled, "a write into them is in flight"
@@ -139,20 +137,19 @@ def test_a_part_that_lands_in_staging_after_the_failure_is_not_reported_as_arriv
         sender.send(SRC[:2])
 
     def chunks_landed() -> list[int]:
-        room = d.broker.rooms.receiver.get(64)
-        return [r.chunks for r in room.ranks.values()] if room is not None else []
+        return [r.chunks for r in d.broker.queries.rooms.receivers_of(64)]
 
     eventually(lambda: d.loop.call(chunks_landed) == [2], 10)  # chunk 0 of both sources
     p.agent.script(*[XferScript(proc_polls=60)] * 8)
     for sender in senders:
         sender.send(SRC[2:4])
-    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) >= 2, 10)
+    eventually(lambda: p.loop.call(lambda: p.broker.queries.traffic.inflight()) >= 2, 10)
     receiver.abort("decode preempted")
     eventually(lambda: receiver.status().pages_settled, 10)
-    assert d.broker.counters.late_notices == 0 and p.loop.call(lambda: p.broker.dataplane.inflight) == 0
+    assert d.broker.queries.counters.late_notices == 0 and p.loop.call(lambda: p.broker.queries.traffic.inflight()) == 0
 
     def unapplied() -> list[frozenset[int]]:
-        return [e.unapplied for r in d.broker.rooms.receiver[64].ranks.values() for e in (r.expected or {}).values()]
+        return [e.unapplied for r in d.broker.queries.rooms.receivers_of(64) for e in (r.expected or {}).values()]
 
     assert d.loop.call(unapplied) == [frozenset({1}), frozenset({1})], "the last chunk's parts came after the abort"
     assert receiver.landed_pages().tolist() == DST[:2].tolist()

@@ -110,7 +110,7 @@ def test_tokens_move_between_page_sizes(
     for a, b in zip(pe.memory.aux, de.memory.aux):
         assert torch.equal(a[1], b[2]), "the aux row did not come"
     assert_only_listed_pages_written(de, before, dst)
-    counters = p.broker.counters
+    counters = p.broker.queries.counters
     assert (counters.transfers_token_runs, counters.transfers_packed) == ((len(chunks), 0) if memory_kind == "dram" else (0, len(chunks)))
 
 
@@ -256,8 +256,7 @@ def test_pages_completed_by_chunks_that_landed_are_reported_after_an_abort(fake_
     sender.send(src[1:2])
 
     def chunks_landed() -> list[int]:
-        room = d.broker.rooms.receiver.get(75)
-        return [r.chunks for r in room.ranks.values()] if room is not None else []
+        return [r.chunks for r in d.broker.queries.rooms.receivers_of(75)]
 
     eventually(lambda: d.loop.call(chunks_landed) == [2], 10)
     sender.abort("prefill preempted")

@@ -54,7 +54,7 @@ def test_layout_moves_byte_exact(fake_brokers, scenario: Scenario, staging: bool
     for broker in (p, d):
         broker.evict_now()
         assert not any(broker.tables().values()), broker.tables()
-    counters = p.broker.counters
+    counters = p.broker.queries.counters
     sliced = scenario.prefill_tp != scenario.decode_tp and not scenario.mla and scenario.kv_heads > min(scenario.prefill_tp, scenario.decode_tp)
     if sliced and scenario.kv_layout == "hnd_fused":
         assert counters.transfers_staged == 0 and counters.transfers_per_token > 0  # one piece per page: no staging
@@ -62,4 +62,4 @@ def test_layout_moves_byte_exact(fake_brokers, scenario: Scenario, staging: bool
         assert (counters.transfers_staged > 0) == staging and (counters.transfers_per_token > 0) != staging
     else:
         assert counters.transfers_staged == counters.transfers_per_token == 0
-    assert d.broker.pools.in_use_bytes("receive") == 0 and p.broker.pools.in_use_bytes("send") == 0
+    assert d.broker.queries.traffic.staging_in_use("receive") == 0 and p.broker.queries.traffic.staging_in_use("send") == 0

@@ -417,7 +417,7 @@ def _session_left(c: Cluster, name: str) -> int:
     broker, engine_id = c.broker_of(name).broker, c.engine(name).handle.engine_id
 
     def look() -> tuple[int, bool]:
-        record = broker.engines.get(engine_id)
+        record = broker.queries.engine(engine_id)
         return record.applied, record.session is not None
 
     eventually(
@@ -1253,13 +1253,13 @@ def _legit_room(c: Cluster, room: Legit) -> None:
 def _unquiet(c: Cluster) -> list[str]:
     """What is still moving on either broker (runs on the loop thread)."""
     busy = []
-    for name, rt in (("p", c.p.broker), ("d", c.d.broker)):
-        if len(rt.tasks):
-            busy.append(f"{name}: {len(rt.tasks)} background tasks")
-        for s in rt.rooms.all_sources():
+    for name, q in (("p", c.p.broker.queries), ("d", c.d.broker.queries)):
+        if q.traffic.background_tasks():
+            busy.append(f"{name}: {q.traffic.background_tasks()} background tasks")
+        for s in q.rooms.sources():
             if not s.terminal or s.inflight:
                 busy.append(f"{name}: sender room {s.room} state {s.state}, {s.inflight} in flight")
-        for r in rt.rooms.all_receivers():
+        for r in q.rooms.receivers():
             if not r.terminal:
                 busy.append(f"{name}: receiver room {r.room} state {r.state}")
             elif not r.pages_settled:

@@ -20,7 +20,7 @@ from .conftest import SMALL_MODEL
 def test_engine_sockets_are_owner_and_group_only(fake_brokers) -> None:
     """The engine gRPC socket and the fd socket are created mode 0660."""
     b = fake_brokers("s")
-    for path in (b.broker.endpoints.engine_socket_path, b.broker.fd_server.path):
+    for path in (b.broker.endpoints.engine_socket_path, b.broker.broker_info().fd_socket_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660, path
 
 
@@ -69,7 +69,7 @@ def test_a_session_token_registers_one_engine_only(fake_brokers) -> None:
                 )
         memory = EngineMemory.allocate(RankSpec("g", "prefill"), SMALL_MODEL, num_pages=4)
         engine = client.register_engine(RankSpec("g", "prefill"), memory)
-        token = p.broker.engines.get(engine.engine_id).session_token
+        token = p.broker.queries.engine(engine.engine_id).session_token
         with pytest.raises(errors.NotFound):
             client.call(
                 client.stub.RegisterEngine,

@@ -487,10 +487,10 @@ def test_late_notice_never_recreates_a_room(fake_brokers, make_engine) -> None:
     notice = peer_pb2.TransferNotice(
         protocol_version=PROTOCOL_VERSION, room=4242, receiver=common_pb2.EngineRankId(group="decode-group"), parts=1
     )
-    d.loop.call(d.broker.executor.on_events, [Notices([("someone", notice.SerializeToString())])])
-    d.loop.call(d.broker.executor.on_events, [Notices([("someone", b"\xff\xffnot a notice")])])
+    d.loop.call(d.broker.internals.services.executor.on_events, [Notices([("someone", notice.SerializeToString())])])
+    d.loop.call(d.broker.internals.services.executor.on_events, [Notices([("someone", b"\xff\xffnot a notice")])])
     assert d.tables()["receiver_rooms"] == 0
-    assert d.broker.counters.late_notices == 1 and d.broker.counters.bad_notices == 1
+    assert d.broker.queries.counters.late_notices == 1 and d.broker.queries.counters.bad_notices == 1
 
 
 def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_engine) -> None:
@@ -505,7 +505,7 @@ def test_engine_death_fails_its_rooms_and_releases_memory(fake_brokers, make_eng
     pe.die()  # what the kernel does when the process dies
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
-    eventually(lambda: p.agent.registrations == 2 and not p.broker.engines.by_id)
+    eventually(lambda: p.agent.registrations == 2 and not p.broker.queries.engines())
     assert not p.agent.live_dlists
 
 
@@ -530,7 +530,7 @@ def test_contiguous_runs_become_one_descriptor(fake_brokers, make_engine) -> Non
     s.send([0, 1, 2, 3, 8, 9])
     de.handle.wait([60], timeout_seconds=10)
     # 2 runs x 4 KV regions (K, V of 2 layers) + 1 aux row.
-    assert p.broker.counters.descriptors_transferred == 9
+    assert p.broker.queries.counters.descriptors_transferred == 9
 
 
 def test_watch_streams_state_changes(fake_brokers, make_engine) -> None:
@@ -644,7 +644,7 @@ def test_completion_waits_for_every_state_component(fake_brokers, make_engine) -
         state_components=["swa"],
         parts=1,
     )
-    d.loop.call(d.broker.executor.on_events, [Notices([(p.agent.name, notice.SerializeToString())])])
+    d.loop.call(d.broker.internals.services.executor.on_events, [Notices([(p.agent.name, notice.SerializeToString())])])
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED and "['nsa']" in status.cause.message
 
@@ -727,7 +727,7 @@ def test_lost_peer_fails_its_rooms_and_is_dropped(fake_brokers, make_engine) -> 
     status = sender.wait(10)
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
     assert d.address in status.cause.message
-    eventually(lambda: not p.broker.peers.by_id)
+    eventually(lambda: not p.broker.queries.handshaken_peers())
 
 
 def test_sender_engine_dying_before_it_opens_the_room_fails_the_receiver_at_once(fake_brokers, make_engine) -> None:
@@ -781,7 +781,7 @@ def test_a_finished_source_whose_record_went_is_not_reported_as_never_opening(fa
     (The broker used to tell the receiver ENGINE_LOST for it and fail the room.)"""
     p, d, prefill, de, receiver = _two_sources_one_receiver(fake_brokers, make_engine, 99)
     prefill[0].die()  # rank 0 goes away after its part was done
-    eventually(lambda: p.tables().get("sender_rooms") == 1 and len(p.broker.engines.by_key) == 1)
+    eventually(lambda: p.tables().get("sender_rooms") == 1 and p.broker.queries.engine_keys() == 1)
     second = prefill[1].handle.sender(99)
     second.init(len(SRC), aux_row=1)
     second.send(SRC)
@@ -844,7 +844,7 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
     pe1.lost_broker()
     p2 = fake_brokers("p2", listen_address=p1.address)
     pe2 = make_engine(p2.address, "prefill")
-    peers, client = d.broker.peers, d.broker.peer_client
+    peers, client = d.broker.internals.transport.peers, d.broker.internals.transport.client
     real_stub = client.stub
     raced: list[str] = []
 
@@ -909,7 +909,7 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     the room fails PEER with its pages settled (nothing of that process can write any more), instead
     of waiting for data that will never come."""
     p, d, _pe, de = _pair(fake_brokers, make_engine)
-    client = d.broker.peer_client
+    client = d.broker.internals.transport.client
     real_stub = client.stub
 
     class LosingStub:
@@ -921,7 +921,7 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
 
         async def RegisterRooms(self, request, **kwargs):  # type: ignore[no-untyped-def]
             answer = await self._stub.RegisterRooms(request, **kwargs)
-            d.broker.peer_loss.peer_lost(self._peer, "stopped answering (test)")
+            d.broker.internals.routes.peer_loss.peer_lost(self._peer, "stopped answering (test)")
             return answer
 
     monkeypatch.setattr(client, "stub", lambda peer: LosingStub(real_stub(peer), peer))
@@ -1058,7 +1058,7 @@ def test_a_room_reopened_after_its_receiver_gave_up_on_the_source_writes_nothing
     pe.die()  # the prefill engine dies before it opens room 110
     assert stale.wait(10).cause.kind == common_pb2.FAILURE_KIND_ENGINE_LOST
     eventually(lambda: stale.status().pages_settled)
-    eventually(lambda: not p.loop.call(lambda: list(p.broker.engines.by_key)))
+    eventually(lambda: not p.loop.call(p.broker.queries.engine_keys))
     pe2 = make_engine(p.address, "prefill", seed=1)  # the same rank, restarted
     _move_room(pe2, de, p.address, 111)  # the decode engine reuses DST for room 111
     _assert_moved(pe2, de, SRC, DST)
@@ -1121,17 +1121,26 @@ def test_the_client_refuses_a_broker_of_another_protocol_version(fake_brokers, m
 
 def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_brokers) -> None:
     """build_broker makes every part from what the server knows once it listens (the fd socket at its
-    path, the peer table at its address, no fleet without --etcd); the broker's attributes are final."""
+    path, the peer table at its address, no fleet without --etcd); the broker's state is private and
+    final, and its parts (``internals``) are frozen bundles."""
     import dataclasses
 
     b = fake_brokers("w")
     broker = b.broker
+    parts = broker.internals
     info = broker.broker_info()
-    assert info.fd_socket_path == broker.fd_server.path == broker.endpoints.fd_socket_path
+    assert info.fd_socket_path == parts.services.fd_server.path == broker.endpoints.fd_socket_path
     assert info.engine_socket_path == broker.endpoints.engine_socket_path and info.listen_address == b.address
-    assert broker.peers.address == b.address and broker.fleet_record is None and broker.fleet_view is None
+    assert parts.transport.peers.address == b.address
+    assert parts.services.fleet_record is None and parts.services.fleet_view is None and broker.queries.fleet is None
     with pytest.raises(dataclasses.FrozenInstanceError):
-        broker.fd_server = broker.fd_server  # type: ignore[misc]
+        parts.services.fd_server = parts.services.fd_server  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parts.services = parts.services  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        broker.internals = parts  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        broker.fd_server = parts.services.fd_server  # type: ignore[attr-defined]
 
 
 def test_peers_register_and_abort_rooms_only_in_batches() -> None:

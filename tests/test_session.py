@@ -59,7 +59,7 @@ def test_each_rooms_commands_arrive_in_order_from_many_threads(fake_brokers, mak
     _assert_moved(pe, de, SRC, DST)
     pe.handle.flush()
     # 1 BeginSend + 3 SendChunk per room, each applied once.
-    assert p.loop.call(lambda: p.broker.engines.get(pe.handle.engine_id).applied) == 4 * len(rooms)
+    assert p.loop.call(lambda: p.broker.queries.engine(pe.handle.engine_id).applied) == 4 * len(rooms)
 
 
 def test_a_refused_chunk_fails_its_room_once_with_the_brokers_message(fake_brokers, make_engine) -> None:
@@ -94,13 +94,13 @@ def test_a_refused_opening_fails_only_that_room(fake_brokers, make_engine) -> No
     broker) fails that room with the refusal; the engine's other rooms carry on."""
     p, d, pe, de = _pair(fake_brokers, make_engine)
     ref = SenderRef(p.address, "prefill-group")
-    d.loop.run(d.broker.operators.set_draining(True))
+    d.loop.run(d.broker.routes.operators.set_draining(True))
     refused = de.handle.receiver(40, ref)
     refused.init(DST, aux_row=2)
     status = refused.wait(10)
     assert status.cause.kind == common_pb2.FAILURE_KIND_REFUSED and "draining" in status.cause.message
     assert status.pages_settled
-    d.loop.run(d.broker.operators.set_draining(False))
+    d.loop.run(d.broker.routes.operators.set_draining(False))
     de.handle.receiver(41, ref).init(DST, aux_row=2)
     sender = pe.handle.sender(41)
     sender.init(len(SRC), aux_row=1)
@@ -237,7 +237,7 @@ def test_a_broken_stream_to_the_same_broker_resumes_without_losing_rooms(fake_br
     assert all(s.state == RoomState.SUCCESS for s in sent.values()), sent
     _assert_moved(pe, de, SRC, DST)
     assert pe.handle.session._call is not call
-    assert p.loop.call(lambda: p.broker.engines.get(pe.handle.engine_id).applied) == 5
+    assert p.loop.call(lambda: p.broker.queries.engine(pe.handle.engine_id).applied) == 5
 
 
 def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeypatch) -> None:
@@ -247,7 +247,7 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
     p, d, pe, de = _pair(fake_brokers, make_engine, num_pages=64)
     ref = SenderRef(p.address, "prefill-group")
     calls: list[int] = []
-    real_stub = d.broker.peer_client.stub
+    real_stub = d.broker.internals.transport.client.stub
 
     class CountingStub:
         def __init__(self, stub: object) -> None:
@@ -260,7 +260,7 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
             calls.append(len(request.rooms))
             return await self._stub.RegisterRooms(request, **kwargs)
 
-    monkeypatch.setattr(d.broker.peer_client, "stub", lambda peer: CountingStub(real_stub(peer)))
+    monkeypatch.setattr(d.broker.internals.transport.client, "stub", lambda peer: CountingStub(real_stub(peer)))
     with pytest.raises(errors.InvalidArgument, match="out of range"):
         de.handle.expect([ExpectSpec(90, ref, DST, aux_row=2), ExpectSpec(91, ref, [0, 99], aux_row=2)])
     assert not de.handle.session.is_tracked(90)
@@ -445,7 +445,7 @@ def test_malformed_session_streams_are_refused_and_change_nothing(fake_brokers, 
     sender.send(SRC)
     assert de.handle.wait([505], timeout_seconds=10)[505].state == RoomState.SUCCESS
     for room in (502, 504):
-        d.loop.call(d.broker.operators.admin_abort, room, "test over")
+        d.loop.call(d.broker.routes.operators.admin_abort, room, "test over")
 
 
 def test_closing_the_client_stops_its_engines_sessions_first(fake_brokers) -> None:
@@ -535,6 +535,4 @@ def test_a_room_that_ended_while_its_broker_was_unreachable_settles_once_it_answ
 
 def _sides_of(broker, room: int) -> list:  # type: ignore[no-untyped-def]
     """(loop thread) Every side of ``room`` in ``broker``'s tables."""
-    from kvbroker.broker.runtime._room_sides import sides
-
-    return [s for s in sides(broker.broker.rooms) if s.room == room]
+    return list(broker.broker.queries.rooms.sides_of(room))

@@ -120,7 +120,7 @@ def test_the_broker_refuses_a_registration_with_bad_timeouts_and_registers_nothi
         bad = SimpleNamespace(to_proto=lambda: common_pb2.RoomTimeouts(sender_info_seconds=value))
         with pytest.raises(errors.InvalidArgument, match="RoomTimeouts.sender_info_seconds"):
             client.upload_and_register(rank, memory, bad)  # type: ignore[arg-type]
-        assert p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
+        assert p.loop.call(lambda: len(p.broker.queries.engines())) == 0
         handle = client.register_engine(rank, memory, timeouts=RoomTimeouts(sender_info_seconds=5))
         handle.close()
     finally:

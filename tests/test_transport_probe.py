@@ -73,7 +73,7 @@ def test_a_gpu_pair_is_probed_once_before_its_first_part_and_judged_device_speed
         "VRAM:0", "VRAM:0", "device speed", 3, 1.0
     )
     assert verdict.gbps >= 1 and verdict.bytes == 4 << 20
-    assert p.broker.metrics.transport_gbps == {(d.address, "VRAM:0->VRAM:0", "device speed"): verdict.gbps}
+    assert p.broker.queries.transport_gbps() == {(d.address, "VRAM:0->VRAM:0", "device speed"): verdict.gbps}
     assert _admin(d).ListPeers(admin_pb2.ListPeersRequest(), timeout=10).peers[0].transports == [], "the decode broker wrote nothing"
     rooms = [s for s in finished_spans.get_finished_spans() if s.name == "kvbroker.room" and s.attributes.get("kvbroker.transport")]
     assert {s.attributes["kvbroker.room"] for s in rooms} == {1, 2}
@@ -129,7 +129,7 @@ def test_a_probe_that_cannot_run_is_a_failed_verdict_and_the_rooms_move(
     async def refuse(request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
         raise Unimplemented("no ReserveProbe here")
 
-    monkeypatch.setattr(d.broker.peer_requests, "reserve_probe", refuse)
+    monkeypatch.setattr(d.broker.internals.routes.peer_requests, "reserve_probe", refuse)
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     with capture_logs() as logs:
         _room(pe, de, p, 1)
@@ -150,7 +150,7 @@ def test_admin_probe_transport_probes_every_gpu_pair_of_a_peer_now(
     make_engine(p.address, "prefill", tp_size=2, tp_rank=1)
     de = make_engine(d.address, "decode", "dg")
     de.handle.receiver(5, SenderRef(p.address, "prefill-group")).init([1], aux_row=0)  # the brokers handshake
-    eventually(lambda: p.loop.call(lambda: any(x.broker_id for x in p.broker.peers.peers() if not x.is_self)), 10)
+    eventually(lambda: p.loop.call(lambda: any(x.broker_id for x in p.broker.queries.peers() if not x.is_self)), 10)
     response = _admin(p).ProbeTransport(admin_pb2.ProbeTransportRequest(), timeout=30)
     pairs = sorted((t.local, t.remote, t.verdict) for peer in response.peers for t in peer.transports)
     assert pairs == [
@@ -176,7 +176,7 @@ def test_a_probe_slot_whose_release_never_comes_is_freed_by_the_lease(fake_broke
     request = peer_pb2.ReserveProbeRequest(
         protocol_version=PROTOCOL_VERSION, sender_broker_id=p.broker.broker_id, kind=VRAM, device_id=0, bytes=1 << 20
     )
-    response = d.loop.run(d.broker.peer_requests.reserve_probe(request))
+    response = d.loop.run(d.broker.routes.peer_requests.reserve_probe(request))
     assert response.lease_seconds == pytest.approx(0.6) and d.pools_in_use()[1] == 1 << 20
     eventually(lambda: d.pools_in_use()[1] == 0, 5)
-    d.broker.peer_requests.release_probe(peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=response.probe_id))
+    d.broker.routes.peer_requests.release_probe(peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=response.probe_id))

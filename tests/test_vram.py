@@ -86,7 +86,7 @@ def test_vram_moves_packed_byte_exact_and_nothing_is_left(
 
     result = run_scenario(p.address, d.address, scenario, timeout_seconds=30, prepare=prepare)
     assert result.ok, "\n".join(result.problems[:20])
-    counters = p.broker.counters
+    counters = p.broker.queries.counters
     assert counters.transfers_packed > 0
     assert counters.transfers_staged == counters.transfers_per_token == counters.transfers_token_runs == 0
     if part_kib:
@@ -97,7 +97,7 @@ def test_vram_moves_packed_byte_exact_and_nothing_is_left(
         assert not any(broker.tables().values()), broker.tables()
     for broker in (p, d):
         # Idle receive credits go back to their receiver within a second; then the GPU's buffers go.
-        eventually(lambda b=broker: b.loop.call(lambda: (b.broker.pools.in_use_bytes("send"), b.broker.pools.in_use_bytes("receive"))) == (0, 0), 5)
+        eventually(lambda b=broker: b.loop.call(lambda: (b.broker.queries.traffic.staging_in_use("send"), b.broker.queries.traffic.staging_in_use("receive"))) == (0, 0), 5)
         eventually(lambda b=broker: b.agent.vram_registrations() == {}, 5)  # a GPU's transfer buffers go with its last engine
         assert broker.agent.registrations == 2, "only the host staging buffers stay registered"
     eventually(lambda: fake.leaks() == [], 5)
@@ -119,7 +119,7 @@ def test_engine_vram_is_mapped_not_registered_and_its_gpu_gets_transfer_buffers(
             as_fake_vram(memory, fake, device=1)
             memories.append(memory)
             engines.append(client.register_engine(rank, memory))
-        registered = p.loop.call(lambda: list(p.broker.engines.by_id.values()))
+        registered = p.loop.call(lambda: p.broker.queries.engines())
         assert {(b.kind, b.device_id) for e in registered for b in e.buffers} == {(VRAM, 1)}
         assert all(e.registrations == [] and e.dlists == {} for e in registered), "engine VRAM is not NIXL's"
         vram = [r for r in p.agent._regs.values() if r[2] == VRAM]
@@ -163,7 +163,7 @@ def test_two_engines_leaving_one_gpu_at_once_free_its_buffers_once(fake_brokers)
     for thread in threads:
         thread.join(30)
     assert errors == []
-    assert p.agent.vram_registrations() == {} and p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
+    assert p.agent.vram_registrations() == {} and p.loop.call(lambda: len(p.broker.queries.engines())) == 0
     for client in clients:
         client.close()
     for memory in memories:
@@ -285,7 +285,7 @@ def test_kv_the_engine_allocated_on_its_gpu_moves_from_where_it_lies(fake_broker
     de = make_engine(d.address, "decode")
     with BrokerClient(p.address) as client:
         engine = client.register_engine(rank, memory)
-        [registered] = p.loop.call(lambda: list(p.broker.engines.by_id.values()))
+        [registered] = p.loop.call(lambda: p.broker.queries.engines())
         assert [(b.kind, b.device_id) for b in registered.buffers] == [(VRAM, 1), (DRAM, 0)]
         de.handle.receiver(70, SenderRef(p.address, "prefill-group")).init([5, 6, 7], aux_row=2)
         sender = engine.sender(70)
@@ -296,7 +296,7 @@ def test_kv_the_engine_allocated_on_its_gpu_moves_from_where_it_lies(fake_broker
             for got, sent in zip(de.memory.kv_tensors(layer), kv[layer]):
                 assert torch.equal(got[[5, 6, 7]].view(torch.uint8), sent[[0, 3, 7]].view(torch.uint8))
         assert bytes(de.memory.aux[0][2]) == bytes(aux[1])
-        assert p.broker.counters.transfers_packed == 1, "the KV packed, the aux row (host memory) directly"
+        assert p.broker.queries.counters.transfers_packed == 1, "the KV packed, the aux row (host memory) directly"
         assert_device_rules(p)
         engine.close()
     assert "cuIpcOpenMemHandle_v2" in fake.calls if allocator == "cudaMalloc" else "cuMemImportFromShareableHandle" in fake.calls
@@ -336,13 +336,12 @@ def test_an_abort_while_packed_parts_are_in_flight_gives_every_slot_back(fake_br
     sender.send([4, 5])
 
     def chunks_landed() -> list[int]:
-        room = d.broker.rooms.receiver.get(80)
-        return [r.chunks for r in room.ranks.values()] if room is not None else []
+        return [r.chunks for r in d.broker.queries.rooms.receivers_of(80)]
 
     eventually(lambda: d.loop.call(chunks_landed) == [1], 10)
     p.agent.script(XferScript(outcome="HANG"))
     sender.send([6, 7])
-    eventually(lambda: p.loop.call(lambda: p.broker.dataplane.inflight) == 1, 10)
+    eventually(lambda: p.loop.call(lambda: p.broker.queries.traffic.inflight()) == 1, 10)
     receiver.abort("decode preempted")
     status = receiver.wait(10)
     assert status.state == RoomState.FAILED
@@ -353,7 +352,7 @@ def test_an_abort_while_packed_parts_are_in_flight_gives_every_slot_back(fake_br
             assert torch.equal(a, b)
     assert sender.wait(10).state == RoomState.FAILED
     for broker in (p, d):
-        eventually(lambda b=broker: b.loop.call(lambda: (b.broker.pools.in_use_bytes("send"), b.broker.pools.in_use_bytes("receive"))) == (0, 0), 10)
+        eventually(lambda b=broker: b.loop.call(lambda: (b.broker.queries.traffic.staging_in_use("send"), b.broker.queries.traffic.staging_in_use("receive"))) == (0, 0), 10)
         assert_device_rules(broker)
     for handle in handles.values():
         handle.close()
@@ -383,7 +382,7 @@ def test_a_page_larger_than_a_transfer_slot_fails_the_room_by_name(fake_brokers,
         status = sender.wait(10)
         assert status.state == RoomState.FAILED and "--device-part-mib" in status.cause.message
         assert receiver.wait(10).state == RoomState.FAILED
-        assert p.broker.counters.transfers_packed == 0
+        assert p.broker.queries.counters.transfers_packed == 0
         engine.close()
     memory.close()
 
@@ -414,7 +413,7 @@ def test_a_broker_that_cannot_serve_vram_refuses_the_engine_and_keeps_nothing(fa
         with pytest.raises(FailedPrecondition, match=message) as info:
             client.register_engine(rank, memory)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
+    assert p.loop.call(lambda: len(p.broker.queries.engines())) == 0
     assert p.agent.registrations == 2, "only the host staging buffers"
     memory.close()
     assert fake.leaks() == []
@@ -473,7 +472,7 @@ def test_a_cuda_ipc_buffer_larger_than_its_allocation_is_refused(fake_brokers) -
     with BrokerClient(p.address) as client:
         with pytest.raises(InvalidArgument, match="holds 4096"):
             client.register_engine(rank, memory)
-    assert p.loop.call(lambda: len(p.broker.engines.by_id)) == 0
+    assert p.loop.call(lambda: len(p.broker.queries.engines())) == 0
     memory.close()
     free()
     assert fake.leaks() == []
@@ -499,6 +498,6 @@ def test_many_parts_in_flight_through_small_transfer_buffers_never_deadlock(fake
     scenario = Scenario(rooms=32, pages=8, chunks=2, layers=4, kv_heads=8, head_dim=64, page_size=8)
     result = run_scenario(p.address, d.address, scenario, timeout_seconds=60, prepare=prepare)
     assert result.ok, "\n".join(result.problems[:5])
-    assert p.broker.counters.transfers_packed >= 64
+    assert p.broker.queries.counters.transfers_packed >= 64
     for broker in (p, d):
         assert_device_rules(broker)

@@ -9,14 +9,14 @@ import time
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.api._queries import Queries
 from kvbroker.broker.peers import Peer, pool_name
 from kvbroker.broker.rooms import Receiver, Side, Source
 from kvbroker.errors import NotFound
 from kvbroker.v1 import admin_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.runtime import Broker
+    from kvbroker.broker.execution import TransportProbes
+    from kvbroker.broker.runtime import Operators, Queries
 
 __all__ = ["Admin"]
 
@@ -26,11 +26,14 @@ def _mode(mode: int) -> str:
 
 
 class Admin:
-    """Admin operations over one broker. Control loop only."""
+    """Admin operations over one broker: it reads through ``queries``, acts
+    through ``operators`` and the transport self-test (``probes``). Control
+    loop only."""
 
-    def __init__(self, broker: Broker) -> None:
-        self._q = Queries(broker)
-        self._broker = broker
+    def __init__(self, queries: Queries, operators: Operators, probes: TransportProbes) -> None:
+        self._q = queries
+        self._operators = operators
+        self._probes = probes
 
     # -- reading -------------------------------------------------------------
     def stats(self) -> admin_pb2.Stats:
@@ -38,7 +41,7 @@ class Admin:
         c = q.counters
         return admin_pb2.Stats(
             broker_id=q.broker_id,
-            per_room_state=q.table_sizes(),
+            per_room_state=q.rooms.table_sizes(),
             engines=len(q.engines()),
             peers=q.handshaken_peers(),
             rooms_succeeded=c.rooms_succeeded,
@@ -51,25 +54,25 @@ class Admin:
             transfers_per_token=c.transfers_per_token,
             transfers_token_runs=c.transfers_token_runs,
             transfers_packed=c.transfers_packed,
-            device_launches=self._broker.views.launches,
+            device_launches=q.device_launches(),
             peer_calls_answered=dict(c.peer_calls_answered),
-            staging_send_bytes_in_use=q.staging_in_use("send"),
-            staging_receive_bytes_in_use=q.staging_in_use("receive"),
+            staging_send_bytes_in_use=q.traffic.staging_in_use("send"),
+            staging_receive_bytes_in_use=q.traffic.staging_in_use("receive"),
             late_notices=c.late_notices,
             bad_notices=c.bad_notices,
             checksum_mismatches=c.checksum_mismatches,
             packed_checksums_checked=c.packed_checksums_checked,
             uptime_seconds=int(q.uptime_seconds()),
             draining=q.draining,
-            open_rooms=q.open_rooms(),
-            etcd=self._broker.operators.etcd_status(),
+            open_rooms=q.rooms.open_rooms(),
+            etcd=q.etcd_status(),
         )
 
     def list_engines(self) -> list[admin_pb2.EngineInfo]:
-        config = self._broker.config
+        config = self._q.config
         out = []
         for engine in self._q.engines():
-            open_rooms = sum(1 for p in self._q.sides() if p.engine is engine and not p.terminal)
+            open_rooms = sum(1 for p in self._q.rooms.sides() if p.engine is engine and not p.terminal)
             out.append(
                 admin_pb2.EngineInfo(
                     engine_label=engine.label,
@@ -92,7 +95,7 @@ class Admin:
         now = time.monotonic()
         out = []
         for peer in self._q.peers():
-            open_rooms = sum(1 for p in self._q.sides() if not p.terminal and peer.broker_id in self._q.peer_of(p).split(","))
+            open_rooms = sum(1 for p in self._q.rooms.sides() if not p.terminal and peer.broker_id in self._q.rooms.peer_of(p).split(","))
             out.append(
                 admin_pb2.PeerInfo(
                     address=peer.address,
@@ -114,13 +117,13 @@ class Admin:
     async def fleet(self) -> list[admin_pb2.FleetBroker]:
         """The fleet in etcd as this broker's watch last saw it (empty without
         --etcd), with this broker's transport self-test of each member."""
-        view = self._broker.fleet_view
+        view = self._q.fleet
         if view is None:
             return []
         members = await view.describe()
         now = time.monotonic()
         for member in members:
-            peer = self._broker.peers.by_id.get(member.broker_id)
+            peer = self._q.peer(member.broker_id)
             if peer is not None:
                 member.transports.extend(transports(peer, now))
         return members
@@ -133,11 +136,11 @@ class Admin:
             peers = [p for p in peers if p.address == address]
             if not peers:
                 raise NotFound(f"no handshaken peer at {address} (ListPeers lists them)")
-        await self._broker.executor.probes.probe(peers)
+        await self._probes.probe(peers)
         return [info for info in self.list_peers() if any(info.broker_id == p.broker_id for p in peers)]
 
     def fleet_groups(self) -> list[admin_pb2.FleetGroup]:
-        view = self._broker.fleet_view
+        view = self._q.fleet
         if view is None:
             return []
         return [g for m in sorted(view.members.values(), key=lambda m: m.address) for g in view.groups(m)]
@@ -145,19 +148,19 @@ class Admin:
     def list_rooms(self, request: admin_pb2.ListRoomsRequest) -> list[admin_pb2.RoomInfo]:
         state = request.state if request.HasField("state") else None
         out = []
-        for p in self._q.sides():
+        for p in self._q.rooms.sides():
             if state is not None and p.state != state:
                 continue
             if request.engine and not p.engine.label.startswith(request.engine):
                 continue
-            peer = self._q.peer_of(p)
+            peer = self._q.rooms.peer_of(p)
             if request.peer and request.peer not in peer.split(",") and not self._address_matches(request.peer, peer):
                 continue
             out.append(self._info(p))
         return out
 
     def get_room(self, room: int) -> admin_pb2.GetRoomResponse:
-        sides = [self._detail(p) for p in self._q.sides_of(room)]
+        sides = [self._detail(p) for p in self._q.rooms.sides_of(room)]
         if not sides:
             raise NotFound(f"this broker has no side of room {room} (never had it, or evicted it)")
         return admin_pb2.GetRoomResponse(sides=sides)
@@ -165,15 +168,15 @@ class Admin:
     # -- acting ----------------------------------------------------------------
     def abort_room(self, room: int, reason: str) -> int:
         """Fail every open local side of ``room``; the peers hear of it."""
-        return self._broker.operators.admin_abort(room, reason)
+        return self._operators.admin_abort(room, reason)
 
     async def drain(self, request: admin_pb2.DrainRequest) -> admin_pb2.DrainResponse:
-        await self._broker.operators.set_draining(not request.resume)
+        await self._operators.set_draining(not request.resume)
         if request.wait and not request.resume:
             deadline = time.monotonic() + (request.timeout_seconds or 60.0)
-            while self._q.open_rooms() and time.monotonic() < deadline:
+            while self._q.rooms.open_rooms() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-        open_rooms = self._q.open_rooms()
+        open_rooms = self._q.rooms.open_rooms()
         return admin_pb2.DrainResponse(draining=self._q.draining, open_rooms=open_rooms, drained=open_rooms == 0)
 
     # -- internals ---------------------------------------------------------------
@@ -189,7 +192,7 @@ class Admin:
             side="sender" if sender else "receiver",
             engine=p.key.to_proto(),
             state=p.state,  # type: ignore[arg-type]
-            peer=self._q.peer_of(p),
+            peer=self._q.rooms.peer_of(p),
             pages=pages,
             chunks=p.chunks,
             bytes=p.bytes,

@@ -159,13 +159,14 @@ class BrokerServer:
             cuda_driver=self._cuda_driver,
             device_as_host=self._device_as_host,
         )
+        routes, queries = broker.routes, broker.queries
         transfer_pb2_grpc.add_TransferBrokerServicer_to_server(
-            TransferService(broker.engine_calls, broker.sessions, broker.broker_info), server
+            TransferService(routes.engine_calls, routes.sessions, broker.broker_info), server
         )
         peer_pb2_grpc.add_PeerBrokerServicer_to_server(
-            PeerService(broker.peer_requests, broker.broker_id, broker.counters), server
+            PeerService(routes.peer_requests, broker.broker_id, queries.counters), server
         )
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(broker)), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(queries, routes.operators, routes.probes)), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -175,7 +176,7 @@ class BrokerServer:
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
-        if broker.fleet_record is not None:
+        if cfg.etcd_url:
             self._etcd_health = asyncio.create_task(self._follow_etcd(), name="kvbroker-etcd-health")
         log.info(
             "broker_started",
@@ -183,7 +184,7 @@ class BrokerServer:
             address=address,
             engine_socket=engine_socket,
             fd_socket=fd_path,
-            agent=broker.agent.name,
+            agent=broker.broker_info().nixl_agent_name,
         )
 
     async def _follow_etcd(self) -> None:
@@ -191,7 +192,7 @@ class BrokerServer:
         assert self._health is not None
         said = None
         while True:
-            status = self.broker.operators.etcd_status()
+            status = self.broker.queries.etcd_status()
             if status != said:
                 serving = health_pb2.HealthCheckResponse.SERVING if status == "ok" else health_pb2.HealthCheckResponse.NOT_SERVING
                 await self._health.set(ETCD_HEALTH, serving)

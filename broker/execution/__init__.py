@@ -6,6 +6,7 @@ machines is made in, and the bundles the broker's parts are handed.
 from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
 from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._executor import Executor, transport_text
+from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._room_end import receive_wait_owner
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._turn import Turn, in_turn
@@ -18,6 +19,7 @@ __all__ = [
     "TaskSet",
     "Telemetry",
     "Transport",
+    "TransportProbes",
     "transport_text",
     "Turn",
     "in_turn",

@@ -2,13 +2,18 @@
 
 :func:`build_broker` makes a :class:`Broker` from its configuration, its
 NIXL agent and what only the server knows (where it listens, and what to do
-when draining starts or stops). Nothing is set on a broker afterwards.
+when draining starts or stops), and hands it its parts in frozen bundles
+(``Machines``, ``Transport``, ``Copying``, ``Telemetry``, ``Routes``,
+``Services``). Nothing is set on a broker afterwards.
 
 A few parts call back into parts made after them (the data plane reports
 events to the executor, the peer table and the fleet view report lost peers,
 the fd socket reports closed connections): those callbacks are closures over
 the later part, which exists by the time anything calls them (nothing runs
-before :meth:`Broker.start`).
+before :meth:`Broker.start`). Bundling does not remove them: each is a real
+cycle (the executor needs the data plane that reports to it, the peer loss
+route the peer table that reports to it, the engine calls the fd socket that
+reports to them, the fleet record the operators whose draining it reports).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from kvbroker.broker.peers import (
 )
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub
 from kvbroker.broker.runtime._broker import Broker, Endpoints
+from kvbroker.broker.runtime._bundles import Routes, Services
 from kvbroker.broker.runtime._engine_calls import EngineCalls
 from kvbroker.broker.runtime._housekeeping import Housekeeping
 from kvbroker.broker.runtime._operators import Operators
@@ -155,11 +161,12 @@ def build_broker(
     machines = Machines(broker_id=broker_id, rooms=rooms, sender=sender, receiver=receiver, hub=hub, turn=turn)
     transport = Transport(dataplane=dataplane, peers=peers, client=peer_client, pools=pools)
     telemetry = Telemetry(counters=counters, metrics=metrics)
+    copying = Copying(workers=workers, views=views, lanes=lanes)
     executor = Executor(
         config=config,
         machines=machines,
         transport=transport,
-        copying=Copying(workers=workers, views=views, lanes=lanes),
+        copying=copying,
         telemetry=telemetry,
         tasks=tasks,
         ledger=ledger,
@@ -186,33 +193,7 @@ def build_broker(
         has_business=peer_loss.has_business,
         on_lost=peer_loss.peer_lost,
     )
-    return Broker(
-        config=config,
-        broker_id=broker_id,
-        agent=agent,
-        endpoints=endpoints,
-        counters=counters,
-        metrics=metrics,
-        rooms=rooms,
-        tasks=tasks,
-        hub=hub,
-        workers=workers,
-        views=views,
-        lanes=lanes,
-        dataplane=dataplane,
-        engines=engines,
-        pools=pools,
-        peers=peers,
-        peer_client=peer_client,
-        sender=sender,
-        machines=machines,
-        receiver=receiver,
-        executor=executor,
-        monitor=monitor,
-        fd_server=fd_server,
-        fleet_record=fleet_record,
-        fleet_view=fleet_view,
-        operators=operators,
+    routes = Routes(
         engine_calls=engine_calls,
         sessions=Sessions(machines=machines, engines=engines, engine_calls=engine_calls),
         peer_requests=PeerRequests(
@@ -224,7 +205,27 @@ def build_broker(
             operators=operators,
         ),
         peer_loss=peer_loss,
-        housekeeping=Housekeeping(
-            config=config, machines=machines, engines=engines, transport=transport, metrics=metrics
-        ),
+        operators=operators,
+        housekeeping=Housekeeping(config=config, machines=machines, engines=engines, transport=transport, metrics=metrics),
+        probes=executor.probes,
+    )
+    services = Services(
+        agent=agent,
+        engines=engines,
+        tasks=tasks,
+        executor=executor,
+        monitor=monitor,
+        fd_server=fd_server,
+        fleet_record=fleet_record,
+        fleet_view=fleet_view,
+    )
+    return Broker(
+        config=config,
+        endpoints=endpoints,
+        machines=machines,
+        transport=transport,
+        copying=copying,
+        telemetry=telemetry,
+        routes=routes,
+        services=services,
     )

@@ -45,19 +45,21 @@ class FakeBroker:
 
     @property
     def broker(self) -> Broker:
-        """The broker's state; touch it on the loop thread (``loop.call``)."""
+        """The broker: read it through ``broker.queries``, reach a part (to
+        inject a fault) through ``broker.internals``; on the loop thread
+        (``loop.call``)."""
         return self.server.broker
 
     def tables(self) -> dict[str, int]:
         """The sizes of the broker's room tables."""
-        return dict(self.loop.call(self.broker.rooms.sizes))
+        return dict(self.loop.call(self.broker.queries.rooms.table_sizes))
 
     def pools_in_use(self) -> tuple[int, int]:
         """Bytes reserved now in the broker's send and receive buffers (staging
         and transfer buffers: what the Admin service's Stats reports)."""
-        pools = self.broker.pools
-        send: int = self.loop.call(lambda: pools.in_use_bytes("send"))
-        receive: int = self.loop.call(lambda: pools.in_use_bytes("receive"))
+        queries = self.broker.queries
+        send: int = self.loop.call(lambda: queries.traffic.staging_in_use("send"))
+        receive: int = self.loop.call(lambda: queries.traffic.staging_in_use("receive"))
         return send, receive
 
     def wait_buffers_free(self, timeout_seconds: float = 10.0) -> None:
@@ -73,8 +75,8 @@ class FakeBroker:
 
     def evict_now(self) -> None:
         """Evict every finished room and tombstone at once."""
-        self.loop.call(lambda: self.broker.housekeeping.evict(time.monotonic() + 3600, everything=True))
-        self.loop.call(lambda: self.broker.housekeeping.evict(time.monotonic() + 7200, everything=True))
+        self.loop.call(lambda: self.broker.routes.housekeeping.evict(time.monotonic() + 3600, everything=True))
+        self.loop.call(lambda: self.broker.routes.housekeeping.evict(time.monotonic() + 7200, everything=True))
 
     def stop(self, grace_seconds: float = 0.1) -> None:
         """Stop serving and release everything (``BrokerServer.stop``)."""
