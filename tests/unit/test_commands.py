@@ -1,0 +1,73 @@
+"""The room commands decoded from their protos (one decoder each, for the unary calls and the session stream)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbroker.broker.rooms import Abort, BeginSend, ExpectRoom, SendChunk
+from kvbroker.broker.runtime._commands import (
+    decode_abort,
+    decode_begin_send,
+    decode_expect_room,
+    decode_send_chunk,
+)
+from kvbroker.errors import InvalidArgument
+from kvbroker.v1 import common_pb2, transfer_pb2
+
+ENGINE = object()  # the decoder carries the engine through; it never reads it
+
+
+def _indices(*values: int) -> common_pb2.PageIndices:
+    return common_pb2.PageIndices(values=list(values))
+
+
+def test_expect_room_decodes_every_field() -> None:
+    request = transfer_pb2.ExpectRoomRequest(
+        room=7,
+        sender=transfer_pb2.SenderRef(broker_address="127.0.0.1:1", group="prefill"),
+        pages=_indices(3, 4),
+        aux_row=2,
+        state=[common_pb2.StateIndices(component="mamba", indices=_indices(5))],
+        prefix_pages=1,
+    )
+    command = decode_expect_room(request, ENGINE)  # type: ignore[arg-type]
+    assert isinstance(command, ExpectRoom) and command.engine is ENGINE
+    assert (command.room, command.sender_address, command.sender_group) == (7, "127.0.0.1:1", "prefill")
+    assert command.pages.tolist() == [3, 4] and command.pages.dtype == np.int32
+    assert command.aux_row == 2 and command.state["mamba"].tolist() == [5] and command.prefix_pages == 1
+    assert not command.verify_checksum
+    assert decode_expect_room(request, ENGINE, verify_checksums=True).verify_checksum  # type: ignore[arg-type]
+
+
+def test_an_unset_aux_row_or_room_page_is_none_not_zero() -> None:
+    expect = decode_expect_room(transfer_pb2.ExpectRoomRequest(room=1, pages=_indices(0)), ENGINE)  # type: ignore[arg-type]
+    chunk = decode_send_chunk(transfer_pb2.SendChunkRequest(room=1, pages=_indices(0)), ENGINE)  # type: ignore[arg-type]
+    assert expect.aux_row is None and chunk.aux_row is None and chunk.room_page is None
+    chunk = decode_send_chunk(
+        transfer_pb2.SendChunkRequest(room=1, pages=_indices(0), aux_row=0, room_page=0, is_last=True), ENGINE  # type: ignore[arg-type]
+    )
+    assert isinstance(chunk, SendChunk) and chunk.aux_row == 0 and chunk.room_page == 0 and chunk.is_last
+
+
+def test_begin_send_and_abort() -> None:
+    begin = decode_begin_send(transfer_pb2.BeginSendRequest(room=3, num_pages=9), ENGINE)  # type: ignore[arg-type]
+    abort = decode_abort(transfer_pb2.AbortRequest(room=3, reason="preempted"), ENGINE)  # type: ignore[arg-type]
+    assert isinstance(begin, BeginSend) and (begin.room, begin.num_pages) == (3, 9)
+    assert isinstance(abort, Abort) and (abort.room, abort.reason, abort.by) == (3, "preempted", "engine")
+
+
+def test_bad_indices_are_refused_while_decoding() -> None:
+    with pytest.raises(InvalidArgument, match="packed or values"):
+        decode_send_chunk(
+            transfer_pb2.SendChunkRequest(room=1, pages=common_pb2.PageIndices(packed=b"\0\0\0\0", values=[1])), ENGINE  # type: ignore[arg-type]
+        )
+    twice = [common_pb2.StateIndices(component="c", indices=_indices(1))] * 2
+    with pytest.raises(InvalidArgument, match="listed twice"):
+        decode_expect_room(transfer_pb2.ExpectRoomRequest(room=1, pages=_indices(0), state=twice), ENGINE)  # type: ignore[arg-type]
+
+
+def test_commands_are_frozen() -> None:
+    command = decode_begin_send(transfer_pb2.BeginSendRequest(room=3), ENGINE)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        command.room = 4  # type: ignore[misc]
