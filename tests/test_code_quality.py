@@ -231,3 +231,15 @@ def test_the_effect_loop_runs_only_where_a_turn_ends() -> None:
     assert len(loop_refs) == 1 and loop_refs[0].startswith("broker/execution/_executor.py"), loop_refs
     assert calls and all(c.startswith("broker/execution/_turn.py") for c in calls), calls
     assert not drains, f"drains outside a turn's end: {drains}"
+
+
+#: The most lines bench/ may hold (scripts, harness and README): one harness,
+#: one script per question.
+MAX_BENCH_LINES = 4000
+
+
+def test_bench_stays_small() -> None:
+    """bench/ stays under MAX_BENCH_LINES lines: what benchmarks share goes in its harness."""
+    files = [p for p in (ROOT / "bench").iterdir() if p.is_file() and p.suffix in (".py", ".md")]
+    total = sum(len(p.read_text().splitlines()) for p in files)
+    assert total <= MAX_BENCH_LINES, f"bench/ holds {total} lines (at most {MAX_BENCH_LINES})"
