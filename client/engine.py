@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -13,7 +14,7 @@ import grpc
 from kvbroker.client.memory import EngineMemory, RankSpec
 from kvbroker.client.rooms import KVReceiver, KVSender, Pages, RoomState, SenderRef
 from kvbroker.client.session import Session
-from kvbroker.errors import DeadlineExceeded, FailedPrecondition, from_rpc_error
+from kvbroker.errors import DeadlineExceeded, FailedPrecondition, NotFound, from_rpc_error
 from kvbroker.plan import Layout, RoomTimeouts, rank_key
 from kvbroker.v1 import common_pb2, transfer_pb2
 
@@ -212,16 +213,18 @@ class EngineHandle:
             old.close()
 
     def close(self) -> None:
-        """Send what is queued, then unregister (idempotent). The broker fails rooms still open."""
+        """Send what is queued, then unregister (idempotent). The broker fails rooms still open.
+        An engine the broker already let go of (its memory could not be backed) closes quietly."""
         with self._lock:
             fd_session, self._fd_session = self._fd_session, None
         if fd_session is None:
             return
         try:
             self.session.close(self.client.timeout_seconds)
-            self.client.call(
-                self.client.stub.UnregisterEngine, transfer_pb2.UnregisterEngineRequest(engine_id=self.engine_id)
-            )
+            with contextlib.suppress(NotFound):
+                self.client.call(
+                    self.client.stub.UnregisterEngine, transfer_pb2.UnregisterEngineRequest(engine_id=self.engine_id)
+                )
         finally:
             fd_session.close()
 

@@ -1,9 +1,13 @@
 """Registered engine ranks: their buffers, layouts and local descriptor lists.
 
-Registration maps every buffer (on the memory thread; host memory is
-faulted in, in 8 MiB steps: gigabytes take seconds). Host buffers are
+Registration maps every buffer (on the memory thread). Host buffers are
 registered with NIXL and get one local descriptor list (on the data-plane
-thread, docs/design.md section 10). VRAM buffers never are: the broker maps
+thread, docs/design.md section 10); that is all a registration waits for.
+Then the engine's host memory is faulted in, in the background
+(:meth:`EngineTable._warm`: fresh pages take seconds per gigabyte), so its
+first transfers seldom pay page faults; an engine whose memory the host
+cannot back is reported to ``on_unbacked`` (the runtime unregisters it and
+fails its rooms). VRAM buffers never are: the broker maps
 them only for its own copy kernels, and what lies in them moves through its
 transfer buffers (the device path, ``packing``). Unregistration releases
 everything in reverse order, the same way.
@@ -14,6 +18,8 @@ rooms before it releases the engine.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import os
 import secrets
@@ -25,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvbroker import cudavmm
+from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.dataplane import Agent, Workers
-from kvbroker.broker.memory._importers import ImportedBuffer, importer_for
+from kvbroker.broker.memory._importers import ImportedBuffer, importer_for, populate
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -50,6 +57,11 @@ if TYPE_CHECKING:
     from kvbroker.broker.dataplane import DataPlane
 
 log = structlog.get_logger(__name__)
+
+#: Bytes of an engine's host memory faulted in per job on the memory thread
+#: (each job is ``populate``'s 8 MiB steps): big enough to cost little,
+#: small enough that a registration's mappings queue behind it briefly.
+_WARM_JOB_BYTES = 256 << 20
 
 
 @dataclass
@@ -76,6 +88,8 @@ class Engine:
     session: Any = None
     #: Its own timeouts for its rooms (unset: the broker's flags).
     timeouts: RoomTimeouts = field(default_factory=RoomTimeouts)
+    #: Faulting its host memory in, after registration (None: done, or nothing to do).
+    warming: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def role(self) -> int:
@@ -127,6 +141,8 @@ class EngineTable:
         self._generations = itertools.count(1)
         #: Called after every registration change (the etcd record follows).
         self.on_change: list[Callable[[], None]] = []
+        #: Called with an engine, and why, whose host memory cannot be backed.
+        self.on_unbacked: list[Callable[[Engine, str], None]] = []
 
     def get(self, engine_id: str) -> Engine:
         """The engine with ``engine_id``; ``NotFound`` otherwise."""
@@ -242,6 +258,8 @@ class EngineTable:
         self.epoch += 1
         for notify in self.on_change:
             notify()
+        if any(b.kind == common_pb2.MEMORY_KIND_DRAM for b in buffers):
+            engine.warming = asyncio.get_running_loop().create_task(self._warm(engine), name=f"warm-{engine.label}")
         log.info(
             "engine_registered",
             engine=engine.label,
@@ -256,6 +274,28 @@ class EngineTable:
         )
         return engine
 
+    async def _warm(self, engine: Engine) -> None:
+        """Fault in ``engine``'s host buffers, a job of ``_WARM_JOB_BYTES`` at a
+        time on the memory thread (other mappings go between them). Stopped by
+        :meth:`release`; the unmapping queues behind the job that runs."""
+        started = time.monotonic()
+        for buf in engine.buffers:
+            if buf.kind != common_pb2.MEMORY_KIND_DRAM:
+                continue
+            for offset in range(0, buf.size_bytes, _WARM_JOB_BYTES):
+                length = min(_WARM_JOB_BYTES, buf.size_bytes - offset)
+                try:
+                    await self._workers.memory(functools.partial(populate, buf.address + offset, length))
+                except OSError as exc:
+                    why = f"this host cannot back its {buf.size_bytes}-byte buffer with memory ({exc.strerror})"
+                    log.error("engine_memory_unbacked", engine=engine.label, error=why)
+                    engine.warming = None
+                    for notify in self.on_unbacked:
+                        notify(engine, why)
+                    return
+        engine.warming = None
+        log.info("engine_memory_warmed", engine=engine.label, bytes=engine.registered_bytes, warm_s=round(time.monotonic() - started, 6))
+
     async def release(self, engine: Engine) -> None:
         """Forget ``engine`` and release its NIXL resources and mappings (reverse order)."""
         if self.by_id.pop(engine.engine_id, None) is None:
@@ -264,6 +304,9 @@ class EngineTable:
         self.epoch += 1
         for notify in self.on_change:
             notify()
+        if engine.warming is not None:
+            await cancel_and_wait([engine.warming])
+            engine.warming = None
         await self._release_resources(engine.dlists, engine.registrations, engine.buffers)
         log.info("engine_released", engine=engine.label, rank=str(engine.key))
 

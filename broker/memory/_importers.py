@@ -6,13 +6,13 @@ their buffers over as file descriptors and the broker maps them:
 - DRAM: a memfd (or shm file). :class:`DramImporter` maps it shared, read and
   write, into the broker. The memfd must be sealed against shrinking
   (``F_SEAL_SHRINK``): a buffer its engine could truncate would turn a NIXL
-  access into SIGBUS and take the whole broker down. Every page is faulted
-  in at import (:func:`populate`, in steps, never holding the process's
-  memory-map lock for long), so transfers and staging copies never pay
-  page faults, and a host without the memory fails the registration
-  instead of a transfer. Pages the engine never touched are allocated and
-  zeroed then: on this VM that first touch costs about 2-3 s/GiB, while
-  pages the engine already wrote cost about 0.2 s/GiB.
+  access into SIGBUS and take the whole broker down. Import only maps it:
+  the engine table faults every page in once the engine is registered, in
+  the background (:func:`populate`, in steps, never holding the process's
+  memory-map lock for long), so registration costs what NIXL's own does.
+  Pages the engine never touched are allocated and zeroed then: on this VM
+  that first touch costs about 2-3 s/GiB, while pages the engine already
+  wrote cost about 0.2 s/GiB.
 - VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
   ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter`
   imports it (``cuMemImportFromShareableHandle``), maps it into the broker
@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbroker import cudavmm
-from kvbroker.errors import InvalidArgument, ResourceExhausted
+from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
 __all__ = [
@@ -115,21 +115,12 @@ class DramImporter:
                     "broker); kvbroker.client.memory allocates them that way"
                 )
             try:
+                # Not MAP_POPULATE: that holds this process's memory-map lock
+                # for the whole buffer (seconds for gigabytes), stalling every
+                # thread that allocates meanwhile, the event loop included.
                 address = map_memory(spec.size_bytes, mmap.MAP_SHARED, fd)
             except OSError as exc:
                 raise InvalidArgument(f"cannot map the buffer: {exc.strerror}") from None
-            # Fault the pages in now, not during the first transfer (measured
-            # about 40% slower when faulting inside it). Not with
-            # MAP_POPULATE: that holds this process's memory-map lock for the
-            # whole buffer (seconds for gigabytes), stalling every thread that
-            # allocates meanwhile, the event loop included.
-            try:
-                populate(address, spec.size_bytes)
-            except OSError as exc:
-                unmap(address, spec.size_bytes)
-                raise ResourceExhausted(
-                    f"cannot back the {spec.size_bytes}-byte buffer with memory: {exc.strerror}"
-                ) from None
         except BaseException:
             os.close(fd)
             raise

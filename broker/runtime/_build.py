@@ -184,6 +184,7 @@ def build_broker(
         tasks=tasks,
         operators=operators,
     )
+    engines.on_unbacked.append(engine_calls.memory_unbacked)
     peer_loss = PeerLoss(machines=machines, transport=transport, credits=executor.credits)
     monitor = PeerMonitor(
         peers,

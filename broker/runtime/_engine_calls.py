@@ -118,14 +118,12 @@ class EngineCalls:
             self._tasks.spawn(self.unregister_engine(engine.engine_id, lost=True), name=f"lost-{engine.engine_id}")
         return engine
 
-    async def unregister_engine(self, engine_id: str, *, lost: bool = False) -> int:
-        """Fail the engine's rooms, wait for its transfers to settle, release it."""
+    async def unregister_engine(self, engine_id: str, *, lost: bool = False, reason: str | None = None) -> int:
+        """Fail the engine's rooms, wait for its transfers to settle, release it.
+        ``reason``: why the broker let it go (else it went away, or unregistered)."""
         engine = self._engines.get(engine_id)
-        why = cause(
-            common_pb2.FAILURE_KIND_ENGINE_LOST,
-            f"engine rank {engine.key} {'went away (its fd connection closed)' if lost else 'unregistered'}",
-            self._broker_id,
-        )
+        said = reason or ("went away (its fd connection closed)" if lost else "unregistered")
+        why = cause(common_pb2.FAILURE_KIND_ENGINE_LOST, f"engine rank {engine.key} {said}", self._broker_id)
         with self._turn:
             failed = self._sender.engine_gone(engine, why) + self._receiver.engine_gone(engine, why)
         await wait_settled(self._rooms, [engine], self._config.unregister_settle_timeout_seconds)
@@ -137,6 +135,14 @@ class EngineCalls:
         await self.release_engine(engine)
         log.info("engine_unregistered", engine=engine.label, lost=lost, rooms_failed=failed)
         return failed
+
+    def memory_unbacked(self, engine: Engine, why: str) -> None:
+        """The host cannot back ``engine``'s memory: unregister it (its rooms fail)."""
+        if self._engines.by_id.get(engine.engine_id) is engine:
+            self._tasks.spawn(
+                self.unregister_engine(engine.engine_id, lost=True, reason=f"was let go: {why}"),
+                name=f"unbacked-{engine.engine_id}",
+            )
 
     def fd_connection_closed(self, connection: FdConnection) -> None:
         """The engine's fd connection closed: if it never unregistered, it is gone."""

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -101,19 +102,27 @@ class BrokerProcess:
         self.address = info["address"]
         self.broker_id = info["broker_id"]
 
-    def warnings(self) -> dict[str, int]:
-        """Events the broker logged at warning level or above (its JSON log), and how often."""
-        seen: dict[str, int] = {}
+    def log_records(self) -> list[dict[str, Any]]:
+        """The broker's JSON log lines so far, parsed (other lines are skipped)."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return seen
+            return []
+        records = []
         for line in lines:
             try:
                 entry = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(entry, dict) and entry.get("level") in ("warning", "error", "critical"):
+            if isinstance(entry, dict):
+                records.append(entry)
+        return records
+
+    def warnings(self) -> dict[str, int]:
+        """Events the broker logged at warning level or above (its JSON log), and how often."""
+        seen: dict[str, int] = {}
+        for entry in self.log_records():
+            if entry.get("level") in ("warning", "error", "critical"):
                 event = str(entry.get("event", "?"))
                 seen[event] = seen.get(event, 0) + 1
         return seen
