@@ -142,3 +142,23 @@ def test_announce_room_over_the_unary_call_and_who_may(fake_brokers, make_engine
     de.handle.receiver(4, SenderRef(p.address, "prefill-group")).abort("test over")
     de.handle.receiver(5, SenderRef(p.address, "prefill-group")).abort("test over")
     _wait_tables_empty(p, d)
+
+
+def test_a_sender_broker_that_forgot_the_decodes_broker_is_introduced_again(fake_brokers, make_engine) -> None:
+    """The prefill's broker took the decode's for lost (dropped its handshake): the next renewal is
+    refused ABORTED, the decode's broker handshakes again and renews, and the room still succeeds."""
+    p, d, pe, de = _setup(fake_brokers, make_engine)
+    receiver = de.handle.receiver(7, SenderRef(p.address, "prefill-group"))
+    receiver.announce()
+    sender = _open_sender(pe, 7)
+    eventually(lambda: _renewals(p) >= 2)
+    peers = p.broker.internals.transport.peers
+    p.loop.call(lambda: p.broker.internals.routes.peer_loss.peer_lost(peers.by_id[d.broker.broker_id], "stopped answering (test)"))
+    time.sleep(2 * LEASE)
+    assert sender.poll() == RoomState.BOOTSTRAPPING, sender.status()
+    assert p.loop.call(lambda: d.broker.broker_id in peers.by_id)
+    receiver.init(DST, aux_row=2)
+    assert receiver.wait(10).state == RoomState.SUCCESS, receiver.status()
+    assert sender.wait(10).state == RoomState.SUCCESS, sender.status()
+    _assert_moved(pe, de, SRC, DST)
+    _wait_tables_empty(p, d)

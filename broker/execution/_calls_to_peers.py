@@ -37,7 +37,7 @@ from kvbroker.broker.rooms import (
     SendReport,
     cause,
 )
-from kvbroker.errors import KvBrokerError
+from kvbroker.errors import Aborted, KvBrokerError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -136,7 +136,12 @@ class CallsToPeers:
         lease: float | None = None
         try:
             peer = await self._client.connect(effect.address)
-            response = await self._client.renew_leases(peer, effect.rooms)
+            try:
+                response = await self._client.renew_leases(peer, effect.rooms)
+            except Aborted:
+                # It does not know us (it restarted, or took us for lost): introduce ourselves again.
+                await self._client.handshake(peer)
+                response = await self._client.renew_leases(peer, effect.rooms)
             lease = response.lease_seconds
             log.debug("leases_renewed", peer=effect.address, rooms=len(effect.rooms), renewed=response.renewed, lease_seconds=lease)
         except KvBrokerError as exc:

@@ -199,6 +199,7 @@ class PeerRequests:
         for transfer infos wait from now again (rooms not here: nothing).
         Answers the shortest lease of the listed groups' ranks here."""
         check_version(request.protocol_version, "RenewLeases")
+        self._peers.get(request.receiver_broker_id)  # a handshaken peer (else ABORTED: handshake again)
         now = time.monotonic()
         renewed = sum(len(self._sender.renew_lease(item.room, item.sender_group, now)) for item in request.rooms)
         flag = self._config.sender_info_timeout_seconds
