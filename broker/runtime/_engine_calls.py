@@ -178,12 +178,13 @@ class EngineCalls:
     def announce_room(self, request: transfer_pb2.AnnounceRoomRequest) -> None:
         """A decode rank still wants a room it has not opened: its sources'
         leases are renewed until it opens it (ExpectRoom), aborts it, or goes
-        away. Idempotent; nothing once the engine holds the room."""
+        away. Idempotent; nothing once the engine holds the room (or it ended
+        here and was evicted)."""
         engine = self._engines.get(request.engine_id)
         self._engines.check_role(engine, common_pb2.ROLE_DECODE, "announce rooms")
         if not request.sender.group:
             raise InvalidArgument("AnnounceRoom needs the sender's engine group")
-        if side_of(self._rooms, engine, request.room) is None:
+        if side_of(self._rooms, engine, request.room) is None and not self._rooms.is_tombstoned("receiver", request.room):
             self._receiver.announce(decode_announce_room(request, engine))
 
     @in_turn
