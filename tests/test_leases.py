@@ -111,7 +111,7 @@ def test_when_the_announcing_decode_goes_away_the_prefills_room_fails_within_a_l
     status = sender.wait(10)
     waited = time.monotonic() - gone
     # The last renewal was at most a third of the lease before; the pass that fails it comes soon after.
-    assert LEASE / 2 <= waited < LEASE + 0.5, waited
+    assert LEASE / 2 <= waited < LEASE + 0.75, waited
     assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT, status
     assert "since the last lease renewal" in status.cause.message, status.cause.message
     assert status.pages_settled
