@@ -52,7 +52,6 @@ def decode_abort(request: transfer_pb2.AbortRequest, engine: Engine) -> Abort:
     return Abort(engine=engine, room=request.room, reason=request.reason)
 
 
-
 def decode_announce_room(request: transfer_pb2.AnnounceRoomRequest, engine: Engine) -> AnnounceRoom:
     return AnnounceRoom(
         engine=engine,
