@@ -55,6 +55,11 @@ class BrokerConfig:
     #: How long a receiving room waits, once registered with the sender's
     #: broker, for all its data to land.
     receiver_data_timeout_seconds: float = 300.0
+    #: Leases a waiting decode renews (``AnnounceRoom``): this broker renews
+    #: the sending sources' leases of the rooms its decode engines announced
+    #: every third of the lease the sender's broker answers, and at least
+    #: this often.
+    lease_renew_max_seconds: float = 5.0
     #: How long one posted NIXL transfer may stay in flight before the broker
     #: cancels it and fails the room (a hung transfer).
     transfer_timeout_seconds: float = 60.0

@@ -2,7 +2,9 @@
 
 They follow SGLang's KVSender/KVReceiver: construct, ``init``, then
 ``send`` (sender) or wait (receiver), ``poll`` until SUCCESS or FAILED,
-``failure_exception`` to raise the cause, ``abort`` to give up.
+``failure_exception`` to raise the cause, ``abort`` to give up. A receiver
+may ``announce`` the room before ``init``, while its request waits for
+pages: the sender's lease on its pages is renewed meanwhile.
 
 ``init``, ``send`` and ``abort`` do not wait for the broker: they check what
 can be checked here (indices against the engine's own layout, a room opened
@@ -265,6 +267,25 @@ class KVReceiver(_Room):
         command = self.command(pages, aux_row, state, prefix_pages, verify_checksum)
         (status,) = self.engine.session.open_rooms([(self.room, command)])
         return status
+
+    def announce(self) -> None:
+        """Say that this rank still wants the room before it can open it (before
+        ``init``): while the request waits for pages, this engine's broker
+        renews the sender's lease on the prefill's pages (``AnnounceRoom``),
+        for as long as this engine's registration lives. ``init`` ends the
+        announcement (the room's own registration holds the sender from
+        then on), as do ``abort`` and the engine going away: the renewals stop
+        and the prefill's lease runs out. Queued, like the other commands;
+        calling it again is harmless, and an unreachable sender's broker never
+        fails it (the renewal is retried)."""
+        self.engine.check_role(common_pb2.ROLE_DECODE, "announce rooms")
+        request = transfer_pb2.AnnounceRoomRequest(
+            room=self.room,
+            sender=transfer_pb2.SenderRef(broker_address=self.sender.broker_address, group=self.sender.group),
+        )
+        self.engine.session.submit_many(
+            [(self.room, lambda seq: transfer_pb2.SessionCommand(seq=seq, announce_room=request))], always=True
+        )
 
     def landed_pages(self) -> IndexArray:
         """The room's pages that arrived whole, known once the room FAILED and

@@ -112,6 +112,11 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
     async def Abort(self, request: transfer_pb2.AbortRequest, context: Any) -> transfer_pb2.AbortResponse:
         return transfer_pb2.AbortResponse(status=self._calls.abort(request))
 
+    @_unary
+    async def AnnounceRoom(self, request: transfer_pb2.AnnounceRoomRequest, context: Any) -> transfer_pb2.AnnounceRoomResponse:
+        self._calls.announce_room(request)
+        return transfer_pb2.AnnounceRoomResponse()
+
     async def Session(
         self, requests: AsyncIterator[transfer_pb2.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[transfer_pb2.SessionEvent]:
@@ -213,6 +218,10 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
     @_peer
     async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
         return self._requests.peer_aborts(request)
+
+    @_peer
+    async def RenewLeases(self, request: peer_pb2.RenewLeasesRequest, context: Any) -> peer_pb2.RenewLeasesResponse:
+        return self._requests.renew_leases(request)
 
     @_peer
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:

@@ -13,7 +13,9 @@ the receiver's state machine:
   ``abort_undelivered`` when it cannot be reached and the broker that next
   answers at its address must be told);
 - telling that successor what its predecessor's rooms became
-  (``successor_notices``, ``successor_done``).
+  (``successor_notices``, ``successor_done``);
+- renewing the sources' leases of announced rooms at a sender's broker
+  (``leases_renewed``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,16 @@ from opentelemetry import trace
 
 from kvbroker.broker.execution._turn import Turn
 from kvbroker.broker.peers import FleetView, PeerClient, PeerTable, find_in_fleet
-from kvbroker.broker.rooms import AbortAtPeer, Receiver, ReceiverCore, SenderLeg, SendReport, cause
-from kvbroker.errors import KvBrokerError
+from kvbroker.broker.rooms import (
+    AbortAtPeer,
+    Receiver,
+    ReceiverCore,
+    RenewLeases,
+    SenderLeg,
+    SendReport,
+    cause,
+)
+from kvbroker.errors import Aborted, KvBrokerError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -117,6 +127,28 @@ class CallsToPeers:
             # may even be evicted already, so no report would come).
             with self._turn:
                 self._receiver.peer_settled(effect.broker_id, effect.room)
+
+    async def renew_leases(self, effect: RenewLeases) -> None:
+        """Renew the leases of announced rooms at the sender's broker at
+        ``effect.address`` (handshaking first, as a room's bootstrap does); an
+        unreachable one is tried again at the next pass, the announcements
+        stay."""
+        lease: float | None = None
+        try:
+            peer = await self._client.connect(effect.address)
+            try:
+                response = await self._client.renew_leases(peer, effect.rooms)
+            except Aborted:
+                # It does not know us (it restarted, or took us for lost): introduce ourselves again.
+                await self._client.handshake(peer)
+                response = await self._client.renew_leases(peer, effect.rooms)
+            lease = response.lease_seconds
+            log.debug("leases_renewed", peer=effect.address, rooms=len(effect.rooms), renewed=response.renewed, lease_seconds=lease)
+        except KvBrokerError as exc:
+            log.info("lease_renewal_failed", peer=effect.address, rooms=len(effect.rooms), error=exc.message)
+        finally:
+            with self._turn:
+                self._receiver.leases_renewed(effect.address, lease)
 
     async def tell_successor(self, address: str) -> None:
         """Tell the broker now at ``address`` which rooms of its predecessor failed here."""

@@ -53,6 +53,7 @@ from kvbroker.broker.rooms import (
     Publish,
     RegisterRoom,
     ReleaseStaging,
+    RenewLeases,
     ReserveStaging,
     RoomEnded,
     Scatter,
@@ -214,6 +215,7 @@ class Executor:
             VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
             ReleaseStaging: self._release_staging,
             TellSuccessor: lambda e: spawn(self._calls.tell_successor(e.address), name=f"tell-successor-{e.address}"),
+            RenewLeases: lambda e: spawn(self._calls.renew_leases(e), name=f"renew-leases-{e.address}"),
         }
 
     def _release_staging(self, effect: ReleaseStaging) -> None:

@@ -13,6 +13,7 @@ same calls):
 | ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
 | ``AbortRooms`` | a receiver failed | per room as ReportCompletion; ABORTED (the peer does not know us: it took us for lost while we were stopped, say): handshake again, then once more; unreachable: the caller remembers it for the successor |
 | ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
+| ``RenewLeases`` | rooms this broker's decode engines announced, per sender broker when due | none: the next renewal pass is the retry |
 
 Room registrations and aborts are batched per peer (:class:`PerPeerBatches`):
 while one RegisterRooms (AbortRooms) call to a peer is in flight, the next
@@ -329,6 +330,20 @@ class PeerClient:
             lambda peer: self._aborts.submit(peer, request),
             on_unreachable=on_unreachable,
         )
+        return response
+
+    async def renew_leases(self, peer: Peer, rooms: Collection[tuple[int, str]]) -> peer_pb2.RenewLeasesResponse:
+        """Renew the leases of ``rooms`` ((room, sender group)) at ``peer``: one
+        call per peer and renewal (it may move onto a peer stream later)."""
+        request = peer_pb2.RenewLeasesRequest(
+            protocol_version=PROTOCOL_VERSION,
+            receiver_broker_id=self._peers.broker_id,
+            rooms=[peer_pb2.LeasedRoom(room=room, sender_group=group) for room, group in rooms],
+        )
+        try:
+            response: peer_pb2.RenewLeasesResponse = await self.stub(peer).RenewLeases(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
         return response
 
     async def ping(self, peer: Peer, timeout_seconds: float) -> str:

@@ -2,7 +2,7 @@
 the effects they return.
 """
 
-from kvbroker.broker.rooms._commands import Abort, BeginSend, ExpectRoom, SendChunk
+from kvbroker.broker.rooms._commands import Abort, AnnounceRoom, BeginSend, ExpectRoom, SendChunk
 from kvbroker.broker.rooms._effects import (
     AbortAtPeer,
     Effect,
@@ -11,6 +11,7 @@ from kvbroker.broker.rooms._effects import (
     Publish,
     RegisterRoom,
     ReleaseStaging,
+    RenewLeases,
     ReserveStaging,
     RoomEnded,
     Scatter,
@@ -35,6 +36,8 @@ from kvbroker.broker.rooms._watch import WatchHub
 
 __all__ = [
     "Abort",
+    "AnnounceRoom",
+    "RenewLeases",
     "BeginSend",
     "ExpectRoom",
     "SendChunk",

@@ -4,7 +4,8 @@ Each is decoded from its proto once (``runtime``'s ``_commands``, for the
 unary calls and the session stream alike) and handed to one machine method:
 :class:`ExpectRoom` to ``ReceiverCore.expect``, :class:`BeginSend` to
 ``SenderCore.begin``, :class:`SendChunk` to ``SenderCore.chunk`` and
-:class:`Abort` to either side's ``abort``.
+:class:`Abort` to either side's ``abort``, :class:`AnnounceRoom` to
+``ReceiverCore.announce``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from kvbroker.broker.memory import Engine
 from kvbroker.plan import IndexArray
 
-__all__ = ["Abort", "BeginSend", "ExpectRoom", "SendChunk"]
+__all__ = ["Abort", "AnnounceRoom", "BeginSend", "ExpectRoom", "SendChunk"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,3 +69,15 @@ class Abort:
     room: int
     reason: str = ""
     by: str = "engine"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnnounceRoom:
+    """A decode rank still wants ``room`` from a sender group, before it can
+    open it (ExpectRoom): its broker renews the sources' leases meanwhile."""
+
+    engine: Engine
+    room: int
+    #: The sender's broker, and the prefill engine group whose ranks send.
+    sender_address: str
+    sender_group: str

@@ -28,6 +28,7 @@ __all__ = [
     "AbortAtPeer",
     "Effect",
     "FindSender",
+    "RenewLeases",
     "PostPart",
     "Publish",
     "RegisterRoom",
@@ -148,6 +149,16 @@ class ReleaseStaging:
 
 
 @dataclass(frozen=True)
+class RenewLeases:
+    """Renew, at the sender's broker at ``address``, the leases of the sources
+    of ``rooms`` ((room, sender group) pairs) that announced rooms wait for
+    (``PeerBroker.RenewLeases``); the answer goes to ``ReceiverCore.leases_renewed``."""
+
+    address: str
+    rooms: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
 class TellSuccessor:
     """Tell the broker that answers at ``address`` now which rooms failed here
     without its predecessor hearing of it (``RoomTables.successor_notices``)."""
@@ -168,4 +179,5 @@ Effect = (
     | VerifyChunk
     | ReleaseStaging
     | TellSuccessor
+    | RenewLeases
 )

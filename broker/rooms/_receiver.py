@@ -34,6 +34,11 @@ A **receiver** is one decode engine rank's side of one room. Its life:
 Notices for rooms that are not here are counted and dropped; they never
 create a room (lesson 6).
 
+Before step 1, a decode rank may announce a room it still wants but cannot
+open yet (``announce``): each ``tick`` renews the sources' leases at the
+sender's broker (``RenewLeases`` -> ``leases_renewed``; ``_announcements``)
+until ExpectRoom, an abort or the engine going away ends the announcement.
+
 :class:`ReceiverCore` is a facade over collaborators that each own their
 state, composed at construction around one shared
 :class:`~kvbroker.broker.rooms._machine.MachineCore` (room tables, counters,
@@ -63,7 +68,8 @@ from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.memory import CreditLedger
-from kvbroker.broker.rooms._commands import Abort
+from kvbroker.broker.rooms._announcements import Announcements
+from kvbroker.broker.rooms._commands import Abort, ExpectRoom
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._receive_bootstrap import RankBootstrap
 from kvbroker.broker.rooms._receive_landing import RankLanding
@@ -87,7 +93,7 @@ class ReceiverCore:
     The facade over the receiver's collaborators: ``take`` is the shared
     outbox's; ``fail`` and ``awaiting_data`` are
     :class:`~kvbroker.broker.rooms._receive_settling.RankSettling`'s;
-    ``expect``, ``sender_found``, ``still_looking``, ``bootstrap_failed`` and
+    ``sender_found``, ``still_looking``, ``bootstrap_failed`` and
     the registration outcomes (``registration_stale``, ``register_again``,
     ``registration_error``, ``room_registered``, ``registration_failed``) are
     :class:`~kvbroker.broker.rooms._receive_bootstrap.RankBootstrap`'s;
@@ -96,7 +102,11 @@ class ReceiverCore:
     :class:`~kvbroker.broker.rooms._receive_landing.RankLanding`'s;
     ``successor_notices`` and ``successor_done`` are
     :class:`~kvbroker.broker.rooms._successors.SuccessorNotices`' ``take``
-    and ``done`` (each bound here at construction).
+    and ``done``; ``announce``, ``announced`` and ``leases_renewed`` are
+    :class:`~kvbroker.broker.rooms._announcements.Announcements`'
+    ``announce``, ``announced`` and ``renewed`` (each bound here at
+    construction). ``expect`` is the bootstrap's, ending the room's
+    announcement first.
     """
 
     def __init__(
@@ -117,11 +127,12 @@ class ReceiverCore:
         self._rooms = rooms
         self._settling = settling
         self._successors = successors
+        self._bootstrap = bootstrap
+        self._announcements = announcements = Announcements(core)
         # -- the calls one collaborator answers, bound (no hop) --------------
         self.take = core.take
         self.fail = settling.fail
         self.awaiting_data = settling.awaiting_data
-        self.expect = bootstrap.expect
         self.sender_found = bootstrap.sender_found
         self.still_looking = bootstrap.still_looking
         self.bootstrap_failed = bootstrap.bootstrap_failed
@@ -138,11 +149,22 @@ class ReceiverCore:
         self.staging_granted = landing.staging_granted
         self.successor_notices = successors.take
         self.successor_done = successors.done
+        self.announce = announcements.announce
+        self.announced = announcements.announced
+        self.leases_renewed = announcements.renewed
 
     # -- engine calls ----------------------------------------------------
+    def expect(self, command: ExpectRoom) -> Receiver:
+        """Open a receiving room (ExpectRoom); it ends the room's announcement
+        (its own registration holds the sender's lease from now on)."""
+        self._announcements.withdraw(command.engine, command.room)
+        return self._bootstrap.expect(command)
+
     def abort(self, command: Abort) -> Receiver | None:
-        """Fail the engine's side of the room and tell the sender's broker. Idempotent."""
+        """Fail the engine's side of the room and tell the sender's broker
+        (an announced room is no longer wanted). Idempotent."""
         engine, room_id, reason, by = command.engine, command.room, command.reason, command.by
+        self._announcements.withdraw(engine, room_id)
         room = self._rooms.receiver.get(room_id)
         rank = room.ranks.get(engine.key) if room is not None else None
         if rank is not None:
@@ -152,7 +174,8 @@ class ReceiverCore:
         return rank
 
     def engine_gone(self, engine: Engine, why: common_pb2.FailureCause) -> int:
-        """``engine`` unregistered or died: fail its ranks. Returns how many failed."""
+        """``engine`` unregistered or died: fail its ranks, end its announcements. Returns how many failed."""
+        self._announcements.engine_gone(engine)
         ranks = [r for r in self._rooms.all_receivers() if r.engine is engine]
         for rank in ranks:
             self._settling.fail(rank, why)
@@ -211,10 +234,13 @@ class ReceiverCore:
         )
 
     # -- timers ----------------------------------------------------------------
-    def tick(self, now: float, *, data_timeout_seconds: float, retry_seconds: float) -> None:
+    def tick(self, now: float, *, data_timeout_seconds: float, retry_seconds: float, lease_renew_max_seconds: float = 5.0) -> None:
         """Time out ranks waiting for data (each engine's own bound, else
-        ``data_timeout_seconds``); tell successors of lost rooms (every ``retry_seconds``)."""
+        ``data_timeout_seconds``); tell successors of lost rooms (every
+        ``retry_seconds``); renew the leases of announced rooms that are due
+        (at most every ``lease_renew_max_seconds``)."""
         self._settling.time_out(now, data_timeout_seconds)
+        self._announcements.renew(now, lease_renew_max_seconds)
         for address in self._successors.due(now, retry_seconds):
             self._settling.tell_successor_now(address, now)
         self._successors.forget_old_tries(now, retry_seconds)

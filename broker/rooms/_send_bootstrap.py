@@ -171,7 +171,7 @@ class SourceBootstrap:
                 self._open.discard(source)
                 continue
             own = source.engine.timeouts.sender_info_seconds
-            if source.ready() or now - source.opened_at <= (own or info_timeout_seconds):
+            if source.ready() or now - max(source.opened_at, source.lease_from) <= (own or info_timeout_seconds):
                 continue
             limit = source.engine.timeouts.limit("sender_info_seconds", info_timeout_seconds)
             want = source.expected_destinations
@@ -180,11 +180,27 @@ class SourceBootstrap:
                 cause(
                     common_pb2.FAILURE_KIND_TIMEOUT,
                     f"waited {limit} for the receivers' transfer info (ExpectRoom on the decode "
-                    f"side); {len(source.destinations)} of {want if want is not None else 'an unknown number of'} "
+                    f"side){' since the last lease renewal' if source.lease_from > source.opened_at else ''}; "
+                    f"{len(source.destinations)} of {want if want is not None else 'an unknown number of'} "
                     "receivers registered",
                     self._id,
                 ),
             )
+
+    def renew_lease(self, room_id: int, group: str, now: float) -> list[Source]:
+        """A receiver's broker renews the lease of ``room_id``'s sources in
+        ``group`` for a decode that announced the room (``RenewLeases``):
+        those still waiting for transfer infos wait from ``now`` again.
+        The sources renewed (none for a room not opened here yet)."""
+        room = self._rooms.sender.get(room_id)
+        if room is None:
+            return []
+        renewed = [
+            s for s in room.sources.values() if s.key.group == group and not s.terminal and not s.ready()
+        ]
+        for source in renewed:
+            source.lease_from = max(source.lease_from, now)
+        return renewed
 
     def answer_orphans(self, now: float, orphan_timeout_seconds: float, every: float) -> None:
         """Answer every transfer info whose source did not open the room within

@@ -81,7 +81,7 @@ class SenderCore:
     :class:`~kvbroker.broker.rooms._send_outcomes.SourceOutcomes`'s;
     ``chunk``, ``staging_reserved`` and ``part_settled`` are
     :class:`~kvbroker.broker.rooms._send_parts.PartLedger`'s; ``begin``,
-    ``transfer_info`` and ``abandon`` are
+    ``transfer_info``, ``abandon`` and ``renew_lease`` are
     :class:`~kvbroker.broker.rooms._send_bootstrap.SourceBootstrap`'s (each
     bound here at construction).
     """
@@ -117,6 +117,7 @@ class SenderCore:
         self.begin = bootstrap.begin
         self.transfer_info = bootstrap.transfer_info
         self.abandon = bootstrap.abandon
+        self.renew_lease = bootstrap.renew_lease
 
     # -- engine calls ----------------------------------------------------
     def abort(self, command: Abort) -> Source | None:

@@ -130,6 +130,10 @@ class Source(Side):
     #: The span current in BeginSend, and whether the engine sent its own.
     begin_context: Any = None
     engine_traced: bool = False
+    #: When a receiver's broker last renewed this source's lease for a
+    #: decode that announced the room (``RenewLeases``; 0: never): the wait
+    #: for transfer infos runs from the later of this and ``opened_at``.
+    lease_from: float = 0.0
 
     def known_prefix(self) -> int:
         """The smallest prefix its receivers hold, in this source's pages (0

@@ -8,12 +8,12 @@ from __future__ import annotations
 import sys
 
 from kvbroker.broker.memory import Engine
-from kvbroker.broker.rooms import Abort, BeginSend, ExpectRoom, SendChunk
+from kvbroker.broker.rooms import Abort, AnnounceRoom, BeginSend, ExpectRoom, SendChunk
 from kvbroker.broker.runtime._requests import decode_state
 from kvbroker.plan import decode_indices
 from kvbroker.v1 import transfer_pb2
 
-__all__ = ["decode_abort", "decode_begin_send", "decode_expect_room", "decode_send_chunk"]
+__all__ = ["decode_abort", "decode_announce_room", "decode_begin_send", "decode_expect_room", "decode_send_chunk"]
 
 
 def decode_expect_room(request: transfer_pb2.ExpectRoomRequest, engine: Engine, *, verify_checksums: bool = False) -> ExpectRoom:
@@ -51,3 +51,11 @@ def decode_send_chunk(request: transfer_pb2.SendChunkRequest, engine: Engine) ->
 def decode_abort(request: transfer_pb2.AbortRequest, engine: Engine) -> Abort:
     return Abort(engine=engine, room=request.room, reason=request.reason)
 
+
+def decode_announce_room(request: transfer_pb2.AnnounceRoomRequest, engine: Engine) -> AnnounceRoom:
+    return AnnounceRoom(
+        engine=engine,
+        room=request.room,
+        sender_address=sys.intern(request.sender.broker_address),
+        sender_group=sys.intern(request.sender.group),
+    )

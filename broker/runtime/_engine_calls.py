@@ -28,13 +28,14 @@ from kvbroker.broker.rooms import (
 )
 from kvbroker.broker.runtime._commands import (
     decode_abort,
+    decode_announce_room,
     decode_begin_send,
     decode_expect_room,
     decode_send_chunk,
 )
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._room_sides import side_of, sides, wait_settled
-from kvbroker.errors import NotFound
+from kvbroker.errors import InvalidArgument, NotFound
 from kvbroker.plan import DescriptorTable, RoomTimeouts
 from kvbroker.v1 import common_pb2, transfer_pb2
 
@@ -172,6 +173,19 @@ class EngineCalls:
         self._operators.refuse_if_draining()
         rank = self._receiver.expect(decode_expect_room(request, engine, verify_checksums=self._config.verify_checksums))
         return rank
+
+    @in_turn
+    def announce_room(self, request: transfer_pb2.AnnounceRoomRequest) -> None:
+        """A decode rank still wants a room it has not opened: its sources'
+        leases are renewed until it opens it (ExpectRoom), aborts it, or goes
+        away. Idempotent; nothing once the engine holds the room (or it ended
+        here and was evicted)."""
+        engine = self._engines.get(request.engine_id)
+        self._engines.check_role(engine, common_pb2.ROLE_DECODE, "announce rooms")
+        if not request.sender.group:
+            raise InvalidArgument("AnnounceRoom needs the sender's engine group")
+        if side_of(self._rooms, engine, request.room) is None and not self._rooms.is_tombstoned("receiver", request.room):
+            self._receiver.announce(decode_announce_room(request, engine))
 
     @in_turn
     def begin_send(self, request: transfer_pb2.BeginSendRequest) -> Source:

@@ -1,5 +1,6 @@
 """Housekeeping: what happens to rooms while nobody calls. Timeouts of open
-rooms every housekeeping interval; eviction of finished rooms and
+rooms and the lease renewals of announced rooms that are due every
+housekeeping interval; eviction of finished rooms and
 tombstones, orphaned transfer infos and the metric gauges every
 ``_SLOW_PASSES`` intervals (they scan every record)."""
 
@@ -75,7 +76,12 @@ class Housekeeping:
                         orphan_timeout_seconds=cfg.orphan_room_timeout_seconds,
                         orphans_every=slow_every,
                     )
-                    self._receiver.tick(now, data_timeout_seconds=cfg.receiver_data_timeout_seconds, retry_seconds=cfg.peer_heartbeat_seconds)
+                    self._receiver.tick(
+                        now,
+                        data_timeout_seconds=cfg.receiver_data_timeout_seconds,
+                        retry_seconds=cfg.peer_heartbeat_seconds,
+                        lease_renew_max_seconds=cfg.lease_renew_max_seconds,
+                    )
                     if now - slow_at >= slow_every:
                         slow_at = now
                         self.evict(now)

@@ -1,7 +1,7 @@
 """What other brokers ask of this one (``kvbroker.v1.PeerBroker``): the
 handshake, a receiver's room registrations (RegisterRooms), room in a receive
-staging buffer (ReserveStaging), a source's completion report, and aborts
-(AbortRooms). Registrations and aborts come batched per peer; each item
+staging buffer (ReserveStaging), a source's completion report, aborts
+(AbortRooms), and lease renewals for rooms a decode announced (RenewLeases). Registrations and aborts come batched per peer; each item
 succeeds or fails on its own.
 
 (Ping is answered by the servicer with the broker id alone.)
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
+import time
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -189,6 +190,26 @@ class PeerRequests:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""
         check_version(request.protocol_version, "ReportCompletion")
         self._receiver.completion_report(request)
+
+    # -- leases -------------------------------------------------------------------------
+    @in_turn
+    def renew_leases(self, request: peer_pb2.RenewLeasesRequest) -> peer_pb2.RenewLeasesResponse:
+        """A receiver's broker renews the leases of rooms its decode engines
+        announced: each listed room's sources in its group that still wait
+        for transfer infos wait from now again (rooms not here: nothing).
+        Answers the shortest lease of the listed groups' ranks here."""
+        check_version(request.protocol_version, "RenewLeases")
+        self._peers.get(request.receiver_broker_id)  # a handshaken peer (else ABORTED: handshake again)
+        now = time.monotonic()
+        renewed = sum(len(self._sender.renew_lease(item.room, item.sender_group, now)) for item in request.rooms)
+        flag = self._config.sender_info_timeout_seconds
+        groups = {item.sender_group for item in request.rooms}
+        leases = [
+            e.timeouts.limit("sender_info_seconds", flag).seconds
+            for e in self._engines.by_id.values()
+            if e.key.group in groups and e.role != common_pb2.ROLE_DECODE
+        ]
+        return peer_pb2.RenewLeasesResponse(lease_seconds=min(leases, default=flag), renewed=renewed)
 
     # -- aborts ---------------------------------------------------------------------------
     def peer_aborts(self, request: peer_pb2.PeerAbortRoomsRequest) -> peer_pb2.PeerAbortRoomsResponse:

@@ -137,6 +137,7 @@ class Sessions:
             "begin_send": engine_calls.begin_send,
             "send_chunk": engine_calls.send_chunk,
             "abort": engine_calls.abort,
+            "announce_room": engine_calls.announce_room,
         }
 
     def open_session(self, opening: transfer_pb2.SessionOpen) -> tuple[Engine, SessionStream]:
@@ -212,7 +213,7 @@ class Sessions:
         engine's stream of commands for it has a hole.
         """
         side = side_of(self._rooms, engine, room)
-        if which in ("expect_room", "begin_send"):
+        if which in ("expect_room", "begin_send", "announce_room"):
             return False, side is None or settled(side)
         if side is None or side.terminal:
             return False, side is None or settled(side)

@@ -41,6 +41,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_seconds, metavar="SECONDS", help="how long a receiving room retries reaching the sender's broker and group")
     p.add_argument("--peer-timeout", type=float, default=d.peer_rpc_timeout_seconds, metavar="SECONDS", help="deadline of broker-to-broker calls")
     p.add_argument("--sender-info-timeout", type=float, default=d.sender_info_timeout_seconds, metavar="SECONDS", help="how long a sending room waits for its receivers' transfer info")
+    p.add_argument("--lease-renew-max", type=float, default=d.lease_renew_max_seconds, metavar="SECONDS", help="the longest interval between lease renewals for rooms this broker's decode engines announced (else a third of the sender's lease)")
     p.add_argument("--receiver-data-timeout", type=float, default=d.receiver_data_timeout_seconds, metavar="SECONDS", help="how long a registered receiving room waits for its data")
     p.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_seconds, metavar="SECONDS", help="how long one NIXL transfer may stay in flight before it is cancelled")
     p.add_argument("--peer-heartbeat", type=float, default=d.peer_heartbeat_seconds, metavar="SECONDS", help="ping interval to peers with open rooms")
@@ -225,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
         peer_rpc_timeout_seconds=args.peer_timeout,
         sender_info_timeout_seconds=args.sender_info_timeout,
         receiver_data_timeout_seconds=args.receiver_data_timeout,
+        lease_renew_max_seconds=args.lease_renew_max,
         transfer_timeout_seconds=args.transfer_timeout,
         peer_heartbeat_seconds=args.peer_heartbeat,
         peer_dead_after_seconds=args.peer_dead_after,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbroker.broker.rooms import Abort, BeginSend, ExpectRoom, SendChunk
+from kvbroker.broker.rooms import Abort, AnnounceRoom, BeginSend, ExpectRoom, SendChunk
 from kvbroker.broker.runtime._commands import (
     decode_abort,
+    decode_announce_room,
     decode_begin_send,
     decode_expect_room,
     decode_send_chunk,
@@ -55,6 +56,15 @@ def test_begin_send_and_abort() -> None:
     abort = decode_abort(transfer_pb2.AbortRequest(room=3, reason="preempted"), ENGINE)  # type: ignore[arg-type]
     assert isinstance(begin, BeginSend) and (begin.room, begin.num_pages) == (3, 9)
     assert isinstance(abort, Abort) and (abort.room, abort.reason, abort.by) == (3, "preempted", "engine")
+
+
+def test_announce_room_decodes_the_room_and_its_sender() -> None:
+    request = transfer_pb2.AnnounceRoomRequest(room=11, sender=transfer_pb2.SenderRef(broker_address="10.0.0.1:50051", group="prefill"))
+    command = decode_announce_room(request, ENGINE)  # type: ignore[arg-type]
+    assert isinstance(command, AnnounceRoom) and command.engine is ENGINE
+    assert (command.room, command.sender_address, command.sender_group) == (11, "10.0.0.1:50051", "prefill")
+    blank = decode_announce_room(transfer_pb2.AnnounceRoomRequest(room=12, sender=transfer_pb2.SenderRef(group="g")), ENGINE)  # type: ignore[arg-type]
+    assert blank.sender_address == ""
 
 
 def test_bad_indices_are_refused_while_decoding() -> None:

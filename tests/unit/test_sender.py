@@ -387,6 +387,25 @@ def test_timeouts_fail_waiting_sources_and_answer_orphan_infos(world: World) -> 
     assert any(r.room == 2 and "did not open the room" in r.failure.message for r in reports)
 
 
+def test_a_renewed_lease_runs_from_the_renewal_for_waiting_sources_of_that_group(world: World) -> None:
+    """RenewLeases: a source still waiting for its receivers waits from the renewal again; one of
+    another group, one that ended, and a room not opened here are left alone; the timeout names
+    the renewal."""
+    pe, other = world.engine_stub("prefill"), world.engine_stub("prefill", group="other-group")
+    waiting = world.core.begin(BeginSend(engine=pe, room=1, num_pages=1))
+    elsewhere = world.core.begin(BeginSend(engine=other, room=1, num_pages=1))
+    start = max(waiting.opened_at, elsewhere.opened_at)
+    assert world.core.renew_lease(1, "prefill-group", start + 8) == [waiting]
+    assert world.core.renew_lease(2, "prefill-group", start + 8) == []
+    world.core.tick(start + 12, info_timeout_seconds=10, orphan_timeout_seconds=1000)
+    assert waiting.state == common_pb2.ROOM_STATE_BOOTSTRAPPING
+    assert elsewhere.state == FAILED
+    assert world.core.renew_lease(1, "other-group", start + 12) == []  # ended: no lease to renew
+    world.core.tick(start + 18.5, info_timeout_seconds=10, orphan_timeout_seconds=1000)
+    assert waiting.state == FAILED and waiting.cause is not None and waiting.cause.kind == common_pb2.FAILURE_KIND_TIMEOUT
+    assert "since the last lease renewal" in waiting.cause.message, waiting.cause.message
+
+
 # -- staging ------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_5: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_6: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_7: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_8: _ClassVar[ProtocolVersion]
 
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -82,6 +83,7 @@ PROTOCOL_VERSION_4: ProtocolVersion
 PROTOCOL_VERSION_5: ProtocolVersion
 PROTOCOL_VERSION_6: ProtocolVersion
 PROTOCOL_VERSION_7: ProtocolVersion
+PROTOCOL_VERSION_8: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState

@@ -451,3 +451,29 @@ class PackedState(_message.Message):
     component: str
     items: int
     def __init__(self, component: _Optional[str] = ..., items: _Optional[int] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("protocol_version", "receiver_broker_id", "rooms")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    receiver_broker_id: str
+    rooms: _containers.RepeatedCompositeFieldContainer[LeasedRoom]
+    def __init__(self, protocol_version: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., rooms: _Optional[_Iterable[_Union[LeasedRoom, _Mapping]]] = ...) -> None: ...
+
+class LeasedRoom(_message.Message):
+    __slots__ = ("room", "sender_group")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    sender_group: str
+    def __init__(self, room: _Optional[int] = ..., sender_group: _Optional[str] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("lease_seconds", "renewed")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    renewed: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., renewed: _Optional[int] = ...) -> None: ...

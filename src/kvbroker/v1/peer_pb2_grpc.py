@@ -84,6 +84,11 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvbroker.v1.PeerBroker/RenewLeases',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class PeerBrokerServicer:
@@ -182,6 +187,19 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Leases (protocol 8), receiver's broker -> sender's broker, for the rooms
+        its decode engines announced (TransferBroker.AnnounceRoom) and have not
+        opened yet: every source of each room, in its sender group, still
+        waiting for its receivers' transfer info has its lease (its engine's
+        RoomTimeouts.sender_info_seconds, else --sender-info-timeout) start
+        again now. Rooms unknown here are ignored (a room opened later starts
+        its lease then). One call per sender broker per renewal.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +252,11 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.ReturnCredits,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -506,6 +529,33 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/ReturnCredits',
             kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.ReturnCreditsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerBroker/RenewLeases',
+            kvbroker_dot_v1_dot_peer__pb2.RenewLeasesRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

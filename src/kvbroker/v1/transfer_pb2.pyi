@@ -173,6 +173,20 @@ class AbortResponse(_message.Message):
     status: _common_pb2.RoomStatus
     def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
 
+class AnnounceRoomRequest(_message.Message):
+    __slots__ = ("engine_id", "room", "sender")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    room: int
+    sender: SenderRef
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ...) -> None: ...
+
+class AnnounceRoomResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SessionRequest(_message.Message):
     __slots__ = ("open", "commands")
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -194,7 +208,7 @@ class SessionOpen(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., resume_after: _Optional[int] = ..., rooms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
-    __slots__ = ("seq", "expect_room", "begin_send", "send_chunk", "abort", "trace_context")
+    __slots__ = ("seq", "expect_room", "begin_send", "send_chunk", "abort", "announce_room", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,14 +221,16 @@ class SessionCommand(_message.Message):
     BEGIN_SEND_FIELD_NUMBER: _ClassVar[int]
     SEND_CHUNK_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_ROOM_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     expect_room: ExpectRoomRequest
     begin_send: BeginSendRequest
     send_chunk: SendChunkRequest
     abort: AbortRequest
+    announce_room: AnnounceRoomRequest
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, seq: _Optional[int] = ..., expect_room: _Optional[_Union[ExpectRoomRequest, _Mapping]] = ..., begin_send: _Optional[_Union[BeginSendRequest, _Mapping]] = ..., send_chunk: _Optional[_Union[SendChunkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., expect_room: _Optional[_Union[ExpectRoomRequest, _Mapping]] = ..., begin_send: _Optional[_Union[BeginSendRequest, _Mapping]] = ..., send_chunk: _Optional[_Union[SendChunkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., announce_room: _Optional[_Union[AnnounceRoomRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("applied", "statuses", "refused")

@@ -82,6 +82,11 @@ class TransferBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_transfer__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_transfer__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.AnnounceRoom = channel.unary_unary(
+                '/kvbroker.v1.TransferBroker/AnnounceRoom',
+                request_serializer=kvbroker_dot_v1_dot_transfer__pb2.AnnounceRoomRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_transfer__pb2.AnnounceRoomResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/kvbroker.v1.TransferBroker/Session',
                 request_serializer=kvbroker_dot_v1_dot_transfer__pb2.SessionRequest.SerializeToString,
@@ -171,6 +176,19 @@ class TransferBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnounceRoom(self, request, context):
+        """Receiver (decode) side, before ExpectRoom (protocol 8): this engine rank
+        still wants the room from the sender group, though it cannot open it
+        yet (the request waits for pages in its queue). While the engine's
+        registration lives, the broker renews the sending sources' leases at
+        the sender's broker (PeerBroker.RenewLeases), so the prefill keeps its
+        pages. Idempotent. ExpectRoom, Abort or the engine going away end it.
+        Never fails for an unreachable sender (the renewal is retried).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """One engine's session: a bidirectional stream. The engine sends its room
         commands (ExpectRoom, BeginSend, SendChunk, Abort), numbered; the broker
@@ -232,6 +250,11 @@ def add_TransferBrokerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvbroker_dot_v1_dot_transfer__pb2.AbortRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_transfer__pb2.AbortResponse.SerializeToString,
+            ),
+            'AnnounceRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnounceRoom,
+                    request_deserializer=kvbroker_dot_v1_dot_transfer__pb2.AnnounceRoomRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_transfer__pb2.AnnounceRoomResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -484,6 +507,33 @@ class TransferBroker:
             '/kvbroker.v1.TransferBroker/Abort',
             kvbroker_dot_v1_dot_transfer__pb2.AbortRequest.SerializeToString,
             kvbroker_dot_v1_dot_transfer__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnounceRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.TransferBroker/AnnounceRoom',
+            kvbroker_dot_v1_dot_transfer__pb2.AnnounceRoomRequest.SerializeToString,
+            kvbroker_dot_v1_dot_transfer__pb2.AnnounceRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,
