@@ -1,7 +1,8 @@
 """What other brokers ask of this one (``kvbroker.v1.PeerBroker``): the
 handshake, a receiver's room registrations (RegisterRooms), room in a receive
 staging buffer (ReserveStaging), a source's completion report, aborts
-(AbortRooms), and lease renewals for rooms a decode announced (RenewLeases). Registrations and aborts come batched per peer; each item
+(AbortRooms), and lease renewals for rooms a decode announced
+(RenewLeases). Registrations and aborts come batched per peer; each item
 succeeds or fails on its own.
 
 (Ping is answered by the servicer with the broker id alone.)
