@@ -130,7 +130,7 @@ def test_get_room_shows_the_record_timeline_and_trace(rooms) -> None:
 
 
 def test_list_calls_filter_rooms_and_describe_peers(rooms) -> None:
-    """ListRooms filters by state, engine and peer; ListEngines shows labels; ListPeers the transport and bytes."""
+    """ListRooms filters by state, engine and peer; ListEngines shows labels; ListPeers the transport, bytes and stream."""
     d, p = rooms["d"], rooms["p"]
     done = _call(d.address, "ListRooms", {"state": "ROOM_STATE_SUCCESS"})["rooms"]
     assert [r["room"] for r in done] == ["11"]
@@ -142,6 +142,9 @@ def test_list_calls_filter_rooms_and_describe_peers(rooms) -> None:
     (peer,) = _call(p.address, "ListPeers")["peers"]
     assert peer["handshaken"] and "NIXL UCX" in peer["transport"] and int(peer["bytes_sent"]) > 0
     assert peer["memory"] == ["DRAM->DRAM"]
+    # The decode broker's calls to the prefill's went on its peer stream (registrations at least).
+    (to_prefill,) = _call(d.address, "ListPeers")["peers"]
+    assert to_prefill["stream_open"] and int(to_prefill["stream_calls"]) >= int(to_prefill["stream_frames"]) >= 1
     # The transport self-test on demand: host memory on both sides, no GPU pair to probe.
     (probed,) = _call(p.address, "ProbeTransport", {"peer": peer["address"]})["peers"]
     assert probed["broker_id"] == peer["broker_id"] and probed.get("transports", []) == []

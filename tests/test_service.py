@@ -1148,5 +1148,5 @@ def test_peers_register_and_abort_rooms_only_in_batches() -> None:
     methods = set(peer_pb2.DESCRIPTOR.services_by_name["PeerBroker"].methods_by_name)
     assert methods == {
         "Handshake", "RegisterRooms", "ReserveStaging", "ReportCompletion", "AbortRooms", "Ping",
-        "ReserveProbe", "ReleaseProbe", "GrantCredits", "ReturnCredits", "RenewLeases",
+        "ReserveProbe", "ReleaseProbe", "GrantCredits", "ReturnCredits", "RenewLeases", "Stream",
     }

@@ -110,6 +110,9 @@ class Admin:
                     throughput_gbps=peer.throughput_bps / 1e9,
                     last_seen_seconds=now - peer.last_seen,
                     transports=transports(peer, now),
+                    stream_open=peer.stream is not None and peer.stream.broker_id is not None,
+                    stream_calls=peer.stream.calls_written if peer.stream is not None else 0,
+                    stream_frames=peer.stream.frames_written if peer.stream is not None else 0,
                 )
             )
         return out

@@ -119,6 +119,9 @@ class BrokerServer:
             *(filters.full_method_name(f"/{SERVICE_NAMES[0]}/{m}") for m in _UNTRACED),
             # A batch of room registrations: each carries its room's trace.
             filters.full_method_name(f"/{SERVICE_NAMES[1]}/RegisterRooms"),
+            # The peer stream lives as long as the pair of brokers: each of
+            # its calls carries the trace context it was made in.
+            filters.full_method_name(f"/{SERVICE_NAMES[1]}/Stream"),
         )
         server = grpc.aio.server(
             options=server_options(cfg), interceptors=[aio_server_interceptor(filter_=filters.negate(untraced))]

@@ -16,6 +16,7 @@ import grpc
 import structlog
 
 from kvbroker.broker.api._admin import Admin
+from kvbroker.broker.api._peer_stream import serve_stream
 from kvbroker.broker.runtime import EngineCalls, PeerRequests, Sessions, SessionStream
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import Internal, InvalidArgument, KvBrokerError
@@ -195,6 +196,33 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         self._requests = peer_requests
         self._broker_id = broker_id
         self._counters = counters
+        requests = peer_requests
+        #: The calls the peer stream carries, answered as their unary forms are.
+        self._answers: dict[str, Callable[[Any], Any]] = {
+            "RegisterRooms": requests.register_rooms,
+            "ReserveStaging": requests.reserve_staging,
+            "ReportCompletion": requests.completion_report,
+            "AbortRooms": requests.peer_aborts,
+            "Ping": self._ping,
+            "GrantCredits": requests.grant_credits,
+            "ReturnCredits": requests.return_credits,
+            "RenewLeases": requests.renew_leases,
+        }
+
+    def _ping(self, request: peer_pb2.PingRequest) -> peer_pb2.PingResponse:
+        return peer_pb2.PingResponse(broker_id=self._broker_id)
+
+    def _answer(self, name: str, request: Any) -> Any:
+        """Answer a call that came on a peer stream (counted as its unary form is)."""
+        self._counters.peer_calls_answered[name] += 1
+        return self._answers[name](request)
+
+    async def Stream(
+        self, requests: AsyncIterator[peer_pb2.PeerFrame], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[peer_pb2.PeerFrame]:
+        self._counters.peer_calls_answered["Stream"] += 1
+        async for frame in serve_stream(requests, context, self._broker_id, self._answer):
+            yield frame
 
     @_peer
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
@@ -212,8 +240,7 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 
     @_peer
     async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
-        self._requests.completion_report(request)
-        return peer_pb2.CompletionAck()
+        return self._requests.completion_report(request)
 
     @_peer
     async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
@@ -225,7 +252,7 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 
     @_peer
     async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
-        return peer_pb2.PingResponse(broker_id=self._broker_id)
+        return self._ping(request)
 
     @_peer
     async def ReserveProbe(self, request: peer_pb2.ReserveProbeRequest, context: Any) -> peer_pb2.ReserveProbeResponse:
@@ -242,8 +269,7 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
 
     @_peer
     async def ReturnCredits(self, request: peer_pb2.ReturnCreditsRequest, context: Any) -> peer_pb2.ReturnCreditsResponse:
-        self._requests.return_credits(request)
-        return peer_pb2.ReturnCreditsResponse()
+        return self._requests.return_credits(request)
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

@@ -10,6 +10,7 @@ from kvbroker.broker.peers._fleet import (
     read_fleet,
 )
 from kvbroker.broker.peers._liveness import PeerMonitor
+from kvbroker.broker.peers._stream import STREAM_CALLS, PeerStream, StreamStub
 from kvbroker.broker.peers._table import (
     DEVICE_SPEED,
     HOST_FALLBACK,
@@ -34,6 +35,9 @@ __all__ = [
     "PeerTable",
     "PoolKey",
     "RemoteEngine",
+    "STREAM_CALLS",
+    "PeerStream",
+    "StreamStub",
     "TransportVerdict",
     "etcd_client",
     "find_in_fleet",

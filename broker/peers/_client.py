@@ -1,8 +1,11 @@
 """Every call this broker makes to other brokers, with its retry policy (room
 registration's is the receiver's: ``execution._registration``).
 
-It mirrors the ``PeerBroker`` service (``service.PeerService`` answers the
-same calls):
+It mirrors the ``PeerBroker`` service (``api.PeerService`` answers the
+same calls). Every call but ``Handshake`` and the probes goes on the peer's
+stream (``peers._stream``: one per peer, opened by the handshake, calls
+batched per frame); its errors are the unary call's, so the policies below
+read the same either way.
 
 | call | when | retry policy |
 | --- | --- | --- |
@@ -12,7 +15,7 @@ same calls):
 | ``ReserveStaging`` | before a staged write | none (the receiver waits up to ``staging_wait`` for room) |
 | ``ReportCompletion`` | a source failed, settled, or will never come | while UNAVAILABLE or DEADLINE_EXCEEDED: 4 tries, 50 ms growing 4x |
 | ``AbortRooms`` | a receiver failed | per room as ReportCompletion; ABORTED (the peer does not know us: it took us for lost while we were stopped, say): handshake again, then once more; unreachable: the caller remembers it for the successor |
-| ``Ping`` | heartbeat (``liveness``) | none: the next heartbeat is the retry |
+| ``Ping`` | heartbeat (``liveness``), only while the peer's stream was idle for a heartbeat (an answer on it is the heartbeat) | none: the next heartbeat is the retry |
 | ``RenewLeases`` | rooms this broker's decode engines announced, per sender broker when due | none: the next renewal pass is the retry |
 
 Room registrations and aborts are batched per peer (:class:`PerPeerBatches`):
@@ -43,6 +46,7 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 from kvbroker.broker import telemetry
 from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.peers._stream import PeerStream, StreamStub
 from kvbroker.broker.peers._table import Peer, PeerTable, announced_staging
 from kvbroker.errors import (
     Aborted,
@@ -173,6 +177,7 @@ class PeerClient:
                     peer, response.callee, response.nixl_agent_metadata, response.engines, announced_staging(response)
                 )
                 peer.announced_epoch = epoch
+                self.stub(peer).stream.open()  # the room calls' stream, opened now rather than by the first room
         log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
 
     async def find_sender(
@@ -286,7 +291,7 @@ class PeerClient:
         """Room in the peer's receive buffer for our packed parts (waits while it is full)."""
         return await self._room_call(broker_id, "grant credits", lambda stub, timeout: stub.GrantCredits(request, timeout=timeout))
 
-    async def _room_call(self, broker_id: str, what: str, call: Callable[[peer_pb2_grpc.PeerBrokerStub, float], Awaitable[T]]) -> T:
+    async def _room_call(self, broker_id: str, what: str, call: Callable[[StreamStub, float], Awaitable[T]]) -> T:
         """A call for room in the peer's buffers: it may wait there up to the
         staging wait; its failure says what could not be had."""
         stub = self.stub(self._peers.get(broker_id))
@@ -306,7 +311,7 @@ class PeerClient:
         request = peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=probe_id)
         await self._plain_call(broker_id, lambda stub: stub.ReleaseProbe(request, timeout=self._timeout))
 
-    async def _plain_call(self, broker_id: str, call: Callable[[peer_pb2_grpc.PeerBrokerStub], Awaitable[Any]]) -> None:
+    async def _plain_call(self, broker_id: str, call: Callable[[StreamStub], Awaitable[Any]]) -> None:
         stub = self.stub(self._peers.get(broker_id))
         try:
             await call(stub)
@@ -347,7 +352,12 @@ class PeerClient:
         return response
 
     async def ping(self, peer: Peer, timeout_seconds: float) -> str:
-        """The broker id that answers at ``peer``'s address (raises ``grpc.RpcError``)."""
+        """The broker id that answers at ``peer``'s address (raises ``grpc.RpcError``):
+        the one at the other end of our stream if it answered there within
+        ``timeout_seconds`` (a ping only while the stream is idle)."""
+        stream = self.stub(peer).stream
+        if stream.heard_within(timeout_seconds) and stream.broker_id:
+            return stream.broker_id
         reply = await self.stub(peer).Ping(peer_pb2.PingRequest(from_broker_id=self._peers.broker_id), timeout=timeout_seconds)
         return str(reply.broker_id)
 
@@ -399,27 +409,35 @@ class PeerClient:
         return None
 
     # -- channels ---------------------------------------------------------------
-    def stub(self, peer: Peer) -> peer_pb2_grpc.PeerBrokerStub:
-        """A stub for calls to ``peer`` (made once per peer record)."""
+    def stub(self, peer: Peer) -> StreamStub:
+        """A stub for calls to ``peer`` (made once per peer record): the room
+        calls go on its stream (``peers._stream``), the others are unary."""
         if peer.stub is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
-            # No span of its own for the batched registrations: each room's
-            # trace goes in its registration (RegisterRoomRequest.trace_context).
-            interceptors: Any = aio_client_interceptors(filter_=filters.negate(filters.method_name("RegisterRooms")))
+            # No span for the peer stream (it lives as long as the pair of
+            # brokers; each call on it carries its own trace context), nor
+            # for a batch of registrations (each carries its room's).
+            untraced = filters.any_of(filters.method_name("Stream"), filters.method_name("RegisterRooms"))
+            interceptors: Any = aio_client_interceptors(filter_=filters.negate(untraced))
             if self._credentials is not None:
                 peer.channel = grpc.aio.secure_channel(
                     peer.address, self._credentials, options=self._options, interceptors=interceptors
                 )
             else:
                 peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options, interceptors=interceptors)
-            peer.stub = peer_pb2_grpc.PeerBrokerStub(peer.channel)
+            unary = peer_pb2_grpc.PeerBrokerStub(peer.channel)
+            peer.stream = PeerStream(unary, peer.address, lambda: self._peers.broker_id)
+            peer.stub = StreamStub(unary, peer.stream)
         return peer.stub
 
     async def close(self) -> None:
         await self._registrations.close()
         await self._aborts.close()
         for peer in self._peers.peers():
+            if peer.stream is not None:
+                peer.stream.close()
+                peer.stream = None
             if peer.channel is not None:
                 await peer.channel.close()
                 peer.channel = None

@@ -28,6 +28,7 @@ import grpc
 import structlog
 
 from kvbroker.broker.dataplane import Agent, DataPlane
+from kvbroker.broker.peers._stream import PeerStream, StreamStub
 from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (
     BufferPlacement,
@@ -38,7 +39,7 @@ from kvbroker.plan import (
     rank_key,
 )
 from kvbroker.protocol import PROTOCOL_VERSION
-from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = ["Peer", "PeerTable", "RemoteEngine", "announced_staging"]
 
@@ -145,7 +146,10 @@ class Peer:
     #: receive buffer that was probed (``execution.TransportProbes``).
     transports: dict[tuple[PoolKey, PoolKey], TransportVerdict] = field(default_factory=dict)
     channel: grpc.aio.Channel | None = None
-    stub: peer_pb2_grpc.PeerBrokerStub | None = None
+    #: The calls to the peer: the room calls on ``stream``, the others unary.
+    stub: StreamStub | None = None
+    #: This broker's stream to the peer (``peers._stream``).
+    stream: PeerStream | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def group_layouts(self, group: str) -> list[Layout]:
@@ -326,6 +330,8 @@ class PeerTable:
             self._dataplane.call(lambda agent: agent.remove_remote(name))
         if peer.broker_id:
             self.by_id.pop(peer.broker_id, None)
+        if peer.stream is not None:
+            peer.stream.close()  # calls on it fail UNAVAILABLE; the next call opens a new one
         peer.broker_id = None
         peer.agent_name = None
         peer.metadata = b""

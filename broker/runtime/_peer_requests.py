@@ -181,16 +181,18 @@ class PeerRequests:
         check_version(request.protocol_version, "GrantCredits")
         return await self._credits.grant(request)
 
-    def return_credits(self, request: peer_pb2.ReturnCreditsRequest) -> None:
+    def return_credits(self, request: peer_pb2.ReturnCreditsRequest) -> peer_pb2.ReturnCreditsResponse:
         """A sending peer gives whole grants back."""
         check_version(request.protocol_version, "ReturnCredits")
         self._credits.take_back(request)
+        return peer_pb2.ReturnCreditsResponse()
 
     @in_turn
-    def completion_report(self, request: peer_pb2.CompletionReport) -> None:
+    def completion_report(self, request: peer_pb2.CompletionReport) -> peer_pb2.CompletionAck:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""
         check_version(request.protocol_version, "ReportCompletion")
         self._receiver.completion_report(request)
+        return peer_pb2.CompletionAck()
 
     # -- leases -------------------------------------------------------------------------
     @in_turn

@@ -18,6 +18,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_6: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_7: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_8: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_9: _ClassVar[ProtocolVersion]
 
 class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -84,6 +85,7 @@ PROTOCOL_VERSION_5: ProtocolVersion
 PROTOCOL_VERSION_6: ProtocolVersion
 PROTOCOL_VERSION_7: ProtocolVersion
 PROTOCOL_VERSION_8: ProtocolVersion
+PROTOCOL_VERSION_9: ProtocolVersion
 ROOM_STATE_FAILED: RoomState
 ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState

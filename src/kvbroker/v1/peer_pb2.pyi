@@ -19,6 +19,81 @@ SOURCE_MODE_FULL_PAGES: SourceMode
 SOURCE_MODE_COMPLETION_ONLY: SourceMode
 SOURCE_MODE_HEAD_SLICE: SourceMode
 
+class PeerFrame(_message.Message):
+    __slots__ = ("open", "calls", "answers")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    open: StreamOpen
+    calls: _containers.RepeatedCompositeFieldContainer[PeerCall]
+    answers: _containers.RepeatedCompositeFieldContainer[PeerAnswer]
+    def __init__(self, open: _Optional[_Union[StreamOpen, _Mapping]] = ..., calls: _Optional[_Iterable[_Union[PeerCall, _Mapping]]] = ..., answers: _Optional[_Iterable[_Union[PeerAnswer, _Mapping]]] = ...) -> None: ...
+
+class StreamOpen(_message.Message):
+    __slots__ = ("protocol_version", "broker_id")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    broker_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., broker_id: _Optional[str] = ...) -> None: ...
+
+class PeerCall(_message.Message):
+    __slots__ = ("id", "trace_context", "register_rooms", "reserve_staging", "report_completion", "abort_rooms", "ping", "grant_credits", "return_credits", "renew_leases")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_STAGING_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    GRANT_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    trace_context: _containers.ScalarMap[str, str]
+    register_rooms: RegisterRoomsRequest
+    reserve_staging: ReserveStagingRequest
+    report_completion: CompletionReport
+    abort_rooms: PeerAbortRoomsRequest
+    ping: PingRequest
+    grant_credits: GrantCreditsRequest
+    return_credits: ReturnCreditsRequest
+    renew_leases: RenewLeasesRequest
+    def __init__(self, id: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., register_rooms: _Optional[_Union[RegisterRoomsRequest, _Mapping]] = ..., reserve_staging: _Optional[_Union[ReserveStagingRequest, _Mapping]] = ..., report_completion: _Optional[_Union[CompletionReport, _Mapping]] = ..., abort_rooms: _Optional[_Union[PeerAbortRoomsRequest, _Mapping]] = ..., ping: _Optional[_Union[PingRequest, _Mapping]] = ..., grant_credits: _Optional[_Union[GrantCreditsRequest, _Mapping]] = ..., return_credits: _Optional[_Union[ReturnCreditsRequest, _Mapping]] = ..., renew_leases: _Optional[_Union[RenewLeasesRequest, _Mapping]] = ...) -> None: ...
+
+class PeerAnswer(_message.Message):
+    __slots__ = ("id", "code", "message", "register_rooms", "reserve_staging", "report_completion", "abort_rooms", "ping", "grant_credits", "return_credits", "renew_leases")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_STAGING_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    GRANT_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
+    register_rooms: RegisterRoomsResponse
+    reserve_staging: ReserveStagingResponse
+    report_completion: CompletionAck
+    abort_rooms: PeerAbortRoomsResponse
+    ping: PingResponse
+    grant_credits: GrantCreditsResponse
+    return_credits: ReturnCreditsResponse
+    renew_leases: RenewLeasesResponse
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., register_rooms: _Optional[_Union[RegisterRoomsResponse, _Mapping]] = ..., reserve_staging: _Optional[_Union[ReserveStagingResponse, _Mapping]] = ..., report_completion: _Optional[_Union[CompletionAck, _Mapping]] = ..., abort_rooms: _Optional[_Union[PeerAbortRoomsResponse, _Mapping]] = ..., ping: _Optional[_Union[PingResponse, _Mapping]] = ..., grant_credits: _Optional[_Union[GrantCreditsResponse, _Mapping]] = ..., return_credits: _Optional[_Union[ReturnCreditsResponse, _Mapping]] = ..., renew_leases: _Optional[_Union[RenewLeasesResponse, _Mapping]] = ...) -> None: ...
+
 class BrokerIdentity(_message.Message):
     __slots__ = ("broker_id", "nixl_agent_name", "address")
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,11 @@ class PeerBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/kvbroker.v1.PeerBroker/Stream',
+                request_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerFrame.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerFrame.FromString,
+                _registered_method=True)
 
 
 class PeerBrokerServicer:
@@ -200,6 +205,21 @@ class PeerBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """The peer stream (protocol 9): the calling broker opens one to each peer
+        at the handshake and sends every call above but Handshake and the
+        probes on it, as PeerCall frames; the callee answers each with a
+        PeerAnswer of the same id, in any order (a call that waits for room,
+        ReserveStaging or GrantCredits, does not hold up the others). Calls
+        queued while a frame is written go together in the next one. The first
+        frame each way is a StreamOpen; a caller of another protocol version is
+        refused FAILED_PRECONDITION, naming both versions. The unary calls
+        answer the same, for operators (grpcurl) and tests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +277,11 @@ def add_PeerBrokerServicer_to_server(servicer, server):
                     servicer.RenewLeases,
                     request_deserializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__pb2.PeerFrame.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__pb2.PeerFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -556,6 +581,33 @@ class PeerBroker:
             '/kvbroker.v1.PeerBroker/RenewLeases',
             kvbroker_dot_v1_dot_peer__pb2.RenewLeasesRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvbroker.v1.PeerBroker/Stream',
+            kvbroker_dot_v1_dot_peer__pb2.PeerFrame.SerializeToString,
+            kvbroker_dot_v1_dot_peer__pb2.PeerFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,172 @@
+"""The callee's side of the peer stream (``PeerBroker.Stream``; the caller's
+and the lifecycle: ``peers._stream``).
+
+Each call on the stream is answered by the same code as its unary form
+(``PeerService``'s table of answers). A call answered at once (a
+registration, a report, an abort, a ping, a renewal) is answered as its
+frame is read, in the order the caller made them; one that may wait for
+room (ReserveStaging, GrantCredits) answers from a task of its own, so it
+holds up nothing else. Answers ready together go back in one frame.
+
+When the caller ends the stream (or it breaks), the calls still waiting are
+cancelled, as gRPC cancels a unary call whose caller went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+
+from kvbroker.broker.peers import STREAM_CALLS
+from kvbroker.errors import FailedPrecondition, InvalidArgument, KvBrokerError
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import peer_pb2
+
+__all__ = ["AnswerCall", "serve_stream"]
+
+log = structlog.get_logger(__name__)
+
+#: Answers call ``name`` (a ``STREAM_CALLS`` key) with ``request``: the
+#: answer, or an awaitable of it; raises ``KvBrokerError`` for a status.
+AnswerCall = Callable[[str, Message], "Message | Awaitable[Message]"]
+
+#: ``PeerCall.call`` field -> the unary call's name.
+_NAMES = {fieldname: name for name, fieldname in STREAM_CALLS.items()}
+
+
+async def serve_stream(
+    requests: AsyncIterator[peer_pb2.PeerFrame], context: grpc.aio.ServicerContext[Any, Any], broker_id: str, answer: AnswerCall
+) -> AsyncIterator[peer_pb2.PeerFrame]:
+    """Answer a peer's stream: its ``StreamOpen`` (refused if it speaks
+    another protocol), then each of its calls."""
+    try:
+        first = await requests.__anext__()
+    except StopAsyncIteration:
+        return
+    try:
+        _check_open(first)
+    except KvBrokerError as exc:
+        await context.abort(exc.code, exc.message)
+    yield peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION, broker_id=broker_id))
+    answers = _Answers(answer)
+    reader = asyncio.get_running_loop().create_task(answers.take_all(first.calls, requests), name="peer-stream-reader")
+    try:
+        while (frame := await answers.next_frame()) is not None:
+            yield frame
+    finally:
+        reader.cancel()
+        answers.cancel()
+
+
+def _check_open(first: peer_pb2.PeerFrame) -> None:
+    if not first.HasField("open"):
+        raise InvalidArgument("the first frame of a peer stream must carry StreamOpen")
+    if first.open.protocol_version != PROTOCOL_VERSION:
+        raise FailedPrecondition(
+            f"broker {first.open.broker_id or '(unnamed)'} speaks kvbroker protocol {first.open.protocol_version}; "
+            f"this broker speaks {PROTOCOL_VERSION} (run one version across the fleet)"
+        )
+
+
+class _Answers:
+    """The answers of one stream, until they are written. Control loop only."""
+
+    def __init__(self, answer: AnswerCall) -> None:
+        self._answer = answer
+        self._ready: list[peer_pb2.PeerAnswer] = []
+        self._wake = asyncio.Event()
+        #: Calls that wait (for room) in tasks of their own.
+        self._waiting: set[asyncio.Task[None]] = set()
+        self._reading = True
+
+    async def take_all(self, opening: Iterable[peer_pb2.PeerCall], requests: AsyncIterator[peer_pb2.PeerFrame]) -> None:
+        """Answer the calls of every frame the caller sends, until it ends the stream."""
+        try:
+            self.take(opening)
+            async for frame in requests:
+                if frame.HasField("open"):
+                    raise InvalidArgument("StreamOpen may only be the first frame of a peer stream")
+                self.take(frame.calls)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("peer_stream_read_failed", error=exc.message if isinstance(exc, KvBrokerError) else repr(exc))
+        finally:
+            self._reading = False
+            self._wake.set()
+
+    def take(self, calls: Iterable[peer_pb2.PeerCall]) -> None:
+        for call in calls:
+            fieldname = call.WhichOneof("call")
+            name = _NAMES.get(fieldname or "")
+            if name is None:
+                self._put(peer_pb2.PeerAnswer(id=call.id, code=grpc.StatusCode.UNIMPLEMENTED.value[0], message="an unknown peer call"))
+                continue
+            token = otel_context.attach(propagate.extract(call.trace_context)) if call.trace_context else None
+            try:
+                result = self._answer(name, getattr(call, fieldname))
+                if inspect.isawaitable(result):
+                    task = asyncio.get_running_loop().create_task(self._later(call.id, name, fieldname, result))
+                    self._waiting.add(task)
+                    task.add_done_callback(self._answered)
+                else:
+                    self._put(_answer(call.id, fieldname, result))
+            except Exception as exc:
+                self._put(_failed(call.id, name, exc))
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+
+    async def _later(self, call_id: int, name: str, fieldname: str, result: Awaitable[Message]) -> None:
+        try:
+            self._put(_answer(call_id, fieldname, await result))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._put(_failed(call_id, name, exc))
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        self._waiting.discard(task)
+        self._wake.set()
+
+    def _put(self, answer: peer_pb2.PeerAnswer) -> None:
+        self._ready.append(answer)
+        self._wake.set()
+
+    async def next_frame(self) -> peer_pb2.PeerFrame | None:
+        """The answers ready now, in one frame; None once the caller ended the stream and every call is answered."""
+        while not self._ready:
+            if not self._reading and not self._waiting:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+        frame, self._ready = peer_pb2.PeerFrame(answers=self._ready), []
+        return frame
+
+    def cancel(self) -> None:
+        for task in list(self._waiting):
+            task.cancel()
+
+
+def _answer(call_id: int, fieldname: str, result: Message) -> peer_pb2.PeerAnswer:
+    answer = peer_pb2.PeerAnswer(id=call_id)
+    getattr(answer, fieldname).CopyFrom(result)
+    return answer
+
+
+def _failed(call_id: int, name: str, exc: Exception) -> peer_pb2.PeerAnswer:
+    """A call's error as its answer: a ``KvBrokerError``'s own status; anything else INTERNAL (logged)."""
+    if isinstance(exc, KvBrokerError):
+        return peer_pb2.PeerAnswer(id=call_id, code=exc.status_number, message=exc.message)
+    log.error("rpc_failed", rpc=name, exc_info=exc)
+    return peer_pb2.PeerAnswer(
+        id=call_id, code=grpc.StatusCode.INTERNAL.value[0], message=f"{name} failed inside the broker; see its log"
+    )

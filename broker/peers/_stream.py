@@ -1,0 +1,342 @@
+"""The peer stream (``PeerBroker.Stream``, protocol 9): one stream from this
+broker to each peer it calls, carrying the room calls as frames.
+
+A unary call pays its own HTTP/2 stream, headers both ways, deadline and
+task; on this 2-core machine that is most of a millisecond per call, and a
+room made two or three of them between brokers. On the stream a call is one
+``PeerCall`` in a frame, its answer one ``PeerAnswer`` (same id) in a frame
+back; calls queued while a frame is written go together in the next one.
+
+The calls it carries (:data:`STREAM_CALLS`) keep their unary names,
+requests, answers and status codes: :class:`StreamStub` answers the same
+methods as ``peer_pb2_grpc.PeerBrokerStub`` and raises the same
+``grpc.RpcError`` (an ``AioRpcError`` with the call's code), so the callers'
+retry policies (``PeerClient``, ``execution._registration``) read it as
+they read a unary call. Handshake and the transport self-test's probe calls
+stay unary.
+
+Lifecycle:
+
+- opened when a handshake succeeds (``PeerClient.handshake``), else by the
+  first call; each side's first frame is a ``StreamOpen`` naming its
+  protocol version and broker id. No call is written before the callee's
+  ``StreamOpen`` arrives, so a stream that never opened delivered nothing.
+- a stream that cannot open fails its waiting calls UNAVAILABLE at once,
+  except those made ``wait_for_ready`` (room registrations: a broker may be
+  restarting at the address), which wait for a stream up to their own
+  deadline, as a unary call with ``wait_for_ready`` waits for its channel.
+  A callee without ``Stream`` (protocol 8 or older) fails them
+  FAILED_PRECONDITION, naming both versions.
+- a stream that breaks fails every call written on it UNAVAILABLE (it may
+  have been delivered, as a unary call that broke); calls not yet written
+  go on the next stream as above.
+- each call has its own deadline: past it, DEADLINE_EXCEEDED, and a late
+  answer is dropped.
+- ``close`` (the peer is dropped: lost or restarted; the broker stops)
+  cancels the stream; a later call opens a new one.
+
+Liveness: a stream that answered within the heartbeat is the peer's
+heartbeat (``heard_within``); the monitor pings only a peer whose stream
+was idle (``PeerClient.ping``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+from opentelemetry import propagate
+
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+
+__all__ = ["STREAM_CALLS", "PeerStream", "StreamStub", "rpc_error"]
+
+log = structlog.get_logger(__name__)
+
+#: The calls the stream carries: unary method name -> the field of
+#: ``PeerCall.call`` and ``PeerAnswer.answer`` that holds its request and answer.
+STREAM_CALLS: dict[str, str] = {
+    "RegisterRooms": "register_rooms",
+    "ReserveStaging": "reserve_staging",
+    "ReportCompletion": "report_completion",
+    "AbortRooms": "abort_rooms",
+    "Ping": "ping",
+    "GrantCredits": "grant_credits",
+    "ReturnCredits": "return_credits",
+    "RenewLeases": "renew_leases",
+}
+
+#: How long a stream that could not open waits before it tries again for
+#: the calls that wait for one (``wait_for_ready``).
+_REOPEN_DELAY_SECONDS = 0.1
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a unary call with this status would have raised."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+@dataclass
+class _Pending:
+    """A call made on the stream, until it is answered, fails or times out."""
+
+    name: str
+    future: asyncio.Future[Any]
+    wait_for_ready: bool
+    written: bool = False
+
+
+@dataclass
+class _Opened:
+    """One stream's gRPC call and the callee process that answered it."""
+
+    call: Any
+    broker_id: str
+    #: Why it broke (None while it holds).
+    broken: grpc.aio.AioRpcError | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class PeerStream:
+    """This broker's stream to one peer: its calls multiplexed by id and
+    batched per frame. Control loop only."""
+
+    def __init__(self, stub: peer_pb2_grpc.PeerBrokerStub, address: str, own_id: Callable[[], str]) -> None:
+        self._stub = stub
+        self._address = address
+        self._own_id = own_id
+        self._ids = itertools.count(1)
+        #: Calls waiting for their answer, by id.
+        self._pending: dict[int, _Pending] = {}
+        #: Calls made and not yet written (the next frame's).
+        self._queue: list[peer_pb2.PeerCall] = []
+        self._wake = asyncio.Event()
+        #: The task that opens the stream and writes its frames (None: none runs).
+        self._runner: asyncio.Task[None] | None = None
+        self._opened: _Opened | None = None
+        #: When the callee last answered on a stream (monotonic; 0: never).
+        self._heard_at = 0.0
+        self._closed = False
+        #: Calls and frames written on this peer's streams (``ListPeers``).
+        self.calls_written = 0
+        self.frames_written = 0
+
+    @property
+    def broker_id(self) -> str | None:
+        """The broker process at the other end of the open stream (None: none is open)."""
+        opened = self._opened
+        return opened.broker_id if opened is not None and opened.broken is None else None
+
+    def heard_within(self, seconds: float) -> bool:
+        """Whether the open stream's callee answered in the last ``seconds``."""
+        return self.broker_id is not None and time.monotonic() - self._heard_at <= seconds
+
+    def open(self) -> None:
+        """Open the stream now, if none is open or opening (after a handshake)."""
+        self._closed = False
+        self._start()
+
+    async def call(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> Any:
+        """Make call ``name`` (a :data:`STREAM_CALLS` key) on the stream: its
+        answer, or the ``grpc.RpcError`` a unary call would raise."""
+        loop = asyncio.get_running_loop()
+        call_id = next(self._ids)
+        message = peer_pb2.PeerCall(id=call_id)
+        getattr(message, STREAM_CALLS[name]).CopyFrom(request)
+        propagate.inject(message.trace_context)
+        pending = _Pending(name, loop.create_future(), wait_for_ready)
+        self._pending[call_id] = pending
+        self._queue.append(message)
+        self._closed = False
+        self._start()
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(pending.future, timeout)
+        except asyncio.TimeoutError:
+            raise rpc_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"{name} to the broker at {self._address}: no answer within {timeout:g} s"
+            ) from None
+        finally:
+            self._pending.pop(call_id, None)
+            if not pending.written:
+                self._queue = [m for m in self._queue if m.id != call_id]
+
+    def close(self) -> None:
+        """End the stream (its peer is dropped, or this broker stops): calls on it fail UNAVAILABLE."""
+        self._closed = True
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.cancel()
+        opened = self._opened
+        if opened is not None:
+            self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed"))
+        self._fail_waiting(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed"), all_calls=True)
+
+    # -- the runner -------------------------------------------------------------
+    def _start(self) -> None:
+        if self._runner is None and not self._closed:
+            self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"peer-stream-{self._address}")
+
+    async def _run(self) -> None:
+        """Open a stream, then write what is queued until it breaks; again while calls wait for one."""
+        try:
+            while not self._closed:
+                try:
+                    opened = await self._open()
+                except grpc.RpcError as exc:
+                    error = self._refusal(exc)
+                    log.debug("peer_stream_unopened", peer=self._address, error=error.details())
+                    self._fail_waiting(error, all_calls=error.code() != grpc.StatusCode.UNAVAILABLE)
+                    if not self._queue:
+                        return
+                    await asyncio.sleep(_REOPEN_DELAY_SECONDS)
+                    continue
+                await self._write(opened)
+                if not self._queue:
+                    return  # the next call opens another
+                await asyncio.sleep(_REOPEN_DELAY_SECONDS)  # calls not written yet: on a new stream
+        finally:
+            if self._runner is asyncio.current_task():
+                self._runner = None
+
+    async def _open(self) -> _Opened:
+        """A stream whose callee answered our ``StreamOpen`` with its own."""
+        call = self._stub.Stream()
+        try:
+            await call.write(peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION, broker_id=self._own_id())))
+            first = await call.read()
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception:
+            # The call ended as it opened (no broker at the address, no Stream
+            # there, ...): its status says why (a write to an ended call only
+            # says that it ended). Cancelling a call that ended changes nothing.
+            call.cancel()
+            raise rpc_error(await call.code(), await call.details() or "") from None
+        if first is grpc.aio.EOF or not first.HasField("open"):
+            call.cancel()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the broker at {self._address} ended the peer stream as it opened")
+        opened = _Opened(call, first.open.broker_id)
+        self._opened = opened
+        self._heard_at = time.monotonic()
+        opened.tasks.append(asyncio.get_running_loop().create_task(self._read(opened), name=f"peer-stream-read-{self._address}"))
+        log.debug("peer_stream_opened", peer=self._address, broker=opened.broker_id)
+        return opened
+
+    def _refusal(self, exc: grpc.RpcError) -> grpc.aio.AioRpcError:
+        """What a stream that would not open tells its calls."""
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+        details = (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else None) or str(exc)
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return rpc_error(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the broker at {self._address} has no peer stream: it speaks a kvbroker protocol older than "
+                f"{PROTOCOL_VERSION}, which this broker needs (run one version across the fleet)",
+            )
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return rpc_error(code, details)
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"no peer stream to the broker at {self._address}: {details}")
+
+    async def _write(self, opened: _Opened) -> None:
+        """Write the queued calls, a frame at a time, until the stream breaks or closes."""
+        try:
+            while opened.broken is None:
+                if not self._queue:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                batch, self._queue = self._queue, []
+                for message in batch:
+                    pending = self._pending.get(message.id)
+                    if pending is not None:
+                        pending.written = True
+                await opened.call.write(peer_pb2.PeerFrame(calls=batch))
+                self.calls_written += len(batch)
+                self.frames_written += 1
+        except Exception as exc:  # a write to a broken or cancelled call: RpcError, or grpc's usage errors
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} broke: {details}"))
+        finally:
+            if opened.broken is None:  # cancelled (closed)
+                self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed"))
+
+    async def _read(self, opened: _Opened) -> None:
+        """Hand each answer to its call, until the stream ends."""
+        try:
+            while True:
+                frame = await opened.call.read()
+                if frame is grpc.aio.EOF:
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, "it ended the stream")
+                self._heard_at = time.monotonic()
+                for answer in frame.answers:
+                    pending = self._pending.get(answer.id)
+                    if pending is None or pending.future.done():
+                        continue  # its caller gave up (deadline, cancelled)
+                    if answer.code:
+                        pending.future.set_exception(rpc_error(_STATUS.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message))
+                    else:
+                        pending.future.set_result(getattr(answer, STREAM_CALLS[pending.name]))
+        except grpc.RpcError as exc:
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} broke: {details}"))
+
+    def _break(self, opened: _Opened, error: grpc.aio.AioRpcError) -> None:
+        """``opened`` is over: the calls written on it fail with ``error``."""
+        if opened.broken is not None:
+            return
+        opened.broken = error
+        if self._opened is opened:
+            self._opened = None
+        opened.call.cancel()
+        for task in opened.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._wake.set()
+        for pending in list(self._pending.values()):
+            if pending.written and not pending.future.done():
+                pending.future.set_exception(error)
+        log.debug("peer_stream_broken", peer=self._address, broker=opened.broker_id, error=error.details())
+
+    def _fail_waiting(self, error: grpc.aio.AioRpcError, *, all_calls: bool) -> None:
+        """Fail the calls not written yet, but those that wait for a stream (unless ``all_calls``)."""
+        failed = {
+            call_id
+            for call_id, pending in self._pending.items()
+            if not pending.written and (all_calls or not pending.wait_for_ready) and not pending.future.done()
+        }
+        for call_id in failed:
+            self._pending[call_id].future.set_exception(error)
+        self._queue = [m for m in self._queue if m.id not in failed]
+
+
+#: google.rpc.Code number -> grpc.StatusCode value.
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StreamStub:
+    """``peer_pb2_grpc.PeerBrokerStub``'s surface for one peer: the calls of
+    :data:`STREAM_CALLS` go on its :class:`PeerStream`, the others are the
+    unary stub's."""
+
+    def __init__(self, unary: peer_pb2_grpc.PeerBrokerStub, stream: PeerStream) -> None:
+        self._unary = unary
+        self.stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        if name in STREAM_CALLS:
+            stream = self.stream
+
+            async def call(request: Message, timeout: float | None = None, wait_for_ready: bool | None = None, **_: Any) -> Any:
+                return await stream.call(name, request, timeout=timeout, wait_for_ready=bool(wait_for_ready))
+
+            return call
+        return getattr(self._unary, name)

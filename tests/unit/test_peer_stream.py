@@ -1,0 +1,276 @@
+"""The peer stream, both ends in one process over loopback gRPC: calls answered by id (a waiting one
+holds up nothing), batched per frame, refused by name across protocol versions, failed as unary calls
+fail when the stream breaks or a deadline passes, and a registration that waits for a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from kvbroker.broker.api._peer_stream import serve_stream
+from kvbroker.broker.peers import PeerStream, StreamStub
+from kvbroker.errors import ResourceExhausted
+from kvbroker.protocol import PROTOCOL_VERSION
+from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+
+
+class _Callee(peer_pb2_grpc.PeerBrokerServicer):
+    """A callee that answers stream calls with ``answer`` and records what it was asked."""
+
+    def __init__(self, answer: Callable[[str, Any], Any]) -> None:
+        self.answer = answer
+        self.calls: list[str] = []
+        self.streams = 0
+
+    def _answer(self, name: str, request: Any) -> Any:
+        self.calls.append(name)
+        return self.answer(name, request)
+
+    async def Stream(self, requests: AsyncIterator[peer_pb2.PeerFrame], context: Any) -> AsyncIterator[peer_pb2.PeerFrame]:
+        self.streams += 1
+        async for frame in serve_stream(requests, context, "callee", self._answer):
+            yield frame
+
+
+class _Old(peer_pb2_grpc.PeerBrokerServicer):
+    """A protocol-8 broker: it has every unary call and no Stream."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _serve(servicer: peer_pb2_grpc.PeerBrokerServicer, port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    peer_pb2_grpc.add_PeerBrokerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def _stub(address: str) -> tuple[grpc.aio.Channel, StreamStub]:
+    channel = grpc.aio.insecure_channel(address)
+    unary = peer_pb2_grpc.PeerBrokerStub(channel)
+    return channel, StreamStub(unary, PeerStream(unary, address, lambda: "caller"))
+
+
+def _pong(name: str, request: Any) -> Any:
+    return peer_pb2.PingResponse(broker_id="callee")
+
+
+def test_calls_are_answered_by_id_and_a_waiting_call_holds_up_nothing() -> None:
+    """A ReserveStaging that waits for room does not hold up a ping made after it; each gets its own answer."""
+
+    async def body() -> None:
+        room = asyncio.Event()
+
+        def answer(name: str, request: Any) -> Any:
+            if name == "ReserveStaging":
+
+                async def later() -> peer_pb2.ReserveStagingResponse:
+                    await room.wait()
+                    return peer_pb2.ReserveStagingResponse(offset=request.bytes)
+
+                return later()
+            return _pong(name, request)
+
+        server, address = await _serve(_Callee(answer))
+        channel, stub = _stub(address)
+        try:
+            reserve = asyncio.ensure_future(stub.ReserveStaging(peer_pb2.ReserveStagingRequest(bytes=4096), timeout=10))
+            pong = await stub.Ping(peer_pb2.PingRequest(from_broker_id="caller"), timeout=10)
+            assert pong.broker_id == "callee" and not reserve.done()
+            room.set()
+            assert (await reserve).offset == 4096
+            assert stub.stream.broker_id == "callee" and stub.stream.heard_within(5)
+        finally:
+            stub.stream.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+def test_calls_made_together_go_in_fewer_frames_and_errors_keep_their_status() -> None:
+    """200 reports at once: every one answered, in fewer frames than calls; a refused call raises its
+    own status as a unary call would, and the others are unaffected."""
+
+    async def body() -> None:
+        def answer(name: str, request: Any) -> Any:
+            if request.room == 13:
+                raise ResourceExhausted("no room for room 13")
+            return peer_pb2.CompletionAck()
+
+        callee = _Callee(answer)
+        server, address = await _serve(callee)
+        channel, stub = _stub(address)
+        try:
+            stub.stream.open()
+            results = await asyncio.gather(
+                *(stub.ReportCompletion(peer_pb2.CompletionReport(room=r), timeout=10) for r in range(200)), return_exceptions=True
+            )
+            errors = {r: e for r, e in enumerate(results) if isinstance(e, BaseException)}
+            assert list(errors) == [13]
+            assert isinstance(errors[13], grpc.aio.AioRpcError) and errors[13].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert errors[13].details() == "no room for room 13"
+            assert callee.calls == ["ReportCompletion"] * 200 and callee.streams == 1
+            assert stub.stream.calls_written == 200 and stub.stream.frames_written < 200
+        finally:
+            stub.stream.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+def test_a_broker_without_the_stream_is_refused_by_name() -> None:
+    """A protocol-8 callee answers Stream UNIMPLEMENTED: the call fails FAILED_PRECONDITION, naming the protocol."""
+
+    async def body() -> None:
+        server, address = await _serve(_Old())
+        channel, stub = _stub(address)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"older than {PROTOCOL_VERSION}" in (caught.value.details() or "")
+        finally:
+            stub.stream.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+def test_a_caller_of_another_protocol_is_refused_by_name() -> None:
+    """The callee refuses a StreamOpen of another version, naming both versions and the caller."""
+
+    async def body() -> None:
+        server, address = await _serve(_Callee(_pong))
+        channel = grpc.aio.insecure_channel(address)
+        try:
+            call = peer_pb2_grpc.PeerBrokerStub(channel).Stream()
+            await call.write(peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION - 1, broker_id="old")))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call.read()
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            details = caught.value.details() or ""
+            assert f"broker old speaks kvbroker protocol {PROTOCOL_VERSION - 1}" in details and f"speaks {PROTOCOL_VERSION}" in details
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+def test_a_broken_stream_fails_the_calls_written_on_it_and_the_next_call_opens_another() -> None:
+    """The callee's process goes away with a call unanswered: that call fails UNAVAILABLE (it may have been
+    delivered); once a callee is back at the address, the next call goes on a new stream."""
+
+    async def body() -> None:
+        never = asyncio.Event()
+
+        def answer(name: str, request: Any) -> Any:
+            if name == "GrantCredits":
+                return never.wait()
+            return _pong(name, request)
+
+        port = _free_port()
+        server, address = await _serve(_Callee(answer), port)
+        channel, stub = _stub(address)
+        try:
+            grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
+            await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+            await server.stop(None)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await grant
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "broke" in (caught.value.details() or "") or "closed" in (caught.value.details() or "")
+            server, _ = await _serve(_Callee(_pong), port)
+            for _ in range(100):  # the channel reconnects with backoff
+                try:
+                    pong = await stub.Ping(peer_pb2.PingRequest(), timeout=2)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    await asyncio.sleep(0.1)
+            assert pong.broker_id == "callee"
+        finally:
+            stub.stream.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(body)
+
+
+def test_a_registration_waits_for_a_stream_and_other_calls_do_not() -> None:
+    """Nothing answers at the address: a ping fails UNAVAILABLE at once; a registration made
+    wait_for_ready waits, and is answered by the broker that comes up there within its deadline."""
+
+    async def body() -> None:
+        port = _free_port()
+        channel, stub = _stub(f"127.0.0.1:{port}")
+        server = None
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and loop.time() - started < 5
+            registration = asyncio.ensure_future(
+                stub.RegisterRooms(peer_pb2.RegisterRoomsRequest(), timeout=20, wait_for_ready=True)
+            )
+            await asyncio.sleep(0.5)
+            assert not registration.done()
+            server, _ = await _serve(_Callee(lambda name, request: peer_pb2.RegisterRoomsResponse()), port)
+            await registration
+        finally:
+            stub.stream.close()
+            await channel.close()
+            if server is not None:
+                await server.stop(None)
+
+    _run(body)
+
+
+def test_a_call_past_its_deadline_fails_and_its_late_answer_is_dropped() -> None:
+    """DEADLINE_EXCEEDED after the call's own timeout; the answer that comes later harms no other call."""
+
+    async def body() -> None:
+        slow = asyncio.Event()
+
+        def answer(name: str, request: Any) -> Any:
+            if name == "GrantCredits":
+
+                async def later() -> peer_pb2.GrantCreditsResponse:
+                    await slow.wait()
+                    return peer_pb2.GrantCreditsResponse()
+
+                return later()
+            return _pong(name, request)
+
+        server, address = await _serve(_Callee(answer))
+        channel, stub = _stub(address)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=0.3)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            slow.set()
+            assert (await stub.Ping(peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
+        finally:
+            stub.stream.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(body)
