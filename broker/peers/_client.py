@@ -415,21 +415,26 @@ class PeerClient:
         if peer.stub is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
-            # No span for the peer stream (it lives as long as the pair of
-            # brokers; each call on it carries its own trace context), nor
-            # for a batch of registrations (each carries its room's).
-            untraced = filters.any_of(filters.method_name("Stream"), filters.method_name("RegisterRooms"))
-            interceptors: Any = aio_client_interceptors(filter_=filters.negate(untraced))
-            if self._credentials is not None:
-                peer.channel = grpc.aio.secure_channel(
-                    peer.address, self._credentials, options=self._options, interceptors=interceptors
-                )
-            else:
-                peer.channel = grpc.aio.insecure_channel(peer.address, options=self._options, interceptors=interceptors)
+            # The unary calls get RPC spans (not a batch of registrations:
+            # each carries its room's trace context).
+            untraced = filters.negate(filters.method_name("RegisterRooms"))
+            peer.channel = self._channel(peer.address, aio_client_interceptors(filter_=untraced))
+            # The stream goes on a channel of its own without interceptors: it
+            # lives as long as the pair of brokers and each of its calls
+            # carries its own trace context, and any interceptor on a channel
+            # proxies every write of a stream through a queue and a task.
+            # (Channels to one address with the same options share the
+            # connection.)
+            peer.stream_channel = self._channel(peer.address, None)
             unary = peer_pb2_grpc.PeerBrokerStub(peer.channel)
-            peer.stream = PeerStream(unary, peer.address, lambda: self._peers.broker_id)
+            peer.stream = PeerStream(peer_pb2_grpc.PeerBrokerStub(peer.stream_channel), peer.address, lambda: self._peers.broker_id)
             peer.stub = StreamStub(unary, peer.stream)
         return peer.stub
+
+    def _channel(self, address: str, interceptors: Any) -> grpc.aio.Channel:
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(address, self._credentials, options=self._options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=self._options, interceptors=interceptors)
 
     async def close(self) -> None:
         await self._registrations.close()
@@ -438,10 +443,11 @@ class PeerClient:
             if peer.stream is not None:
                 peer.stream.close()
                 peer.stream = None
-            if peer.channel is not None:
-                await peer.channel.close()
-                peer.channel = None
-                peer.stub = None
+            for channel in (peer.channel, peer.stream_channel):
+                if channel is not None:
+                    await channel.close()
+            peer.channel = peer.stream_channel = None
+            peer.stub = None
 
 
 Item = TypeVar("Item")

@@ -146,6 +146,8 @@ class Peer:
     #: receive buffer that was probed (``execution.TransportProbes``).
     transports: dict[tuple[PoolKey, PoolKey], TransportVerdict] = field(default_factory=dict)
     channel: grpc.aio.Channel | None = None
+    #: The channel of ``stream`` (no interceptors).
+    stream_channel: grpc.aio.Channel | None = None
     #: The calls to the peer: the room calls on ``stream``, the others unary.
     stub: StreamStub | None = None
     #: This broker's stream to the peer (``peers._stream``).
