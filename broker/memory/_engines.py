@@ -33,7 +33,7 @@ import structlog
 from kvbroker import cudavmm
 from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.dataplane import Agent, Workers
-from kvbroker.broker.memory._importers import ImportedBuffer, importer_for, populate
+from kvbroker.broker.memory._importers import ImportedBuffer, importer_for, populate, spawn_prefault
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -58,9 +58,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-#: Bytes of an engine's host memory faulted in per job on the memory thread
-#: (each job is ``populate``'s 8 MiB steps): big enough to cost little,
-#: small enough that a registration's mappings queue behind it briefly.
+#: Bytes of an engine's host memory faulted in per job (a helper process,
+#: then ``populate`` on the memory thread): big enough to cost little, small
+#: enough that a registration's mappings queue behind a job briefly.
 _WARM_JOB_BYTES = 256 << 20
 
 
@@ -121,6 +121,23 @@ class Engine:
             ],
             generation=self.generation,
         )
+
+
+async def _ended(pidfd: int) -> None:
+    """Wait for the process of ``pidfd`` to end without blocking the loop; closes ``pidfd``."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await ended
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
 
 
 class EngineTable:
@@ -275,17 +292,25 @@ class EngineTable:
         return engine
 
     async def _warm(self, engine: Engine) -> None:
-        """Fault in ``engine``'s host buffers, a job of ``_WARM_JOB_BYTES`` at a
-        time on the memory thread (other mappings go between them). Stopped by
-        :meth:`release`; the unmapping queues behind the job that runs."""
+        """Fault in ``engine``'s host buffers, ``_WARM_JOB_BYTES`` at a time: a
+        helper process at the lowest CPU priority allocates and zeroes the
+        pages (:func:`spawn_prefault`), then the memory thread maps them
+        (``populate``; other mappings go between the jobs). Stopped by
+        :meth:`release`; the unmapping queues behind the memory thread's job
+        and stops a helper that runs."""
         started = time.monotonic()
         for buf in engine.buffers:
             if buf.kind != common_pb2.MEMORY_KIND_DRAM:
                 continue
             for offset in range(0, buf.size_bytes, _WARM_JOB_BYTES):
                 length = min(_WARM_JOB_BYTES, buf.size_bytes - offset)
+                pidfd = await self._workers.memory(functools.partial(spawn_prefault, buf, offset, length))
+                if pidfd is not None:
+                    await _ended(pidfd)
+                    if buf.helper is not None:
+                        buf.helper.poll()  # reaped
                 try:
-                    await self._workers.memory(functools.partial(populate, buf.address + offset, length))
+                    await self._workers.memory(functools.partial(populate, buf.address + offset, length, buf.fd, offset))
                 except OSError as exc:
                     why = f"this host cannot back its {buf.size_bytes}-byte buffer with memory ({exc.strerror})"
                     log.error("engine_memory_unbacked", engine=engine.label, error=why)
