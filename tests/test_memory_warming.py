@@ -204,28 +204,40 @@ def test_populate_says_when_the_file_cannot_be_allocated(memfd: Callable[[int], 
     assert raised.value.errno == errno.EBADF
 
 
+def _progress(fd: int) -> bytes:
+    """What the helper wrote on its progress pipe until it ended."""
+    os.set_blocking(fd, True)
+    out = b""
+    while chunk := os.read(fd, 64):
+        out += chunk
+    return out
+
+
 def test_the_prefault_helper_allocates_the_pages_in_the_file_at_idle_priority(
     memfd: Callable[[int], Memfd], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A helper process faults the range in through a mapping of its own: the file's pages are
-    allocated (every mapping of it sees them) and no byte changes; it runs SCHED_IDLE."""
+    """A helper process faults the buffer in through a mapping of its own, a step at a time
+    (a byte on its pipe each): the file's pages are allocated (every mapping of it sees them)
+    and no byte changes; it runs SCHED_IDLE."""
     m = memfd(512)
     buf = IMPORTERS.ImportedBuffer(address=m.address, size_bytes=m.size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0,
                                    _unmap=lambda: None, fd=m.fd)
-    pidfd = IMPORTERS.spawn_prefault(buf, 256 * PAGE, 256 * PAGE)
-    assert pidfd is not None and buf.helper is not None
-    os.close(pidfd)
+    progress = IMPORTERS.spawn_prefault(buf, 200 * PAGE)
+    assert progress is not None and buf.helper is not None
+    assert _progress(progress) == b"..."  # 200 + 200 + 112 pages
     assert buf.helper.wait(30) == 0
-    assert m.allocated_bytes() >= 256 * PAGE
+    assert m.allocated_bytes() == m.size
     m.assert_unchanged()
+    buf.release()
     # Its priority: the same helper, held once it has faulted the pages in.
-    monkeypatch.setattr(IMPORTERS, "_PREFAULT", IMPORTERS._PREFAULT + ";import time;time.sleep(60)")
-    os.close(IMPORTERS.spawn_prefault(buf, 0, PAGE))
+    monkeypatch.setattr(IMPORTERS, "_PREFAULT", IMPORTERS._PREFAULT + "\nimport time;time.sleep(60)")
+    buf._released = False
+    progress = IMPORTERS.spawn_prefault(buf, m.size)
     try:
         eventually(lambda: os.sched_getscheduler(buf.helper.pid) == os.SCHED_IDLE, 10)
     finally:
-        buf.helper.kill()
-        buf.helper.wait()
+        buf.release()  # kills it
+    assert buf.helper.returncode == -9
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this process's own is untouched
 
 
@@ -241,3 +253,19 @@ def test_releasing_an_engine_stops_its_prefault_helper(fake_brokers, make_engine
     engine.close()
     eventually(lambda: not d.loop.call(d.broker.queries.engine_keys), 10)
     assert helper.wait(10) == -9
+
+
+def test_a_helper_that_fails_leaves_the_work_to_the_broker(fake_brokers, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper is advisory: one that exits at once (or cannot start) changes nothing but who
+    allocates the pages; every page of the engine's buffer is mapped in the broker all the same."""
+    monkeypatch.setattr(IMPORTERS, "_PREFAULT", "raise SystemExit(3)")
+    d = fake_brokers("d")
+    engine = make_engine(d.address, "decode", num_pages=64)
+    record = _engine_record(d, engine.handle.engine_id)
+    eventually(lambda: record.warming is None, 10)
+    assert record.buffers[0].helper.returncode == 3
+    with open("/proc/self/pagemap", "rb") as f:  # the in-process broker's mapping is this process's
+        buf = record.buffers[0]
+        f.seek(buf.address // PAGE * 8)
+        entries = struct.unpack(f"{buf.size_bytes // PAGE}Q", f.read(buf.size_bytes // PAGE * 8))
+    assert all(e >> 63 for e in entries)

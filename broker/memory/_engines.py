@@ -23,6 +23,7 @@ import functools
 import itertools
 import os
 import secrets
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,7 @@ import structlog
 
 from kvbroker import cudavmm
 from kvbroker.broker.aio import cancel_and_wait
-from kvbroker.broker.dataplane import Agent, Workers
+from kvbroker.broker.dataplane import Agent, Workers, settle
 from kvbroker.broker.memory._importers import ImportedBuffer, importer_for, populate, spawn_prefault
 from kvbroker.errors import (
     AlreadyExists,
@@ -123,20 +124,37 @@ class Engine:
         )
 
 
-async def _ended(pidfd: int) -> None:
-    """Wait for the process of ``pidfd`` to end without blocking the loop; closes ``pidfd``."""
+async def _readable(fd: int) -> None:
+    """Wait until ``fd`` is readable, without blocking the loop."""
     loop = asyncio.get_running_loop()
-    ended: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not ended.done():
-            ended.set_result(None)
-
-    loop.add_reader(pidfd, readable)
+    readable: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, settle, readable, None, None)
     try:
-        await ended
+        await readable
     finally:
-        loop.remove_reader(pidfd)
+        loop.remove_reader(fd)
+
+
+async def _stepped(progress: int) -> bool:
+    """The prefault helper's next step (True) or its end (False), on its
+    ``progress`` pipe (non-blocking)."""
+    while True:
+        try:
+            return bool(os.read(progress, 1))
+        except BlockingIOError:
+            await _readable(progress)
+
+
+async def _reaped(helper: subprocess.Popen[bytes]) -> None:
+    """Reap a helper whose progress pipe ended, once it has exited (its pidfd)."""
+    try:
+        pidfd = os.pidfd_open(helper.pid)
+    except OSError:  # reaped already, or before Linux 5.3: released with its buffer
+        return
+    try:
+        await _readable(pidfd)
+        helper.poll()
+    finally:
         os.close(pidfd)
 
 
@@ -294,21 +312,19 @@ class EngineTable:
     async def _warm(self, engine: Engine) -> None:
         """Fault in ``engine``'s host buffers, ``_WARM_JOB_BYTES`` at a time: a
         helper process at the lowest CPU priority allocates and zeroes the
-        pages (:func:`spawn_prefault`), then the memory thread maps them
-        (``populate``; other mappings go between the jobs). Stopped by
-        :meth:`release`; the unmapping queues behind the memory thread's job
-        and stops a helper that runs."""
+        pages (:func:`spawn_prefault`, one per buffer), and after each of its
+        steps the memory thread maps them (``populate``; other mappings go
+        between the jobs). Stopped by :meth:`release`; the unmapping queues
+        behind the memory thread's job and stops a helper that runs."""
         started = time.monotonic()
         for buf in engine.buffers:
             if buf.kind != common_pb2.MEMORY_KIND_DRAM:
                 continue
+            progress = await self._workers.memory(functools.partial(spawn_prefault, buf, _WARM_JOB_BYTES))
             for offset in range(0, buf.size_bytes, _WARM_JOB_BYTES):
                 length = min(_WARM_JOB_BYTES, buf.size_bytes - offset)
-                pidfd = await self._workers.memory(functools.partial(spawn_prefault, buf, offset, length))
-                if pidfd is not None:
-                    await _ended(pidfd)
-                    if buf.helper is not None:
-                        buf.helper.poll()  # reaped
+                if progress is not None and not await _stepped(progress):
+                    progress = None  # it ended early: populate does the rest
                 try:
                     await self._workers.memory(functools.partial(populate, buf.address + offset, length, buf.fd, offset))
                 except OSError as exc:
@@ -318,6 +334,10 @@ class EngineTable:
                     for notify in self.on_unbacked:
                         notify(engine, why)
                     return
+            if buf.helper is not None:
+                while progress is not None and await _stepped(progress):
+                    pass
+                await _reaped(buf.helper)
         engine.warming = None
         log.info("engine_memory_warmed", engine=engine.label, bytes=engine.registered_bytes, warm_s=round(time.monotonic() - started, 6))
 

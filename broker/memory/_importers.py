@@ -13,7 +13,7 @@ their buffers over as file descriptors and the broker maps them:
   helper process at the lowest CPU priority (:func:`spawn_prefault`), and
   mapped into the broker by :func:`populate`, which never holds the
   process's memory-map lock (about 0.4 s/GiB of CPU for fresh pages, most of
-  it the helper's, 0.1 s/GiB the mapping's).
+  it the helper's, under 0.1 s/GiB the mapping's).
 - VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
   ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter`
   imports it (``cuMemImportFromShareableHandle``), maps it into the broker
@@ -93,9 +93,10 @@ class ImportedBuffer:
         if self._released:
             return
         self._released = True
-        if self.helper is not None:  # still faulting in pages no one will use: stopped
+        if self.helper is not None:  # stopped if it still faults in pages no one will use
             self.helper.kill()
             self.helper.wait()
+            self.helper.stdout.close()  # type: ignore[union-attr]
         self._unmap()
 
 
@@ -247,39 +248,39 @@ def populate(address: int, size_bytes: int, fd: int = -1, offset: int = 0) -> No
         step += length
 
 
-#: The helper :func:`spawn_prefault` starts: its stdin is the memfd, its arguments the offset and length.
+#: The helper :func:`spawn_prefault` starts: stdin is the memfd; arguments the offset, length and step; a byte on
+#: stdout after each step.
 _PREFAULT = (
-    "import mmap,os,sys;os.sched_setscheduler(0,os.SCHED_IDLE,os.sched_param(0));"
-    f"mmap.mmap(0,int(sys.argv[2]),offset=int(sys.argv[1])).madvise({_MADV_POPULATE_WRITE})"
+    "import mmap,os,sys;os.sched_setscheduler(0,os.SCHED_IDLE,os.sched_param(0));off,n,step=map(int,sys.argv[1:]);"
+    "m=mmap.mmap(0,n,offset=off)\n"
+    f"for i in range(0,n,step):m.madvise({_MADV_POPULATE_WRITE},i,min(step,n-i));os.write(1,b'.')"
 )
 
 
-def spawn_prefault(buffer: ImportedBuffer, offset: int, size_bytes: int) -> int | None:
-    """Start a process that faults in ``size_bytes`` of a DRAM ``buffer``'s
-    memfd from ``offset`` (allocated and zeroed in the file, shared with
-    every mapping of it) through a mapping of its own, at the lowest CPU
-    priority (``SCHED_IDLE``): this process's threads, the control loop's
-    included, never wait for a CPU or a lock behind that work, and what is
-    left to :func:`populate` here is mapping the pages. A pidfd to wait for
-    it by (the process is ``buffer.helper``; ``release`` stops it); None
-    where it cannot start. Its outcome is advisory: ``populate`` runs after
-    it whatever it did, and says whether the host can back the memory."""
+def spawn_prefault(buffer: ImportedBuffer, step_bytes: int) -> int | None:
+    """Start a process that faults in a DRAM ``buffer``'s memfd (allocated and
+    zeroed in the file, shared with every mapping of it) through a mapping of
+    its own, ``step_bytes`` at a time, at the lowest CPU priority
+    (``SCHED_IDLE``): this process's threads, the control loop's included,
+    never wait for a CPU or a lock behind that work, and what is left to
+    :func:`populate` here is mapping the pages. The process is
+    ``buffer.helper`` (``release`` stops it); returned, the non-blocking read
+    end of a pipe that gets a byte after each step and ends when the process
+    does. None where it cannot start. Advisory: ``populate`` runs after it
+    whatever it did, and says whether the host can back the memory."""
     if not sys.executable or buffer.fd < 0:
         return None
     try:
-        process = subprocess.Popen(  # close_fds: no other fd of the broker's goes with it
-            [sys.executable, "-I", "-S", "-c", _PREFAULT, str(offset), str(size_bytes)],
-            stdin=buffer.fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        buffer.helper = subprocess.Popen(  # close_fds: no other fd of the broker's goes with it
+            [sys.executable, "-I", "-S", "-c", _PREFAULT, "0", str(buffer.size_bytes), str(step_bytes)],
+            stdin=buffer.fd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
     except OSError:
         return None
-    buffer.helper = process
-    try:
-        return os.pidfd_open(process.pid)
-    except OSError:  # before Linux 5.3
-        process.kill()
-        process.wait()
-        return None
+    assert buffer.helper.stdout is not None
+    progress = buffer.helper.stdout.fileno()
+    os.set_blocking(progress, False)
+    return progress
 
 
 def _read_every_page(address: int, size_bytes: int) -> None:
