@@ -255,15 +255,21 @@ def test_releasing_an_engine_stops_its_prefault_helper(fake_brokers, make_engine
     assert helper.wait(10) == -9
 
 
-def test_a_helper_that_fails_leaves_the_work_to_the_broker(fake_brokers, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The helper is advisory: one that exits at once (or cannot start) changes nothing but who
-    allocates the pages; every page of the engine's buffer is mapped in the broker all the same."""
-    monkeypatch.setattr(IMPORTERS, "_PREFAULT", "raise SystemExit(3)")
+@pytest.mark.parametrize("helper", ["raise SystemExit(3)", "import time; time.sleep(120)"], ids=["exits-at-once", "never-steps"])
+def test_a_helper_that_fails_or_stalls_leaves_the_work_to_the_broker(
+    fake_brokers, make_engine, monkeypatch: pytest.MonkeyPatch, helper: str
+) -> None:
+    """The helper is advisory: one that exits at once, or takes longer than the broker's
+    patience over a step (a host with no idle CPU; then it is stopped), changes nothing but
+    who allocates the pages: every page of the engine's buffer is mapped in the broker all
+    the same."""
+    monkeypatch.setattr(IMPORTERS, "_PREFAULT", helper)
+    monkeypatch.setattr(importlib.import_module("kvbroker.broker.memory._engines"), "_HELPER_STEP_PATIENCE_S", 0.2)
     d = fake_brokers("d")
     engine = make_engine(d.address, "decode", num_pages=64)
     record = _engine_record(d, engine.handle.engine_id)
     eventually(lambda: record.warming is None, 10)
-    assert record.buffers[0].helper.returncode == 3
+    assert record.buffers[0].helper.returncode == (3 if "SystemExit" in helper else -9)
     with open("/proc/self/pagemap", "rb") as f:  # the in-process broker's mapping is this process's
         buf = record.buffers[0]
         f.seek(buf.address // PAGE * 8)

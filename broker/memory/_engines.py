@@ -63,6 +63,10 @@ log = structlog.get_logger(__name__)
 #: then ``populate`` on the memory thread): big enough to cost little, small
 #: enough that a registration's mappings queue behind a job briefly.
 _WARM_JOB_BYTES = 256 << 20
+#: Seconds the prefault helper may take over a step (about 0.1 s of CPU)
+#: before it is stopped and the memory thread does the rest itself: on a
+#: host with no idle CPU the helper would wait for one indefinitely.
+_HELPER_STEP_PATIENCE_S = 1.0
 
 
 @dataclass
@@ -146,7 +150,7 @@ async def _stepped(progress: int) -> bool:
 
 
 async def _reaped(helper: subprocess.Popen[bytes]) -> None:
-    """Reap a helper whose progress pipe ended, once it has exited (its pidfd)."""
+    """Reap a helper once it has exited (its pidfd), without blocking the loop."""
     try:
         pidfd = os.pidfd_open(helper.pid)
     except OSError:  # reaped already, or before Linux 5.3: released with its buffer
@@ -314,17 +318,27 @@ class EngineTable:
         helper process at the lowest CPU priority allocates and zeroes the
         pages (:func:`spawn_prefault`, one per buffer), and after each of its
         steps the memory thread maps them (``populate``; other mappings go
-        between the jobs). Stopped by :meth:`release`; the unmapping queues
-        behind the memory thread's job and stops a helper that runs."""
-        started = time.monotonic()
+        between the jobs); a helper that ends early or takes longer than
+        ``_HELPER_STEP_PATIENCE_S`` over a step leaves the rest to
+        ``populate`` (the log's ``helper_steps``: the steps it did). Stopped
+        by :meth:`release`; the unmapping queues behind the memory thread's
+        job and stops a helper that runs."""
+        started, helped = time.monotonic(), 0
         for buf in engine.buffers:
             if buf.kind != common_pb2.MEMORY_KIND_DRAM:
                 continue
             progress = await self._workers.memory(functools.partial(spawn_prefault, buf, _WARM_JOB_BYTES))
             for offset in range(0, buf.size_bytes, _WARM_JOB_BYTES):
                 length = min(_WARM_JOB_BYTES, buf.size_bytes - offset)
-                if progress is not None and not await _stepped(progress):
-                    progress = None  # it ended early: populate does the rest
+                if progress is not None:
+                    try:
+                        stepped = await asyncio.wait_for(_stepped(progress), _HELPER_STEP_PATIENCE_S)
+                    except asyncio.TimeoutError:
+                        stepped = False
+                        buf.helper.kill()  # type: ignore[union-attr]
+                    helped += stepped
+                    if not stepped:  # it ended early, or was stopped: populate does the rest
+                        progress = None
                 try:
                     await self._workers.memory(functools.partial(populate, buf.address + offset, length, buf.fd, offset))
                 except OSError as exc:
@@ -334,12 +348,17 @@ class EngineTable:
                     for notify in self.on_unbacked:
                         notify(engine, why)
                     return
+        log.info(
+            "engine_memory_warmed",
+            engine=engine.label,
+            bytes=engine.registered_bytes,
+            helper_steps=helped,
+            warm_s=round(time.monotonic() - started, 6),
+        )
+        for buf in engine.buffers:  # then the helpers, once they end (a stopped one at idle priority may take a while)
             if buf.helper is not None:
-                while progress is not None and await _stepped(progress):
-                    pass
                 await _reaped(buf.helper)
         engine.warming = None
-        log.info("engine_memory_warmed", engine=engine.label, bytes=engine.registered_bytes, warm_s=round(time.monotonic() - started, 6))
 
     async def release(self, engine: Engine) -> None:
         """Forget ``engine`` and release its NIXL resources and mappings (reverse order)."""
