@@ -4,8 +4,9 @@ Registration maps every buffer (on the memory thread). Host buffers are
 registered with NIXL and get one local descriptor list (on the data-plane
 thread, docs/design.md section 10); that is all a registration waits for.
 Then the engine's host memory is faulted in, in the background
-(:meth:`EngineTable._warm`: fresh pages take seconds per gigabyte), so its
-first transfers seldom pay page faults; an engine whose memory the host
+(:meth:`EngineTable._warm`: a helper process at idle priority, then the
+memory thread; about a second per gigabyte of fresh pages), so its first
+transfers seldom pay page faults; an engine whose memory the host
 cannot back is reported to ``on_unbacked`` (the runtime unregisters it and
 fails its rooms). VRAM buffers never are: the broker maps
 them only for its own copy kernels, and what lies in them moves through its
