@@ -68,8 +68,7 @@ PARTS = ("broker", "raw-pages", "raw-staged", "raw-one", "copy", "latency")
 PROFILES = {  # defaults: one H100 (what the targets are for), --quick (a 2-core smoke test), --fake-gpu
     "gpu": dict(layers=32, chunk_mib=128, rooms=8, chunks=2, repeat=3, latency_rooms=100, timeout=300.0),
     "quick": dict(layers=4, chunk_mib=8, rooms=2, chunks=2, repeat=2, latency_rooms=20, timeout=300.0),
-    "fake": dict(layers=4, rooms=8, chunks=64, repeat=3, timeout=120.0),
-}
+    "fake": dict(layers=4, rooms=8, chunks=64, repeat=3, timeout=120.0)}
 WARM_ROOMS = 4  # untimed 1-page rooms per KV kind before the latency samples
 NA_CPU = "not applicable on CPU (the targets are for one H100)"
 LABELS = {"kvbroker": "1 kvbroker", "raw-pages": "2 raw NIXL, 1 descriptor/page",

@@ -394,12 +394,10 @@ class Child:
         with suppress(OSError, ValueError):
             self.conn.send(bye)
         self.proc.join(wait)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        for end, grace in ((self.proc.terminate, 5), (self.proc.kill, None)):
+            if self.proc.is_alive():
+                end()
+                self.proc.join(grace)
         self.conn.close()
 
 

@@ -43,10 +43,8 @@ class Shape:
     head_dim: int = 64
     page_size: int = 4
 
-SHAPES = {
-    "small": Shape("1-page rooms, 4 layers", layers=4, pages=1),
-    "large": Shape("64-page rooms, 32 layers", layers=32, pages=64),
-}
+SHAPES = {"small": Shape("1-page rooms, 4 layers", layers=4, pages=1),
+          "large": Shape("64-page rooms, 32 layers", layers=32, pages=64)}
 
 
 def _memory(role: str, shape: Shape, slots: int) -> Any:

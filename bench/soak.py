@@ -839,8 +839,7 @@ class Soak:
             "leaked": leaked, "leak_drained_after_s": late_drain, "eviction_wait_s": wait,
             "rss_kib": {"decode": self.rss_decode, "prefill_idle": rss_prefill_idle, "prefill_incarnations": [
                 {"n": i.n, "pid": i.broker.process.pid, "warm": i.rss_warm_kib, "last": i.rss_last_kib, "ended": i.ended} for i in self.incarnations]},
-            "broker_exit": exit_codes, "broker_log_warnings": warnings, "events": self.events[-40:],
-        }
+            "broker_exit": exit_codes, "broker_log_warnings": warnings, "events": self.events[-40:]}
 
     def cleanup(self) -> None:
         for child in self.children:

@@ -142,8 +142,7 @@ class BrokerPath:
         return t_end - t0, {
             "expect_ms": (t_expect - t0) * 1e3, "sent_ms": (t_sent - t0) * 1e3, "end_ms": (t_end - t0) * 1e3,
             "send_chunk_median_us": statistics.median(send_rtts) * 1e6,
-            "bytes_reported": sum(s.bytes for s in statuses.values()), "cpu_ms": cpu_ms,
-        }
+            "bytes_reported": sum(s.bytes for s in statuses.values()), "cpu_ms": cpu_ms}
 
     def control_rtts(self, calls: int, pages_per_room: int) -> dict[str, dict[str, float]]:
         """Round trips of SendChunk (1 page) with and without a registered receiver, and of Poll."""

@@ -6,13 +6,14 @@ their buffers over as file descriptors and the broker maps them:
 - DRAM: a memfd (or shm file). :class:`DramImporter` maps it shared, read and
   write, into the broker. The memfd must be sealed against shrinking
   (``F_SEAL_SHRINK``): a buffer its engine could truncate would turn a NIXL
-  access into SIGBUS and take the whole broker down. Import only maps it:
-  the engine table faults every page in once the engine is registered, in
-  the background (:func:`populate`, in steps, never holding the process's
-  memory-map lock for long), so registration costs what NIXL's own does.
-  Pages the engine never touched are allocated and zeroed then: on this VM
-  that first touch costs about 2-3 s/GiB, while pages the engine already
-  wrote cost about 0.2 s/GiB.
+  access into SIGBUS and take the whole broker down. Import only maps it
+  (and keeps the fd): the engine table faults every page in once the engine
+  is registered, in the background, so registration costs what NIXL's own
+  does. Pages the engine never touched are allocated and zeroed then, by a
+  helper process at the lowest CPU priority (:func:`spawn_prefault`), and
+  mapped into the broker by :func:`populate`, which never holds the
+  process's memory-map lock (about 0.4 s/GiB of CPU for fresh pages, most of
+  it the helper's, under 0.1 s/GiB the mapping's).
 - VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
   ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter`
   imports it (``cuMemImportFromShareableHandle``), maps it into the broker
@@ -35,6 +36,8 @@ import errno
 import fcntl
 import mmap
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -56,6 +59,7 @@ __all__ = [
     "map_anonymous",
     "map_memory",
     "populate",
+    "spawn_prefault",
     "unmap",
 ]
 
@@ -80,11 +84,19 @@ class ImportedBuffer:
     device_id: int
     _unmap: Callable[[], None] = field(repr=False)
     _released: bool = field(default=False, repr=False)
+    #: The memfd a DRAM buffer maps (held until ``release``; -1 for VRAM).
+    fd: int = -1
+    #: The last helper :func:`spawn_prefault` started for it (memory thread).
+    helper: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        if self.helper is not None:  # stopped if it still faults in pages no one will use
+            self.helper.kill()
+            self.helper.wait()
+            self.helper.stdout.close()  # type: ignore[union-attr]
         self._unmap()
 
 
@@ -131,7 +143,7 @@ class DramImporter:
             os.close(fd)
 
         return ImportedBuffer(
-            address=address, size_bytes=size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0, _unmap=unmap_and_close
+            address=address, size_bytes=size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0, _unmap=unmap_and_close, fd=fd
         )
 
 
@@ -189,34 +201,92 @@ def map_memory(
 
 
 _MADV_POPULATE_WRITE = 23
-#: Bytes populated per madvise call, which holds the memory-map lock for
-#: reading meanwhile: about a millisecond here for pages the engine already
-#: touched, 10-25 ms for fresh ones (the kernel allocates and zeroes them).
-#: 2 MiB steps showed no difference in bench/control_lag.py (noise dominates).
+#: Bytes per ``MADV_POPULATE_WRITE`` call where there is no file to allocate in.
 _POPULATE_STEP = 8 << 20
 _PAGE = mmap.PAGESIZE
+#: fallocate errors that mean "not this file" (not "no memory"): fault in by madvise instead.
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENODEV, errno.ESPIPE, errno.EPERM})
+_libc.fallocate.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-def populate(address: int, size_bytes: int) -> None:
-    """Fault in every page of a shared mapping, writable, in steps of
-    ``_POPULATE_STEP`` (``MADV_POPULATE_WRITE``; a kernel without it, before
-    5.14, gets one read per page instead). ``OSError`` if the memory cannot
-    be had. The data is never changed."""
-    offset = 0
-    while offset < size_bytes:
-        length = min(_POPULATE_STEP, size_bytes - offset)
-        if _libc.madvise(address + offset, length, _MADV_POPULATE_WRITE) != 0:
+def populate(address: int, size_bytes: int, fd: int = -1, offset: int = 0) -> None:
+    """Fault in every page of ``size_bytes`` of a shared mapping at ``address``
+    (of ``fd`` from ``offset``), writable, without holding this process's
+    memory-map lock. ``OSError`` if the host cannot back it; the data is
+    never changed.
+
+    Every thread that maps or unmaps memory needs that lock written (malloc's
+    ``brk`` on the control loop, gRPC's and Python's arenas), and
+    ``MADV_POPULATE_WRITE`` holds it read while it allocates and zeroes: the
+    control loop stalled behind each step for as long as the step took, or
+    longer when the memory thread was preempted in it (13-80 ms at a time
+    warming 4 GiB, ``perf`` showed it waiting in ``brk``). So the file's
+    pages are allocated first (``fallocate``, under the file's own lock only:
+    a host that cannot back them is an error here, not a SIGBUS at the first
+    touch), then each page is read once (numpy, the GIL released), each fault
+    under its mapping's own lock (per-VMA locks; before Linux 6.4, the
+    memory-map lock read for one page). Without a file, or one ``fallocate``
+    does not serve, ``MADV_POPULATE_WRITE`` in ``_POPULATE_STEP`` steps
+    (before Linux 5.14, one read per page)."""
+    if fd >= 0:
+        if _libc.fallocate(fd, 0, offset, size_bytes) == 0:
+            _read_every_page(address, size_bytes)
+            return
+        err = ctypes.get_errno()
+        if err not in _NO_FALLOCATE:
+            raise OSError(err, os.strerror(err))
+    step = 0
+    while step < size_bytes:
+        length = min(_POPULATE_STEP, size_bytes - step)
+        if _libc.madvise(address + step, length, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
-            if err == errno.EINVAL and offset == 0:
+            if err == errno.EINVAL and step == 0:
                 _read_every_page(address, size_bytes)
                 return
             raise OSError(err, os.strerror(err))
-        offset += length
+        step += length
+
+
+#: The helper :func:`spawn_prefault` starts: stdin is the memfd; arguments the offset, length and step; a byte on
+#: stdout after each step.
+_PREFAULT = (
+    "import mmap,os,sys;os.sched_setscheduler(0,os.SCHED_IDLE,os.sched_param(0));off,n,step=map(int,sys.argv[1:]);"
+    "m=mmap.mmap(0,n,offset=off)\n"
+    f"for i in range(0,n,step):m.madvise({_MADV_POPULATE_WRITE},i,min(step,n-i));os.write(1,b'.')"
+)
+
+
+def spawn_prefault(buffer: ImportedBuffer, step_bytes: int) -> int | None:
+    """Start a process that faults in a DRAM ``buffer``'s memfd (allocated and
+    zeroed in the file, shared with every mapping of it) through a mapping of
+    its own, ``step_bytes`` at a time, at the lowest CPU priority
+    (``SCHED_IDLE``): this process's threads, the control loop's included,
+    never wait for a CPU or a lock behind that work, and what is left to
+    :func:`populate` here is mapping the pages. The process is
+    ``buffer.helper`` (``release`` stops it); returned, the non-blocking read
+    end of a pipe that gets a byte after each step and ends when the process
+    does. None where it cannot start. Advisory: ``populate`` runs after it
+    whatever it did, and says whether the host can back the memory."""
+    if not sys.executable or buffer.fd < 0:
+        return None
+    try:
+        buffer.helper = subprocess.Popen(  # close_fds: no other fd of the broker's goes with it
+            [sys.executable, "-I", "-S", "-c", _PREFAULT, "0", str(buffer.size_bytes), str(step_bytes)],
+            stdin=buffer.fd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        return None
+    assert buffer.helper.stdout is not None
+    progress = buffer.helper.stdout.fileno()
+    os.set_blocking(progress, False)
+    return progress
 
 
 def _read_every_page(address: int, size_bytes: int) -> None:
+    """Read a byte of every page: one numpy copy, which releases the GIL meanwhile."""
     pages = array_at(address, size_bytes)[::_PAGE]
-    int(pages.sum())
+    np.copyto(np.empty(pages.shape, np.uint8), pages)
 
 
 def map_anonymous(size_bytes: int) -> int:
