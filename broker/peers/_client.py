@@ -418,23 +418,18 @@ class PeerClient:
             # The unary calls get RPC spans (not a batch of registrations:
             # each carries its room's trace context).
             untraced = filters.negate(filters.method_name("RegisterRooms"))
-            peer.channel = self._channel(peer.address, aio_client_interceptors(filter_=untraced))
+            peer.channel = _channel(peer.address, self._credentials, self._options, aio_client_interceptors(filter_=untraced))
             # The stream goes on a channel of its own without interceptors: it
             # lives as long as the pair of brokers and each of its calls
             # carries its own trace context, and any interceptor on a channel
             # proxies every write of a stream through a queue and a task.
             # (Channels to one address with the same options share the
             # connection.)
-            peer.stream_channel = self._channel(peer.address, None)
+            peer.stream_channel = _channel(peer.address, self._credentials, self._options, None)
             unary = peer_pb2_grpc.PeerBrokerStub(peer.channel)
             peer.stream = PeerStream(peer_pb2_grpc.PeerBrokerStub(peer.stream_channel), peer.address, lambda: self._peers.broker_id)
             peer.stub = StreamStub(unary, peer.stream)
         return peer.stub
-
-    def _channel(self, address: str, interceptors: Any) -> grpc.aio.Channel:
-        if self._credentials is not None:
-            return grpc.aio.secure_channel(address, self._credentials, options=self._options, interceptors=interceptors)
-        return grpc.aio.insecure_channel(address, options=self._options, interceptors=interceptors)
 
     async def close(self) -> None:
         await self._registrations.close()
@@ -516,6 +511,14 @@ class PerPeerBatches(Generic[Item, Result]):
                 if not done.done():
                     done.set_exception(Unavailable("the broker is shutting down"))
         self._queues.clear()
+
+
+def _channel(
+    address: str, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, int]], interceptors: Any
+) -> grpc.aio.Channel:
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 def _host(staging: list[peer_pb2.RemoteBuffer]) -> peer_pb2.RemoteBuffer | None:
