@@ -90,6 +90,12 @@ def _finish(proc: subprocess.Popen[bytes], work: Path, name: str, timeout: float
     assert rc == 0, f"{name} engine exited {rc}:\n{(work / f'{name}.engine.log').read_text()[-4000:]}"
 
 
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], name: str, interval_seconds: float = 0.5) -> None:
+    """Until ``path`` appears while engine ``name`` (``proc``) runs; its log's tail if it died first."""
+    eventually(lambda: path.exists() or proc.poll() is not None, 600, interval_seconds=interval_seconds)
+    assert proc.poll() is None, (path.parent / f"{name}.engine.log").read_text()[-4000:]
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -140,8 +146,7 @@ def _pd(
     try:
         # The decode engine starts first (and fills its prefix cache): two engines starting
         # at once slow each other's start to minutes on two cores.
-        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.ready", dec, "decode")
         pre = _engine(
             work, "prefill", **{"role": "prefill", "model": model, "broker": p.address, "group": "vllm-prefill", "prompts": prompts, **prefill}
         )
@@ -190,6 +195,22 @@ def _diagnosis(work: Path, *brokers: BrokerProcess) -> str:
             if failed or event.get("level") in ("warning", "error", "critical"):
                 lines.append(f"{broker.name}: {json.dumps(event)[:400]}")
     return "\n".join(["diagnosis:", *lines[-40:]])
+
+
+def _sender_rooms_ended(p: BrokerProcess) -> list[dict[str, object]]:
+    """The prefill broker's ``room_ended`` lines of sending rooms."""
+    return [json.loads(line) for line in p.log_path.read_text().splitlines() if '"room_ended"' in line and '"side": "sender"' in line]
+
+
+def _prefill_freed_its_blocks(work: Path) -> dict[str, float]:
+    """The prefill engine's own metrics, taken after "stop" while it still ran (one more request
+    of its own): its KV cache is empty, so vLLM freed every block it held for a room (blocks still
+    held show as usage > 0). Returns its sends counted as ended, by result."""
+    rows = json.loads((work / "prefill.metrics.json").read_text())
+    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
+    assert usage and all(u == 0 for u in usage), rows
+    sent = [r for r in rows if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent"]
+    return {result: sum(r["value"] for r in sent if r["labels"].get("result") == result) for result in ("success", "failure")}
 
 
 def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
@@ -299,8 +320,7 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
     prompts = [ODD, LONG]
     pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts)
     try:
-        eventually(lambda: (work / "params.json").exists() or pre.poll() is not None, 600, interval_seconds=0.5)
-        assert pre.poll() is None, (work / "prefill.engine.log").read_text()[-4000:]
+        _wait_for(work / "params.json", pre, "prefill")
     finally:
         _kill(pre)
     for policy in ("fail", "recompute"):
@@ -344,18 +364,10 @@ def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_dec
         metrics=True, extra={"sender_info_timeout": 3},
     )
     try:
-        eventually(lambda: (work / "params.json").exists() or pre.poll() is not None, 600, interval_seconds=0.5)
-        assert pre.poll() is None, (work / "prefill.engine.log").read_text()[-4000:]
-
-        def ended() -> list[dict[str, object]]:
-            return [
-                json.loads(line) for line in p.log_path.read_text().splitlines()
-                if '"room_ended"' in line and '"side": "sender"' in line
-            ]
-
-        eventually(lambda: len(ended()) == len(prompts), 60, describe=lambda: _diagnosis(work, p))
+        _wait_for(work / "params.json", pre, "prefill")
+        eventually(lambda: len(_sender_rooms_ended(p)) == len(prompts), 60, describe=lambda: _diagnosis(work, p))
         assert pre.poll() is None
-        for event in ended():
+        for event in _sender_rooms_ended(p):
             assert event["state"] == "ROOM_STATE_FAILED", event
             assert "waited 3 s (the engine's RoomTimeouts.sender_info_seconds)" in str(event["cause_message"]), event
         wait_until_idle(p)
@@ -363,14 +375,7 @@ def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_dec
         _finish(pre, work, "prefill", timeout=120)
     finally:
         _kill(pre)
-    rows = json.loads((work / "prefill.metrics.json").read_text())
-    failed = sum(
-        r["value"] for r in rows
-        if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent" and r["labels"].get("result") == "failure"
-    )
-    assert failed == len(prompts), rows
-    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
-    assert usage and all(u == 0 for u in usage), rows
+    assert _prefill_freed_its_blocks(work)["failure"] == len(prompts)
 
 
 def test_a_decode_of_another_model_with_the_same_shapes_is_refused_naming_both(
@@ -411,21 +416,16 @@ def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_onc
     dec = _engine(work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts, abort=True)
     pre = None
     try:
-        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.ready", dec, "decode")
         # A lease far longer than the test: only the aborts can end the rooms and free the blocks.
         pre = _engine(
             work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts,
             metrics=True, extra={"sender_info_timeout": 600},
         )
-        eventually(lambda: (work / "decode.aborted").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.aborted", dec, "decode")
         # Both engines are still up: only the aborts can have ended the prefill's rooms.
         wait_until_idle(p, d)
-        ended = [
-            json.loads(line) for line in p.log_path.read_text().splitlines()
-            if '"room_ended"' in line and '"side": "sender"' in line
-        ]
+        ended = _sender_rooms_ended(p)
         # (A room opened before its abort may have landed whole first: it ends SUCCESS.)
         aborted = [e for e in ended if "before its KV arrived" in (e.get("cause_message") or "")]
         assert len(ended) == len(prompts) and len(aborted) >= len(prompts) // 2, _diagnosis(work, p, d)
@@ -436,20 +436,10 @@ def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_onc
         _kill(dec)
         if pre is not None:
             _kill(pre)
-    # The broker tables say the rooms ended; the prefill engine's own metrics, taken after "stop"
-    # while it still ran (one more request of its own), say vLLM freed their blocks: every send
-    # reported ended and the KV cache empty. (Blocks still held for a room show as usage > 0.)
-    rows = json.loads((work / "prefill.metrics.json").read_text())
-    sends = {
-        result: sum(
-            r["value"] for r in rows
-            if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent" and r["labels"].get("result") == result
-        )
-        for result in ("success", "failure")
-    }
-    assert sends["success"] + sends["failure"] == len(prompts) and sends["failure"] >= len(prompts) // 2, rows
-    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
-    assert usage and all(u == 0 for u in usage), rows
+    # The broker tables say the rooms ended; the prefill engine's own metrics say vLLM freed their
+    # blocks: every send reported ended and the KV cache empty.
+    sends = _prefill_freed_its_blocks(work)
+    assert sends["success"] + sends["failure"] == len(prompts) and sends["failure"] >= len(prompts) // 2, sends
 
 
 def test_kv_layouts_of_vllms_caches_are_read_or_refused_by_name() -> None:
@@ -565,10 +555,6 @@ FIRST_STEP = [[1, 2, 3]]
 QUEUED = {"max_num_seqs": 1, "max_model_len": 4096, "extra": {"receiver_data_timeout": 30}, "warm": FIRST_STEP}
 
 
-def _sender_rooms_ended(p: BrokerProcess) -> list[dict[str, object]]:
-    return [json.loads(line) for line in p.log_path.read_text().splitlines() if '"room_ended"' in line and '"side": "sender"' in line]
-
-
 def test_requests_queued_at_the_decode_longer_than_the_prefills_lease_still_get_their_kv(
     workdir: Path, model: str, baseline: list[list[int]], brokers: tuple[BrokerProcess, BrokerProcess]
 ) -> None:
@@ -626,14 +612,12 @@ def test_a_decode_killed_while_its_requests_queue_frees_the_prefills_blocks_with
     dec = _engine(work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts, hold=600, **QUEUED)
     pre = None
     try:
-        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.ready", dec, "decode")
         pre = _engine(
             work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts,
             metrics=True, extra={"kv_lease_duration": LEASE}, warm=FIRST_STEP,
         )
-        eventually(lambda: (work / "decode.queued").exists() or dec.poll() is not None, 600, interval_seconds=0.2)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.queued", dec, "decode", interval_seconds=0.2)
         # The prefill opened its rooms (its leases run from here).
         eventually(lambda: p.stats().per_room_state["sender_rooms"] == len(prompts), 30, describe=lambda: _diagnosis(work, p, d))
         time.sleep(3 * LEASE)
@@ -656,14 +640,7 @@ def test_a_decode_killed_while_its_requests_queue_frees_the_prefills_blocks_with
         _kill(dec)
         if pre is not None:
             _kill(pre)
-    rows = json.loads((work / "prefill.metrics.json").read_text())
-    failed = sum(
-        r["value"] for r in rows
-        if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent" and r["labels"].get("result") == "failure"
-    )
-    assert failed == len(prompts), rows
-    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
-    assert usage and all(u == 0 for u in usage), rows
+    assert _prefill_freed_its_blocks(work)["failure"] == len(prompts)
 
 
 def test_a_waiting_decode_request_is_announced_once_and_its_end_ends_the_announcement() -> None:
