@@ -1,22 +1,24 @@
 """An engine's own room timeouts, read from its configuration (either adapter).
 
 vLLM engines set them in ``kv_connector_extra_config``
-(``_vllm_config.room_timeouts_of``), SGLang engines in their environment
-(:func:`sglang_timeouts`: kvbroker's variables, else SGLang's own
-disaggregation timeouts where they mean the same wait); :func:`timeouts_from`
-turns the settings found (seconds, as numbers or strings) into the
-:class:`~kvbroker.client.RoomTimeouts` the rank registers with, or refuses a
-value by the name the user wrote.
+(``_vllm_config.room_timeouts_of``: kvbroker's keys, else NixlConnector's
+``kv_lease_duration`` for the prefill's lease), SGLang engines in their
+environment (:func:`sglang_timeouts`: kvbroker's variables, else SGLang's own
+disaggregation timeouts where they mean the same wait). :func:`first_set`
+picks, per ``RoomTimeouts`` field, the first of its names that is set;
+:func:`timeouts_from` turns the settings found (seconds, as numbers or
+strings) into the :class:`~kvbroker.client.RoomTimeouts` the rank registers
+with, or refuses a value by the name the user wrote.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvbroker.client import RoomTimeouts
 from kvbroker.errors import InvalidArgument
 
-__all__ = ["SGLANG_TIMEOUT_ENV", "sglang_timeouts", "timeouts_from"]
+__all__ = ["SGLANG_TIMEOUT_ENV", "first_set", "sglang_timeouts", "timeouts_from"]
 
 #: ``RoomTimeouts`` field -> the environment variables an SGLang engine sets
 #: it with, first found wins: kvbroker's, then SGLang's own where it bounds
@@ -48,11 +50,20 @@ def timeouts_from(settings: Mapping[str, tuple[str, object]], where: str) -> Roo
     return RoomTimeouts(**values)
 
 
+def first_set(source: Mapping[str, object], names: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, object]]:
+    """``names``: ``RoomTimeouts`` field -> the settings that set it, first
+    set wins (None or a blank string is not set). Returns field -> (the
+    setting's name, its value), for :func:`timeouts_from`."""
+    found: dict[str, tuple[str, object]] = {}
+    for field, candidates in names.items():
+        for name in candidates:
+            value = source.get(name)
+            if value is not None and not (isinstance(value, str) and not value.strip()):
+                found[field] = (name, value)
+                break
+    return found
+
+
 def sglang_timeouts(environ: Mapping[str, str]) -> RoomTimeouts:
     """An SGLang engine's room timeouts from ``environ`` (:data:`SGLANG_TIMEOUT_ENV`)."""
-    found: dict[str, tuple[str, object]] = {}
-    for field, names in SGLANG_TIMEOUT_ENV.items():
-        name = next((n for n in names if environ.get(n, "").strip()), None)
-        if name is not None:
-            found[field] = (name, environ[name])
-    return timeouts_from(found, "the environment variable")
+    return timeouts_from(first_set(environ, SGLANG_TIMEOUT_ENV), "the environment variable")

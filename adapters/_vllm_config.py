@@ -6,7 +6,8 @@ parallel config, and the compatibility digest both sides declare.
 refuses data- and pipeline-parallel engines at start; ``compatibility_of``
 is what must match between a prefill and a decode beyond shapes;
 ``room_timeouts_of`` reads the engine's own room timeouts from
-``kv_connector_extra_config``.
+``kv_connector_extra_config`` (the prefill's lease also from NixlConnector's
+``kv_lease_duration``).
 """
 
 from __future__ import annotations
@@ -18,25 +19,27 @@ from typing import Any
 
 import torch
 
-from kvbroker.adapters._timeouts import timeouts_from
+from kvbroker.adapters._timeouts import first_set, timeouts_from
 from kvbroker.client import ModelSpec, RoomTimeouts
 from kvbroker.errors import Unimplemented
 
 __all__ = ["NIXL_LEASE_KEY", "TIMEOUT_KEYS", "check_parallel", "compatibility_of", "kv_layout_of", "room_timeouts_of"]
 
-#: ``kv_connector_extra_config`` keys -> the ``RoomTimeouts`` field each sets
-#: (seconds; left out: the broker's flag of the same name).
-TIMEOUT_KEYS = {
-    # The prefill's lease: how long a finished request's blocks wait for its
-    # decode to open the room (then the room fails and vLLM frees them).
-    "sender_info_timeout": "sender_info_seconds",
-    # How long a decode's room looks for the prefill's broker and group.
-    "bootstrap_timeout": "bootstrap_seconds",
-    # How long a decode's room, once the prefill's broker has it, waits for its KV.
-    "receiver_data_timeout": "receiver_data_seconds",
-}
-#: NixlConnector's lease (extended by the decode's heartbeats): not kvbroker's.
+#: NixlConnector's name for the prefill's lease, which kvbroker reads too.
 NIXL_LEASE_KEY = "kv_lease_duration"
+#: ``RoomTimeouts`` field -> the ``kv_connector_extra_config`` keys that set
+#: it (seconds), first set wins; none set: the broker's flag of the same name.
+TIMEOUT_KEYS: dict[str, tuple[str, ...]] = {
+    # The prefill's lease: how long a finished request's blocks wait for its
+    # decode to open the room, renewed while the decode's request waits in its
+    # queue (then the room fails and vLLM frees them). kv_lease_duration is
+    # NixlConnector's name for it; sender_info_timeout wins where both are set.
+    "sender_info_seconds": ("sender_info_timeout", NIXL_LEASE_KEY),
+    # How long a decode's room looks for the prefill's broker and group.
+    "bootstrap_seconds": ("bootstrap_timeout",),
+    # How long a decode's room, once the prefill's broker has it, waits for its KV.
+    "receiver_data_seconds": ("receiver_data_timeout",),
+}
 
 
 def kv_layout_of(
@@ -113,8 +116,7 @@ def room_timeouts_of(extra: dict[str, Any]) -> RoomTimeouts:
     """The engine's own room timeouts from ``kv_connector_extra_config``
     (:data:`TIMEOUT_KEYS`); ``InvalidArgument`` naming a key whose value is
     not a number of seconds above 0 and at most a day."""
-    found = {field: (key, extra[key]) for key, field in TIMEOUT_KEYS.items() if extra.get(key) is not None}
-    return timeouts_from(found, "kv_connector_extra_config")
+    return timeouts_from(first_set(extra, TIMEOUT_KEYS), "kv_connector_extra_config")
 
 
 def compatibility_of(vllm_config: Any, model: ModelSpec, device_type: str) -> str:

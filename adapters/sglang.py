@@ -20,7 +20,8 @@ process runs at start (``load_plugins``). ``install`` patches exactly this:
 - wraps ``PrefillBootstrapQueue._init_kv_manager`` and
   ``DecodePreallocQueue._init_kv_manager`` (AROUND hooks) so that the
   manager they build sees the queue: it needs the KV pool's tensors and the
-  metadata buffers, where SGLang's managers get raw pointers only.
+  metadata buffers, where SGLang's managers get raw pointers only
+  (those hooks but ``get_kv_class``'s: ``_sglang_hooks.py``).
 
 Environment of each engine process (every tp rank of one engine the same):
 
@@ -48,8 +49,12 @@ server (:mod:`kvbroker.adapters.bootstrap`, on
 (``BeginSend`` with no page count): it is Bootstrapping until the decode's
 broker has registered the room, then WaitingForInput, and
 ``pop_decode_prefix_len`` is the decode's held prefix in tokens. A decode
-receiver's ``init`` reads the prefill's record from the bootstrap server;
-``send_metadata`` opens the room (``ExpectRoom`` with the pages after the
+receiver's ``init`` reads the prefill's record from the bootstrap server and
+announces the room (``KVReceiver.announce``): while the request waits in
+SGLang's prealloc queue for pages, the decode's broker renews the prefill's
+lease on its pages; an abort there, or the request let go, ends the
+announcement with an empty room aborted at once, which the prefill's broker
+fails at once. ``send_metadata`` opens the room (``ExpectRoom`` with the pages after the
 prefix and the metadata-buffer row as aux row). The brokers move the pages
 and the aux row; both sides report Success when the room is whole. A room
 that fails reports Failed only once the broker says its pages are settled
@@ -72,7 +77,6 @@ data parallelism, host (hicache) destinations.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 import time
@@ -81,7 +85,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -93,6 +96,13 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+from kvbroker.adapters._sglang_hooks import (
+    BACKEND,
+    QUEUE,
+    add_enum_member,
+    custom_mem_pool,
+    with_queue,
+)
 from kvbroker.adapters._sglang_pool import (
     adopt_pool,
     compatibility_of,
@@ -128,17 +138,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The value of ``--disaggregation-transfer-backend``.
-BACKEND = "kvbroker"
 ENV_ADDRESS = "KVBROKER_ADDRESS"
 ENV_ADVERTISE = "KVBROKER_ADVERTISE_ADDRESS"
 ENV_GROUP = "KVBROKER_GROUP"
-ENV_VMM_POOL = "KVBROKER_VMM_POOL"
 ENV_ENFORCE_COMPATIBILITY = "KVBROKER_ENFORCE_COMPATIBILITY"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-
-#: The SGLang queue whose ``_init_kv_manager`` is running (set by the hook).
-_QUEUE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvbroker_sglang_queue", default=None)
 
 _STATES: dict[RoomState, int] = {
     RoomState.FAILED: int(KVPoll.Failed),
@@ -166,28 +170,17 @@ def install() -> None:
     if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND])
     if BACKEND not in TransferBackend._value2member_map_:
-        _add_enum_member(TransferBackend, "KVBROKER", BACKEND)
+        add_enum_member(TransferBackend, "KVBROKER", BACKEND)
     targets = {
         "sglang.srt.disaggregation.utils.get_kv_class": _get_kv_class,
-        "sglang.srt.mem_cache.utils.maybe_init_custom_mem_pool": _custom_mem_pool,
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": _with_queue,
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": _with_queue,
+        "sglang.srt.mem_cache.utils.maybe_init_custom_mem_pool": custom_mem_pool,
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": with_queue,
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": with_queue,
     }
     registered = HookRegistry._hooks
     for target, hook in targets.items():
         if all(h is not hook for _, h, _ in registered.get(target, [])):
             HookRegistry.register(target, hook, HookType.AROUND)
-
-
-def _add_enum_member(enum_class: Any, name: str, value: str) -> None:
-    """Add a member to a closed ``Enum`` (what ``TransferBackend(value)`` looks up)."""
-    member = object.__new__(enum_class)
-    member._name_ = name
-    member._value_ = value
-    enum_class._member_map_[name] = member
-    enum_class._value2member_map_[value] = member
-    enum_class._member_names_.append(name)
-    type.__setattr__(enum_class, name, member)
 
 
 def _get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
@@ -201,32 +194,6 @@ def _get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_typ
         KVClassType.RECEIVER: KVBrokerKVReceiver,
         KVClassType.BOOTSTRAP_SERVER: KVBrokerBootstrapServer,
     }[class_type]
-
-
-def _custom_mem_pool(original: Callable[..., Any], device: Any, *args: Any, **kwargs: Any) -> Any:
-    """SGLang's custom memory pool setting: on CUDA, with the kvbroker backend,
-    kvbroker's VMM allocator (``KVBROKER_VMM_POOL=0`` leaves SGLang's own)."""
-    from sglang.srt.runtime_context import get_disagg
-
-    try:
-        ours = get_disagg().disaggregation_transfer_backend == BACKEND
-    except ValueError:  # no config published in this process
-        ours = False
-    if not ours or not str(device).startswith("cuda") or os.environ.get(ENV_VMM_POOL, "1") == "0":
-        return original(device, *args, **kwargs)
-
-    from kvbroker import vmmpool
-
-    index = torch.device(device).index
-    return True, vmmpool.mem_pool(torch.cuda.current_device() if index is None else index), "KVBROKER_VMM"
-
-
-def _with_queue(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
-    token = _QUEUE.set(queue)
-    try:
-        return original(queue, *args, **kwargs)
-    finally:
-        _QUEUE.reset(token)
 
 
 # -- the manager -----------------------------------------------------------------------
@@ -260,7 +227,7 @@ class KVBrokerKVManager(BaseKVManager):
         self.enable_all_cp_ranks_for_transfer = False
         self.is_dummy_cp_rank = False
 
-        queue = _QUEUE.get()
+        queue = QUEUE.get()
         if queue is None:
             raise FailedPrecondition(
                 "kvbroker's SGLang manager was built outside PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager: "
@@ -513,8 +480,13 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
         self.require_staging = False
         self.bootstrap_infos: list[EngineRecord] = []
         self._sender: SenderRef | None = None
+        #: The room announced in ``init`` and not opened yet (``send_metadata``) nor given up.
+        self._announced: KVReceiver | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
+        """The prefill is known (SGLang calls this once, as the request enters its prealloc
+        queue or once the prefill's record is there): the request waits for pages next, so its
+        room is announced; an announcement refused is only logged (the prefill's lease alone)."""
         mgr = self.kv_mgr
         if not mgr.try_ensure_parallel_info(self.bootstrap_addr):
             self._fail(FailedPrecondition(f"no complete kvbroker record of the prefill engine at {self.bootstrap_addr} yet"))
@@ -522,6 +494,34 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
         record = mgr.prefill_info_table[self.bootstrap_addr].record
         self.bootstrap_infos = [record]
         self._sender = SenderRef(record.broker, record.group)
+        room = mgr.engine.receiver(self.bootstrap_room, self._sender)
+        try:
+            room.announce()
+        except KvBrokerError as exc:
+            logger.warning("kvbroker: room %d: announcing it refused: %s", self.bootstrap_room, exc)
+            return
+        self._announced = room
+
+    def _withdraw(self, reason: str) -> None:
+        """The request no longer waits for the announced room: an empty room, aborted at once,
+        ends the announcement and tells the prefill's broker, which fails its side now (the
+        prefill frees its pages without waiting for its lease)."""
+        room, self._announced = self._announced, None
+        if room is None or self._room is not None:
+            return
+        try:
+            room.init([])
+            room.abort(reason)
+        except KvBrokerError as exc:
+            logger.warning("kvbroker: room %d: giving it up failed: %s", self.bootstrap_room, exc)
+
+    def abort(self) -> None:
+        self._withdraw("aborted by SGLang before the decode allocated its pages")
+        super().abort()
+
+    def clear(self) -> None:
+        self._withdraw("SGLang let the request go before the decode allocated its pages")
+        super().clear()
 
     def poll(self) -> int:
         before = int(KVPoll.Bootstrapping if self._sender is None else KVPoll.WaitingForInput)
@@ -549,7 +549,7 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
             prefix = int(decode_prefix_len or 0)
             if prefix % self.kv_mgr.page_size:
                 raise InvalidArgument(f"decode prefix of {prefix} tokens is not whole pages of {self.kv_mgr.page_size}")
-            room = self.kv_mgr.engine.receiver(self.bootstrap_room, self._sender)
+            room = self._announced or self.kv_mgr.engine.receiver(self.bootstrap_room, self._sender)
             room.init(
                 np.asarray(kv_indices, dtype=np.int64).reshape(-1),
                 aux_row=aux_index,
@@ -559,6 +559,7 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
         except KvBrokerError as exc:
             self._fail(exc)
             return
+        self._announced = None  # ExpectRoom ended the announcement
         self._room = room
         self._started = time.monotonic()
 

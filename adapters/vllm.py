@@ -22,7 +22,8 @@ dtypes, KV layout, attention backend); a decode whose digest
 differs from the prefill's has the room refused, naming both
 (``"enforce_compatibility": false`` declares none, so nothing is checked).
 ``sender_info_timeout`` (the prefill's lease: seconds a finished request's
-blocks wait for its decode to open the room), ``bootstrap_timeout`` and
+blocks wait for its decode to open the room or renew the lease; NixlConnector's
+``kv_lease_duration`` is read as the same), ``bootstrap_timeout`` and
 ``receiver_data_timeout`` (the decode's waits for the prefill's broker and
 for its KV) bound this engine's rooms instead of its broker's flags of the
 same names. The flow is vLLM's push mode: the prefill finishes a request
@@ -35,7 +36,11 @@ worker opens a kvbroker room and sends the blocks. The proxy passes the
 parameters to the decode request; the decode scheduler asks for the prompt's
 tokens beyond its own prefix-cache hits, its worker opens the room with its
 newly allocated blocks (``prefix_pages``: the blocks it already holds), and
-the broker writes the rest. A room that fails reports the blocks that did not
+the broker writes the rest. A decode request that waits in vLLM's queue
+before its blocks are allocated has its room announced
+(``KVReceiver.announce``, once, from ``on_new_request``): the decode's broker
+renews the prefill's lease on its blocks until the room opens, the request
+ends (its room aborted) or the engine goes away. A room that fails reports the blocks that did not
 arrive (``get_block_ids_with_load_errors``), so vLLM's load-failure policy
 (recompute or fail) applies.
 
@@ -67,7 +72,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvbroker.adapters._vllm_config import (
-    NIXL_LEASE_KEY,
     check_parallel,
     compatibility_of,
     kv_layout_of,
@@ -144,6 +148,16 @@ class _Recv:
 
 
 @dataclass
+class _Announce:
+    """A decode request left waiting in vLLM's queue before its blocks were
+    allocated: its room is announced, so the decode's broker renews the
+    prefill's lease on the prefill's blocks meanwhile."""
+
+    request_id: str
+    params: dict[str, Any]
+
+
+@dataclass
 class _Abort:
     """A decode request that finished before its KV arrived: its room is
     aborted, so the prefill's broker fails it and the prefill frees its blocks."""
@@ -158,11 +172,12 @@ class _Abort:
 
 @dataclass
 class KVBrokerMetadata(KVConnectorMetadata):
-    """What one step asks of the workers: rooms to send, to receive, to abort."""
+    """What one step asks of the workers: rooms to send, to receive, to abort, to announce."""
 
     sends: list[_Send] = field(default_factory=list)
     recvs: list[_Recv] = field(default_factory=list)
     aborts: list[_Abort] = field(default_factory=list)
+    announces: list[_Announce] = field(default_factory=list)
 
 
 class KVBrokerConnector(KVConnectorBase_V1):
@@ -181,17 +196,14 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._enforce_compatibility = bool(extra.get("enforce_compatibility", True))
         self._vmm_pool = bool(extra.get("vmm_pool", True))
         self._timeouts = room_timeouts_of(extra)
-        if NIXL_LEASE_KEY in extra and extra.get("sender_info_timeout") is None:
-            logger.warning(
-                "kvbroker: %s is NixlConnector's lease (extended by the decode's heartbeats) and is not read; "
-                "kvbroker's prefill lease is sender_info_timeout (seconds a finished request's blocks wait for "
-                "its decode to open the room; the broker's --sender-info-timeout where unset)",
-                NIXL_LEASE_KEY,
-            )
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
 
     # -- scheduler side ------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.new(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched(request, num_computed_tokens)
@@ -285,8 +297,21 @@ class _Scheduler:
         self._sends: dict[str, list[int]] = {}
         self._recvs: dict[str, _Recv] = {}
         self._aborts: list[_Abort] = []
+        #: Decode requests that arrived since the last step and are not allocated yet: their rooms
+        #: are announced by the workers if they are still waiting when the step's metadata is built.
+        self._announces: dict[str, _Announce] = {}
         #: Decode requests whose room is open (handed to the worker), until it reports them received.
         self._loading: set[str] = set()
+
+    def new(self, request: Request) -> None:
+        """A request entered vLLM's queue (``on_new_request``, once per request). A decode
+        request's KV waits at the prefill for the prefill's lease only; while this one waits for
+        its blocks (a full KV cache, or more requests than ``max_num_seqs``: vLLM does not even
+        ask ``get_num_new_matched_tokens`` then), its room is announced so that its broker renews
+        that lease. Allocated in the same step (the usual case), it is not announced at all."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and params.get("remote_broker"):
+            self._announces[request.request_id] = _Announce(request.request_id, dict(params))
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -297,8 +322,15 @@ class _Scheduler:
         return 0, False
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._announces.pop(request.request_id, None)
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if num_external_tokens <= 0:
+            # vLLM computes the whole prompt here (its own cache holds what the prefill would
+            # send): the prefill's room is aborted now, which ends an announcement too.
+            params["do_remote_prefill"] = False
+            self._aborts.append(_Abort(request.request_id, dict(params), holds_blocks=False))
             return
         (local,) = blocks.get_unhashed_block_ids_all_groups()
         # The prompt's blocks (this engine's size) that are not new are its prefix-cache hits.
@@ -313,10 +345,12 @@ class _Scheduler:
             sends=[_Send(rid, blocks) for rid, blocks in self._sends.items()],
             recvs=list(self._recvs.values()),
             aborts=self._aborts,
+            announces=list(self._announces.values()),
         )
         self._sends.clear()
         self._recvs.clear()
         self._aborts = []
+        self._announces.clear()
         return meta
 
     def received(self, finished_recving: set[str] | None) -> None:
@@ -326,11 +360,13 @@ class _Scheduler:
     def finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        self._announces.pop(request.request_id, None)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and params.get("remote_broker"):
             # Finished (aborted) before its blocks were allocated: the prefill
             # still holds its blocks for the room; an empty room, aborted at
-            # once, tells its broker (NixlConnector notifies the same way).
+            # once, tells its broker (NixlConnector notifies the same way) and
+            # ends the room's announcement.
             params["do_remote_prefill"] = False
             self._aborts.append(_Abort(request.request_id, dict(params), holds_blocks=False))
             return False, None
@@ -376,7 +412,7 @@ class _Scheduler:
     def pending(self) -> bool:
         """Rooms not handed to the worker yet. (vLLM steps anyway while a finished
         request holds its blocks: its scheduler counts it until they are freed.)"""
-        return bool(self._sends or self._recvs or self._aborts)
+        return bool(self._sends or self._recvs or self._aborts or self._announces)
 
 
 class _Worker:
@@ -426,9 +462,11 @@ class _Worker:
         )
 
     def start(self, meta: KVBrokerMetadata) -> None:
-        """Open this step's rooms. A room the client refuses at once (a bad
-        block id, parameters that name no broker) ends at once: a send is
-        reported finished (vLLM frees its blocks), a receive as not loaded."""
+        """Open this step's rooms and announce its waiting ones. A room the
+        client refuses at once (a bad block id, parameters that name no
+        broker) ends at once: a send is reported finished (vLLM frees its
+        blocks), a receive as not loaded. An announcement refused is only
+        logged: the request still waits, on the prefill's lease alone."""
         if meta.sends and self._device is not None and self._device.type == "cuda":
             # The broker reads the blocks from its own stream: the forward
             # passes that wrote them, queued on the compute stream, must be
@@ -446,12 +484,14 @@ class _Worker:
                 continue
             self._sending[send.request_id] = sender
             self._opened[send.request_id] = time.monotonic()
+        for announce in meta.announces:
+            try:
+                self._receiver(announce.params).announce()
+            except (KvBrokerError, KeyError, TypeError, ValueError) as exc:
+                logger.warning("kvbroker: announcing request %s refused: %s", announce.request_id, exc)
         for recv in meta.recvs:
             try:
-                receiver = self._engine.receiver(
-                    room_of(recv.params["remote_request_id"]),
-                    SenderRef(recv.params["remote_broker"], recv.params["remote_group"]),
-                )
+                receiver = self._receiver(recv.params)
                 receiver.init(recv.local_block_ids, prefix_pages=recv.prefix_blocks)
             except (KvBrokerError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("kvbroker: receiving request %s refused: %s", recv.request_id, exc)
@@ -477,14 +517,15 @@ class _Worker:
                 return
             if abort.holds_blocks:
                 return  # its room ended already (reported received): nothing can land
-
-            receiver = self._engine.receiver(
-                room_of(abort.params["remote_request_id"]), SenderRef(abort.params["remote_broker"], abort.params["remote_group"])
-            )
+            receiver = self._receiver(abort.params)
             receiver.init([])
             receiver.abort(reason)
         except (KvBrokerError, KeyError, TypeError, ValueError) as exc:
             logger.warning("kvbroker: aborting request %s failed: %s", abort.request_id, exc)
+
+    def _receiver(self, params: dict[str, Any]) -> Any:
+        """The receiving side of the room a decode request's ``kv_transfer_params`` name."""
+        return self._engine.receiver(room_of(params["remote_request_id"]), SenderRef(params["remote_broker"], params["remote_group"]))
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         sent, received = self._refused_sends, self._refused_recvs

@@ -395,7 +395,7 @@ def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> N
     args = queue.kv_manager.kv_args
     with pytest.raises(FailedPrecondition, match="install"):
         backend.KVBrokerKVManager(args, "prefill", pair.prefill.server_args)
-    token = backend._QUEUE.set(queue)  # as the hook on _init_kv_manager does
+    token = backend.QUEUE.set(queue)  # as the hook on _init_kv_manager does
     try:
         hybrid = copy.copy(args)
         hybrid.state_types = [StateType.SWA]
@@ -406,7 +406,7 @@ def test_what_the_backend_cannot_move_is_refused_by_name(h: Any, pair: Any) -> N
         with pytest.raises(Unimplemented, match="draft"):
             backend.KVBrokerKVManager(draft, "prefill", pair.prefill.server_args)
     finally:
-        backend._QUEUE.reset(token)
+        backend.QUEUE.reset(token)
 
 
 def test_a_failed_room_is_failed_for_sglang_only_once_its_pages_are_settled(
@@ -494,6 +494,89 @@ def test_a_prefills_lease_is_sglangs_own_bootstrap_timeout(h: Any, own_brokers: 
         # At least the bound, and well under the broker's flag (the rest: a loaded 2-core machine).
         assert 2 <= elapsed < 15, f"the room failed after {elapsed:.1f} s: {message}"
         eventually(lambda: allocator.available_size() == free_before, 10)
+    finally:
+        next(engines, None)
+    wait_until_idle(*own_brokers)
+
+
+#: The prefill's lease in the announcement tests: SGLang's own bootstrap timeout, in seconds.
+LEASE = 2
+
+
+def _steps_for(pair: Any, seconds: float) -> None:
+    """Both engines' scheduler iterations for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pair.step()
+        time.sleep(0.01)
+
+
+def test_a_request_waiting_for_pages_in_the_decodes_prealloc_queue_keeps_the_prefills_lease(
+    h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """The prefill's lease is 2 s (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``) and the decode's KV
+    pool is full: the request waits in SGLang's prealloc queue (its receiver initialised, so its
+    room announced) for 3 leases while both engines step. The decode's broker renews the lease,
+    so the prefill's request is still waiting for its decode, not failed; once pages free up the
+    decode allocates them, and the KV arrives byte-exact with the first token."""
+    engines = _engines(h, own_brokers, hybrid=False, prefill_env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(LEASE)})
+    two = next(engines)
+    try:
+        allocator = two.decode.token_to_kv_pool_allocator
+        taken = allocator.alloc(allocator.available_size())  # no page left for the request
+        ids = list(range(7000, 7010))
+        preq, dreq = two.request("queued", 700, ids)
+        _steps_for(two, 3 * LEASE)
+        assert two.decode_stage(dreq) == "prealloc" and dreq.finished_reason is None
+        assert preq.finished_reason is None and preq not in two.bootstrapped, preq.finished_reason
+        assert own_brokers[0].stats().peer_calls_answered["RenewLeases"] >= 3
+        allocator.free(taken)
+        two.run_until(lambda: preq in two.bootstrapped, what="the decode opened the room")
+        two.prefill_and_send(preq, first_token=77)
+        two.run_until(lambda: dreq in two.received and preq in two.prefilled, what="the room is done")
+        assert torch.equal(two.decode_kv(dreq).view(torch.int16), h.kv_pattern(ids).view(torch.int16))
+        assert list(dreq.output_ids) == [77]
+    finally:
+        next(engines, None)
+    wait_until_idle(*own_brokers)
+
+
+def test_a_request_aborted_in_the_decodes_prealloc_queue_frees_the_prefills_pages_at_once(
+    h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """The request waits in the decode's prealloc queue (its pool full), its room announced, and
+    the prefill's lease is long (60 s): SGLang aborts it there (``kv_receiver.abort()``, as its
+    scheduler does for an AbortReq). The announcement ends with the room aborted at the prefill's
+    broker, so the prefill's request fails ABORTED within seconds, not after its lease, and
+    SGLang's prefill frees its pages; nothing is left in either broker."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    engines = _engines(h, own_brokers, hybrid=False, prefill_env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"})
+    two = next(engines)
+    try:
+        decode_pool, prefill_pool = two.decode.token_to_kv_pool_allocator, two.prefill.token_to_kv_pool_allocator
+        free_before = prefill_pool.available_size()
+        taken = decode_pool.alloc(decode_pool.available_size())
+        preq, dreq = two.request("abandoned", 710, list(range(7100, 7110)))
+        two.run_until(lambda: two.decode_stage(dreq) == "prealloc", what="the decode request waits for pages")
+        eventually(lambda: own_brokers[0].stats().peer_calls_answered["RenewLeases"] >= 1, 10)
+        for decode_req in two.decode.disagg_decode_prealloc_queue.queue:
+            decode_req.kv_receiver.abort()  # SGLang's abort of a request in its prealloc queue
+        aborted = time.monotonic()
+
+        def failed() -> bool:
+            if preq in two.bootstrapped and preq not in two.prefill.disagg_prefill_inflight_queue and preq.finished_reason is None:
+                two.prefill_only(preq, first_token=4)
+            return isinstance(preq.finished_reason, FINISH_ABORT)
+
+        two.run_until(failed, timeout_seconds=30, what="the prefill's request failed")
+        assert time.monotonic() - aborted < 15
+        message = preq.finished_reason.message
+        assert "ABORTED" in message and "before the decode allocated its pages" in message, message
+        two.run_until(lambda: two.decode_stage(dreq) is None, what="the decode let the request go")
+        assert isinstance(dreq.finished_reason, FINISH_ABORT)
+        decode_pool.free(taken)
+        eventually(lambda: prefill_pool.available_size() == free_before, 10)
     finally:
         next(engines, None)
     wait_until_idle(*own_brokers)

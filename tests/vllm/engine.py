@@ -2,11 +2,14 @@
 
 ``python -m tests.vllm.engine JOB.json``: the job says the role (baseline,
 prefill or decode), the model, the broker, the prompts, and where to put
-results. A prefill engine writes the kv_transfer_params of its requests and
+results; ``warm`` prompts run first, without kv_transfer_params. A prefill engine writes the kv_transfer_params of its requests and
 then stays up (its worker sends when the decode registers) until the file
 ``stop`` appears; a decode engine reads those parameters, first runs the
 ``warm`` prompts without them (its own prefix cache), says so (the file
-``decode.ready``), then generates.
+``decode.ready``), then generates. A decode job with ``hold`` first runs a
+long request of its own in its one sequence slot (``max_num_seqs`` 1), so
+the prompts wait in vLLM's queue, unallocated, for ``hold`` seconds (or until
+the test kills the engine).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -24,6 +28,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 MAX_TOKENS = 8
+#: The long request a ``hold`` job runs first, in the decode's one sequence slot.
+HOG = list(range(900, 907))
 
 
 def _workers_wait_instead_of_spinning() -> None:
@@ -42,7 +48,15 @@ def _workers_wait_instead_of_spinning() -> None:
     idle path at once (they wait on the queue's notification socket, which the
     writer signals on every write), and the brokers answer in milliseconds.
     An engine with cores of its own spins harmlessly; two cores shared by two
-    engines and two brokers cannot afford it."""
+    engines and two brokers cannot afford it.
+
+    That idle path loses notifications: vLLM 0.32.0 says so, and re-reads the
+    queue's flag every ``SHM_READER_RECHECK_INTERVAL_MS`` (5 s) to recover. With
+    the spin gone, a read whose notification was lost waited those 5 s: a
+    one-sequence decode made about one token a second (a tiny model's step
+    takes milliseconds), and a prefill's requests finished seconds apart. The
+    readers here re-read every 5 ms: a poll of a socket and a flag, 200 times a
+    second per idle reader, next to nothing, and a step costs what it computes."""
     import inspect
 
     from vllm.distributed.device_communicators import shm_broadcast
@@ -50,6 +64,9 @@ def _workers_wait_instead_of_spinning() -> None:
     init = shm_broadcast.SpinCondition.__init__
     if "busy_loop_s" not in inspect.signature(init).parameters:
         raise RuntimeError("vLLM's SpinCondition has no busy_loop_s any more: tests/vllm/engine.py needs a new way to stop its spinning")
+    if not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
+        raise RuntimeError("vLLM's shm_broadcast has no SHM_READER_RECHECK_INTERVAL_MS any more: see tests/vllm/engine.py")
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = 5
 
     def __init__(self: object, is_reader: bool, context: object, notify_address: str, busy_loop_s: float = 1) -> None:
         init(self, is_reader, context, notify_address, busy_loop_s=0)  # type: ignore[arg-type]
@@ -93,6 +110,9 @@ def main() -> None:
         kwargs["block_size"] = job["block_size"]
     if job.get("tp", 1) > 1:
         kwargs["tensor_parallel_size"] = job["tp"]
+    for key in ("max_num_seqs", "max_model_len"):
+        if job.get(key):
+            kwargs[key] = job[key]
     role = job["role"]
     if role != "baseline":
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -104,8 +124,15 @@ def main() -> None:
         )
     if job.get("metrics"):
         kwargs["disable_log_stats"] = False
+    if job.get("hold"):
+        # The long request runs past the tiny model's 1,024 positions (RoPE: its tokens are not read).
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     llm = LLM(**kwargs)
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+    if job.get("warm"):
+        # A decode fills its prefix cache; a prefill has its first, slow, step done before its
+        # requests (else the first finished seconds before the others, its lease running).
+        llm.generate([{"prompt_token_ids": p} for p in job["warm"]], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
 
     def greedy(extra: list[dict] | None = None, max_tokens: int = MAX_TOKENS) -> list[SamplingParams]:
         return [
@@ -133,8 +160,6 @@ def main() -> None:
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
         _write_metrics(llm, work / "prefill.metrics.json")
         return
-    if job.get("warm"):
-        llm.generate([{"prompt_token_ids": p} for p in job["warm"]], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
     (work / "decode.ready").touch()
     _wait_for(work / "params.json", 600)
     params = json.loads((work / "params.json").read_text())
@@ -153,10 +178,53 @@ def main() -> None:
         (work / "decode.aborted").touch()
         _wait_for(work / "stop", 600)
         return
-    outs = llm.generate(prompts, greedy(params))
-    (work / "finish.json").write_text(json.dumps([o.outputs[0].finish_reason for o in outs]))
-    (work / "decode.json").write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    if job.get("hold"):
+        outs = _behind_a_long_request(llm, work, prompts, greedy(params), job, kwargs["max_model_len"])
+    else:
+        outs = llm.generate(prompts, greedy(params))
+    # (A request aborted while it waited has no output: no tokens, finish "abort".)
+    (work / "finish.json").write_text(json.dumps([o.outputs[0].finish_reason if o else "abort" for o in outs]))
+    (work / "decode.json").write_text(json.dumps([list(o.outputs[0].token_ids) if o else [] for o in outs]))
     _write_metrics(llm, work / "decode.metrics.json")
+
+
+def _behind_a_long_request(llm: Any, work: Path, prompts: list[dict], sampling: list[Any], job: dict, max_model_len: int) -> list[Any]:
+    """The decode's one sequence slot runs a long request of its own (HOG, greedy to the
+    model's length) first; the prompts, added next, wait in vLLM's queue without blocks until
+    it is aborted ``job["hold"]`` seconds later (or ended, or the engine killed); the first
+    prompt is aborted while it waits, ``job["abort_queued"]`` seconds after they were added,
+    if set. ``decode.queued`` appears once they were added, ``held.json`` says how long they
+    waited. The outputs in prompt order (None: aborted)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=0, max_tokens=max_model_len - len(HOG), ignore_eos=True, detokenize=False)
+    engine.add_request("hog", {"prompt_token_ids": HOG}, long)
+    while not any(out.request_id == "hog" for out in engine.step()):
+        pass  # until its first token: it holds the slot
+    for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+        engine.add_request(f"held-{i}", prompt, params)
+    queued = time.monotonic()
+    (work / "decode.queued").touch()
+    hold, abort_after = job["hold"], job.get("abort_queued")
+    held: float | None = None
+    outs: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if abort_after is not None and time.monotonic() - queued >= abort_after:
+            engine.abort_request(["held-0"])
+            abort_after = None
+        for out in engine.step():
+            if out.request_id == "hog":
+                steps = len(out.outputs[0].token_ids)
+                held = time.monotonic() - queued if out.finished and held is None else held
+            elif out.finished:
+                outs[out.request_id] = out
+        if held is None and time.monotonic() - queued >= hold:
+            engine.abort_request(["hog"])
+            held = time.monotonic() - queued
+    (work / "held.json").write_text(json.dumps({"held_seconds": held, "long_request_steps": steps}))
+    return [outs.get(f"held-{i}") for i in range(len(prompts))]
 
 
 def _write_metrics(llm: object, path: Path) -> None:
