@@ -285,7 +285,7 @@ class PeerStream:
                         pending.future.set_exception(rpc_error(_STATUS.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message))
                     else:
                         pending.future.set_result(getattr(answer, STREAM_CALLS[pending.name]))
-        except grpc.RpcError as exc:
+        except Exception as exc:  # RpcError, or anything else: a reader that stopped must not leave the stream looking open
             details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} broke: {details}"))
 
