@@ -98,10 +98,12 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], name: str, interval_sec
     assert proc.poll() is None, (path.parent / f"{name}.engine.log").read_text()[-4000:]
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+def _kill(*procs: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL each engine still running (None: never started)."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +158,7 @@ def _pd(
         (work / "stop").touch()
         _finish(pre, work, "prefill", timeout=120)
     finally:
-        _kill(dec)
-        if pre is not None:
-            _kill(pre)
+        _kill(dec, pre)
     return json.loads((work / "decode.json").read_text())  # type: ignore[no-any-return]
 
 
@@ -435,9 +435,7 @@ def test_a_decode_that_gives_up_on_its_requests_frees_the_prefills_blocks_at_onc
         _finish(dec, work, "decode", timeout=120)
         _finish(pre, work, "prefill", timeout=120)
     finally:
-        _kill(dec)
-        if pre is not None:
-            _kill(pre)
+        _kill(dec, pre)
     # The broker tables say the rooms ended; the prefill engine's own metrics say vLLM freed their
     # blocks: every send reported ended and the KV cache empty.
     sends = _prefill_freed_its_blocks(work)
@@ -639,9 +637,7 @@ def test_a_decode_killed_while_its_requests_queue_frees_the_prefills_blocks_with
         (work / "stop").touch()
         _finish(pre, work, "prefill", timeout=120)
     finally:
-        _kill(dec)
-        if pre is not None:
-            _kill(pre)
+        _kill(dec, pre)
     assert _prefill_freed_its_blocks(work)["failure"] == len(prompts)
 
 

@@ -175,10 +175,10 @@ class PeerStream:
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.cancel()
-        opened = self._opened
-        if opened is not None:
-            self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed"))
-        self._fail_waiting(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed"), all_calls=True)
+        closed = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed")
+        if self._opened is not None:
+            self._break(self._opened, closed)
+        self._fail_waiting(closed, all_calls=True)
 
     # -- the runner -------------------------------------------------------------
     def _start(self) -> None:

@@ -5,6 +5,7 @@ fail when the stream breaks or a deadline passes, and a registration that waits 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -59,10 +60,26 @@ def _run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), 30))
 
 
-def _stub(address: str) -> tuple[grpc.aio.Channel, StreamStub]:
-    channel = grpc.aio.insecure_channel(address)
-    unary = peer_pb2_grpc.PeerBrokerStub(channel)
-    return channel, StreamStub(unary, PeerStream(unary, address, lambda: "caller"))
+@contextlib.asynccontextmanager
+async def _serving(servicer: peer_pb2_grpc.PeerBrokerServicer) -> AsyncIterator[str]:
+    """A callee on a free loopback port: its address."""
+    server, address = await _serve(servicer)
+    try:
+        yield address
+    finally:
+        await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def _caller(address: str) -> AsyncIterator[StreamStub]:
+    """A caller's stub for ``address``, its stream closed after."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        unary = peer_pb2_grpc.PeerBrokerStub(channel)
+        stub = StreamStub(unary, PeerStream(unary, address, lambda: "caller"))
+        try:
+            yield stub
+        finally:
+            stub.stream.close()
 
 
 def _pong(name: str, request: Any) -> Any:
@@ -85,19 +102,13 @@ def test_calls_are_answered_by_id_and_a_waiting_call_holds_up_nothing() -> None:
                 return later()
             return _pong(name, request)
 
-        server, address = await _serve(_Callee(answer))
-        channel, stub = _stub(address)
-        try:
+        async with _serving(_Callee(answer)) as address, _caller(address) as stub:
             reserve = asyncio.ensure_future(stub.ReserveStaging(peer_pb2.ReserveStagingRequest(bytes=4096), timeout=10))
             pong = await stub.Ping(peer_pb2.PingRequest(from_broker_id="caller"), timeout=10)
             assert pong.broker_id == "callee" and not reserve.done()
             room.set()
             assert (await reserve).offset == 4096
             assert stub.stream.broker_id == "callee" and stub.stream.heard_within(5)
-        finally:
-            stub.stream.close()
-            await channel.close()
-            await server.stop(None)
 
     _run(body)
 
@@ -113,9 +124,7 @@ def test_calls_made_together_go_in_fewer_frames_and_errors_keep_their_status() -
             return peer_pb2.CompletionAck()
 
         callee = _Callee(answer)
-        server, address = await _serve(callee)
-        channel, stub = _stub(address)
-        try:
+        async with _serving(callee) as address, _caller(address) as stub:
             stub.stream.open()
             results = await asyncio.gather(
                 *(stub.ReportCompletion(peer_pb2.CompletionReport(room=r), timeout=10) for r in range(200)), return_exceptions=True
@@ -126,10 +135,6 @@ def test_calls_made_together_go_in_fewer_frames_and_errors_keep_their_status() -
             assert errors[13].details() == "no room for room 13"
             assert callee.calls == ["ReportCompletion"] * 200 and callee.streams == 1
             assert stub.stream.calls_written == 200 and stub.stream.frames_written < 200
-        finally:
-            stub.stream.close()
-            await channel.close()
-            await server.stop(None)
 
     _run(body)
 
@@ -138,17 +143,11 @@ def test_a_broker_without_the_stream_is_refused_by_name() -> None:
     """A protocol-8 callee answers Stream UNIMPLEMENTED: the call fails FAILED_PRECONDITION, naming the protocol."""
 
     async def body() -> None:
-        server, address = await _serve(_Old())
-        channel, stub = _stub(address)
-        try:
+        async with _serving(_Old()) as address, _caller(address) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Ping(peer_pb2.PingRequest(), timeout=10)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert f"older than {PROTOCOL_VERSION}" in (caught.value.details() or "")
-        finally:
-            stub.stream.close()
-            await channel.close()
-            await server.stop(None)
 
     _run(body)
 
@@ -157,9 +156,7 @@ def test_a_caller_of_another_protocol_is_refused_by_name() -> None:
     """The callee refuses a StreamOpen of another version, naming both versions and the caller."""
 
     async def body() -> None:
-        server, address = await _serve(_Callee(_pong))
-        channel = grpc.aio.insecure_channel(address)
-        try:
+        async with _serving(_Callee(_pong)) as address, grpc.aio.insecure_channel(address) as channel:
             call = peer_pb2_grpc.PeerBrokerStub(channel).Stream()
             await call.write(peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION - 1, broker_id="old")))
             with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -167,9 +164,6 @@ def test_a_caller_of_another_protocol_is_refused_by_name() -> None:
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             details = caught.value.details() or ""
             assert f"broker old speaks kvbroker protocol {PROTOCOL_VERSION - 1}" in details and f"speaks {PROTOCOL_VERSION}" in details
-        finally:
-            await channel.close()
-            await server.stop(None)
 
     _run(body)
 
@@ -188,27 +182,25 @@ def test_a_broken_stream_fails_the_calls_written_on_it_and_the_next_call_opens_a
 
         port = _free_port()
         server, address = await _serve(_Callee(answer), port)
-        channel, stub = _stub(address)
         try:
-            grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
-            await stub.Ping(peer_pb2.PingRequest(), timeout=10)
-            await server.stop(None)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await grant
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "broke" in (caught.value.details() or "") or "closed" in (caught.value.details() or "")
-            server, _ = await _serve(_Callee(_pong), port)
-            for _ in range(100):  # the channel reconnects with backoff
-                try:
-                    pong = await stub.Ping(peer_pb2.PingRequest(), timeout=2)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
-                    await asyncio.sleep(0.1)
-            assert pong.broker_id == "callee"
+            async with _caller(address) as stub:
+                grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
+                await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+                await server.stop(None)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await grant
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "broke" in (caught.value.details() or "") or "closed" in (caught.value.details() or "")
+                server, _ = await _serve(_Callee(_pong), port)
+                for _ in range(100):  # the channel reconnects with backoff
+                    try:
+                        pong = await stub.Ping(peer_pb2.PingRequest(), timeout=2)
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                        await asyncio.sleep(0.1)
+                assert pong.broker_id == "callee"
         finally:
-            stub.stream.close()
-            await channel.close()
             await server.stop(None)
 
     _run(body)
@@ -220,24 +212,22 @@ def test_a_registration_waits_for_a_stream_and_other_calls_do_not() -> None:
 
     async def body() -> None:
         port = _free_port()
-        channel, stub = _stub(f"127.0.0.1:{port}")
         server = None
         try:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Ping(peer_pb2.PingRequest(), timeout=10)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and loop.time() - started < 5
-            registration = asyncio.ensure_future(
-                stub.RegisterRooms(peer_pb2.RegisterRoomsRequest(), timeout=20, wait_for_ready=True)
-            )
-            await asyncio.sleep(0.5)
-            assert not registration.done()
-            server, _ = await _serve(_Callee(lambda name, request: peer_pb2.RegisterRoomsResponse()), port)
-            await registration
+            async with _caller(f"127.0.0.1:{port}") as stub:
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and loop.time() - started < 5
+                registration = asyncio.ensure_future(
+                    stub.RegisterRooms(peer_pb2.RegisterRoomsRequest(), timeout=20, wait_for_ready=True)
+                )
+                await asyncio.sleep(0.5)
+                assert not registration.done()
+                server, _ = await _serve(_Callee(lambda name, request: peer_pb2.RegisterRoomsResponse()), port)
+                await registration
         finally:
-            stub.stream.close()
-            await channel.close()
             if server is not None:
                 await server.stop(None)
 
@@ -260,17 +250,11 @@ def test_a_call_past_its_deadline_fails_and_its_late_answer_is_dropped() -> None
                 return later()
             return _pong(name, request)
 
-        server, address = await _serve(_Callee(answer))
-        channel, stub = _stub(address)
-        try:
+        async with _serving(_Callee(answer)) as address, _caller(address) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=0.3)
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             slow.set()
             assert (await stub.Ping(peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
-        finally:
-            stub.stream.close()
-            await channel.close()
-            await server.stop(None)
 
     _run(body)
