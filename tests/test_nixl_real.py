@@ -37,6 +37,9 @@ def brokers() -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
         yield p, d
         for b in (p, d):
             assert b.stop() == 0, b.log_tail()
+            # Regression: the server cancelled the peer stream it answered at stop, and grpc logged
+            # "Exception not handled by _handle_exceptions ... PeerBroker/Stream" at every shutdown.
+            assert "Exception not handled" not in b.log_path.read_text(), b.log_tail()
 
 
 class _Rank:

@@ -965,6 +965,30 @@ def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_b
     _wait_tables_empty(p2, d)
 
 
+def test_a_peer_whose_loaded_memory_got_new_nixl_keys_is_loaded_afresh(fake_brokers, make_engine) -> None:
+    """NIXL (1.5) refuses a peer's metadata when memory it loaded comes back at the same place with
+    other keys (NIXL_ERR_NOT_ALLOWED; an H200 showed it for a cudaMalloc made again, RDMA does it for
+    host memory): the broker that loads it treats the peer as restarted (its rooms there fail PEER,
+    naming why) and loads its metadata afresh, so new rooms between them move."""
+    p = fake_brokers("p")
+    d = fake_brokers("d")
+    pe = make_engine(p.address, "prefill")
+    de = make_engine(d.address, "decode")
+    _move_room(pe, de, p.address, 201)
+    _assert_moved(pe, de, SRC, DST)
+    waiting = de.handle.receiver(202, SenderRef(p.address, "prefill-group"))
+    waiting.init(DST, aux_row=2)
+    eventually(lambda: waiting.poll() == RoomState.WAITING_FOR_INPUT)
+    p.agent.rekey()
+    make_engine(d.address, "decode", group="other-group")  # d handshakes again at its next call, and loads p's
+    _move_room(pe, de, p.address, 203)  # that call: d loads p afresh, and the room moves
+    status = waiting.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER, status
+    assert "changed the NIXL keys of memory this broker had loaded" in status.cause.message
+    _assert_moved(pe, de, SRC, DST)
+    _wait_tables_empty(p, d)
+
+
 def test_a_room_registered_again_by_a_restarted_decode_broker_is_refused(fake_brokers, make_engine) -> None:
     """A decode broker that restarted and registers a room its predecessor had registered is refused
     with a clear cause, so its rank fails at once (it used to be accepted silently and wait for data that

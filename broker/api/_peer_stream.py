@@ -30,7 +30,7 @@ from kvbroker.errors import FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import peer_pb2
 
-__all__ = ["AnswerCall", "serve_stream"]
+__all__ = ["AnswerCall", "ServedStreams", "serve_stream"]
 
 log = structlog.get_logger(__name__)
 
@@ -42,11 +42,28 @@ AnswerCall = Callable[[str, Message], "Message | Awaitable[Message]"]
 _NAMES = {fieldname: name for name, fieldname in STREAM_CALLS.items()}
 
 
+class ServedStreams:
+    """The peer streams this broker answers now, so that it can end them when it stops (a stream
+    the server cancels instead leaves grpc's task for it pending, logged as an error at exit)."""
+
+    def __init__(self) -> None:
+        self._live: set[_Answers] = set()
+
+    def end_all(self) -> None:
+        for answers in list(self._live):
+            answers.end()
+
+
 async def serve_stream(
-    requests: AsyncIterator[peer_pb2.PeerFrame], context: grpc.aio.ServicerContext[Any, Any], broker_id: str, answer: AnswerCall
+    requests: AsyncIterator[peer_pb2.PeerFrame],
+    context: grpc.aio.ServicerContext[Any, Any],
+    broker_id: str,
+    answer: AnswerCall,
+    served: ServedStreams,
 ) -> AsyncIterator[peer_pb2.PeerFrame]:
     """Answer a peer's stream: its ``StreamOpen`` (refused if it speaks
-    another protocol), then each of its calls."""
+    another protocol), then each of its calls, until the caller ends it or
+    ``served.end_all()``."""
     try:
         first = await requests.__anext__()
     except StopAsyncIteration:
@@ -57,11 +74,13 @@ async def serve_stream(
         await context.abort(exc.code, exc.message)
     yield peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION, broker_id=broker_id))
     answers = _Answers(answer)
+    served._live.add(answers)
     reader = asyncio.get_running_loop().create_task(answers.take_all(first.calls, requests), name="peer-stream-reader")
     try:
         while (frame := await answers.next_frame()) is not None:
             yield frame
     finally:
+        served._live.discard(answers)
         reader.cancel()
         answers.cancel()
 
@@ -86,6 +105,7 @@ class _Answers:
         #: Calls that wait (for room) in tasks of their own.
         self._waiting: set[asyncio.Task[None]] = set()
         self._reading = True
+        self._ended = False
 
     async def take_all(self, opening: Iterable[peer_pb2.PeerCall], requests: AsyncIterator[peer_pb2.PeerFrame]) -> None:
         """Answer the calls of every frame the caller sends, until it ends the stream."""
@@ -144,12 +164,19 @@ class _Answers:
     async def next_frame(self) -> peer_pb2.PeerFrame | None:
         """The answers ready now, in one frame; None once the caller ended the stream and every call is answered."""
         while not self._ready:
-            if not self._reading and not self._waiting:
+            if self._ended or (not self._reading and not self._waiting):
                 return None
             self._wake.clear()
             await self._wake.wait()
+        if self._ended:
+            return None
         frame, self._ready = peer_pb2.PeerFrame(answers=self._ready), []
         return frame
+
+    def end(self) -> None:
+        """End the stream now (the broker stops): calls unanswered fail at the caller as on a broken stream."""
+        self._ended = True
+        self._wake.set()
 
     def cancel(self) -> None:
         for task in list(self._waiting):

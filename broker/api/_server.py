@@ -91,6 +91,7 @@ class BrokerServer:
         self._broker: Broker | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
+        self._peer_service: PeerService | None = None
         self._engine_socket = ""
         self.port = 0
         self._etcd_health: asyncio.Task[None] | None = None
@@ -166,9 +167,8 @@ class BrokerServer:
         transfer_pb2_grpc.add_TransferBrokerServicer_to_server(
             TransferService(routes.engine_calls, routes.sessions, broker.broker_info), server
         )
-        peer_pb2_grpc.add_PeerBrokerServicer_to_server(
-            PeerService(routes.peer_requests, broker.broker_id, queries.counters), server
-        )
+        self._peer_service = PeerService(routes.peer_requests, broker.broker_id, queries.counters)
+        peer_pb2_grpc.add_PeerBrokerServicer_to_server(self._peer_service, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(queries, routes.operators, routes.probes)), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -217,6 +217,8 @@ class BrokerServer:
         if self._broker is not None:
             # It leaves the fleet first (peers stop choosing it), and closes the fd socket last.
             await self._broker.stop()
+        if self._peer_service is not None:
+            self._peer_service.end_streams()  # before the server cancels them
         if self._server is not None:
             await self._server.stop(grace_seconds)
             self._server = None

@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from kvbroker.broker.api._admin import Admin
-from kvbroker.broker.api._peer_stream import serve_stream
+from kvbroker.broker.api._peer_stream import ServedStreams, serve_stream
 from kvbroker.broker.runtime import EngineCalls, PeerRequests, Sessions, SessionStream
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import Internal, InvalidArgument, KvBrokerError
@@ -196,6 +196,8 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         self._requests = peer_requests
         self._broker_id = broker_id
         self._counters = counters
+        #: The peer streams answered now (ended by :meth:`end_streams` when the broker stops).
+        self._streams = ServedStreams()
         requests = peer_requests
         #: The calls the peer stream carries, answered as their unary forms are.
         self._answers: dict[str, Callable[[Any], Any]] = {
@@ -221,8 +223,12 @@ class PeerService(peer_pb2_grpc.PeerBrokerServicer):
         self, requests: AsyncIterator[peer_pb2.PeerFrame], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[peer_pb2.PeerFrame]:
         self._counters.peer_calls_answered["Stream"] += 1
-        async for frame in serve_stream(requests, context, self._broker_id, self._answer):
+        async for frame in serve_stream(requests, context, self._broker_id, self._answer, self._streams):
             yield frame
+
+    def end_streams(self) -> None:
+        """End the peer streams answered now (the broker stops)."""
+        self._streams.end_all()
 
     @_peer
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:

@@ -183,8 +183,6 @@ class StagingPool:
         self._waiting: deque[tuple[int, asyncio.Future[Reservation], object]] = deque()
         self.in_use_bytes = 0
         self.reservations = 0
-        #: Called when the last reservation is released (a release of its GPU's buffers waits for it).
-        self.on_empty: Callable[[], None] | None = None
 
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """A reservation of ``nbytes`` now, or None if no free span fits."""
@@ -253,8 +251,6 @@ class StagingPool:
         self.in_use_bytes -= reservation.nbytes
         self.reservations -= 1
         self._grant()
-        if not self.reservations and self.on_empty is not None:
-            self.on_empty()
 
     def _grant(self) -> None:
         """Reserve for the oldest waiters while they fit."""
@@ -273,9 +269,12 @@ class StagingPools:
     The host send and receive pools exist from :meth:`start` (unless staging
     is off); a GPU's pair (its transfer buffers) is made by
     :meth:`ensure_device` when the first engine with KV on that GPU
-    registers, and freed by :meth:`release_device` when the last one goes.
-    Buffers are allocated on the memory thread and registered on the
-    data-plane thread.
+    registers, and kept until the broker stops: a buffer freed and made
+    again lands at the same address with new NIXL keys, which a peer that
+    loaded the old ones cannot take (NIXL 1.5 refuses changed keys of loaded
+    memory with NIXL_ERR_NOT_ALLOWED; seen on an H200 when the last engine
+    left and the next one came). Buffers are allocated on the memory thread
+    and registered on the data-plane thread.
     """
 
     def __init__(
@@ -293,7 +292,7 @@ class StagingPools:
         self._dataplane = dataplane
         self._workers = workers
         self._pools: dict[tuple[str, int, int], StagingPool] = {}
-        #: GPUs whose pair is being made or freed: later callers wait for it.
+        #: GPUs whose pair is being made: later callers wait for it.
         self._busy: dict[int, asyncio.Future[None]] = {}
 
     @property
@@ -312,10 +311,6 @@ class StagingPools:
         ``FailedPrecondition`` (nothing kept) if the GPU cannot give them."""
         await self._wait_for(device)
         if ("send", VRAM, device) in self._pools:
-            for direction in ("send", "receive"):  # a release waiting for reservations is off
-                pool = self._pools.get((direction, VRAM, device))
-                if pool is not None:
-                    pool.on_empty = None
             return
         if not all(self._device_sizes.values()):
             raise FailedPrecondition("the device transfer buffers are off (--device-buffer-mib 0): VRAM cannot move")
@@ -355,34 +350,6 @@ class StagingPools:
                 made=sizes,
             )
         return sizes
-
-    async def release_device(self, device: int) -> None:
-        """Free GPU ``device``'s transfer buffers (its last VRAM engine went).
-        Reservations still held (a transfer that did not settle, a peer's
-        idle credits, given back within a second) keep them until the last
-        is released. Safe to call concurrently: the pools leave the table
-        before the first await."""
-        await self._wait_for(device)
-        keys = [k for k in self._pools if k[1] == VRAM and k[2] == device]
-        held = [self._pools[k] for k in keys if self._pools[k].reservations]
-        if held:
-            log.info("device_buffers_held", device=device, reservations=sum(p.reservations for p in held), freed="when released")
-            loop = asyncio.get_running_loop()
-
-            def emptied() -> None:
-                if all(not self._pools[k].reservations for k in keys if k in self._pools):
-                    for k in keys:
-                        if k in self._pools:
-                            self._pools[k].on_empty = None
-                    loop.create_task(self.release_device(device))
-
-            for pool in held:
-                pool.on_empty = emptied
-            return
-        pools = [self._pools.pop(key) for key in keys]
-        with self._claim(device):
-            for pool in pools:
-                await self._release(pool.buffer)
 
     async def _wait_for(self, device: int) -> None:
         while (busy := self._busy.get(device)) is not None:

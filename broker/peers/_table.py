@@ -290,7 +290,7 @@ class PeerTable:
         elif metadata == peer.metadata and peer.agent_name is not None:
             agent_name = peer.agent_name
         else:
-            agent_name = await self._dataplane.call(lambda agent: agent.add_remote(metadata))
+            agent_name = await self._load(peer, metadata)
             peer.metadata = metadata
             if agent_name != identity.nixl_agent_name:
                 raise FailedPrecondition(
@@ -321,6 +321,26 @@ class PeerTable:
                 log.warning("peer_engine_rejected", peer=identity.broker_id, rank=str(key), error=message)
         for key in [k for k in peer.engines if k not in seen]:
             self._release(peer.engines.pop(key))
+
+    async def _load(self, peer: Peer, metadata: bytes) -> str:
+        """Load ``peer``'s NIXL metadata; its agent's name.
+
+        NIXL (1.5) adds what a peer's metadata holds to what it loaded
+        before, and cannot change a loaded memory's keys: memory the peer
+        freed and registered again at the same place with new keys (a
+        cudaMalloc at a freed address; host memory over RDMA) is refused
+        with NIXL_ERR_NOT_ALLOWED. Then the peer is treated as restarted:
+        its rooms here fail, its transfers are cancelled and its metadata is
+        loaded afresh."""
+        try:
+            return await self._dataplane.call(lambda agent: agent.add_remote(metadata))
+        except InvalidArgument as exc:
+            if peer.agent_name is None or "NIXL_ERR_NOT_ALLOWED" not in exc.message:
+                raise
+            log.warning("peer_metadata_reloaded", peer=peer.address, broker=peer.broker_id, error=exc.message)
+        self._on_restart(peer, "changed the NIXL keys of memory this broker had loaded; its metadata is loaded afresh")
+        self.drop(peer)
+        return await self._dataplane.call(lambda agent: agent.add_remote(metadata))
 
     def drop(self, peer: Peer) -> None:
         """Forget ``peer``: its remote agent, engines and descriptor lists."""

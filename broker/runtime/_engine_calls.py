@@ -6,13 +6,12 @@ Each room command decodes its request, checks the caller and calls the
 sender or receiver state machine in a turn (``execution.Turn``): the
 effects it leaves are carried out when the turn ends, before it answers. The engine's session stream
 (``_sessions``) carries the same room commands. The GPUs an engine's memory
-is on (:func:`vram_devices`) are those whose transfer buffers and copy lanes
-its registration opens and its release may free.
+is on (:func:`table_vram_devices`) are those whose transfer buffers and copy
+lanes its registration opens; they stay until the broker stops.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import AsyncIterator
 
 import structlog
@@ -72,9 +71,6 @@ class EngineCalls:
         self._tasks = tasks
         self._operators = operators
         self._lanes = lanes
-        #: GPUs whose transfer buffers registrations under way are making or
-        #: using (not yet listed engines): not freed meanwhile.
-        self._opening: Counter[int] = Counter()
 
     # -- an engine arrives and leaves -----------------------------------------------
     async def register_engine(self, request: transfer_pb2.RegisterEngineRequest) -> Engine:
@@ -84,15 +80,13 @@ class EngineCalls:
         if claimed is None:
             raise NotFound("unknown or already used session_token: upload the buffers over the fd socket first")
         connection, fds = claimed
-        opened: list[int] = []
 
         async def open_devices(table: DescriptorTable) -> None:
             # The engine's VRAM moves only through this broker's transfer
             # buffers on its GPUs (without them, refuse the engine), copied by
-            # each GPU's lane: both exist before peers can learn of the engine.
+            # each GPU's lane: both exist before peers can learn of the engine,
+            # and stay until the broker stops (StagingPools.ensure_device).
             for device in sorted(table_vram_devices(table)):
-                self._opening[device] += 1
-                opened.append(device)
                 await self._pools.ensure_device(device, self._engines.cuda_driver)
                 await self._lanes.open(device)
 
@@ -109,10 +103,7 @@ class EngineCalls:
             )
         except BaseException:
             connection.engine_id = None
-            self._opening.subtract(opened)
-            await self._release_unused_devices(set(opened))
             raise
-        self._opening.subtract(opened)
         connection.engine_id = engine.engine_id
         if connection.closed:
             # The engine died while we registered it.
@@ -153,16 +144,8 @@ class EngineCalls:
             self._tasks.spawn(self.unregister_engine(engine_id, lost=True), name=f"lost-{engine_id}")
 
     async def release_engine(self, engine: Engine) -> None:
-        """Release an engine, and its GPUs' staging pools if no other engine uses them."""
+        """Release an engine (its GPUs' transfer buffers stay: ``StagingPools.ensure_device``)."""
         await self._engines.release(engine)
-        await self._release_unused_devices(vram_devices(engine))
-
-    async def _release_unused_devices(self, devices: set[int]) -> None:
-        """Free the transfer buffers of those ``devices`` that no engine uses
-        and no registration under way is opening."""
-        used = {d for e in self._engines.by_id.values() for d in vram_devices(e)}
-        for device in devices - used - {d for d, n in self._opening.items() if n > 0}:
-            await self._pools.release_device(device)
 
     # -- room commands ---------------------------------------------------------------
     @in_turn
@@ -257,11 +240,6 @@ class EngineCalls:
 
 
 # -- the GPUs an engine's memory is on -----------------------------------------------
-def vram_devices(engine: Engine) -> set[int]:
-    """The GPUs holding some of ``engine``'s regions (where transfer buffers serve it)."""
-    return table_vram_devices(engine.table)
-
-
 def table_vram_devices(table: DescriptorTable) -> set[int]:
     """The GPUs holding some of the regions of a rank with this descriptor table."""
     return {device for kind, device in zip(table.region_kind, table.region_device) if kind == common_pb2.MEMORY_KIND_VRAM}

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvbroker.broker.api._peer_stream import serve_stream
+from kvbroker.broker.api._peer_stream import ServedStreams, serve_stream
 from kvbroker.broker.peers import PeerStream, StreamStub
 from kvbroker.errors import ResourceExhausted
 from kvbroker.protocol import PROTOCOL_VERSION
@@ -27,6 +27,7 @@ class _Callee(peer_pb2_grpc.PeerBrokerServicer):
         self.answer = answer
         self.calls: list[str] = []
         self.streams = 0
+        self.served = ServedStreams()
 
     def _answer(self, name: str, request: Any) -> Any:
         self.calls.append(name)
@@ -34,7 +35,7 @@ class _Callee(peer_pb2_grpc.PeerBrokerServicer):
 
     async def Stream(self, requests: AsyncIterator[peer_pb2.PeerFrame], context: Any) -> AsyncIterator[peer_pb2.PeerFrame]:
         self.streams += 1
-        async for frame in serve_stream(requests, context, "callee", self._answer):
+        async for frame in serve_stream(requests, context, "callee", self._answer, self.served):
             yield frame
 
 
@@ -256,5 +257,30 @@ def test_a_call_past_its_deadline_fails_and_its_late_answer_is_dropped() -> None
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             slow.set()
             assert (await stub.Ping(peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
+
+    _run(body)
+
+
+def test_a_callee_that_stops_ends_its_streams_and_their_unanswered_calls_fail() -> None:
+    """A stopping broker ends the streams it answers before its server stops (the server cancelling
+    them left grpc's task pending, logged as an unhandled error at every shutdown): a call still
+    unanswered fails UNAVAILABLE at the caller, and the caller's next call opens a new stream."""
+
+    async def body() -> None:
+        never = asyncio.Event()
+
+        def answer(name: str, request: Any) -> Any:
+            return never.wait() if name == "GrantCredits" else _pong(name, request)
+
+        callee = _Callee(answer)
+        async with _serving(callee) as address, _caller(address) as stub:
+            grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
+            await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+            callee.served.end_all()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await grant
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (await stub.Ping(peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
+            assert callee.streams == 2
 
     _run(body)

@@ -16,6 +16,12 @@ With the fake CUDA driver attached (``FakeAgent(..., cuda=FakeCudaLib)`` or
 IPC handle fails as NIXL's did (``NIXL_ERR_BACKEND``), and a write whose
 target is a VMM allocation finishes only after its bytes would have crossed
 TCP on the host (``HOST_SPEED_BPS``), counted in ``host_speed_writes``.
+Remote metadata loads as NIXL 1.5 loads it: what a peer's metadata holds
+is added to what was loaded before (memory the peer freed stays known), and
+a registration at a loaded (address, size, kind, device) whose keys changed
+is refused with ``NIXL_ERR_NOT_ALLOWED``. Host memory registered again at the
+same place keeps its keys (UCX over loopback showed it); VRAM gets new ones
+with each registration (a new cudaMalloc's IPC handle, as an H200 showed).
 ``vram_registrations()`` lists what VRAM is registered now, by allocation
 kind; ``vram_registered``, ``vram_sources`` and ``vram_targets`` keep what
 the agent saw over its whole life (every VRAM registration, and the VRAM
@@ -107,10 +113,13 @@ class FakeAgent:
         #: The fake CUDA driver whose allocations this agent's VRAM lives in (optional).
         self.cuda = cuda
         self._regs: dict[int, tuple[int, int, int, int]] = {}
+        #: Registration -> its keys (what a peer's load compares, as NIXL compares its metaInfo).
+        self._keys: dict[int, str] = {}
         #: Registration -> what its memory is ("host", or a ``FakeCudaLib.memory_kind``).
         self._memory: dict[int, str] = {}
         self._next_reg = 0
-        self._remotes: dict[str, list[tuple[int, int, int, int, str]]] = {}
+        #: Remote agent -> its loaded registrations (start, size, kind, device, memory) -> their keys.
+        self._remotes: dict[str, dict[tuple[int, int, int, int, str], str]] = {}
         #: Writes that moved at host speed (their target was a VMM allocation).
         self.host_speed_writes = 0
         #: Over the agent's life: VRAM registrations (also those deregistered since), and the VRAM
@@ -129,6 +138,11 @@ class FakeAgent:
         """Queue scripts for the next posted transfers, in order."""
         self._scripts.extend(scripts)
 
+    def rekey(self) -> None:
+        """Give every registration new keys, as memory registered again over RDMA gets."""
+        for handle in self._keys:
+            self._keys[handle] += "'"
+
     @property
     def registrations(self) -> int:
         return len(self._regs)
@@ -144,7 +158,7 @@ class FakeAgent:
         return self._name
 
     def metadata(self) -> bytes:
-        regs = [(*reg, self._memory[h]) for h, reg in self._regs.items()]
+        regs = [(*reg, self._memory[h], self._keys[h]) for h, reg in self._regs.items()]
         return json.dumps({"name": self._name, "regs": regs}).encode()
 
     def register(self, address: int, size_bytes: int, kind: int, device_id: int) -> int:
@@ -160,6 +174,7 @@ class FakeAgent:
         self._next_reg += 1
         self._regs[handle] = (address, size_bytes, kind, device_id)
         self._memory[handle] = memory
+        self._keys[handle] = f"{memory}:{handle}" if kind == _VRAM else f"host:{address:#x}+{size_bytes}"
         if kind == _VRAM:
             self.vram_registered[memory] += 1
         return handle
@@ -167,17 +182,28 @@ class FakeAgent:
     def deregister(self, registration: int) -> None:
         del self._regs[registration]
         del self._memory[registration]
+        del self._keys[registration]
 
     def add_remote(self, metadata: bytes) -> str:
         try:
             meta = json.loads(metadata)
             name = str(meta["name"])
-            regs = [(int(start), int(size), int(kind), int(dev), str(mem)) for start, size, kind, dev, mem in meta["regs"]]
+            regs = {
+                (int(start), int(size), int(kind), int(dev), str(mem)): str(key)
+                for start, size, kind, dev, mem, key in meta["regs"]
+            }
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"fake agent metadata is malformed: {exc!r}") from exc
         if name not in self._fabric.agents:
             raise InvalidArgument(f"fake agent {name} is not on this fabric")
-        self._remotes[name] = regs
+        loaded = self._remotes.setdefault(name, {})
+        for reg, key in regs.items():
+            if loaded.get(reg, key) != key:
+                raise InvalidArgument(
+                    f"NIXL rejected a peer's agent metadata: NIXL_ERR_NOT_ALLOWED (fake: {name} registered "
+                    f"{reg[0]:#x}+{reg[1]} again with new keys)"
+                )
+            loaded[reg] = key
         return name
 
     def remove_remote(self, name: str) -> None:
@@ -192,7 +218,7 @@ class FakeAgent:
         if agent is None or agent == self._name:
             regions = [(*reg, self._memory[h]) for h, reg in self._regs.items()]
         elif agent in self._remotes:
-            regions = self._remotes[agent]
+            regions = list(self._remotes[agent])
         else:
             raise NixlError(f"fake agent {self._name} has no metadata for {agent}")
         # As NIXL: a descriptor lies inside memory registered with the same
