@@ -74,6 +74,9 @@ class BrokerConfig:
     #: Verify every room this broker receives end to end (chunk checksums;
     #: ExpectRoomRequest.verify_checksum asks for it per room).
     verify_checksums: bool = False
+    #: Serve queued work by the rooms' priority classes, deadlines and fair
+    #: shares between engines (``scheduling``); False: first come, first served.
+    priorities: bool = True
     #: How long UnregisterEngine waits for posted transfers to settle before
     #: it deregisters anyway.
     unregister_settle_timeout_seconds: float = 10.0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvbroker.client.memory import EngineMemory, RankSpec
-from kvbroker.client.rooms import KVReceiver, KVSender, Pages, RoomState, SenderRef
+from kvbroker.client.rooms import KVReceiver, KVSender, Pages, Priority, RoomState, SenderRef
 from kvbroker.client.session import Session
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, NotFound, from_rpc_error
 from kvbroker.plan import Layout, RoomTimeouts, rank_key
@@ -37,6 +37,9 @@ class ExpectSpec:
     prefix_pages: int = 0
     #: Check every chunk end to end (``KVReceiver.init``).
     verify_checksum: bool = False
+    #: The room's class and deadline (``KVReceiver.init``).
+    priority: Priority = None
+    deadline_seconds: float | None = None
 
 
 class EngineHandle:
@@ -93,7 +96,9 @@ class EngineHandle:
         """Open many receiving rooms (decode ranks): ``KVReceiver.init`` for
         each, checked first as a whole (nothing is queued if one is invalid)."""
         receivers = [(KVReceiver(self, spec.room, spec.sender), spec) for spec in rooms]
-        commands = [(r, r.command(spec.pages, spec.aux_row, spec.state, spec.prefix_pages, spec.verify_checksum)) for r, spec in receivers]
+        commands = [(r, r.command(
+                spec.pages, spec.aux_row, spec.state, spec.prefix_pages, spec.verify_checksum, spec.priority, spec.deadline_seconds
+            )) for r, spec in receivers]
         self.session.open_rooms([(r.room, make) for r, make in commands])
         return [r for r, _ in receivers]
 

@@ -44,10 +44,12 @@ from kvbroker.v1 import common_pb2, transfer_pb2
 if TYPE_CHECKING:
     from kvbroker.client.engine import EngineHandle
 
-__all__ = ["KVReceiver", "KVSender", "RoomState", "SenderRef"]
+__all__ = ["KVReceiver", "KVSender", "Priority", "RoomState", "SenderRef", "deadline_value", "priority_value"]
 
 #: Builds a session command from its seq.
 MakeCommand = Callable[[int], transfer_pb2.SessionCommand]
+#: A room's priority as the client takes it: a class name, a ``RoomPriority`` value, or None (standard).
+Priority = str | int | None
 
 
 class RoomState(enum.IntEnum):
@@ -137,17 +139,28 @@ class KVSender(_Room):
         self._chunks = 0
         self._last_sent = False
 
-    def init(self, num_pages: int, aux_row: int | None = None) -> common_pb2.RoomStatus:
+    def init(
+        self, num_pages: int, aux_row: int | None = None, *, priority: Priority = None, deadline_seconds: float | None = None
+    ) -> common_pb2.RoomStatus:
         """Open the room (BeginSend): ``num_pages`` over all chunks, and the aux
         row sent with the last chunk. ``AlreadyExists`` if this engine rank
-        opened the room before. Returns the room's status as known now."""
+        opened the room before. Returns the room's status as known now.
+        ``priority`` (``"interactive"``, ``"standard"``, ``"bulk"``, a
+        ``RoomPriority`` value, or None: standard) and ``deadline_seconds``
+        (from now) order the room's work on the brokers until the decode
+        side's registration arrives: the decode side's values win."""
         self.engine.check_role(common_pb2.ROLE_PREFILL, "send rooms")
         num_pages = _count(num_pages, "num_pages")
         check_declared_pages(self.engine.layout, num_pages)
         if aux_row is not None:
             aux_row = as_index(aux_row, "aux_row")
             check_room_indices(self.engine.layout, pages=NO_INDICES, aux_row=aux_row, state={})
-        request = transfer_pb2.BeginSendRequest(room=self.room, num_pages=num_pages)
+        request = transfer_pb2.BeginSendRequest(
+            room=self.room,
+            num_pages=num_pages,
+            priority=priority_value(priority),  # type: ignore[arg-type]
+            deadline_ms=deadline_value(deadline_seconds),
+        )
         trace = current_trace_context()
         (status,) = self.engine.session.open_rooms(
             [(self.room, lambda seq: transfer_pb2.SessionCommand(seq=seq, begin_send=request, trace_context=trace))]
@@ -253,6 +266,9 @@ class KVReceiver(_Room):
         state: Mapping[str, Pages] | None = None,
         prefix_pages: int = 0,
         verify_checksum: bool = False,
+        *,
+        priority: Priority = None,
+        deadline_seconds: float | None = None,
     ) -> common_pb2.RoomStatus:
         """Open the room (ExpectRoom): destination pages in the order the
         sender's chunks fill them, the aux row, and state indices per
@@ -262,9 +278,13 @@ class KVReceiver(_Room):
         only those are written. ``verify_checksum``: check every chunk end to
         end against a checksum the sending broker computes (a mismatch fails
         the room with MISMATCH; what moves through the device path is
-        checked part by part). Returns at once; the room bootstraps in the
-        background."""
-        command = self.command(pages, aux_row, state, prefix_pages, verify_checksum)
+        checked part by part). ``priority`` (``"interactive"``,
+        ``"standard"``, ``"bulk"``, a ``RoomPriority`` value, or None:
+        standard) and ``deadline_seconds`` (from now; within its class, a
+        room with a deadline moves first) order the room's work on both
+        brokers: these win over the sender's. Returns at once; the room
+        bootstraps in the background."""
+        command = self.command(pages, aux_row, state, prefix_pages, verify_checksum, priority, deadline_seconds)
         (status,) = self.engine.session.open_rooms([(self.room, command)])
         return status
 
@@ -302,6 +322,8 @@ class KVReceiver(_Room):
         state: Mapping[str, Pages] | None = None,
         prefix_pages: int = 0,
         verify_checksum: bool = False,
+        priority: Priority = None,
+        deadline_seconds: float | None = None,
     ) -> MakeCommand:
         """Check the room's indices and build its ExpectRoom command."""
         self.engine.check_role(common_pb2.ROLE_DECODE, "expect rooms")
@@ -317,6 +339,8 @@ class KVReceiver(_Room):
             pages=encode_indices(array),
             prefix_pages=prefix_pages,
             verify_checksum=verify_checksum,
+            priority=priority_value(priority),  # type: ignore[arg-type]
+            deadline_ms=deadline_value(deadline_seconds),
         )
         if aux_row is not None:
             request.aux_row = aux_row
@@ -332,3 +356,28 @@ def _count(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
         raise InvalidArgument(f"{name} must be a non-negative integer below 2**32, got {value!r}")
     return value
+
+_CLASSES = {"bulk": 1, "standard": 2, "interactive": 3}
+
+
+def priority_value(priority: Priority) -> int:
+    """``priority`` as a ``common_pb2.RoomPriority`` value (``ValueError`` naming the classes)."""
+    if priority is None:
+        return 0
+    if isinstance(priority, str):
+        value = _CLASSES.get(priority.lower().removeprefix("room_priority_"))
+        if value is None:
+            raise ValueError(f"priority {priority!r} is not one of {', '.join(_CLASSES)}")
+        return value
+    if int(priority) not in (0, *_CLASSES.values()):
+        raise ValueError(f"priority {priority} is not a RoomPriority value (0 unspecified, 1 bulk, 2 standard, 3 interactive)")
+    return int(priority)
+
+
+def deadline_value(seconds: float | None) -> int:
+    """A deadline ``seconds`` from now as the wire's milliseconds (0: none; at least 1)."""
+    if seconds is None:
+        return 0
+    if not seconds > 0:
+        raise ValueError(f"deadline_seconds must be positive, not {seconds}")
+    return max(1, min(round(seconds * 1000), 2**32 - 1))

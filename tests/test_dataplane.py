@@ -12,6 +12,7 @@ import pytest
 
 from kvbroker.broker.dataplane import DataPlane, Event, Notices, Posting, Settled, XferState
 from kvbroker.broker.memory import array_at, map_anonymous, unmap
+from kvbroker.broker.scheduling import Priority, Ticket
 from kvbroker.errors import NixlError, TransferTimeout
 from kvbroker.testing import FakeAgent, FakeFabric, XferScript
 
@@ -32,6 +33,8 @@ class Plane:
         self.sender.add_remote(self.receiver.metadata())
         self.receiver.add_remote(self.sender.metadata())
         self.events: list[Event] = []
+        #: The tokens in the order the thread posted them.
+        self.posted: list[str] = []
         self.loop = asyncio.new_event_loop()
         self.plane = DataPlane(self.sender, on_events=self.events.extend, transfer_timeout_seconds=transfer_timeout_seconds)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -44,13 +47,14 @@ class Plane:
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
 
-    def post(self, token: str, nbytes: int = 4096, notif: bytes = b"") -> None:
+    def post(self, token: str, nbytes: int = 4096, notif: bytes = b"", ticket: Ticket | None = None) -> None:
         def make(agent: Any) -> Any:
+            self.posted.append(token)
             local = np.array([[self.src, nbytes, 0]], dtype=np.uint64)
             remote = np.array([[self.dst, nbytes, 0]], dtype=np.uint64)
             return agent.post_write_descs(local, DRAM, remote, DRAM, "dp_receiver", notif)
 
-        self.loop.call_soon_threadsafe(self.plane.post, Posting(token, make, "dp_receiver", nbytes))
+        self.loop.call_soon_threadsafe(self.plane.post, Posting(token, make, "dp_receiver", nbytes, ticket))
 
     def settled(self) -> dict[str, Settled]:
         return {e.token: e for e in list(self.events) if isinstance(e, Settled)}
@@ -87,6 +91,32 @@ def test_a_posted_transfer_settles_once_and_its_bytes_land(plane: Plane) -> None
     assert np.array_equal(array_at(plane.dst, 4096), array_at(plane.src, 4096))
     time.sleep(0.05)
     assert [e.token for e in plane.events if isinstance(e, Settled)] == ["a"]
+
+
+def test_posts_queued_together_go_by_ticket_and_never_before_a_job_queued_ahead_of_them(plane: Plane) -> None:
+    """While the thread is busy, posts queue up: an interactive one queued after two bulk ones is
+    posted first; a call queued between posts keeps its place (posts before it go before it)."""
+    release = threading.Event()
+    ran: list[str] = []
+
+    def hold(agent: Any) -> None:
+        release.wait(5)
+
+    def job(agent: Any) -> None:
+        ran.append(f"job after {list(plane.posted)}")
+
+    plane.loop.call_soon_threadsafe(plane.plane.call, hold)
+    time.sleep(0.05)
+    plane.post("bulk-1", ticket=Ticket(Priority.BULK, "a", 4096))
+    plane.post("bulk-2", ticket=Ticket(Priority.BULK, "a", 4096))
+    plane.post("chat-1", ticket=Ticket(Priority.INTERACTIVE, "b", 4096))
+    plane.loop.call_soon_threadsafe(plane.plane.call, job)
+    plane.post("chat-2", ticket=Ticket(Priority.INTERACTIVE, "b", 4096))
+    time.sleep(0.05)
+    release.set()
+    _wait(lambda: len(plane.settled()) == 4)
+    assert plane.posted == ["chat-1", "bulk-1", "bulk-2", "chat-2"]
+    assert ran == ["job after ['chat-1', 'bulk-1', 'bulk-2']"]
 
 
 def test_a_rejected_post_settles_as_an_error(plane: Plane) -> None:

@@ -85,6 +85,32 @@ def test_room_moves_bytes_between_two_brokers(fake_brokers, make_engine) -> None
     _wait_tables_empty(p, d)
 
 
+def test_a_rooms_priority_is_the_decode_sides_once_its_registration_arrived(fake_brokers, make_engine) -> None:
+    """Each side reports the class it queues the room by (RoomStatus.priority): the sender's own until
+    the receiver's registration arrives, then the receiver's; a value outside RoomPriority is refused
+    by name before it is queued."""
+    p, d, pe, de = _pair(fake_brokers, make_engine)
+    sender = pe.handle.sender(31)
+    sender.init(num_pages=len(SRC), aux_row=1, priority="bulk", deadline_seconds=30)
+
+    def side(broker: FakeBroker) -> tuple[int, float | None]:
+        sides = broker.loop.call(lambda: broker.broker.queries.rooms.sides_of(31))
+        return (sides[0].priority, sides[0].deadline) if sides else (-1, None)
+
+    eventually(lambda: side(p)[0] == common_pb2.ROOM_PRIORITY_BULK and side(p)[1] is not None)
+    receiver = de.handle.receiver(31, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2, priority="interactive")
+    eventually(lambda: side(d) == (common_pb2.ROOM_PRIORITY_INTERACTIVE, None))
+    eventually(lambda: side(p) == (common_pb2.ROOM_PRIORITY_INTERACTIVE, None))
+    assert receiver.status().priority == common_pb2.ROOM_PRIORITY_INTERACTIVE
+    sender.send(SRC)
+    assert receiver.wait(10).state == sender.wait(10).state == RoomState.SUCCESS
+    _assert_moved(pe, de, SRC, DST)
+    with pytest.raises(ValueError, match="bulk, standard, interactive"):
+        de.handle.receiver(33, SenderRef(p.address, "prefill-group")).init(DST, priority="urgent")
+    _wait_tables_empty(p, d)
+
+
 def test_chunks_before_the_receiver_registers(fake_brokers, make_engine) -> None:
     """SendChunk may come before ExpectRoom: chunks wait for the transfer info, then go."""
     p, d, pe, de = _pair(fake_brokers, make_engine)

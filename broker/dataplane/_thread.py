@@ -55,6 +55,7 @@ import structlog
 
 from kvbroker.broker.dataplane._agent import Agent, XferState
 from kvbroker.broker.dataplane._workers import name_thread
+from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.errors import KvBrokerError, NixlError, TransferTimeout, Unavailable
 
 __all__ = ["DataPlane", "Notices", "Posting", "Settled"]
@@ -86,6 +87,8 @@ class Posting:
     make: Callable[[Agent], Any]
     remote_agent: str
     nbytes: int
+    #: Its place among the posts queued together (None: STANDARD, first come first served).
+    ticket: Ticket | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,19 @@ class _InFlight:
     posting: Posting
     handle: Any
     posted_at: float = field(default_factory=time.monotonic)
+
+
+class _PostJob:
+    """A post queued for the thread (a job the thread may reorder among posts)."""
+
+    __slots__ = ("_plane", "posting")
+
+    def __init__(self, plane: DataPlane, posting: Posting) -> None:
+        self._plane = plane
+        self.posting = posting
+
+    def __call__(self) -> None:
+        self._plane._post(self.posting)
 
 
 class DataPlane:
@@ -199,8 +215,10 @@ class DataPlane:
         return asyncio.wrap_future(future)
 
     def post(self, posting: Posting) -> None:
-        """Post a transfer; it settles exactly once with a :class:`Settled` event."""
-        self._submit(lambda: self._post(posting))
+        """Post a transfer; it settles exactly once with a :class:`Settled` event.
+        Posts queued together go out in the order of their tickets (after the
+        jobs queued before them, before those queued after)."""
+        self._submit(_PostJob(self, posting))
 
     def notify(self, token: Any, remote_agent: str, payload: bytes) -> None:
         """Send a notification; settles (DONE, or ERR if NIXL refused) like a transfer."""
@@ -255,16 +273,22 @@ class DataPlane:
                 job = self._jobs.get(timeout=self._wait(wait))
             except queue.Empty:
                 job = _NO_JOB
+            posts: FairQueue[_PostJob] = FairQueue()
             while job is not _NO_JOB:
                 if job is None:
                     running = False
                     break
                 busy = True
-                self._run_job(job)
+                if isinstance(job, _PostJob):
+                    posts.push(job, job.posting.ticket or Ticket(Priority.STANDARD, "", job.posting.nbytes))
+                else:
+                    self._run_posts(posts)  # those queued before it go first
+                    self._run_job(job)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = _NO_JOB
+            self._run_posts(posts)
             busy = self._poll() or busy
             self._flush()
             wait = _MIN_WAIT_S if busy else min(wait * 2, _MAX_WAIT_S)
@@ -283,6 +307,10 @@ class DataPlane:
         if not self._listening:
             return _IDLE_WAIT_S
         return min(backoff, _HURRY_WAIT_S) if time.monotonic() < self._hurry_until else backoff
+
+    def _run_posts(self, posts: FairQueue[_PostJob]) -> None:
+        while posts:
+            self._run_job(posts.pop())
 
     def _run_job(self, job: Callable[[], None]) -> None:
         try:

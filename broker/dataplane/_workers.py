@@ -10,7 +10,10 @@ One thread each, so a long mapping never delays a scatter. NIXL calls do
 not run here: they belong to the data-plane thread (``dataplane``).
 
 Jobs are handed over on a queue, those asked for in one pass of the loop
-together, and their outcomes come back on the loop in batches (one ``call_soon_threadsafe`` for every outcome ready by then), not
+together; the thread takes them in the order of their tickets
+(``scheduling.FairQueue``: a scatter of an interactive room passes the
+bulk rooms' copies queued before it; no ticket: first come, first served),
+and their outcomes come back on the loop in batches (one ``call_soon_threadsafe`` for every outcome ready by then), not
 through ``run_in_executor``: its ``concurrent.futures.Future`` (two
 ``threading.Condition`` each) and one wake-up of the loop per job were a
 tenth of the control loop's time per packed part (py-spy, issue 28).
@@ -20,17 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 
 __all__ = ["Workers", "name_thread", "settle"]
 
 T = TypeVar("T")
 
 _PR_SET_NAME = 15
+#: A job without a ticket: STANDARD, one engine: the order of arrival.
+_IN_ORDER = Ticket(Priority.STANDARD, "", 0)
 #: Within a batch of jobs, outcomes are told to the loop at least this often.
 _TELL_AFTER_S = 200e-6
 
@@ -54,17 +60,29 @@ def settle(future: asyncio.Future[Any], result: Any, error: BaseException | None
         future.set_result(result)
 
 
+class _Job:
+    """A job for a worker thread: the call and the future its outcome goes to."""
+
+    __slots__ = ("fn", "future", "ticket")
+
+    def __init__(self, fn: Callable[[], Any], future: asyncio.Future[Any], ticket: Ticket) -> None:
+        self.fn, self.future, self.ticket = fn, future, ticket
+
+
 class _Worker:
-    """One thread running jobs in order. Jobs asked for in one pass of the
-    loop go to the thread together, and outcomes come back in batches: a
-    notification that lands sixteen packed parts hands their scatters over
-    once, where one hand-over each made the copy thread and the loop trade
-    the GIL per part (issue 28)."""
+    """One thread running jobs in the order of their tickets. Jobs asked for
+    in one pass of the loop go to the thread together, and outcomes come
+    back in batches: a notification that lands sixteen packed parts hands
+    their scatters over once, where one hand-over each made the copy thread
+    and the loop trade the GIL per part (issue 28)."""
 
     def __init__(self, name: str, os_name: str) -> None:
-        self._jobs: queue.SimpleQueue[list[tuple[Callable[[], Any], asyncio.Future[Any]]] | None] = queue.SimpleQueue()
+        #: Jobs handed over, waiting for the thread (under ``_ready``).
+        self._jobs: FairQueue[_Job] = FairQueue()
+        self._ready = threading.Condition(threading.Lock())
+        self._stopping = False
         #: Jobs asked for in this pass of the loop, handed over at its end (loop only).
-        self._asked: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._asked: list[_Job] = []
         self._lock = threading.Lock()
         self._done: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         #: A delivery of ``_done`` is scheduled on the loop (under the lock).
@@ -73,41 +91,57 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Run ``fn`` on the thread; its outcome in the future (on the loop)."""
+    def submit(self, fn: Callable[[], T], ticket: Ticket | None = None) -> asyncio.Future[T]:
+        """Run ``fn`` on the thread; its outcome in the future (on the loop).
+        ``ticket``: its place among the jobs waiting (None: STANDARD, in order)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._asked.append((fn, future))
+        self._asked.append(_Job(fn, future, ticket or _IN_ORDER))
         if len(self._asked) == 1:
             loop.call_soon(self._hand_over)
         return future
 
     def _hand_over(self) -> None:
         asked, self._asked = self._asked, []
-        self._jobs.put(asked)
+        with self._ready:
+            for job in asked:
+                self._jobs.push(job, job.ticket)
+            self._ready.notify()
+
+    def _next(self) -> tuple[_Job | None, bool]:
+        """The next job (None once stopping and nothing is left), and whether it is the last waiting now."""
+        with self._ready:
+            while not self._jobs and not self._stopping:
+                self._ready.wait()
+            if not self._jobs:
+                return None, True
+            job = self._jobs.pop()
+            return job, not self._jobs
 
     def _run(self) -> None:
         name_thread(self._os_name)
-        while (batch := self._jobs.get()) is not None:
-            told = time.monotonic()
-            for i, (fn, future) in enumerate(batch):
+        told = time.monotonic()
+        while True:
+            job, last = self._next()
+            if job is None:
+                return
+            try:
+                outcome: tuple[Any, BaseException | None] = (job.fn(), None)
+            except BaseException as exc:  # handed to the awaiting task
+                outcome = (None, exc)
+            # Tell the loop when nothing else waits, or sooner where jobs
+            # take long (a large host copy: its part goes on meanwhile).
+            now = time.monotonic()
+            with self._lock:
+                self._done.append((job.future, *outcome))
+                tell = not self._telling and (last or now - told > _TELL_AFTER_S)
+                self._telling = self._telling or tell
+            if tell:
+                told = now
                 try:
-                    outcome: tuple[Any, BaseException | None] = (fn(), None)
-                except BaseException as exc:  # handed to the awaiting task
-                    outcome = (None, exc)
-                # Tell the loop at the end of the batch, or sooner where jobs
-                # take long (a large host copy: its part goes on meanwhile).
-                now = time.monotonic()
-                with self._lock:
-                    self._done.append((future, *outcome))
-                    tell = not self._telling and (i == len(batch) - 1 or now - told > _TELL_AFTER_S)
-                    self._telling = self._telling or tell
-                if tell:
-                    told = now
-                    try:
-                        future.get_loop().call_soon_threadsafe(self._deliver)
-                    except RuntimeError:  # the loop closed under us (process exit)
-                        pass
+                    job.future.get_loop().call_soon_threadsafe(self._deliver)
+                except RuntimeError:  # the loop closed under us (process exit)
+                    pass
 
     def _deliver(self) -> None:
         with self._lock:
@@ -120,7 +154,9 @@ class _Worker:
         """Finish the jobs queued so far, then stop."""
         if self._asked:
             self._hand_over()
-        self._jobs.put(None)
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
         self._thread.join()
 
 
@@ -131,13 +167,13 @@ class Workers:
         self._copy = _Worker("kvbroker-copy", "kvb-copy")
         self._memory = _Worker("kvbroker-memory", "kvb-memory")
 
-    async def copy(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the copy thread."""
-        return await self._copy.submit(fn)
+    async def copy(self, fn: Callable[[], T], ticket: Ticket | None = None) -> T:
+        """Run ``fn`` on the copy thread (``ticket``: its place among the copies waiting)."""
+        return await self._copy.submit(fn, ticket)
 
-    def copy_soon(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+    def copy_soon(self, fn: Callable[[], T], ticket: Ticket | None = None) -> asyncio.Future[T]:
         """Run ``fn`` on the copy thread; its outcome in the future (no task to await it)."""
-        return self._copy.submit(fn)
+        return self._copy.submit(fn, ticket)
 
     async def memory(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the memory thread."""

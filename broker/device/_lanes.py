@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from kvbroker.broker.dataplane import Workers, name_thread, settle
 from kvbroker.broker.device._block_copies import VRAM, ArrayViews, Extent, torch_for_copies
+from kvbroker.broker.scheduling import Ticket
 
 __all__ = ["Job", "Lanes"]
 
@@ -60,23 +61,24 @@ class Lanes:
         if not self._views.on_host(Extent(0, 0, VRAM, device)):
             await self._lane(device)
 
-    async def run(self, slot: Extent, job: Job[T]) -> T:
-        """Run ``job`` on the lane of ``slot``'s memory; its result."""
-        return await self.submit(slot, job)
+    async def run(self, slot: Extent, job: Job[T], ticket: Ticket | None = None) -> T:
+        """Run ``job`` on the lane of ``slot``'s memory; its result. ``ticket``:
+        its place among the copies waiting for the copy thread."""
+        return await self.submit(slot, job, ticket)
 
-    def submit(self, slot: Extent, job: Job[T]) -> asyncio.Future[T]:
+    def submit(self, slot: Extent, job: Job[T], ticket: Ticket | None = None) -> asyncio.Future[T]:
         """Run ``job`` on the lane of ``slot``'s memory; its result in the future
         (a callback's way to :meth:`run`: no task where the lane is up)."""
         if self._views.on_host(slot):
-            return self._workers.copy_soon(lambda: job()())
+            return self._workers.copy_soon(lambda: job()(), ticket)
         made = self._gpus.get(slot.device)
         if made is not None and made.done() and not made.cancelled() and made.exception() is None:
-            return made.result().submit(self._workers, job)
-        return asyncio.ensure_future(self._run_opening(slot.device, job))
+            return made.result().submit(self._workers, job, ticket)
+        return asyncio.ensure_future(self._run_opening(slot.device, job, ticket))
 
-    async def _run_opening(self, device: int, job: Job[T]) -> T:
+    async def _run_opening(self, device: int, job: Job[T], ticket: Ticket | None) -> T:
         lane = await self._lane(device)
-        return await lane.submit(self._workers, job)
+        return await lane.submit(self._workers, job, ticket)
 
     async def _lane(self, device: int) -> _GpuLane:
         made = self._gpus.get(device)
@@ -118,8 +120,9 @@ class _GpuLane:
         self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
         self._thread.start()
 
-    def submit(self, workers: Workers, job: Job[T]) -> asyncio.Future[T]:
-        """Launch ``job`` from the copy thread; its result, once the waiter saw its event, in the future."""
+    def submit(self, workers: Workers, job: Job[T], ticket: Ticket | None = None) -> asyncio.Future[T]:
+        """Launch ``job`` from the copy thread (in its ``ticket``'s turn); its
+        result, once the waiter saw its event, in the future."""
         import torch
 
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
@@ -139,7 +142,7 @@ class _GpuLane:
                 elif (error := done.exception()) is not None:
                     future.set_exception(error)
 
-        workers.copy_soon(launch).add_done_callback(launched)
+        workers.copy_soon(launch, ticket).add_done_callback(launched)
         return future
 
     def _wait(self) -> None:

@@ -9,6 +9,7 @@ from kvbroker.broker.execution._executor import Executor, transport_text
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._room_end import receive_wait_owner
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._tickets import part_ticket, side_ticket
 from kvbroker.broker.execution._turn import Turn, in_turn
 
 __all__ = [
@@ -23,5 +24,7 @@ __all__ = [
     "transport_text",
     "Turn",
     "in_turn",
+    "part_ticket",
     "receive_wait_owner",
+    "side_ticket",
 ]

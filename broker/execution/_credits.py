@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -49,6 +49,7 @@ from kvbroker.broker.memory import (
     StagingPools,
 )
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable, PoolKey, pool_name
+from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -69,6 +70,17 @@ CREDIT_RETURN = b"\x00"
 IDLE_SECONDS = 1.0
 
 _WindowKey = tuple[str, PoolKey]
+
+
+@dataclass(eq=False, slots=True)
+class _CreditWaiter:
+    """A part waiting for a range in a window: its bytes and its future."""
+
+    nbytes: int
+    future: asyncio.Future[Credit]
+
+    def __hash__(self) -> int:
+        return id(self)
 
 
 class Credits:
@@ -96,7 +108,8 @@ class Credits:
         #: The receiver's book (shared with the receiver's state machine, which checks ranges).
         self.ledger = ledger
         self._windows: dict[_WindowKey, CreditWindow] = {}
-        self._waiting: dict[_WindowKey, deque[tuple[int, asyncio.Future[Credit]]]] = {}
+        #: Parts waiting for room in a window, in the order they will be placed.
+        self._waiting: dict[_WindowKey, FairQueue[_CreditWaiter]] = {}
         self._asking: set[_WindowKey] = set()
         #: Placed credits by id: their window (a return names the id).
         self._placed: dict[int, _WindowKey] = {}
@@ -106,9 +119,12 @@ class Credits:
         self._flush_scheduled = False
 
     # -- the sender's side ----------------------------------------------------------------
-    async def acquire(self, peer: Peer, pool: PoolKey, nbytes: int) -> tuple[peer_pb2.RemoteBuffer, Credit]:
+    async def acquire(
+        self, peer: Peer, pool: PoolKey, nbytes: int, ticket: Ticket | None = None
+    ) -> tuple[peer_pb2.RemoteBuffer, Credit]:
         """A range for a part of ``nbytes`` in ``peer``'s receive buffer ``pool``:
-        the buffer and the credit. Waits (first come, first served) for room."""
+        the buffer and the credit. Waits for room, served in the order of the
+        parts' tickets (none: first come, first served)."""
         assert peer.broker_id is not None
         buffer = peer.receive_staging.get(pool)
         if buffer is None:
@@ -120,16 +136,15 @@ class Credits:
             return got
         key = (peer.broker_id, pool)
         window = self._windows.setdefault(key, CreditWindow())
-        waiting = self._waiting.setdefault(key, deque())
+        waiting = self._waiting.setdefault(key, FairQueue())
         future: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
-        entry = (nbytes, future)
-        waiting.append(entry)
-        self._grow(key, buffer.size_bytes)
+        entry = _CreditWaiter(nbytes, future)
+        waiting.push(entry, ticket or Ticket(Priority.STANDARD, "", nbytes))
+        self._serve(key)  # it may come first, and fit
         timeout = self._config.staging_wait_seconds
 
         def give_up() -> None:
-            if entry in waiting:
-                waiting.remove(entry)
+            if waiting.remove(entry):
                 self._serve(key)
 
         credit = await await_grant(future, timeout, give_up=give_up, undo=self.release)
@@ -207,17 +222,16 @@ class Credits:
         window, waiting = self._windows.get(key), self._waiting.get(key)
         if window is None or not waiting:
             return
-        while waiting:
-            nbytes, future = waiting[0]
-            if future.done():
-                waiting.popleft()
+        while (entry := waiting.peek()) is not None:
+            if entry.future.done():
+                waiting.pop()
                 continue
-            credit = window.place(nbytes)
+            credit = window.place(entry.nbytes)
             if credit is None:
                 break
-            waiting.popleft()
+            waiting.pop()
             self._placed[credit.credit_id] = key
-            future.set_result(credit)
+            entry.future.set_result(credit)
         if waiting:
             peer = self._peers.by_id.get(key[0])
             buffer = peer.receive_staging.get(key[1]) if peer is not None else None
@@ -225,13 +239,15 @@ class Credits:
                 self._grow(key, buffer.size_bytes)
 
     def _grow(self, key: _WindowKey, buffer_bytes: int) -> None:
-        """Ask for one more grant for the window's first waiter (one call at a time)."""
+        """Ask for one more grant for the window's next waiter (one call at a time)."""
         window, waiting = self._windows[key], self._waiting.get(key)
         if key in self._asking or not waiting:
             return
+        head = waiting.peek()
+        assert head is not None
         room = buffer_bytes - window.granted_bytes
-        want = min(max(FreeList.aligned(waiting[0][0]), buffer_bytes // 4), room)
-        if want < FreeList.aligned(waiting[0][0]):
+        want = min(max(FreeList.aligned(head.nbytes), buffer_bytes // 4), room)
+        if want < FreeList.aligned(head.nbytes):
             return  # the whole buffer is ours: wait for ranges to come back
         self._asking.add(key)
         self._tasks.spawn(self._ask(key, want), name=f"credits-{pool_name(key[1])}")
@@ -247,9 +263,9 @@ class Credits:
             window = self._windows.get(key)
             if window is not None and not window.granted_bytes:
                 # Nothing will come back to this window: its parts fail with the cause.
-                for _, future in self._waiting.pop(key, deque()):
-                    if not future.done():
-                        future.set_exception(exc)
+                for entry in self._waiting.pop(key, ()):
+                    if not entry.future.done():
+                        entry.future.set_exception(exc)
             log.info("credits_not_granted", peer=peer_id, pool=pool_name(pool), error=exc.message)
             return
         finally:
@@ -359,8 +375,8 @@ class Credits:
             timer = self._idle_checks.pop(key, None)
             if timer is not None:
                 timer.cancel()
-            for _, future in self._waiting.pop(key, deque()):
-                if not future.done():
-                    future.set_exception(why())
+            for entry in self._waiting.pop(key, ()):
+                if not entry.future.done():
+                    entry.future.set_exception(why())
         self._placed = {cid: key for cid, key in self._placed.items() if key[0] != peer_id}
         self._returns.pop(peer_id, None)

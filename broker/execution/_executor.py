@@ -98,6 +98,7 @@ class Executor:
             lanes=copying.lanes,
             workers=copying.workers,
             counters=telemetry.counters,
+            priorities=config.priorities,
         )
         #: Scatters asked for in one pass of the effect loop: they go to their lanes as one batch.
         self._scattering: list[Scatter] = []

@@ -27,6 +27,7 @@ from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.execution._writes import packed_write
 from kvbroker.broker.memory import Credit, Reservation, StagingPool
@@ -158,7 +159,9 @@ class PackedParts:
             await self._transport(part)
             if pool is None:
                 raise FailedPrecondition(f"this broker has no send transfer buffer for {pool_text(spec.pools[0])}")
-            reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
+            reservation = await pool.reserve(
+                part.nbytes, self._config.staging_wait_seconds, ticket=part_ticket(part, self._config.priorities)
+            )
         except Exception as exc:
             self._packing.pop(part, None)
             self._held.fail(part, as_broker_error(exc, "reserving a send slot"))
@@ -192,7 +195,9 @@ class PackedParts:
             self._held.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
             return None
         try:
-            got = await self._credits.acquire(peer, part.spec.pools[1], part.nbytes)
+            got = await self._credits.acquire(
+                peer, part.spec.pools[1], part.nbytes, part_ticket(part, self._config.priorities)
+            )
         except KvBrokerError as exc:
             self._packing.pop(part, None)
             self._held.fail(part, exc)
@@ -237,7 +242,14 @@ class PackedParts:
         try:
             slot = slot_of(pool, reservation, part.nbytes)
             self._copies.gather_soon(
-                part.source.engine, spec.packing.blocks, pool.buffer, slot, span, with_checksum=part.dest.info.verify_checksum, then=gathered
+                part.source.engine,
+                spec.packing.blocks,
+                pool.buffer,
+                slot,
+                span,
+                with_checksum=part.dest.info.verify_checksum,
+                then=gathered,
+                ticket=part_ticket(part, self._config.priorities),
             )
         except Exception as exc:
             pool.release(reservation)
@@ -289,7 +301,7 @@ class PackedParts:
         self._held.sending[part] = (outcome.pool, outcome.reservation)
         self._held.counters.transfers_packed += 1
         make = packed_write(part, outcome.pool.buffer, outcome.reservation.offset, agent_name, part.notice.SerializeToString())
-        self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
+        self._dataplane.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
 
 
 @dataclass(frozen=True)

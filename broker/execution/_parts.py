@@ -37,6 +37,7 @@ from kvbroker.broker.execution._packed_parts import PackedParts, PartsHeld
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
+from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.execution._writes import (
     whole_write,
@@ -169,22 +170,23 @@ class PartsInFlight:
             self._packed.post(part, agent_name)
             return
         notif = part.notice.SerializeToString()
+        ticket = part_ticket(part, self._config.priorities)
         if part.kind is PartKind.NOTICE:
             self._dataplane.notify(part, agent_name, notif)
         elif part.kind is PartKind.WHOLE:
-            self._dataplane.post(Posting(part, whole_write(part, agent_name, notif), agent_name, part.nbytes))
+            self._dataplane.post(Posting(part, whole_write(part, agent_name, notif), agent_name, part.nbytes, ticket))
         elif part.kind is PartKind.TOKENS:
             self._counters.transfers_per_token += 1
             spec = part.spec
             if spec.src_pages is not None and spec.slice is not None:
                 span.set_attribute("kvbroker.descriptors_built", len(spec.pairs) * int(spec.src_pages.size) * spec.slice.src.page_size)
-            self._dataplane.post(Posting(part, write_tokens(part, agent_name, notif), agent_name, part.nbytes))
+            self._dataplane.post(Posting(part, write_tokens(part, agent_name, notif), agent_name, part.nbytes, ticket))
         elif part.kind is PartKind.RUNS:
             self._counters.transfers_token_runs += 1
-            self._dataplane.post(Posting(part, write_runs(part, agent_name, notif), agent_name, part.nbytes))
+            self._dataplane.post(Posting(part, write_runs(part, agent_name, notif), agent_name, part.nbytes, ticket))
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1
-            self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes))
+            self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes, ticket))
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
@@ -250,12 +252,15 @@ class PartsInFlight:
         try:
             if pool is None:
                 raise FailedPrecondition("this broker has no send staging buffer for that memory")
-            reservation = await pool.reserve(part.nbytes, self._config.staging_wait_seconds)
+            reservation = await pool.reserve(
+                part.nbytes, self._config.staging_wait_seconds, ticket=part_ticket(part, self._config.priorities)
+            )
             if part.source.state == FAILED:
                 raise FailedPrecondition("the room failed before its staged part was written")
             block = kv_block(engine.layout, [s for s, _ in spec.pairs], spec.src_pages, spec.slice.src, tokens=False)
             slot = slot_of(pool, reservation, part.nbytes)
-            await self._copies.gather(engine, [block], pool.buffer, slot, span, with_checksum=False)
+            ticket = part_ticket(part, self._config.priorities)
+            await self._copies.gather(engine, [block], pool.buffer, slot, span, with_checksum=False, ticket=ticket)
         except Exception as exc:
             if reservation is not None and pool is not None:
                 pool.release(reservation)
@@ -265,7 +270,7 @@ class PartsInFlight:
         self._sending[part] = (pool, reservation)
         self._counters.transfers_staged += 1
         make = write_from_staging(part, pool.buffer, reservation.offset, agent_name, notif)
-        self._dataplane.post(Posting(part, make, agent_name, part.nbytes))
+        self._dataplane.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
 
     # -- settling ----------------------------------------------------------------------
     @in_turn

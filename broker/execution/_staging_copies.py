@@ -32,6 +32,7 @@ from kvbroker.broker.device import (
     gather_all,
     scatter_all,
 )
+from kvbroker.broker.execution._tickets import side_ticket
 from kvbroker.broker.memory import (
     Engine,
     Reservation,
@@ -41,6 +42,7 @@ from kvbroker.broker.memory import (
     array_at,
 )
 from kvbroker.broker.rooms import Scatter
+from kvbroker.broker.scheduling import Ticket, joint_ticket
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, Unimplemented
 from kvbroker.plan import Block, ChunkSum, chunk_checksum
@@ -54,8 +56,12 @@ log = structlog.get_logger(__name__)
 class StagingCopies:
     """Gathers parts into send slots and scatters landed ones into pages. Control loop only."""
 
-    def __init__(self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, workers: Workers, counters: Counters) -> None:
+    def __init__(
+        self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, workers: Workers, counters: Counters, priorities: bool = True
+    ) -> None:
         self._pools = pools
+        #: Copies queue by their rooms' tickets (``scheduling``); off: in order.
+        self._priorities = priorities
         self._workers = workers
         self._views = views
         self._lanes = lanes
@@ -64,12 +70,21 @@ class StagingCopies:
         self._gathering: list[_Gather] = []
 
     async def gather(
-        self, engine: Engine, blocks: Sequence[Block], buffer: StagingBuffer, slot: Extent, parent: Span, *, with_checksum: bool
+        self,
+        engine: Engine,
+        blocks: Sequence[Block],
+        buffer: StagingBuffer,
+        slot: Extent,
+        parent: Span,
+        *,
+        with_checksum: bool,
+        ticket: Ticket | None = None,
     ) -> int | None:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
         span of its own under ``parent``), on its own (a staged head slice: not
-        batched); the slot's CRC-32 when ``with_checksum``."""
-        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, None)
+        batched); the slot's CRC-32 when ``with_checksum``. ``ticket``: its
+        place among the copies waiting."""
+        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, None, ticket)
         self._submit([asked])
         return await asked.future
 
@@ -83,12 +98,13 @@ class StagingCopies:
         *,
         with_checksum: bool,
         then: Callable[[asyncio.Future[int | None]], None] | None = None,
+        ticket: Ticket | None = None,
     ) -> asyncio.Future[int | None]:
         """:meth:`gather`, its outcome in a future (``then``: called with it once
         done). The gathers asked for in one pass of the loop go to their lanes
-        together, one job a buffer (``device.gather_all``: two index ops per
-        shape of block for all of them)."""
-        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, then)
+        together, one job a buffer and priority class (``device.gather_all``:
+        two index ops per shape of block for all of them)."""
+        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, then, ticket)
         self._gathering.append(asked)
         if len(self._gathering) == 1:
             asyncio.get_running_loop().call_soon(self._gather_batch)
@@ -103,21 +119,24 @@ class StagingCopies:
         parent: Span,
         with_checksum: bool,
         then: Callable[[asyncio.Future[int | None]], None] | None,
+        ticket: Ticket | None,
     ) -> _Gather:
         span = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
         whole = Extent(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
         future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        return _Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then)
+        ticket = ticket if self._priorities else None
+        return _Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then, ticket)
 
     def _submit(self, gathers: list[_Gather]) -> None:
         """Hand ``gathers`` (slots of one buffer) to their lane as one job."""
-        self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers)).add_done_callback(partial(_gathered, gathers))
+        ticket = joint_ticket(g.ticket for g in gathers)
+        self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers), ticket).add_done_callback(partial(_gathered, gathers))
 
     def _gather_batch(self) -> None:
         batch, self._gathering = self._gathering, []
-        by_buffer: dict[int, list[_Gather]] = {}
+        by_buffer: dict[tuple[int, int], list[_Gather]] = {}
         for asked in batch:
-            by_buffer.setdefault(asked.buffer.address, []).append(asked)
+            by_buffer.setdefault((asked.buffer.address, asked.ticket.priority if asked.ticket else 0), []).append(asked)
         for gathers in by_buffer.values():
             self._submit(gathers)
 
@@ -173,16 +192,24 @@ class StagingCopies:
                 slots.append(slot_of(pool, landing.reservation, landing.nbytes))
         try:
             summed = [i for i, effect in enumerate(effects) if slots[i] is not None and effect.landing.notice.HasField("packed_checksum")]
-            for lane in _by_lane(summed, slots):
-                await self._check(lane, effects, slots, errors)
-            for lane in _by_lane([i for i in range(len(effects)) if errors[i] is None], slots):
-                await self._scatter(lane, effects, slots, errors)
+            tickets = [side_ticket(effect.receiver, effect.landing.nbytes, self._priorities) for effect in effects]
+            for lane in _by_lane(summed, slots, tickets):
+                await self._check(lane, effects, slots, errors, joint_ticket(tickets[i] for i in lane))
+            for lane in _by_lane([i for i in range(len(effects)) if errors[i] is None], slots, tickets):
+                await self._scatter(lane, effects, slots, errors, joint_ticket(tickets[i] for i in lane))
         finally:
             for span in spans:
                 span.end()
         return errors
 
-    async def _check(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
+    async def _check(
+        self,
+        lane: list[int],
+        effects: Sequence[Scatter],
+        slots: Sequence[Extent | None],
+        errors: list[KvBrokerError | None],
+        ticket: Ticket | None,
+    ) -> None:
         """The checksums of the packed parts ``lane`` (indices, one lane's) against their senders'."""
 
         def job() -> Callable[[], list[int]]:
@@ -190,7 +217,7 @@ class StagingCopies:
             return lambda: [int(crc) for crc in crcs]
 
         try:
-            got = await self._lanes.run(_slot(slots, lane[0]), job)
+            got = await self._lanes.run(_slot(slots, lane[0]), job, ticket)
         except Exception as exc:
             error = as_broker_error(exc, "checksumming a packed part")
             for i in lane:
@@ -206,7 +233,14 @@ class StagingCopies:
                     f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
                 )
 
-    async def _scatter(self, lane: list[int], effects: Sequence[Scatter], slots: Sequence[Extent | None], errors: list[KvBrokerError | None]) -> None:
+    async def _scatter(
+        self,
+        lane: list[int],
+        effects: Sequence[Scatter],
+        slots: Sequence[Extent | None],
+        errors: list[KvBrokerError | None],
+        ticket: Ticket | None,
+    ) -> None:
         """Scatter the parts ``lane`` (indices, one lane's) in one job; a part whose copy raised fails alone."""
         parts = [(_slot(slots, i), effects[i].landing.blocks, [extents(effects[i].receiver.engine, b) for b in effects[i].landing.blocks]) for i in lane]
         pool = self._pools.pool("receive", *effects[lane[0]].landing.pool)
@@ -218,7 +252,7 @@ class StagingCopies:
             return lambda: failed
 
         try:
-            failed = await self._lanes.run(_slot(slots, lane[0]), job)
+            failed = await self._lanes.run(_slot(slots, lane[0]), job, ticket)
         except Exception as exc:
             failed = dict.fromkeys(range(len(lane)), exc)
         for k, raised in failed.items():
@@ -238,6 +272,7 @@ class _Gather:
     span: Span
     future: asyncio.Future[int | None]
     then: Callable[[asyncio.Future[int | None]], None] | None
+    ticket: Ticket | None = None
 
 
 def _gathered(gathers: list[_Gather], done: asyncio.Future[list[int | None | Exception]]) -> None:
@@ -267,13 +302,14 @@ def _slot(slots: Sequence[Extent | None], i: int) -> Extent:
     return slot
 
 
-def _by_lane(indices: Sequence[int], slots: Sequence[Extent | None]) -> list[list[int]]:
-    """``indices`` grouped by the memory of their slots (one lane each), in order."""
-    lanes: dict[tuple[int, int], list[int]] = {}
+def _by_lane(indices: Sequence[int], slots: Sequence[Extent | None], tickets: Sequence[Ticket | None]) -> list[list[int]]:
+    """``indices`` grouped by the memory of their slots (one lane each) and
+    their class, the higher classes first; in order within a group."""
+    lanes: dict[tuple[int, int, int], list[int]] = {}
     for i in indices:
-        slot = _slot(slots, i)
-        lanes.setdefault((slot.kind, slot.device), []).append(i)
-    return list(lanes.values())
+        slot, ticket = _slot(slots, i), tickets[i]
+        lanes.setdefault((-(ticket.priority if ticket else 0), slot.kind, slot.device), []).append(i)
+    return [lanes[key] for key in sorted(lanes)]
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ctypes
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ import structlog
 from kvbroker import cudavmm
 from kvbroker.broker.aio import await_grant
 from kvbroker.broker.memory._importers import map_anonymous, unmap
+from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, KvBrokerError, ResourceExhausted
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -172,15 +172,29 @@ class StagingBuffer:
         return np.array([[self.address + reservation.offset, nbytes, self.device_id]], dtype=np.uint64)
 
 
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    """A reservation waiting for room: its bytes, its future, whose (a room, or None)."""
+
+    nbytes: int
+    future: asyncio.Future[Reservation]
+    owner: object
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
 class StagingPool:
-    """Reservations over one staging buffer, first come first served. Control loop only."""
+    """Reservations over one staging buffer, served in the order of their
+    tickets (``scheduling.FairQueue``: class, deadline, fair shares between
+    engines, arrival). Control loop only."""
 
     def __init__(self, buffer: StagingBuffer) -> None:
         self.buffer = buffer
         self.size_bytes = buffer.size_bytes
         self._free = FreeList([(0, buffer.size_bytes)])
-        #: Reservations waiting for room, oldest first: (bytes, its future, whose).
-        self._waiting: deque[tuple[int, asyncio.Future[Reservation], object]] = deque()
+        #: Reservations waiting for room, in the order they will be served.
+        self._waiting: FairQueue[_Waiter] = FairQueue()
         self.in_use_bytes = 0
         self.reservations = 0
 
@@ -194,15 +208,18 @@ class StagingPool:
         self.reservations += 1
         return Reservation(offset=offset, nbytes=size)
 
-    async def reserve(self, nbytes: int, timeout_seconds: float, *, owner: object = None) -> Reservation:
+    async def reserve(
+        self, nbytes: int, timeout_seconds: float, *, owner: object = None, ticket: Ticket | None = None
+    ) -> Reservation:
         """A reservation of ``nbytes``, waiting for releases up to the timeout.
 
-        Waiters are served in the order they came (a large one is not passed
-        over for ever by smaller ones behind it): under a backlog, the parts of
-        the rooms that asked first move first. ``ResourceExhausted`` if it can
-        never fit; ``DeadlineExceeded`` if the pool stayed too full; the error
-        given to :meth:`abandon` if the wait was for ``owner`` (a room), which
-        no longer wants it.
+        Waiters are served in the order of their ``ticket`` (none: STANDARD,
+        one engine, so first come first served): the next one waits until it
+        fits, and no later one passes it meanwhile (a large one is not passed
+        over for ever by smaller ones). ``ResourceExhausted`` if it can never
+        fit; ``DeadlineExceeded`` if the pool stayed too full; the error given
+        to :meth:`abandon` if the wait was for ``owner`` (a room), which no
+        longer wants it.
         """
         if nbytes > self.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the {self.size_bytes}-byte staging buffer")
@@ -211,9 +228,10 @@ class StagingPool:
             if reservation is not None:
                 return reservation
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        entry = (nbytes, future, owner)
-        self._waiting.append(entry)
-        granted = await await_grant(future, timeout_seconds, give_up=lambda: self._give_up(entry), undo=self.release)
+        waiter = _Waiter(nbytes, future, owner)
+        self._waiting.push(waiter, ticket or Ticket(Priority.STANDARD, "", nbytes))
+        self._grant()  # it may come before those waiting now, and fit
+        granted = await await_grant(future, timeout_seconds, give_up=lambda: self._give_up(waiter), undo=self.release)
         if granted is None:
             raise DeadlineExceeded(
                 f"the staging buffer stayed full for {timeout_seconds:g} s "
@@ -230,19 +248,18 @@ class StagingPool:
         """Fail the waits made for ``owner`` with ``error`` (its room ended:
         a slot granted now would only be given back, and the slots it waits
         for may be held by its own room until it settles)."""
-        abandoned = [entry for entry in self._waiting if entry[2] == owner]
-        for entry in abandoned:
-            self._waiting.remove(entry)
-            if not entry[1].done():
-                entry[1].set_exception(error)
+        abandoned = [waiter for waiter in self._waiting if waiter.owner == owner]
+        for waiter in abandoned:
+            self._waiting.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
         if abandoned:
             self._grant()  # the ones behind them may fit now
 
-    def _give_up(self, entry: tuple[int, asyncio.Future[Reservation], object]) -> None:
-        if entry not in self._waiting:
+    def _give_up(self, waiter: _Waiter) -> None:
+        if not self._waiting.remove(waiter):
             return
-        self._waiting.remove(entry)
-        entry[1].cancel()
+        waiter.future.cancel()
         self._grant()  # the ones behind it may fit now
 
     def release(self, reservation: Reservation) -> None:
@@ -253,14 +270,13 @@ class StagingPool:
         self._grant()
 
     def _grant(self) -> None:
-        """Reserve for the oldest waiters while they fit."""
-        while self._waiting:
-            nbytes, future, _ = self._waiting[0]
-            reservation = self.try_reserve(nbytes)
+        """Reserve for the next waiters while they fit."""
+        while (waiter := self._waiting.peek()) is not None:
+            reservation = self.try_reserve(waiter.nbytes)
             if reservation is None:
                 return
-            self._waiting.popleft()
-            future.set_result(reservation)
+            self._waiting.pop()
+            waiter.future.set_result(reservation)
 
 
 class StagingPools:

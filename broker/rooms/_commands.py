@@ -36,6 +36,9 @@ class ExpectRoom:
     prefix_pages: int = 0
     #: Checksum every chunk where it landed, against the sender's.
     verify_checksum: bool = False
+    #: The room's class (``common_pb2.RoomPriority``; 0: unspecified) and deadline (monotonic s).
+    priority: int = 0
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +48,9 @@ class BeginSend:
     engine: Engine
     room: int
     num_pages: int = 0
+    #: The room's class until the decode side's registration says its own, and deadline (monotonic s).
+    priority: int = 0
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

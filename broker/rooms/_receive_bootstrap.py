@@ -37,6 +37,7 @@ from kvbroker.broker.rooms._records import ReceiverRoom
 from kvbroker.broker.rooms._sides import BOOTSTRAPPING, WAITING_FOR_INPUT, cause, cause_of
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.broker.rooms._successors import SuccessorNotices
+from kvbroker.broker.scheduling import deadline_ms
 from kvbroker.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (
     GroupShape,
@@ -95,6 +96,8 @@ class RankBootstrap:
             aux_row=aux_row,
             prefix_pages=prefix_pages,
             verify_checksum=verify_checksum,
+            priority=command.priority,
+            deadline=command.deadline,
             # Lesson 1: a component listed with no indices is not expected.
             state_indices={name: indices for name, indices in state.items() if indices.size},
         )
@@ -254,6 +257,8 @@ def register_request(broker_id: str, rank: Receiver, leg: SenderLeg, plans: list
         sender_broker_id=leg.broker_id,
         prefix_pages=rank.prefix_pages,
         verify_checksum=rank.verify_checksum,
+        priority=rank.priority,  # type: ignore[arg-type]
+        deadline_ms=deadline_ms(rank.deadline),
     )
     if rank.aux_row is not None:
         request.aux_row = rank.aux_row

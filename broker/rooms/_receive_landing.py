@@ -298,6 +298,10 @@ class RankLanding:
         rank.staging[key] = (pool, reservation)
         return reservation
 
+    def staging_rank(self, request: peer_pb2.ReserveStagingRequest) -> Receiver:
+        """The receiver rank a sender's prefetch is for (its wait is queued by the rank's class)."""
+        return self._staging_rank(request)
+
     def _staging_rank(self, request: peer_pb2.ReserveStagingRequest) -> Receiver:
         room = self._rooms.receiver.get(request.room)
         rank = room.ranks.get(rank_key(request.receiver)) if room is not None else None

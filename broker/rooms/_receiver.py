@@ -98,7 +98,7 @@ class ReceiverCore:
     ``registration_error``, ``room_registered``, ``registration_failed``) are
     :class:`~kvbroker.broker.rooms._receive_bootstrap.RankBootstrap`'s;
     ``notices``, ``scattered``, ``chunk_verified``, ``completion_report``,
-    ``staging_wanted`` and ``staging_granted`` are
+    ``staging_wanted``, ``staging_granted`` and ``staging_rank`` are
     :class:`~kvbroker.broker.rooms._receive_landing.RankLanding`'s;
     ``successor_notices`` and ``successor_done`` are
     :class:`~kvbroker.broker.rooms._successors.SuccessorNotices`' ``take``
@@ -147,6 +147,7 @@ class ReceiverCore:
         self.completion_report = landing.completion_report
         self.staging_wanted = landing.staging_wanted
         self.staging_granted = landing.staging_granted
+        self.staging_rank = landing.staging_rank
         self.successor_notices = successors.take
         self.successor_done = successors.done
         self.announce = announcements.announce

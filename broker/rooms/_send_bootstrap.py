@@ -69,7 +69,14 @@ class SourceBootstrap:
         if room is None:
             room = self._rooms.sender[room_id] = SenderRoom(room_id)
         room.opened += (engine.key,)
-        source = Source(room=room_id, engine=engine, listener=self._outcomes.changed, num_pages=num_pages)
+        source = Source(
+            room=room_id,
+            engine=engine,
+            listener=self._outcomes.changed,
+            num_pages=num_pages,
+            priority=command.priority,
+            deadline=command.deadline,
+        )
         source.begin_context = telemetry.current_span()
         source.engine_traced = telemetry.has_remote_parent(trace.get_current_span())
         if source.engine_traced:
@@ -228,6 +235,8 @@ class SourceBootstrap:
             source.expected_destinations = plan.num_destinations
         dest = Destination(info=info, plan=plan)
         source.destinations[info.receiver] = dest
+        if info.priority:  # the decode side's class and deadline win
+            source.priority, source.deadline = info.priority, info.deadline
         if source.span is None:
             self._outcomes.open_span(source, info.trace_context)
         if source.state == FAILED:

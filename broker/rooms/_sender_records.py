@@ -66,6 +66,10 @@ class TransferInfo:
     prefix_pages: int = 0
     #: The receiver checks every chunk against a checksum of what was read.
     verify_checksum: bool = False
+    #: The decode side's class for the room (0: unspecified: the sender's
+    #: stands) and deadline (monotonic seconds here).
+    priority: int = 0
+    deadline: float | None = None
     #: Tokens per page of the receiver (its room pages count in these); 0:
     #: not known (its engine was not described), taken as the sender's.
     page_size: int = 0

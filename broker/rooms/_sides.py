@@ -121,6 +121,11 @@ class Side:
     wait_span: Span | None = None
     #: The room's end was handed on (span closed, canonical log line written).
     ended: bool = False
+    #: The room's class here (``common_pb2.RoomPriority``; 0: unspecified,
+    #: served as STANDARD) and deadline (monotonic seconds; None: none): what
+    #: its work is queued by (``scheduling``).
+    priority: int = 0
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         self.marks[0] = self.opened_ns / 1e9
@@ -194,6 +199,7 @@ class Side:
             chunks=self.chunks,
             bytes=self.bytes,
             prefix_pages=self.known_prefix(),
+            priority=self.priority,  # type: ignore[arg-type]
         )
         if self.cause is not None:
             status.cause.CopyFrom(self.cause)

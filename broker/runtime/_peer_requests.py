@@ -20,12 +20,21 @@ from opentelemetry import propagate, trace
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import DataPlane
-from kvbroker.broker.execution import Credits, Machines, Transport, in_turn, receive_wait_owner
+from kvbroker.broker.execution import (
+    Credits,
+    Machines,
+    Transport,
+    in_turn,
+    receive_wait_owner,
+    side_ticket,
+)
 from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, StagingPools
 from kvbroker.broker.peers import HandshakeMessage, pool_name
 from kvbroker.broker.rooms import TransferInfo, cause
+from kvbroker.broker.runtime._commands import checked_priority
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._requests import NO_TRACE, check_version, decode_state
+from kvbroker.broker.scheduling import deadline_in
 from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError, Unavailable
 from kvbroker.plan import SourcePlan, decode_indices, rank_key
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -121,6 +130,8 @@ class PeerRequests:
             sources=tuple(SourcePlan.from_proto(s) for s in request.sources),
             prefix_pages=request.prefix_pages,
             verify_checksum=request.verify_checksum,
+            priority=checked_priority(request.priority),
+            deadline=deadline_in(request.deadline_ms),
             page_size=remote.layout.page_size_tokens if remote is not None else 0,
         )
         self._sender.transfer_info(info)
@@ -136,7 +147,8 @@ class PeerRequests:
         if held is None:
             # Its wait ends early if the room ends meanwhile (RoomEnded: the executor abandons it).
             owner = receive_wait_owner(request.room, rank_key(request.receiver))
-            reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds, owner=owner)
+            ticket = side_ticket(self._receiver.staging_rank(request), request.bytes, self._config.priorities)
+            reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds, owner=owner, ticket=ticket)
             with self._turn:
                 try:
                     held = self._receiver.staging_granted(request, pool_key, reservation)

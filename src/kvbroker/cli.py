@@ -52,6 +52,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_true",
         help="verify every room this broker receives against chunk checksums the sender computes (a pass over the bytes on both sides)",
     )
+    p.add_argument(
+        "--no-priorities",
+        action="store_true",
+        help="serve every queue first come, first served: ignore the rooms' priority classes and deadlines, no fair shares between engines",
+    )
     p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
     p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
     p.add_argument("--device-buffer-mib", type=int, default=d.device_send_bytes >> 20, metavar="MIB", help="size of each transfer buffer (send and receive) per GPU an engine's memory lives on: the device path's slots (at most 1/32 of the GPU's memory each)")
@@ -231,6 +236,7 @@ def _serve(args: argparse.Namespace) -> int:
         peer_heartbeat_seconds=args.peer_heartbeat,
         peer_dead_after_seconds=args.peer_dead_after,
         verify_checksums=args.verify_checksums,
+        priorities=not args.no_priorities,
         unregister_settle_timeout_seconds=args.unregister_settle_timeout,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,

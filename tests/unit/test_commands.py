@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -81,3 +83,19 @@ def test_commands_are_frozen() -> None:
     command = decode_begin_send(transfer_pb2.BeginSendRequest(room=3), ENGINE)  # type: ignore[arg-type]
     with pytest.raises(AttributeError):
         command.room = 4  # type: ignore[misc]
+
+
+def test_a_rooms_priority_and_deadline_decode_and_an_unknown_class_is_refused_by_name() -> None:
+    """RoomPriority and deadline_ms (milliseconds from now, 0: none) become the command's class and
+    monotonic deadline; a value outside RoomPriority is INVALID_ARGUMENT naming the classes."""
+    before = time.monotonic()
+    expect = decode_expect_room(
+        transfer_pb2.ExpectRoomRequest(room=1, pages=_indices(0), priority=common_pb2.ROOM_PRIORITY_INTERACTIVE, deadline_ms=1500),
+        ENGINE,  # type: ignore[arg-type]
+    )
+    assert expect.priority == common_pb2.ROOM_PRIORITY_INTERACTIVE
+    assert expect.deadline is not None and before + 1.5 <= expect.deadline <= time.monotonic() + 1.5
+    begin = decode_begin_send(transfer_pb2.BeginSendRequest(room=1, num_pages=1), ENGINE)  # type: ignore[arg-type]
+    assert (begin.priority, begin.deadline) == (common_pb2.ROOM_PRIORITY_UNSPECIFIED, None)
+    with pytest.raises(InvalidArgument, match="not a RoomPriority.*interactive"):
+        decode_begin_send(transfer_pb2.BeginSendRequest(room=1, num_pages=1, priority=7), ENGINE)  # type: ignore[arg-type]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
 from kvbroker import cudavmm
 from kvbroker.broker.memory import Reservation, StagingBuffer, StagingPool, StagingPools
+from kvbroker.broker.scheduling import Priority, Ticket
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from kvbroker.plan import BufferPlacement, Layout, build_descriptor_table, page_blocks
 from kvbroker.testing.fake_cuda import FakeCudaLib
@@ -59,6 +61,68 @@ def test_pool_waiters_are_served_in_the_order_they_came() -> None:
         assert order == ["big", "small"] and cancelled.cancelled()
         pool.release(held[3])  # type: ignore[arg-type]
         assert pool.in_use_bytes == 0 and pool.reservations == 0
+
+    asyncio.run(run())
+
+
+def test_pool_waiters_are_served_by_class_then_deadline_then_fairly_and_an_abandoned_one_leaves() -> None:
+    """Behind a full pool, an interactive part that came last is served first, then a bulk part with a
+    deadline before the bulk parts without one; between two bulk engines the bytes alternate; a room
+    that ends takes its waiter out of the queue (abandon) and it is never served."""
+
+    async def run() -> None:
+        pool = StagingPool(StagingBuffer(address=0, size_bytes=4096, kind=1, device_id=0))
+        held = pool.try_reserve(4096)
+        order: list[str] = []
+        now = time.monotonic()
+
+        async def want(name: str, ticket: Ticket | None, owner: object = None) -> None:
+            reservation = await pool.reserve(4096, 5.0, owner=owner, ticket=ticket)
+            order.append(name)
+            await asyncio.sleep(0)
+            pool.release(reservation)
+
+        bulk = [
+            ("a1", Ticket(Priority.BULK, "a", 4096)),
+            ("a2", Ticket(Priority.BULK, "a", 4096)),
+            ("a3", Ticket(Priority.BULK, "a", 4096)),
+            ("b1", Ticket(Priority.BULK, "b", 4096)),
+            ("b2", Ticket(Priority.BULK, "b", 4096)),
+            ("late", Ticket(Priority.BULK, "c", 4096, deadline=now + 1)),
+            ("chat", Ticket(Priority.INTERACTIVE, "c", 4096)),
+        ]
+        tasks = [asyncio.create_task(want(name, ticket)) for name, ticket in bulk]
+        gone = asyncio.create_task(want("gone", Ticket(Priority.INTERACTIVE, "d", 4096), owner="room-9"))
+        await asyncio.sleep(0)
+        pool.abandon("room-9", FailedPrecondition("the room ended"))
+        pool.release(held)  # type: ignore[arg-type]
+        await asyncio.gather(*tasks)
+        assert isinstance(gone.exception(), FailedPrecondition)
+        assert order[:2] == ["chat", "late"], order
+        assert order[2:] in (["a1", "b1", "a2", "b2", "a3"], ["b1", "a1", "b2", "a2", "a3"]), order
+        assert pool.in_use_bytes == 0 and pool.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_pool_waiters_without_tickets_are_first_come_first_served() -> None:
+    """--no-priorities gives no tickets: the order of arrival, whatever the rooms' classes."""
+
+    async def run() -> None:
+        pool = StagingPool(StagingBuffer(address=0, size_bytes=4096, kind=1, device_id=0))
+        held = pool.try_reserve(4096)
+        order: list[int] = []
+
+        async def want(i: int) -> None:
+            reservation = await pool.reserve(4096, 5.0)
+            order.append(i)
+            pool.release(reservation)
+
+        tasks = [asyncio.create_task(want(i)) for i in range(6)]
+        await asyncio.sleep(0)
+        pool.release(held)  # type: ignore[arg-type]
+        await asyncio.gather(*tasks)
+        assert order == list(range(6))
 
     asyncio.run(run())
 

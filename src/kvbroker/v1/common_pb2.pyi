@@ -28,6 +28,13 @@ class RoomState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROOM_STATE_TRANSFERRING: _ClassVar[RoomState]
     ROOM_STATE_SUCCESS: _ClassVar[RoomState]
 
+class RoomPriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROOM_PRIORITY_UNSPECIFIED: _ClassVar[RoomPriority]
+    ROOM_PRIORITY_BULK: _ClassVar[RoomPriority]
+    ROOM_PRIORITY_STANDARD: _ClassVar[RoomPriority]
+    ROOM_PRIORITY_INTERACTIVE: _ClassVar[RoomPriority]
+
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLE_UNSPECIFIED: _ClassVar[Role]
@@ -91,6 +98,10 @@ ROOM_STATE_BOOTSTRAPPING: RoomState
 ROOM_STATE_WAITING_FOR_INPUT: RoomState
 ROOM_STATE_TRANSFERRING: RoomState
 ROOM_STATE_SUCCESS: RoomState
+ROOM_PRIORITY_UNSPECIFIED: RoomPriority
+ROOM_PRIORITY_BULK: RoomPriority
+ROOM_PRIORITY_STANDARD: RoomPriority
+ROOM_PRIORITY_INTERACTIVE: RoomPriority
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -250,7 +261,7 @@ class StateIndices(_message.Message):
     def __init__(self, component: _Optional[str] = ..., indices: _Optional[_Union[PageIndices, _Mapping]] = ...) -> None: ...
 
 class RoomStatus(_message.Message):
-    __slots__ = ("room", "state", "cause", "pages_settled", "chunks", "bytes", "prefix_pages", "landed_pages", "waiting_for")
+    __slots__ = ("room", "state", "cause", "pages_settled", "chunks", "bytes", "prefix_pages", "landed_pages", "waiting_for", "priority")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +271,7 @@ class RoomStatus(_message.Message):
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
     LANDED_PAGES_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     room: int
     state: RoomState
     cause: FailureCause
@@ -269,4 +281,5 @@ class RoomStatus(_message.Message):
     prefix_pages: int
     landed_pages: PageIndices
     waiting_for: str
-    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[RoomState, str]] = ..., cause: _Optional[_Union[FailureCause, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., prefix_pages: _Optional[int] = ..., landed_pages: _Optional[_Union[PageIndices, _Mapping]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+    priority: RoomPriority
+    def __init__(self, room: _Optional[int] = ..., state: _Optional[_Union[RoomState, str]] = ..., cause: _Optional[_Union[FailureCause, _Mapping]] = ..., pages_settled: _Optional[bool] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., prefix_pages: _Optional[int] = ..., landed_pages: _Optional[_Union[PageIndices, _Mapping]] = ..., waiting_for: _Optional[str] = ..., priority: _Optional[_Union[RoomPriority, str]] = ...) -> None: ...

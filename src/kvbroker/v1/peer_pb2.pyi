@@ -185,7 +185,7 @@ class SourcePlan(_message.Message):
     def __init__(self, rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., mode: _Optional[_Union[SourceMode, str]] = ..., num_destinations: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., sends_aux: _Optional[bool] = ..., sends_state: _Optional[bool] = ..., src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomRequest(_message.Message):
-    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context", "prefix_pages", "verify_checksum")
+    __slots__ = ("room", "receiver_broker_id", "receiver", "receiver_generation", "sender_group", "pages", "aux_row", "state", "sources", "sender_broker_id", "protocol_version", "trace_context", "prefix_pages", "verify_checksum", "priority", "deadline_ms")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,8 @@ class RegisterRoomRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     room: int
     receiver_broker_id: str
     receiver: _common_pb2.EngineRankId
@@ -221,7 +223,9 @@ class RegisterRoomRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     prefix_pages: int
     verify_checksum: bool
-    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ...) -> None: ...
+    priority: _common_pb2.RoomPriority
+    deadline_ms: int
+    def __init__(self, room: _Optional[int] = ..., receiver_broker_id: _Optional[str] = ..., receiver: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., receiver_generation: _Optional[int] = ..., sender_group: _Optional[str] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourcePlan, _Mapping]]] = ..., sender_broker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ..., priority: _Optional[_Union[_common_pb2.RoomPriority, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterRoomsRequest(_message.Message):
     __slots__ = ("protocol_version", "rooms")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker.v1 import common_pb2 as kvbroker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbroker/v1/transfer.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x16\n\x14GetBrokerInfoRequest\"\xaf\x01\n\nBrokerInfo\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x64_socket_path\x18\x04 \x01(\t\x12\x1a\n\x12\x65ngine_socket_path\x18\x05 \x01(\t\x12\x16\n\x0elisten_address\x18\x06 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x07 \x01(\t\"\xaf\x01\n\x15RegisterEngineRequest\x12\x15\n\rsession_token\x18\x01 \x01(\t\x12\'\n\x04rank\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineLayout\x12+\n\x08timeouts\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.RoomTimeouts\"+\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"0\n\x18UnregisterEngineResponse\x12\x14\n\x0crooms_failed\x18\x01 \x01(\r\"2\n\tSenderRef\x12\x16\n\x0e\x62roker_address\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"\x80\x02\n\x11\x45xpectRoomRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12&\n\x06sender\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.SenderRef\x12\'\n\x05pages\x18\x04 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x14\n\x0cprefix_pages\x18\x07 \x01(\r\x12\x17\n\x0fverify_checksum\x18\x08 \x01(\x08\x42\n\n\x08_aux_row\"=\n\x12\x45xpectRoomResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"F\n\x10\x42\x65ginSendRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\"<\n\x11\x42\x65ginSendResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"\xdf\x01\n\x10SendChunkRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\'\n\x05pages\x18\x03 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x16\n\troom_page\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_aux_rowB\x0c\n\n_room_page\"Q\n\x11SendChunkResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"/\n\x0bPollRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"9\n\x0cPollResponse\x12)\n\x08statuses\x18\x01 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\"5\n\x11WatchRoomsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"?\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\rAbortResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"^\n\x13\x41nnounceRoomRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12&\n\x06sender\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.SenderRef\"\x16\n\x14\x41nnounceRoomResponse\"g\n\x0eSessionRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.kvbroker.v1.SessionOpen\x12-\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1b.kvbroker.v1.SessionCommand\"_\n\x0bSessionOpen\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x14\n\x0cresume_after\x18\x03 \x01(\x04\x12\r\n\x05rooms\x18\x04 \x03(\x04\"\xab\x03\n\x0eSessionCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x35\n\x0b\x65xpect_room\x18\x02 \x01(\x0b\x32\x1e.kvbroker.v1.ExpectRoomRequestH\x00\x12\x33\n\nbegin_send\x18\x03 \x01(\x0b\x32\x1d.kvbroker.v1.BeginSendRequestH\x00\x12\x33\n\nsend_chunk\x18\x04 \x01(\x0b\x32\x1d.kvbroker.v1.SendChunkRequestH\x00\x12*\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.AbortRequestH\x00\x12\x39\n\rannounce_room\x18\x07 \x01(\x0b\x32 .kvbroker.v1.AnnounceRoomRequestH\x00\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.kvbroker.v1.SessionCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"x\n\x0cSessionEvent\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\x12)\n\x08statuses\x18\x02 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\x12,\n\x07refused\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.CommandRefused\"v\n\x0e\x43ommandRefused\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x13\n\x0broom_failed\x18\x05 \x01(\x08\x12\x15\n\rpages_settled\x18\x06 \x01(\x08\x32\xe2\x06\n\x0eTransferBroker\x12K\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\x17.kvbroker.v1.BrokerInfo\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12M\n\nExpectRoom\x12\x1e.kvbroker.v1.ExpectRoomRequest\x1a\x1f.kvbroker.v1.ExpectRoomResponse\x12J\n\tBeginSend\x12\x1d.kvbroker.v1.BeginSendRequest\x1a\x1e.kvbroker.v1.BeginSendResponse\x12J\n\tSendChunk\x12\x1d.kvbroker.v1.SendChunkRequest\x1a\x1e.kvbroker.v1.SendChunkResponse\x12;\n\x04Poll\x12\x18.kvbroker.v1.PollRequest\x1a\x19.kvbroker.v1.PollResponse\x12G\n\nWatchRooms\x12\x1e.kvbroker.v1.WatchRoomsRequest\x1a\x17.kvbroker.v1.RoomStatus0\x01\x12>\n\x05\x41\x62ort\x12\x19.kvbroker.v1.AbortRequest\x1a\x1a.kvbroker.v1.AbortResponse\x12S\n\x0c\x41nnounceRoom\x12 .kvbroker.v1.AnnounceRoomRequest\x1a!.kvbroker.v1.AnnounceRoomResponse\x12\x45\n\x07Session\x12\x1b.kvbroker.v1.SessionRequest\x1a\x19.kvbroker.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbroker/v1/transfer.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x16\n\x14GetBrokerInfoRequest\"\xaf\x01\n\nBrokerInfo\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x64_socket_path\x18\x04 \x01(\t\x12\x1a\n\x12\x65ngine_socket_path\x18\x05 \x01(\t\x12\x16\n\x0elisten_address\x18\x06 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x07 \x01(\t\"\xaf\x01\n\x15RegisterEngineRequest\x12\x15\n\rsession_token\x18\x01 \x01(\t\x12\'\n\x04rank\x18\x02 \x01(\x0b\x32\x19.kvbroker.v1.EngineRankId\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.kvbroker.v1.EngineLayout\x12+\n\x08timeouts\x18\x04 \x01(\x0b\x32\x19.kvbroker.v1.RoomTimeouts\"+\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"0\n\x18UnregisterEngineResponse\x12\x14\n\x0crooms_failed\x18\x01 \x01(\r\"2\n\tSenderRef\x12\x16\n\x0e\x62roker_address\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"\xc2\x02\n\x11\x45xpectRoomRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12&\n\x06sender\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.SenderRef\x12\'\n\x05pages\x18\x04 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x14\n\x0cprefix_pages\x18\x07 \x01(\r\x12\x17\n\x0fverify_checksum\x18\x08 \x01(\x08\x12+\n\x08priority\x18\t \x01(\x0e\x32\x19.kvbroker.v1.RoomPriority\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\n \x01(\rB\n\n\x08_aux_row\"=\n\x12\x45xpectRoomResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"\x88\x01\n\x10\x42\x65ginSendRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12+\n\x08priority\x18\x04 \x01(\x0e\x32\x19.kvbroker.v1.RoomPriority\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\r\"<\n\x11\x42\x65ginSendResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"\xdf\x01\n\x10SendChunkRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\'\n\x05pages\x18\x03 \x01(\x0b\x32\x18.kvbroker.v1.PageIndices\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x14\n\x07\x61ux_row\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12(\n\x05state\x18\x06 \x03(\x0b\x32\x19.kvbroker.v1.StateIndices\x12\x16\n\troom_page\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_aux_rowB\x0c\n\n_room_page\"Q\n\x11SendChunkResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"/\n\x0bPollRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"9\n\x0cPollResponse\x12)\n\x08statuses\x18\x01 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\"5\n\x11WatchRoomsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"?\n\x0c\x41\x62ortRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\rAbortResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.RoomStatus\"^\n\x13\x41nnounceRoomRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12&\n\x06sender\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.SenderRef\"\x16\n\x14\x41nnounceRoomResponse\"g\n\x0eSessionRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x18.kvbroker.v1.SessionOpen\x12-\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1b.kvbroker.v1.SessionCommand\"_\n\x0bSessionOpen\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x14\n\x0cresume_after\x18\x03 \x01(\x04\x12\r\n\x05rooms\x18\x04 \x03(\x04\"\xab\x03\n\x0eSessionCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x35\n\x0b\x65xpect_room\x18\x02 \x01(\x0b\x32\x1e.kvbroker.v1.ExpectRoomRequestH\x00\x12\x33\n\nbegin_send\x18\x03 \x01(\x0b\x32\x1d.kvbroker.v1.BeginSendRequestH\x00\x12\x33\n\nsend_chunk\x18\x04 \x01(\x0b\x32\x1d.kvbroker.v1.SendChunkRequestH\x00\x12*\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x19.kvbroker.v1.AbortRequestH\x00\x12\x39\n\rannounce_room\x18\x07 \x01(\x0b\x32 .kvbroker.v1.AnnounceRoomRequestH\x00\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.kvbroker.v1.SessionCommand.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"x\n\x0cSessionEvent\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\x12)\n\x08statuses\x18\x02 \x03(\x0b\x32\x17.kvbroker.v1.RoomStatus\x12,\n\x07refused\x18\x03 \x03(\x0b\x32\x1b.kvbroker.v1.CommandRefused\"v\n\x0e\x43ommandRefused\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x13\n\x0broom_failed\x18\x05 \x01(\x08\x12\x15\n\rpages_settled\x18\x06 \x01(\x08\x32\xe2\x06\n\x0eTransferBroker\x12K\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\x17.kvbroker.v1.BrokerInfo\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12M\n\nExpectRoom\x12\x1e.kvbroker.v1.ExpectRoomRequest\x1a\x1f.kvbroker.v1.ExpectRoomResponse\x12J\n\tBeginSend\x12\x1d.kvbroker.v1.BeginSendRequest\x1a\x1e.kvbroker.v1.BeginSendResponse\x12J\n\tSendChunk\x12\x1d.kvbroker.v1.SendChunkRequest\x1a\x1e.kvbroker.v1.SendChunkResponse\x12;\n\x04Poll\x12\x18.kvbroker.v1.PollRequest\x1a\x19.kvbroker.v1.PollResponse\x12G\n\nWatchRooms\x12\x1e.kvbroker.v1.WatchRoomsRequest\x1a\x17.kvbroker.v1.RoomStatus0\x01\x12>\n\x05\x41\x62ort\x12\x19.kvbroker.v1.AbortRequest\x1a\x1a.kvbroker.v1.AbortResponse\x12S\n\x0c\x41nnounceRoom\x12 .kvbroker.v1.AnnounceRoomRequest\x1a!.kvbroker.v1.AnnounceRoomResponse\x12\x45\n\x07Session\x12\x1b.kvbroker.v1.SessionRequest\x1a\x19.kvbroker.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,43 +49,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDERREF']._serialized_start=590
   _globals['_SENDERREF']._serialized_end=640
   _globals['_EXPECTROOMREQUEST']._serialized_start=643
-  _globals['_EXPECTROOMREQUEST']._serialized_end=899
-  _globals['_EXPECTROOMRESPONSE']._serialized_start=901
-  _globals['_EXPECTROOMRESPONSE']._serialized_end=962
-  _globals['_BEGINSENDREQUEST']._serialized_start=964
-  _globals['_BEGINSENDREQUEST']._serialized_end=1034
-  _globals['_BEGINSENDRESPONSE']._serialized_start=1036
-  _globals['_BEGINSENDRESPONSE']._serialized_end=1096
-  _globals['_SENDCHUNKREQUEST']._serialized_start=1099
-  _globals['_SENDCHUNKREQUEST']._serialized_end=1322
-  _globals['_SENDCHUNKRESPONSE']._serialized_start=1324
-  _globals['_SENDCHUNKRESPONSE']._serialized_end=1405
-  _globals['_POLLREQUEST']._serialized_start=1407
-  _globals['_POLLREQUEST']._serialized_end=1454
-  _globals['_POLLRESPONSE']._serialized_start=1456
-  _globals['_POLLRESPONSE']._serialized_end=1513
-  _globals['_WATCHROOMSREQUEST']._serialized_start=1515
-  _globals['_WATCHROOMSREQUEST']._serialized_end=1568
-  _globals['_ABORTREQUEST']._serialized_start=1570
-  _globals['_ABORTREQUEST']._serialized_end=1633
-  _globals['_ABORTRESPONSE']._serialized_start=1635
-  _globals['_ABORTRESPONSE']._serialized_end=1691
-  _globals['_ANNOUNCEROOMREQUEST']._serialized_start=1693
-  _globals['_ANNOUNCEROOMREQUEST']._serialized_end=1787
-  _globals['_ANNOUNCEROOMRESPONSE']._serialized_start=1789
-  _globals['_ANNOUNCEROOMRESPONSE']._serialized_end=1811
-  _globals['_SESSIONREQUEST']._serialized_start=1813
-  _globals['_SESSIONREQUEST']._serialized_end=1916
-  _globals['_SESSIONOPEN']._serialized_start=1918
-  _globals['_SESSIONOPEN']._serialized_end=2013
-  _globals['_SESSIONCOMMAND']._serialized_start=2016
-  _globals['_SESSIONCOMMAND']._serialized_end=2443
-  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_start=2381
-  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_end=2432
-  _globals['_SESSIONEVENT']._serialized_start=2445
-  _globals['_SESSIONEVENT']._serialized_end=2565
-  _globals['_COMMANDREFUSED']._serialized_start=2567
-  _globals['_COMMANDREFUSED']._serialized_end=2685
-  _globals['_TRANSFERBROKER']._serialized_start=2688
-  _globals['_TRANSFERBROKER']._serialized_end=3554
+  _globals['_EXPECTROOMREQUEST']._serialized_end=965
+  _globals['_EXPECTROOMRESPONSE']._serialized_start=967
+  _globals['_EXPECTROOMRESPONSE']._serialized_end=1028
+  _globals['_BEGINSENDREQUEST']._serialized_start=1031
+  _globals['_BEGINSENDREQUEST']._serialized_end=1167
+  _globals['_BEGINSENDRESPONSE']._serialized_start=1169
+  _globals['_BEGINSENDRESPONSE']._serialized_end=1229
+  _globals['_SENDCHUNKREQUEST']._serialized_start=1232
+  _globals['_SENDCHUNKREQUEST']._serialized_end=1455
+  _globals['_SENDCHUNKRESPONSE']._serialized_start=1457
+  _globals['_SENDCHUNKRESPONSE']._serialized_end=1538
+  _globals['_POLLREQUEST']._serialized_start=1540
+  _globals['_POLLREQUEST']._serialized_end=1587
+  _globals['_POLLRESPONSE']._serialized_start=1589
+  _globals['_POLLRESPONSE']._serialized_end=1646
+  _globals['_WATCHROOMSREQUEST']._serialized_start=1648
+  _globals['_WATCHROOMSREQUEST']._serialized_end=1701
+  _globals['_ABORTREQUEST']._serialized_start=1703
+  _globals['_ABORTREQUEST']._serialized_end=1766
+  _globals['_ABORTRESPONSE']._serialized_start=1768
+  _globals['_ABORTRESPONSE']._serialized_end=1824
+  _globals['_ANNOUNCEROOMREQUEST']._serialized_start=1826
+  _globals['_ANNOUNCEROOMREQUEST']._serialized_end=1920
+  _globals['_ANNOUNCEROOMRESPONSE']._serialized_start=1922
+  _globals['_ANNOUNCEROOMRESPONSE']._serialized_end=1944
+  _globals['_SESSIONREQUEST']._serialized_start=1946
+  _globals['_SESSIONREQUEST']._serialized_end=2049
+  _globals['_SESSIONOPEN']._serialized_start=2051
+  _globals['_SESSIONOPEN']._serialized_end=2146
+  _globals['_SESSIONCOMMAND']._serialized_start=2149
+  _globals['_SESSIONCOMMAND']._serialized_end=2576
+  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_start=2514
+  _globals['_SESSIONCOMMAND_TRACECONTEXTENTRY']._serialized_end=2565
+  _globals['_SESSIONEVENT']._serialized_start=2578
+  _globals['_SESSIONEVENT']._serialized_end=2698
+  _globals['_COMMANDREFUSED']._serialized_start=2700
+  _globals['_COMMANDREFUSED']._serialized_end=2818
+  _globals['_TRANSFERBROKER']._serialized_start=2821
+  _globals['_TRANSFERBROKER']._serialized_end=3687
 # @@protoc_insertion_point(module_scope)

@@ -68,7 +68,7 @@ class SenderRef(_message.Message):
     def __init__(self, broker_address: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class ExpectRoomRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state", "prefix_pages", "verify_checksum")
+    __slots__ = ("engine_id", "room", "sender", "pages", "aux_row", "state", "prefix_pages", "verify_checksum", "priority", "deadline_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,8 @@ class ExpectRoomRequest(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
     VERIFY_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: int
     sender: SenderRef
@@ -85,7 +87,9 @@ class ExpectRoomRequest(_message.Message):
     state: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateIndices]
     prefix_pages: int
     verify_checksum: bool
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ...) -> None: ...
+    priority: _common_pb2.RoomPriority
+    deadline_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., sender: _Optional[_Union[SenderRef, _Mapping]] = ..., pages: _Optional[_Union[_common_pb2.PageIndices, _Mapping]] = ..., aux_row: _Optional[int] = ..., state: _Optional[_Iterable[_Union[_common_pb2.StateIndices, _Mapping]]] = ..., prefix_pages: _Optional[int] = ..., verify_checksum: _Optional[bool] = ..., priority: _Optional[_Union[_common_pb2.RoomPriority, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class ExpectRoomResponse(_message.Message):
     __slots__ = ("status",)
@@ -94,14 +98,18 @@ class ExpectRoomResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_common_pb2.RoomStatus, _Mapping]] = ...) -> None: ...
 
 class BeginSendRequest(_message.Message):
-    __slots__ = ("engine_id", "room", "num_pages")
+    __slots__ = ("engine_id", "room", "num_pages", "priority", "deadline_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     room: int
     num_pages: int
-    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    priority: _common_pb2.RoomPriority
+    deadline_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., room: _Optional[int] = ..., num_pages: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.RoomPriority, str]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class BeginSendResponse(_message.Message):
     __slots__ = ("status",)
