@@ -104,6 +104,16 @@ class BrokerConfig:
     #: one write moved 48-52 GB/s with 32 MiB chunks and 89-96 GB/s with
     #: 128 MiB (../shared/gpu figures, docs/benchmarks.md).
     device_part_bytes: int = 128 * 1024 * 1024
+    #: The largest part written straight between engines' pages (one NIXL
+    #: write): a chunk's pages beyond it are cut into parts, so that a room
+    #: of a higher class passes a large one between two of its parts. 0: a
+    #: chunk's pages go in one write.
+    part_bytes: int = 4 * 1024 * 1024
+    #: The bytes of such parts posted to NIXL and not yet settled, at most
+    #: (the rest wait, in their tickets' order, for posted ones to settle; a
+    #: part larger than this goes alone). 0: no bound (first come, first
+    #: served on the wire).
+    send_window_bytes: int = 16 * 1024 * 1024
     #: Mutual TLS on the TCP port (peers and operators): this broker's
     #: certificate chain and key, and the CA that signs every broker's (and
     #: operator's) certificate. All three set: the TCP port accepts only

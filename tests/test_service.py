@@ -111,6 +111,19 @@ def test_a_rooms_priority_is_the_decode_sides_once_its_registration_arrived(fake
     _wait_tables_empty(p, d)
 
 
+def test_a_chunk_larger_than_a_part_is_cut_between_pages_and_lands_byte_exact(fake_brokers, make_engine) -> None:
+    """--part-mib: a chunk's KV pages beyond the part size go in several writes (each about the part
+    size, the aux row with the last), so a higher class can pass between them; the room is byte-exact."""
+    p, d = fake_brokers("p", part_bytes=1024), fake_brokers("d")
+    pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
+    posted = p.broker.queries.counters.transfers_posted
+    _move_room(pe, de, p.address, 41)
+    _assert_moved(pe, de, SRC, DST)
+    # SMALL_MODEL: 4 KV regions of 128-byte pages; 6 pages = 3072 bytes: three parts of 1024.
+    assert p.broker.queries.counters.transfers_posted - posted == 3
+    _wait_tables_empty(p, d)
+
+
 def test_chunks_before_the_receiver_registers(fake_brokers, make_engine) -> None:
     """SendChunk may come before ExpectRoom: chunks wait for the transfer info, then go."""
     p, d, pe, de = _pair(fake_brokers, make_engine)

@@ -59,6 +59,7 @@ from kvbroker.broker.rooms import (
     Scatter,
     SendReport,
     Side,
+    Source,
     TellSuccessor,
     VerifyChunk,
 )
@@ -198,6 +199,8 @@ class Executor:
     def _room_ended(self, side: Side) -> None:
         record_room_end(side, self._metrics)
         end_receive_waits(side, self._pools)
+        if isinstance(side, Source):
+            self._parts.room_ended(side)
 
     def _effect_handlers(self) -> dict[type[Any], Callable[[Any], object]]:
         """What carries out each kind of effect (found by its type: a chain of

@@ -35,6 +35,7 @@ from kvbroker.broker.execution._bundles import Machines, Telemetry, Transport
 from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._packed_parts import PackedParts, PartsHeld
 from kvbroker.broker.execution._probes import TransportProbes
+from kvbroker.broker.execution._send_window import SendWindow
 from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._tickets import part_ticket
@@ -47,7 +48,7 @@ from kvbroker.broker.execution._writes import (
     write_tokens,
 )
 from kvbroker.broker.memory import Reservation, StagingPool
-from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part
+from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, Source
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
 from kvbroker.plan import PartKind, kv_block
 from kvbroker.protocol import PROTOCOL_VERSION
@@ -95,6 +96,8 @@ class PartsInFlight:
         self._parts: dict[Part, tuple[Span, float]] = {}
         #: Staged parts' reservations in the local send pool, until they settle.
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
+        #: Direct and staged writes posted and not settled, bounded; the rest queue by ticket.
+        self._window = SendWindow(config.send_window_bytes, self._dataplane.post, self.fail)
         #: The packed path (``_packed_parts``): it reads the spans and adds to what is sending.
         self._packed = PackedParts(
             config=config,
@@ -174,19 +177,19 @@ class PartsInFlight:
         if part.kind is PartKind.NOTICE:
             self._dataplane.notify(part, agent_name, notif)
         elif part.kind is PartKind.WHOLE:
-            self._dataplane.post(Posting(part, whole_write(part, agent_name, notif), agent_name, part.nbytes, ticket))
+            self._window.post(Posting(part, whole_write(part, agent_name, notif), agent_name, part.nbytes, ticket))
         elif part.kind is PartKind.TOKENS:
             self._counters.transfers_per_token += 1
             spec = part.spec
             if spec.src_pages is not None and spec.slice is not None:
                 span.set_attribute("kvbroker.descriptors_built", len(spec.pairs) * int(spec.src_pages.size) * spec.slice.src.page_size)
-            self._dataplane.post(Posting(part, write_tokens(part, agent_name, notif), agent_name, part.nbytes, ticket))
+            self._window.post(Posting(part, write_tokens(part, agent_name, notif), agent_name, part.nbytes, ticket))
         elif part.kind is PartKind.RUNS:
             self._counters.transfers_token_runs += 1
-            self._dataplane.post(Posting(part, write_runs(part, agent_name, notif), agent_name, part.nbytes, ticket))
+            self._window.post(Posting(part, write_runs(part, agent_name, notif), agent_name, part.nbytes, ticket))
         elif part.kind is PartKind.STAGED:
             self._counters.transfers_staged += 1
-            self._dataplane.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes, ticket))
+            self._window.post(Posting(part, write_into_staging(part, agent_name, notif), agent_name, part.nbytes, ticket))
         else:
             self._tasks.spawn(self._gather(part, agent_name, notif, span), name=f"gather-{part.source.room}")
 
@@ -270,7 +273,11 @@ class PartsInFlight:
         self._sending[part] = (pool, reservation)
         self._counters.transfers_staged += 1
         make = write_from_staging(part, pool.buffer, reservation.offset, agent_name, notif)
-        self._dataplane.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
+        self._window.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
+
+    def room_ended(self, source: Source) -> None:
+        """A sending room ended: its parts still queued for the window fail (and free their place)."""
+        self._window.drop(source)
 
     # -- settling ----------------------------------------------------------------------
     @in_turn
@@ -282,6 +289,7 @@ class PartsInFlight:
         """A part's outcome: give back what it held, end its span, count it,
         and tell the sender's state machine."""
         part: Part = event.token
+        self._window.settled(part)
         held = self._sending.pop(part, None)
         if held is not None:
             held[0].release(held[1])

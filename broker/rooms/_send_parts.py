@@ -83,6 +83,7 @@ class PartLedger:
         send_staging_bytes: Callable[[int, int], int],
         on_bytes: Callable[[int], None],
         part_bytes: int,
+        host_part_bytes: int = 0,
     ) -> None:
         self._id = core.broker_id
         self._rooms = core.rooms
@@ -96,6 +97,8 @@ class PartLedger:
         self._send_staging_bytes = send_staging_bytes
         #: The largest packed part (``BrokerConfig.device_part_bytes``).
         self._part_bytes = part_bytes
+        #: The largest part written straight between engines' pages (``BrokerConfig.part_bytes``; 0: any).
+        self._host_part_bytes = host_part_bytes
         #: KV pairings by (engine, its generation, receiver broker, rank, its generation, layers).
         self._kv_plans: collections.OrderedDict[tuple[Any, ...], KvPairs] = collections.OrderedDict()
         self._on_bytes = on_bytes
@@ -261,6 +264,7 @@ class PartLedger:
             stage_policy(self._send_staging_bytes, receive),
             dest.kv,
             pack_limit(self._part_bytes, self._send_staging_bytes, receive),
+            self._host_part_bytes,
         )
         notice = data_notice(self._id, source, dest, chunk, window, specs)
         checksum = None

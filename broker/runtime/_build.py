@@ -134,6 +134,7 @@ def build_broker(
         peers=peers,
         send_staging_bytes=pools.send_bytes,
         part_bytes=config.device_part_bytes,
+        host_part_bytes=config.part_bytes,
     )
     ledger = CreditLedger()
     receiver = ReceiverCore(

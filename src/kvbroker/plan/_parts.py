@@ -115,11 +115,11 @@ PackLimit = Callable[[tuple[int, int], tuple[int, int]], int]
 class KvPairs:
     """The KV regions one source writes whole into one receiver, planned once per
     (source, receiver): grouped by (local memory kind, remote memory kind), the
-    index of each region's first page in both prepared lists, and the bytes of
-    one page over the group. A chunk's KV then costs two broadcasts per group,
-    not one segment per layer."""
+    index of each region's first page in both prepared lists, the bytes of
+    one page over the group, and of one page of each region. A chunk's KV then
+    costs two broadcasts per group, not one segment per layer."""
 
-    groups: tuple[tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64], int], ...]
+    groups: tuple[tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64], int, npt.NDArray[np.int64]], ...]
 
 
 def kv_pairs(src: Layout, src_table: DescriptorTable, dst: Layout, dst_table: DescriptorTable, plan: SourcePlan) -> KvPairs:
@@ -134,9 +134,60 @@ def kv_pairs(src: Layout, src_table: DescriptorTable, dst: Layout, dst_table: De
         sizes.append(item)
     return KvPairs(
         groups=tuple(
-            (lk, rk, np.asarray(sb, dtype=np.int64), np.asarray(db, dtype=np.int64), sum(sizes))
+            (lk, rk, np.asarray(sb, dtype=np.int64), np.asarray(db, dtype=np.int64), sum(sizes), np.asarray(sizes, dtype=np.int64))
             for (lk, rk), (sb, db, sizes) in grouped.items()
         )
+    )
+
+
+def _whole_parts(
+    lk: int,
+    rk: int,
+    local: list[IndexArray],
+    remote: list[IndexArray],
+    sizes: list[int],
+    kv_item_bytes: list[npt.NDArray[np.int64]],
+    carries: tuple[str, ...],
+    limit: int,
+) -> list[PartSpec]:
+    """One pair of memory kinds' WHOLE items as parts of at most about
+    ``limit`` bytes: its first ``len(kv_item_bytes)`` arrays are KV pages
+    (their items of those sizes: cut between items), the rest (aux rows, state)
+    goes whole with the last part. At most ``MAX_PARTS // 2`` parts."""
+    total = sum(sizes)
+    if not limit or total <= limit:
+        return [_whole(lk, rk, local, remote, total, carries)]
+    limit = max(limit, -(-total // (MAX_PARTS // 2)))
+    items = np.concatenate(kv_item_bytes) if kv_item_bytes else None
+    kv_local = np.concatenate(local[: len(kv_item_bytes)]) if kv_item_bytes else NO_INDICES
+    kv_remote = np.concatenate(remote[: len(kv_item_bytes)]) if kv_item_bytes else NO_INDICES
+    rest = (local[len(kv_item_bytes) :], remote[len(kv_item_bytes) :], sum(sizes[len(kv_item_bytes) :]))
+    bounds = [0]
+    if items is not None:
+        ends = np.cumsum(items)
+        bounds += [int(i) for i in np.searchsorted(ends, np.arange(limit, int(ends[-1]), limit), side="right") if i > 0]
+        bounds.append(len(items))
+    bounds = sorted(set(bounds))
+    parts = []
+    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        last = k == len(bounds) - 2
+        loc, rem = [kv_local[lo:hi]], [kv_remote[lo:hi]]
+        nbytes = int(items[lo:hi].sum()) if items is not None else 0
+        if last:
+            loc, rem, nbytes = loc + rest[0], rem + rest[1], nbytes + rest[2]
+        parts.append(_whole(lk, rk, loc, rem, nbytes, carries if last else ()))
+    return parts or [_whole(lk, rk, local, remote, total, carries)]
+
+
+def _whole(lk: int, rk: int, local: list[IndexArray], remote: list[IndexArray], nbytes: int, carries: tuple[str, ...]) -> PartSpec:
+    return PartSpec(
+        kind=PartKind.WHOLE,
+        nbytes=nbytes,
+        local_kind=lk,
+        remote_kind=rk,
+        local_indices=local[0] if len(local) == 1 else np.concatenate(local).astype(np.int32),
+        remote_indices=remote[0] if len(remote) == 1 else np.concatenate(remote).astype(np.int32),
+        carries=carries,
     )
 
 
@@ -150,13 +201,18 @@ def plan_chunk(
     stage: StagePolicy,
     kv: KvPairs | None = None,
     pack_limit: PackLimit | None = None,
+    whole_limit: int = 0,
 ) -> list[PartSpec]:
     """The parts of one chunk (``shape``) that source ``plan`` sends one receiver.
 
     ``kv``: the source's :class:`KvPairs` for this receiver, if planned already.
     ``pack_limit``: how large a PACKED part may be (needed when either side
-    has memory in VRAM). Raises ``FailedPrecondition`` when the layouts do
-    not pair. Never empty: a chunk that moves nothing is one ``NOTICE`` part.
+    has memory in VRAM). ``whole_limit``: how large a WHOLE part may be (0:
+    any): a larger pair of memory kinds is cut between KV pages into parts of
+    about that size (so that a room of a higher class can pass it between two
+    parts), its aux rows and state in the last. Raises ``FailedPrecondition``
+    when the layouts do not pair. Never empty: a chunk that moves nothing is
+    one ``NOTICE`` part.
     """
     packed: list[PartSpec] = []
     if VRAM in src_table.region_kind or VRAM in dst_table.region_kind:
@@ -168,15 +224,18 @@ def plan_chunk(
             shape = _left_direct(shape, found)
     # (local kind, remote kind) -> local index arrays, remote index arrays, bytes; in order of appearance.
     whole: dict[tuple[int, int], tuple[list[IndexArray], list[IndexArray], list[int]]] = {}
+    #: The bytes of each item of the KV arrays of ``whole`` (the others are not cut), per pair of kinds.
+    item_bytes: dict[tuple[int, int], list[npt.NDArray[np.int64]]] = {}
     pages = int(shape.src_pages.size)
     if pages and plan.mode == peer_pb2.SOURCE_MODE_FULL_PAGES:
         kv = kv or kv_pairs(src, src_table, dst, dst_table, plan)
         src_pages, dst_pages = shape.src_pages.astype(np.int64), shape.dst_pages.astype(np.int64)
-        for lk, rk, src_bases, dst_bases, page_bytes in kv.groups:
+        for lk, rk, src_bases, dst_bases, page_bytes, region_bytes in kv.groups:
             local, remote, sizes = whole.setdefault((lk, rk), ([], [], []))
             local.append((src_bases[:, None] + src_pages[None, :]).ravel().astype(np.int32))
             remote.append((dst_bases[:, None] + dst_pages[None, :]).ravel().astype(np.int32))
             sizes.append(page_bytes * pages)
+            item_bytes.setdefault((lk, rk), []).append(np.repeat(region_bytes, pages))
     segments = build_segments(src, dst, plan, shape, kv=False)
     for p in plan_parts(src_table, dst_table, segments):
         local, remote, sizes = whole.setdefault((p.local_kind, p.remote_kind), ([], [], []))
@@ -185,16 +244,9 @@ def plan_chunk(
         sizes.append(p.bytes)
     carried = _carried(src, src_table, dst_table, segments)
     parts = [
-        PartSpec(
-            kind=PartKind.WHOLE,
-            nbytes=sum(sizes),
-            local_kind=lk,
-            remote_kind=rk,
-            local_indices=local[0] if len(local) == 1 else np.concatenate(local),
-            remote_indices=remote[0] if len(remote) == 1 else np.concatenate(remote),
-            carries=carried.get((lk, rk), ()),
-        )
+        piece
         for (lk, rk), (local, remote, sizes) in whole.items()
+        for piece in _whole_parts(lk, rk, local, remote, sizes, item_bytes.get((lk, rk), []), carried.get((lk, rk), ()), whole_limit)
     ]
     if plan.head_sliced and shape.src_pages.size:
         hs = head_slice(src, dst, plan)
