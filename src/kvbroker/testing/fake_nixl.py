@@ -22,6 +22,8 @@ a registration at a loaded (address, size, kind, device) whose keys changed
 is refused with ``NIXL_ERR_NOT_ALLOWED``. Host memory registered again at the
 same place keeps its keys (UCX over loopback showed it); VRAM gets new ones
 with each registration (a new cudaMalloc's IPC handle, as an H200 showed).
+With ``wire_bps`` set, every write crosses one wire of that speed in the
+order it was posted (as NIXL moves what was posted first come, first served).
 ``vram_registrations()`` lists what VRAM is registered now, by allocation
 kind; ``vram_registered``, ``vram_sources`` and ``vram_targets`` keep what
 the agent saw over its whole life (every VRAM registration, and the VRAM
@@ -130,6 +132,9 @@ class FakeAgent:
         self._inbox: deque[tuple[str, bytes]] = deque()
         self._scripts: deque[XferScript] = deque()
         self.live_dlists: set[int] = set()
+        #: Bytes per second of one wire every write of this agent crosses in the order posted (None: instant).
+        self.wire_bps: float | None = None
+        self._wire_free = 0.0
         self.live_xfers: set[int] = set()
         self.posted = 0
 
@@ -281,6 +286,10 @@ class FakeAgent:
             # Measured: UCX moves a write into a VMM allocation over TCP on the host.
             self.host_speed_writes += 1
             xfer.not_before = time.monotonic() + sum(n for _, _, n in pairs) / HOST_SPEED_BPS
+        if self.wire_bps:
+            # One wire, first come first served: a write ends after those posted before it.
+            self._wire_free = max(time.monotonic(), self._wire_free) + sum(n for _, _, n in pairs) / self.wire_bps
+            xfer.not_before = max(xfer.not_before, self._wire_free)
         self.live_xfers.add(id(xfer))
         self.posted += 1
         return xfer

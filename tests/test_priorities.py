@@ -1,0 +1,124 @@
+"""Priority classes and fair shares through whole brokers (in-process, fake NIXL), and the copy
+thread's order. Each queue's own order is tested with it (test_staging, test_dataplane,
+unit/test_send_window, unit/test_scheduling); the figures are bench/priority_bench.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvbroker.broker.dataplane import Workers
+from kvbroker.broker.scheduling import Priority, Ticket
+from kvbroker.client import ModelSpec
+from kvbroker.testing import FakeBroker
+from kvbroker.testing.load import RoomLoad, Saturate, timed_rooms
+
+#: 4 layers of 2 heads x 64, 8-token pages: 16 KiB a page; rooms of 64 pages (1 MiB).
+MODEL = ModelSpec(num_layers=4, total_kv_heads=2, head_dim=64, dtype=torch.bfloat16, page_size=8)
+#: The prefill broker's writes cross one wire of this speed (a 256 KiB part: 13 ms), slow enough
+#: to be what bounds the rooms (not the brokers' CPU, in this one process).
+WIRE_BPS = 20e6
+#: Parts of 256 KiB, at most four posted: every room queues in the send window.
+SMALL_WINDOW = {"part_bytes": 256 << 10, "send_window_bytes": 1 << 20}
+
+
+def _loads(fake_brokers: Callable[..., FakeBroker], *specs: tuple[str, str, int], **config: Any) -> list[RoomLoad]:
+    p, d = fake_brokers("p", **{**SMALL_WINDOW, **config}), fake_brokers("d")
+    p.agent.wire_bps = WIRE_BPS
+    return [RoomLoad.register(p.address, d.address, name=name, model=MODEL, room_pages=pages, slots=6, priority=priority)
+            for name, priority, pages in specs]
+
+
+def test_two_saturating_bulk_engines_share_the_bytes_equally(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Two bulk engines through one send window, one keeping six rooms in flight and the other two
+    (first come first served would give the first three times the bytes): over the same seconds
+    each moves half of the bytes, within 15%."""
+    loads = _loads(fake_brokers, ("a", "bulk", 64), ("b", "bulk", 64))
+    try:
+        runs = [Saturate(load, inflight).start() for load, inflight in zip(loads, (6, 2), strict=True)]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        time.sleep(2.5)
+        moved = [run.bytes_between(t0, time.monotonic()) for run in runs]
+        for run in runs:
+            run.stop()
+        assert min(moved) > 0, moved
+        shares = [m / sum(moved) for m in moved]
+        assert all(abs(s - 0.5) <= 0.075 for s in shares), f"shares {shares} (bytes {moved})"
+    finally:
+        for load in loads:
+            load.close()
+
+
+def test_a_low_class_completes_under_a_sustained_high_load(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Interactive rooms keep the window full; bulk rooms opened meanwhile still finish, byte-exact
+    (the floor share), while the interactive load goes on."""
+    chat, bulk = _loads(fake_brokers, ("chat", "interactive", 64), ("bulk", "bulk", 64))
+    try:
+        busy = Saturate(chat, 3).start()
+        time.sleep(0.3)
+        latencies = timed_rooms(bulk, 4, 0.0, timeout_seconds=20)
+        assert len(latencies) == 4
+        before = len(busy.done)
+        time.sleep(0.2)
+        assert len(busy.done) > before, "the interactive load stopped"
+        busy.stop()
+    finally:
+        chat.close()
+        bulk.close()
+
+
+def test_an_interactive_room_passes_a_bulk_backlog_and_fifo_brokers_do_not(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """Behind a bulk backlog in the send window, 1-page interactive rooms take a fraction of what
+    they take with --no-priorities (the same load, first come first served)."""
+    medians = {}
+    for priorities in (True, False):
+        bulk, chat = _loads(fake_brokers, ("bulk", "bulk", 256), ("chat", "interactive", 1), priorities=priorities)
+        try:
+            busy = Saturate(bulk, 3).start()
+            time.sleep(0.3)
+            latencies = sorted(timed_rooms(chat, 20, 0.02))
+            busy.stop()
+            medians[priorities] = latencies[len(latencies) // 2]
+        finally:
+            bulk.close()
+            chat.close()
+    assert medians[True] * 2 < medians[False], medians
+
+
+def test_the_copy_thread_takes_a_scatter_of_a_higher_class_first() -> None:
+    """Jobs waiting for the copy thread (gathers, scatters, GPU launches) go by ticket: an
+    interactive room's scatter queued behind bulk ones runs first; jobs without a ticket keep
+    their order."""
+
+    async def run() -> list[str]:
+        workers = Workers()
+        order: list[str] = []
+        gate = threading.Event()
+        try:
+            first = workers.copy_soon(lambda: gate.wait(5))
+            await asyncio.sleep(0.05)  # the thread is in the first job
+            jobs = [
+                workers.copy_soon(lambda name=name: order.append(name), ticket)
+                for name, ticket in (
+                    ("bulk-1", Ticket(Priority.BULK, "a", 1 << 20)),
+                    ("bulk-2", Ticket(Priority.BULK, "a", 1 << 20)),
+                    ("chat", Ticket(Priority.INTERACTIVE, "b", 4096)),
+                    ("plain-1", None),
+                    ("plain-2", None),
+                )
+            ]
+            await asyncio.sleep(0.05)
+            gate.set()
+            await asyncio.gather(first, *jobs)
+        finally:
+            workers.shutdown()
+        return order
+
+    order = asyncio.run(run())
+    assert order[0] == "chat" and order.index("plain-1") < order.index("plain-2") and order.index("bulk-1") < order.index("bulk-2")
