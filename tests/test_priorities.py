@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import torch
 
 from kvbroker.broker.dataplane import Workers
@@ -17,6 +18,7 @@ from kvbroker.broker.scheduling import Priority, Ticket
 from kvbroker.client import ModelSpec
 from kvbroker.testing import FakeBroker
 from kvbroker.testing.load import RoomLoad, Saturate, timed_rooms
+from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 #: 4 layers of 2 heads x 64, 8-token pages: 16 KiB a page; rooms of 64 pages (1 MiB).
 MODEL = ModelSpec(num_layers=4, total_kv_heads=2, head_dim=64, dtype=torch.bfloat16, page_size=8)
@@ -75,8 +77,9 @@ def test_a_low_class_completes_under_a_sustained_high_load(fake_brokers) -> None
 
 def test_an_interactive_room_passes_a_bulk_backlog_and_fifo_brokers_do_not(fake_brokers) -> None:  # type: ignore[no-untyped-def]
     """Behind a bulk backlog in the send window, 1-page interactive rooms take a fraction of what
-    they take with --no-priorities (the same load, first come first served)."""
-    medians = {}
+    they take with --no-priorities (the same load, first come first served). GetStats shows the
+    send window's work by class and engine group: the interactive parts waited less each."""
+    medians, rows = {}, {}
     for priorities in (True, False):
         bulk, chat = _loads(fake_brokers, ("bulk", "bulk", 256), ("chat", "interactive", 1), priorities=priorities)
         try:
@@ -85,10 +88,19 @@ def test_an_interactive_room_passes_a_bulk_backlog_and_fifo_brokers_do_not(fake_
             latencies = sorted(timed_rooms(chat, 20, 0.02))
             busy.stop()
             medians[priorities] = latencies[len(latencies) // 2]
+            with grpc.insecure_channel(bulk.clients[0].address) as channel:
+                stats = admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+            rows[priorities] = {(q.priority, q.engine): q for q in stats.queues if q.queue == "send_window"}
         finally:
             bulk.close()
             chat.close()
     assert medians[True] * 2 < medians[False], medians
+    chat_row = rows[True][(common_pb2.ROOM_PRIORITY_INTERACTIVE, "chat-prefill")]
+    bulk_row = rows[True][(common_pb2.ROOM_PRIORITY_BULK, "bulk-prefill")]
+    assert chat_row.served and bulk_row.served and chat_row.waiting == bulk_row.waiting == 0
+    assert bulk_row.bytes > chat_row.bytes > 0
+    assert chat_row.waited_seconds / chat_row.served < bulk_row.waited_seconds / bulk_row.served
+    assert set(rows[False]) == {(common_pb2.ROOM_PRIORITY_STANDARD, "")}, "--no-priorities: no classes, no engines"
 
 
 def test_the_copy_thread_takes_a_scatter_of_a_higher_class_first() -> None:

@@ -66,6 +66,18 @@ class Admin:
             draining=q.draining,
             open_rooms=q.rooms.open_rooms(),
             etcd=q.etcd_status(),
+            queues=[
+                admin_pb2.QueueStats(
+                    queue=r.queue,
+                    priority=r.priority,  # type: ignore[arg-type]
+                    engine=r.engine,
+                    waiting=max(0, r.waiting),
+                    served=r.served,
+                    bytes=r.bytes,
+                    waited_seconds=r.waited_seconds,
+                )
+                for r in c.queues.rows()
+            ],
         )
 
     def list_engines(self) -> list[admin_pb2.EngineInfo]:

@@ -56,6 +56,7 @@ import structlog
 from kvbroker.broker.dataplane._agent import Agent, XferState
 from kvbroker.broker.dataplane._workers import name_thread
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
+from kvbroker.broker.telemetry import QueueStats
 from kvbroker.errors import KvBrokerError, NixlError, TransferTimeout, Unavailable
 
 __all__ = ["DataPlane", "Notices", "Posting", "Settled"]
@@ -142,11 +143,14 @@ class DataPlane:
         *,
         on_events: Callable[[list[Event]], None],
         transfer_timeout_seconds: float,
+        queues: QueueStats | None = None,
     ) -> None:
         self._agent = agent
         self._on_events = on_events
         self._timeout_s = transfer_timeout_seconds
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        #: Posts queued together, reordered by ticket (``queues``: their waits in GetStats).
+        self._posts_observer = queues.observer("data_plane") if queues is not None else None
         self._inflight: list[_InFlight] = []
         self._events: list[Event] = []
         #: Events handed over by the thread, not yet delivered on the loop.
@@ -273,7 +277,7 @@ class DataPlane:
                 job = self._jobs.get(timeout=self._wait(wait))
             except queue.Empty:
                 job = _NO_JOB
-            posts: FairQueue[_PostJob] = FairQueue()
+            posts: FairQueue[_PostJob] = FairQueue(observer=self._posts_observer)
             while job is not _NO_JOB:
                 if job is None:
                     running = False

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
+from kvbroker.broker.telemetry import QueueObserver, QueueStats
 
 __all__ = ["Workers", "name_thread", "settle"]
 
@@ -76,9 +77,9 @@ class _Worker:
     their scatters over once, where one hand-over each made the copy thread
     and the loop trade the GIL per part (issue 28)."""
 
-    def __init__(self, name: str, os_name: str) -> None:
+    def __init__(self, name: str, os_name: str, observer: QueueObserver | None = None) -> None:
         #: Jobs handed over, waiting for the thread (under ``_ready``).
-        self._jobs: FairQueue[_Job] = FairQueue()
+        self._jobs: FairQueue[_Job] = FairQueue(observer=observer)
         self._ready = threading.Condition(threading.Lock())
         self._stopping = False
         #: Jobs asked for in this pass of the loop, handed over at its end (loop only).
@@ -163,8 +164,8 @@ class _Worker:
 class Workers:
     """The copy and memory threads. Await their work from the control loop."""
 
-    def __init__(self) -> None:
-        self._copy = _Worker("kvbroker-copy", "kvb-copy")
+    def __init__(self, queues: QueueStats | None = None) -> None:
+        self._copy = _Worker("kvbroker-copy", "kvb-copy", queues.observer("copy") if queues is not None else None)
         self._memory = _Worker("kvbroker-memory", "kvb-memory")
 
     async def copy(self, fn: Callable[[], T], ticket: Ticket | None = None) -> T:

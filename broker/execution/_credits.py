@@ -111,6 +111,7 @@ class Credits:
         #: Parts waiting for room in a window, in the order they will be placed.
         self._waiting: dict[_WindowKey, FairQueue[_CreditWaiter]] = {}
         self._asking: set[_WindowKey] = set()
+        self._observer = pools.queue_observer("credits")
         #: Placed credits by id: their window (a return names the id).
         self._placed: dict[int, _WindowKey] = {}
         self._idle_checks: dict[_WindowKey, asyncio.TimerHandle] = {}
@@ -136,7 +137,7 @@ class Credits:
             return got
         key = (peer.broker_id, pool)
         window = self._windows.setdefault(key, CreditWindow())
-        waiting = self._waiting.setdefault(key, FairQueue())
+        waiting = self._waiting.setdefault(key, FairQueue(observer=self._observer))
         future: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
         entry = _CreditWaiter(nbytes, future)
         waiting.push(entry, ticket or Ticket(Priority.STANDARD, "", nbytes))

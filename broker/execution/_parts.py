@@ -97,7 +97,13 @@ class PartsInFlight:
         #: Staged parts' reservations in the local send pool, until they settle.
         self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
         #: Direct and staged writes posted and not settled, bounded; the rest queue by ticket.
-        self._window = SendWindow(config.send_window_bytes, self._dataplane.post, self.fail)
+        self._window = SendWindow(
+            config.send_window_bytes,
+            self._dataplane.post,
+            self.fail,
+            telemetry.counters.queues.observer("send_window"),
+            self._waited,
+        )
         #: The packed path (``_packed_parts``): it reads the spans and adds to what is sending.
         self._packed = PackedParts(
             config=config,
@@ -274,6 +280,14 @@ class PartsInFlight:
         self._counters.transfers_staged += 1
         make = write_from_staging(part, pool.buffer, reservation.offset, agent_name, notif)
         self._window.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
+
+    def _waited(self, part: Part, seconds: float, behind: str) -> None:
+        """A part waited in the send window: on its span, and added up on its room's."""
+        part.source.queued_s += seconds
+        span = self._parts.get(part, (None, 0.0))[0]
+        if span is not None:
+            span.set_attribute("kvbroker.queued_s", seconds)
+            span.set_attribute("kvbroker.queued_behind", behind)
 
     def room_ended(self, source: Source) -> None:
         """A sending room ended: its parts still queued for the window fail (and free their place)."""

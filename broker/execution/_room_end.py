@@ -33,7 +33,10 @@ def record_room_end(side: Side, metrics: BrokerMetrics) -> None:
         assert isinstance(side, Receiver)
         peer = side.peer_broker_id or side.sender_address
         pages = int(side.pages.size)
-    telemetry.close_room_span(side, {"kvbroker.peer": peer, "kvbroker.pages": pages})
+    telemetry.close_room_span(
+        side,
+        {"kvbroker.peer": peer, "kvbroker.pages": pages, "kvbroker.priority": side.priority, "kvbroker.queued_s": side.queued_s},
+    )
     state = common_pb2.RoomState.Name(side.state)
     total = (side.finished_at or time.monotonic()) - side.opened_at
     metrics.room_seconds.record(total, {"side": name, "state": state})
@@ -52,6 +55,8 @@ def record_room_end(side: Side, metrics: BrokerMetrics) -> None:
         cause_message=side.cause.message if side.cause is not None else None,
         bytes=side.bytes,
         chunks=side.chunks,
+        priority=common_pb2.RoomPriority.Name(side.priority),
+        queued_s=round(side.queued_s, 6),
         pages=pages,
         total_s=round(total, 6),
         bootstrap_s=_between(times, "opened", "registered" if not sender else "ready"),

@@ -47,6 +47,7 @@ from kvbroker import cudavmm
 from kvbroker.broker.aio import await_grant
 from kvbroker.broker.memory._importers import map_anonymous, unmap
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
+from kvbroker.broker.telemetry import QueueObserver, QueueStats
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, KvBrokerError, ResourceExhausted
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -189,12 +190,12 @@ class StagingPool:
     tickets (``scheduling.FairQueue``: class, deadline, fair shares between
     engines, arrival). Control loop only."""
 
-    def __init__(self, buffer: StagingBuffer) -> None:
+    def __init__(self, buffer: StagingBuffer, observer: QueueObserver | None = None) -> None:
         self.buffer = buffer
         self.size_bytes = buffer.size_bytes
         self._free = FreeList([(0, buffer.size_bytes)])
         #: Reservations waiting for room, in the order they will be served.
-        self._waiting: FairQueue[_Waiter] = FairQueue()
+        self._waiting: FairQueue[_Waiter] = FairQueue(observer=observer)
         self.in_use_bytes = 0
         self.reservations = 0
 
@@ -302,7 +303,9 @@ class StagingPools:
         workers: Any,
         device_send_bytes: int = 512 << 20,
         device_receive_bytes: int = 512 << 20,
+        queues: QueueStats | None = None,
     ) -> None:
+        self._queues = queues
         self._sizes = {"send": send_bytes, "receive": receive_bytes}
         self._device_sizes = {"send": device_send_bytes, "receive": device_receive_bytes}
         self._dataplane = dataplane
@@ -374,6 +377,10 @@ class StagingPools:
     def _claim(self, device: int) -> _Claim:
         return _Claim(self._busy, device)
 
+    def queue_observer(self, queue: str) -> QueueObserver | None:
+        """What a queue for room in these pools, or in a peer's (``credits``), reports to (GetStats)."""
+        return self._queues.observer(queue) if self._queues is not None else None
+
     def pool(self, direction: str, kind: int, device: int) -> StagingPool | None:
         """The ``"send"`` or ``"receive"`` pool for memory ``kind`` on ``device``."""
         return self._pools.get((direction, kind, 0 if kind == DRAM else device))
@@ -420,7 +427,7 @@ class StagingPools:
         except BaseException:
             await self._release(buffer)
             raise
-        self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer)
+        self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer, self.queue_observer(f"{direction}_slots"))
 
     async def _release(self, buffer: StagingBuffer) -> None:
         if buffer.registration is not None:

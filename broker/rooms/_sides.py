@@ -126,6 +126,8 @@ class Side:
     #: its work is queued by (``scheduling``).
     priority: int = 0
     deadline: float | None = None
+    #: Seconds its work waited in the broker's ordered queues (the send window), all parts together.
+    queued_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.marks[0] = self.opened_ns / 1e9

@@ -88,10 +88,11 @@ def build_broker(
     broker_id = broker_id or uuid.uuid4().hex
     counters = Counters()
     metrics = BrokerMetrics()
+    metrics.queues = counters.queues
     rooms = RoomTables()
     tasks = TaskSet()
     hub = WatchHub()
-    workers = Workers()
+    workers = Workers(queues=counters.queues)
     views = ArrayViews(device_as_host=device_as_host)
     lanes = Lanes(workers, views)
 
@@ -107,7 +108,9 @@ def build_broker(
     def fd_connection_closed(connection: FdConnection) -> None:
         engine_calls.fd_connection_closed(connection)
 
-    dataplane = DataPlane(agent, on_events=on_events, transfer_timeout_seconds=config.transfer_timeout_seconds)
+    dataplane = DataPlane(
+        agent, on_events=on_events, transfer_timeout_seconds=config.transfer_timeout_seconds, queues=counters.queues
+    )
     engines = EngineTable(dataplane, workers, cuda_driver)
     pools = StagingPools(
         send_bytes=config.staging_send_bytes,
@@ -116,6 +119,7 @@ def build_broker(
         workers=workers,
         device_send_bytes=config.device_send_bytes,
         device_receive_bytes=config.device_receive_bytes,
+        queues=counters.queues,
     )
     peers = PeerTable(
         broker_id=broker_id, agent_name=agent.name, address=endpoints.address, dataplane=dataplane, on_restart=peer_lost

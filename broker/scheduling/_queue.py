@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import enum
 import heapq
+import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from kvbroker.broker.telemetry import QueueObserver
 
 __all__ = [
     "FairQueue",
@@ -217,7 +220,7 @@ class FairQueue(Generic[T]):
     class; :meth:`remove` is linear in the item's own engine's lane.
     """
 
-    def __init__(self, *, floor_share: float = 0.1) -> None:
+    def __init__(self, *, floor_share: float = 0.1, observer: QueueObserver | None = None) -> None:
         if not 0.0 <= floor_share < 0.5:
             raise ValueError(f"floor_share must lie in [0, 0.5) (got {floor_share})")
         self._floor_share = floor_share
@@ -225,6 +228,10 @@ class FairQueue(Generic[T]):
         self._entries: dict[T, tuple[Ticket, int]] = {}
         self._waiting: dict[tuple[Priority, str], tuple[int, int]] = {}
         self._seq = 0
+        #: Told of every item queued, served and taken out (``telemetry.QueueStats``).
+        self._observer = observer
+        #: When each item was queued (with an observer).
+        self._since: dict[T, float] = {}
         self._next: T | None = None
         self._next_valid = False
 
@@ -242,6 +249,9 @@ class FairQueue(Generic[T]):
         self._entries[item] = (ticket, self._seq)
         self._count(ticket, +1)
         self._next_valid = False
+        if self._observer is not None:
+            self._since[item] = time.monotonic()
+            self._observer.queued(ticket.priority, ticket.engine)
 
     def remove(self, item: T) -> bool:
         """Take a waiting ``item`` out (its room aborted or failed); True if it was queued."""
@@ -255,6 +265,9 @@ class FairQueue(Generic[T]):
             band.since = band.own = 0
         self._count(ticket, -1)
         self._next_valid = False
+        if self._observer is not None:
+            self._since.pop(item, None)
+            self._observer.left(ticket.priority, ticket.engine)
         return True
 
     def peek(self) -> T | None:
@@ -281,6 +294,9 @@ class FairQueue(Generic[T]):
             band.since = band.own = 0
         self._count(ticket, -1)
         self._next_valid = False
+        if self._observer is not None:
+            waited = time.monotonic() - self._since.pop(item, time.monotonic())
+            self._observer.served(ticket.priority, ticket.engine, ticket.nbytes, waited)
         return item
 
     def __len__(self) -> int:

@@ -2,6 +2,7 @@
 
 from kvbroker.broker.telemetry._counters import Counters
 from kvbroker.broker.telemetry._metrics import BrokerMetrics, GaugeSnapshot
+from kvbroker.broker.telemetry._queues import QueueObserver, QueueRow, QueueStats
 from kvbroker.broker.telemetry._tracing import (
     add_trace_ids,
     child_done,
@@ -22,6 +23,9 @@ __all__ = [
     "BrokerMetrics",
     "Counters",
     "GaugeSnapshot",
+    "QueueObserver",
+    "QueueRow",
+    "QueueStats",
     "add_trace_ids",
     "child_done",
     "close_room_span",

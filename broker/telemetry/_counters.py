@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvbroker.broker.telemetry._queues import QueueStats
+
 __all__ = ["Counters"]
 
 
@@ -36,3 +38,5 @@ class Counters:
     packed_checksums_checked: int = 0
     #: PeerBroker calls this broker answered, by method.
     peer_calls_answered: Counter[str] = field(default_factory=Counter)
+    #: The queues' depth, waits and bytes by class and engine group.
+    queues: QueueStats = field(default_factory=QueueStats)

@@ -34,10 +34,16 @@ from dataclasses import dataclass, field
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from kvbroker.broker.telemetry._queues import QueueStats
+
 __all__ = ["BrokerMetrics", "GaugeSnapshot"]
 
 #: Latency buckets from 100 us to a minute.
 _SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+#: Prometheus labels of the priority classes (``common_pb2.RoomPriority``; 0 serves as standard).
+_CLASSES = {0: "standard", 1: "bulk", 2: "standard", 3: "interactive"}
 
 
 @dataclass
@@ -81,6 +87,20 @@ class BrokerMetrics:
             "kvbroker.staging.bytes_in_use", unit="By", callbacks=[self._staging], description="staging reserved"
         )
         meter.create_observable_gauge("kvbroker.sessions", callbacks=[self._sessions], description="engine ranks registered")
+        #: The queues' rows (``Counters.queues``), set when the broker is built.
+        self.queues: QueueStats | None = None
+        meter.create_observable_gauge(
+            "kvbroker.queue.waiting", callbacks=[self._queue_waiting], description="work waiting, by queue, class and engine group"
+        )
+        meter.create_observable_counter(
+            "kvbroker.queue.served", callbacks=[self._queue_served], description="work served, by queue, class and engine group"
+        )
+        meter.create_observable_counter(
+            "kvbroker.queue.bytes", unit="By", callbacks=[self._queue_bytes], description="bytes of the work served"
+        )
+        meter.create_observable_counter(
+            "kvbroker.queue.wait", unit="s", callbacks=[self._queue_wait], description="seconds the work served waited"
+        )
         meter.create_observable_gauge("kvbroker.peers", callbacks=[self._peers], description="peers handshaken")
         meter.create_observable_gauge(
             "kvbroker.peer.throughput", unit="By/s", callbacks=[self._throughput], description="observed write throughput"
@@ -111,6 +131,25 @@ class BrokerMetrics:
 
     def _staging(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {"direction": d}) for d, n in self.snapshot.staging.items()]
+
+    def _queue_rows(self, value: str) -> Iterable[Observation]:
+        rows = self.queues.rows() if self.queues is not None else []
+        return [
+            Observation(max(0, getattr(r, value)), {"queue": r.queue, "class": _CLASSES.get(r.priority, str(r.priority)), "engine": r.engine})
+            for r in rows
+        ]
+
+    def _queue_waiting(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._queue_rows("waiting")
+
+    def _queue_served(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._queue_rows("served")
+
+    def _queue_bytes(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._queue_rows("bytes")
+
+    def _queue_wait(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return self._queue_rows("waited_seconds")
 
     def _sessions(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self.snapshot.sessions)]
