@@ -259,14 +259,9 @@ class FairQueue(Generic[T]):
         if entry is None:
             return False
         ticket, seq = entry
-        band = self._bands[ticket.priority]
-        band.discard(ticket, seq)
-        if band.count == 0:
-            band.since = band.own = 0
-        self._count(ticket, -1)
-        self._next_valid = False
+        self._bands[ticket.priority].discard(ticket, seq)
+        self._gone(item, ticket)
         if self._observer is not None:
-            self._since.pop(item, None)
             self._observer.left(ticket.priority, ticket.engine)
         return True
 
@@ -288,16 +283,22 @@ class FairQueue(Generic[T]):
         for band in self._bands.values():
             if band.count:
                 band.since += ticket.cost
+        self._bands[ticket.priority].take(ticket, seq)
+        waited = self._gone(item, ticket)
+        if self._observer is not None and waited is not None:
+            self._observer.served(ticket.priority, ticket.engine, ticket.nbytes, waited)
+        return item
+
+    def _gone(self, item: T, ticket: Ticket) -> float | None:
+        """``item`` left its band: the class's counters start again if it emptied; how long it
+        waited (None without an observer)."""
         band = self._bands[ticket.priority]
-        band.take(ticket, seq)
         if band.count == 0:
             band.since = band.own = 0
         self._count(ticket, -1)
         self._next_valid = False
-        if self._observer is not None:
-            waited = time.monotonic() - self._since.pop(item, time.monotonic())
-            self._observer.served(ticket.priority, ticket.engine, ticket.nbytes, waited)
-        return item
+        since = self._since.pop(item, None)
+        return time.monotonic() - since if since is not None else None
 
     def __len__(self) -> int:
         return len(self._entries)
