@@ -2,6 +2,7 @@
 brokers first come first served (--no-priorities) and with classes; and two bulk engines' byte shares.
 
     python bench/priority_bench.py [--bulk-mib 256] [--bulk-inflight 3] [--load-seconds 6] [--interval-ms 20]
+    python bench/priority_bench.py --fake-vram     # the same through the device path (a fake GPU on each side)
 
 The method and the figures: docs/benchmarks.md. Engine A (bulk) keeps --bulk-inflight rooms of --bulk-mib in flight;
 engine B (interactive) opens one 1-page room every --interval-ms (whether those before ended or not) and times
@@ -12,12 +13,16 @@ Every room's bytes are checked (B's whole, A's first and last page); any failure
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import harness as h
 
+from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
+from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 from kvbroker.testing.load import RoomLoad, Saturate, room_bytes, timed_rooms
 
 MODES = {"fifo": ["--no-priorities"], "priorities": []}
@@ -30,7 +35,8 @@ def measure(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     res.update(args=vars(a), bulk_room_bytes=room_bytes(model, bulk_pages), probe_bytes=room_bytes(model, 1), modes={})
     held.say(f"model: {a.layers} layers x {a.heads} KV heads x {a.head_dim}, {a.page_tokens}-token pages "
              f"({room_bytes(model, 1) >> 10} KiB); bulk rooms {bulk_pages} pages ({res['bulk_room_bytes'] / 2**20:.0f} MiB), "
-             f"{a.bulk_inflight} in flight per bulk engine")
+             f"{a.bulk_inflight} in flight per bulk engine; KV in "
+             + (f"fake VRAM (packed parts of {a.part_mib} MiB)" if a.fake_vram else "DRAM"))
     for mode, flags in MODES.items():
         res["modes"][mode] = run_mode(a, held, mode, flags, model, bulk_pages)
         held.say(f"  measured: {mode}")
@@ -39,11 +45,16 @@ def measure(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
 
 def run_mode(a: argparse.Namespace, held: h.Held, mode: str, flags: list[str], model: Any, bulk_pages: int) -> dict[str, Any]:
     """Both brokers started with ``flags``: B idle, B under A's load (A's GB/s), two bulk engines' shares."""
-    brokers = held.start_brokers([f"prefill-{mode}", f"decode-{mode}"], [*flags, *a.broker_arg, "--log-level", "warning"])
+    fake = FakeCudaLib(devices=1, granularity=GRANULARITY) if a.fake_vram else None  # the engines' driver, here
+    env = {**os.environ, FAKE_GPUS_ENV: "1"} if fake else None
+    device = ["--device-part-mib", str(a.part_mib), "--device-buffer-mib", str(4 * a.part_mib)] if fake else []
+    brokers = held.start_brokers([f"prefill-{mode}", f"decode-{mode}"], [*flags, *device, *a.broker_arg, "--log-level", "warning"], env)
     p, d = (b.address for b in brokers)
+    vram = functools.partial(as_fake_vram, fake=fake) if fake else None
 
     def load(name: str, pages: int, slots: int, priority: str) -> RoomLoad:
-        made = RoomLoad.register(p, d, name=f"{name}-{mode}", model=model, room_pages=pages, slots=slots, priority=priority)
+        made = RoomLoad.register(p, d, name=f"{name}-{mode}", model=model, room_pages=pages, slots=slots, priority=priority,
+                                 prepare=vram)
         held.defer(f"closing {name}", made.close)
         return made
 
@@ -112,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--heads", type=int, default=8)
     add("--head-dim", type=int, default=128)
     add("--page-tokens", type=int, default=16)
+    add("--fake-vram", action="store_true", help="KV in fake VRAM: brokers on a fake GPU, rooms through the device path's packed parts")
+    add("--part-mib", type=int, default=4, help="--fake-vram: --device-part-mib (transfer buffers of four parts)")
     h.add_run_options(p)
     a = p.parse_args(argv)
     return h.bench_main("priority_bench", a, lambda held: measure(a, held), report)

@@ -65,11 +65,14 @@ class RoomLoad:
     @classmethod
     def register(
         cls, prefill_address: str, decode_address: str, *, name: str, model: ModelSpec, room_pages: int, slots: int,
-        priority: Priority = None,
+        priority: Priority = None, prepare: Callable[[EngineMemory], None] | None = None,
     ) -> RoomLoad:
+        """``prepare(memory)``: run on both ranks' memory before they register (``as_fake_vram``)."""
         ranks = (RankSpec(f"{name}-prefill", "prefill"), RankSpec(f"{name}-decode", "decode"))
         memories = tuple(EngineMemory.allocate(rank, model, num_pages=room_pages * slots) for rank in ranks)
         fill_rank(memories[0], model, ranks[0])
+        for memory in memories if prepare is not None else ():
+            prepare(memory)
         clients = (BrokerClient(prefill_address), BrokerClient(decode_address))
         engines = [client.register_engine(rank, memory) for client, rank, memory in zip(clients, ranks, memories, strict=True)]
         return cls(model, room_pages, slots, priority, engines[0], engines[1], ranks, memories, clients)  # type: ignore[arg-type]
