@@ -6,7 +6,11 @@ setting (on CUDA, with this backend, KV pools allocate from kvbroker's VMM
 allocator). :func:`with_queue` wraps the disaggregation queues'
 ``_init_kv_manager`` so that the manager they build finds its queue in
 :data:`QUEUE` (the KV pool's tensors and the metadata buffers: SGLang's own
-managers get raw pointers only).
+managers get raw pointers only). :func:`with_request` wraps the queues'
+``create_sender`` and ``_create_receiver_and_enqueue`` so that the sender or
+receiver they build finds its request (``Req``) in :data:`REQUEST`: SGLang
+hands those classes the bootstrap address and room only, and the room's
+class comes from the request's priority.
 """
 
 from __future__ import annotations
@@ -18,7 +22,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKEND", "ENV_VMM_POOL", "QUEUE", "add_enum_member", "custom_mem_pool", "with_queue"]
+__all__ = [
+    "BACKEND",
+    "ENV_VMM_POOL",
+    "QUEUE",
+    "REQUEST",
+    "add_enum_member",
+    "custom_mem_pool",
+    "request_priority",
+    "with_queue",
+    "with_request",
+]
 
 #: The value of ``--disaggregation-transfer-backend``.
 BACKEND = "kvbroker"
@@ -27,6 +41,8 @@ ENV_VMM_POOL = "KVBROKER_VMM_POOL"
 
 #: The SGLang queue whose ``_init_kv_manager`` is running (set by :func:`with_queue`).
 QUEUE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvbroker_sglang_queue", default=None)
+#: The SGLang request (``Req``) whose KV sender or receiver is being built (set by :func:`with_request`).
+REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("kvbroker_sglang_request", default=None)
 
 
 def add_enum_member(enum_class: Any, name: str, value: str) -> None:
@@ -64,3 +80,21 @@ def with_queue(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: A
         return original(queue, *args, **kwargs)
     finally:
         QUEUE.reset(token)
+
+
+def with_request(original: Callable[..., Any], queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around ``PrefillBootstrapQueue.create_sender(req, ...)`` and
+    ``DecodePreallocQueue._create_receiver_and_enqueue(req, ...)``: the sender
+    or receiver built inside reads ``req`` from :data:`REQUEST`."""
+    token = REQUEST.set(req)
+    try:
+        return original(queue, req, *args, **kwargs)
+    finally:
+        REQUEST.reset(token)
+
+
+def request_priority() -> int | None:
+    """The SGLang priority (``Req.priority``: an int, None when it has none) of the request whose
+    sender or receiver is being built; None outside :func:`with_request`."""
+    priority = getattr(REQUEST.get(), "priority", None)
+    return priority if isinstance(priority, int) and not isinstance(priority, bool) else None

