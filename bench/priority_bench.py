@@ -37,8 +37,8 @@ def measure(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
              f"({room_bytes(model, 1) >> 10} KiB); bulk rooms {bulk_pages} pages ({res['bulk_room_bytes'] / 2**20:.0f} MiB), "
              f"{a.bulk_inflight} in flight per bulk engine; KV in "
              + (f"fake VRAM (packed parts of {a.part_mib} MiB)" if a.fake_vram else "DRAM"))
-    for mode, flags in MODES.items():
-        res["modes"][mode] = run_mode(a, held, mode, flags, model, bulk_pages)
+    for mode in a.modes.split(","):
+        res["modes"][mode] = run_mode(a, held, mode, MODES[mode], model, bulk_pages)
         held.say(f"  measured: {mode}")
     return res
 
@@ -123,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--heads", type=int, default=8)
     add("--head-dim", type=int, default=128)
     add("--page-tokens", type=int, default=16)
+    add("--modes", default="fifo,priorities", help="which brokers: fifo (--no-priorities), priorities (comma list)")
     add("--fake-vram", action="store_true", help="KV in fake VRAM: brokers on a fake GPU, rooms through the device path's packed parts")
     add("--part-mib", type=int, default=4, help="--fake-vram: --device-part-mib (transfer buffers of four parts)")
     h.add_run_options(p)

@@ -44,8 +44,8 @@ class _RecordingLane:
         self.device = device
         _RecordingLane.made.append((device, threading.current_thread().name))
 
-    def submit(self, workers: Any, job: Callable[[], Callable[[], Any]]) -> Any:
-        return workers.copy_soon(lambda: job()())
+    def submit(self, workers: Any, job: Callable[[], Callable[[], Any]], ticket: Any = None) -> Any:
+        return workers.copy_soon(lambda: job()(), ticket)
 
     def close(self) -> None:
         pass

@@ -71,8 +71,9 @@ class RoomLoad:
         ranks = (RankSpec(f"{name}-prefill", "prefill"), RankSpec(f"{name}-decode", "decode"))
         memories = tuple(EngineMemory.allocate(rank, model, num_pages=room_pages * slots) for rank in ranks)
         fill_rank(memories[0], model, ranks[0])
-        for memory in memories if prepare is not None else ():
-            prepare(memory)
+        if prepare is not None:
+            for memory in memories:
+                prepare(memory)
         clients = (BrokerClient(prefill_address), BrokerClient(decode_address))
         engines = [client.register_engine(rank, memory) for client, rank, memory in zip(clients, ranks, memories, strict=True)]
         return cls(model, room_pages, slots, priority, engines[0], engines[1], ranks, memories, clients)  # type: ignore[arg-type]
