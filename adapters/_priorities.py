@@ -169,23 +169,23 @@ def room_class_of(params: Mapping[str, object] | None, priority: int | None, rul
 def vllm_priority_rule(extra: Mapping[str, object]) -> PriorityRule:
     """A vLLM engine's rule from its ``kv_connector_extra_config`` (:data:`VLLM_INTERACTIVE_KEY`,
     :data:`VLLM_BULK_KEY`; a lower vLLM priority is more urgent)."""
-    names = f"kv_connector_extra_config {VLLM_INTERACTIVE_KEY}", f"kv_connector_extra_config {VLLM_BULK_KEY}"
-    rule = PriorityRule(
-        interactive=engine_priority(extra.get(VLLM_INTERACTIVE_KEY), names[0]),
-        bulk=engine_priority(extra.get(VLLM_BULK_KEY), names[1]),
-        lower_is_more_urgent=True,
-    )
-    return rule.check(*names)
+    return _rule(extra, (VLLM_INTERACTIVE_KEY, VLLM_BULK_KEY), "kv_connector_extra_config {}", lower_is_more_urgent=True)
 
 
 def sglang_priority_rule(environ: Mapping[str, str], low_values_first: bool) -> PriorityRule:
     """An SGLang engine's rule from ``environ`` (:data:`SGLANG_INTERACTIVE_ENV`,
     :data:`SGLANG_BULK_ENV`), in SGLang's direction: a larger priority is more
     urgent unless ``low_values_first`` (``--schedule-low-priority-values-first``)."""
-    names = f"the environment variable {SGLANG_INTERACTIVE_ENV}", f"the environment variable {SGLANG_BULK_ENV}"
+    return _rule(environ, (SGLANG_INTERACTIVE_ENV, SGLANG_BULK_ENV), "the environment variable {}", low_values_first)
+
+
+def _rule(settings: Mapping[str, object], keys: tuple[str, str], where: str, lower_is_more_urgent: bool) -> PriorityRule:
+    """The rule from the interactive and bulk thresholds under ``keys`` of ``settings``
+    (``where``: how an error names a key), checked."""
+    names = where.format(keys[0]), where.format(keys[1])
     rule = PriorityRule(
-        interactive=engine_priority(environ.get(SGLANG_INTERACTIVE_ENV), names[0]),
-        bulk=engine_priority(environ.get(SGLANG_BULK_ENV), names[1]),
-        lower_is_more_urgent=low_values_first,
+        interactive=engine_priority(settings.get(keys[0]), names[0]),
+        bulk=engine_priority(settings.get(keys[1]), names[1]),
+        lower_is_more_urgent=lower_is_more_urgent,
     )
     return rule.check(*names)

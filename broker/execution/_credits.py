@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
@@ -49,7 +48,7 @@ from kvbroker.broker.memory import (
     StagingPools,
 )
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable, PoolKey, pool_name
-from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
+from kvbroker.broker.scheduling import FairQueue, Priority, Ticket, Waiter
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -70,17 +69,6 @@ CREDIT_RETURN = b"\x00"
 IDLE_SECONDS = 1.0
 
 _WindowKey = tuple[str, PoolKey]
-
-
-@dataclass(eq=False, slots=True)
-class _CreditWaiter:
-    """A part waiting for a range in a window: its bytes and its future."""
-
-    nbytes: int
-    future: asyncio.Future[Credit]
-
-    def __hash__(self) -> int:
-        return id(self)
 
 
 class Credits:
@@ -109,7 +97,7 @@ class Credits:
         self.ledger = ledger
         self._windows: dict[_WindowKey, CreditWindow] = {}
         #: Parts waiting for room in a window, in the order they will be placed.
-        self._waiting: dict[_WindowKey, FairQueue[_CreditWaiter]] = {}
+        self._waiting: dict[_WindowKey, FairQueue[Waiter[Credit]]] = {}
         self._asking: set[_WindowKey] = set()
         self._observer = pools.queue_observer("credits")
         #: Placed credits by id: their window (a return names the id).
@@ -139,7 +127,7 @@ class Credits:
         window = self._windows.setdefault(key, CreditWindow())
         waiting = self._waiting.setdefault(key, FairQueue(observer=self._observer))
         future: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
-        entry = _CreditWaiter(nbytes, future)
+        entry = Waiter(nbytes, future)
         waiting.push(entry, ticket or Ticket(Priority.STANDARD, "", nbytes))
         self._serve(key)  # it may come first, and fit
         timeout = self._config.staging_wait_seconds

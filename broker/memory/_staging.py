@@ -46,7 +46,7 @@ import structlog
 from kvbroker import cudavmm
 from kvbroker.broker.aio import await_grant
 from kvbroker.broker.memory._importers import map_anonymous, unmap
-from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
+from kvbroker.broker.scheduling import FairQueue, Priority, Ticket, Waiter
 from kvbroker.broker.telemetry import QueueObserver, QueueStats
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, KvBrokerError, ResourceExhausted
 from kvbroker.v1 import common_pb2, peer_pb2
@@ -173,18 +173,6 @@ class StagingBuffer:
         return np.array([[self.address + reservation.offset, nbytes, self.device_id]], dtype=np.uint64)
 
 
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    """A reservation waiting for room: its bytes, its future, whose (a room, or None)."""
-
-    nbytes: int
-    future: asyncio.Future[Reservation]
-    owner: object
-
-    def __hash__(self) -> int:
-        return id(self)
-
-
 class StagingPool:
     """Reservations over one staging buffer, served in the order of their
     tickets (``scheduling.FairQueue``: class, deadline, fair shares between
@@ -195,7 +183,7 @@ class StagingPool:
         self.size_bytes = buffer.size_bytes
         self._free = FreeList([(0, buffer.size_bytes)])
         #: Reservations waiting for room, in the order they will be served.
-        self._waiting: FairQueue[_Waiter] = FairQueue(observer=observer)
+        self._waiting: FairQueue[Waiter[Reservation]] = FairQueue(observer=observer)
         self.in_use_bytes = 0
         self.reservations = 0
 
@@ -229,7 +217,7 @@ class StagingPool:
             if reservation is not None:
                 return reservation
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(nbytes, future, owner)
+        waiter = Waiter(nbytes, future, owner)
         self._waiting.push(waiter, ticket or Ticket(Priority.STANDARD, "", nbytes))
         self._grant()  # it may come before those waiting now, and fit
         granted = await await_grant(future, timeout_seconds, give_up=lambda: self._give_up(waiter), undo=self.release)
@@ -257,7 +245,7 @@ class StagingPool:
         if abandoned:
             self._grant()  # the ones behind them may fit now
 
-    def _give_up(self, waiter: _Waiter) -> None:
+    def _give_up(self, waiter: Waiter[Reservation]) -> None:
         if not self._waiting.remove(waiter):
             return
         waiter.future.cancel()

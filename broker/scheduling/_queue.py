@@ -33,6 +33,7 @@ classes existed.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import heapq
 import time
@@ -47,11 +48,13 @@ __all__ = [
     "FairQueue",
     "Priority",
     "Ticket",
+    "Waiter",
     "joint_ticket",
     "priority_of",
 ]
 
 T = TypeVar("T", bound=Hashable)
+R = TypeVar("R")
 
 
 class Priority(enum.IntEnum):
@@ -95,6 +98,19 @@ class Ticket:
     def cost(self) -> int:
         """The bytes the item counts for in shares and clocks: ``nbytes``, at least 1."""
         return max(self.nbytes, 1)
+
+
+@dataclass(eq=False, slots=True)
+class Waiter(Generic[R]):
+    """A request waiting in a queue for room: its bytes, the future its grant goes to, and whose
+    it is (a room, or None). Hashed by identity."""
+
+    nbytes: int
+    future: asyncio.Future[R]
+    owner: object = None
+
+    def __hash__(self) -> int:
+        return id(self)
 
 
 def joint_ticket(tickets: Iterable[Ticket | None]) -> Ticket | None:
