@@ -33,6 +33,8 @@ from kvbroker.client import (
 )
 from kvbroker.testing import Cleanup, FakeBroker, FakeFabric, LoopThread, start_fake_broker
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
+from kvbroker.testing.hosts import Network
+from kvbroker.testing.hosts import unavailable as hosts_unavailable
 from kvbroker.v1 import common_pb2
 
 _ids = itertools.count()
@@ -261,3 +263,26 @@ def token_bytes(memory: EngineMemory, layer: int, pages, first: int, begin: int,
     offsets = room % size
     assert memory.layout.kv_layout == common_pb2.KV_LAYOUT_NHD, "tokens are rows of token-major pages only"
     return [t.view(torch.uint8)[ids, offsets].reshape(end - begin, -1) for t in memory.kv_tensors(layer)]
+
+
+@pytest.fixture
+def network() -> Iterator[Callable[..., Network]]:
+    """``network("p", "d", ...)``: hosts of their own (kvbroker.testing.hosts),
+    removed after the test with whatever still runs on them. Skips with one
+    line where namespaces cannot be made, unless KVBROKER_REQUIRE_HOSTS=1
+    (.ci/run sets it): then that line fails the test."""
+    made: list[Network] = []
+
+    def make(*names: str) -> Network:
+        reason = hosts_unavailable()
+        if reason:
+            if os.environ.get("KVBROKER_REQUIRE_HOSTS") == "1":
+                pytest.fail(f"KVBROKER_REQUIRE_HOSTS=1 but {reason}")
+            pytest.skip(reason)
+        made.append(Network(names).open())
+        return made[-1]
+
+    yield make
+    with Cleanup() as cleanup:
+        for net in made:
+            cleanup.run(net.close)

@@ -36,10 +36,23 @@ class BrokerProcess:
     log_path: Path
     address: str = ""
     broker_id: str = ""
+    #: The broker's engine socket (gRPC on a unix socket, every service, no TLS):
+    #: how this machine reaches a broker on a host of its own (kvbroker.testing.hosts).
+    engine_socket: str = ""
 
     @classmethod
-    def launch(cls, name: str, workdir: Path, extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> BrokerProcess:
-        """Start one broker; call :meth:`wait_ready` before using it."""
+    def launch(
+        cls,
+        name: str,
+        workdir: Path,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        *,
+        listen: str = "127.0.0.1:0",
+        wrapper: Sequence[str] = (),
+    ) -> BrokerProcess:
+        """Start one broker; call :meth:`wait_ready` before using it. ``wrapper``
+        comes before the command (``Host.command([])`` runs it on a host)."""
         ready = workdir / f"{name}.json"
         if ready.exists():
             ready.unlink()
@@ -47,12 +60,13 @@ class BrokerProcess:
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("UCX_NET_DEVICES", "lo")
         cmd = [
+            *wrapper,
             sys.executable,
             "-m",
             "kvbroker",
             "serve",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--uds",
             str(workdir / f"{name}.sock"),
             "--ready-file",
@@ -76,7 +90,11 @@ class BrokerProcess:
         cls, names: Sequence[str], workdir: Path, extra_args: Sequence[str] = (), timeout_seconds: float = 60.0
     ) -> list[BrokerProcess]:
         """Start brokers in parallel and wait until all serve."""
-        brokers = [cls.launch(name, workdir, extra_args) for name in names]
+        return cls.all_ready([cls.launch(name, workdir, extra_args) for name in names], timeout_seconds)
+
+    @staticmethod
+    def all_ready(brokers: list[BrokerProcess], timeout_seconds: float = 60.0) -> list[BrokerProcess]:
+        """Wait until every launched broker serves; kill them all if one does not."""
         try:
             for broker in brokers:
                 broker.wait_ready(timeout_seconds)
@@ -101,6 +119,13 @@ class BrokerProcess:
         info = json.loads(self.ready_file.read_text())
         self.address = info["address"]
         self.broker_id = info["broker_id"]
+        self.engine_socket = info.get("engine_socket", "")
+
+    @property
+    def local_address(self) -> str:
+        """Where this machine reaches the broker whatever its network: its engine socket
+        (its TCP address until it is ready)."""
+        return f"unix:{self.engine_socket}" if self.engine_socket else self.address
 
     def log_records(self) -> list[dict[str, Any]]:
         """The broker's JSON log lines so far, parsed (other lines are skipped)."""
@@ -135,7 +160,7 @@ class BrokerProcess:
 
     def stats(self, timeout_seconds: float = 10.0) -> admin_pb2.Stats:
         """``Admin.GetStats`` of this broker."""
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.local_address) as channel:
             stats: admin_pb2.Stats = admin_pb2_grpc.AdminStub(channel).GetStats(
                 admin_pb2.GetStatsRequest(), timeout=timeout_seconds
             )
