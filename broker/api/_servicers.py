@@ -167,6 +167,8 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
             return
         except asyncio.CancelledError:
             raise
+        except grpc.aio.AbortError:
+            return  # the broker ended the stream itself (it stops): nothing more to read
         except Exception:
             log.exception("session_reader_failed", engine=engine.label)
             stream.end(Internal("the session failed inside the broker; see its log"))

@@ -152,6 +152,9 @@ class DataPlane:
         #: Posts queued together, reordered by ticket (``queues``: their waits in GetStats).
         self._posts_observer = queues.observer("data_plane") if queues is not None else None
         self._inflight: list[_InFlight] = []
+        #: Remote agents of silent peers: transfers to them are not cancelled by
+        #: the timeout (see :meth:`hold`).
+        self._held: set[str] = set()
         self._events: list[Event] = []
         #: Events handed over by the thread, not yet delivered on the loop.
         self._pending: list[Event] = []
@@ -261,6 +264,25 @@ class DataPlane:
 
         self._submit(job)
 
+    def hold(self, remote_agent: str, held: bool) -> None:
+        """Hold (or let go) the transfers to ``remote_agent``, a silent peer's:
+        a write queued in a cut link lands when the link returns, whatever NIXL
+        was told, so while held the transfer timeout cancels none of them and
+        they stay until NIXL finishes them. Let go (the peer answers again, or
+        is found gone), those in flight get a whole timeout from then."""
+
+        def job() -> None:
+            if held:
+                self._held.add(remote_agent)
+                return
+            self._held.discard(remote_agent)
+            now = time.monotonic()
+            for transfer in self._inflight:
+                if transfer.posting.remote_agent == remote_agent:
+                    transfer.posted_at = now
+
+        self._submit(job)
+
     def _submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
             raise Unavailable("the broker's data plane is not running")
@@ -357,9 +379,13 @@ class DataPlane:
                 self._emit(Settled(transfer.posting.token, state, descs, None, now - transfer.posted_at))
             self._inflight = still
             timeout = self._timeout_s
-            if any(now - t.posted_at > timeout for t in still):
+
+            def overdue(t: _InFlight) -> bool:
+                return now - t.posted_at > timeout and t.posting.remote_agent not in self._held
+
+            if any(overdue(t) for t in still):
                 active = self._cancel(
-                    lambda t: now - t.posted_at > timeout,
+                    overdue,
                     lambda t: TransferTimeout(
                         f"a NIXL write of {t.posting.nbytes} bytes to {t.posting.remote_agent or 'a peer'} did not "
                         f"finish in {timeout:g} s"

@@ -1,6 +1,6 @@
 """Other brokers: the peer table, the peer client, liveness, and the fleet in etcd."""
 
-from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, server_options
+from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, reach_back, server_options
 from kvbroker.broker.peers._discovery import FleetView, Member, find_in_fleet
 from kvbroker.broker.peers._fleet import (
     FleetRecord,
@@ -31,6 +31,7 @@ __all__ = [
     "Member",
     "Peer",
     "PeerClient",
+    "reach_back",
     "PeerMonitor",
     "PeerTable",
     "PoolKey",

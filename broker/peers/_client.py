@@ -63,7 +63,7 @@ from kvbroker.plan import Layout, RoomTimeouts
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "channel_options", "server_options"]
+__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "channel_options", "reach_back", "server_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -511,6 +511,38 @@ class PerPeerBatches(Generic[Item, Result]):
                 if not done.done():
                     done.set_exception(Unavailable("the broker is shutting down"))
         self._queues.clear()
+
+
+async def reach_back(client: PeerClient, caller: peer_pb2.BrokerIdentity) -> None:
+    """Check that a broker handshaking with this one answers where it says it
+    listens (its ``--advertise``, else its ``--listen``): this broker's calls
+    to it go there, and a room would otherwise wait for them in vain.
+    ``FailedPrecondition`` naming the address if nothing answers there within
+    half the peer timeout, or another broker does. Once per pair: not for a
+    peer already handshaken at that address."""
+    if not caller.address or caller.broker_id == client._peers.broker_id:
+        return
+    known = client._peers.by_id.get(caller.broker_id)
+    if known is not None and known.address == caller.address:
+        return
+    here = client._peers.address
+    channel = _channel(caller.address, client._credentials, client._options, None)
+    try:
+        reply = await peer_pb2_grpc.PeerBrokerStub(channel).Ping(
+            peer_pb2.PingRequest(from_broker_id=client._peers.broker_id), timeout=client._timeout / 2
+        )
+    except grpc.RpcError as exc:
+        raise FailedPrecondition(
+            f"broker {caller.broker_id} says it listens at {caller.address} (its --advertise or --listen), "
+            f"but the broker at {here} cannot reach it there: {from_rpc_error(exc).message}"
+        ) from exc
+    finally:
+        await channel.close()
+    if reply.broker_id != caller.broker_id:
+        raise FailedPrecondition(
+            f"broker {caller.broker_id} says it listens at {caller.address} (its --advertise or --listen), "
+            f"but broker {reply.broker_id} answers there for the broker at {here}"
+        )
 
 
 def _channel(

@@ -5,8 +5,12 @@ has open rooms or transfers in flight with this broker. A peer that answers
 as a different broker (it restarted) is lost at once; one that has not
 answered for ``peer_dead_after_seconds`` is lost then. Losing a peer is the
 runtime's business (``PeerLoss.peer_lost``): fail its rooms with a cause
-naming it, cancel transfers to it, drop its handshake and NIXL remote agent.
-A restarted peer is handshaken afresh by the next room that needs it.
+naming it; a peer known gone (restarted, or its host refuses connections:
+nothing listens there) also has its transfers cancelled and its handshake
+and NIXL remote agent dropped, and a restarted one is handshaken afresh by
+the next room that needs it. One that is only silent (a partition: it may
+still be writing) is kept and pinged until it answers again (``on_back``)
+or is found gone.
 
 UCX's "peer" error mode reports a dead peer on the data path too (a failed
 transfer fails its room); the heartbeat also covers rooms with nothing in
@@ -42,7 +46,8 @@ class PeerMonitor:
         interval_seconds: float,
         dead_after_seconds: float,
         has_business: Callable[[Peer], bool],
-        on_lost: Callable[[Peer, str], None],
+        on_lost: Callable[[Peer, str, bool], None],
+        on_back: Callable[[Peer], None],
     ) -> None:
         self._peers = peers
         self._client = client
@@ -50,6 +55,7 @@ class PeerMonitor:
         self._dead_after = dead_after_seconds
         self._has_business = has_business
         self._on_lost = on_lost
+        self._on_back = on_back
 
     async def run(self) -> None:
         while True:
@@ -57,7 +63,7 @@ class PeerMonitor:
             watched = [
                 p
                 for p in {id(p): p for p in self._peers.by_id.values()}.values()
-                if not p.is_self and p.broker_id is not None and self._has_business(p)
+                if not p.is_self and p.broker_id is not None and (p.silent or self._has_business(p))
             ]
             if watched:
                 await asyncio.gather(*(self._check(p) for p in watched))
@@ -67,13 +73,24 @@ class PeerMonitor:
         try:
             answered_by = await self._client.ping(peer, timeout_seconds=self._interval)
         except grpc.RpcError as exc:
-            silent = time.monotonic() - peer.last_seen
-            if silent > self._dead_after and peer.broker_id == known:
-                self._on_lost(peer, f"has not answered for {silent:.1f} s ({from_rpc_error(exc).message})")
+            quiet = time.monotonic() - peer.last_seen
+            if peer.broker_id == known and (quiet > self._dead_after or (peer.silent and _refused(exc))):
+                # Refused: nothing listens at its address, so its process is gone. Anything else
+                # (no answer in time) may be a partition: it may still be writing.
+                self._on_lost(peer, f"has not answered for {quiet:.1f} s ({from_rpc_error(exc).message})", not _refused(exc))
             return
         if peer.broker_id != known:
             return  # lost and dropped meanwhile
         if answered_by != known:
-            self._on_lost(peer, f"restarted (it is now broker {answered_by})")
+            self._on_lost(peer, f"restarted (it is now broker {answered_by})", False)
             return
         peer.seen()
+        if peer.silent:
+            self._on_back(peer)
+
+
+def _refused(exc: grpc.RpcError) -> bool:
+    """Whether a call failed because the peer's host refused the connection (nothing listens)."""
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) else None
+    details = (exc.details() if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) else str(exc)) or ""
+    return code == grpc.StatusCode.UNAVAILABLE and "connection refused" in details.lower()

@@ -136,6 +136,11 @@ class Peer:
     receive_staging: dict[tuple[int, int], peer_pb2.RemoteBuffer] = field(default_factory=dict)
     #: When the peer last answered (or called) us: liveness.
     last_seen: float = field(default_factory=time.monotonic)
+    #: Lost by silence (no answer, no reset: partitioned, stopped, or dead
+    #: with its host): its rooms here failed, but it may still be writing,
+    #: so its transfers, grants and remote agent stay until it answers again
+    #: or is found gone (``runtime.PeerLoss``).
+    silent: bool = False
     #: Bytes this broker wrote to the peer, and the moving average of the
     #: observed write throughput (bytes/s; 0 until measured).
     bytes_sent: int = 0

@@ -95,14 +95,23 @@ class RankSettling:
             # whoever answers at that address next is told.
             self._successors.remember(rank.sender_address, rank.room, why)
 
-    def lose_sender(self, rank: Receiver, why: common_pb2.FailureCause, leg: SenderLeg) -> None:
-        """Fail ``rank``: its sender broker ``leg``'s process is gone, so
-        nothing more can come from it (its other sender brokers are told). If
-        it had the room, the broker that answers at its address next is told."""
+    def lose_sender(self, rank: Receiver, why: common_pb2.FailureCause, leg: SenderLeg, *, settled: bool = True) -> None:
+        """Fail ``rank``: its sender broker ``leg`` is lost (its other sender
+        brokers are told). If it had the room, the broker that answers at its
+        address next is told. ``settled``: its process is gone, so nothing
+        more can come from it."""
         if not rank.terminal and leg.registered:
             self._successors.remember(leg.address, rank.room, why)
         self.fail(rank, why, told_by=leg.broker_id)
-        self.settle_sources(rank, leg.broker_id)
+        if settled:
+            self.settle_sources(rank, leg.broker_id)
+
+    def ask(self, rank: Receiver, broker_id: str) -> None:
+        """Ask sender broker ``broker_id`` whether anything of failed ``rank``'s room is
+        still in flight from it: an abort, answered "settled" or followed by a
+        report once it drains (either settles its sources)."""
+        assert rank.cause is not None
+        self._emit(AbortAtPeer(broker_id, rank.room, rank.cause, remember=False))
 
     def settle_sources(self, rank: Receiver, broker_id: str) -> None:
         """Nothing of the room is in flight from sender broker ``broker_id`` any more."""

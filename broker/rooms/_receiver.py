@@ -211,10 +211,12 @@ class ReceiverCore:
             if leg is not None:
                 self._successors.remember(leg.address, room_id, why)
 
-    def peer_lost(self, broker_id: str, why: common_pb2.FailureCause) -> int:
-        """The sender's broker ``broker_id`` is gone: fail our ranks it feeds.
+    def peer_lost(self, broker_id: str, why: common_pb2.FailureCause, *, settled: bool = True) -> int:
+        """The sender's broker ``broker_id`` is lost: fail our ranks it feeds.
 
-        A dead broker writes nothing more, so their pages are settled. A rank
+        A broker known gone writes nothing more, so their pages are settled
+        (``settled``); a silent one may, so they wait for its word
+        (:meth:`peer_back`, :meth:`peer_settled`) or for it to be found gone. A rank
         whose registration is out learns where it landed when the call returns
         (:meth:`room_registered`); one still bootstrapping registers with
         whoever answers at the address now.
@@ -225,8 +227,24 @@ class ReceiverCore:
             if (leg := r.leg(broker_id)) is not None and (leg.registered or r.terminal) and not leg.registering
         ]
         for rank, leg in lost:
-            self._settling.lose_sender(rank, why, leg)
+            self._settling.lose_sender(rank, why, leg, settled=settled)
         return len(lost)
+
+    def peer_back(self, broker_id: str) -> int:
+        """A silent sender's broker answers again: ask it (an abort, which it answers
+        with whether anything of the room is still in flight from it) about every
+        failed rank whose pages wait for its word. The number asked."""
+        waiting = [
+            r
+            for r in self._rooms.all_receivers()
+            if r.state == FAILED
+            and not r.pages_settled
+            and r.leg(broker_id) is not None
+            and any(e.leg.broker_id == broker_id and not e.settled for e in (r.expected or {}).values())
+        ]
+        for rank in waiting:
+            self._settling.ask(rank, broker_id)
+        return len(waiting)
 
     def has_business(self, broker_id: str) -> bool:
         """Whether a rank still waits on (or may still be written by) ``broker_id``."""

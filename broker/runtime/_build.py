@@ -99,8 +99,8 @@ def build_broker(
     def on_events(events: list[Event]) -> None:
         executor.on_events(events)
 
-    def peer_lost(peer: Peer, what: str) -> None:
-        peer_loss.peer_lost(peer, what)
+    def peer_lost(peer: Peer, what: str, silent: bool = False) -> None:
+        peer_loss.peer_lost(peer, what, silent)
 
     def broker_left(member: Member) -> None:
         peer_loss.broker_left(member)
@@ -190,7 +190,9 @@ def build_broker(
         operators=operators,
     )
     engines.on_unbacked.append(engine_calls.memory_unbacked)
-    peer_loss = PeerLoss(machines=machines, transport=transport, credits=executor.credits)
+    peer_loss = PeerLoss(
+        machines=machines, transport=transport, credits=executor.credits, heartbeat_seconds=config.peer_heartbeat_seconds
+    )
     monitor = PeerMonitor(
         peers,
         peer_client,
@@ -198,6 +200,7 @@ def build_broker(
         dead_after_seconds=config.peer_dead_after_seconds,
         has_business=peer_loss.has_business,
         on_lost=peer_loss.peer_lost,
+        on_back=peer_loss.peer_back,
     )
     routes = Routes(
         engine_calls=engine_calls,

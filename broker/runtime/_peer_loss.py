@@ -1,10 +1,22 @@
 """A peer broker lost: it stopped answering pings (``PeerMonitor``), came back
 as another process at the same address (``PeerTable``), or its key left etcd
-(``FleetView``). Either way its rooms here fail, transfers to it are
-cancelled, and it is dropped until it handshakes again.
+(``FleetView``). Either way its rooms here fail at once.
+
+What else goes depends on whether it is known gone. A restarted peer, or one
+whose host refuses connections, writes nothing more: transfers to it are
+cancelled, its grants go, its receiving rooms here are settled, and it is
+dropped until it handshakes again. A *silent* one (no answer, no reset: a
+partition, a stopped process, a lease that lapsed) may still be writing: a
+write queued in a cut link lands once the link returns, whatever NIXL was
+told meanwhile (seen with UCX over TCP). So its posted transfers stay until
+NIXL finishes them, its grants and remote agent stay, and its rooms' pages
+here settle only once it answers again and says nothing of them is in flight
+(or it is found gone).
 """
 
 from __future__ import annotations
+
+import time
 
 import structlog
 
@@ -22,7 +34,7 @@ log = structlog.get_logger(__name__)
 class PeerLoss:
     """What this broker does when a peer is gone. Control loop only."""
 
-    def __init__(self, *, machines: Machines, transport: Transport, credits: Credits) -> None:
+    def __init__(self, *, machines: Machines, transport: Transport, credits: Credits, heartbeat_seconds: float) -> None:
         self._broker_id = machines.broker_id
         self._dataplane = transport.dataplane
         self._peers = transport.peers
@@ -30,29 +42,57 @@ class PeerLoss:
         self._receiver = machines.receiver
         self._turn = machines.turn
         self._credits = credits
+        self._heartbeat = heartbeat_seconds
 
     @in_turn
-    def peer_lost(self, peer: Peer, what: str) -> None:
-        """``peer`` died or restarted: fail its rooms, cancel transfers to it, drop it."""
+    def peer_lost(self, peer: Peer, what: str, silent: bool = False) -> None:
+        """``peer`` is lost: fail its rooms. Known gone (not ``silent``): also
+        cancel transfers to it, settle its rooms' pages and drop it. Silent:
+        keep what it may still write through until it answers or is found gone."""
         broker_id = peer.broker_id
         if broker_id is None or peer.is_self:
             return
         why = cause(common_pb2.FAILURE_KIND_PEER, f"peer broker {peer.address} ({broker_id}) {what}", self._broker_id)
-        log.warning("peer_lost", peer=peer.address, broker=broker_id, reason=what)
+        if not peer.silent:
+            log.warning("peer_lost", peer=peer.address, broker=broker_id, reason=what, silent=silent)
         sources = self._sender.peer_lost(broker_id, why)
-        ranks = self._receiver.peer_lost(broker_id, why)
+        ranks = self._receiver.peer_lost(broker_id, why, settled=not silent)
+        if silent:
+            if not peer.silent and peer.agent_name:
+                self._dataplane.hold(peer.agent_name, True)
+            peer.silent = True
+            return
         self._credits.peer_gone(broker_id, lambda: Unavailable(f"peer broker {peer.address} {what}"))
         if peer.agent_name:
             address = peer.address
+            self._dataplane.hold(peer.agent_name, False)
             self._dataplane.cancel(peer.agent_name, lambda: NixlError(f"transfer to lost peer {address} cancelled"))
+        peer.silent = False
         self._peers.drop(peer)
         log.info("peer_dropped", peer=peer.address, broker=broker_id, sources_failed=sources, receivers_failed=ranks)
+
+    @in_turn
+    def peer_back(self, peer: Peer) -> None:
+        """A silent peer answers again, as the same process: what it had in flight
+        may finish now; ask it about the rooms whose pages wait for its word."""
+        peer.silent = False
+        if peer.agent_name:
+            self._dataplane.hold(peer.agent_name, False)
+        asked = self._receiver.peer_back(peer.broker_id or "")
+        log.info("peer_answers_again", peer=peer.address, broker=peer.broker_id, rooms_asked=asked)
 
     def broker_left(self, member: Member) -> None:
         """A broker's key left etcd (its lease expired or was revoked): lost, as a silent peer is."""
         peer = self._peers.by_id.get(member.broker_id)
-        if peer is not None:
-            self.peer_lost(peer, "left the fleet: its etcd lease expired or was revoked")
+        if peer is None:
+            return
+        if time.monotonic() - peer.last_seen < 1.5 * self._heartbeat:
+            # It answered us within the last heartbeat: its lease lapsed while etcd (or this
+            # broker's way to it) was out of reach, not because it went. The heartbeat decides.
+            log.info("etcd_lease_lapsed_peer_answers", peer=peer.address, broker=peer.broker_id)
+            return
+        # A partitioned broker's lease lapses too: it may still be writing.
+        self.peer_lost(peer, "left the fleet: its etcd lease expired or was revoked", silent=True)
 
     def has_business(self, peer: Peer) -> bool:
         """Whether some room here involves ``peer`` (the monitor pings only those)."""

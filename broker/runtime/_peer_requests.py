@@ -29,7 +29,7 @@ from kvbroker.broker.execution import (
     side_ticket,
 )
 from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, StagingPools
-from kvbroker.broker.peers import HandshakeMessage, pool_name
+from kvbroker.broker.peers import HandshakeMessage, pool_name, reach_back
 from kvbroker.broker.rooms import TransferInfo, cause
 from kvbroker.broker.runtime._commands import checked_priority
 from kvbroker.broker.runtime._operators import Operators
@@ -70,6 +70,7 @@ class PeerRequests:
         self._dataplane = transport.dataplane
         self._pools = transport.pools
         self._peers = transport.peers
+        self._client = transport.client
         self._rooms = machines.rooms
         self._sender = machines.sender
         self._receiver = machines.receiver
@@ -80,7 +81,9 @@ class PeerRequests:
         self._probes: dict[str, tuple[StagingPool, Reservation, asyncio.TimerHandle]] = {}
 
     async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
-        """A peer introduces itself (its agent, its engines); the answer introduces this broker."""
+        """A peer introduces itself (its agent, its engines); the answer introduces this broker,
+        once this broker reached the peer where it says it listens."""
+        await reach_back(self._client, request.caller)
         return await self._peers.answer(request, await handshake_message(self._engines, self._dataplane, self._pools))
 
     # -- a receiver registers rooms ---------------------------------------------------
