@@ -42,6 +42,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--prefill-broker", default=None, metavar="ADDR", help="use this running broker for prefill (its serve --listen address)")
     b.add_argument("--decode-broker", default=None, metavar="ADDR", help="use this running broker for decode")
     b.add_argument("--single-broker", action="store_true", help="one broker holds both ends of every room (one host, two GPUs)")
+    b.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run each broker, and its engine ranks, on a host of its own: network namespaces on a bridge, "
+        "10.77.0.1 (prefill) and 10.77.0.2 (decode), the KV bytes crossing a veth with UCX over TCP on eth0 "
+        "(root and iproute2 needed; the namespaces are removed at the end)",
+    )
     b.add_argument("--ucx-error-mode", choices=("peer", "none"), default="peer", help="UCX error mode of the brokers the demo starts")
     b.add_argument(
         "--staging",

@@ -9,9 +9,15 @@ import os
 import queue
 import secrets
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,8 @@ import grpc
 
 from kvbroker.brokerproc import BrokerProcess
 from kvbroker.demo.engine import EngineConfig, run_engine
+from kvbroker.testing import hosts as hosts_harness
+from kvbroker.testing.hosts import Host, Network
 from kvbroker.testing.room_plan import STATE_KINDS
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc
 
@@ -34,17 +42,29 @@ class _Broker:
     """A broker the demo uses: one it started (``process``) or one given to it."""
 
     name: str
+    #: Its TCP address: what its peers dial (the SenderRef of a room names it).
     address: str
     process: BrokerProcess | None = None
+    #: With --hosts, the host it runs on; its TCP address is reachable only
+    #: from the hosts, and this process and the engines reach it by ``local``.
+    host: Host | None = None
+    #: Where this process and the engines of its host reach it, when that is
+    #: not ``address``: its engine socket (a unix socket, every service).
+    local: str = ""
+
+    @property
+    def reach(self) -> str:
+        """The address this process and the engines on the broker's host dial."""
+        return self.local or self.address
 
     def stats(self) -> admin_pb2.Stats:
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.reach) as channel:
             stats: admin_pb2.Stats = admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
             return stats
 
     def transports(self) -> list[str]:
         """This broker's transport self-test verdicts (ListPeers): "prefill VRAM:0->VRAM:0 device speed 312.4 GB/s"."""
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.reach) as channel:
             peers = admin_pb2_grpc.AdminStub(channel).ListPeers(admin_pb2.ListPeersRequest(), timeout=10).peers
         return [
             f"{self.name} {t.local}->{t.remote} {t.verdict}" + (f" {t.gbps:.1f} GB/s" if t.gbps else "")
@@ -67,6 +87,8 @@ class _Tally:
     warnings: dict[str, int] = field(default_factory=dict)
     #: The brokers' transport self-test verdicts (pairs of transfer buffers where either is a GPU's).
     transports: list[str] = field(default_factory=list)
+    #: With --hosts: broker name -> (bytes sent, bytes received) on its host's eth0.
+    links: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _broker_warnings(brokers: list[_Broker]) -> dict[str, int]:
@@ -79,12 +101,62 @@ def _broker_warnings(brokers: list[_Broker]) -> dict[str, int]:
     }
 
 
-def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str, staging: bool) -> list[_Broker]:
+def _broker_args(ucx_error_mode: str, staging: bool) -> list[str]:
     # Short TTLs, so the demo can show every per-room table back at zero.
     extra = ["--finished-room-ttl", "0.5", "--tombstone-ttl", "1", "--ucx-error-mode", ucx_error_mode, "--log-level", "warning"]
     if not staging:
         extra.append("--no-staging")
+    return extra
+
+
+def _start_brokers(names: list[str], workdir: Path, ucx_error_mode: str, staging: bool) -> list[_Broker]:
+    extra = _broker_args(ucx_error_mode, staging)
     return [_Broker(p.name, p.address, p) for p in BrokerProcess.start_many(names, workdir, extra)]
+
+
+def _start_brokers_on_hosts(network: Network, workdir: Path, ucx_error_mode: str, staging: bool) -> list[_Broker]:
+    """A broker on each host of ``network`` (named after it), on the host's address."""
+    names = list(network.hosts)
+    processes = network.brokers(names, workdir, _broker_args(ucx_error_mode, staging))
+    return [_Broker(p.name, p.address, p, host=network[p.name], local=p.local_address) for p in processes]
+
+
+def _engine_on_host(host: Host, cfg: EngineConfig, events: Any, go: Any) -> None:
+    """An engine process on ``host``: it moves onto the host first (no socket is open and
+    no thread but the math library's has started yet), then runs as on one machine."""
+    try:
+        host.enter()
+    except BaseException:
+        events.put(("error", f"{cfg.role} tp{cfg.tp_rank} pp{cfg.pp_rank}", traceback.format_exc()))
+        raise
+    run_engine(cfg, events, go)
+
+
+def _eth0_bytes(host: Host) -> tuple[int, int]:
+    """(bytes sent, bytes received) on the host's eth0 so far."""
+    done = subprocess.run(["ip", "-j", "-s", "-n", host.netns, "link", "show", "eth0"], capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise OSError(f"ip -n {host.netns} -s link show eth0: {done.stderr.strip() or done.returncode}")
+    stats = json.loads(done.stdout)[0]["stats64"]
+    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+
+@contextmanager
+def _sigterm_as_exit(enabled: bool) -> Iterator[None]:
+    """SIGTERM raises SystemExit while this lasts, so the demo's clean-up (the hosts'
+    namespaces with it) runs as it does on Ctrl-C."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_for_empty_tables(brokers: list[_Broker], timeout_seconds: float) -> dict[str, dict[str, int]]:
@@ -124,18 +196,20 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_base: int) -> list[EngineConfig]:
-    """One config per engine rank: every prefill (tp, pp) rank, then every decode rank."""
+def _engine_configs(args: argparse.Namespace, prefill: _Broker, decode: _Broker, room_base: int) -> list[EngineConfig]:
+    """One config per engine rank: every prefill (tp, pp) rank, then every decode rank. A rank
+    registers where the engines of its broker's host reach it; the decode ranks name the
+    prefill broker by its TCP address, the one the decode broker dials."""
     mla = args.mla
     base = EngineConfig(
         role="prefill",
-        broker=prefill,
+        broker=prefill.reach,
         group=PREFILL_GROUP,
         tp_size=args.prefill_tp,
         tp_rank=0,
         pp_size=args.prefill_pp,
         pp_rank=0,
-        sender_broker=prefill,
+        sender_broker=prefill.address,
         sender_group=PREFILL_GROUP,
         layers=args.layers,
         page_size=args.page_size,
@@ -158,7 +232,7 @@ def _engine_configs(args: argparse.Namespace, prefill: str, decode: str, room_ba
         replace(base, tp_rank=tp, pp_rank=pp) for pp in range(args.prefill_pp) for tp in range(args.prefill_tp)
     ]
     configs += [
-        replace(base, role="decode", broker=decode, group=DECODE_GROUP, tp_size=args.decode_tp, tp_rank=tp, pp_size=args.decode_pp, pp_rank=pp)
+        replace(base, role="decode", broker=decode.reach, group=DECODE_GROUP, tp_size=args.decode_tp, tp_rank=tp, pp_size=args.decode_pp, pp_rank=pp)
         for pp in range(args.decode_pp)
         for tp in range(args.decode_tp)
     ]
@@ -175,6 +249,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the options, or None."""
     if (args.prefill_broker is None) != (args.decode_broker is None):
         return "give both --prefill-broker and --decode-broker, or neither"
+    if args.hosts and args.prefill_broker is not None:
+        return "--hosts starts its own brokers on hosts of their own: leave out --prefill-broker and --decode-broker"
+    if args.hosts and args.single_broker:
+        return "--hosts puts the prefill and the decode broker on two hosts: leave out --single-broker"
+    if args.hosts and args.device != "cpu":
+        return "--hosts moves the KV with UCX over TCP only (no CUDA transport between the hosts): leave out --device cuda"
     if args.rooms < 1 or args.pages < 0 or args.layers < 1 or args.chunks < 1:
         return "--rooms, --layers and --chunks must be at least 1, --pages at least 0"
     for name in ("prefill_tp", "decode_tp", "prefill_pp", "decode_pp"):
@@ -201,6 +281,15 @@ def run_demo(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvbroker demo: {problem}", file=sys.stderr)
         return 2
+    if args.hosts and (why := hosts_harness.unavailable()):
+        # Never on loopback instead: the run would not show what --hosts asks for.
+        print(f"kvbroker demo: --hosts: {why}", file=sys.stderr)
+        return 2
+    with _sigterm_as_exit(args.hosts):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvbroker-demo-"))
     owned: list[_Broker] = []
@@ -208,18 +297,26 @@ def run_demo(args: argparse.Namespace) -> int:
     tally = _Tally()
     tables: dict[str, dict[str, int]] = {}
     wall = 0.0
+    network: Network | None = None
     try:
         if args.prefill_broker:
             prefill = _Broker("prefill", args.prefill_broker)
             decode = _Broker("decode", args.decode_broker)
             brokers = [prefill, decode]
+        elif args.hosts:
+            network = Network(["prefill", "decode"])
+            network.open()
+            owned.extend(_start_brokers_on_hosts(network, workdir, args.ucx_error_mode, args.staging))
+            prefill, decode = owned
+            brokers = list(owned)
         else:
             names = ["host"] if args.single_broker else ["prefill", "decode"]
             owned.extend(_start_brokers(names, workdir, args.ucx_error_mode, args.staging))
             prefill, decode = owned[0], owned[-1]
             brokers = list(owned)
         room_base = secrets.randbits(40) << 20
-        configs = _engine_configs(args, prefill.address, decode.address, room_base)
+        configs = _engine_configs(args, prefill, decode, room_base)
+        homes = {"prefill": prefill.host, "decode": decode.host}
         ctx = multiprocessing.get_context("spawn")
         events: Any = ctx.Queue()
         go = ctx.Event()
@@ -228,7 +325,9 @@ def run_demo(args: argparse.Namespace) -> int:
         # All ranks start at once: a receiving room waits (bootstrap timeout)
         # for the sender group to register.
         for cfg in configs:
-            proc = ctx.Process(target=run_engine, args=(cfg, events, go), name=f"{cfg.role}-tp{cfg.tp_rank}-pp{cfg.pp_rank}", daemon=True)
+            home = homes[cfg.role]
+            target, target_args = (run_engine, (cfg, events, go)) if home is None else (_engine_on_host, (home, cfg, events, go))
+            proc = ctx.Process(target=target, args=target_args, name=f"{cfg.role}-tp{cfg.tp_rank}-pp{cfg.pp_rank}", daemon=True)
             proc.start()
             processes.append(proc)
         _await(events, "ready", len(configs), processes, owned, tally, args.timeout)
@@ -249,12 +348,17 @@ def run_demo(args: argparse.Namespace) -> int:
         if args.device == "cuda" and not tally.transports:
             tally.errors.append("GPU memory moved, but no broker probed a pair of transfer buffers")
         tally.errors += [f"the transport self-test found a pair moving through the host: {t}" for t in tally.transports if "device speed" not in t]
+        tally.links = {b.name: _eth0_bytes(b.host) for b in brokers if b.host is not None}
     except grpc.RpcError as exc:  # a broker that does not answer any more
         tally.errors.append(f"a broker does not answer: {exc.code().name} {exc.details()}")
     except Exception as exc:  # report, then clean up
         tally.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
-        _stop(processes, owned)
+        try:
+            _stop(processes, owned)
+        finally:
+            if network is not None:  # also on Ctrl-C: kills what is left on the hosts, removes them
+                network.close()
     return _finish(args, tally, tables, wall, workdir, owned, processes)
 
 
@@ -415,18 +519,30 @@ def _summary(
         "gb_per_s": round(gbps, 3),
         "wall_seconds": round(wall, 3),
         "layout": _layout_line(args),
-        "brokers": "single" if args.single_broker else ("external" if args.prefill_broker else "two"),
+        "brokers": "single" if args.single_broker else ("external" if args.prefill_broker else ("hosts" if args.hosts else "two")),
         "per_room_state": tables,
         "broker_warnings": tally.warnings,
         "transports": tally.transports,
     }
+    if args.hosts:
+        summary["hosts"] = {
+            b.name: {"address": b.address, "eth0_tx_bytes": tally.links.get(b.name, (0, 0))[0], "eth0_rx_bytes": tally.links.get(b.name, (0, 0))[1]}
+            for b in owned
+        }
     if args.json:
         print(json.dumps(summary))
     else:
         print(f"kvbroker demo: {'OK' if ok else 'FAILED'}")
         print(f"  layout        {summary['layout']}")
         print(f"  workload      {args.layers} layers, {args.pages} pages/room of {args.page_size} tokens, {args.chunks} chunks/room")
-        print(f"  brokers       {summary['brokers']}")
+        if args.hosts:
+            print("  brokers       two, each on a host of its own (network namespaces on a bridge), UCX over TCP on eth0")
+            for b in owned:
+                sent, received = tally.links.get(b.name, (0, 0))
+                link = f"eth0 sent {sent} B, received {received} B" if b.name in tally.links else "eth0 not read"
+                print(f"  {b.name + ' host':13} broker {b.address}, {link}")
+        else:
+            print(f"  brokers       {summary['brokers']}")
         print(f"  rooms         {tally.rooms_verified}/{args.rooms} verified byte-exact, {len(tally.failed)} failed, {len(tally.mismatched)} mismatched")
         print(f"  bytes         {tally.bytes} ({tally.bytes / 2**20:.1f} MiB)")
         print(f"  throughput    {gbps:.2f} GB/s (decode side, ExpectRoom to SUCCESS)")

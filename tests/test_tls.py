@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -44,7 +45,18 @@ def _ca(tmp: Path, tag: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certifica
     return key, cert, path
 
 
-def _leaf(tmp: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate) -> tuple[Path, Path]:
+#: What a leaf certificate names unless told otherwise: this machine's loopback.
+LOOPBACK_SANS: tuple[x509.GeneralName, ...] = (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+
+
+def _leaf(
+    tmp: Path,
+    name: str,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    sans: Sequence[x509.GeneralName] = LOOPBACK_SANS,
+) -> tuple[Path, Path]:
+    """A certificate (and its key) for ``name``, signed by ``ca``, whose SubjectAlternativeName is ``sans``."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
@@ -56,7 +68,7 @@ def _leaf(tmp: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca: x509.Cer
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.SubjectAlternativeName(list(sans)),
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)

@@ -76,7 +76,7 @@ def unavailable() -> str | None:
     except OSError as exc:
         return f"cannot make a network namespace here: {exc}"
     try:
-        _ip("-n", probe, "link", "add", "b", "type", "bridge")
+        _ip("-n", probe, "link", "add", "probebr0", "type", "bridge")
     except OSError as exc:
         return f"cannot make a bridge in a network namespace here: {exc}"
     finally:
