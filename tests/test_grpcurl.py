@@ -102,7 +102,7 @@ def rooms() -> Iterator[dict[str, object]]:
         sender.send([3, 4])
         assert de.wait([11], timeout_seconds=20)[11].state == RoomState.SUCCESS
         de.receiver(12, SenderRef(p.address, "ops-prefill")).init(np.array([5]), aux_row=1)
-        yield {"p": p, "d": d, "decode": de}
+        yield {"p": p, "d": d, "decode": de, "prefill": pe}
         for client, engine in handles:
             engine.close()
             client.close()
@@ -175,3 +175,28 @@ def test_abort_room_and_drain(rooms) -> None:
     assert _call(d.address, "Drain", {"resume": True}) == {"draining": False, "open_rooms": 0, "drained": True}
     health = json.loads(grpcurl("-d", json.dumps({"service": "kvbroker.v1.TransferBroker"}), d.address, "grpc.health.v1.Health/Check"))
     assert health["status"] == "SERVING"
+
+
+def test_forget_peer_drops_a_peer_and_names_an_unknown_one(rooms) -> None:
+    """ForgetPeer (last here: it drops the pair's handshake): an unknown peer is NOT_FOUND, by name;
+    a known one, named by its address, goes (ListPeers no longer shows it handshaken, nor silent),
+    and the next room between the pair handshakes again and moves."""
+    from kvbroker.client import RoomState, SenderRef
+
+    d, p = rooms["d"], rooms["p"]
+    out = subprocess.run(
+        [GRPCURL, "-plaintext", "-d", json.dumps({"peer": "10.0.0.9:1"}), d.address, "kvbroker.v1.Admin/ForgetPeer"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode != 0 and "NotFound" in out.stderr and "no handshaken peer broker '10.0.0.9:1'" in out.stderr, out.stderr
+    (peer,) = [x for x in _call(d.address, "ListPeers")["peers"] if x["address"] == p.address]
+    assert peer["handshaken"] and not peer["silent"]
+    forgotten = _call(d.address, "ForgetPeer", {"peer": p.address, "reason": "host fenced"})
+    assert forgotten == {"address": p.address, "broker_id": p.broker_id}
+    assert not any(x["handshaken"] for x in _call(d.address, "ListPeers")["peers"] if x["address"] == p.address)
+    receiver = rooms["decode"].receiver(14, SenderRef(p.address, "ops-prefill"))
+    receiver.init([7], aux_row=0)
+    sender = rooms["prefill"].sender(14)
+    sender.init(1, aux_row=0)
+    sender.send([2], is_last=True)
+    assert receiver.wait(20).state == RoomState.SUCCESS

@@ -16,7 +16,7 @@ from kvbroker.v1 import admin_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from kvbroker.broker.execution import TransportProbes
-    from kvbroker.broker.runtime import Operators, Queries
+    from kvbroker.broker.runtime import Operators, PeerLoss, Queries
 
 __all__ = ["Admin"]
 
@@ -30,10 +30,15 @@ class Admin:
     through ``operators`` and the transport self-test (``probes``). Control
     loop only."""
 
-    def __init__(self, queries: Queries, operators: Operators, probes: TransportProbes) -> None:
+    def __init__(self, queries: Queries, operators: Operators, probes: TransportProbes, peer_loss: PeerLoss) -> None:
         self._q = queries
         self._operators = operators
         self._probes = probes
+        self._peer_loss = peer_loss
+
+    def forget_peer(self, peer: str, reason: str) -> admin_pb2.ForgetPeerResponse:
+        address, broker_id = self._peer_loss.forget(peer, reason)
+        return admin_pb2.ForgetPeerResponse(address=address, broker_id=broker_id)
 
     # -- reading -------------------------------------------------------------
     def stats(self) -> admin_pb2.Stats:
@@ -125,6 +130,7 @@ class Admin:
                     stream_open=peer.stream is not None and peer.stream.broker_id is not None,
                     stream_calls=peer.stream.calls_written if peer.stream is not None else 0,
                     stream_frames=peer.stream.frames_written if peer.stream is not None else 0,
+                    silent=peer.silent,
                 )
             )
         return out

@@ -169,7 +169,7 @@ class BrokerServer:
         )
         self._peer_service = PeerService(routes.peer_requests, broker.broker_id, queries.counters)
         peer_pb2_grpc.add_PeerBrokerServicer_to_server(self._peer_service, server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(queries, routes.operators, routes.probes)), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(queries, routes.operators, routes.probes, routes.peer_loss)), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)

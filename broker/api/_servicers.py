@@ -319,5 +319,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return admin_pb2.AdminAbortRoomResponse(aborted=self._admin.abort_room(request.room, request.reason))
 
     @_unary
+    async def ForgetPeer(self, request: admin_pb2.ForgetPeerRequest, context: Any) -> admin_pb2.ForgetPeerResponse:
+        return self._admin.forget_peer(request.peer, request.reason)
+
+    @_unary
     async def Drain(self, request: admin_pb2.DrainRequest, context: Any) -> admin_pb2.DrainResponse:
         return await self._admin.drain(request)

@@ -8,6 +8,7 @@ from kvbroker.broker.runtime._build import build_broker
 from kvbroker.broker.runtime._bundles import Internals, Routes, Services
 from kvbroker.broker.runtime._engine_calls import EngineCalls
 from kvbroker.broker.runtime._operators import Operators
+from kvbroker.broker.runtime._peer_loss import PeerLoss
 from kvbroker.broker.runtime._peer_requests import PeerRequests
 from kvbroker.broker.runtime._queries import Queries
 from kvbroker.broker.runtime._sessions import Sessions, SessionStream
@@ -18,6 +19,7 @@ __all__ = [
     "EngineCalls",
     "Internals",
     "Operators",
+    "PeerLoss",
     "PeerRequests",
     "Queries",
     "Routes",

@@ -23,7 +23,7 @@ import structlog
 from kvbroker.broker.execution import Credits, Machines, Transport, in_turn
 from kvbroker.broker.peers import Member, Peer
 from kvbroker.broker.rooms import cause
-from kvbroker.errors import NixlError, Unavailable
+from kvbroker.errors import NixlError, NotFound, Unavailable
 from kvbroker.v1 import common_pb2
 
 __all__ = ["PeerLoss"]
@@ -80,6 +80,19 @@ class PeerLoss:
             self._dataplane.hold(peer.agent_name, False)
         asked = self._receiver.peer_back(peer.broker_id or "")
         log.info("peer_answers_again", peer=peer.address, broker=peer.broker_id, rooms_asked=asked)
+
+    def forget(self, wanted: str, reason: str) -> tuple[str, str]:
+        """An operator says the peer ``wanted`` (its address or broker id) is gone
+        (``Admin.ForgetPeer``): lose it as a restarted one is. Its (address,
+        broker id); ``NotFound`` if no handshaken peer matches."""
+        peer = self._peers.by_id.get(wanted) or self._peers.by_address.get(wanted)
+        if peer is None or peer.broker_id is None or peer.is_self:
+            raise NotFound(f"no handshaken peer broker {wanted!r} here (Admin.ListPeers lists them)")
+        address, broker_id = peer.address, peer.broker_id
+        what = f"was forgotten by the operator: {reason or 'no reason given'}"
+        log.warning("peer_forgotten", peer=address, broker=broker_id, reason=what, silent=peer.silent)
+        self.peer_lost(peer, what, False)
+        return address, broker_id
 
     def broker_left(self, member: Member) -> None:
         """A broker's key left etcd (its lease expired or was revoked): lost, as a silent peer is."""

@@ -74,6 +74,11 @@ class AdminStub:
                 request_serializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportResponse.FromString,
                 _registered_method=True)
+        self.ForgetPeer = channel.unary_unary(
+                '/kvbroker.v1.Admin/ForgetPeer',
+                request_serializer=kvbroker_dot_v1_dot_admin__pb2.ForgetPeerRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_admin__pb2.ForgetPeerResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -141,6 +146,19 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetPeer(self, request, context):
+        """Treat a peer broker as gone, as if it had restarted: fail its rooms here,
+        cancel transfers to it, give back its grants, settle the pages of the
+        receiving rooms it fed, and drop it until it handshakes again. For a
+        silent peer (ListPeers: silent) that the operator knows is dead or
+        fenced: a silent peer may still write, so without this the pages of the
+        rooms it fed stay unsettled until it answers again (docs/failures.md,
+        "Silent partitions"). NOT_FOUND if no handshaken peer matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +201,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ProbeTransport,
                     request_deserializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_admin__pb2.ProbeTransportResponse.SerializeToString,
+            ),
+            'ForgetPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetPeer,
+                    request_deserializer=kvbroker_dot_v1_dot_admin__pb2.ForgetPeerRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_admin__pb2.ForgetPeerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +424,33 @@ class Admin:
             '/kvbroker.v1.Admin/ProbeTransport',
             kvbroker_dot_v1_dot_admin__pb2.ProbeTransportRequest.SerializeToString,
             kvbroker_dot_v1_dot_admin__pb2.ProbeTransportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.Admin/ForgetPeer',
+            kvbroker_dot_v1_dot_admin__pb2.ForgetPeerRequest.SerializeToString,
+            kvbroker_dot_v1_dot_admin__pb2.ForgetPeerResponse.FromString,
             options,
             channel_credentials,
             insecure,
