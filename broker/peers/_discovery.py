@@ -186,7 +186,10 @@ class FleetView:
         if member.broker_id == self._self_id:
             return  # our own lease lapsed (etcd was away): FleetRecord registers again
         log.warning("etcd_broker_left", broker=member.broker_id, address=member.address)
-        self._on_left(member)
+        try:
+            self._on_left(member)
+        except Exception:  # a bug in handling it is not an etcd outage: say so, keep watching
+            log.exception("fleet_member_left_failed", broker=member.broker_id)
 
     # -- what the operator sees (Admin ListPeers / ListEngines) ------------------
     def groups(self, member: Member) -> list[admin_pb2.FleetGroup]:

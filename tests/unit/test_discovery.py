@@ -68,3 +68,21 @@ def test_a_bad_record_is_skipped() -> None:
     view._event(_event("PUT", "bad", b"{not json"))
     assert view.members == {}
     assert Member.parse(_record("x", 1.0, ["tp1/pp0", "junk"])).ranks("prefill-0") == {(1, 0)}
+
+
+def test_a_failure_handling_a_departed_broker_is_logged_and_the_watch_goes_on() -> None:
+    """A bug in what the runtime does with a departed broker must not pass for an etcd outage (the
+    watch's catch-all would log ``etcd_watch_lost`` and list again): it is logged as what it is, and
+    the view keeps taking events."""
+    import structlog.testing
+
+    def broken(member: Member) -> None:
+        raise TypeError("peer_lost() got an unexpected keyword argument")
+
+    view = FleetView("http://127.0.0.1:2379", "/kvbroker", self_id="me", on_left=broken)
+    view._event(_event("PUT", "a", _record("a", 1.0, ["tp0/pp0"])))
+    with structlog.testing.capture_logs() as logs:
+        view._event(_event("DELETE", "a"))
+    assert [e["event"] for e in logs] == ["etcd_broker_left", "fleet_member_left_failed"]
+    view._event(_event("PUT", "b", _record("b", 1.0, ["tp0/pp0"])))
+    assert "b" in view.members and "a" not in view.members
