@@ -10,7 +10,6 @@ import queue
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -130,15 +129,6 @@ def _engine_on_host(host: Host, cfg: EngineConfig, events: Any, go: Any) -> None
         events.put(("error", f"{cfg.role} tp{cfg.tp_rank} pp{cfg.pp_rank}", traceback.format_exc()))
         raise
     run_engine(cfg, events, go)
-
-
-def _eth0_bytes(host: Host) -> tuple[int, int]:
-    """(bytes sent, bytes received) on the host's eth0 so far."""
-    done = subprocess.run(["ip", "-j", "-s", "-n", host.netns, "link", "show", "eth0"], capture_output=True, text=True, timeout=30)
-    if done.returncode:
-        raise OSError(f"ip -n {host.netns} -s link show eth0: {done.stderr.strip() or done.returncode}")
-    stats = json.loads(done.stdout)[0]["stats64"]
-    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
 
 @contextmanager
@@ -348,7 +338,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.device == "cuda" and not tally.transports:
             tally.errors.append("GPU memory moved, but no broker probed a pair of transfer buffers")
         tally.errors += [f"the transport self-test found a pair moving through the host: {t}" for t in tally.transports if "device speed" not in t]
-        tally.links = {b.name: _eth0_bytes(b.host) for b in brokers if b.host is not None}
+        tally.links = {b.name: b.host.link_bytes() for b in brokers if b.host is not None}
     except grpc.RpcError as exc:  # a broker that does not answer any more
         tally.errors.append(f"a broker does not answer: {exc.code().name} {exc.details()}")
     except Exception as exc:  # report, then clean up

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,11 +79,6 @@ def workdir() -> Iterator[Path]:
         yield Path(path)
 
 
-def _tx_bytes(host: Host) -> int:
-    out = subprocess.run(host.command(["cat", "/sys/class/net/eth0/statistics/tx_bytes"]), capture_output=True, text=True, check=True)
-    return int(out.stdout)
-
-
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -123,9 +117,9 @@ def test_a_room_between_two_hosts_moves_byte_exact_over_their_link(network: Any,
     prefill, decode = _Rank(p, "prefill", "pg"), _Rank(d, "decode", "dg")
     try:
         room_bytes = sum(t.numel() for t in prefill.snapshot(SRC))
-        before = _tx_bytes(net["p"])
+        before, _ = net["p"].link_bytes()
         _move(prefill, decode, p.address, 1)
-        assert _tx_bytes(net["p"]) - before >= room_bytes, "the KV bytes did not cross the prefill host's eth0"
+        assert net["p"].link_bytes()[0] - before >= room_bytes, "the KV bytes did not cross the prefill host's eth0"
         wait_until_idle(p, d)
     finally:
         with Cleanup() as cleanup:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import shutil
 import signal
@@ -116,6 +117,14 @@ class Host:
         return BrokerProcess.launch(
             name or self.name, workdir, extra_args, env=self.env(), listen=f"{self.address}:{port}", wrapper=self.command([])
         )
+
+    def link_bytes(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) on the host's ``eth0`` so far."""
+        done = subprocess.run(["ip", "-j", "-s", "-n", self.netns, "link", "show", _HOST_IF], capture_output=True, text=True, timeout=30)
+        if done.returncode:
+            raise OSError(f"ip -n {self.netns} -s link show {_HOST_IF}: {done.stderr.strip() or done.returncode}")
+        stats = json.loads(done.stdout)[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def enter(self) -> None:
         """Move this process onto the host (setns): call it first thing in a
