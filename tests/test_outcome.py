@@ -63,7 +63,7 @@ def test_a_page_is_whole_only_when_every_source_that_writes_it_delivered_it(fake
 
     def rank1_first_chunk_delivered() -> bool:
         # Rank 1's first chunk must have landed before it aborts (a loaded host may take a while).
-        sides = p.loop.call(lambda: Admin(p.broker.queries, p.broker.routes.operators, p.broker.routes.probes).get_room(61)).sides
+        sides = p.loop.call(lambda: Admin(p.broker.queries, p.broker.routes.operators, p.broker.routes.probes, p.broker.routes.peer_loss).get_room(61)).sides
         (side,) = [s for s in sides if s.info.engine.tp_rank == 1]
         return all(dest.chunks_posted == 1 and dest.inflight == 0 for dest in side.destinations)
 

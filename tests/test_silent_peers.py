@@ -58,19 +58,20 @@ def _peer_info(broker: FakeBroker, other: FakeBroker) -> admin_pb2.PeerInfo:
 def _silent_pair(
     fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Engine], **config: object
 ) -> tuple[FakeBroker, FakeBroker, Engine, Engine, Any, Any]:
-    """A room half landed, then each broker takes the other for silent: both sides fail PEER
-    naming the other broker, neither side's pages settle, ListPeers says silent."""
+    """A room half landed, then the decode's broker takes the prefill's for silent: its room
+    fails PEER naming it, its pages do not settle, ListPeers says silent. (Only that side: here
+    the prefill's broker is in fact reachable, and its own word, once its side failed, would
+    settle the room as it should.)"""
     p, d = fake_brokers("p", **QUIET, **config), fake_brokers("d", **QUIET, **config)
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     receiver, sender = _half_room(p, pe, de, 1)
     _silent(d, p)
-    _silent(p, d)
-    for room, other in ((receiver, p), (sender, d)):
-        status = room.wait(10)
-        assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER, status
-        assert other.broker.broker_id in status.cause.message, status
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER, status
+    assert p.broker.broker_id in status.cause.message, status
     assert not receiver.status().pages_settled, "settled while the sender may still write"
-    assert _peer_info(d, p).silent and _peer_info(p, d).silent
+    assert sender.status().state != RoomState.FAILED, "the prefill's broker was told (it is silent)"
+    assert _peer_info(d, p).silent and not _peer_info(p, d).silent
     return p, d, pe, de, receiver, sender
 
 
@@ -78,13 +79,14 @@ def test_a_silent_peer_that_answers_again_settles_the_rooms_it_fed(
     fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Engine]
 ) -> None:
     """The silent sender answers the receiver's heartbeat again, as the same process: the receiver
-    asks it about the room (an abort), it says nothing is in flight, and the pages settle; the
-    peer is no longer silent and a new room moves, with no new handshake needed."""
-    p, d, pe, de, receiver, _sender = _silent_pair(fake_brokers, make_engine)
+    asks it about the room (an abort, which fails the sender's side), it says nothing is in
+    flight, and the pages settle; the peer is no longer silent and a new room moves, with no new
+    handshake needed."""
+    p, d, pe, de, receiver, sender = _silent_pair(fake_brokers, make_engine)
     d.loop.call(lambda: d.broker.internals.routes.peer_loss.peer_back(d.broker.internals.transport.peers.by_id[p.broker.broker_id]))
     eventually(lambda: receiver.status().pages_settled, 10)
-    p.loop.call(lambda: p.broker.internals.routes.peer_loss.peer_back(p.broker.internals.transport.peers.by_id[d.broker.broker_id]))
-    assert not _peer_info(d, p).silent and not _peer_info(p, d).silent
+    assert sender.wait(10).state == RoomState.FAILED
+    assert not _peer_info(d, p).silent
     receiver2 = de.handle.receiver(2, SenderRef(p.address, "prefill-group"))
     receiver2.init(DST, aux_row=0)
     sender2 = pe.handle.sender(2)
@@ -112,7 +114,7 @@ def test_an_operator_forgets_a_silent_peer_and_its_rooms_settle(
 ) -> None:
     """ForgetPeer, by broker id: the silent peer is dropped as a restarted one would be, the
     receiving room's pages settle at once, grants to it go; an unknown peer is NOT_FOUND."""
-    p, d, _pe, _de, receiver, _sender = _silent_pair(fake_brokers, make_engine)
+    p, d, _pe, _de, receiver, sender = _silent_pair(fake_brokers, make_engine)
     with grpc.insecure_channel(d.address) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
         forgotten = admin.ForgetPeer(admin_pb2.ForgetPeerRequest(peer=p.broker.broker_id, reason="host fenced"), timeout=10)
@@ -125,5 +127,6 @@ def test_an_operator_forgets_a_silent_peer_and_its_rooms_settle(
     assert receiver.status().pages_settled
     assert not _peer_info(d, p).handshaken
     assert d.loop.call(lambda: d.broker.queries.traffic.granted_credit_bytes()) == 0
-    # The sender's side ends when it hears from the receiver again (its own heartbeat or ForgetPeer).
+    # The sender's side, which heard nothing, ends as its operator forgets the receiver's broker.
     p.loop.call(lambda: p.broker.internals.routes.peer_loss.forget(d.broker.broker_id, "test over"))
+    assert sender.wait(10).state == RoomState.FAILED
