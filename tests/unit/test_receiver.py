@@ -324,6 +324,24 @@ def test_a_lost_sender_broker_fails_and_settles_and_its_successor_is_told(world:
     assert world.core.successor_notices(ADDRESS) == [(1, why)] and world.rooms.successor_notices == {}
 
 
+def test_a_silent_sender_broker_fails_the_rank_unsettled_until_it_says_so_once_back(world: World) -> None:
+    """A silent broker may still write: FAILED (PEER) at once, not settled, and not told (it is the
+    one lost). Back, it is asked about the room (an abort, not remembered for a successor); its
+    answer "nothing in flight" settles the rank."""
+    rank = world.registered()
+    world.take()
+    why = cause(common_pb2.FAILURE_KIND_PEER, "peer broker has not answered", "decode-broker")
+    assert world.core.peer_lost(P, why, settled=False) == 1
+    assert rank.state == FAILED and not rank.pages_settled
+    assert not any(isinstance(e, AbortAtPeer) for e in world.take())
+    assert world.core.peer_back(P) == 1
+    assert [e for e in world.take() if isinstance(e, AbortAtPeer)] == [AbortAtPeer(P, 1, why, remember=False)]
+    assert not rank.pages_settled
+    world.core.peer_settled(P, 1)
+    assert rank.pages_settled
+    assert world.core.peer_back(P) == 0, "a settled rank is not asked again"
+
+
 def test_a_rank_registering_when_its_peer_is_lost_learns_where_its_room_landed(world: World) -> None:
     """A loss seen while RegisterRoom is out leaves the rank alone; the answer tells: the process that
     took it is gone, so the room fails PEER, settled."""
