@@ -63,7 +63,7 @@ class PeerMonitor:
             watched = [
                 p
                 for p in {id(p): p for p in self._peers.by_id.values()}.values()
-                if not p.is_self and p.broker_id is not None and (p.silent or self._has_business(p))
+                if not p.is_self and p.broker_id is not None and (p.silent or p.lease_lapsed or self._has_business(p))
             ]
             if watched:
                 await asyncio.gather(*(self._check(p) for p in watched))
@@ -74,10 +74,13 @@ class PeerMonitor:
             answered_by = await self._client.ping(peer, timeout_seconds=self._interval)
         except grpc.RpcError as exc:
             quiet = time.monotonic() - peer.last_seen
-            if peer.broker_id == known and (quiet > self._dead_after or (peer.silent and _refused(exc))):
+            if peer.broker_id == known and (quiet > self._dead_after or peer.lease_lapsed or (peer.silent and _refused(exc))):
                 # Refused: nothing listens at its address, so its process is gone. Anything else
                 # (no answer in time) may be a partition: it may still be writing.
-                self._on_lost(peer, f"has not answered for {quiet:.1f} s ({from_rpc_error(exc).message})", not _refused(exc))
+                why = f"has not answered for {quiet:.1f} s ({from_rpc_error(exc).message})"
+                if peer.lease_lapsed:
+                    why = f"left the fleet: its etcd lease expired or was revoked, and it {why}"
+                self._on_lost(peer, why, not _refused(exc))
             return
         if peer.broker_id != known:
             return  # lost and dropped meanwhile
@@ -85,6 +88,10 @@ class PeerMonitor:
             self._on_lost(peer, f"restarted (it is now broker {answered_by})", False)
             return
         peer.seen()
+        if peer.lease_lapsed:
+            # Its lease lapsed while etcd (or our way to it) was away, not because it went.
+            peer.lease_lapsed = False
+            log.info("etcd_lease_lapsed_peer_answers", peer=peer.address, broker=known)
         if peer.silent:
             self._on_back(peer)
 

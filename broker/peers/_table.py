@@ -141,6 +141,9 @@ class Peer:
     #: so its transfers, grants and remote agent stay until it answers again
     #: or is found gone (``runtime.PeerLoss``).
     silent: bool = False
+    #: Its etcd lease lapsed (``FleetView``): lost at the next heartbeat unless
+    #: it answers then (etcd, or this broker's way to it, may have been away).
+    lease_lapsed: bool = False
     #: Bytes this broker wrote to the peer, and the moving average of the
     #: observed write throughput (bytes/s; 0 until measured).
     bytes_sent: int = 0
@@ -360,6 +363,7 @@ class PeerTable:
         if peer.stream is not None:
             peer.stream.close()  # calls on it fail UNAVAILABLE; the next call opens a new one
         peer.broker_id = None
+        peer.silent = peer.lease_lapsed = False
         peer.agent_name = None
         peer.metadata = b""
         peer.announced_epoch = -1

@@ -190,9 +190,7 @@ def build_broker(
         operators=operators,
     )
     engines.on_unbacked.append(engine_calls.memory_unbacked)
-    peer_loss = PeerLoss(
-        machines=machines, transport=transport, credits=executor.credits, heartbeat_seconds=config.peer_heartbeat_seconds
-    )
+    peer_loss = PeerLoss(machines=machines, transport=transport, credits=executor.credits)
     monitor = PeerMonitor(
         peers,
         peer_client,

@@ -16,8 +16,6 @@ here settle only once it answers again and says nothing of them is in flight
 
 from __future__ import annotations
 
-import time
-
 import structlog
 
 from kvbroker.broker.execution import Credits, Machines, Transport, in_turn
@@ -34,7 +32,7 @@ log = structlog.get_logger(__name__)
 class PeerLoss:
     """What this broker does when a peer is gone. Control loop only."""
 
-    def __init__(self, *, machines: Machines, transport: Transport, credits: Credits, heartbeat_seconds: float) -> None:
+    def __init__(self, *, machines: Machines, transport: Transport, credits: Credits) -> None:
         self._broker_id = machines.broker_id
         self._dataplane = transport.dataplane
         self._peers = transport.peers
@@ -42,7 +40,6 @@ class PeerLoss:
         self._receiver = machines.receiver
         self._turn = machines.turn
         self._credits = credits
-        self._heartbeat = heartbeat_seconds
 
     @in_turn
     def peer_lost(self, peer: Peer, what: str, silent: bool = False) -> None:
@@ -95,17 +92,14 @@ class PeerLoss:
         return address, broker_id
 
     def broker_left(self, member: Member) -> None:
-        """A broker's key left etcd (its lease expired or was revoked): lost, as a silent peer is."""
+        """A broker's key left etcd (its lease expired or was revoked): lost at the next
+        heartbeat unless it answers then (``PeerMonitor``)."""
         peer = self._peers.by_id.get(member.broker_id)
-        if peer is None:
-            return
-        if time.monotonic() - peer.last_seen < 1.5 * self._heartbeat:
-            # It answered us within the last heartbeat: its lease lapsed while etcd (or this
-            # broker's way to it) was out of reach, not because it went. The heartbeat decides.
-            log.info("etcd_lease_lapsed_peer_answers", peer=peer.address, broker=peer.broker_id)
-            return
-        # A partitioned broker's lease lapses too: it may still be writing.
-        self.peer_lost(peer, "left the fleet: its etcd lease expired or was revoked", silent=True)
+        if peer is not None and not peer.is_self:
+            # Its lease may have lapsed while etcd (or this broker's way to it) was away: the
+            # next heartbeat decides. Lost then if it does not answer (silent, as a
+            # partitioned broker may still be writing; gone if its host refuses connections).
+            peer.lease_lapsed = True
 
     def has_business(self, peer: Peer) -> bool:
         """Whether some room here involves ``peer`` (the monitor pings only those)."""
