@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbroker.broker.device import ArrayViews, Extent
-from kvbroker.broker.device import _lanes as lanes_module
+from kvbroker.broker.device import ArrayViews, Extent, Work
 from kvbroker.broker.memory import StagingBuffer
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.testing import FakeBroker
@@ -35,20 +34,25 @@ from .conftest import SMALL_MODEL, fill_regions, page_bytes
 VRAM, DRAM = common_pb2.MEMORY_KIND_VRAM, common_pb2.MEMORY_KIND_DRAM
 
 
-class _RecordingLane:
-    """Stands in for a GPU lane: records where it was made, runs jobs on the copy thread."""
+class _RecordingStreams:
+    """A GPU's streams (``device.Streams``) that record where each device's stream was made; a job
+    runs at once on the copy thread, its event is done when launched."""
 
-    made: list[tuple[int, str]] = []
+    def __init__(self) -> None:
+        self.made: list[tuple[int, str]] = []
 
-    def __init__(self, device: int) -> None:
-        self.device = device
-        _RecordingLane.made.append((device, threading.current_thread().name))
+    def open(self, device: int) -> int:
+        self.made.append((device, threading.current_thread().name))
+        return device
 
-    def submit(self, workers: Any, job: Callable[[], Callable[[], Any]], ticket: Any = None) -> Any:
-        return workers.copy_soon(lambda: job()(), ticket)
+    def launch(self, stream: int, job: Callable[[], Callable[[], Any]], work: Work) -> tuple[Callable[[], Any], None]:
+        return job(), None
 
-    def close(self) -> None:
+    def wait(self, stream: int, event: None) -> None:
         pass
+
+    def finish(self, stream: int, read: Callable[[], Any]) -> Any:
+        return read()
 
 
 def test_a_gpus_lane_comes_up_at_registration_on_the_memory_thread(
@@ -57,12 +61,10 @@ def test_a_gpus_lane_comes_up_at_registration_on_the_memory_thread(
     """The lane of a GPU (on a GPU: torch's CUDA initialised, a stream, a waiter thread) is made when
     the first engine with memory there registers, on the memory thread, before the registration
     returns: never on the control loop, never at the first packed part."""
-    _RecordingLane.made = []
-    monkeypatch.setattr(lanes_module, "_GpuLane", _RecordingLane)
     # VRAM copies go to the (recording) GPU lane, though the fake's VRAM is host memory.
-    monkeypatch.setattr(ArrayViews, "on_host", lambda self, span: span.kind == DRAM)
+    streams = _RecordingStreams()
     fake = FakeCudaLib(devices=2, granularity=4096)
-    p = fake_brokers("p", cuda=fake)
+    p = fake_brokers("p", cuda=fake, streams=streams)
     de = make_engine(fake_brokers("d").address, "decode")
     rank = RankSpec(group="pg", role="prefill")
     memory = EngineMemory.allocate(rank, SMALL_MODEL, num_pages=16)
@@ -71,9 +73,9 @@ def test_a_gpus_lane_comes_up_at_registration_on_the_memory_thread(
     as_fake_vram(memory, fake, device=1)
     with BrokerClient(p.address) as client:
         engine = client.register_engine(rank, memory)
-        assert _RecordingLane.made, "no lane was made at registration"
-        assert [device for device, _ in _RecordingLane.made] == [1]
-        assert _RecordingLane.made[0][1].startswith("kvbroker-memory"), _RecordingLane.made
+        assert streams.made, "no lane was made at registration"
+        assert [device for device, _ in streams.made] == [1]
+        assert streams.made[0][1].startswith("kvbroker-memory"), streams.made
         de.handle.receiver(1, SenderRef(p.address, "pg")).init([7, 8])
         sender = engine.sender(1)
         sender.init(2)
@@ -81,7 +83,7 @@ def test_a_gpus_lane_comes_up_at_registration_on_the_memory_thread(
         assert de.handle.wait([1], timeout_seconds=10)[1].state == RoomState.SUCCESS
         assert all(torch.equal(a, b) for a, b in zip(page_bytes(de.memory, 1, [7, 8]), reference))
         assert p.broker.queries.counters.transfers_packed == 1
-        assert len(_RecordingLane.made) == 1, "the part used the lane made at registration"
+        assert len(streams.made) == 1, "the part used the lane made at registration"
         engine.close()
     memory.close()
 
@@ -189,22 +191,19 @@ def test_a_lane_asked_for_before_registration_made_it_is_made_once_off_the_loop(
     from kvbroker.broker.dataplane import Workers
     from kvbroker.broker.device import Lanes
 
-    _RecordingLane.made = []
-    original = lanes_module._GpuLane
-    lanes_module._GpuLane = _RecordingLane  # type: ignore[misc,assignment]
+    streams = _RecordingStreams()
+    workers = Workers()
+    views = ArrayViews()
+
+    async def run() -> list[int]:
+        lanes = Lanes(workers, views, streams)
+        slot = Extent(0, 0, VRAM, 3)
+        got = await asyncio.gather(*(lanes.run(slot, lambda i=i: (lambda: i)) for i in range(4)))
+        lanes.close()
+        return list(got)
+
     try:
-        workers = Workers()
-        views = ArrayViews()
-
-        async def run() -> list[int]:
-            lanes = Lanes(workers, views)
-            slot = Extent(0, 0, VRAM, 3)
-            got = await asyncio.gather(*(lanes.run(slot, lambda i=i: (lambda: i)) for i in range(4)))
-            lanes.close()
-            return list(got)
-
         assert asyncio.run(run()) == [0, 1, 2, 3]
-        assert _RecordingLane.made == [(3, _RecordingLane.made[0][1])] and _RecordingLane.made[0][1].startswith("kvbroker-memory")
-        workers.shutdown()
+        assert streams.made == [(3, streams.made[0][1])] and streams.made[0][1].startswith("kvbroker-memory")
     finally:
-        lanes_module._GpuLane = original  # type: ignore[misc]
+        workers.shutdown()

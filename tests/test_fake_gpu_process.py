@@ -5,7 +5,10 @@
 the engines (here, this process, with a fake driver of its own) export, and
 the brokers' transfer buffers are registered with the real NIXL agent as
 DRAM. A room then moves as packed parts: gathered on the prefill broker, one
-UCX write over loopback, scattered on the decode broker.
+UCX write over loopback, scattered on the decode broker. With a modelled GPU
+(``KVBROKER_TESTING_GPU_MODEL``, ``kvbroker.testing.gpu_model``) the same
+room goes through the brokers' GPU lanes (their waiter threads) and a write
+that finishes when the model says.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, Roo
 from kvbroker.testing import BrokerProcess, scratch_dir
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
+from kvbroker.testing.gpu_model import MODEL_ENV
 
 from .conftest import fill_regions
 
@@ -34,10 +38,12 @@ HOST_SPEED_VERDICTS = ("transport_host_fallback", "vram_transfer_at_host_speed")
 MODEL = ModelSpec(num_layers=3, total_kv_heads=4, head_dim=32, dtype=torch.bfloat16, page_size=8)
 
 
-@pytest.fixture
-def fake_gpu_brokers() -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
+@pytest.fixture(params=["plain", "modelled"])
+def fake_gpu_brokers(request: pytest.FixtureRequest) -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
     env = {**os.environ, FAKE_GPUS_ENV: "1"}
     with scratch_dir("kvb-fgpu-") as workdir:
+        if request.param == "modelled":  # one modelled H200 that both brokers share
+            env[MODEL_ENV] = f"h200,byte_scale=1024,timelines={workdir}/timelines"
         brokers = [
             BrokerProcess.launch(name, workdir, ["--log-level", "warning", "--device-part-mib", "1"], env=env)
             for name in ("prefill", "decode")
@@ -45,6 +51,8 @@ def fake_gpu_brokers() -> Iterator[tuple[BrokerProcess, BrokerProcess]]:
         try:
             for b in brokers:
                 b.wait_ready(30)
+                modelled = "MODEL of a GPU" in b.log_tail(100_000)
+                assert modelled == (MODEL_ENV in env), "a broker says at start whether a model says when its copies finish"
             yield brokers[0], brokers[1]
             for b in brokers:
                 assert b.stop() == 0, b.log_tail()

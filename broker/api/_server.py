@@ -29,6 +29,7 @@ from kvbroker.broker.api._admin import Admin
 from kvbroker.broker.api._servicers import AdminService, PeerService, TransferService
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.dataplane import Agent, AgentConfig, UcxAgent
+from kvbroker.broker.device import Streams
 from kvbroker.broker.peers import server_options
 from kvbroker.broker.runtime import Broker, Endpoints, build_broker
 from kvbroker.broker.tls import server_credentials
@@ -65,10 +66,11 @@ ETCD_HEALTH = "kvbroker.etcd"
 class BrokerServer:
     """A running broker: ``await start()``, then ``await stop()``.
 
-    ``agent`` defaults to the real UCX agent; tests pass a fake, and the fake
-    CUDA driver as ``cuda_driver`` with ``device_as_host`` (see
-    :func:`~kvbroker.broker.runtime.build_broker`). The broker is built in
-    :meth:`start`, once the listeners are bound (its address is known then).
+    ``agent`` defaults to the real UCX agent; tests pass a fake, the fake
+    CUDA driver as ``cuda_driver`` with ``device_as_host``, and a modelled
+    GPU's ``device_streams`` (see :func:`~kvbroker.broker.runtime.build_broker`).
+    The broker is built in :meth:`start`, once the listeners are bound (its
+    address is known then).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class BrokerServer:
         *,
         cuda_driver: cudavmm.Driver | None = None,
         device_as_host: bool = False,
+        device_streams: Streams | None = None,
     ) -> None:
         self.config = config
         self._broker_id = uuid.uuid4().hex
@@ -88,6 +91,7 @@ class BrokerServer:
         self._agent = agent
         self._cuda_driver = cuda_driver
         self._device_as_host = device_as_host
+        self._device_streams = device_streams
         self._broker: Broker | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
@@ -162,6 +166,7 @@ class BrokerServer:
             on_draining=self._drain_health,
             cuda_driver=self._cuda_driver,
             device_as_host=self._device_as_host,
+            device_streams=self._device_streams,
         )
         routes, queries = broker.routes, broker.queries
         transfer_pb2_grpc.add_TransferBrokerServicer_to_server(

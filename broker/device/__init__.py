@@ -4,6 +4,18 @@ lanes, and CRC-32 on the device.
 
 from kvbroker.broker.device._batched import gather_all, scatter_all
 from kvbroker.broker.device._block_copies import ArrayViews, Extent, checksum, gather, scatter
-from kvbroker.broker.device._lanes import Lanes
+from kvbroker.broker.device._lanes import CudaStreams, Lanes, Streams, Work
 
-__all__ = ["ArrayViews", "Extent", "Lanes", "checksum", "gather", "gather_all", "scatter", "scatter_all"]
+__all__ = [
+    "ArrayViews",
+    "CudaStreams",
+    "Extent",
+    "Lanes",
+    "Streams",
+    "Work",
+    "checksum",
+    "gather",
+    "gather_all",
+    "scatter",
+    "scatter_all",
+]

@@ -16,8 +16,16 @@ the slot it fills or empties:
   part before it (on the data-plane thread) and a scatter overlap. There is
   no device-wide synchronize: the engine's own streams are never waited on.
 
+How a GPU lane launches and waits is a :class:`Streams`: CUDA's through
+torch (:class:`CudaStreams`, the default), or a model of a GPU's timing
+(``kvbroker.testing.gpu_model``, tests and benchmarks only): the jobs' copies
+then run at once on the copy thread, on CPU tensors, and their events
+complete when the model says, waited for by the same waiter thread. Each job
+says what it moves (:class:`Work`), which the model times.
+
 What has not run on a GPU yet: the GPU lane (CI runs the host lane with
-the same jobs on CPU tensors). See docs/architecture.md, "The device path".
+the same jobs on CPU tensors, and the GPU lane on a modelled GPU). See
+docs/architecture.md, "The device path".
 """
 
 from __future__ import annotations
@@ -26,18 +34,86 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from kvbroker.broker.dataplane import Workers, name_thread, settle
 from kvbroker.broker.device._block_copies import VRAM, ArrayViews, Extent, torch_for_copies
 from kvbroker.broker.scheduling import Ticket
 
-__all__ = ["Job", "Lanes"]
+__all__ = ["CudaStreams", "Job", "Lanes", "Streams", "Work"]
 
 T = TypeVar("T")
 
 #: Queues a job's copies; returns what reads its result once they are done.
 Job = Callable[[], Callable[[], T]]
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one job moves on its lane: ``op`` ("gather", "scatter",
+    "checksum") over ``nbytes`` of slots."""
+
+    op: str
+    nbytes: int
+
+
+#: A job of no stated size (a model times it as a launch alone).
+NO_WORK = Work("copy", 0)
+
+
+class Streams(Protocol):
+    """How a GPU lane launches jobs and waits for them: CUDA's streams and
+    events (:class:`CudaStreams`), or a model of a GPU's timing."""
+
+    def open(self, device: int) -> Any:
+        """A stream of this broker's on ``device``, the device made ready
+        (on the memory thread, at the first engine's registration there)."""
+
+    def launch(self, stream: Any, job: Job[T], work: Work) -> tuple[Callable[[], T], Any]:
+        """Queue ``job``'s copies on ``stream`` (on the copy thread) and record
+        an event after them: what reads the job's result, and the event."""
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Block until ``event`` completed (on the lane's waiter thread)."""
+
+    def finish(self, stream: Any, read: Callable[[], T]) -> T:
+        """Read a job's result once its event completed (on the waiter thread)."""
+
+
+class CudaStreams:
+    """CUDA's streams and blocking-sync events, through torch."""
+
+    def open(self, device: int) -> Any:
+        import torch
+
+        torch_for_copies()  # (one intra-op thread)
+        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # The device CRC's tables (and its Triton kernel, compiled and checked
+        # against zlib): here, at registration, not in the first checksum.
+        from kvbroker.broker.device._devcrc import prepare
+
+        with torch.cuda.device(device):
+            prepare(torch.device("cuda", device))
+        return stream
+
+    def launch(self, stream: Any, job: Job[T], work: Work) -> tuple[Callable[[], T], Any]:
+        import torch
+
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            read = job()
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return read, event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        event.synchronize()
+
+    def finish(self, stream: Any, read: Callable[[], T]) -> T:
+        import torch
+
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            return read()
 
 
 class Lanes:
@@ -50,42 +126,51 @@ class Lanes:
     of the loop near ``--peer-dead-after``).
     """
 
-    def __init__(self, workers: Workers, views: ArrayViews) -> None:
+    def __init__(self, workers: Workers, views: ArrayViews, streams: Streams | None = None) -> None:
         self._workers = workers
         self._views = views
+        #: How GPU lanes launch and wait (None: CUDA's; given: a model of a GPU,
+        #: whose lanes then serve the fake CUDA driver's "VRAM" too).
+        self._streams = streams
         self._gpus: dict[int, asyncio.Future[_GpuLane]] = {}
+
+    def _on_host(self, slot: Extent) -> bool:
+        """Whether ``slot``'s jobs run on the copy thread (host memory, or the fake
+        driver's "VRAM" without a modelled GPU)."""
+        return slot.kind != VRAM or (self._streams is None and self._views.on_host(slot))
 
     async def open(self, device: int) -> None:
         """Make GPU ``device``'s lane if it has none (on the memory thread);
         nothing where its memory is host memory (the fake CUDA driver's)."""
-        if not self._views.on_host(Extent(0, 0, VRAM, device)):
+        if not self._on_host(Extent(0, 0, VRAM, device)):
             await self._lane(device)
 
-    async def run(self, slot: Extent, job: Job[T], ticket: Ticket | None = None) -> T:
+    async def run(self, slot: Extent, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> T:
         """Run ``job`` on the lane of ``slot``'s memory; its result. ``ticket``:
-        its place among the copies waiting for the copy thread."""
-        return await self.submit(slot, job, ticket)
+        its place among the copies waiting for the copy thread; ``work``: what it moves."""
+        return await self.submit(slot, job, ticket, work)
 
-    def submit(self, slot: Extent, job: Job[T], ticket: Ticket | None = None) -> asyncio.Future[T]:
+    def submit(self, slot: Extent, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> asyncio.Future[T]:
         """Run ``job`` on the lane of ``slot``'s memory; its result in the future
         (a callback's way to :meth:`run`: no task where the lane is up)."""
-        if self._views.on_host(slot):
+        if self._on_host(slot):
             return self._workers.copy_soon(lambda: job()(), ticket)
         made = self._gpus.get(slot.device)
         if made is not None and made.done() and not made.cancelled() and made.exception() is None:
-            return made.result().submit(self._workers, job, ticket)
-        return asyncio.ensure_future(self._run_opening(slot.device, job, ticket))
+            return made.result().submit(self._workers, job, ticket, work)
+        return asyncio.ensure_future(self._run_opening(slot.device, job, ticket, work))
 
-    async def _run_opening(self, device: int, job: Job[T], ticket: Ticket | None) -> T:
+    async def _run_opening(self, device: int, job: Job[T], ticket: Ticket | None, work: Work) -> T:
         lane = await self._lane(device)
-        return await lane.submit(self._workers, job, ticket)
+        return await lane.submit(self._workers, job, ticket, work)
 
     async def _lane(self, device: int) -> _GpuLane:
         made = self._gpus.get(device)
         if made is None:
             # Normally made at registration (open); made here on the memory
             # thread all the same if a part comes first.
-            made = self._gpus[device] = asyncio.ensure_future(self._workers.memory(lambda: _GpuLane(device)))
+            streams = self._streams or CudaStreams()
+            made = self._gpus[device] = asyncio.ensure_future(self._workers.memory(lambda: _GpuLane(device, streams)))
         try:
             return await asyncio.shield(made)
         except Exception:
@@ -102,37 +187,24 @@ class Lanes:
 
 
 class _GpuLane:
-    """One CUDA stream of this broker's on one device, and its waiter thread."""
+    """One stream of this broker's on one device, and its waiter thread."""
 
-    def __init__(self, device: int) -> None:
-        import torch
-
-        torch_for_copies()  # (one intra-op thread)
+    def __init__(self, device: int, streams: Streams) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        # The device CRC's tables (and its Triton kernel, compiled and checked
-        # against zlib): here, at registration, not in the first checksum.
-        from kvbroker.broker.device._devcrc import prepare
-
-        with torch.cuda.device(device):
-            prepare(torch.device("cuda", device))
+        self._streams = streams
+        self.stream = streams.open(device)
         self._waiting: queue.SimpleQueue[tuple[Any, Callable[[], Any], asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
         self._thread.start()
 
-    def submit(self, workers: Workers, job: Job[T], ticket: Ticket | None = None) -> asyncio.Future[T]:
+    def submit(self, workers: Workers, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> asyncio.Future[T]:
         """Launch ``job`` from the copy thread (in its ``ticket``'s turn); its
         result, once the waiter saw its event, in the future."""
-        import torch
-
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def launch() -> None:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                finish = job()
-                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                event.record(self.stream)
-            self._waiting.put((event, finish, future))
+            read, event = self._streams.launch(self.stream, job, work)
+            self._waiting.put((event, read, future))
 
         def launched(done: asyncio.Future[None]) -> None:
             # A launch that raised never reaches the waiter: its error is the job's.
@@ -146,16 +218,13 @@ class _GpuLane:
         return future
 
     def _wait(self) -> None:
-        import torch
-
         name_thread(f"kvb-gpu{self.device}")
         while (item := self._waiting.get()) is not None:
-            event, finish, future = item
+            event, read, future = item
             loop = future.get_loop()
             try:
-                event.synchronize()
-                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                    result = finish()
+                self._streams.wait(self.stream, event)
+                result = self._streams.finish(self.stream, read)
                 outcome: tuple[Any, BaseException | None] = (result, None)
             except BaseException as exc:  # handed to the awaiting task
                 outcome = (None, exc)
@@ -167,4 +236,3 @@ class _GpuLane:
     def close(self) -> None:
         self._waiting.put(None)
         self._thread.join(timeout=10)
-

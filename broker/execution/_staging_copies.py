@@ -28,6 +28,7 @@ from kvbroker.broker.device import (
     ArrayViews,
     Extent,
     Lanes,
+    Work,
     checksum,
     gather_all,
     scatter_all,
@@ -130,7 +131,8 @@ class StagingCopies:
     def _submit(self, gathers: list[_Gather]) -> None:
         """Hand ``gathers`` (slots of one buffer) to their lane as one job."""
         ticket = joint_ticket(g.ticket for g in gathers)
-        self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers), ticket).add_done_callback(partial(_gathered, gathers))
+        work = Work("gather", sum(g.slot.nbytes for g in gathers))
+        self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers), ticket, work).add_done_callback(partial(_gathered, gathers))
 
     def _gather_batch(self) -> None:
         batch, self._gathering = self._gathering, []
@@ -217,7 +219,7 @@ class StagingCopies:
             return lambda: [int(crc) for crc in crcs]
 
         try:
-            got = await self._lanes.run(_slot(slots, lane[0]), job, ticket)
+            got = await self._lanes.run(_slot(slots, lane[0]), job, ticket, Work("checksum", sum(_slot(slots, i).nbytes for i in lane)))
         except Exception as exc:
             error = as_broker_error(exc, "checksumming a packed part")
             for i in lane:
@@ -252,7 +254,7 @@ class StagingCopies:
             return lambda: failed
 
         try:
-            failed = await self._lanes.run(_slot(slots, lane[0]), job, ticket)
+            failed = await self._lanes.run(_slot(slots, lane[0]), job, ticket, Work("scatter", sum(slot.nbytes for slot, _, _ in parts)))
         except Exception as exc:
             failed = dict.fromkeys(range(len(lane)), exc)
         for k, raised in failed.items():

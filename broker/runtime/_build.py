@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from kvbroker import cudavmm
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Agent, DataPlane, Event, Workers
-from kvbroker.broker.device import ArrayViews, Lanes
+from kvbroker.broker.device import ArrayViews, Lanes, Streams
 from kvbroker.broker.execution import (
     Copying,
     Executor,
@@ -76,6 +76,7 @@ def build_broker(
     on_draining: Callable[[bool], Awaitable[None]] | None = None,
     cuda_driver: cudavmm.Driver | None = None,
     device_as_host: bool = False,
+    device_streams: Streams | None = None,
 ) -> Broker:
     """A broker, not started (:meth:`Broker.start`).
 
@@ -83,7 +84,9 @@ def build_broker(
     awaited with the draining flag whenever an operator sets it (the server's
     health service follows). ``cuda_driver``: the CUDA driver VRAM imports
     use (None: libcuda.so.1, loaded on first use); ``device_as_host``: view
-    "VRAM" as host memory (tests with the fake CUDA driver).
+    "VRAM" as host memory (tests with the fake CUDA driver); ``device_streams``:
+    how the GPU lanes launch and wait (None: CUDA's; tests and benchmarks pass
+    a modelled GPU's, ``kvbroker.testing.gpu_model``).
     """
     broker_id = broker_id or uuid.uuid4().hex
     counters = Counters()
@@ -94,7 +97,7 @@ def build_broker(
     hub = WatchHub()
     workers = Workers(queues=counters.queues)
     views = ArrayViews(device_as_host=device_as_host)
-    lanes = Lanes(workers, views)
+    lanes = Lanes(workers, views, device_streams)
 
     def on_events(events: list[Event]) -> None:
         executor.on_events(events)

@@ -59,10 +59,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--staging-mib", type=int, default=d.staging_send_bytes >> 20, metavar="MIB", help="size of each staging buffer (send and receive) for head-sliced transfers")
     p.add_argument("--no-staging", action="store_true", help="no staging buffers: head slices move with per-token descriptors")
-    p.add_argument("--device-buffer-mib", type=int, default=d.device_send_bytes >> 20, metavar="MIB", help="size of each transfer buffer (send and receive) per GPU an engine's memory lives on: the device path's slots (at most 1/32 of the GPU's memory each)")
+    p.add_argument("--device-buffer-mib", type=float, default=d.device_send_bytes / (1 << 20), metavar="MIB", help="size of each transfer buffer (send and receive) per GPU an engine's memory lives on: the device path's slots (at most 1/32 of the GPU's memory each)")
     p.add_argument("--part-mib", type=float, default=d.part_bytes / (1 << 20), metavar="MIB", help="largest part written straight between engines' pages (one NIXL write); larger chunks are cut between pages so that higher classes can pass them (0: no cut)")
     p.add_argument("--send-window-mib", type=float, default=d.send_window_bytes / (1 << 20), metavar="MIB", help="bytes of such parts in flight at most; the rest wait in class and fair-share order (0: no bound)")
-    p.add_argument("--device-part-mib", type=int, default=d.device_part_bytes >> 20, metavar="MIB", help="largest packed part (one NIXL write) on the device path; larger chunks are split")
+    p.add_argument("--device-part-mib", type=float, default=d.device_part_bytes / (1 << 20), metavar="MIB", help="largest packed part (one NIXL write) on the device path; larger chunks are split")
     p.add_argument("--transport-floor-gbps", type=float, default=d.transport_floor_gbps, metavar="GBPS", help="the transport self-test's floor: a pair of transfer buffers (either a GPU's) that writes slower moves through the host ('host fallback', a warning)")
     p.add_argument("--agent-name-prefix", default=d.agent_name_prefix, help="prefix of the NIXL agent name")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="this broker's certificate chain (mutual TLS on the TCP port)")
@@ -245,9 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
         tls_ca_file=args.tls_ca,
         staging_send_bytes=0 if args.no_staging else args.staging_mib << 20,
         staging_receive_bytes=0 if args.no_staging else args.staging_mib << 20,
-        device_send_bytes=args.device_buffer_mib << 20,
-        device_receive_bytes=args.device_buffer_mib << 20,
-        device_part_bytes=args.device_part_mib << 20,
+        device_send_bytes=int(args.device_buffer_mib * (1 << 20)),
+        device_receive_bytes=int(args.device_buffer_mib * (1 << 20)),
+        device_part_bytes=int(args.device_part_mib * (1 << 20)),
         part_bytes=int(args.part_mib * (1 << 20)),
         send_window_bytes=int(args.send_window_mib * (1 << 20)),
         transport_floor_gbps=args.transport_floor_gbps,

@@ -16,13 +16,22 @@ over loopback and scatter, with real gRPC, real UCX and real threads: what
 ``tests/test_fake_gpu_process.py`` checks. A broker started so says so on
 stderr at start, and its GPU figures are not a GPU's. Production cannot
 reach any of this without that variable.
+
+With ``KVBROKER_TESTING_GPU_MODEL`` too (``kvbroker.testing.gpu_model``),
+the fake GPUs keep a model's time: the broker's GPU lanes run (their copies
+at once, on the copy thread), their events complete when the modelled GPU
+would have finished the copies, and a write from a transfer buffer is DONE,
+and its notification seen at the peer, no sooner than the modelled link
+allows. ``bench/gpu_bench.py --fake-gpu --model h200`` measures that.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +41,7 @@ from kvbroker import cudavmm
 from kvbroker.broker.dataplane import Agent, XferState
 from kvbroker.plan import IndexArray
 from kvbroker.testing.fake_cuda import FakeCudaLib
+from kvbroker.testing.gpu_model import WRITE_TAG, ModelledStreams, WriteClock, model_from_env
 from kvbroker.v1 import common_pb2
 
 __all__ = ["FAKE_GPUS_ENV", "FakeGpuAgent", "fake_gpu_server_options"]
@@ -61,9 +71,11 @@ class FakeGpuAgent:
     which a GPU would have refused or moved at host speed.
     """
 
-    def __init__(self, inner: Agent, cuda: FakeCudaLib) -> None:
+    def __init__(self, inner: Agent, cuda: FakeCudaLib, clock: WriteClock | None = None) -> None:
         self._inner = inner
         self._cuda = cuda
+        #: A modelled GPU's writes (None: a write is DONE when UCX says so).
+        self._clock = clock
         #: VRAM registrations by the fake driver's allocation kind ("cudaMalloc", ...).
         self.vram_registrations: Counter[str] = Counter()
 
@@ -118,25 +130,43 @@ class FakeGpuAgent:
         if local_kind == _VRAM:
             for row in local_descs:
                 self._check_vram("write", int(row[0]), int(row[1]))
-        return self._inner.post_write_descs(local_descs, _host(local_kind), remote_descs, _host(remote_kind), remote_agent, notif)
+        if self._clock is None or _VRAM not in (local_kind, remote_kind):
+            return self._inner.post_write_descs(local_descs, _host(local_kind), remote_descs, _host(remote_kind), remote_agent, notif)
+        due = self._clock.post(int(local_descs[:, 1].sum()), int(local_descs[0, 2]), WRITE_TAG if notif else None)
+        handle = self._inner.post_write_descs(
+            local_descs, _host(local_kind), remote_descs, _host(remote_kind), remote_agent, self._clock.stamp(notif, due)
+        )
+        return _Modelled(handle, due)
 
     def check(self, xfer: Any) -> XferState:
+        if isinstance(xfer, _Modelled):
+            state = self._inner.check(xfer.handle)
+            return XferState.PROC if state is XferState.DONE and time.monotonic() < xfer.due else state
         return self._inner.check(xfer)
 
     def release_xfer(self, xfer: Any) -> None:
-        self._inner.release_xfer(xfer)
+        self._inner.release_xfer(xfer.handle if isinstance(xfer, _Modelled) else xfer)
 
     def descriptor_count(self, xfer: Any) -> int | None:
-        return self._inner.descriptor_count(xfer)
+        return self._inner.descriptor_count(xfer.handle if isinstance(xfer, _Modelled) else xfer)
 
     def send_notif(self, agent: str, message: bytes) -> None:
         self._inner.send_notif(agent, message)
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
-        return self._inner.get_notifs()
+        notifs = self._inner.get_notifs()
+        return notifs if self._clock is None else self._clock.arrived(notifs)
 
     def close(self) -> None:
         self._inner.close()
+
+
+@dataclass(frozen=True)
+class _Modelled:
+    """A modelled write: UCX's handle, and when the model lets it be DONE."""
+
+    handle: Any
+    due: float
 
 
 def fake_gpu_server_options(agent_name: str, ucx_error_mode: str, environ: dict[str, str] | None = None) -> dict[str, Any] | None:
@@ -156,15 +186,28 @@ def fake_gpu_server_options(agent_name: str, ucx_error_mode: str, environ: dict[
     from kvbroker.broker.dataplane import AgentConfig, UcxAgent
 
     cuda = FakeCudaLib(devices=devices, granularity=GRANULARITY, foreign_fds=True)
+    setting = model_from_env(environ)
+    streams = ModelledStreams(setting) if setting is not None else None
+    timing = (
+        f"  Its copies and writes finish when a MODEL of a GPU says ({setting.spec()}).\n"
+        if setting is not None
+        else ""
+    )
     banner = "!" * 78
     print(
         f"{banner}\n"
         f"kvbroker serve: TESTING ONLY: {FAKE_GPUS_ENV}={devices}: this broker runs on {devices} FAKE GPU(s).\n"
         "  CUDA is a scripted fake (kvbroker.testing.fake_cuda): its 'device memory' is host memory,\n"
         "  registered with NIXL as DRAM. No GPU is used; no figure from this broker is a GPU's.\n"
-        f"{banner}",
+        f"{timing}{banner}",
         file=sys.stderr,
         flush=True,
     )
     agent = UcxAgent(AgentConfig(name=agent_name, ucx_error_mode=ucx_error_mode))
-    return {"agent": FakeGpuAgent(agent, cuda), "cuda_driver": cudavmm.Driver(cuda), "device_as_host": True}
+    clock = streams.clock() if streams is not None else None
+    return {
+        "agent": FakeGpuAgent(agent, cuda, clock),
+        "cuda_driver": cudavmm.Driver(cuda),
+        "device_as_host": True,
+        "device_streams": streams,
+    }

@@ -24,6 +24,9 @@ same place keeps its keys (UCX over loopback showed it); VRAM gets new ones
 with each registration (a new cudaMalloc's IPC handle, as an H200 showed).
 With ``wire_bps`` set, every write crosses one wire of that speed in the
 order it was posted (as NIXL moves what was posted first come, first served).
+With ``clock`` set (a modelled GPU's, ``gpu_model.WriteClock``), a write
+from or into VRAM is DONE, and its notification delivered, no sooner than
+the model's link allows.
 ``vram_registrations()`` lists what VRAM is registered now, by allocation
 kind; ``vram_registered``, ``vram_sources`` and ``vram_targets`` keep what
 the agent saw over its whole life (every VRAM registration, and the VRAM
@@ -45,10 +48,12 @@ import numpy as np
 from kvbroker.broker.dataplane import XferState
 from kvbroker.errors import InvalidArgument, NixlError
 from kvbroker.plan import IndexArray, expand_rows
+from kvbroker.testing.gpu_model import WRITE_TAG
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
     from kvbroker.testing.fake_cuda import FakeCudaLib
+    from kvbroker.testing.gpu_model import WriteClock
 
 __all__ = ["HOST_SPEED_BPS", "FakeAgent", "FakeFabric", "XferScript"]
 
@@ -135,6 +140,8 @@ class FakeAgent:
         #: Bytes per second of one wire every write of this agent crosses in the order posted (None: instant).
         self.wire_bps: float | None = None
         self._wire_free = 0.0
+        #: A modelled GPU's writes: VRAM writes finish when it says (None: at once).
+        self.clock: WriteClock | None = None
         self.live_xfers: set[int] = set()
         self.posted = 0
 
@@ -286,6 +293,9 @@ class FakeAgent:
             # Measured: UCX moves a write into a VMM allocation over TCP on the host.
             self.host_speed_writes += 1
             xfer.not_before = time.monotonic() + sum(n for _, _, n in pairs) / HOST_SPEED_BPS
+        if self.clock is not None and _VRAM in (local.kind, remote.kind) and pairs:
+            device = int(local.descs[int(local_indices[0])][2])
+            xfer.not_before = max(xfer.not_before, self.clock.post(sum(n for _, _, n in pairs), device, WRITE_TAG if notif else None))
         if self.wire_bps:
             # One wire, first come first served: a write ends after those posted before it.
             self._wire_free = max(time.monotonic(), self._wire_free) + sum(n for _, _, n in pairs) / self.wire_bps

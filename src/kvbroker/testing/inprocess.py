@@ -19,10 +19,12 @@ from kvbroker import cudavmm
 from kvbroker.broker import BrokerConfig, BrokerServer
 from kvbroker.broker.runtime import Broker
 from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric
+from kvbroker.testing.gpu_model import ModelledStreams
 from kvbroker.testing.loop import LoopThread
 from kvbroker.testing.waiting import eventually
 
 if TYPE_CHECKING:
+    from kvbroker.broker.device import Streams
     from kvbroker.testing.fake_cuda import FakeCudaLib
 
 __all__ = ["FakeBroker", "start_fake_broker"]
@@ -91,6 +93,7 @@ def start_fake_broker(
     name: str,
     *,
     cuda: FakeCudaLib | None = None,
+    streams: Streams | None = None,
     **config: Any,
 ) -> FakeBroker:
     """Start a broker named ``name`` on ``loop`` and return once it serves.
@@ -103,9 +106,13 @@ def start_fake_broker(
 
     ``cuda``: the fake CUDA driver. VRAM buffers import through it, its
     "device memory" (host memory) is viewed as torch CPU tensors, and the
-    fake NIXL agent follows the rules a real GPU showed for it.
+    fake NIXL agent follows the rules a real GPU showed for it. ``streams``
+    (with ``cuda``): how its GPU lanes launch and wait; a modelled GPU's
+    (``gpu_model.ModelledStreams``) also times the agent's VRAM writes.
     """
     agent = FakeAgent(f"fake_{name}_agent", fabric, cuda=cuda)
+    if isinstance(streams, ModelledStreams):
+        agent.clock = streams.clock()
     settings: dict[str, Any] = {
         "listen_address": "127.0.0.1:0",
         "engine_socket_path": str(Path(sock_dir) / f"{name}.sock"),
@@ -117,6 +124,7 @@ def start_fake_broker(
             agent=agent,
             cuda_driver=cudavmm.Driver(cuda) if cuda is not None else None,
             device_as_host=cuda is not None,
+            device_streams=streams,
         )
         loop.run(server.start())
     except BaseException:
