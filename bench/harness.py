@@ -621,15 +621,21 @@ def _settle(agent: Any, handles: list[Any], what: str, count: list[int] | None =
 
 
 class Lane:
-    """A dedicated CUDA stream and blocking events on it; on the host work is done when issued."""
+    """A dedicated CUDA stream and blocking events on it; on the host work is done when issued, unless a modelled GPU
+    (``streams``: kvbroker.testing.gpu_model) says when it is done."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, streams: Any = None) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.streams = streams
 
     def on(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
-    def mark(self) -> Any:
+    def mark(self, op: str, nbytes: int) -> Any:
+        """An event after the work issued so far (``op`` over ``nbytes``: what a modelled GPU times)."""
+        if self.streams is not None:
+            from kvbroker.broker.device import Work
+            return self.streams.timelines.take(op, self.streams.host, 0, self.streams.model.job_seconds(Work(op, nbytes)), nbytes)
         event = torch.cuda.Event(blocking=True) if self.stream is not None else None
         if event is not None:
             event.record(self.stream)
@@ -637,14 +643,28 @@ class Lane:
 
     @staticmethod
     def done(event: Any, wait: bool) -> bool:
+        if isinstance(event, float):  # a modelled GPU's: when it completes
+            if wait:
+                time.sleep(max(0.0, event - time.monotonic()))
+            return time.monotonic() >= event
         if event is not None and wait:
             event.synchronize()
         return event is None or wait or bool(event.query())
 
 
-def _scatter_slots(agent: Any, peer: str, dstv: Any, ring: Any, didx: list[Any], timeout: float) -> float:
+def modelled(spec: str | None) -> tuple[Any, Any]:
+    """The modelled GPU ``spec`` names (kvbroker.testing.gpu_model), as a lane's streams and a write clock; (None, None)
+    without one."""
+    if not spec:
+        return None, None
+    from kvbroker.testing.gpu_model import ModelledStreams, ModelSetting
+    streams = ModelledStreams(ModelSetting.parse(spec))
+    return streams, streams.clock()
+
+
+def _scatter_slots(agent: Any, peer: str, dstv: Any, ring: Any, didx: list[Any], timeout: float, lane: Lane) -> float:
     """The staged path's target: scatter each slot that arrives, then return it; the end time."""
-    lane, pending, done = Lane(dstv.device), deque(), 0
+    pending, done = deque(), 0
     regions, _, page = dstv.shape
     deadline = time.monotonic() + timeout
     while done < len(didx):
@@ -655,24 +675,31 @@ def _scatter_slots(agent: Any, peer: str, dstv: Any, ring: Any, didx: list[Any],
                 slot = ring[k, : regions * didx[i].numel() * page].view(regions, -1, page)
                 with lane.on():
                     dstv.index_copy_(1, didx[i], slot)
-                pending.append((k, lane.mark()))
+                pending.append((k, lane.mark("scatter", slot.numel())))
                 arrived += 1
         while pending and Lane.done(pending[0][1], wait=not arrived):
             agent.send_notif(peer, str(pending.popleft()[0]).encode())
             done += 1
+        if not arrived:
+            os.sched_yield()  # a pass that found nothing gives the kernel its turn (UCX's TCP lanes need it on small hosts)
         if time.monotonic() > deadline:
             raise BenchFailed(f"raw staged target: {done} of {len(didx)} chunks after {timeout} s")
     return time.perf_counter()
 
 
 def _target_main(conn: Connection, device_name: str, nbytes: int, dst_path: str, slot_bytes: int, slots: int,
-                 seed: int, ucx_error_mode: str) -> None:
+                 seed: int, ucx_error_mode: str, model: str | None = None) -> None:
     """The raw NIXL target process: the destination and slots; zeroes, checks, waits for a notification and scatters on
     command (each answered ("ok", value))."""
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    streams, clock = modelled(model)
     agent = bare_agent(f"bench-target-{os.getpid()}", ucx_error_mode=ucx_error_mode)
+    if clock is not None:
+        from kvbroker.testing.gpu_model import ModelledNixl
+        agent = ModelledNixl(agent, clock)
+    lane = Lane(device, streams)
     if dst_path:  # the initiator's memfd: it reads the bytes itself
         fd = os.open(dst_path, os.O_RDWR)
         dst = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
@@ -698,7 +725,7 @@ def _target_main(conn: Connection, device_name: str, nbytes: int, dst_path: str,
             shape, didx = a[0], [torch.from_numpy(d).to(device) for d in a[1]]
         elif cmd == "scatter":
             conn.send(("ok", None))
-            out = _scatter_slots(agent, peer, shaped(dst, shape), ring, didx, a[0])
+            out = _scatter_slots(agent, peer, shaped(dst, shape), ring, didx, a[0], lane)
         elif cmd == "arm":  # when the notification ``a[0]`` arrives (None: not within a[1] s)
             conn.send(("ok", None))
             deadline = time.monotonic() + a[1]
@@ -721,7 +748,8 @@ class RawPeer:
     us while it waits for one, and every 1 ms while idle."""
 
     def __init__(self, held: Held, device: Any, nbytes: int, *, src: Any = None, slot_bytes: int = 0,
-                 slots: int = 0, seed: int = 1, ucx_error_mode: str = "peer", telemetry: bool = False) -> None:
+                 slots: int = 0, seed: int = 1, ucx_error_mode: str = "peer", telemetry: bool = False,
+                 model: str | None = None) -> None:
         self.device, self.slots, self.slot_bytes, self.telemetry = device, slots, slot_bytes, telemetry
         dst_path = ""
         self.dst: np.ndarray | None = None
@@ -734,8 +762,12 @@ class RawPeer:
             held.defer("closing the raw NIXL destination", lambda: os.close(self.fd))
         self.held = held
         self.child = held.spawn("raw NIXL target", _target_main, str(device), nbytes, dst_path, slot_bytes,
-                                slots, seed, ucx_error_mode)
+                                slots, seed, ucx_error_mode, model)
+        streams, clock = modelled(model)
         self.agent = bare_agent(f"bench-initiator-{os.getpid()}", ucx_error_mode=ucx_error_mode, telemetry=telemetry)
+        if clock is not None:
+            from kvbroker.testing.gpu_model import ModelledNixl
+            self.agent = ModelledNixl(self.agent, clock)
         self.src = pattern_bytes(seed, nbytes, device) if src is None else src
         self.ring = torch.zeros(slots, slot_bytes, dtype=torch.uint8, device=device)
         _register(self.agent, self.src, *([self.ring] if slots else []))
@@ -744,7 +776,7 @@ class RawPeer:
         self.peer = self.agent.add_remote_agent(meta)
         self.peer = self.peer.decode() if isinstance(self.peer, bytes) else self.peer
         self.child.conn.send(bytes(self.agent.get_agent_metadata()))
-        self.lane = Lane(device)
+        self.lane = Lane(device, streams)
         self.seq = 0
         sync(device)
 
@@ -814,7 +846,7 @@ class RawPeer:
                 slot = self.ring[k, :chunk_bytes].view(shape[0], -1, shape[2])
                 with self.lane.on():
                     torch.index_select(srcv, 1, sidx[issued], out=slot)
-                gathered.append((issued, k, self.lane.mark()))
+                gathered.append((issued, k, self.lane.mark("gather", chunk_bytes)))
                 issued += 1
             if gathered and Lane.done(gathered[0][2], wait=not inflight):
                 i, k, _ = gathered.popleft()
@@ -823,9 +855,11 @@ class RawPeer:
                     raise BenchFailed("raw staged: NIXL refused a transfer")
                 inflight.append(h)
             inflight = _settle(ag, inflight, "raw staged")
-            for msgs in ag.get_new_notifs().values():
-                free.extend(int(bytes(m)) for m in msgs)
-                credits += len(msgs)
+            returned = [int(bytes(m)) for msgs in ag.get_new_notifs().values() for m in msgs]
+            free.extend(returned)
+            credits += len(returned)
+            if not returned:
+                os.sched_yield()  # as the target's loop
             if time.monotonic() > deadline:
                 raise BenchFailed(f"raw staged: {credits} of {n} chunks after {timeout} s")
         t_end = self.child.recv(timeout)[1]

@@ -1,6 +1,8 @@
 """Soak test: many rooms through two brokers for a set time, with faults injected.
 
     python bench/soak.py --minutes 10 [--fault-rate 0.1] [--kill-every 45] [--restart-every 120] [--json]
+    python bench/soak.py --fake-vram --minutes 5     # the device path on fake GPUs (CPU only)
+    python bench/soak.py --device cuda --minutes 3   # the device path on cuda:0
 
 The run, its faults and what fails it: docs/benchmarks.md. The decode rank lives in this process (``Soak``)
 and checks every byte of every SUCCESS room; the prefill ranks are child processes (``PrefillEngine``). A
@@ -31,6 +33,8 @@ import torch
 from kvbroker.brokerproc import BrokerProcess
 from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, SenderRef
 from kvbroker.errors import KvBrokerError, NotFound, Unavailable
+from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
+from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 from kvbroker.testing.pattern import fill_rank, verify_room, write_aux
 from kvbroker.testing.room_plan import pool_pages
 from kvbroker.v1 import common_pb2
@@ -43,6 +47,26 @@ STEADY, VICTIM, DECODE_GROUP = "soak-steady", "soak-victim", "soak-decode"
 #: The failure causes a room carrying a fault's tag may end with.
 EXPECTED_CAUSE = {"abort-decode": {"ABORTED"}, "abort-prefill": {"ABORTED"}, "engine-kill": {"ENGINE_LOST"},
                   "broker-restart": {"PEER"}, "sender-error": {"ABORTED"}, "stuck": {"ABORTED"}}
+
+
+#: Where the ranks' KV lives (``--fake-vram``, ``--device``); in VRAM it moves as packed parts (the device path).
+KV_PLACES = {"dram": "host memory (DRAM)", "fake-vram": f"fake VRAM (brokers with {FAKE_GPUS_ENV}=1)", "cuda": "VRAM of cuda:0"}
+
+
+def allocate(spec: RankSpec, kv: str, num_pages: int, aux_rows: int) -> EngineMemory:
+    """A rank's memory, its KV where ``kv`` says (:data:`KV_PLACES`). Fake VRAM is host memory that the broker takes
+    for VRAM of a fake driver of this process (``as_fake_vram``): the rank's tensors stay views of it."""
+    memory = EngineMemory.allocate(spec, MODEL, num_pages=num_pages, aux_rows=aux_rows, aux_row_bytes=AUX_ROW_BYTES,
+                                   device="cuda:0" if kv == "cuda" else "cpu")
+    if kv == "fake-vram":
+        as_fake_vram(memory, FakeCudaLib(devices=1, granularity=GRANULARITY))
+    return memory
+
+
+def written(memory: EngineMemory) -> None:
+    """Let what this process wrote into ``memory`` land before a broker reads or writes it (VRAM: the stream's work)."""
+    if memory.raw is not None:
+        h.sync(memory.raw.device)
 
 
 def kind_name(kind: int) -> str:
@@ -65,6 +89,21 @@ def mib(kib: int | None) -> str:
     return "-" if kib is None else f"{kib / 1024:.1f} MiB"
 
 
+def buffers_held(stats: Any) -> dict[str, int]:
+    """What a broker's ``GetStats`` says it holds (nonzero only): bytes reserved in its send buffers (send slots, host
+    staging and GPU transfer buffers), in its receive buffers (receive slots and the credits it granted), and work
+    waiting in each queue (``send_slots``, ``receive_slots``, ``credits``, ...)."""
+    held = collections.Counter({"send_bytes": stats.staging_send_bytes_in_use, "receive_bytes": stats.staging_receive_bytes_in_use})
+    for row in stats.queues:
+        held[f"{row.queue}_waiting"] += row.waiting
+    return {k: v for k, v in held.items() if v}
+
+
+def device_counters(stats: Any, side: str) -> dict[str, int]:
+    """A broker's device-path counters (``GetStats``): the packed parts it sent, its device launches (gathers, scatters)."""
+    return {f"{side}_packed_parts": stats.transfers_packed, f"{side}_device_launches": stats.device_launches}
+
+
 class BrokerGone(Exception):
     pass
 
@@ -84,11 +123,14 @@ class PrefillEngine:
     reason, attempts, seconds, last refusal), ("final", room, state, cause, message, bytes), ("error", room,
     message), ("lost", rooms, reason), ("note", room, text), ("crash", traceback), ("stopped", unfinished rooms)."""
 
-    def __init__(self, address: str, group: str, slots: int, conn: Any) -> None:
+    def __init__(self, address: str, group: str, slots: int, kv: str, conn: Any) -> None:
         self.address, self.spec, self.slots, self.conn = address, RankSpec(group=group, role="prefill"), slots, conn
         self.client: BrokerClient | None = None
         self.engine: Any = None
-        self.memory: EngineMemory | None = None
+        # Filled once; registered again with each broker incarnation, as an engine keeps its KV cache.
+        self.memory = allocate(self.spec, kv, PREFILL_POOL_PAGES, slots)
+        fill_rank(self.memory, MODEL, self.spec)
+        written(self.memory)
         self.open: dict[int, SendingRoom] = {}
         self.actions: list[tuple[float, int, int, str]] = []  # (when, seq, room, "chunk" or "abort"), a heap
         self.seq, self.stopping_since = 0, None
@@ -97,25 +139,22 @@ class PrefillEngine:
         started, attempts, last = time.monotonic(), 0, ""
         while True:
             attempts += 1
-            memory = client = None
+            client = None
             try:
                 client = BrokerClient(self.address, timeout_seconds=5)
-                memory = EngineMemory.allocate(self.spec, MODEL, num_pages=PREFILL_POOL_PAGES, aux_rows=self.slots,
-                                               aux_row_bytes=AUX_ROW_BYTES)
-                fill_rank(memory, MODEL, self.spec)
-                engine = client.register_engine(self.spec, memory)
+                engine = client.register_engine(self.spec, self.memory)
             except (KvBrokerError, OSError) as exc:
                 last = str(exc)
-                h.release(None, client, memory)
+                h.release(None, client)
                 time.sleep(0.2)
                 continue
-            self.client, self.memory, self.engine = client, memory, engine
+            self.client, self.engine = client, engine
             self.conn.send(("ready", reason, attempts, round(time.monotonic() - started, 3), last[:300]))
             return
 
     def disconnect(self) -> None:
-        h.release(self.engine, self.client, self.memory)
-        self.engine = self.client = self.memory = None
+        h.release(self.engine, self.client)
+        self.engine = self.client = None
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a broker call; BrokerGone when the broker (or our registration) went away."""
@@ -137,8 +176,8 @@ class PrefillEngine:
         self.conn.send(("error", room, f"{what}: {exc}"[:400]))
 
     def begin(self, room: int, src: list[int], bounds: list[tuple[int, int]], slot: int, abort_after: int | None, gap: float) -> None:
-        assert self.memory is not None
         write_aux(self.memory, room, slot)
+        written(self.memory)
         sender = self.engine.sender(room)
         # Open before the call: a BrokerGone from it reports the room as lost.
         self.open[room] = SendingRoom(sender, src, bounds, abort_after, gap)
@@ -222,6 +261,7 @@ class PrefillEngine:
                 if self.stopping_since is not None and (not self.open or now - self.stopping_since > 30):
                     unfinished = list(self.open)
                     self.disconnect()
+                    self.memory.close()
                     self.conn.send(("stopped", unfinished))
                     return
             except KvBrokerError as exc:
@@ -235,15 +275,16 @@ class PrefillEngine:
                 self.conn.send(("lost", lost, str(exc)[:400]))
                 self.disconnect()
                 if self.stopping_since is not None:
+                    self.memory.close()
                     self.conn.send(("stopped", lost))
                     return
                 self.connect(str(exc)[:200])
 
 
-def prefill_engine_main(conn: Any, address: str, group: str, slots: int, log_path: str) -> None:
+def prefill_engine_main(conn: Any, address: str, group: str, slots: int, kv: str, log_path: str) -> None:
     torch.set_num_threads(1)
     try:
-        PrefillEngine(address, group, slots, conn).run()
+        PrefillEngine(address, group, slots, kv, conn).run()
     except BaseException:
         with open(log_path, "a") as f:
             f.write(f"{time.strftime('%H:%M:%S')} pid {os.getpid()} crashed:\n{traceback.format_exc()}\n")
@@ -386,7 +427,10 @@ class Soak:
             "--peer-heartbeat", str(args.peer_heartbeat), "--peer-dead-after", str(args.peer_dead_after), "--finished-room-ttl",
             str(args.finished_room_ttl), "--tombstone-ttl", str(args.tombstone_ttl), "--orphan-timeout", "15", "--bootstrap-timeout",
             "15", "--sender-info-timeout", "30", "--receiver-data-timeout", "60", "--transfer-timeout", "30",
-            "--unregister-settle-timeout", "5", "--log-level", args.broker_log_level]
+            "--unregister-settle-timeout", "5", "--device-buffer-mib", str(args.device_buffer_mib), "--device-part-mib",
+            str(args.device_part_mib), "--log-level", args.broker_log_level]
+        # --fake-vram: the brokers' device path runs on a fake CUDA driver (kvbroker.testing.fake_gpu).
+        self.broker_env = {**os.environ, FAKE_GPUS_ENV: "1"} if args.kv == "fake-vram" else None
         self.t0, self.duration = time.monotonic(), args.minutes * 60.0
         self.prefill: BrokerProcess | None = None
         self.decode_broker: BrokerProcess | None = None
@@ -398,6 +442,9 @@ class Soak:
         self.broker_deaths: list[str] = []
         self.engine_crashes: list[str] = []
         self.rss_decode: dict[str, int | None] = {}
+        #: The device path's counters of the prefill incarnations killed (read just before the kill).
+        self.device_counts: collections.Counter[str] = collections.Counter()
+        self.last_stats: dict[str, Any] = {}  # each broker's last GetStats (buffers_free)
         self.last_fault_at = self.next_kill = self.next_restart = 0.0
         self.last_progress = (0.0, 0)
         self.stopping_children = False
@@ -418,7 +465,8 @@ class Soak:
     def start_prefill_broker(self) -> None:
         n = len(self.incarnations) + 1
         for attempt in range(10):
-            broker = BrokerProcess.launch(f"prefill-{n}", self.workdir, [*self.broker_args, "--listen", self.prefill_address])
+            broker = BrokerProcess.launch(f"prefill-{n}", self.workdir, [*self.broker_args, "--listen", self.prefill_address],
+                                          env=self.broker_env)
             try:
                 # Keep watching the decode rooms meanwhile: a room that ends
                 # now is evicted after --finished-room-ttl, maybe before this returns.
@@ -427,10 +475,15 @@ class Soak:
                 self.event(f"prefill broker #{n} did not start (attempt {attempt + 1}): {str(exc)[-300:]}")
                 time.sleep(0.5)
                 continue
+            self.check_fake_gpu(broker)
             self.prefill = broker
             self.incarnations.append(Incarnation(n, broker, time.monotonic()))
             return
         raise RuntimeError("the prefill broker could not be restarted on its port")
+
+    def check_fake_gpu(self, broker: BrokerProcess) -> None:
+        if self.args.kv == "fake-vram" and "FAKE GPU" not in broker.log_tail(100_000):
+            raise h.BenchFailed(f"broker {broker.name} does not say it runs on a fake GPU ({FAKE_GPUS_ENV})")
 
     def prefill_gone(self, ended: str, what: str) -> None:
         """The prefill broker was killed or died: its children re-register, rooms not yet ended carry ``what``."""
@@ -445,6 +498,10 @@ class Soak:
         assert self.prefill is not None
         inc = self.incarnations[-1]
         inc.rss_last_kib = h.rss(self.prefill.process.pid, 1024)
+        try:
+            self.device_counts.update(device_counters(self.prefill.stats(timeout_seconds=2), "prefill"))
+        except Exception as exc:  # its parts go uncounted: only a figure of the summary
+            self.event(f"GetStats of prefill broker #{inc.n} before its kill failed: {exc}")
         self.prefill_gone("killed", "broker-restart")
         self.prefill.kill()
         self.counts["broker_restarts"] += 1
@@ -473,7 +530,7 @@ class Soak:
     def start_child(self, child: Child) -> None:
         child.incarnation += 1
         started = h.spawn(f"soak-{child.name}-{child.incarnation}", prefill_engine_main, self.prefill_address, child.group,
-                        self.args.slots, str(self.workdir / f"engine-{child.name}.log"))
+                          self.args.slots, self.args.kv, str(self.workdir / f"engine-{child.name}.log"))
         child.process, child.conn, child.ready, child.since = started.proc, started.conn, False, time.monotonic()
 
     def child_gone(self, child: Child, tag: str, state: str) -> int:
@@ -573,12 +630,13 @@ class Soak:
         if fault == "abort-decode":
             room.abort_at = time.monotonic() + rng.uniform(0, 0.06)
         # Zero the destination so a page the broker did not write cannot pass.
-        idx = torch.as_tensor(dst, dtype=torch.int64)
+        idx = torch.as_tensor(dst, dtype=torch.int64, device=self.memory.raw.device)
         for layer in range(MODEL.num_layers):
             for t in self.memory.kv_tensors(layer):
                 t[idx] = 0
         for aux in self.memory.aux:
             aux[slot].zero_()
+        written(self.memory)
         self.rooms[rid] = room
         child.rooms.add(rid)
         self.counts["rooms_started"] += 1
@@ -694,12 +752,12 @@ class Soak:
         args = self.args
         self.held.say(f"soak: {args.minutes:g} min, fault rate {args.fault_rate:g}, engine kill every ~{args.kill_every:g} s, "
                       f"prefill broker restart every ~{args.restart_every:g} s, {args.inflight} rooms in flight per prefill engine; "
-                      f"logs in {self.workdir}")
-        self.decode_broker = BrokerProcess.launch("decode", self.workdir, self.broker_args)
+                      f"KV in {KV_PLACES[args.kv]}; logs in {self.workdir}")
+        self.decode_broker = BrokerProcess.launch("decode", self.workdir, self.broker_args, env=self.broker_env)
         self.start_prefill_broker()
         self.decode_broker.wait_ready(60)
-        self.memory = EngineMemory.allocate(self.spec, MODEL, num_pages=pool_pages(args.max_pages, args.slots),
-                                            aux_rows=args.slots, aux_row_bytes=AUX_ROW_BYTES)
+        self.check_fake_gpu(self.decode_broker)
+        self.memory = allocate(self.spec, args.kv, pool_pages(args.max_pages, args.slots), args.slots)
         self.engine = BrokerClient(self.decode_broker.address).register_engine(self.spec, self.memory)
         self.children = [Child("steady", STEADY, killable=False), Child("victim", VICTIM, killable=True)]
         for child in self.children:
@@ -744,6 +802,23 @@ class Soak:
     def tables(self, brokers: dict[str, BrokerProcess | None]) -> dict[str, dict[str, int]]:
         return {name: dict(b.stats().per_room_state) for name, b in brokers.items() if b and b.process.poll() is None}
 
+    def buffers_free(self, brokers: dict[str, BrokerProcess | None], when: str) -> dict[str, Any]:
+        """Wait up to --buffers-wait s until no live broker holds a slot or a credit (idle credits go back after 1 s
+        unused): what each held at the last look, and after how long all was free."""
+        started = time.monotonic()
+        while True:
+            held: dict[str, dict[str, int]] = {}
+            for name, broker in ((n, b) for n, b in brokers.items() if b is not None and b.process.poll() is None):
+                try:
+                    self.last_stats[name] = stats = broker.stats(timeout_seconds=5)
+                    held[name] = buffers_held(stats)
+                except Exception as exc:  # a broker that does not answer holds what it holds
+                    held[name] = {f"GetStats failed: {exc}"[:200]: 1}
+            waited, free = round(time.monotonic() - started, 1), not any(held.values())
+            if free or waited >= self.args.buffers_wait:
+                return {"when": when, "free": free, "after_s": waited, "held": held}
+            time.sleep(0.25)
+
     def finish(self, run_seconds: float, decode_alive: bool) -> dict[str, Any]:
         args, c, t = self.args, self.counts, self.tally
         # RSS at the end of the load (engines still registered: comparable with the warm-up).
@@ -761,6 +836,9 @@ class Soak:
             time.sleep(0.01)
         unfinished = [f"room {r.id} decode={r.decode_state} settled={r.settled} sender={r.sender_state} tags={sorted(r.tags)}"
                       for r in self.rooms.values()]
+        brokers = {"prefill": self.prefill, "decode": self.decode_broker}
+        # Every room ended, the engines still registered: every slot and credit must be free.
+        buffers = [self.buffers_free(brokers, "rooms drained, engines registered")]
         # 2. The engines unregister.
         self.stopping_children = True
         for child in self.children:
@@ -783,7 +861,6 @@ class Soak:
         wait = args.finished_room_ttl + args.tombstone_ttl + 5
         drained_at = time.monotonic()
         tables: dict[str, dict[str, int]] = {}
-        brokers = {"prefill": self.prefill, "decode": self.decode_broker}
         while True:
             try:
                 tables = self.tables(brokers)
@@ -802,6 +879,10 @@ class Soak:
                     break
             except Exception:
                 break
+        buffers.append(self.buffers_free(brokers, "engines unregistered, rooms evicted"))
+        device = collections.Counter(self.device_counts)
+        for side, stats in self.last_stats.items():
+            device.update(device_counters(stats, side))
         # 4. RSS once idle (engines unregistered, tables evicted), then stop the brokers.
         self.rss_decode["idle"] = h.rss(self.decode_broker.process.pid, 1024) if self.decode_broker else None
         rss_prefill_idle = h.rss(self.prefill.process.pid, 1024) if self.prefill is not None and self.prefill.process.poll() is None else None
@@ -811,10 +892,15 @@ class Soak:
         seen = [b for b in (self.decode_broker, *(i.broker for i in self.incarnations)) if b is not None]
         warnings = {b.name: w for b in seen if (w := b.warnings())}  # each broker's log, warning and worse
         bad_exit = {k: v for k, v in exit_codes.items() if v != 0}
+        held = [f"{b['when']}: {b['held']}" for b in buffers if not b["free"]]
         reasons = [text for failed, text in (
             (c["byte_mismatches"] or guard_problems, f"{c['byte_mismatches']} byte mismatches, {len(guard_problems)} overwritten guards"),
-            (leaked, f"leaked records: {leaked}"), (self.broker_deaths, f"{len(self.broker_deaths)} unexpected broker deaths"),
-            (bad_exit, f"brokers exited badly on SIGTERM: {bad_exit}"), (not c["rooms_verified"], "no room was verified")) if failed]
+            (c["rooms_failed_unexpectedly"], f"{c['rooms_failed_unexpectedly']} rooms failed unexplained by an injected fault"),
+            (leaked, f"leaked records: {leaked}"), (held, f"slots or credits still held {args.buffers_wait:g} s on: {'; '.join(held)}"),
+            (self.broker_deaths, f"{len(self.broker_deaths)} unexpected broker deaths"),
+            (bad_exit, f"brokers exited badly on SIGTERM: {bad_exit}"), (not c["rooms_verified"], "no room was verified"),
+            (args.kv != "dram" and c["rooms_verified"] and not (device["prefill_packed_parts"] and device["decode_device_launches"]),
+             f"KV in {KV_PLACES[args.kv]}, yet no packed part moved: {device}")) if failed]
 
         def spread(values: dict[str, list[float]]) -> dict[str, dict[str, float]]:
             return {k: {"n": len(v), "max": round(max(v), 2), "mean": round(sum(v) / len(v), 2)} for k, v in values.items()}
@@ -837,6 +923,7 @@ class Soak:
             "reregister_seconds": spread(t.reregister), "fault_to_failure_seconds": spread(t.fault_latency),
             "engine_crashes": self.engine_crashes, "broker_deaths": self.broker_deaths, "per_room_state": tables,
             "leaked": leaked, "leak_drained_after_s": late_drain, "eviction_wait_s": wait,
+            "kv": args.kv, "device_path": device, "buffers_free": buffers,
             "rss_kib": {"decode": self.rss_decode, "prefill_idle": rss_prefill_idle, "prefill_incarnations": [
                 {"n": i.n, "pid": i.broker.process.pid, "warm": i.rss_warm_kib, "last": i.rss_last_kib, "ended": i.ended} for i in self.incarnations]},
             "broker_exit": exit_codes, "broker_log_warnings": warnings, "events": self.events[-40:]}
@@ -897,6 +984,12 @@ def print_report(r: dict[str, Any]) -> None:
     for name, table in r["per_room_state"].items():
         p(f"  {name:8} " + ", ".join(f"{k}={v}" for k, v in sorted(table.items())))
     p(f"leaked records: {len(r['leaked'])}" + (f" {r['leaked']}; drained after {r['leak_drained_after_s']} s" if r["leaked"] else ""))
+    for b in r["buffers_free"]:
+        p(f"slots and credits, {b['when']}: " + (f"all free on both brokers (after {b['after_s']} s)" if b["free"] else
+          "NOT all free: " + "; ".join(f"{name} {held or 'nothing'}" for name, held in b["held"].items())))
+    d = r["device_path"]
+    p(f"device path: KV in {KV_PLACES[r['kv']]}; {d['prefill_packed_parts']} packed parts sent (every prefill incarnation), "
+      f"device launches prefill {d['prefill_device_launches']}, decode {d['decode_device_launches']}")
     rss, incs = r["rss_kib"], r["rss_kib"]["prefill_incarnations"]
     p(f"RSS decode broker: {mib(rss['decode'].get('start'))} after warm-up -> {mib(rss['decode'].get('end'))} at the end of the load "
       f"({mib(rss['decode'].get('idle'))} idle, after the engines unregistered)")
@@ -936,11 +1029,22 @@ def main() -> int:
     add("--finished-room-ttl", type=float, default=3.0)
     add("--tombstone-ttl", type=float, default=5.0)
     add("--broker-log-level", default="warning")
+    add("--fake-vram", action="store_true", help=f"every rank's KV in fake VRAM: brokers with {FAKE_GPUS_ENV}=1 move it as "
+        "packed parts on a fake CUDA driver (CPU only)")
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: every rank's KV in VRAM of cuda:0 (a GPU host)")
+    add("--device-buffer-mib", type=int, default=8, help="each broker's transfer buffers per GPU (send and receive)")
+    add("--device-part-mib", type=int, default=1, help="largest packed part (a room's largest chunk is 1 MiB and its aux)")
+    add("--buffers-wait", type=float, default=10.0, help="seconds every slot and credit may take to be free at the end")
     add("--seed", type=int, default=secrets.randbits(31))
     add("--verbose", action="store_true", help="print fault events as they happen")
     add("--json", action="store_true", help="one JSON line on stdout (progress goes to stderr)")
     args = parser.parse_args()
     args.keep_logs = True  # the brokers' and engines' logs: the report names them
+    if args.fake_vram and args.device == "cuda":
+        parser.error("--fake-vram and --device cuda: one or the other")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (--fake-vram runs the device path without a GPU)")
+    args.kv = "cuda" if args.device == "cuda" else "fake-vram" if args.fake_vram else "dram"
     if args.slots < 2 * args.inflight:
         parser.error("--slots must be at least 2 x --inflight")
     if pool_pages(args.max_pages, 1) > PREFILL_POOL_PAGES or args.min_pages < 1 or args.min_pages > args.max_pages:
