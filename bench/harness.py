@@ -694,6 +694,7 @@ def _target_main(conn: Connection, device_name: str, nbytes: int, dst_path: str,
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    torch.set_num_threads(1)  # as the broker's copies: a pool of a thread per core spins on the cores the other side needs
     streams, clock = modelled(model)
     agent = bare_agent(f"bench-target-{os.getpid()}", ucx_error_mode=ucx_error_mode)
     if clock is not None:
@@ -764,6 +765,7 @@ class RawPeer:
         self.child = held.spawn("raw NIXL target", _target_main, str(device), nbytes, dst_path, slot_bytes,
                                 slots, seed, ucx_error_mode, model)
         streams, clock = modelled(model)
+        torch.set_num_threads(1)  # as the target's
         self.agent = bare_agent(f"bench-initiator-{os.getpid()}", ucx_error_mode=ucx_error_mode, telemetry=telemetry)
         if clock is not None:
             from kvbroker.testing.gpu_model import ModelledNixl

@@ -66,7 +66,6 @@ PRIVATE_IMPORTS_ALLOWED: dict[str, tuple[set[str], str]] = {
     "tests/test_device_setup.py": ({"kvbroker.broker.device._lanes"}, "replaces the GPU lane class with a recording one"),
     "tests/test_service.py": ({"kvbroker.broker.runtime._broker"}, "patches the protocol version the broker speaks"),
     "tests/test_session.py": ({"kvbroker.broker.runtime._room_sides"}, "lists the sides of a room on a broker"),
-    "tests/unit/test_batched_copies.py": ({"kvbroker.broker.device._block_copies"}, "switches the GPU-gather-on-host flag"),
     "tests/unit/test_devcrc.py": ({"kvbroker.broker.device._devcrc_triton"}, "loads the Triton kernel's module, or a stand-in, by name"),
     "tests/unit/test_room_timeouts.py": (
         {"kvbroker.adapters._timeouts", "kvbroker.adapters._vllm_config"},

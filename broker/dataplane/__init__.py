@@ -2,13 +2,14 @@
 
 from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState
 from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
-from kvbroker.broker.dataplane._workers import Workers, name_thread, settle
+from kvbroker.broker.dataplane._workers import LoopInbox, Workers, name_thread, settle
 
 __all__ = [
     "Agent",
     "AgentConfig",
     "DataPlane",
     "Event",
+    "LoopInbox",
     "Notices",
     "Posting",
     "Settled",

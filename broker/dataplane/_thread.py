@@ -102,6 +102,8 @@ class Settled:
     descriptors: int | None
     error: KvBrokerError | None
     elapsed_s: float
+    #: When the data plane saw it settle (monotonic seconds).
+    settled_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import structlog
+
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.broker.telemetry import QueueObserver, QueueStats
 
-__all__ = ["Workers", "name_thread", "settle"]
+__all__ = ["LoopInbox", "Workers", "name_thread", "settle"]
+
+log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -61,12 +65,50 @@ def settle(future: asyncio.Future[Any], result: Any, error: BaseException | None
         future.set_result(result)
 
 
+class LoopInbox:
+    """What threads tell the control loop, in batches: any thread :meth:`put` s a
+    call, and the loop runs every call put since its last batch in one callback
+    (one ``call_soon_threadsafe`` per batch, not per call). Made on the loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._calls: list[Callable[[], None]] = []
+        self._scheduled = False
+        #: Batches delivered (for tests: how often the loop was woken).
+        self.batches = 0
+
+    def put(self, call: Callable[[], None]) -> None:
+        """Have the loop run ``call`` with the next batch (any thread)."""
+        with self._lock:
+            self._calls.append(call)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop closed under us (process exit)
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+            self._scheduled = False
+        self.batches += 1
+        for call in calls:
+            try:
+                call()
+            except Exception:
+                log.exception("loop_inbox_call_failed")
+
+
 class _Job:
-    """A job for a worker thread: the call and the future its outcome goes to."""
+    """A job for a worker thread: the call and the future its outcome goes to
+    (None: the call tells whoever needs it itself)."""
 
     __slots__ = ("fn", "future", "ticket")
 
-    def __init__(self, fn: Callable[[], Any], future: asyncio.Future[Any], ticket: Ticket) -> None:
+    def __init__(self, fn: Callable[[], Any], future: asyncio.Future[Any] | None, ticket: Ticket) -> None:
         self.fn, self.future, self.ticket = fn, future, ticket
 
 
@@ -95,12 +137,22 @@ class _Worker:
     def submit(self, fn: Callable[[], T], ticket: Ticket | None = None) -> asyncio.Future[T]:
         """Run ``fn`` on the thread; its outcome in the future (on the loop).
         ``ticket``: its place among the jobs waiting (None: STANDARD, in order)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._asked.append(_Job(fn, future, ticket or _IN_ORDER))
-        if len(self._asked) == 1:
-            loop.call_soon(self._hand_over)
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._ask(_Job(fn, future, ticket or _IN_ORDER))
         return future
+
+    def run(self, fn: Callable[[], None], ticket: Ticket | None = None) -> None:
+        """Run ``fn`` on the thread, which tells whoever needs its outcome itself:
+        nothing comes back to the loop (an exception it lets out is logged). Any
+        thread may call this (a lane's waiter hands the next copy on so)."""
+        with self._ready:
+            self._jobs.push(_Job(fn, None, ticket or _IN_ORDER), ticket or _IN_ORDER)
+            self._ready.notify()
+
+    def _ask(self, job: _Job) -> None:
+        self._asked.append(job)
+        if len(self._asked) == 1:
+            asyncio.get_running_loop().call_soon(self._hand_over)
 
     def _hand_over(self) -> None:
         asked, self._asked = self._asked, []
@@ -130,17 +182,24 @@ class _Worker:
                 outcome: tuple[Any, BaseException | None] = (job.fn(), None)
             except BaseException as exc:  # handed to the awaiting task
                 outcome = (None, exc)
+            if job.future is None:
+                if outcome[1] is not None:
+                    log.error("worker_job_failed", thread=self._os_name, exc_info=outcome[1])
+                if not last:
+                    continue
             # Tell the loop when nothing else waits, or sooner where jobs
             # take long (a large host copy: its part goes on meanwhile).
             now = time.monotonic()
             with self._lock:
-                self._done.append((job.future, *outcome))
-                tell = not self._telling and (last or now - told > _TELL_AFTER_S)
+                if job.future is not None:
+                    self._done.append((job.future, *outcome))
+                tell = bool(self._done) and not self._telling and (last or now - told > _TELL_AFTER_S)
                 self._telling = self._telling or tell
-            if tell:
+                loop = self._done[0][0].get_loop() if tell else None
+            if loop is not None:
                 told = now
                 try:
-                    job.future.get_loop().call_soon_threadsafe(self._deliver)
+                    loop.call_soon_threadsafe(self._deliver)
                 except RuntimeError:  # the loop closed under us (process exit)
                     pass
 
@@ -175,6 +234,11 @@ class Workers:
     def copy_soon(self, fn: Callable[[], T], ticket: Ticket | None = None) -> asyncio.Future[T]:
         """Run ``fn`` on the copy thread; its outcome in the future (no task to await it)."""
         return self._copy.submit(fn, ticket)
+
+    def copy_detached(self, fn: Callable[[], None], ticket: Ticket | None = None) -> None:
+        """Run ``fn`` on the copy thread; nothing comes back to the loop (``fn``
+        tells whoever needs its outcome). Any thread may call this."""
+        self._copy.run(fn, ticket)
 
     async def memory(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the memory thread."""

@@ -2,7 +2,6 @@
 lanes, and CRC-32 on the device.
 """
 
-from kvbroker.broker.device._batched import gather_all, scatter_all
 from kvbroker.broker.device._block_copies import ArrayViews, Extent, checksum, gather, scatter
 from kvbroker.broker.device._lanes import CudaStreams, Lanes, Streams, Work
 
@@ -15,7 +14,5 @@ __all__ = [
     "Work",
     "checksum",
     "gather",
-    "gather_all",
     "scatter",
-    "scatter_all",
 ]

@@ -31,15 +31,20 @@ docs/architecture.md, "The device path".
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import structlog
+
 from kvbroker.broker.dataplane import Workers, name_thread, settle
 from kvbroker.broker.device._block_copies import VRAM, ArrayViews, Extent, torch_for_copies
 from kvbroker.broker.scheduling import Ticket
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["CudaStreams", "Job", "Lanes", "Streams", "Work"]
 
@@ -47,6 +52,8 @@ T = TypeVar("T")
 
 #: Queues a job's copies; returns what reads its result once they are done.
 Job = Callable[[], Callable[[], T]]
+#: Told a job's outcome on the lane's own thread: (result, None) or (None, error).
+Then = Callable[[Any, BaseException | None], None]
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,30 @@ class Lanes:
         lane = await self._lane(device)
         return await lane.submit(self._workers, job, ticket, work)
 
+    def launch(self, slot: Extent, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
+        """Run ``job`` on the lane of ``slot``'s memory, and tell ``then`` its outcome
+        on the lane's own thread (the copy thread for host memory, the GPU's waiter
+        thread) as soon as it is done: nothing comes back to the loop, so what
+        follows a copy (a write, a credit's return) can go at once. (A GPU whose
+        lane is not open yet is opened first, from the loop.)"""
+        if self._on_host(slot):
+            self._workers.copy_detached(lambda: _tell(then, lambda: job()()), ticket)
+            return
+        made = self._gpus.get(slot.device)
+        if made is not None and made.done() and not made.cancelled() and made.exception() is None:
+            made.result().launch(self._workers, job, then, ticket, work)
+            return
+
+        async def opening() -> None:
+            try:
+                lane = await self._lane(slot.device)
+            except Exception as exc:
+                then(None, exc)
+                return
+            lane.launch(self._workers, job, then, ticket, work)
+
+        asyncio.ensure_future(opening())
+
     async def _lane(self, device: int) -> _GpuLane:
         made = self._gpus.get(device)
         if made is None:
@@ -193,7 +224,7 @@ class _GpuLane:
         self.device = device
         self._streams = streams
         self.stream = streams.open(device)
-        self._waiting: queue.SimpleQueue[tuple[Any, Callable[[], Any], asyncio.Future[Any]] | None] = queue.SimpleQueue()
+        self._waiting: queue.SimpleQueue[tuple[Any, Callable[[], Any], Then] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
         self._thread.start()
 
@@ -201,38 +232,56 @@ class _GpuLane:
         """Launch ``job`` from the copy thread (in its ``ticket``'s turn); its
         result, once the waiter saw its event, in the future."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        loop = future.get_loop()
+
+        def then(result: Any, error: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, future, result, error)
+            except RuntimeError:  # the loop closed under us (process exit)
+                pass
+
+        self.launch(workers, job, then, ticket, work)
+        return future
+
+    def launch(self, workers: Workers, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
+        """Launch ``job`` from the copy thread (in its ``ticket``'s turn); ``then``
+        hears its outcome on the waiter thread once its event completed (or on the
+        copy thread, if the launch raised)."""
 
         def launch() -> None:
-            read, event = self._streams.launch(self.stream, job, work)
-            self._waiting.put((event, read, future))
+            try:
+                read, event = self._streams.launch(self.stream, job, work)
+            except BaseException as exc:  # the job's error: it never reaches the waiter
+                then(None, exc)
+                return
+            self._waiting.put((event, read, then))
 
-        def launched(done: asyncio.Future[None]) -> None:
-            # A launch that raised never reaches the waiter: its error is the job's.
-            if not future.done():
-                if done.cancelled():
-                    future.cancel()
-                elif (error := done.exception()) is not None:
-                    future.set_exception(error)
-
-        workers.copy_soon(launch, ticket).add_done_callback(launched)
-        return future
+        workers.copy_detached(launch, ticket)
 
     def _wait(self) -> None:
         name_thread(f"kvb-gpu{self.device}")
         while (item := self._waiting.get()) is not None:
-            event, read, future = item
-            loop = future.get_loop()
-            try:
-                self._streams.wait(self.stream, event)
-                result = self._streams.finish(self.stream, read)
-                outcome: tuple[Any, BaseException | None] = (result, None)
-            except BaseException as exc:  # handed to the awaiting task
-                outcome = (None, exc)
-            try:
-                loop.call_soon_threadsafe(settle, future, *outcome)
-            except RuntimeError:  # the loop closed under us (process exit)
-                pass
+            event, read, then = item
+            _tell(then, functools.partial(self._finish, event, read))
+
+    def _finish(self, event: Any, read: Callable[[], Any]) -> Any:
+        self._streams.wait(self.stream, event)
+        return self._streams.finish(self.stream, read)
 
     def close(self) -> None:
         self._waiting.put(None)
         self._thread.join(timeout=10)
+
+
+def _tell(then: Then, work: Callable[[], Any]) -> None:
+    """Run ``work`` and tell ``then`` how it went (an error in ``then`` itself is logged)."""
+    try:
+        result = work()
+    except BaseException as exc:  # the job's error, told to whoever waits for it
+        outcome: tuple[Any, BaseException | None] = (None, exc)
+    else:
+        outcome = (result, None)
+    try:
+        then(*outcome)
+    except Exception:
+        log.exception("lane_continuation_failed")

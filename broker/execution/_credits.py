@@ -45,6 +45,7 @@ from kvbroker.broker.memory import (
     FreeList,
     Grant,
     Reservation,
+    StagingPool,
     StagingPools,
 )
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable, PoolKey, pool_name
@@ -106,6 +107,21 @@ class Credits:
         #: Ranges to hand back, by sending peer.
         self._returns: dict[str, list[peer_pb2.ReturnedCredit]] = {}
         self._flush_scheduled = False
+        #: Told the ids of credits that came back, or went with their peer.
+        self._on_returned: list[Callable[[list[int]], None]] = []
+
+    def on_returned(self, listener: Callable[[list[int]], None]) -> None:
+        """Have ``listener`` told the ids of placed credits that came back from
+        their receiver, or went with it (it was lost)."""
+        self._on_returned.append(listener)
+
+    def is_placed(self, credit_id: int) -> bool:
+        """Whether credit ``credit_id`` is placed and not back yet."""
+        return credit_id in self._placed
+
+    def _tell_returned(self, credit_ids: list[int]) -> None:
+        for listener in self._on_returned:
+            listener(credit_ids)
 
     # -- the sender's side ----------------------------------------------------------------
     async def acquire(
@@ -180,6 +196,7 @@ class Credits:
             window = self._windows.get(key) if key is not None else None
             if window is not None and key is not None and window.give_back(item.offset, item.credit_id):
                 freed.add(key)
+        self._tell_returned([item.credit_id for item in message.credits])
         if message.pressure:
             peer_id = next((p.broker_id for p in self._peers.by_id.values() if p.agent_name == agent_name), None)
             for key, window in self._windows.items():
@@ -327,6 +344,13 @@ class Credits:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def return_now(self, agent_name: str, item: peer_pb2.ReturnedCredit, pool: StagingPool | None) -> None:
+        """Send one range back to its sender at once (any thread: a lane's, as soon
+        as the part in it is scattered), saying whether others wait for ``pool``.
+        ``Unavailable`` if the data plane is stopping."""
+        message = peer_pb2.CreditReturn(protocol_version=PROTOCOL_VERSION, credits=[item], pressure=bool(pool is not None and pool.waiting))
+        self._dataplane.send(agent_name, CREDIT_RETURN + message.SerializeToString())
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         returns, self._returns = self._returns, {}
@@ -367,5 +391,7 @@ class Credits:
             for entry in self._waiting.pop(key, ()):
                 if not entry.future.done():
                     entry.future.set_exception(why())
+        gone = [cid for cid, key in self._placed.items() if key[0] == peer_id]
         self._placed = {cid: key for cid, key in self._placed.items() if key[0] != peer_id}
         self._returns.pop(peer_id, None)
+        self._tell_returned(gone)

@@ -25,6 +25,7 @@ the turn ends.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import structlog
 
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import Event, Notices, Settled
+from kvbroker.broker.dataplane import Event, LoopInbox, Notices, Settled
 from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
 from kvbroker.broker.execution._calls_to_peers import CallsToPeers
 from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
@@ -40,10 +41,10 @@ from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
-from kvbroker.broker.execution._staging_copies import StagingCopies
+from kvbroker.broker.execution._staging_copies import Scattered, StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._turn import in_turn
-from kvbroker.broker.memory import CreditLedger
+from kvbroker.broker.memory import CreditLedger, StagingPool
 from kvbroker.broker.peers import FleetView
 from kvbroker.broker.rooms import (
     AbortAtPeer,
@@ -63,6 +64,8 @@ from kvbroker.broker.rooms import (
     TellSuccessor,
     VerifyChunk,
 )
+from kvbroker.errors import KvBrokerError
+from kvbroker.v1 import peer_pb2
 
 __all__ = ["Executor", "transport_text"]
 
@@ -98,11 +101,12 @@ class Executor:
             views=copying.views,
             lanes=copying.lanes,
             workers=copying.workers,
-            counters=telemetry.counters,
             priorities=config.priorities,
         )
-        #: Scatters asked for in one pass of the effect loop: they go to their lanes as one batch.
-        self._scattering: list[Scatter] = []
+        self._peers = transport.peers
+        self._counters = telemetry.counters
+        #: What the lanes' threads tell the loop (made on the loop, at the first scatter).
+        self._inbox: LoopInbox | None = None
         #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
         self.probes = TransportProbes(
             broker_id=machines.broker_id,
@@ -168,9 +172,6 @@ class Executor:
                     self._run(effect)
                 except Exception:
                     log.exception("effect_failed", effect=type(effect).__name__)
-            if self._scattering:
-                batch, self._scattering = self._scattering, []
-                self._tasks.spawn(self._scatter(batch), name=f"scatter-{batch[0].receiver.room}")
         # Poll for notifications while rooms wait for data, or credits for their return.
         self._dataplane.listening = self._receiver.awaiting_data() or self.credits.awaiting_returns()
 
@@ -215,7 +216,7 @@ class Executor:
             FindSender: lambda e: spawn(self._calls.find_sender(e.receiver), name=f"bootstrap-{e.receiver.room}"),
             RegisterRoom: lambda e: self._registrations.start(e),
             AbortAtPeer: lambda e: spawn(self._calls.abort_at_peer(e), name=f"abort-{e.room}"),
-            Scatter: lambda e: self._scattering.append(e),  # those of one pass go as one batch (``_run_effects``)
+            Scatter: self._scatter,
             VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
             ReleaseStaging: self._release_staging,
             TellSuccessor: lambda e: spawn(self._calls.tell_successor(e.address), name=f"tell-successor-{e.address}"),
@@ -231,12 +232,41 @@ class Executor:
             if pool is not None:
                 pool.release(reservation)
 
-    async def _scatter(self, effects: list[Scatter]) -> None:
-        """Unpack landed staged or packed parts into their ranks' pages (together); the receiver hears how each went."""
-        errors = await self._copies.scatter(effects)
+    def _scatter(self, effect: Scatter) -> None:
+        """Unpack a landed staged or packed part into its rank's pages, on its lane:
+        its range goes back to its sender from the lane's thread as soon as it is
+        scattered, and the receiver hears how it went (in a batch, on the loop)."""
+        reservation = effect.landing.reservation
+        back: tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None = None
+        peer = self._peers.by_id.get(reservation.owner) if reservation.owner else None
+        if peer is not None and peer.agent_name is not None:
+            kind, device = effect.landing.pool
+            item = peer_pb2.ReturnedCredit(
+                credit_id=reservation.credit_id, kind=kind, device_id=device, offset=reservation.offset, bytes=reservation.nbytes  # type: ignore[arg-type]
+            )
+            back = (peer.agent_name, item, self._pools.pool("receive", kind, device))
+        if self._inbox is None:
+            self._inbox = LoopInbox()
+        self._copies.scatter_then(effect, functools.partial(self._scattered, effect, back, self._inbox))
+
+    def _scattered(
+        self, effect: Scatter, back: tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None, inbox: LoopInbox, outcome: Scattered
+    ) -> None:
+        """A part's scatter is done (on its lane's thread): its range goes back now."""
+        handed_back = False
+        if outcome.error is None and back is not None:
+            try:
+                self.credits.return_now(*back)
+                handed_back = True
+            except KvBrokerError:  # the data plane is stopping: the loop hands it back (or nothing will)
+                pass
+        inbox.put(functools.partial(self._scatter_done, effect, outcome, handed_back))
+
+    def _scatter_done(self, effect: Scatter, outcome: Scattered, handed_back: bool) -> None:
+        self._counters.packed_checksums_checked += outcome.checked
+        self._counters.checksum_mismatches += outcome.mismatch
         with self._turn:
-            for effect, error in zip(effects, errors):
-                self._receiver.scattered(effect.receiver, effect.landing, error)
+            self._receiver.scattered(effect.receiver, effect.landing, outcome.error, handed_back)
 
     async def _verify(self, effect: VerifyChunk) -> None:
         """Checksum a landed chunk in its rank's pages; the receiver compares."""

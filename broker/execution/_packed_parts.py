@@ -1,27 +1,37 @@
-"""Packed parts in flight: the sender's side of the device path (``_parts``
-hands them here).
+"""Packed parts on the sender: each one's life, from its slot and credit to the return of its credit.
 
-A packed part takes a slot of the local send transfer buffer, then a range
-of this broker's credits in the receiver's buffer (``_credits``: no call to
-the receiver in steady state) while it is gathered into ours
-(``_staging_copies``), then goes as one write, slot to slot. Where nothing
-must be waited for, all of it starts at once, without a task
-(:meth:`PackedParts.reserve`); otherwise a task waits for each in turn.
-``PartsInFlight`` keeps the spans of the parts in flight and settles them;
-this class reads those and adds to what is sending (:class:`PartsHeld`).
+A packed part (the device path) takes a slot of the local send transfer
+buffer, then a range of this broker's credits in the receiver's buffer;
+from then on it is a :class:`SendingPart`, which owns both, the span, and
+its hops' times. Where nothing must be waited for (the pair's transport
+verdict known, room in both buffers: the steady state) it is admitted at
+once, in callbacks, no task (:meth:`PackedParts._pack_now`); otherwise a
+task waits for each in turn (:meth:`PackedParts._pack`).
+
+Once admitted, the threads that carry it hand it on without the control
+loop: its gather runs on its memory's lane, and the lane's own thread (the
+GPU's waiter, or the copy thread) posts its write to the data plane as soon
+as the gather is done and the sender's state machine handed the part on
+(whichever comes second posts). The loop hears the outcome: the write
+settled (``PartsInFlight.settled`` gives the slot back), and later the
+receiver's return of the credit, when the part's span ends. A gather that
+failed, or a room that failed before the write, comes back through the
+loop's inbox (``dataplane.LoopInbox``), in batches.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry.trace import Span
 
+from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import Posting
+from kvbroker.broker.dataplane import LoopInbox, Posting
 from kvbroker.broker.execution._bundles import Machines, Transport
 from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._probes import TransportProbes
@@ -38,26 +48,135 @@ from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
 from kvbroker.plan import pool_text
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["PackedParts", "PartsHeld"]
+__all__ = ["PackedParts", "PartsHeld", "SendingPart"]
 
 VRAM = common_pb2.MEMORY_KIND_VRAM
+#: The hops of a sending part whose times its span carries (``kvbroker.t.<hop>``, monotonic seconds).
+HOPS = ("handed_on", "slot", "credit", "gather_start", "gathered", "posted", "done", "credit_back")
 
 
 @dataclass(frozen=True, eq=False)
 class PartsHeld:
-    """What ``PartsInFlight`` holds that the packed path reads and adds to."""
+    """What ``PartsInFlight`` holds that the packed path reads."""
 
     #: Parts handed on and not settled: their span and when they started.
     spans: dict[Part, tuple[Span, float]]
-    #: Parts' slots in the local send transfer buffer, until they settle.
-    sending: dict[Part, tuple[StagingPool, Reservation]]
     counters: Counters
     #: Settle a part that never reached NIXL, as failed.
     fail: Callable[[Part, KvBrokerError], None]
 
 
+class SendingPart:
+    """One packed part from its admission (a send slot and a credit held) until
+    its credit comes back: what it holds, and where it is.
+
+    Its gather and its post happen on the lanes' and the data plane's threads;
+    the rendezvous between the gather being done (:meth:`gathered`, a lane's
+    thread) and the sender's state machine handing the part on (:meth:`clear`,
+    the loop) is under its lock: whichever comes second gets the write to post.
+    Everything else is the loop's.
+    """
+
+    __slots__ = (
+        "_cleared",
+        "_gathered",
+        "_lock",
+        "_posting",
+        "abandoned",
+        "checksum",
+        "agent_name",
+        "buffer",
+        "credit",
+        "make_posting",
+        "part",
+        "pool",
+        "reservation",
+        "span",
+        "times",
+    )
+
+    def __init__(
+        self,
+        part: Part,
+        pool: StagingPool,
+        reservation: Reservation,
+        credit: Credit,
+        buffer: peer_pb2.RemoteBuffer,
+        span: Span,
+        times: dict[str, float],
+    ) -> None:
+        self.part = part
+        self.pool = pool
+        self.reservation = reservation
+        self.credit = credit
+        self.buffer = buffer
+        self.span = span
+        #: When each hop happened (``HOPS``), monotonic seconds.
+        self.times = times
+        self.agent_name = ""
+        #: Builds the part's write once its notice is complete (set when cleared).
+        self.make_posting: Callable[[], Posting] | None = None
+        #: It settled (failed) while its gather ran: the gather gives the slot back.
+        self.abandoned = False
+        #: Its slot's CRC-32, once gathered (when its receiver verifies).
+        self.checksum: int | None = None
+        self._lock = threading.Lock()
+        self._gathered = False
+        self._cleared = False
+        self._posting = False
+
+    def clear(self, agent_name: str, make_posting: Callable[[], Posting]) -> Posting | None:
+        """The state machine handed the part on (loop): its write, to post now if
+        the gather is done already; else None (the gather's thread posts it)."""
+        with self._lock:
+            self.agent_name, self.make_posting, self._cleared = agent_name, make_posting, True
+            go = self._gathered and not self._posting
+            self._posting = self._posting or go
+        return self._post() if go else None
+
+    def gathered(self, checksum: int | None) -> tuple[Posting | None, bool]:
+        """Its gather is done (a lane's thread): its write, to post now if the
+        state machine handed the part on already (else None); and whether it
+        was abandoned meanwhile (its slot is then the gather's to give back)."""
+        self.times["gathered"] = time.monotonic()
+        self.checksum = checksum
+        with self._lock:
+            self._gathered = True
+            go = self._cleared and not self._posting and not self.abandoned
+            self._posting = self._posting or go
+            abandoned = self.abandoned
+        return (self._post() if go else None), abandoned
+
+    def failed(self) -> bool:
+        """Its gather failed, or its room did before its write (a lane's thread): it
+        is never posted. Whether it was abandoned already (its slot is then the
+        gather's to give back)."""
+        with self._lock:
+            self._gathered = self._posting = True
+            return self.abandoned
+
+    def abandon(self) -> bool:
+        """It settled before its write was posted (loop): whether its gather is done
+        (its slot may go back now); if not, the gather gives it back when done."""
+        with self._lock:
+            self.abandoned = True
+            return self._gathered
+
+    @property
+    def posted(self) -> bool:
+        return self._posting
+
+    def _post(self) -> Posting:
+        """The write (once both sides are through the rendezvous: nobody else touches the notice now)."""
+        assert self.make_posting is not None
+        if self.checksum is not None:
+            self.part.notice.packed_checksum = self.checksum
+        self.times["posted"] = time.monotonic()
+        return self.make_posting()
+
+
 class PackedParts:
-    """The packed parts from their reservations to their write. Control loop only."""
+    """The packed parts from their slot and credit until their credit comes back. Control loop only."""
 
     def __init__(
         self,
@@ -83,43 +202,77 @@ class PackedParts:
         self._copies = copies
         self._tasks = tasks
         self._held = held
-        #: Packed parts' ranges in the receiver's credits, until they settle:
-        #: one that never reached the receiver gives its range back here.
-        self._credited: dict[Part, Credit] = {}
-        #: Packed parts being gathered into a slot of the send transfer buffer
-        #: (while the receiver reserves its slot): what the gather gave, or why not.
-        self._packing: dict[Part, asyncio.Future[_Packed | KvBrokerError | None]] = {}
+        #: What the lanes' threads tell the loop (made on the loop, at the first part).
+        self._inbox: LoopInbox | None = None
+        #: Admitted parts (a slot and a credit held), until they settle.
+        self._sending: dict[Part, SendingPart] = {}
+        #: Parts waiting for a slot or a credit (``_pack``'s tasks), and when each was handed on.
+        self._waiting: dict[Part, dict[str, float]] = {}
+        #: Parts whose write is DONE, by credit id, until the receiver returns
+        #: their credit: the span of each (traced rooms) ends then.
+        self._returning: dict[int, SendingPart] = {}
+        credits.on_returned(self._credit_back)
+
+    @property
+    def inbox(self) -> LoopInbox:
+        """What the lanes' threads tell the loop (made on the loop, at the first admission)."""
+        if self._inbox is None:
+            self._inbox = LoopInbox()
+        return self._inbox
 
     def reserve(self, part: Part) -> None:
-        """Room for a packed part: our slot first, then the receiver's (asked for while we gather)."""
-        if not self._pack_now(part):
-            self._packing[part] = self._tasks.spawn(self._pack(part), name=f"pack-{part.source.room}")
+        """Room for a packed part: our slot first, then the receiver's credit; then its gather."""
+        times = {"handed_on": time.monotonic()}
+        if not self._pack_now(part, times):
+            self._waiting[part] = times
+            self._tasks.spawn(self._pack(part, times), name=f"pack-{part.source.room}")
 
     def post(self, part: Part, agent_name: str) -> None:
-        """Post a packed part once its gather is done."""
-        packing = self._packing.get(part)
-        if packing is None:
-            self._held.fail(part, Internal("a packed part was posted without its gather"))
-        else:
-            packing.add_done_callback(functools.partial(self._post_packed, part, agent_name))
+        """The state machine handed a packed part on: its write goes once it is gathered."""
+        sending = self._sending.get(part)
+        if sending is None:
+            self._held.fail(part, Internal("a packed part was posted without its slot"))
+            return
+        ticket = part_ticket(part, self._config.priorities)
 
-    def settled(self, part: Part, done: bool) -> None:
-        """A part settled (``done``: its write reached the receiver): what it still holds goes back."""
-        credit = self._credited.pop(part, None)
-        if credit is not None and not done:
+        def make() -> Posting:
+            notif = part.notice.SerializeToString()
+            write = packed_write(part, sending.pool.buffer, sending.reservation.offset, agent_name, notif)
+            return Posting(part, write, agent_name, part.nbytes, ticket)
+
+        posting = sending.clear(agent_name, make)
+        if posting is not None:
+            self._dataplane.post(posting)
+
+    def settled(self, part: Part, done: bool, span: Span | None, settled_at: float) -> bool:
+        """A part settled (``done``: its write reached the receiver): what it holds
+        goes back, but a done part's credit, which the receiver returns. Whether it
+        keeps ``span`` (a traced part's ends when its credit comes back)."""
+        self._waiting.pop(part, None)
+        sending = self._sending.pop(part, None)
+        if sending is None:
+            return False
+        if not done:
             # It never reached the receiver: its range is free (a DONE one the receiver hands back).
-            self._credits.release(credit)
-        packing = self._packing.pop(part, None)
-        if packing is not None:
-            # It settled before its gather was posted: give the slot back once it is gathered.
-            packing.add_done_callback(_release_packed)
+            self._credits.release(sending.credit)
+            if sending.abandon():
+                sending.pool.release(sending.reservation)
+            return False
+        sending.pool.release(sending.reservation)
+        sending.times["done"] = settled_at
+        if span is None or not span.is_recording() or not self._credits.is_placed(sending.credit.credit_id):
+            return False
+        sending.span = span
+        self._returning[sending.credit.credit_id] = sending
+        return True
 
-    def _pack_now(self, part: Part) -> bool:
+    # -- admission ------------------------------------------------------------------------
+    def _pack_now(self, part: Part, times: dict[str, float]) -> bool:
         """The steady state of a packed part, without a task: where nothing
         must be waited for (the pair's transport verdict is known, nobody
         waits before it, our send buffer and our credits at the receiver have
-        room now), take both ranges and start the gather here. False where
-        something must be waited for: ``_pack`` then does it all."""
+        room now), take both ranges and admit it here. False where something
+        must be waited for: ``_pack`` then does it all."""
         spec = part.spec
         local, remote = spec.pools
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
@@ -137,21 +290,19 @@ class PackedParts:
         if got is None:
             pool.release(reservation)
             return False
+        times["slot"] = times["credit"] = time.monotonic()
         if verdict is not None:
             self._show_transport(part, verdict)
-        self._packing[part] = self._gather_into(part, held[0], pool, reservation)
-        self._placed(part, *got)
+        self._admit(part, held[0], pool, reservation, *got, times)
         return True
 
-    async def _pack(self, part: Part) -> _Packed | KvBrokerError | None:
+    async def _pack(self, part: Part, times: dict[str, float]) -> None:
         """Reserve a slot of the send transfer buffer, then a range of our
-        credits in the receiver's buffer, then gather the part (and its
-        checksum, if asked for). The order matters: a part that holds a
-        receive range already holds its send slot and waits for nothing else,
-        so parts waiting for one buffer never hold the other one full (they
-        did, deadlocked, when both were asked for at once). A part that gets
-        no slot or range fails here (None); past that, the error is returned,
-        not raised: ``_post_packed`` or ``settled`` takes the outcome."""
+        credits in the receiver's buffer, then admit the part. The order
+        matters: a part that holds a receive range already holds its send slot
+        and waits for nothing else, so parts waiting for one buffer never hold
+        the other one full (they did, deadlocked, when both were asked for at
+        once). A part that gets no slot or range fails here."""
         spec = part.spec
         assert spec.packing is not None
         pool = self._pools.pool("send", *spec.pools[0])
@@ -163,27 +314,28 @@ class PackedParts:
                 part.nbytes, self._config.staging_wait_seconds, ticket=part_ticket(part, self._config.priorities)
             )
         except Exception as exc:
-            self._packing.pop(part, None)
+            self._waiting.pop(part, None)
             self._held.fail(part, as_broker_error(exc, "reserving a send slot"))
-            return None
+            return
+        times["slot"] = time.monotonic()
         if part not in self._held.spans:  # it settled (failed) while it waited
             pool.release(reservation)
-            return None
+            return
         if part.source.state == FAILED:
             pool.release(reservation)
-            self._packing.pop(part, None)
+            self._waiting.pop(part, None)
             self._held.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return None
+            return
         got = await self._credit(part)
         held = self._held.spans.get(part)
         if got is None or held is None:
             pool.release(reservation)
             if got is not None:  # it settled (failed) while it waited
                 self._credits.release(got[1])
-            return None
-        gathering = self._gather_into(part, held[0], pool, reservation)
-        self._placed(part, *got)
-        return await gathering
+            return
+        times["credit"] = time.monotonic()
+        self._waiting.pop(part, None)
+        self._admit(part, held[0], pool, reservation, *got, times)
 
     async def _credit(self, part: Part) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
         """A packed part's range in the receiver's transfer buffer, from this
@@ -191,7 +343,7 @@ class PackedParts:
         grow); None if the part failed (settled) instead."""
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
-            self._packing.pop(part, None)
+            self._waiting.pop(part, None)
             self._held.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
             return None
         try:
@@ -199,7 +351,7 @@ class PackedParts:
                 peer, part.spec.pools[1], part.nbytes, part_ticket(part, self._config.priorities)
             )
         except KvBrokerError as exc:
-            self._packing.pop(part, None)
+            self._waiting.pop(part, None)
             self._held.fail(part, exc)
             return None
         if part not in self._held.spans:  # it settled (failed) while it waited
@@ -207,55 +359,96 @@ class PackedParts:
             return None
         if part.source.state == FAILED:
             self._credits.release(got[1])
-            self._packing.pop(part, None)
+            self._waiting.pop(part, None)
             self._held.fail(part, FailedPrecondition("the room failed before its packed part was written"))
             return None
         return got
 
-    @in_turn
-    def _placed(self, part: Part, buffer: peer_pb2.RemoteBuffer, credit: Credit) -> None:
-        """A packed part holds its range in the receiver's buffer: its notice
-        names the credit, and the sender's state machine hands it on to be
-        posted (once gathered)."""
-        self._credited[part] = credit
-        part.notice.credit_id = credit.credit_id
-        self._sender.staging_reserved(part, buffer, credit.offset)
-
-    def _gather_into(self, part: Part, span: Span, pool: StagingPool, reservation: Reservation) -> asyncio.Future[_Packed | KvBrokerError | None]:
-        """Start gathering a packed part into its send slot; what the gather
-        gave (or why not: its slot is then given back) in the future."""
+    def _admit(
+        self,
+        part: Part,
+        span: Span,
+        pool: StagingPool,
+        reservation: Reservation,
+        buffer: peer_pb2.RemoteBuffer,
+        credit: Credit,
+        times: dict[str, float],
+    ) -> None:
+        """The part holds its slot and its credit: it is a :class:`SendingPart`
+        now. Its notice names the credit, the state machine hands it on (to be
+        posted once gathered), and its gather goes to its lane."""
+        sending = SendingPart(part, pool, reservation, credit, buffer, span, times)
+        self._sending[part] = sending
+        _ = self.inbox  # made here, on the loop: the lanes' threads put into it
+        self._held.counters.transfers_packed += 1
+        self._placed(part, buffer, credit)
         spec = part.spec
         assert spec.packing is not None
-        outcome: asyncio.Future[_Packed | KvBrokerError | None] = asyncio.get_running_loop().create_future()
-
-        def gathered(done: asyncio.Future[int | None]) -> None:
-            error = Internal("a packed part's gather was cancelled") if done.cancelled() else done.exception()
-            if error is not None or outcome.done():
-                pool.release(reservation)
-            if outcome.done():  # its awaiter gave up (the broker is stopping)
-                return
-            if error is not None:
-                outcome.set_result(as_broker_error(error if isinstance(error, Exception) else Internal(repr(error)), "gathering a packed part"))
-            else:
-                outcome.set_result(_Packed(pool, reservation, done.result()))
-
         try:
-            slot = slot_of(pool, reservation, part.nbytes)
-            self._copies.gather_soon(
+            self._copies.gather_then(
                 part.source.engine,
                 spec.packing.blocks,
                 pool.buffer,
-                slot,
+                slot_of(pool, reservation, part.nbytes),
                 span,
                 with_checksum=part.dest.info.verify_checksum,
-                then=gathered,
+                then=lambda checksum, error: self._gathered(sending, checksum, error),
                 ticket=part_ticket(part, self._config.priorities),
+                times=times,
             )
         except Exception as exc:
-            pool.release(reservation)
-            outcome.set_result(as_broker_error(exc, "gathering a packed part"))
-        return outcome
+            self._gathered(sending, None, exc)
 
+    @in_turn
+    def _placed(self, part: Part, buffer: peer_pb2.RemoteBuffer, credit: Credit) -> None:
+        """A packed part holds its range in the receiver's buffer: its notice
+        names the credit, and the sender's state machine hands it on (to be
+        posted once gathered)."""
+        part.notice.credit_id = credit.credit_id
+        self._sender.staging_reserved(part, buffer, credit.offset)
+
+    # -- on the lanes' threads ------------------------------------------------------------
+    def _gathered(self, sending: SendingPart, checksum: int | None, error: BaseException | None) -> None:
+        """A part's gather is done (on its lane's thread): post its write from here
+        when it may go; a failure, or a room that failed meanwhile, goes to the loop."""
+        if error is None and sending.part.source.state == FAILED:  # (a racy read: it saves a write, nothing depends on it)
+            error = FailedPrecondition("the room failed before its packed part was written")
+        if error is not None:
+            sending.failed()
+            self.inbox.put(functools.partial(self._not_posted, sending, error))
+            return
+        posting, abandoned = sending.gathered(checksum)
+        if posting is not None:
+            try:
+                self._dataplane.post(posting)
+            except KvBrokerError as exc:  # the broker is stopping
+                self.inbox.put(functools.partial(self._not_posted, sending, exc))
+        elif abandoned:
+            self.inbox.put(lambda: sending.pool.release(sending.reservation))
+
+    def _not_posted(self, sending: SendingPart, error: BaseException) -> None:
+        """A part whose gather failed, or whose room failed before its write: it settles as failed."""
+        if self._sending.get(sending.part) is sending:
+            self._held.fail(sending.part, as_broker_error(error, "gathering a packed part"))
+        elif sending.abandoned:
+            sending.pool.release(sending.reservation)
+
+    # -- credits back ---------------------------------------------------------------------
+    def _credit_back(self, credit_ids: list[int]) -> None:
+        """The receiver returned these credits (or they went with their peer): the
+        parts they carried end their spans, with their hops' times."""
+        now = time.monotonic()
+        for credit_id in credit_ids:
+            sending = self._returning.pop(credit_id, None)
+            if sending is None:
+                continue
+            sending.times["credit_back"] = now
+            for hop in HOPS:
+                if hop in sending.times:
+                    sending.span.set_attribute(f"kvbroker.t.{hop}", sending.times[hop])
+            telemetry.end_with_status(sending.span, True, "")
+
+    # -- the transport self-test ---------------------------------------------------------
     async def _transport(self, part: Part) -> None:
         """The transport self-test of the part's pair of transfer buffers (the
         first part of a pair waits for its probe); its verdict on the part's
@@ -277,42 +470,3 @@ class PackedParts:
             for span in spans:
                 span.set_attribute("kvbroker.transport", text)
 
-    def _post_packed(self, part: Part, agent_name: str, packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
-        """Post a packed part once its gather is done (a callback of its
-        ``_pack`` task, not a task of its own): one write, slot to slot."""
-        if part not in self._held.spans:
-            return  # it settled meanwhile; settled() gives its slot back
-        self._packing.pop(part, None)
-        outcome: _Packed | KvBrokerError | None = None
-        if not packing.cancelled():
-            try:
-                outcome = packing.result()
-            except Exception as exc:  # a bug in _pack: the part fails, naming it
-                outcome = as_broker_error(exc, "packing a part")
-        if not isinstance(outcome, _Packed):
-            self._held.fail(part, outcome or Internal("a packed part was posted without its gather"))
-            return
-        if part.source.state == FAILED:
-            outcome.pool.release(outcome.reservation)
-            self._held.fail(part, FailedPrecondition("the room failed before its packed part was written"))
-            return
-        if outcome.checksum is not None:
-            part.notice.packed_checksum = outcome.checksum
-        self._held.sending[part] = (outcome.pool, outcome.reservation)
-        self._held.counters.transfers_packed += 1
-        make = packed_write(part, outcome.pool.buffer, outcome.reservation.offset, agent_name, part.notice.SerializeToString())
-        self._dataplane.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """A gathered packed part: its slot in the send transfer buffer, and its checksum."""
-
-    pool: StagingPool
-    reservation: Reservation
-    checksum: int | None
-
-
-def _release_packed(packing: asyncio.Future[_Packed | KvBrokerError | None]) -> None:
-    if not packing.cancelled() and packing.exception() is None and isinstance(outcome := packing.result(), _Packed):
-        outcome.pool.release(outcome.reservation)

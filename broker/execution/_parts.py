@@ -113,7 +113,7 @@ class PartsInFlight:
             probes=probes,
             copies=copies,
             tasks=tasks,
-            held=PartsHeld(spans=self._parts, sending=self._sending, counters=self._counters, fail=self.fail),
+            held=PartsHeld(spans=self._parts, counters=self._counters, fail=self.fail),
         )
         #: Chunk checksums being computed (the first part of a chunk to be
         #: posted starts it; the others wait for the same).
@@ -307,7 +307,6 @@ class PartsInFlight:
         held = self._sending.pop(part, None)
         if held is not None:
             held[0].release(held[1])
-        self._packed.settled(part, event.state is XferState.DONE)
         span, started = self._parts.pop(part, (None, time.monotonic()))
         elapsed = time.monotonic() - started
         ok = event.state is XferState.DONE
@@ -316,6 +315,8 @@ class PartsInFlight:
         if span is not None:
             span.set_attribute("kvbroker.descriptors", event.descriptors or 0)
             span.set_attribute("kvbroker.duration_s", elapsed)
+        # A packed part's span stays open until its credit comes back (its last hop).
+        if not self._packed.settled(part, ok, span, event.settled_at) and span is not None:
             telemetry.end_with_status(span, ok, event.error.message if event.error else "NIXL reported an error")
         self._sender.part_settled(part, event.state, event.descriptors, event.error)
 

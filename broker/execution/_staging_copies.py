@@ -13,25 +13,25 @@ on the control loop.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import numpy as np
 import structlog
 from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.dataplane import Workers
+from kvbroker.broker.dataplane import Workers, settle
 from kvbroker.broker.device import (
     ArrayViews,
     Extent,
     Lanes,
     Work,
     checksum,
-    gather_all,
-    scatter_all,
+    gather,
+    scatter,
 )
 from kvbroker.broker.execution._tickets import side_ticket
 from kvbroker.broker.memory import (
@@ -43,13 +43,12 @@ from kvbroker.broker.memory import (
     array_at,
 )
 from kvbroker.broker.rooms import Scatter
-from kvbroker.broker.scheduling import Ticket, joint_ticket
-from kvbroker.broker.telemetry import Counters
+from kvbroker.broker.scheduling import Ticket
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, Unimplemented
 from kvbroker.plan import Block, ChunkSum, chunk_checksum
 from kvbroker.v1 import common_pb2
 
-__all__ = ["StagingCopies", "as_broker_error", "extents", "host_region", "slot_of"]
+__all__ = ["Scattered", "StagingCopies", "as_broker_error", "extents", "host_region", "slot_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +57,7 @@ class StagingCopies:
     """Gathers parts into send slots and scatters landed ones into pages. Control loop only."""
 
     def __init__(
-        self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, workers: Workers, counters: Counters, priorities: bool = True
+        self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, workers: Workers, priorities: bool = True
     ) -> None:
         self._pools = pools
         #: Copies queue by their rooms' tickets (``scheduling``); off: in order.
@@ -66,9 +65,6 @@ class StagingCopies:
         self._workers = workers
         self._views = views
         self._lanes = lanes
-        self._counters = counters
-        #: Gathers asked for in this pass of the loop: handed to their lanes at its end.
-        self._gathering: list[_Gather] = []
 
     async def gather(
         self,
@@ -82,14 +78,21 @@ class StagingCopies:
         ticket: Ticket | None = None,
     ) -> int | None:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
-        span of its own under ``parent``), on its own (a staged head slice: not
-        batched); the slot's CRC-32 when ``with_checksum``. ``ticket``: its
-        place among the copies waiting."""
-        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, None, ticket)
-        self._submit([asked])
-        return await asked.future
+        span of its own under ``parent``); the slot's CRC-32 when
+        ``with_checksum``. ``ticket``: its place among the copies waiting."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int | None] = loop.create_future()
 
-    def gather_soon(
+        def then(result: int | None, error: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, future, result, error)
+            except RuntimeError:  # the loop closed under us (process exit)
+                pass
+
+        self.gather_then(engine, blocks, buffer, slot, parent, with_checksum=with_checksum, then=then, ticket=ticket)
+        return await future
+
+    def gather_then(
         self,
         engine: Engine,
         blocks: Sequence[Block],
@@ -98,63 +101,29 @@ class StagingCopies:
         parent: Span,
         *,
         with_checksum: bool,
-        then: Callable[[asyncio.Future[int | None]], None] | None = None,
+        then: Callable[[int | None, BaseException | None], None],
         ticket: Ticket | None = None,
-    ) -> asyncio.Future[int | None]:
-        """:meth:`gather`, its outcome in a future (``then``: called with it once
-        done). The gathers asked for in one pass of the loop go to their lanes
-        together, one job a buffer and priority class (``device.gather_all``:
-        two index ops per shape of block for all of them)."""
-        asked = self._ask(engine, blocks, buffer, slot, parent, with_checksum, then, ticket)
-        self._gathering.append(asked)
-        if len(self._gathering) == 1:
-            asyncio.get_running_loop().call_soon(self._gather_batch)
-        return asked.future
-
-    def _ask(
-        self,
-        engine: Engine,
-        blocks: Sequence[Block],
-        buffer: StagingBuffer,
-        slot: Extent,
-        parent: Span,
-        with_checksum: bool,
-        then: Callable[[asyncio.Future[int | None]], None] | None,
-        ticket: Ticket | None,
-    ) -> _Gather:
+        times: dict[str, float] | None = None,
+    ) -> None:
+        """:meth:`gather` as a job of its own on its lane, with an event of its own:
+        ``then(checksum, error)`` hears how it went on the lane's thread as soon as
+        it is done (``times["gather_start"]``: when it was launched)."""
         span = telemetry.start_span("kvbroker.staging.gather", parent=parent, attributes={"kvbroker.bytes": slot.nbytes})
-        whole = Extent(buffer.address, buffer.size_bytes, buffer.kind, buffer.device_id)
-        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        ticket = ticket if self._priorities else None
-        return _Gather(slot, blocks, [extents(engine, block) for block in blocks], whole, with_checksum, span, future, then, ticket)
+        regions = [extents(engine, block) for block in blocks]
+        views = self._views
 
-    def _submit(self, gathers: list[_Gather]) -> None:
-        """Hand ``gathers`` (slots of one buffer) to their lane as one job."""
-        ticket = joint_ticket(g.ticket for g in gathers)
-        work = Work("gather", sum(g.slot.nbytes for g in gathers))
-        self._lanes.submit(gathers[0].slot, partial(self._gather_job, gathers), ticket, work).add_done_callback(partial(_gathered, gathers))
+        def job() -> Callable[[], int | None]:
+            if times is not None:
+                times["gather_start"] = time.monotonic()
+            gather(views, blocks, regions, slot)
+            crc = checksum(views, slot) if with_checksum else None
+            return lambda: None if crc is None else int(crc)
 
-    def _gather_batch(self) -> None:
-        batch, self._gathering = self._gathering, []
-        by_buffer: dict[tuple[int, int], list[_Gather]] = {}
-        for asked in batch:
-            by_buffer.setdefault((asked.buffer.address, asked.ticket.priority if asked.ticket else 0), []).append(asked)
-        for gathers in by_buffer.values():
-            self._submit(gathers)
+        def done(result: int | None, error: BaseException | None) -> None:
+            span.end()
+            then(result, error)
 
-    def _gather_job(self, gathers: list[_Gather]) -> Callable[[], list[int | None | Exception]]:
-        """On the lane's thread: gather them all, then each one's checksum if asked for."""
-        failed = gather_all(self._views, gathers[0].buffer, [(g.slot, g.blocks, g.regions) for g in gathers])
-        sums: list[Any] = []
-        for k, asked in enumerate(gathers):
-            if k in failed or not asked.with_checksum:
-                sums.append(failed.get(k))
-                continue
-            try:
-                sums.append(checksum(self._views, asked.slot))
-            except Exception as exc:  # this part fails, the others go on
-                sums.append(exc)
-        return lambda: [c if c is None or isinstance(c, Exception) else int(c) for c in sums]
+        self._lanes.launch(slot, job, done, ticket if self._priorities else None, Work("gather", slot.nbytes))
 
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
         """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy
@@ -164,154 +133,79 @@ class StagingCopies:
         except Exception as exc:
             return None, as_broker_error(exc, "checksumming a chunk")
 
-    async def scatter(self, effects: Sequence[Scatter]) -> list[KvBrokerError | None]:
-        """Unpack landed staged or packed parts into their ranks' pages: those
-        that landed together go to their lane as one job (a notification
-        batch lands several parts; one job each made the copy thread and the
-        loop trade the GIL per part). A packed part's checksum, when its
-        sender sent one, is checked first: a part that arrived corrupted is
-        never scattered. Why each could not, or None, in order."""
-        errors: list[KvBrokerError | None] = [None] * len(effects)
-        slots: list[Extent | None] = []
-        spans = []
-        for i, effect in enumerate(effects):
-            rank, landing = effect.receiver, effect.landing
-            if rank.span is not None and not telemetry.records_children(rank.span):
-                spans.append(rank.span)  # an untraced room: no span (nor its attributes) to make
-            else:
-                spans.append(
-                    telemetry.start_span(
-                        "kvbroker.staging.scatter",
-                        parent=rank.span,
-                        attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
-                    )
-                )
-            pool = self._pools.pool("receive", *landing.pool)
-            if pool is None:
-                errors[i] = FailedPrecondition("the receive staging pool of this part is gone")
-                slots.append(None)
-            else:
-                slots.append(slot_of(pool, landing.reservation, landing.nbytes))
-        try:
-            summed = [i for i, effect in enumerate(effects) if slots[i] is not None and effect.landing.notice.HasField("packed_checksum")]
-            tickets = [side_ticket(effect.receiver, effect.landing.nbytes, self._priorities) for effect in effects]
-            for lane in _by_lane(summed, slots, tickets):
-                await self._check(lane, effects, slots, errors, joint_ticket(tickets[i] for i in lane))
-            for lane in _by_lane([i for i in range(len(effects)) if errors[i] is None], slots, tickets):
-                await self._scatter(lane, effects, slots, errors, joint_ticket(tickets[i] for i in lane))
-        finally:
-            for span in spans:
-                span.end()
-        return errors
-
-    async def _check(
-        self,
-        lane: list[int],
-        effects: Sequence[Scatter],
-        slots: Sequence[Extent | None],
-        errors: list[KvBrokerError | None],
-        ticket: Ticket | None,
-    ) -> None:
-        """The checksums of the packed parts ``lane`` (indices, one lane's) against their senders'."""
-
-        def job() -> Callable[[], list[int]]:
-            crcs = [checksum(self._views, _slot(slots, i)) for i in lane]
-            return lambda: [int(crc) for crc in crcs]
-
-        try:
-            got = await self._lanes.run(_slot(slots, lane[0]), job, ticket, Work("checksum", sum(_slot(slots, i).nbytes for i in lane)))
-        except Exception as exc:
-            error = as_broker_error(exc, "checksumming a packed part")
-            for i in lane:
-                errors[i] = error
-            return
-        for i, crc in zip(lane, got):
-            notice = effects[i].landing.notice
-            self._counters.packed_checksums_checked += 1
-            if crc != notice.packed_checksum:
-                self._counters.checksum_mismatches += 1
-                errors[i] = FailedPrecondition(
-                    f"packed part {notice.part} of chunk {notice.chunk_index} from source {effects[i].landing.key[0]} arrived "
-                    f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
-                )
-
-    async def _scatter(
-        self,
-        lane: list[int],
-        effects: Sequence[Scatter],
-        slots: Sequence[Extent | None],
-        errors: list[KvBrokerError | None],
-        ticket: Ticket | None,
-    ) -> None:
-        """Scatter the parts ``lane`` (indices, one lane's) in one job; a part whose copy raised fails alone."""
-        parts = [(_slot(slots, i), effects[i].landing.blocks, [extents(effects[i].receiver.engine, b) for b in effects[i].landing.blocks]) for i in lane]
-        pool = self._pools.pool("receive", *effects[lane[0]].landing.pool)
-        assert pool is not None  # (slots were found in it)
-        buffer = Extent(pool.buffer.address, pool.buffer.size_bytes, pool.buffer.kind, pool.buffer.device_id)
-
-        def job() -> Callable[[], dict[int, Exception]]:
-            failed = scatter_all(self._views, buffer, parts)
-            return lambda: failed
-
-        try:
-            failed = await self._lanes.run(_slot(slots, lane[0]), job, ticket, Work("scatter", sum(slot.nbytes for slot, _, _ in parts)))
-        except Exception as exc:
-            failed = dict.fromkeys(range(len(lane)), exc)
-        for k, raised in failed.items():
-            errors[lane[k]] = as_broker_error(raised, "scattering a staged part")
-
-
-@dataclass(eq=False, slots=True)
-class _Gather:
-    """A gather asked for in this pass of the loop."""
-
-    slot: Extent
-    blocks: Sequence[Block]
-    regions: list[list[Extent]]
-    #: The transfer or staging buffer the slot lies in.
-    buffer: Extent
-    with_checksum: bool
-    span: Span
-    future: asyncio.Future[int | None]
-    then: Callable[[asyncio.Future[int | None]], None] | None
-    ticket: Ticket | None = None
-
-
-def _gathered(gathers: list[_Gather], done: asyncio.Future[list[int | None | Exception]]) -> None:
-    """A batch of gathers is done (or failed as one): each one's outcome, span and continuation."""
-    outcomes: list[int | None | Exception]
-    if done.cancelled():
-        outcomes = [Internal("a batch of gathers was cancelled")] * len(gathers)
-    elif (error := done.exception()) is not None:
-        outcomes = [error if isinstance(error, Exception) else Internal(repr(error))] * len(gathers)
-    else:
-        outcomes = done.result()
-    for asked, outcome in zip(gathers, outcomes):
-        asked.span.end()
-        if asked.future.done():  # its awaiter gave up (the broker is stopping): it stays cancelled
-            pass
-        elif isinstance(outcome, Exception):
-            asked.future.set_exception(outcome)
+    def scatter_then(self, effect: Scatter, then: Callable[[Scattered], None]) -> None:
+        """Unpack one landed staged or packed part into its rank's pages, as a job
+        of its own on its lane; a packed part's checksum, when its sender sent one,
+        first, in a job before it (a part that arrived corrupted is never
+        scattered). ``then`` hears how it went on the lane's thread as soon as
+        it is done (or here, if it could not start)."""
+        rank, landing = effect.receiver, effect.landing
+        if rank.span is not None and not telemetry.records_children(rank.span):
+            span = None  # an untraced room: no span (nor its attributes) to make
         else:
-            asked.future.set_result(outcome)
-        if asked.then is not None:  # (which gives the slot back, whatever the outcome)
-            asked.then(asked.future)
+            span = telemetry.start_span(
+                "kvbroker.staging.scatter",
+                parent=rank.span,
+                attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
+            )
+        times = {"scatter_asked": time.monotonic()}
+
+        def told(outcome: Scattered) -> None:
+            if span is not None:
+                for hop, at in times.items():
+                    span.set_attribute(f"kvbroker.t.{hop}", at)
+                span.set_attribute("kvbroker.credit_id", landing.notice.credit_id)
+                span.end()
+            then(outcome)
+
+        pool = self._pools.pool("receive", *landing.pool)
+        if pool is None:
+            told(Scattered(FailedPrecondition("the receive staging pool of this part is gone")))
+            return
+        slot = slot_of(pool, landing.reservation, landing.nbytes)
+        blocks, regions = landing.blocks, [extents(rank.engine, block) for block in landing.blocks]
+        ticket = side_ticket(rank, landing.nbytes, self._priorities)
+        notice, views, lanes = landing.notice, self._views, self._lanes
+
+        def scatter_job() -> Callable[[], None]:
+            times["scatter_start"] = time.monotonic()
+            scatter(views, slot, blocks, regions)
+            return lambda: None
+
+        def scattered(_: None, error: BaseException | None, checked: bool = False) -> None:
+            times["scatter_end"] = time.monotonic()
+            told(Scattered(as_broker_error(error, "scattering a staged part") if error is not None else None, checked))
+
+        if not notice.HasField("packed_checksum"):
+            lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes))
+            return
+
+        def check_job() -> Callable[[], int]:
+            crc = checksum(views, slot)
+            return lambda: int(crc)
+
+        def checked(crc: int | None, error: BaseException | None) -> None:
+            if error is not None:
+                told(Scattered(as_broker_error(error, "checksumming a packed part"), True))
+            elif crc != notice.packed_checksum:
+                told(Scattered(FailedPrecondition(
+                    f"packed part {notice.part} of chunk {notice.chunk_index} from source {landing.key[0]} arrived "
+                    f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
+                ), True, True))
+            else:  # (from the lane's thread: the scatter queues behind the check on the same lane)
+                lanes.launch(slot, scatter_job, lambda r, e: scattered(r, e, True), ticket, Work("scatter", landing.nbytes))
+
+        lanes.launch(slot, check_job, checked, ticket, Work("checksum", landing.nbytes))
 
 
-def _slot(slots: Sequence[Extent | None], i: int) -> Extent:
-    slot = slots[i]
-    assert slot is not None
-    return slot
+@dataclass(frozen=True, slots=True)
+class Scattered:
+    """How one landed part's scatter went: its error (None: its bytes are in the
+    rank's pages); whether its packed checksum was checked, and differed."""
 
-
-def _by_lane(indices: Sequence[int], slots: Sequence[Extent | None], tickets: Sequence[Ticket | None]) -> list[list[int]]:
-    """``indices`` grouped by the memory of their slots (one lane each) and
-    their class, the higher classes first; in order within a group."""
-    lanes: dict[tuple[int, int, int], list[int]] = {}
-    for i in indices:
-        slot, ticket = _slot(slots, i), tickets[i]
-        lanes.setdefault((-(ticket.priority if ticket else 0), slot.kind, slot.device), []).append(i)
-    return [lanes[key] for key in sorted(lanes)]
+    error: KvBrokerError | None
+    checked: bool = False
+    mismatch: bool = False
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:
@@ -349,7 +243,7 @@ def slot_of(pool: StagingPool, reservation: Reservation, nbytes: int) -> Extent:
     return Extent(buffer.address + reservation.offset, nbytes, buffer.kind, buffer.device_id)
 
 
-def as_broker_error(exc: Exception, doing: str) -> KvBrokerError:
+def as_broker_error(exc: BaseException, doing: str) -> KvBrokerError:
     """``exc`` as it fails a room (a bug inside the broker is logged with its traceback)."""
     if isinstance(exc, KvBrokerError):
         return exc

@@ -170,13 +170,15 @@ class RankLanding:
         rank.staging[key] = (pool, credit)
         return True
 
-    def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None) -> None:
+    def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None, handed_back: bool = False) -> None:
         """A staged or packed part was unpacked into the pages, or could not be
         (it arrived corrupted, or the copy failed): then it never counts as
-        landed, so its pages are not reported among those that arrived."""
+        landed, so its pages are not reported among those that arrived.
+        ``handed_back``: its range went back to its sender already (the lane's
+        thread returned it as soon as it was scattered)."""
         rank.scattering.pop(landing.key, None)
         held = rank.staging.pop(landing.key, None)
-        if held is not None:
+        if held is not None and not (handed_back and held[1].owner):
             self._emit(ReleaseStaging(((*held[0], held[1]),)))
         exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
         if error is not None:
