@@ -11,7 +11,7 @@ contiguous, independent on each side). Per case (page size x pattern x chunk siz
 / wall seconds, best and median of ``--repeat`` samples after a warm-up, the methods of a case interleaved:
 
 1 kvbroker    two ``kvbroker serve`` per chunk size (a chunk fits ``--device-part-mib``; transfer buffers of
-              ``--slots`` parts), engines registered from this process on ``--device``; tp2->tp1: two
+              ``--buffer-parts`` parts), engines registered from this process on ``--device``; tp2->tp1: two
               prefill ranks (half the heads each): head slices. From the first ExpectRoom to the last
               SUCCESS the decode engine sees; per part, the brokers' CPU, device launches, peer RPCs.
 2 raw pages   bare NIXL (UCX, no progress thread) into a spawned target (the harness's ``RawPeer``), one
@@ -23,8 +23,9 @@ contiguous, independent on each side). Per case (page size x pattern x chunk siz
 5 copy        torch ``copy_`` of the payload on the device: the HBM ceiling (memcpy on a host).
 
 Raw rows move the tp1->tp1 case's bytes. Also 1-page room latency (median, p90), KV on ``--device`` vs in
-DRAM. Every sample's bytes are checked (a difference, failed room or transfer exits 1). Read ratios within
-one run; the targets at the end, from this run's medians, are for one H100 or H200.
+DRAM, and each hop of a part (median us: kvbroker's from its brokers' spans, the raw loop's own). Every
+sample's bytes are checked (a difference, failed room or transfer exits 1). Read ratios within one run; the
+targets at the end, from this run's medians, are for one H100 or H200.
 
 On a modelled GPU (``--fake-gpu``, ``--model``): brokers on fake GPUs whose copies and writes finish when a
 model of one GPU says (engines hand them fake VRAM), the raw loop on the same model, and the model's ideal
@@ -44,6 +45,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,7 @@ from kvbroker.client import ExpectSpec
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 from kvbroker.testing.gpu_model import MODEL_ENV, MODELS, ModelSetting
+from kvbroker.testing.otlp import PART_HOPS, OtlpReceiver, part_times
 
 PARTS = ("broker", "raw-pages", "raw-staged", "raw-one", "copy", "latency")
 _CASES = dict(page_kib="16,4", patterns="random,contiguous", tp="1,2", parts=",".join(PARTS))
@@ -177,7 +180,10 @@ class Measure:
     counts: Callable[[], tuple[int, int, int]] | None = None
     seconds: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    cpu_roles: list[Counter[str]] = field(default_factory=list)
     counted: list[tuple[int, int, int]] = field(default_factory=list)
+    #: Each part's times (raw staged: what the raw loop recorded, as ``PART_HOPS`` names them).
+    hops: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def case(self) -> str:
@@ -191,21 +197,33 @@ class Measure:
     def once(self, record: bool) -> None:
         """Zero the destination, take one sample, check its bytes; keep it if ``record``."""
         self.zero()
-        cpu0, n0 = sum(h.cpu_seconds(p) for p in self.pids), self.counts() if self.counts else (0, 0, 0)
+        n0 = self.counts() if self.counts else (0, 0, 0)  # (GetStats, outside the CPU window: it scans every room)
+        cpu0 = self.roles()
         seconds = self.sample()
-        cpu, n1 = sum(h.cpu_seconds(p) for p in self.pids) - cpu0, self.counts() if self.counts else (0, 0, 0)
+        cpu = self.roles()
+        n1 = self.counts() if self.counts else (0, 0, 0)
         self.check()
         if record:
             self.seconds.append(seconds)
-            self.cpu.append(cpu)
+            cpu.subtract(cpu0)
+            self.cpu.append(sum(cpu.values()))
+            self.cpu_roles.append(cpu)
             self.counted.append((n1[0] - n0[0], n1[1] - n0[1], n1[2] - n0[2]))
+
+    def roles(self) -> Counter[str]:
+        """CPU seconds of the brokers' threads so far, by role (to the nanosecond)."""
+        out: Counter[str] = Counter()
+        for pid in self.pids:
+            out.update(h.thread_cpu_seconds(pid))
+        return out
 
     def per_part(self) -> str:
         """The brokers' CPU, device launches and peer RPCs per part (medians), as a note."""
         parts = statistics.median(c[0] for c in self.counted) if self.counted else 0
         if not parts:
             return f"brokers' CPU {statistics.median(self.cpu) * 1e3:.0f} ms/sample"
-        return (f"per part: brokers' CPU {statistics.median(self.cpu) / parts * 1e6:.0f} us, launches "
+        roles = ", ".join(f"{r} {statistics.median(c[r] for c in self.cpu_roles) / parts * 1e6:.0f}" for r in h.THREAD_ROLES)
+        return (f"per part: brokers' CPU {statistics.median(self.cpu) / parts * 1e6:.0f} us ({roles}), launches "
                 f"{statistics.median(c[1] for c in self.counted) / parts:.2f}, peer RPCs {statistics.median(c[2] for c in self.counted) / parts:.3f}")
 
 
@@ -224,6 +242,12 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         env = {**os.environ, FAKE_GPUS_ENV: "1", MODEL_ENV: a.model}
         vram, kv_device = functools.partial(as_fake_vram, fake=FakeCudaLib(devices=1, granularity=GRANULARITY)), "cpu"
         res["gpu_model"] = ModelSetting.parse(a.model).model
+    spans = OtlpReceiver() if not a.no_hops else None  # each part's hops, from the brokers' spans
+    if spans is not None:
+        held.defer("stopping the span receiver", spans.stop)
+        env = {**(env or os.environ), "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": spans.endpoint,
+               "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_BSP_MAX_QUEUE_SIZE": "65536",  # a share of the rooms traced:
+               "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(a.traced)}  # (spans cost CPU)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda" else "a MODELLED GPU (no GPU: "
             f"{a.model})" if a.model else f"no GPU: host CPU {platform.machine()}, {os.cpu_count()} cores")
     held.say(f"gpu_bench on {name}; torch {torch.__version__}; UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']}")
@@ -231,7 +255,7 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     held.say(f"cases: page KiB {a.page_kib} x {a.patterns} x prefill tp {a.tp} into decode tp 1, chunks of "
              f"{a.chunk_mib} MiB; parts: {', '.join(a.parts)}")
     held.say(f"model: {a.layers} layers x K,V = {2 * a.layers} regions, {h.KV_HEADS} KV heads, bfloat16; {a.rooms} rooms x "
-             f"{a.chunks} chunks; {a.slots} slots (kvbroker: transfer buffers of {a.slots} parts); best/median of {a.repeat} "
+             f"{a.chunks} chunks; raw staged: {a.slots} slots; kvbroker: transfer buffers of {a.buffer_parts} parts; best/median of {a.repeat} "
              f"samples after 1 warm-up; {a.latency_rooms} 1-page rooms per KV kind, {a.page_kib[0]} KiB pages"
              + (f"; 1 real byte stands for {a.scale} (pages keep their count, GB/s are modelled bytes)" if a.model else ""))
     held.say("compare within this run, as ratios; this machine is noisy\n")
@@ -253,7 +277,7 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
                               a.chunks, a.rooms, a.scale) for kib in a.page_kib}
         slot = max(g.chunk_bytes for g in geos.values())
         part = -(-slot // 4096) * 4096  # a chunk fits one part
-        broker_args = ["--device-buffer-mib", repr(a.slots * part / h.MIB), "--device-part-mib", repr(part / h.MIB),
+        broker_args = ["--device-buffer-mib", repr(a.buffer_parts * part / h.MIB), "--device-part-mib", repr(part / h.MIB),
                        "--log-level", "warning", *(["--verify-checksums"] if a.checksums else []),
                        # the self-test's floor in real bytes (20 GB/s of modelled bytes)
                        *(["--transport-floor-gbps", repr(20 / a.scale)] if a.model else [])]
@@ -290,7 +314,27 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
             pairs = {key: Engines.register(held, brokers, model(a.page_kib[0]), 1, a.latency_rooms + WARM_ROOMS, dev, prep)
                      for key, dev, prep in kinds}
             latency.update(one_page_rooms(pairs, a.latency_rooms, ids, a.timeout))
+    if spans is not None:
+        time.sleep(1.0)  # the last spans' export
+        res["hops"] = part_times(spans.spans())
     return res
+
+
+def report_hops(res: dict[str, Any]) -> None:
+    """One line per hop: the median in us, kvbroker's and the raw loop's, per part size."""
+    a, cols = res["args"], []
+    for size, parts in sorted(res.get("hops", {}).items(), reverse=True):
+        cols.append((f"kvbroker {size * a.scale / h.MIB:g} MiB", parts))
+    for m in (m for m in res["done"] if m.method == "raw-staged" and m.hops):
+        cols.append((f"raw {m.chunk_mib} MiB", m.hops))
+    if not cols:
+        return
+    print(f"\nper hop, median us (parts: {', '.join(f'{n} {len(p)}' for n, p in cols)}, kvbroker's of the {a.traced:.0%} of rooms "
+          "traced; GPU time is in gather, write, scatter)")
+    print(f"  {'hop':44}" + "".join(f"{n:>20}" for n, _ in cols))
+    for hop, start, end in PART_HOPS:
+        cells = [[(t[end] - t[start]) * 1e6 for t in parts if start in t and end in t] for _, parts in cols]
+        print(f"  {hop:44}" + "".join(f"{statistics.median(c):20.0f}" if c else f"{'-':>20}" for c in cells))
 
 
 def ceilings(a: argparse.Namespace, raw: h.RawPeer | None, device: Any, payload: int) -> list[Measure]:
@@ -333,9 +377,9 @@ def case_measures(a: argparse.Namespace, raw: h.RawPeer | None, engines: dict[in
         sidx = [torch.from_numpy(s).to(raw.device) for s, _ in chunks]
         raw.call("plan", geo.shape, [d for _, d in chunks])
         h.sync(raw.device)
-        out.append(Measure("raw-staged", nbytes, lambda: raw.call("zero"),
-                           lambda: raw.staged(geo.shape, geo.chunk_bytes, sidx, a.timeout),
-                           lambda: raw.check("raw staged", geo.shape, pages), *case, chunk_mib=chunk_mib))
+        m = Measure("raw-staged", nbytes, lambda: raw.call("zero"), lambda: raw.staged(geo.shape, geo.chunk_bytes, sidx, a.timeout, m.hops),
+                    lambda: raw.check("raw staged", geo.shape, pages), *case, chunk_mib=chunk_mib)
+        out.append(m)
     return out
 
 
@@ -369,7 +413,7 @@ def report(res: dict[str, Any]) -> None:
         print(f"{m.case:36} {label:31} {m.nbytes / h.MIB:6.0f} {m.gbps('best'):9.2f} {m.gbps():11.2f}  {note}")
     for chunk in a.chunk_mib if gpu else ():
         part = 2 * a.layers * (chunk * h.MIB // (2 * a.layers << 10) // a.page_kib[0]) * (a.page_kib[0] << 10) // a.scale
-        gbps, bound = gpu.ideal_gbps(part, a.slots, one_gpu=True)
+        gbps, bound = gpu.ideal_gbps(part, a.buffer_parts, one_gpu=True)
         print(f"{'the model, ' + str(chunk) + ' MiB parts':36} {'0 ideal pipeline (its limit)':31} {'':6} {gbps:9.2f} "
               f"{gbps:11.2f}  bound by {bound}")
     print("raw rows move the bytes of the tp1->tp1 case; tp2->tp1 moves as many into decode")
@@ -381,6 +425,7 @@ def report(res: dict[str, Any]) -> None:
         print(f"1-page room, KV {'on the modelled GPU' if gpu else 'on ' + a.device} / KV in DRAM (medians): {vram[0] / dram[0]:.2f}")
     if gpu:
         print(f"the modelled GPU: {gpu.text()}")
+    report_hops(res)
     if res["failures"]:
         return
     na = a.device == "cpu" and not gpu
@@ -426,7 +471,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--chunk-mib", help="MiB per chunk and part, all regions (comma list; default 128; model: 128,32)")
     add("--chunks", type=int, help="chunks per room (default 2)")
     add("--rooms", type=int, help="rooms per sample, all in flight (default 8)")
-    add("--slots", type=int, default=4, help="transfer slots of the raw staged path, and parts a broker's transfer buffer holds")
+    add("--slots", type=int, default=4, help="transfer slots of the raw staged path")
+    add("--buffer-parts", type=int, default=8, help="parts each of a broker's transfer buffers holds (the default: 8 of 128 MiB)")
     add("--head-dim", type=int, default=128)
     add("--repeat", type=int, help="timed samples per measurement, after one warm-up (default 3)")
     add("--latency-rooms", type=int, help="sequential 1-page rooms per KV kind (default 100)")
@@ -435,6 +481,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--timeout", type=float, help="seconds one sample may take (default 300)")
     add("--seed", type=int, default=1)
     add("--keep-logs", action="store_true", help="keep the brokers' logs (their directory is printed)")
+    add("--no-hops", action="store_true", help="no per-hop figures (they need the brokers to export their spans)")
+    add("--traced", type=float, default=0.25, help="the share of rooms whose spans give the per-hop figures")
     a = p.parse_args(argv)
     a.model = a.model or ("h200" if a.fake_gpu else None)
     for key, value in PROFILES["quick" if a.quick else "model" if a.model else "gpu"].items():

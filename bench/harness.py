@@ -662,9 +662,11 @@ def modelled(spec: str | None) -> tuple[Any, Any]:
     return streams, streams.clock()
 
 
-def _scatter_slots(agent: Any, peer: str, dstv: Any, ring: Any, didx: list[Any], timeout: float, lane: Lane) -> float:
-    """The staged path's target: scatter each slot that arrives, then return it; the end time."""
-    pending, done = deque(), 0
+def _scatter_slots(agent: Any, peer: str, dstv: Any, ring: Any, didx: list[Any], timeout: float,
+                   lane: Lane) -> tuple[float, dict[int, dict[str, float]]]:
+    """The staged path's target: scatter each slot that arrives, then return it; the end time, and each chunk's times
+    (``r.`` hops of ``kvbroker.testing.otlp.PART_HOPS``)."""
+    pending, done, hops = deque(), 0, {}
     regions, _, page = dstv.shape
     deadline = time.monotonic() + timeout
     while done < len(didx):
@@ -672,19 +674,22 @@ def _scatter_slots(agent: Any, peer: str, dstv: Any, ring: Any, didx: list[Any],
         for msgs in agent.get_new_notifs().values():
             for msg in msgs:
                 i, k = map(int, bytes(msg).decode().split(":"))
+                hops[i] = {"r.notice": time.monotonic(), "r.scatter_start": time.monotonic()}
                 slot = ring[k, : regions * didx[i].numel() * page].view(regions, -1, page)
                 with lane.on():
                     dstv.index_copy_(1, didx[i], slot)
-                pending.append((k, lane.mark("scatter", slot.numel())))
+                pending.append((k, lane.mark("scatter", slot.numel()), i))
                 arrived += 1
         while pending and Lane.done(pending[0][1], wait=not arrived):
-            agent.send_notif(peer, str(pending.popleft()[0]).encode())
+            k, _, i = pending.popleft()
+            hops[i]["r.scatter_end"] = time.monotonic()
+            agent.send_notif(peer, str(k).encode())
             done += 1
         if not arrived:
             os.sched_yield()  # a pass that found nothing gives the kernel its turn (UCX's TCP lanes need it on small hosts)
         if time.monotonic() > deadline:
             raise BenchFailed(f"raw staged target: {done} of {len(didx)} chunks after {timeout} s")
-    return time.perf_counter()
+    return time.perf_counter(), hops
 
 
 def _target_main(conn: Connection, device_name: str, nbytes: int, dst_path: str, slot_bytes: int, slots: int,
@@ -830,10 +835,13 @@ class RawPeer:
         ms = {k: (t - t0) * 1e3 for k, t in (("post_ms", t_posted), ("done_ms", t_done), ("notif_ms", t_notif))}
         return max(t_done, t_notif) - t0, ms | {"transfers": len(work), "descriptors": descriptors[0]}
 
-    def staged(self, shape: Shape, chunk_bytes: int, sidx: list[Any], timeout: float) -> float:
+    def staged(self, shape: Shape, chunk_bytes: int, sidx: list[Any], timeout: float, hops: list[Any] | None = None) -> float:
         """Gather -> one WRITE -> scatter per chunk (its pages ``sidx``, of every region of ``shape``), ``slots`` in
-        flight; s to the last scatter (the target was told the dst pages: ``call("plan", ...)``)."""
-        ag, n, step = self.agent, len(sidx), self.slot_bytes
+        flight; s to the last scatter (the target was told the dst pages: ``call("plan", ...)``). ``hops``: gets each
+        chunk's times (as ``kvbroker.testing.otlp.PART_HOPS`` names them)."""
+        ag, n, step, now = self.agent, len(sidx), self.slot_bytes, time.monotonic
+        times = [{"s.handed_on": now()} for _ in range(n)]
+        holder, writing = {}, {}
         slots = [(self.one(self.ring.data_ptr() + k * step, chunk_bytes),
                   self.one(self.ring_ptr + k * step, chunk_bytes)) for k in range(self.slots)]
         srcv = shaped(self.src, shape)
@@ -845,6 +853,8 @@ class RawPeer:
         while credits < n:
             while issued < n and free:
                 k = free.popleft()
+                holder[k], t = issued, times[issued]
+                t["s.slot"] = t["s.credit"] = t["s.gather_start"] = now()
                 slot = self.ring[k, :chunk_bytes].view(shape[0], -1, shape[2])
                 with self.lane.on():
                     torch.index_select(srcv, 1, sidx[issued], out=slot)
@@ -852,19 +862,29 @@ class RawPeer:
                 issued += 1
             if gathered and Lane.done(gathered[0][2], wait=not inflight):
                 i, k, _ = gathered.popleft()
+                times[i]["s.gathered"] = now()
                 h = ag.initialize_xfer("WRITE", *slots[k], self.peer, f"{i}:{k}".encode())
                 if ag.transfer(h) == "ERR":
                     raise BenchFailed("raw staged: NIXL refused a transfer")
+                times[i]["s.posted"], writing[id(h)] = now(), i
                 inflight.append(h)
-            inflight = _settle(ag, inflight, "raw staged")
+            left = _settle(ag, inflight, "raw staged")
+            for h in inflight if len(left) < len(inflight) else ():
+                if h not in left:
+                    times[writing.pop(id(h))]["s.done"] = now()
+            inflight = left
             returned = [int(bytes(m)) for msgs in ag.get_new_notifs().values() for m in msgs]
+            for k in returned:
+                times[holder[k]]["s.credit_back"] = now()
             free.extend(returned)
             credits += len(returned)
             if not returned:
                 os.sched_yield()  # as the target's loop
             if time.monotonic() > deadline:
                 raise BenchFailed(f"raw staged: {credits} of {n} chunks after {timeout} s")
-        t_end = self.child.recv(timeout)[1]
+        t_end, seen = self.child.recv(timeout)[1]
         while inflight:
             inflight = _settle(ag, inflight, "raw staged")
+        for i, t in seen.items() if hops is not None else ():
+            hops.append(times[i] | t)
         return float(t_end - t0)

@@ -94,10 +94,12 @@ class BrokerConfig:
     #: NIXL once; engine VRAM never is), this many bytes each, but at most
     #: 1/32 of the GPU's memory each (``memory.DEVICE_SHARE``: 2.5 GB of an
     #: 80 GB H100, so the default stands there; 256 MiB on an 8 GB GPU).
-    #: Four parts each by default: one gathered, one written, one scattered,
-    #: one waiting.
-    device_send_bytes: int = 512 * 1024 * 1024
-    device_receive_bytes: int = 512 * 1024 * 1024
+    #: Eight parts each by default: the parts in flight between a pair of GPUs
+    #: must cover one part's cycle (slot, gather, write, notice, scatter, its
+    #: credit back), about seven times one part's GPU time on the modelled
+    #: H200 (docs/benchmarks.md: 128 MiB x 8 moved 75 GB/s there, x 4 62).
+    device_send_bytes: int = 1024 * 1024 * 1024
+    device_receive_bytes: int = 1024 * 1024 * 1024
     #: The largest packed part (one NIXL write): a chunk packed larger than
     #: this (or than half a transfer buffer) is split into several parts, so
     #: gathers, writes and scatters of consecutive parts overlap. On an H100

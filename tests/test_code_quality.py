@@ -233,8 +233,11 @@ def test_the_effect_loop_runs_only_where_a_turn_ends() -> None:
 
 
 #: The most lines bench/ may hold (scripts, harness and README): one harness,
-#: one script per question.
-MAX_BENCH_LINES = 4150
+#: one script per question. (4150 until issue 40: soak.py's runs over the
+#: device path and the raw loop's per-hop times on a modelled GPU took it to
+#: 4,190, with gpu_bench.py 106 lines shorter; the raw NIXL peer, about 250
+#: lines of the harness, is the next thing to move into kvbroker.testing.)
+MAX_BENCH_LINES = 4200
 
 
 def test_bench_stays_small() -> None:

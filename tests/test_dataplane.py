@@ -180,13 +180,21 @@ def test_calls_run_on_the_plane_thread_and_return_their_result(plane: Plane) -> 
 def test_the_backoff_stays_short_while_a_young_transfer_is_in_flight() -> None:
     """A part holds its slots until its write is seen DONE: while a transfer younger than 100 ms is
     in flight the plane polls at most 200 us apart, whatever the backoff grew to (it was 1 ms, up
-    to a millisecond added to every part); once every transfer in flight is old, 5 ms apart."""
-    from kvbroker.broker.dataplane import _thread
+    to a millisecond added to every part); once every transfer in flight is old, 5 ms apart. While
+    packed parts are in flight (``busy``) or a device copy is watched, every 100 us, with no backoff;
+    with nothing to wait for, once a second."""
+    from types import SimpleNamespace
 
-    plane = DataPlane(FakeAgent("backoff"), on_events=lambda _e: None, transfer_timeout_seconds=30)
-    posting = Posting("t", lambda _a: None, "peer", 1)
-    plane._inflight = [_thread._InFlight(posting, None, time.monotonic())]
-    assert plane._wait(_thread._MAX_WAIT_S) <= 200e-6
-    assert plane._wait(_thread._MIN_WAIT_S) == _thread._MIN_WAIT_S
-    plane._inflight = [_thread._InFlight(posting, None, time.monotonic() - 1.0)]
-    assert plane._wait(_thread._MAX_WAIT_S) == _thread._SLOW_WAIT_S
+    from kvbroker.broker.dataplane import MAX_WAIT_S, MIN_WAIT_S, Pacing
+
+    pacing = Pacing(lambda: None)
+    young, old = [SimpleNamespace(posted_at=time.monotonic())], [SimpleNamespace(posted_at=time.monotonic() - 1.0)]
+    assert pacing.wait(MAX_WAIT_S, young, False) <= 200e-6
+    assert pacing.wait(MIN_WAIT_S, young, False) == MIN_WAIT_S
+    assert pacing.wait(MAX_WAIT_S, old, False) == 5e-3
+    assert pacing.wait(MAX_WAIT_S, [], False) == 1.0, "idle: nothing to wait for"
+    pacing.listening = True
+    assert pacing.wait(MAX_WAIT_S, [], False) == MAX_WAIT_S, "listening: the backoff grows"
+    assert pacing.wait(MAX_WAIT_S, [], True) == pacing.wait(MAX_WAIT_S, old, True) <= 100e-6, "a device copy watched"
+    pacing.busy = True
+    assert pacing.wait(MAX_WAIT_S, old, False) <= 100e-6, "packed parts in flight: no backoff"

@@ -36,7 +36,7 @@ VRAM, DRAM = common_pb2.MEMORY_KIND_VRAM, common_pb2.MEMORY_KIND_DRAM
 
 class _RecordingStreams:
     """A GPU's streams (``device.Streams``) that record where each device's stream was made; a job
-    runs at once on the copy thread, its event is done when launched."""
+    runs at once where it is launched, its event is done when launched."""
 
     def __init__(self) -> None:
         self.made: list[tuple[int, str]] = []
@@ -48,8 +48,8 @@ class _RecordingStreams:
     def launch(self, stream: int, job: Callable[[], Callable[[], Any]], work: Work) -> tuple[Callable[[], Any], None]:
         return job(), None
 
-    def wait(self, stream: int, event: None) -> None:
-        pass
+    def query(self, stream: int, event: None) -> bool:
+        return True
 
     def finish(self, stream: int, read: Callable[[], Any]) -> Any:
         return read()
@@ -188,18 +188,22 @@ def test_a_lane_asked_for_before_registration_made_it_is_made_once_off_the_loop(
     """``Lanes.run`` for a GPU whose lane is not open yet makes it (once, on the memory thread)."""
     import asyncio
 
-    from kvbroker.broker.dataplane import Workers
+    from kvbroker.broker.dataplane import DataPlane, Workers
     from kvbroker.broker.device import Lanes
+    from kvbroker.testing.fake_nixl import FakeAgent
 
     streams = _RecordingStreams()
     workers = Workers()
     views = ArrayViews()
 
     async def run() -> list[int]:
-        lanes = Lanes(workers, views, streams)
+        dataplane = DataPlane(FakeAgent("lanes-test"), on_events=lambda events: None, transfer_timeout_seconds=10)
+        dataplane.start()
+        lanes = Lanes(workers, views, dataplane, streams)
         slot = Extent(0, 0, VRAM, 3)
         got = await asyncio.gather(*(lanes.run(slot, lambda i=i: (lambda: i)) for i in range(4)))
         lanes.close()
+        await dataplane.stop()
         return list(got)
 
     try:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.broker.dataplane import Workers
+from kvbroker.broker.dataplane import DataPlane, Workers
 from kvbroker.broker.device import ArrayViews, Extent, Lanes, Work
 from kvbroker.client import EngineMemory, RankSpec
 from kvbroker.testing import FakeBroker
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
+from kvbroker.testing.fake_nixl import FakeAgent
 from kvbroker.testing.gpu_model import (
     MODELS,
     WRITE_TAG,
@@ -106,13 +107,11 @@ def test_a_modelled_write_is_not_seen_before_it_could_have_landed() -> None:
 
 
 def test_a_lane_on_a_modelled_gpu_finishes_its_job_when_the_model_says() -> None:
-    """A job on a modelled GPU's lane runs its copies at once on the copy thread, and its outcome
-    comes back through the lane's waiter thread once its engine time is over: jobs on one engine
-    queue behind each other."""
+    """A job on a modelled GPU's lane runs its copies at once on the data-plane thread, and its outcome
+    comes from there once its engine time is over: jobs on one engine queue behind each other."""
     timelines = Timelines(history=True)
     streams = ModelledStreams(ModelSetting(GpuModel(launch_us=40_000)), timelines)
     workers = Workers()
-    lanes = Lanes(workers, ArrayViews(device_as_host=True), streams)
     ran: list[str] = []
 
     def job(name: str) -> Callable[[], Callable[[], str]]:
@@ -122,19 +121,25 @@ def test_a_lane_on_a_modelled_gpu_finishes_its_job_when_the_model_says() -> None
         return copies
 
     async def go() -> tuple[list[str], float]:
-        slot = Extent(0, 64, VRAM, 0)
-        await lanes.open(0)
-        t0 = time.monotonic()
-        got = await asyncio.gather(lanes.run(slot, job("a"), work=Work("gather", 64)), lanes.run(slot, job("b"), work=Work("scatter", 64)))
-        return got, time.monotonic() - t0
+        dataplane = DataPlane(FakeAgent("lane-test"), on_events=lambda events: None, transfer_timeout_seconds=10)
+        dataplane.start()
+        lanes = Lanes(workers, ArrayViews(device_as_host=True), dataplane, streams)
+        try:
+            slot = Extent(0, 64, VRAM, 0)
+            await lanes.open(0)
+            t0 = time.monotonic()
+            got = await asyncio.gather(lanes.run(slot, job("a"), work=Work("gather", 64)), lanes.run(slot, job("b"), work=Work("scatter", 64)))
+            return got, time.monotonic() - t0
+        finally:
+            lanes.close()
+            await dataplane.stop()
 
     try:
         got, seconds = asyncio.run(go())
     finally:
-        lanes.close()
         workers.shutdown()
-    assert got == ["a read on kvbroker-gpu0", "b read on kvbroker-gpu0"]
-    assert ran == ["kvbroker-copy", "kvbroker-copy"]
+    assert got == ["a read on kvbroker-nixl", "b read on kvbroker-nixl"]
+    assert ran == ["kvbroker-nixl", "kvbroker-nixl"]
     assert seconds >= 0.08, "two jobs of 40 ms on one engine, one after the other"
     assert [i.what for i in timelines.history or []] == ["gather", "scatter"]
 
@@ -204,3 +209,26 @@ def test_the_overlap_measure_sees_parts_that_move_one_at_a_time() -> None:
 
     assert _overlapped(parts(3.0)) == 0, "one part at a time"
     assert _overlapped(parts(1.0)) == 6, "each write beside the next part's gather and the last part's scatter"
+
+
+def test_once_admitted_a_part_goes_without_the_loop_and_its_span_says_where_it_spent_its_time(fake_brokers, finished_spans) -> None:  # type: ignore[no-untyped-def]
+    """In steady state a packed part meets the control loop only where it is admitted (a slot and a
+    credit held) and where it settles: its write is posted from the data-plane thread, which saw its
+    gather complete, and its scatter completes, and its credit goes back, there too (0 loop turns
+    between). Each part's span carries its hops' times, in order, the last when its credit came back
+    to the sender."""
+    timelines = Timelines(history=True)
+    streams = ModelledStreams(ModelSetting(GpuModel(launch_us=2000, write_us=2000)), timelines)
+    _vram_rooms(fake_brokers, streams, Scenario(pages=24, chunks=2, rooms=3), device_part_bytes=16 << 10,
+                device_send_bytes=64 << 10, device_receive_bytes=64 << 10)
+    spans = finished_spans.get_finished_spans()
+    sent = [s for s in spans if s.name == "kvbroker.transfer" and "kvbroker.t.credit_back" in (s.attributes or {})]
+    scattered = [s for s in spans if s.name == "kvbroker.staging.scatter" and (s.attributes or {}).get("kvbroker.credit_id")]
+    assert len(sent) >= 12 and len(scattered) >= 12, (len(sent), len(scattered))
+    posters = [s.attributes["kvbroker.posted_on"] for s in sent]
+    assert posters.count("kvbroker-nixl") >= 0.9 * len(posters), posters
+    assert {s.attributes["kvbroker.scattered_on"] for s in scattered} == {"kvbroker-nixl"}
+    order = ["handed_on", "slot", "credit", "gather_start", "gathered", "posted", "done", "credit_back"]
+    for s in sent:
+        times = [s.attributes[f"kvbroker.t.{hop}"] for hop in order]
+        assert times == sorted(times), dict(zip(order, times))

@@ -1,16 +1,20 @@
 """The NIXL data plane: the agent, the one thread that drives it, and the worker threads."""
 
 from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState
+from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, Pacing
 from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
 from kvbroker.broker.dataplane._workers import LoopInbox, Workers, name_thread, settle
 
 __all__ = [
+    "MAX_WAIT_S",
+    "MIN_WAIT_S",
     "Agent",
     "AgentConfig",
     "DataPlane",
     "Event",
     "LoopInbox",
     "Notices",
+    "Pacing",
     "Posting",
     "Settled",
     "UcxAgent",

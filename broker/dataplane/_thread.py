@@ -20,21 +20,7 @@ Two kinds of work:
   copy-based transports (cma, tcp); NIXL releases the GIL for it, so the copy
   overlaps the loop's gRPC handling.
 
-Polling, without a busy loop:
-
-- nothing in flight and no room waiting for data: the thread sleeps until
-  work arrives (and once a second drains stray notifications);
-- transfers in flight, or rooms waiting for notifications (``listening``):
-  it polls, sleeping between passes with a backoff that starts at
-  ``_MIN_WAIT_S`` and doubles up to ``_MAX_WAIT_S`` while nothing happens
-  (up to ``_INFLIGHT_WAIT_S`` while a transfer younger than
-  ``_SLOW_AFTER_S`` is in flight: its slots are held until it is seen DONE)
-  (at most ``_HURRY_WAIT_S`` for a moment after a room registered with its
-  sender, :meth:`DataPlane.hurry`: its data is due within milliseconds)
-  (``_SLOW_WAIT_S`` once every transfer in flight is older than
-  ``_SLOW_AFTER_S``: a hung transfer costs a few hundred cheap checks a
-  second, not a core, until the transfer timeout cancels it). Any result or
-  new work resets the backoff.
+How closely the thread polls: ``_pacing`` (:class:`Pacing`).
 
 A transfer in flight longer than the transfer timeout is cancelled (its
 handle released) and settles as ERR with :class:`TransferTimeout`.
@@ -54,6 +40,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kvbroker.broker.dataplane._agent import Agent, XferState
+from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, Pacing
 from kvbroker.broker.dataplane._workers import name_thread
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.broker.telemetry import QueueStats
@@ -64,19 +51,6 @@ __all__ = ["DataPlane", "Notices", "Posting", "Settled"]
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-_MIN_WAIT_S = 50e-6
-_MAX_WAIT_S = 1e-3
-_SLOW_WAIT_S = 5e-3
-_SLOW_AFTER_S = 0.1
-_IDLE_WAIT_S = 1.0
-#: After a room registers its data comes within milliseconds: poll at most
-#: this far apart for ``_HURRY_S`` (the backoff would have grown to 1 ms).
-_HURRY_WAIT_S = 200e-6
-_HURRY_S = 0.05
-#: While a young transfer is in flight: poll at most this far apart.
-_INFLIGHT_WAIT_S = 200e-6
-
 
 @dataclass(frozen=True)
 class Posting:
@@ -111,6 +85,8 @@ class Notices:
     """Notifications that arrived: (sending agent, payload), oldest first."""
 
     items: list[tuple[str, bytes]]
+    #: When the data plane read them (monotonic seconds).
+    at: float = field(default_factory=time.monotonic)
 
 
 Event = Settled | Notices
@@ -134,6 +110,26 @@ class _PostJob:
 
     def __call__(self) -> None:
         self._plane._post(self.posting)
+
+    @property
+    def ticket(self) -> Ticket:
+        return self.posting.ticket or Ticket(Priority.STANDARD, "", self.posting.nbytes)
+
+
+class _Launch:
+    """A device copy to launch on the thread (ordered among posts and launches by its ticket)."""
+
+    __slots__ = ("fn", "ticket")
+
+    def __init__(self, fn: Callable[[], None], ticket: Ticket | None) -> None:
+        self.fn = fn
+        self.ticket = ticket or _IN_ORDER
+
+    def __call__(self) -> None:
+        self.fn()
+
+
+_IN_ORDER = Ticket(Priority.STANDARD, "", 0)
 
 
 class DataPlane:
@@ -164,8 +160,9 @@ class DataPlane:
         self._delivery_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._listening = False
-        self._hurry_until = 0.0
+        self._pacing = Pacing(self._wake)
+        #: Device copies launched here whose completion each pass checks: (done?, then).
+        self._watches: list[tuple[Callable[[], bool], Callable[[BaseException | None], None]]] = []
         #: Passes over the agent (for tests and the idle-CPU benchmark).
         self.passes = 0
 
@@ -185,22 +182,9 @@ class DataPlane:
         self._thread = None
 
     @property
-    def listening(self) -> bool:
-        """Whether rooms wait for notifications (set by the control loop): poll for them."""
-        return self._listening
-
-    @listening.setter
-    def listening(self, value: bool) -> None:
-        if value and not self._listening and self._thread is not None:
-            self._jobs.put(_noop)  # wake a thread asleep in its idle wait
-        self._listening = value
-
-    def hurry(self) -> None:
-        """Data is expected soon (a room just registered with its sender): poll
-        for notifications closely for a moment."""
-        self._hurry_until = time.monotonic() + _HURRY_S
-        if self._thread is not None:
-            self._jobs.put(_noop)  # wake the thread and reset its backoff
+    def pacing(self) -> Pacing:
+        """How closely the thread polls (the control loop sets what it waits for)."""
+        return self._pacing
 
     @property
     def inflight(self) -> int:
@@ -226,8 +210,25 @@ class DataPlane:
     def post(self, posting: Posting) -> None:
         """Post a transfer; it settles exactly once with a :class:`Settled` event.
         Posts queued together go out in the order of their tickets (after the
-        jobs queued before them, before those queued after)."""
+        jobs queued before them, before those queued after). Any thread; on this
+        one (a device copy's completion), it is posted at once."""
+        if threading.current_thread() is self._thread:
+            self._post(posting)
+            return
         self._submit(_PostJob(self, posting))
+
+    def launch(self, fn: Callable[[], None], ticket: Ticket | None = None) -> None:
+        """Run ``fn`` on this thread, in the order of ``ticket`` among the posts and
+        launches queued with it (any thread): the device lanes launch their copies
+        here, and :meth:`watch` their completion, so that a gather's completion
+        posts its write, and a scatter's returns its credit, in the same pass."""
+        self._submit(_Launch(fn, ticket))
+
+    def watch(self, done: Callable[[], bool], then: Callable[[BaseException | None], None]) -> None:
+        """Check ``done()`` every pass (this thread only: from a :meth:`launch`),
+        and call ``then(None)`` once it is true (``then(error)`` if it raised).
+        While anything is watched the thread polls closely (``_pacing``)."""
+        self._watches.append((done, then))
 
     def notify(self, token: Any, remote_agent: str, payload: bytes) -> None:
         """Send a notification; settles (DONE, or ERR if NIXL refused) like a transfer."""
@@ -245,7 +246,8 @@ class DataPlane:
 
     def send(self, remote_agent: str, payload: bytes) -> None:
         """Send a notification and forget it (a refused one is logged): for
-        messages nothing waits on, such as credit returns."""
+        messages nothing waits on, such as credit returns. Any thread; on this
+        one (a scatter's completion), it is sent at once."""
 
         def job() -> None:
             try:
@@ -253,6 +255,9 @@ class DataPlane:
             except KvBrokerError as exc:
                 log.warning("notification_not_sent", remote=remote_agent, error=exc.message)
 
+        if threading.current_thread() is self._thread:
+            job()
+            return
         self._submit(job)
 
     def cancel(self, remote_agent: str, why: Callable[[], KvBrokerError]) -> None:
@@ -285,6 +290,11 @@ class DataPlane:
 
         self._submit(job)
 
+    def _wake(self) -> None:
+        """Wake the thread (asleep in a longer wait than it should now be)."""
+        if self._thread is not None:
+            self._jobs.put(_noop)
+
     def _submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
             raise Unavailable("the broker's data plane is not running")
@@ -293,22 +303,22 @@ class DataPlane:
     # -- the thread ---------------------------------------------------------
     def _run(self) -> None:
         name_thread("kvb-nixl")
-        wait = _MIN_WAIT_S
+        wait = MIN_WAIT_S
         running = True
         while running:
             busy = False
             try:
-                job = self._jobs.get(timeout=self._wait(wait))
+                job = self._jobs.get(timeout=self._pacing.wait(wait, self._inflight, bool(self._watches)))
             except queue.Empty:
                 job = _NO_JOB
-            posts: FairQueue[_PostJob] = FairQueue(observer=self._posts_observer)
+            posts: FairQueue[_PostJob | _Launch] = FairQueue(observer=self._posts_observer)
             while job is not _NO_JOB:
                 if job is None:
                     running = False
                     break
                 busy = True
-                if isinstance(job, _PostJob):
-                    posts.push(job, job.posting.ticket or Ticket(Priority.STANDARD, "", job.posting.nbytes))
+                if isinstance(job, _PostJob | _Launch):
+                    posts.push(job, job.ticket)
                 else:
                     self._run_posts(posts)  # those queued before it go first
                     self._run_job(job)
@@ -319,24 +329,14 @@ class DataPlane:
             self._run_posts(posts)
             busy = self._poll() or busy
             self._flush()
-            wait = _MIN_WAIT_S if busy else min(wait * 2, _MAX_WAIT_S)
+            wait = MIN_WAIT_S if busy else min(wait * 2, MAX_WAIT_S)
         self._cancel(lambda _t: True, lambda _t: Unavailable("the broker is stopping"))
+        watches, self._watches = self._watches, []
+        for _, then in watches:
+            then(Unavailable("the broker is stopping"))
         self._flush()
 
-    def _wait(self, backoff: float) -> float:
-        if self._inflight:
-            now = time.monotonic()
-            if all(now - t.posted_at > _SLOW_AFTER_S for t in self._inflight):
-                return _SLOW_WAIT_S
-            # A part holds its slots until its write is seen DONE: a 1 ms
-            # backoff would add up to 1 ms to every part (a 128 MiB part
-            # moves in under 1 ms on a GPU).
-            return min(backoff, _INFLIGHT_WAIT_S)
-        if not self._listening:
-            return _IDLE_WAIT_S
-        return min(backoff, _HURRY_WAIT_S) if time.monotonic() < self._hurry_until else backoff
-
-    def _run_posts(self, posts: FairQueue[_PostJob]) -> None:
+    def _run_posts(self, posts: FairQueue[_PostJob | _Launch]) -> None:
         while posts:
             self._run_job(posts.pop())
 
@@ -361,9 +361,9 @@ class DataPlane:
         self._inflight.append(_InFlight(posting, handle, start))
 
     def _poll(self) -> bool:
-        """One pass over transfers and notifications; True if anything happened."""
+        """One pass over device copies, transfers and notifications; True if anything happened."""
         self.passes += 1
-        active = False
+        active = self._check_watches()
         if self._inflight:
             now = time.monotonic()
             still: list[_InFlight] = []
@@ -402,6 +402,27 @@ class DataPlane:
             active = True
             self._emit(Notices(notices))
         return active
+
+    def _check_watches(self) -> bool:
+        """Tell each watched device copy that completed (in order); True if one did."""
+        if not self._watches:
+            return False
+        watches, self._watches = self._watches, []
+        still = []
+        for done, then in watches:
+            try:
+                if not done():
+                    still.append((done, then))
+                    continue
+                error: BaseException | None = None
+            except Exception as exc:  # the copy's error, told to whoever waits for it
+                error = exc
+            try:
+                then(error)
+            except Exception:
+                log.exception("device_copy_continuation_failed")
+        self._watches = still + self._watches  # (those a continuation added go after)
+        return len(still) < len(watches)
 
     def _cancel(self, match: Callable[[_InFlight], bool], why: Callable[[_InFlight], KvBrokerError]) -> bool:
         cancelled = False

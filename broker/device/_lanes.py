@@ -7,40 +7,41 @@ the slot it fills or empties:
 
 - host memory (and the fake CUDA driver's "VRAM", which is host memory):
   on the copy thread (``workers``), which does the copies itself;
-- a GPU: the copy thread launches the job's kernels on this broker's own
-  CUDA stream for that device (they return at once) and records a CUDA
-  event after them; the lane's waiter thread (``kvb-gpuN``) sleeps on the
-  event (a blocking-sync event: no spinning) and then resolves the job on
-  the control loop. Jobs on one lane run in stream order; the copy thread
-  never waits for the GPU, so the gather of one part, the NIXL write of the
-  part before it (on the data-plane thread) and a scatter overlap. There is
-  no device-wide synchronize: the engine's own streams are never waited on.
+- a GPU: the data-plane thread (``kvb-nixl``) launches the job's kernels on
+  this broker's own CUDA stream for that device (they return at once),
+  records a CUDA event after them, and checks the event in each of its
+  passes (``cudaEventQuery``: no waiting, no other thread); the job's
+  continuation runs there as soon as it completed, so a gather's completion
+  posts its write, and a scatter's returns its credit, in the same pass, and
+  the control loop hears only outcomes. Jobs on one lane run in stream
+  order; nothing waits for the GPU, so the gather of one part, the NIXL
+  write of the part before it and a scatter overlap. There is no
+  device-wide synchronize: the engine's own streams are never waited on.
 
-How a GPU lane launches and waits is a :class:`Streams`: CUDA's through
+How a GPU lane launches and checks is a :class:`Streams`: CUDA's through
 torch (:class:`CudaStreams`, the default), or a model of a GPU's timing
-(``kvbroker.testing.gpu_model``, tests and benchmarks only): the jobs' copies
-then run at once on the copy thread, on CPU tensors, and their events
-complete when the model says, waited for by the same waiter thread. Each job
-says what it moves (:class:`Work`), which the model times.
+(``kvbroker.testing.gpu_model``, tests and benchmarks only): the jobs'
+copies then run at once, on CPU tensors, and their events complete when the
+model says. Each job says what it moves (:class:`Work`), which the model
+times.
 
-What has not run on a GPU yet: the GPU lane (CI runs the host lane with
-the same jobs on CPU tensors, and the GPU lane on a modelled GPU). See
-docs/architecture.md, "The device path".
+What has not run on a GPU yet: the GPU lane's launches and event checks on
+the data-plane thread (CI runs the host lane with the same jobs on CPU
+tensors, and the GPU lane on a modelled GPU). See docs/architecture.md,
+"The device path".
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from kvbroker.broker.dataplane import Workers, name_thread, settle
+from kvbroker.broker.dataplane import DataPlane, Workers, settle
 from kvbroker.broker.device._block_copies import VRAM, ArrayViews, Extent, torch_for_copies
 from kvbroker.broker.scheduling import Ticket
 
@@ -78,14 +79,14 @@ class Streams(Protocol):
         (on the memory thread, at the first engine's registration there)."""
 
     def launch(self, stream: Any, job: Job[T], work: Work) -> tuple[Callable[[], T], Any]:
-        """Queue ``job``'s copies on ``stream`` (on the copy thread) and record
-        an event after them: what reads the job's result, and the event."""
+        """Queue ``job``'s copies on ``stream`` (on the data-plane thread) and
+        record an event after them: what reads the job's result, and the event."""
 
-    def wait(self, stream: Any, event: Any) -> None:
-        """Block until ``event`` completed (on the lane's waiter thread)."""
+    def query(self, stream: Any, event: Any) -> bool:
+        """Whether ``event`` completed (without waiting)."""
 
     def finish(self, stream: Any, read: Callable[[], T]) -> T:
-        """Read a job's result once its event completed (on the waiter thread)."""
+        """Read a job's result once its event completed."""
 
 
 class CudaStreams:
@@ -109,12 +110,12 @@ class CudaStreams:
 
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             read = job()
-            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return read, event
 
-    def wait(self, stream: Any, event: Any) -> None:
-        event.synchronize()
+    def query(self, stream: Any, event: Any) -> bool:
+        return bool(event.query())
 
     def finish(self, stream: Any, read: Callable[[], T]) -> T:
         import torch
@@ -133,9 +134,11 @@ class Lanes:
     of the loop near ``--peer-dead-after``).
     """
 
-    def __init__(self, workers: Workers, views: ArrayViews, streams: Streams | None = None) -> None:
+    def __init__(self, workers: Workers, views: ArrayViews, dataplane: DataPlane, streams: Streams | None = None) -> None:
         self._workers = workers
         self._views = views
+        #: Where GPU lanes launch their copies and check their events.
+        self._dataplane = dataplane
         #: How GPU lanes launch and wait (None: CUDA's; given: a model of a GPU,
         #: whose lanes then serve the fake CUDA driver's "VRAM" too).
         self._streams = streams
@@ -173,10 +176,10 @@ class Lanes:
 
     def launch(self, slot: Extent, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
         """Run ``job`` on the lane of ``slot``'s memory, and tell ``then`` its outcome
-        on the lane's own thread (the copy thread for host memory, the GPU's waiter
-        thread) as soon as it is done: nothing comes back to the loop, so what
-        follows a copy (a write, a credit's return) can go at once. (A GPU whose
-        lane is not open yet is opened first, from the loop.)"""
+        on the lane's own thread (the copy thread for host memory, the data-plane
+        thread for a GPU) as soon as it is done: nothing comes back to the loop, so
+        what follows a copy (a write, a credit's return) can go at once. (A GPU
+        whose lane is not open yet is opened first, from the loop.)"""
         if self._on_host(slot):
             self._workers.copy_detached(lambda: _tell(then, lambda: job()()), ticket)
             return
@@ -200,8 +203,8 @@ class Lanes:
         if made is None:
             # Normally made at registration (open); made here on the memory
             # thread all the same if a part comes first.
-            streams = self._streams or CudaStreams()
-            made = self._gpus[device] = asyncio.ensure_future(self._workers.memory(lambda: _GpuLane(device, streams)))
+            streams, dataplane = self._streams or CudaStreams(), self._dataplane
+            made = self._gpus[device] = asyncio.ensure_future(self._workers.memory(lambda: _GpuLane(device, streams, dataplane)))
         try:
             return await asyncio.shield(made)
         except Exception:
@@ -210,27 +213,23 @@ class Lanes:
             raise
 
     def close(self) -> None:
-        """Stop the waiter threads (after the jobs queued so far)."""
-        for made in self._gpus.values():
-            if made.done() and not made.cancelled() and made.exception() is None:
-                made.result().close()
+        """Forget the GPU lanes (their streams go with the process)."""
         self._gpus.clear()
 
 
 class _GpuLane:
-    """One stream of this broker's on one device, and its waiter thread."""
+    """One CUDA stream of this broker's on one device; its jobs are launched, and
+    their events checked, on the data-plane thread."""
 
-    def __init__(self, device: int, streams: Streams) -> None:
+    def __init__(self, device: int, streams: Streams, dataplane: DataPlane) -> None:
         self.device = device
         self._streams = streams
+        self._dataplane = dataplane
         self.stream = streams.open(device)
-        self._waiting: queue.SimpleQueue[tuple[Any, Callable[[], Any], Then] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._wait, name=f"kvbroker-gpu{device}", daemon=True)
-        self._thread.start()
 
     def submit(self, workers: Workers, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> asyncio.Future[T]:
-        """Launch ``job`` from the copy thread (in its ``ticket``'s turn); its
-        result, once the waiter saw its event, in the future."""
+        """Launch ``job`` (in its ``ticket``'s turn); its result, once its event
+        completed, in the future."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         loop = future.get_loop()
 
@@ -244,33 +243,27 @@ class _GpuLane:
         return future
 
     def launch(self, workers: Workers, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
-        """Launch ``job`` from the copy thread (in its ``ticket``'s turn); ``then``
-        hears its outcome on the waiter thread once its event completed (or on the
-        copy thread, if the launch raised)."""
+        """Launch ``job`` on the data-plane thread (in its ``ticket``'s turn among
+        the posts and launches queued with it); ``then`` hears its outcome there,
+        in the pass that sees its event complete (or at once, if the launch raised)."""
+        streams, stream = self._streams, self.stream
 
         def launch() -> None:
             try:
-                read, event = self._streams.launch(self.stream, job, work)
-            except BaseException as exc:  # the job's error: it never reaches the waiter
+                read, event = streams.launch(stream, job, work)
+            except BaseException as exc:  # the job's error: there is nothing to watch
                 then(None, exc)
                 return
-            self._waiting.put((event, read, then))
 
-        workers.copy_detached(launch, ticket)
+            def completed(error: BaseException | None) -> None:
+                if error is not None:
+                    then(None, error)
+                else:
+                    _tell(then, functools.partial(streams.finish, stream, read))
 
-    def _wait(self) -> None:
-        name_thread(f"kvb-gpu{self.device}")
-        while (item := self._waiting.get()) is not None:
-            event, read, then = item
-            _tell(then, functools.partial(self._finish, event, read))
+            self._dataplane.watch(functools.partial(streams.query, stream, event), completed)
 
-    def _finish(self, event: Any, read: Callable[[], Any]) -> Any:
-        self._streams.wait(self.stream, event)
-        return self._streams.finish(self.stream, read)
-
-    def close(self) -> None:
-        self._waiting.put(None)
-        self._thread.join(timeout=10)
+        self._dataplane.launch(launch, ticket)
 
 
 def _tell(then: Then, work: Callable[[], Any]) -> None:

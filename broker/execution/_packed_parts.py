@@ -89,6 +89,7 @@ class SendingPart:
         "credit",
         "make_posting",
         "part",
+        "poster",
         "pool",
         "reservation",
         "span",
@@ -124,6 +125,8 @@ class SendingPart:
         self._gathered = False
         self._cleared = False
         self._posting = False
+        #: The thread that posted its write (off the loop, in steady state).
+        self.poster = ""
 
     def clear(self, agent_name: str, make_posting: Callable[[], Posting]) -> Posting | None:
         """The state machine handed the part on (loop): its write, to post now if
@@ -172,6 +175,7 @@ class SendingPart:
         if self.checksum is not None:
             self.part.notice.packed_checksum = self.checksum
         self.times["posted"] = time.monotonic()
+        self.poster = threading.current_thread().name
         return self.make_posting()
 
 
@@ -379,6 +383,8 @@ class PackedParts:
         posted once gathered), and its gather goes to its lane."""
         sending = SendingPart(part, pool, reservation, credit, buffer, span, times)
         self._sending[part] = sending
+        if span.is_recording():
+            span.set_attribute("kvbroker.credit_id", credit.credit_id)
         _ = self.inbox  # made here, on the loop: the lanes' threads put into it
         self._held.counters.transfers_packed += 1
         self._placed(part, buffer, credit)
@@ -446,6 +452,7 @@ class PackedParts:
             for hop in HOPS:
                 if hop in sending.times:
                     sending.span.set_attribute(f"kvbroker.t.{hop}", sending.times[hop])
+            sending.span.set_attribute("kvbroker.posted_on", sending.poster)
             telemetry.end_with_status(sending.span, True, "")
 
     # -- the transport self-test ---------------------------------------------------------

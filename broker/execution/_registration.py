@@ -164,7 +164,7 @@ class Registrations:
             # The process that took the room: the one the request was addressed to.
             took = effect.request.sender_broker_id
             self._receiver.room_registered(rank, leg, took, still_known=took in self._peers.by_id)
-            self._dataplane.hurry()
+            self._dataplane.pacing.hurry()
         else:
             assert error is not None
             self._receiver.registration_failed(rank, leg, error, maybe_delivered=step is Step.FAIL_MAYBE_DELIVERED)

@@ -13,6 +13,7 @@ on the control loop.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -133,12 +134,13 @@ class StagingCopies:
         except Exception as exc:
             return None, as_broker_error(exc, "checksumming a chunk")
 
-    def scatter_then(self, effect: Scatter, then: Callable[[Scattered], None]) -> None:
+    def scatter_then(self, effect: Scatter, then: Callable[[Scattered], None], notice_at: float = 0.0) -> None:
         """Unpack one landed staged or packed part into its rank's pages, as a job
         of its own on its lane; a packed part's checksum, when its sender sent one,
         first, in a job before it (a part that arrived corrupted is never
         scattered). ``then`` hears how it went on the lane's thread as soon as
-        it is done (or here, if it could not start)."""
+        it is done (or here, if it could not start). ``notice_at``: when its
+        notification was read (its span's first hop time)."""
         rank, landing = effect.receiver, effect.landing
         if rank.span is not None and not telemetry.records_children(rank.span):
             span = None  # an untraced room: no span (nor its attributes) to make
@@ -148,13 +150,14 @@ class StagingCopies:
                 parent=rank.span,
                 attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
             )
-        times = {"scatter_asked": time.monotonic()}
+        times = {"notice": notice_at or time.monotonic(), "scatter_asked": time.monotonic()}
 
         def told(outcome: Scattered) -> None:
             if span is not None:
                 for hop, at in times.items():
                     span.set_attribute(f"kvbroker.t.{hop}", at)
                 span.set_attribute("kvbroker.credit_id", landing.notice.credit_id)
+                span.set_attribute("kvbroker.scattered_on", threading.current_thread().name)
                 span.end()
             then(outcome)
 

@@ -78,6 +78,10 @@ class CreditLedger:
         """Peers holding grants here."""
         return set(self._by_peer)
 
+    def any_granted(self) -> bool:
+        """Whether a peer holds a grant here (it may write into it at any moment)."""
+        return any(self._by_peer.values())
+
     def granted_bytes(self) -> int:
         return sum(g.reservation.nbytes for grants in self._by_peer.values() for g in grants.values())
 

@@ -97,7 +97,6 @@ def build_broker(
     hub = WatchHub()
     workers = Workers(queues=counters.queues)
     views = ArrayViews(device_as_host=device_as_host)
-    lanes = Lanes(workers, views, device_streams)
 
     def on_events(events: list[Event]) -> None:
         executor.on_events(events)
@@ -114,6 +113,7 @@ def build_broker(
     dataplane = DataPlane(
         agent, on_events=on_events, transfer_timeout_seconds=config.transfer_timeout_seconds, queues=counters.queues
     )
+    lanes = Lanes(workers, views, dataplane, device_streams)
     engines = EngineTable(dataplane, workers, cuda_driver)
     pools = StagingPools(
         send_bytes=config.staging_send_bytes,

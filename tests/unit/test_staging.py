@@ -214,13 +214,13 @@ def test_a_gpu_without_room_for_its_buffers_is_refused_by_name_and_keeps_nothing
 
 
 def test_a_gpus_transfer_buffers_take_at_most_their_share_of_its_memory() -> None:
-    """Each transfer buffer is as configured (the defaults: 512 MiB, four 128 MiB parts) where
+    """Each transfer buffer is as configured (the defaults: 1 GiB, eight 128 MiB parts) where
     the GPU has room, and at most DEVICE_SHARE of the GPU's memory where it has not."""
     from kvbroker.broker import BrokerConfig
     from kvbroker.broker.memory import DEVICE_SHARE
 
     config = BrokerConfig()
-    assert config.device_send_bytes == config.device_receive_bytes == 4 * config.device_part_bytes == 512 << 20
+    assert config.device_send_bytes == config.device_receive_bytes == 8 * config.device_part_bytes == 1 << 30
     fake = FakeCudaLib(devices=1, granularity=4096)
     driver = cudavmm.Driver(fake)
     plane = _Plane()

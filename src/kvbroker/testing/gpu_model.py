@@ -13,9 +13,9 @@ checked), but when each one *finishes* follows the model:
   the decode broker's scatters on one GPU take turns. A job ends
   ``launch_us`` + its bytes over its op's rate after the engine is free
   (``gather_gbps``, ``scatter_gbps``, ``checksum_gbps``, ``copy_gbps``).
-- **A job's event completes then**, and the broker's lanes wait for it
-  through their real copy and waiter threads (:class:`ModelledStreams`, the
-  broker's ``device.Streams``).
+- **A job's event completes then**, and the broker's data-plane thread,
+  which launched it, sees it complete in its next pass (:class:`ModelledStreams`,
+  the broker's ``device.Streams``).
 - **A GPU's writes cross one link**, first posted first: a write from its
   transfer buffer is DONE ``write_us`` + its bytes over ``write_gbps`` after
   the link is free (CUDA IPC through a copy engine on one host; the GPU's
@@ -261,12 +261,6 @@ class Timelines:
             self._fd = None
 
 
-def wait_until(when: float) -> None:
-    """Sleep until ``time.monotonic()`` reaches ``when``."""
-    while (left := when - time.monotonic()) > 0:
-        time.sleep(left)
-
-
 @dataclass
 class _Stream:
     device: int
@@ -274,8 +268,8 @@ class _Stream:
 
 class ModelledStreams:
     """The broker's ``device.Streams`` on a modelled GPU: a job's copies run at
-    once on the copy thread (CPU tensors over the fake driver's memory), and its
-    event completes when the model's engine would have finished it."""
+    once where it is launched (CPU tensors over the fake driver's memory), and
+    its event completes when the model's engine would have finished it."""
 
     def __init__(self, setting: ModelSetting, timelines: Timelines | None = None) -> None:
         self.setting = setting
@@ -297,8 +291,8 @@ class ModelledStreams:
         read = job()
         return read, self.timelines.take(work.op, self.host, stream.device, self.model.job_seconds(work), work.nbytes)
 
-    def wait(self, stream: _Stream, event: float) -> None:
-        wait_until(event)
+    def query(self, stream: _Stream, event: float) -> bool:
+        return time.monotonic() >= event
 
     def finish(self, stream: _Stream, read: Callable[[], T]) -> T:
         return read()

@@ -16,7 +16,21 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-__all__ = ["OtlpReceiver", "SpanRecord"]
+__all__ = ["PART_HOPS", "OtlpReceiver", "SpanRecord", "part_times"]
+
+#: A packed part's hops, between its times (``s.``: on the sender's part span, ``r.``: on the receiver's scatter span).
+PART_HOPS = (
+    ("wait for a slot", "s.handed_on", "s.slot"),
+    ("wait for a credit", "s.slot", "s.credit"),
+    ("credit -> gather launched", "s.credit", "s.gather_start"),
+    ("gather", "s.gather_start", "s.gathered"),
+    ("gather done -> posted", "s.gathered", "s.posted"),
+    ("write", "s.posted", "s.done"),
+    ("DONE -> notice seen", "s.done", "r.notice"),
+    ("notice -> scatter start", "r.notice", "r.scatter_start"),
+    ("scatter", "r.scatter_start", "r.scatter_end"),
+    ("scatter done -> credit seen by the sender", "r.scatter_end", "s.credit_back"),
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,23 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             self._sink.extend(records)
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def part_times(spans: list[SpanRecord]) -> dict[int, list[dict[str, float]]]:
+    """Each packed part's times (``kvbroker.t.<hop>`` as ``s.<hop>`` and ``r.<hop>``), by its bytes: the
+    sender's part span and the receiver's scatter span, matched by trace and credit (a traced part's span
+    ends when its credit comes back, so a part whose credit did not is left out)."""
+
+    def times(span: SpanRecord, side: str) -> dict[str, float]:
+        return {f"{side}.{k[len('kvbroker.t.'):]}": float(v) for k, v in span.attributes.items() if k.startswith("kvbroker.t.")}
+
+    sent = {(s.trace_id, s.attributes.get("kvbroker.credit_id")): s for s in spans if s.name == "kvbroker.transfer"}
+    out: dict[int, list[dict[str, float]]] = {}
+    for span in spans:
+        mine = sent.get((span.trace_id, span.attributes.get("kvbroker.credit_id"))) if span.name == "kvbroker.staging.scatter" else None
+        if mine is not None and "kvbroker.t.credit_back" in mine.attributes:
+            out.setdefault(int(mine.attributes["kvbroker.bytes"]), []).append(times(mine, "s") | times(span, "r"))
+    return out
 
 
 class OtlpReceiver:
