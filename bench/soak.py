@@ -35,6 +35,7 @@ from kvbroker.client import BrokerClient, EngineMemory, RankSpec, RoomState, Sen
 from kvbroker.errors import KvBrokerError, NotFound, Unavailable
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
+from kvbroker.testing.gpu_model import MODEL_ENV
 from kvbroker.testing.pattern import fill_rank, verify_room, write_aux
 from kvbroker.testing.room_plan import pool_pages
 from kvbroker.v1 import common_pb2
@@ -429,8 +430,11 @@ class Soak:
             "15", "--sender-info-timeout", "30", "--receiver-data-timeout", "60", "--transfer-timeout", "30",
             "--unregister-settle-timeout", "5", "--device-buffer-mib", str(args.device_buffer_mib), "--device-part-mib",
             str(args.device_part_mib), "--log-level", args.broker_log_level]
-        # --fake-vram: the brokers' device path runs on a fake CUDA driver (kvbroker.testing.fake_gpu).
+        # --fake-vram: the brokers' device path runs on a fake CUDA driver (kvbroker.testing.fake_gpu), its GPU
+        # lanes (copies launched and checked on kvb-nixl) on a modelled GPU unless --gpu-model none.
         self.broker_env = {**os.environ, FAKE_GPUS_ENV: "1"} if args.kv == "fake-vram" else None
+        if self.broker_env is not None and args.gpu_model != "none":
+            self.broker_env[MODEL_ENV] = args.gpu_model
         self.t0, self.duration = time.monotonic(), args.minutes * 60.0
         self.prefill: BrokerProcess | None = None
         self.decode_broker: BrokerProcess | None = None
@@ -1031,6 +1035,8 @@ def main() -> int:
     add("--broker-log-level", default="warning")
     add("--fake-vram", action="store_true", help=f"every rank's KV in fake VRAM: brokers with {FAKE_GPUS_ENV}=1 move it as "
         "packed parts on a fake CUDA driver (CPU only)")
+    add("--gpu-model", default="h200,byte_scale=1024", help="--fake-vram: the modelled GPU whose lanes carry the copies "
+        "(kvbroker.testing.gpu_model; none: the copy thread, as host memory)")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: every rank's KV in VRAM of cuda:0 (a GPU host)")
     add("--device-buffer-mib", type=int, default=8, help="each broker's transfer buffers per GPU (send and receive)")
     add("--device-part-mib", type=int, default=1, help="largest packed part (a room's largest chunk is 1 MiB and its aux)")
