@@ -10,7 +10,8 @@ noise), and read the model's timelines: parts in flight must overlap.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -69,20 +70,13 @@ def test_a_setting_reads_and_writes_its_environment_form() -> None:
             ModelSetting.parse(bad)
 
 
-def _take_in_child(path: str, seconds: float, out: multiprocessing.Queue[float]) -> None:
-    out.put(Timelines(path).take("gather", 0, 0, seconds))
-
-
 def test_processes_of_one_modelled_host_take_turns_on_its_engine(tmp_path: Path) -> None:
     """Timelines in a shared file: a job another process launched holds the engine for this one too,
     while the link and the other device's engine stay free; another modelled host has its own."""
     path = str(tmp_path / "timelines")
     mine = Timelines(path)
-    out: multiprocessing.Queue[float] = multiprocessing.get_context("spawn").Queue()
-    child = multiprocessing.get_context("spawn").Process(target=_take_in_child, args=(path, 60.0, out))
-    child.start()
-    theirs = out.get(timeout=60)
-    child.join(30)
+    take = "import sys; from kvbroker.testing.gpu_model import Timelines; print(Timelines(sys.argv[1]).take('gather', 0, 0, 60.0))"
+    theirs = float(subprocess.run([sys.executable, "-c", take, path], capture_output=True, text=True, timeout=60, check=True).stdout)
     before = time.monotonic()
     assert mine.take("scatter", 0, 0, 0.01) == pytest.approx(theirs + 0.01), "after the other process's job"
     assert mine.take("write", 0, 0, 0.01) < theirs, "the link is not the engine"

@@ -19,6 +19,7 @@ from kvbroker.broker.scheduling import Priority, Ticket
 from kvbroker.client import ModelSpec
 from kvbroker.testing import FakeBroker
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
+from kvbroker.testing.gpu_model import GpuModel, ModelledStreams, ModelSetting, Timelines
 from kvbroker.testing.load import RoomLoad, Saturate, timed_rooms
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -102,6 +103,31 @@ def test_on_the_device_path_an_interactive_room_passes_a_bulk_backlog(fake_broke
             bulk.close()
             chat.close()
     assert medians[True] * 2 < medians[False], medians
+
+
+def test_an_interactive_part_takes_the_slot_and_credit_that_bulk_parts_leave_free(fake_brokers, finished_spans) -> None:  # type: ignore[no-untyped-def]
+    """On a modelled GPU whose every copy takes 150 ms, bulk parts (a room each) hold every send slot
+    and credit they may take for hundreds of milliseconds; an interactive room's part is still
+    admitted as soon as it is handed on (under 50 ms: a third of one copy), because a part's slot and
+    its credit are kept free of bulk. Without that it waits for a bulk part's gather and write to
+    give a slot back (and fails this). Read from the parts' spans: from handed on to its credit."""
+    cuda = FakeCudaLib(devices=1, granularity=4096)
+    streams = ModelledStreams(ModelSetting(GpuModel(launch_us=150_000)), Timelines())
+    device = {"device_part_bytes": 256 << 10, "device_send_bytes": 1 << 20, "device_receive_bytes": 1 << 20}  # 4 parts
+    bulk, chat = _loads(fake_brokers, ("bulk", "bulk", 16), ("chat", "interactive", 1), cuda=cuda, streams=streams, **device)
+    try:
+        busy = Saturate(bulk, 6).start()
+        time.sleep(0.8)
+        finished_spans.clear()
+        timed_rooms(chat, 5, 0.3)
+        busy.stop()
+    finally:
+        bulk.close()
+        chat.close()
+    spans = [s.attributes or {} for s in finished_spans.get_finished_spans() if s.name == "kvbroker.transfer"]
+    waits = sorted(a["kvbroker.t.credit"] - a["kvbroker.t.handed_on"] for a in spans if "kvbroker.t.credit" in a and a["kvbroker.bytes"] < 64 << 10)
+    assert len(waits) >= 4, waits
+    assert waits[len(waits) // 2] < 0.05, waits
 
 
 def test_an_interactive_room_passes_a_bulk_backlog_and_fifo_brokers_do_not(fake_brokers) -> None:  # type: ignore[no-untyped-def]

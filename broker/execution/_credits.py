@@ -136,7 +136,7 @@ class Credits:
             raise FailedPrecondition(f"broker {peer.address} announced no receive buffer for {pool_name(pool)}")
         if FreeList.aligned(nbytes) > buffer.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the peer's {buffer.size_bytes}-byte receive buffer")
-        got = self.try_acquire(peer, pool, nbytes)
+        got = self.try_acquire(peer, pool, nbytes, ticket)
         if got is not None:
             return got
         key = (peer.broker_id, pool)
@@ -160,7 +160,9 @@ class Credits:
             )
         return buffer, credit
 
-    def try_acquire(self, peer: Peer, pool: PoolKey, nbytes: int) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
+    def try_acquire(
+        self, peer: Peer, pool: PoolKey, nbytes: int, ticket: Ticket | None = None
+    ) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
         """:meth:`acquire` where it needs no wait (nobody waits before it, and its
         window has room now); else None."""
         buffer = peer.receive_staging.get(pool)
@@ -170,7 +172,7 @@ class Credits:
         window = self._windows.get(key)
         if window is None or self._waiting.get(key):
             return None
-        credit = window.place(nbytes)
+        credit = window.place(nbytes, self._keep(ticket, buffer.size_bytes))
         if credit is None:
             return None
         self._placed[credit.credit_id] = key
@@ -223,16 +225,36 @@ class Credits:
         if window.grant_ids():
             self._idle_checks[key] = asyncio.get_running_loop().call_later(IDLE_SECONDS, self._idle_check, key)
 
+    def _keep(self, ticket: Ticket | None, buffer_bytes: int) -> int:
+        """What a part with ``ticket`` must leave free of the window: a bulk part,
+        a part's room for the classes above it (at most half the peer's buffer)."""
+        if ticket is None or ticket.priority != Priority.BULK or not self._config.priorities:
+            return 0
+        return min(FreeList.aligned(self._config.device_part_bytes), buffer_bytes // 2)
+
     def _serve(self, key: _WindowKey) -> None:
-        """Place the waiting parts that fit, oldest first; ask for more room for the rest."""
+        """Place the waiting parts that fit, in their order; ask for more room for
+        the rest (a bulk part first in line that only the kept room would fit lets
+        a waiting part of a class above it have it)."""
         window, waiting = self._windows.get(key), self._waiting.get(key)
         if window is None or not waiting:
             return
+        peer = self._peers.by_id.get(key[0])
+        remote = peer.receive_staging.get(key[1]) if peer is not None else None
+        size = remote.size_bytes if remote is not None else 0
         while (entry := waiting.peek()) is not None:
             if entry.future.done():
                 waiting.pop()
                 continue
-            credit = window.place(entry.nbytes)
+            keep = self._keep(waiting.ticket(entry), size)
+            credit = window.place(entry.nbytes, keep)
+            if credit is None and keep:
+                above = next((w for w in waiting if not w.future.done() and not self._keep(waiting.ticket(w), size)), None)
+                if above is not None and (credit := window.place(above.nbytes)) is not None:
+                    waiting.remove(above)
+                    self._placed[credit.credit_id] = key
+                    above.future.set_result(credit)
+                    continue
             if credit is None:
                 break
             waiting.pop()

@@ -287,10 +287,11 @@ class PackedParts:
         verdict = self._probes.verdict(peer, local, remote) if VRAM in (local[0], remote[0]) else None
         if verdict is None and VRAM in (local[0], remote[0]):
             return False
-        reservation = pool.try_reserve(part.nbytes)
+        ticket = part_ticket(part, self._config.priorities)
+        reservation = pool.try_reserve(part.nbytes, ticket)
         if reservation is None:
             return False
-        got = self._credits.try_acquire(peer, remote, part.nbytes)
+        got = self._credits.try_acquire(peer, remote, part.nbytes, ticket)
         if got is None:
             pool.release(reservation)
             return False

@@ -128,8 +128,16 @@ class CreditWindow:
     def add_grant(self, grant_id: str, offset: int, nbytes: int) -> None:
         self._grants[grant_id] = _WindowGrant(offset, nbytes, FreeList([(offset, nbytes)]))
 
-    def place(self, nbytes: int) -> Credit | None:
-        """Room for a part of ``nbytes`` in the first grant that has it, or None."""
+    def free_bytes(self) -> int:
+        """Bytes free in the grants parts may still be placed in."""
+        return sum(g.free.free_bytes() for gid, g in self._grants.items() if gid not in self._retiring)
+
+    def place(self, nbytes: int, keep: int = 0) -> Credit | None:
+        """Room for a part of ``nbytes`` in the first grant that has it, or None
+        (also where it would leave less than ``keep`` bytes free: room kept for
+        the parts of classes above bulk)."""
+        if keep and self.free_bytes() - FreeList.aligned(nbytes) < keep:
+            return None
         for grant_id, grant in self._grants.items():
             if grant_id in self._retiring:
                 continue

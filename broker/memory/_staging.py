@@ -176,20 +176,31 @@ class StagingBuffer:
 class StagingPool:
     """Reservations over one staging buffer, served in the order of their
     tickets (``scheduling.FairQueue``: class, deadline, fair shares between
-    engines, arrival). Control loop only."""
+    engines, arrival). ``bulk_keep``: the bytes a BULK reservation must leave
+    free (a GPU's send transfer buffer keeps a part's slot for the classes
+    above bulk, so that an interactive part never waits behind bulk parts
+    that hold every slot). Control loop only."""
 
-    def __init__(self, buffer: StagingBuffer, observer: QueueObserver | None = None) -> None:
+    def __init__(self, buffer: StagingBuffer, observer: QueueObserver | None = None, bulk_keep: int = 0) -> None:
         self.buffer = buffer
         self.size_bytes = buffer.size_bytes
+        self.bulk_keep = bulk_keep
         self._free = FreeList([(0, buffer.size_bytes)])
         #: Reservations waiting for room, in the order they will be served.
         self._waiting: FairQueue[Waiter[Reservation]] = FairQueue(observer=observer)
         self.in_use_bytes = 0
         self.reservations = 0
 
-    def try_reserve(self, nbytes: int) -> Reservation | None:
-        """A reservation of ``nbytes`` now, or None if no free span fits."""
+    def keep(self, ticket: Ticket | None) -> int:
+        """The bytes a reservation with ``ticket`` must leave free."""
+        return self.bulk_keep if ticket is not None and ticket.priority == Priority.BULK else 0
+
+    def try_reserve(self, nbytes: int, ticket: Ticket | None = None) -> Reservation | None:
+        """A reservation of ``nbytes`` now, or None if no free span fits (or, for a
+        BULK ``ticket``, if it would leave less than ``bulk_keep`` free)."""
         size = FreeList.aligned(nbytes)
+        if self.size_bytes - self.in_use_bytes - size < self.keep(ticket):
+            return None
         offset = self._free.take(size)
         if offset is None:
             return None
@@ -213,7 +224,7 @@ class StagingPool:
         if nbytes > self.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the {self.size_bytes}-byte staging buffer")
         if not self._waiting:
-            reservation = self.try_reserve(nbytes)
+            reservation = self.try_reserve(nbytes, ticket)
             if reservation is not None:
                 return reservation
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
@@ -259,9 +270,17 @@ class StagingPool:
         self._grant()
 
     def _grant(self) -> None:
-        """Reserve for the next waiters while they fit."""
+        """Reserve for the next waiters while they fit (a BULK one first in line
+        that only the kept room would fit lets a waiter of a class above it have it)."""
         while (waiter := self._waiting.peek()) is not None:
-            reservation = self.try_reserve(waiter.nbytes)
+            ticket = self._waiting.ticket(waiter)
+            reservation = self.try_reserve(waiter.nbytes, ticket)
+            if reservation is None and self.keep(ticket):
+                above = next((w for w in self._waiting if not self.keep(self._waiting.ticket(w))), None)
+                if above is not None and (reservation := self.try_reserve(above.nbytes)) is not None:
+                    self._waiting.remove(above)
+                    above.future.set_result(reservation)
+                    continue
             if reservation is None:
                 return
             self._waiting.pop()
@@ -292,10 +311,13 @@ class StagingPools:
         device_send_bytes: int = 512 << 20,
         device_receive_bytes: int = 512 << 20,
         queues: QueueStats | None = None,
+        bulk_keep: int = 0,
     ) -> None:
         self._queues = queues
         self._sizes = {"send": send_bytes, "receive": receive_bytes}
         self._device_sizes = {"send": device_send_bytes, "receive": device_receive_bytes}
+        #: What a GPU's send buffer keeps free of bulk parts (at most half of it): a part's slot.
+        self._bulk_keep = bulk_keep
         self._dataplane = dataplane
         self._workers = workers
         self._pools: dict[tuple[str, int, int], StagingPool] = {}
@@ -415,7 +437,9 @@ class StagingPools:
         except BaseException:
             await self._release(buffer)
             raise
-        self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer, self.queue_observer(f"{direction}_slots"))
+        device_send = direction == "send" and buffer.kind == VRAM
+        keep = min(self._bulk_keep, buffer.size_bytes // 2 // _ALIGN * _ALIGN) if device_send else 0
+        self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer, self.queue_observer(f"{direction}_slots"), keep)
 
     async def _release(self, buffer: StagingBuffer) -> None:
         if buffer.registration is not None:

@@ -123,6 +123,7 @@ def build_broker(
         device_send_bytes=config.device_send_bytes,
         device_receive_bytes=config.device_receive_bytes,
         queues=counters.queues,
+        bulk_keep=config.device_part_bytes if config.priorities else 0,
     )
     peers = PeerTable(
         broker_id=broker_id, agent_name=agent.name, address=endpoints.address, dataplane=dataplane, on_restart=peer_lost

@@ -68,3 +68,14 @@ def test_the_ledger_knows_each_peers_grants() -> None:
     assert ledger.take("p1", "a") is not None and ledger.take("p1", "a") is None
     assert [g.grant_id for g in ledger.drop_peer("p1")] == ["b"]
     assert ledger.peers() == {"p2"}
+
+
+def test_a_window_keeps_room_that_bulk_parts_may_not_take() -> None:
+    """``place(..., keep)`` leaves ``keep`` bytes of the window free (a bulk part's: the room kept
+    for classes above it); without a keep the same part fits."""
+    window = CreditWindow()
+    window.add_grant("g1", 0, 4 * 4096)
+    assert all(window.place(4096, keep=4096) for _ in range(3))
+    assert window.free_bytes() == 4096
+    assert window.place(4096, keep=4096) is None, "it would take the kept room"
+    assert window.place(4096) is not None, "a part of a class above bulk takes it"

@@ -242,3 +242,33 @@ def test_a_gpus_transfer_buffers_take_at_most_their_share_of_its_memory() -> Non
         assert fake.leaks() == []
 
     asyncio.run(run())
+
+
+def test_a_gpus_send_buffer_keeps_a_slot_that_bulk_parts_never_take() -> None:
+    """A send transfer buffer with ``bulk_keep`` leaves that much free of BULK reservations: with
+    bulk parts holding every other slot, a part of a class above bulk still gets one at once; a
+    bulk waiter first in line that only the kept slot would fit lets a waiting interactive part have
+    it; and a bulk part gets a slot only while one more stays free."""
+    bulk, chat = Ticket(Priority.BULK, "bulk", 4096), Ticket(Priority.INTERACTIVE, "chat", 4096)
+
+    async def run() -> None:
+        pool = StagingPool(StagingBuffer(address=0, size_bytes=4 * 4096, kind=2, device_id=0), bulk_keep=4096)
+        held = [pool.try_reserve(4096, bulk) for _ in range(3)]
+        assert all(held) and pool.try_reserve(4096, bulk) is None, "bulk leaves the last slot"
+        assert (mine := pool.try_reserve(4096, chat)) is not None, "a class above bulk takes it"
+        pool.release(mine)
+        waiting_bulk = asyncio.create_task(pool.reserve(4096, 5.0, ticket=bulk))
+        await asyncio.sleep(0)
+        assert not waiting_bulk.done(), "it would take the kept slot"
+        waiting_chat = asyncio.create_task(pool.reserve(4096, 5.0, ticket=chat))
+        got = await asyncio.wait_for(waiting_chat, 1.0)
+        assert got is not None and not waiting_bulk.done()
+        pool.release(held[0])  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        assert not waiting_bulk.done(), "the slot freed is the one kept free now"
+        pool.release(got)
+        await asyncio.wait_for(waiting_bulk, 1.0)
+        unkept = StagingPool(StagingBuffer(address=0, size_bytes=4 * 4096, kind=2, device_id=0))
+        assert all(unkept.try_reserve(4096, bulk) for _ in range(4)), "no keep: bulk takes every slot"
+
+    asyncio.run(run())
