@@ -172,7 +172,7 @@ class Credits:
         window = self._windows.get(key)
         if window is None or self._waiting.get(key):
             return None
-        credit = window.place(nbytes, self._keep(ticket, buffer.size_bytes))
+        credit = window.place(nbytes, _keep(self._config, ticket, buffer.size_bytes))
         if credit is None:
             return None
         self._placed[credit.credit_id] = key
@@ -225,13 +225,6 @@ class Credits:
         if window.grant_ids():
             self._idle_checks[key] = asyncio.get_running_loop().call_later(IDLE_SECONDS, self._idle_check, key)
 
-    def _keep(self, ticket: Ticket | None, buffer_bytes: int) -> int:
-        """What a part with ``ticket`` must leave free of the window: a bulk part,
-        a part's room for the classes above it (at most half the peer's buffer)."""
-        if ticket is None or ticket.priority != Priority.BULK or not self._config.priorities:
-            return 0
-        return min(FreeList.aligned(self._config.device_part_bytes), buffer_bytes // 2)
-
     def _serve(self, key: _WindowKey) -> None:
         """Place the waiting parts that fit, in their order; ask for more room for
         the rest (a bulk part first in line that only the kept room would fit lets
@@ -246,10 +239,10 @@ class Credits:
             if entry.future.done():
                 waiting.pop()
                 continue
-            keep = self._keep(waiting.ticket(entry), size)
+            keep = _keep(self._config, waiting.ticket(entry), size)
             credit = window.place(entry.nbytes, keep)
             if credit is None and keep:
-                above = next((w for w in waiting if not w.future.done() and not self._keep(waiting.ticket(w), size)), None)
+                above = next((w for w in waiting if not w.future.done() and not _keep(self._config, waiting.ticket(w), size)), None)
                 if above is not None and (credit := window.place(above.nbytes)) is not None:
                     waiting.remove(above)
                     self._placed[credit.credit_id] = key
@@ -417,3 +410,11 @@ class Credits:
         self._placed = {cid: key for cid, key in self._placed.items() if key[0] != peer_id}
         self._returns.pop(peer_id, None)
         self._tell_returned(gone)
+
+
+def _keep(config: BrokerConfig, ticket: Ticket | None, buffer_bytes: int) -> int:
+    """What a part with ``ticket`` must leave free of its credit window: a bulk part,
+    a part's room for the classes above it (at most half the peer's buffer)."""
+    if ticket is None or ticket.priority != Priority.BULK or not config.priorities:
+        return 0
+    return min(FreeList.aligned(config.device_part_bytes), buffer_bytes // 2)
