@@ -41,7 +41,7 @@ import structlog
 
 from kvbroker.broker.dataplane._agent import Agent, XferState
 from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, Pacing
-from kvbroker.broker.dataplane._workers import name_thread
+from kvbroker.broker.dataplane._workers import IN_ORDER, LoopInbox, name_thread
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.broker.telemetry import QueueStats
 from kvbroker.errors import KvBrokerError, NixlError, TransferTimeout, Unavailable
@@ -123,13 +123,10 @@ class _Launch:
 
     def __init__(self, fn: Callable[[], None], ticket: Ticket | None) -> None:
         self.fn = fn
-        self.ticket = ticket or _IN_ORDER
+        self.ticket = ticket or IN_ORDER
 
     def __call__(self) -> None:
         self.fn()
-
-
-_IN_ORDER = Ticket(Priority.STANDARD, "", 0)
 
 
 class DataPlane:
@@ -159,6 +156,9 @@ class DataPlane:
         self._lock = threading.Lock()
         self._delivery_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: What this thread's continuations and the lanes' tell the control loop, in
+        #: batches (its loop set when the data plane starts).
+        self.inbox = LoopInbox()
         self._thread: threading.Thread | None = None
         self._pacing = Pacing(self._wake)
         #: Device copies launched here whose completion each pass checks: (done?, then).
@@ -168,7 +168,7 @@ class DataPlane:
 
     # -- lifecycle (control loop) ---------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.inbox.loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvbroker-nixl", daemon=True)
         self._thread.start()
 

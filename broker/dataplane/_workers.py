@@ -33,7 +33,7 @@ import structlog
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.broker.telemetry import QueueObserver, QueueStats
 
-__all__ = ["LoopInbox", "Workers", "name_thread", "settle"]
+__all__ = ["IN_ORDER", "LoopInbox", "Workers", "name_thread", "settle", "settle_later"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ T = TypeVar("T")
 
 _PR_SET_NAME = 15
 #: A job without a ticket: STANDARD, one engine: the order of arrival.
-_IN_ORDER = Ticket(Priority.STANDARD, "", 0)
+IN_ORDER = Ticket(Priority.STANDARD, "", 0)
 #: Within a batch of jobs, outcomes are told to the loop at least this often.
 _TELL_AFTER_S = 200e-6
 
@@ -65,13 +65,28 @@ def settle(future: asyncio.Future[Any], result: Any, error: BaseException | None
         future.set_result(result)
 
 
+def settle_later(future: asyncio.Future[Any]) -> Callable[[Any, BaseException | None], None]:
+    """What a thread calls with an outcome, ``(result, error)``, to have ``future``
+    settled with it on its loop."""
+    loop = future.get_loop()
+
+    def then(result: Any, error: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, future, result, error)
+        except RuntimeError:  # the loop closed under us (process exit)
+            pass
+
+    return then
+
+
 class LoopInbox:
     """What threads tell the control loop, in batches: any thread :meth:`put` s a
     call, and the loop runs every call put since its last batch in one callback
-    (one ``call_soon_threadsafe`` per batch, not per call). Made on the loop."""
+    (one ``call_soon_threadsafe`` per batch, not per call). ``loop``: that loop
+    (set before any thread puts: the data plane sets its inbox's when it starts)."""
 
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop
         self._lock = threading.Lock()
         self._calls: list[Callable[[], None]] = []
         self._scheduled = False
@@ -85,8 +100,9 @@ class LoopInbox:
             if self._scheduled:
                 return
             self._scheduled = True
+        assert self.loop is not None, "a LoopInbox put into before its loop was set"
         try:
-            self._loop.call_soon_threadsafe(self._deliver)
+            self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop closed under us (process exit)
             pass
 
@@ -138,7 +154,7 @@ class _Worker:
         """Run ``fn`` on the thread; its outcome in the future (on the loop).
         ``ticket``: its place among the jobs waiting (None: STANDARD, in order)."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._ask(_Job(fn, future, ticket or _IN_ORDER))
+        self._ask(_Job(fn, future, ticket or IN_ORDER))
         return future
 
     def run(self, fn: Callable[[], None], ticket: Ticket | None = None) -> None:
@@ -146,7 +162,7 @@ class _Worker:
         nothing comes back to the loop (an exception it lets out is logged). Any
         thread may call this (a lane's waiter hands the next copy on so)."""
         with self._ready:
-            self._jobs.push(_Job(fn, None, ticket or _IN_ORDER), ticket or _IN_ORDER)
+            self._jobs.push(_Job(fn, None, ticket or IN_ORDER), ticket or IN_ORDER)
             self._ready.notify()
 
     def _ask(self, job: _Job) -> None:

@@ -41,7 +41,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from kvbroker.broker.dataplane import DataPlane, Workers, settle
+from kvbroker.broker.dataplane import DataPlane, Workers, settle_later
 from kvbroker.broker.device._block_copies import VRAM, ArrayViews, Extent, torch_for_copies
 from kvbroker.broker.scheduling import Ticket
 
@@ -157,22 +157,10 @@ class Lanes:
 
     async def run(self, slot: Extent, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> T:
         """Run ``job`` on the lane of ``slot``'s memory; its result. ``ticket``:
-        its place among the copies waiting for the copy thread; ``work``: what it moves."""
-        return await self.submit(slot, job, ticket, work)
-
-    def submit(self, slot: Extent, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> asyncio.Future[T]:
-        """Run ``job`` on the lane of ``slot``'s memory; its result in the future
-        (a callback's way to :meth:`run`: no task where the lane is up)."""
-        if self._on_host(slot):
-            return self._workers.copy_soon(lambda: job()(), ticket)
-        made = self._gpus.get(slot.device)
-        if made is not None and made.done() and not made.cancelled() and made.exception() is None:
-            return made.result().submit(self._workers, job, ticket, work)
-        return asyncio.ensure_future(self._run_opening(slot.device, job, ticket, work))
-
-    async def _run_opening(self, device: int, job: Job[T], ticket: Ticket | None, work: Work) -> T:
-        lane = await self._lane(device)
-        return await lane.submit(self._workers, job, ticket, work)
+        its place among the copies waiting; ``work``: what it moves."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.launch(slot, job, settle_later(future), ticket, work)
+        return await future
 
     def launch(self, slot: Extent, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
         """Run ``job`` on the lane of ``slot``'s memory, and tell ``then`` its outcome
@@ -226,21 +214,6 @@ class _GpuLane:
         self._streams = streams
         self._dataplane = dataplane
         self.stream = streams.open(device)
-
-    def submit(self, workers: Workers, job: Job[T], ticket: Ticket | None = None, work: Work = NO_WORK) -> asyncio.Future[T]:
-        """Launch ``job`` (in its ``ticket``'s turn); its result, once its event
-        completed, in the future."""
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        loop = future.get_loop()
-
-        def then(result: Any, error: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(settle, future, result, error)
-            except RuntimeError:  # the loop closed under us (process exit)
-                pass
-
-        self.launch(workers, job, then, ticket, work)
-        return future
 
     def launch(self, workers: Workers, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
         """Launch ``job`` on the data-plane thread (in its ``ticket``'s turn among

@@ -47,6 +47,7 @@ from kvbroker.broker.memory import (
     Reservation,
     StagingPool,
     StagingPools,
+    kept_for_classes,
 )
 from kvbroker.broker.peers import Peer, PeerClient, PeerTable, PoolKey, pool_name
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket, Waiter
@@ -253,11 +254,8 @@ class Credits:
             waiting.pop()
             self._placed[credit.credit_id] = key
             entry.future.set_result(credit)
-        if waiting:
-            peer = self._peers.by_id.get(key[0])
-            buffer = peer.receive_staging.get(key[1]) if peer is not None else None
-            if buffer is not None:
-                self._grow(key, buffer.size_bytes)
+        if waiting and remote is not None:
+            self._grow(key, size)
 
     def _grow(self, key: _WindowKey, buffer_bytes: int) -> None:
         """Ask for one more grant for the window's next waiter (one call at a time)."""
@@ -414,7 +412,7 @@ class Credits:
 
 def _keep(config: BrokerConfig, ticket: Ticket | None, buffer_bytes: int) -> int:
     """What a part with ``ticket`` must leave free of its credit window: a bulk part,
-    a part's room for the classes above it (at most half the peer's buffer)."""
+    a part's room for the classes above it."""
     if ticket is None or ticket.priority != Priority.BULK or not config.priorities:
         return 0
-    return min(FreeList.aligned(config.device_part_bytes), buffer_bytes // 2)
+    return kept_for_classes(config.device_part_bytes, buffer_bytes)

@@ -105,8 +105,6 @@ class Executor:
         )
         self._peers = transport.peers
         self._counters = telemetry.counters
-        #: What the lanes' threads tell the loop (made on the loop, at the first scatter).
-        self._inbox: LoopInbox | None = None
         #: When the notifications being taken now were read (a scatter's first hop).
         self._notices_at = 0.0
         #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
@@ -176,9 +174,9 @@ class Executor:
                     log.exception("effect_failed", effect=type(effect).__name__)
         # Poll for notifications while rooms wait for data, or credits for their return;
         # closely while packed parts are in flight (ours in a peer's credits, a peer's in ours).
-        pacing = self._dataplane.pacing
-        pacing.listening = self._receiver.awaiting_data() or self.credits.awaiting_returns()
-        pacing.busy = self.credits.awaiting_returns() or self.credits.ledger.any_granted()
+        pacing, returns = self._dataplane.pacing, self.credits.awaiting_returns()
+        pacing.listening = returns or self._receiver.awaiting_data()
+        pacing.busy = returns or self.credits.ledger.any_granted()
 
     @in_turn
     def on_events(self, events: list[Event]) -> None:
@@ -251,9 +249,7 @@ class Executor:
                 credit_id=reservation.credit_id, kind=kind, device_id=device, offset=reservation.offset, bytes=reservation.nbytes  # type: ignore[arg-type]
             )
             back = (peer.agent_name, item, self._pools.pool("receive", kind, device))
-        if self._inbox is None:
-            self._inbox = LoopInbox()
-        self._copies.scatter_then(effect, functools.partial(self._scattered, effect, back, self._inbox), self._notices_at)
+        self._copies.scatter_then(effect, functools.partial(self._scattered, effect, back, self._dataplane.inbox), self._notices_at)
 
     def _scattered(
         self, effect: Scatter, back: tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None, inbox: LoopInbox, outcome: Scattered

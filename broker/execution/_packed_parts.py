@@ -16,7 +16,7 @@ as the gather is done and the sender's state machine handed the part on
 settled (``PartsInFlight.settled`` gives the slot back), and later the
 receiver's return of the credit, when the part's span ends. A gather that
 failed, or a room that failed before the write, comes back through the
-loop's inbox (``dataplane.LoopInbox``), in batches.
+loop's inbox (the data plane's ``LoopInbox``), in batches.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import LoopInbox, Posting
+from kvbroker.broker.dataplane import Posting
 from kvbroker.broker.execution._bundles import Machines, Transport
 from kvbroker.broker.execution._credits import Credits
 from kvbroker.broker.execution._probes import TransportProbes
@@ -206,29 +206,17 @@ class PackedParts:
         self._copies = copies
         self._tasks = tasks
         self._held = held
-        #: What the lanes' threads tell the loop (made on the loop, at the first part).
-        self._inbox: LoopInbox | None = None
         #: Admitted parts (a slot and a credit held), until they settle.
         self._sending: dict[Part, SendingPart] = {}
-        #: Parts waiting for a slot or a credit (``_pack``'s tasks), and when each was handed on.
-        self._waiting: dict[Part, dict[str, float]] = {}
         #: Parts whose write is DONE, by credit id, until the receiver returns
         #: their credit: the span of each (traced rooms) ends then.
         self._returning: dict[int, SendingPart] = {}
         credits.on_returned(self._credit_back)
 
-    @property
-    def inbox(self) -> LoopInbox:
-        """What the lanes' threads tell the loop (made on the loop, at the first admission)."""
-        if self._inbox is None:
-            self._inbox = LoopInbox()
-        return self._inbox
-
     def reserve(self, part: Part) -> None:
         """Room for a packed part: our slot first, then the receiver's credit; then its gather."""
         times = {"handed_on": time.monotonic()}
         if not self._pack_now(part, times):
-            self._waiting[part] = times
             self._tasks.spawn(self._pack(part, times), name=f"pack-{part.source.room}")
 
     def post(self, part: Part, agent_name: str) -> None:
@@ -252,7 +240,6 @@ class PackedParts:
         """A part settled (``done``: its write reached the receiver): what it holds
         goes back, but a done part's credit, which the receiver returns. Whether it
         keeps ``span`` (a traced part's ends when its credit comes back)."""
-        self._waiting.pop(part, None)
         sending = self._sending.pop(part, None)
         if sending is None:
             return False
@@ -319,7 +306,6 @@ class PackedParts:
                 part.nbytes, self._config.staging_wait_seconds, ticket=part_ticket(part, self._config.priorities)
             )
         except Exception as exc:
-            self._waiting.pop(part, None)
             self._held.fail(part, as_broker_error(exc, "reserving a send slot"))
             return
         times["slot"] = time.monotonic()
@@ -328,7 +314,6 @@ class PackedParts:
             return
         if part.source.state == FAILED:
             pool.release(reservation)
-            self._waiting.pop(part, None)
             self._held.fail(part, FailedPrecondition("the room failed before its packed part was written"))
             return
         got = await self._credit(part)
@@ -339,7 +324,6 @@ class PackedParts:
                 self._credits.release(got[1])
             return
         times["credit"] = time.monotonic()
-        self._waiting.pop(part, None)
         self._admit(part, held[0], pool, reservation, *got, times)
 
     async def _credit(self, part: Part) -> tuple[peer_pb2.RemoteBuffer, Credit] | None:
@@ -348,7 +332,6 @@ class PackedParts:
         grow); None if the part failed (settled) instead."""
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
-            self._waiting.pop(part, None)
             self._held.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
             return None
         try:
@@ -356,7 +339,6 @@ class PackedParts:
                 peer, part.spec.pools[1], part.nbytes, part_ticket(part, self._config.priorities)
             )
         except KvBrokerError as exc:
-            self._waiting.pop(part, None)
             self._held.fail(part, exc)
             return None
         if part not in self._held.spans:  # it settled (failed) while it waited
@@ -364,7 +346,6 @@ class PackedParts:
             return None
         if part.source.state == FAILED:
             self._credits.release(got[1])
-            self._waiting.pop(part, None)
             self._held.fail(part, FailedPrecondition("the room failed before its packed part was written"))
             return None
         return got
@@ -386,7 +367,6 @@ class PackedParts:
         self._sending[part] = sending
         if span.is_recording():
             span.set_attribute("kvbroker.credit_id", credit.credit_id)
-        _ = self.inbox  # made here, on the loop: the lanes' threads put into it
         self._held.counters.transfers_packed += 1
         self._placed(part, buffer, credit)
         spec = part.spec
@@ -422,16 +402,16 @@ class PackedParts:
             error = FailedPrecondition("the room failed before its packed part was written")
         if error is not None:
             sending.failed()
-            self.inbox.put(functools.partial(self._not_posted, sending, error))
+            self._dataplane.inbox.put(functools.partial(self._not_posted, sending, error))
             return
         posting, abandoned = sending.gathered(checksum)
         if posting is not None:
             try:
                 self._dataplane.post(posting)
             except KvBrokerError as exc:  # the broker is stopping
-                self.inbox.put(functools.partial(self._not_posted, sending, exc))
+                self._dataplane.inbox.put(functools.partial(self._not_posted, sending, exc))
         elif abandoned:
-            self.inbox.put(lambda: sending.pool.release(sending.reservation))
+            self._dataplane.inbox.put(lambda: sending.pool.release(sending.reservation))
 
     def _not_posted(self, sending: SendingPart, error: BaseException) -> None:
         """A part whose gather failed, or whose room failed before its write: it settles as failed."""

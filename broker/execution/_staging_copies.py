@@ -24,7 +24,7 @@ import structlog
 from opentelemetry.trace import Span
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.dataplane import Workers, settle
+from kvbroker.broker.dataplane import Workers, settle_later
 from kvbroker.broker.device import (
     ArrayViews,
     Extent,
@@ -81,16 +81,8 @@ class StagingCopies:
         """Gather ``blocks`` of ``engine``'s pages into ``slot`` of ``buffer`` (in a
         span of its own under ``parent``); the slot's CRC-32 when
         ``with_checksum``. ``ticket``: its place among the copies waiting."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int | None] = loop.create_future()
-
-        def then(result: int | None, error: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(settle, future, result, error)
-            except RuntimeError:  # the loop closed under us (process exit)
-                pass
-
-        self.gather_then(engine, blocks, buffer, slot, parent, with_checksum=with_checksum, then=then, ticket=ticket)
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self.gather_then(engine, blocks, buffer, slot, parent, with_checksum=with_checksum, then=settle_later(future), ticket=ticket)
         return await future
 
     def gather_then(

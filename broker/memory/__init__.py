@@ -20,6 +20,7 @@ from kvbroker.broker.memory._staging import (
     StagingBuffer,
     StagingPool,
     StagingPools,
+    kept_for_classes,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "StagingBuffer",
     "StagingPool",
     "StagingPools",
+    "kept_for_classes",
     "VramImporter",
     "array_at",
     "importer_for",

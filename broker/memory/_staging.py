@@ -58,6 +58,7 @@ __all__ = [
     "StagingBuffer",
     "StagingPool",
     "StagingPools",
+    "kept_for_classes",
 ]
 
 DRAM = common_pb2.MEMORY_KIND_DRAM
@@ -171,6 +172,13 @@ class StagingBuffer:
     def descriptor_row(self, reservation: Reservation, nbytes: int) -> npt.NDArray[np.uint64]:
         """One N x 3 descriptor row for the first ``nbytes`` of ``reservation``."""
         return np.array([[self.address + reservation.offset, nbytes, self.device_id]], dtype=np.uint64)
+
+
+def kept_for_classes(part_bytes: int, buffer_bytes: int) -> int:
+    """The room a GPU's send buffer, or a credit window in a peer's receive buffer
+    of ``buffer_bytes``, keeps free of bulk parts for the classes above them: one
+    part (``part_bytes``), at most half the buffer, in whole 4 KiB pages."""
+    return min(FreeList.aligned(part_bytes), buffer_bytes // 2 // _ALIGN * _ALIGN)
 
 
 class StagingPool:
@@ -438,7 +446,7 @@ class StagingPools:
             await self._release(buffer)
             raise
         device_send = direction == "send" and buffer.kind == VRAM
-        keep = min(self._bulk_keep, buffer.size_bytes // 2 // _ALIGN * _ALIGN) if device_send else 0
+        keep = kept_for_classes(self._bulk_keep, buffer.size_bytes) if device_send and self._bulk_keep else 0
         self._pools[(direction, buffer.kind, buffer.device_id)] = StagingPool(buffer, self.queue_observer(f"{direction}_slots"), keep)
 
     async def _release(self, buffer: StagingBuffer) -> None:
