@@ -232,6 +232,51 @@ def test_the_effect_loop_runs_only_where_a_turn_ends() -> None:
     assert not drains, f"drains outside a turn's end: {drains}"
 
 
+#: What a room's records are called where other layers hold them (a part,
+#: its source and destination, a receiving rank, a landing, a side, a notice).
+ROOM_RECORDS = {"part", "source", "dest", "rank", "side", "landing", "exp", "leg", "chunk", "notice", "receiver"}
+
+
+def _record_writes(tree: Any) -> list[tuple[int, str]]:
+    """(line, target) of each assignment in ``tree`` to an attribute, or an item
+    of one, of a name in ROOM_RECORDS (``part.notice.x = ...``, ``rank.d[k] = ...``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            root, names = target, []
+            while isinstance(root, (ast.Attribute, ast.Subscript)):
+                if isinstance(root, ast.Attribute):
+                    names.append(root.attr)
+                root = root.value
+            # (``self.part = part`` holds a record; ``self.part.notice.x = 1`` writes one.)
+            if names and ((isinstance(root, ast.Name) and root.id in ROOM_RECORDS) or ROOM_RECORDS & set(names[1:])):
+                found.append((node.lineno, ast.unparse(target)))
+    return found
+
+
+def test_only_rooms_write_a_rooms_records() -> None:
+    """The room machines' records (parts, sources, ranks, their notices) are written
+    only under broker/rooms/: execution and the runtime hand them effects' outcomes
+    (a packed part's credit goes in through ``staging_reserved``, its checksums are
+    appended to its notice's bytes, its wait in the send window comes back with its
+    settlement). The check sees such a write (it found the five this replaced)."""
+    import ast
+
+    probe = "part.notice.credit_id = 1\nrank.staging[k] = v\nx.part = 2\nsource.queued_s += 1\nself.part.notice.crc = 3"
+    assert _record_writes(ast.parse(probe)) == [
+        (1, "part.notice.credit_id"), (2, "rank.staging[k]"), (4, "source.queued_s"), (5, "self.part.notice.crc")]
+    writes = [
+        f"{path.relative_to(ROOT)}:{line} {target}"
+        for path in sorted((ROOT / "broker").rglob("*.py"))
+        if "rooms" not in path.relative_to(ROOT).parts
+        for line, target in _record_writes(ast.parse(path.read_text()))
+    ]
+    assert not writes, f"room records written outside broker/rooms/: {writes}"
+
+
 #: The most lines bench/ may hold (scripts, harness and README): one harness,
 #: one script per question. (4150 until issue 40: soak.py's runs over the
 #: device path and the raw loop's per-hop times on a modelled GPU took it to

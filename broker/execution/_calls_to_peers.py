@@ -95,7 +95,6 @@ class CallsToPeers:
                         missed=missed,
                         timeouts=rank.engine.timeouts,
                     )
-                    rank.sender_address = placed[0][0].address
                     found = [SenderLeg(p.broker_id or "", p.address, ranks) for p, ranks in placed]
         except KvBrokerError as exc:
             with self._turn:

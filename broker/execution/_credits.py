@@ -41,10 +41,10 @@ from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.memory import (
     Credit,
     CreditLedger,
+    CreditRange,
     CreditWindow,
     FreeList,
     Grant,
-    Reservation,
     StagingPool,
     StagingPools,
     kept_for_classes,
@@ -61,7 +61,7 @@ from kvbroker.errors import (
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import peer_pb2
 
-__all__ = ["CREDIT_RETURN", "Credits"]
+__all__ = ["CREDIT_RETURN", "Credits", "returned_credit"]
 
 log = structlog.get_logger(__name__)
 
@@ -346,13 +346,10 @@ class Credits:
             if grant is not None:
                 self._release(grant)
 
-    def hand_back(self, kind: int, device: int, reservation: Reservation) -> None:
+    def hand_back(self, kind: int, device: int, credit: CreditRange) -> None:
         """A part's range in its sender's grant is free here (scattered or
         dropped): it goes back to the sender with the next notification."""
-        item = peer_pb2.ReturnedCredit(
-            credit_id=reservation.credit_id, kind=kind, device_id=device, offset=reservation.offset, bytes=reservation.nbytes  # type: ignore[arg-type]
-        )
-        self._returns.setdefault(reservation.owner, []).append(item)
+        self._returns.setdefault(credit.sender, []).append(returned_credit(kind, device, credit))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -408,6 +405,13 @@ class Credits:
         self._placed = {cid: key for cid, key in self._placed.items() if key[0] != peer_id}
         self._returns.pop(peer_id, None)
         self._tell_returned(gone)
+
+
+def returned_credit(kind: int, device: int, credit: CreditRange) -> peer_pb2.ReturnedCredit:
+    """``credit`` (in the receive buffer of ``kind`` on ``device``) as its sender hears it back."""
+    return peer_pb2.ReturnedCredit(
+        credit_id=credit.credit_id, kind=kind, device_id=device, offset=credit.offset, bytes=credit.nbytes  # type: ignore[arg-type]
+    )
 
 
 def _keep(config: BrokerConfig, ticket: Ticket | None, buffer_bytes: int) -> int:

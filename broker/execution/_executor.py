@@ -36,7 +36,7 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Event, LoopInbox, Notices, Settled
 from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
 from kvbroker.broker.execution._calls_to_peers import CallsToPeers
-from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
+from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits, returned_credit
 from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._registration import Registrations
@@ -44,7 +44,7 @@ from kvbroker.broker.execution._room_end import end_receive_waits, record_room_e
 from kvbroker.broker.execution._staging_copies import Scattered, StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._turn import in_turn
-from kvbroker.broker.memory import CreditLedger, StagingPool
+from kvbroker.broker.memory import CreditLedger, CreditRange, StagingPool
 from kvbroker.broker.peers import FleetView
 from kvbroker.broker.rooms import (
     AbortAtPeer,
@@ -56,6 +56,7 @@ from kvbroker.broker.rooms import (
     ReleaseStaging,
     RenewLeases,
     ReserveStaging,
+    ReturnCredits,
     RoomEnded,
     Scatter,
     SendReport,
@@ -223,32 +224,32 @@ class Executor:
             Scatter: self._scatter,
             VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
             ReleaseStaging: self._release_staging,
+            ReturnCredits: self._return_credits,
             TellSuccessor: lambda e: spawn(self._calls.tell_successor(e.address), name=f"tell-successor-{e.address}"),
             RenewLeases: lambda e: spawn(self._calls.renew_leases(e), name=f"renew-leases-{e.address}"),
         }
 
     def _release_staging(self, effect: ReleaseStaging) -> None:
         for kind, device, reservation in effect.reservations:
-            if reservation.owner:  # a range of a sending peer's credits: back to it
-                self.credits.hand_back(kind, device, reservation)
-                continue
             pool = self._pools.pool("receive", kind, device)
             if pool is not None:
                 pool.release(reservation)
+
+    def _return_credits(self, effect: ReturnCredits) -> None:
+        for kind, device, credit in effect.credits:
+            self.credits.hand_back(kind, device, credit)
 
     def _scatter(self, effect: Scatter) -> None:
         """Unpack a landed staged or packed part into its rank's pages, on its lane:
         its range goes back to its sender from the lane's thread as soon as it is
         scattered, and the receiver hears how it went (in a batch, on the loop)."""
-        reservation = effect.landing.reservation
+        held = effect.landing.held
         back: tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None = None
-        peer = self._peers.by_id.get(reservation.owner) if reservation.owner else None
+        peer = self._peers.by_id.get(held.sender) if isinstance(held, CreditRange) else None
         if peer is not None and peer.agent_name is not None:
+            assert isinstance(held, CreditRange)
             kind, device = effect.landing.pool
-            item = peer_pb2.ReturnedCredit(
-                credit_id=reservation.credit_id, kind=kind, device_id=device, offset=reservation.offset, bytes=reservation.nbytes  # type: ignore[arg-type]
-            )
-            back = (peer.agent_name, item, self._pools.pool("receive", kind, device))
+            back = (peer.agent_name, returned_credit(kind, device, held), self._pools.pool("receive", kind, device))
         self._copies.scatter_then(effect, functools.partial(self._scattered, effect, back, self._dataplane.inbox), self._notices_at)
 
     def _scattered(

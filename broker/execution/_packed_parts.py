@@ -39,7 +39,7 @@ from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_e
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
-from kvbroker.broker.execution._writes import packed_write
+from kvbroker.broker.execution._writes import notice_bytes, packed_write
 from kvbroker.broker.memory import Credit, Reservation, StagingPool
 from kvbroker.broker.peers import TransportVerdict
 from kvbroker.broker.rooms import FAILED, Part
@@ -172,8 +172,6 @@ class SendingPart:
     def _post(self) -> Posting:
         """The write (once both sides are through the rendezvous: nobody else touches the notice now)."""
         assert self.make_posting is not None
-        if self.checksum is not None:
-            self.part.notice.packed_checksum = self.checksum
         self.times["posted"] = time.monotonic()
         self.poster = threading.current_thread().name
         return self.make_posting()
@@ -219,8 +217,9 @@ class PackedParts:
         if not self._pack_now(part, times):
             self._tasks.spawn(self._pack(part, times), name=f"pack-{part.source.room}")
 
-    def post(self, part: Part, agent_name: str) -> None:
-        """The state machine handed a packed part on: its write goes once it is gathered."""
+    def post(self, part: Part, agent_name: str, chunk_sum: int | None) -> None:
+        """The state machine handed a packed part on: its write goes once it is
+        gathered (``chunk_sum``: its chunk's checksum, when its receiver verifies)."""
         sending = self._sending.get(part)
         if sending is None:
             self._held.fail(part, Internal("a packed part was posted without its slot"))
@@ -228,7 +227,7 @@ class PackedParts:
         ticket = part_ticket(part, self._config.priorities)
 
         def make() -> Posting:
-            notif = part.notice.SerializeToString()
+            notif = notice_bytes(part, chunk_sum, sending.checksum)
             write = packed_write(part, sending.pool.buffer, sending.reservation.offset, agent_name, notif)
             return Posting(part, write, agent_name, part.nbytes, ticket)
 
@@ -388,11 +387,10 @@ class PackedParts:
 
     @in_turn
     def _placed(self, part: Part, buffer: peer_pb2.RemoteBuffer, credit: Credit) -> None:
-        """A packed part holds its range in the receiver's buffer: its notice
-        names the credit, and the sender's state machine hands it on (to be
+        """A packed part holds its range in the receiver's buffer: the sender's
+        state machine names the credit in its notice and hands it on (to be
         posted once gathered)."""
-        part.notice.credit_id = credit.credit_id
-        self._sender.staging_reserved(part, buffer, credit.offset)
+        self._sender.staging_reserved(part, buffer, credit.offset, credit.credit_id)
 
     # -- on the lanes' threads ------------------------------------------------------------
     def _gathered(self, sending: SendingPart, checksum: int | None, error: BaseException | None) -> None:

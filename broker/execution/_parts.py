@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import structlog
 from opentelemetry import trace
@@ -41,6 +42,7 @@ from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.execution._writes import (
+    notice_bytes,
     whole_write,
     write_from_staging,
     write_into_staging,
@@ -115,9 +117,14 @@ class PartsInFlight:
             tasks=tasks,
             held=PartsHeld(spans=self._parts, counters=self._counters, fail=self.fail),
         )
-        #: Chunk checksums being computed (the first part of a chunk to be
-        #: posted starts it; the others wait for the same).
-        self._summing: dict[ChunkChecksum, asyncio.Task[tuple[int | None, KvBrokerError | None]]] = {}
+        #: Seconds each part waited in the send window, until it settles.
+        self._queued: dict[Part, float] = {}
+        #: Chunk checksums, computing or computed, for as long as their chunk's
+        #: parts live (the first part of a chunk to be posted starts it; the
+        #: others wait for the same, or read it).
+        self._sums: weakref.WeakKeyDictionary[ChunkChecksum, asyncio.Task[tuple[int | None, KvBrokerError | None]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # -- handing on ----------------------------------------------------------------
     def start(self, part: Part) -> Span:
@@ -164,11 +171,17 @@ class PartsInFlight:
         """Hand one part to the data plane (a gathered one is packed first; a
         part whose chunk's checksum is not computed yet waits for it)."""
         span = self.start(part)
+        chunk_sum: int | None = None
         if part.checksum is not None:
-            if part.checksum.value is None:
+            summing = self._sums.get(part.checksum)
+            if summing is None or not summing.done():
                 self._tasks.spawn(self._post_summed(part), name=f"checksum-{part.source.room}")
                 return
-            part.notice.checksum = part.checksum.value
+            got, error = summing.result()
+            if error is not None or got is None:
+                self.fail(part, error or Internal("a chunk's checksum came back empty"))
+                return
+            chunk_sum = got
         peer = self._peers.by_id.get(part.dest.info.receiver_broker_id)
         if peer is None or peer.agent_name is None:
             self.fail(part, FailedPrecondition(f"broker {part.dest.info.receiver_broker_id} is gone"))
@@ -176,9 +189,9 @@ class PartsInFlight:
         agent_name = peer.agent_name
         self._counters.transfers_posted += part.kind is not PartKind.NOTICE
         if part.kind is PartKind.PACKED:  # its notice is complete once gathered (checksum)
-            self._packed.post(part, agent_name)
+            self._packed.post(part, agent_name, chunk_sum)
             return
-        notif = part.notice.SerializeToString()
+        notif = notice_bytes(part, chunk_sum)
         ticket = part_ticket(part, self._config.priorities)
         if part.kind is PartKind.NOTICE:
             self._dataplane.notify(part, agent_name, notif)
@@ -203,16 +216,14 @@ class PartsInFlight:
         """Post ``part`` once its chunk's checksum is computed (once per chunk, on the copy thread)."""
         holder = part.checksum
         assert holder is not None
-        task = self._summing.get(holder)
+        task = self._sums.get(holder)
         if task is None:
             task = self._tasks.spawn(self._copies.chunk_checksum(part.source.engine, holder.what), name=f"sum-{part.source.room}")
-            self._summing[holder] = task
+            self._sums[holder] = task
         got, error = await asyncio.shield(task)
-        self._summing.pop(holder, None)
         if error is not None or got is None:
             self.fail(part, error or Internal("a chunk's checksum came back empty"))
             return
-        holder.value = got
         if part.source.state == FAILED:
             self.fail(part, FailedPrecondition("the room failed before its part was written"))
             return
@@ -282,8 +293,8 @@ class PartsInFlight:
         self._window.post(Posting(part, make, agent_name, part.nbytes, part_ticket(part, self._config.priorities)))
 
     def _waited(self, part: Part, seconds: float, behind: str) -> None:
-        """A part waited in the send window: on its span, and added up on its room's."""
-        part.source.queued_s += seconds
+        """A part waited in the send window: on its span, and (once it settles) added up on its room's."""
+        self._queued[part] = seconds
         span = self._parts.get(part, (None, 0.0))[0]
         if span is not None:
             span.set_attribute("kvbroker.queued_s", seconds)
@@ -318,7 +329,7 @@ class PartsInFlight:
         # A packed part's span stays open until its credit comes back (its last hop).
         if not self._packed.settled(part, ok, span, event.settled_at) and span is not None:
             telemetry.end_with_status(span, ok, event.error.message if event.error else "NIXL reported an error")
-        self._sender.part_settled(part, event.state, event.descriptors, event.error)
+        self._sender.part_settled(part, event.state, event.descriptors, event.error, self._queued.pop(part, 0.0))
 
     def _observe(self, part: Part, elapsed: float, writing: float, ok: bool) -> None:
         """Metrics (``elapsed``: from planning to settling) and the per-peer

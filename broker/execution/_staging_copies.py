@@ -36,6 +36,7 @@ from kvbroker.broker.device import (
 )
 from kvbroker.broker.execution._tickets import side_ticket
 from kvbroker.broker.memory import (
+    CreditRange,
     Engine,
     Reservation,
     StagingBuffer,
@@ -157,7 +158,7 @@ class StagingCopies:
         if pool is None:
             told(Scattered(FailedPrecondition("the receive staging pool of this part is gone")))
             return
-        slot = slot_of(pool, landing.reservation, landing.nbytes)
+        slot = slot_of(pool, landing.held, landing.nbytes)
         blocks, regions = landing.blocks, [extents(rank.engine, block) for block in landing.blocks]
         ticket = side_ticket(rank, landing.nbytes, self._priorities)
         notice, views, lanes = landing.notice, self._views, self._lanes
@@ -232,10 +233,10 @@ def host_region(engine: Engine, region: int) -> np.ndarray:
     return array_at(address, length)
 
 
-def slot_of(pool: StagingPool, reservation: Reservation, nbytes: int) -> Extent:
-    """The first ``nbytes`` of ``reservation`` in ``pool``'s buffer."""
+def slot_of(pool: StagingPool, held: Reservation | CreditRange, nbytes: int) -> Extent:
+    """The first ``nbytes`` of ``held`` (a reservation, or a range of a sender's credits) in ``pool``'s buffer."""
     buffer = pool.buffer
-    return Extent(buffer.address + reservation.offset, nbytes, buffer.kind, buffer.device_id)
+    return Extent(buffer.address + held.offset, nbytes, buffer.kind, buffer.device_id)
 
 
 def as_broker_error(exc: BaseException, doing: str) -> KvBrokerError:

@@ -17,8 +17,20 @@ from kvbroker.broker.dataplane import Agent
 from kvbroker.broker.memory import StagingBuffer
 from kvbroker.broker.rooms import Part
 from kvbroker.plan import page_blocks, run_descriptors, token_descriptors
+from kvbroker.v1 import peer_pb2
 
-__all__ = ["packed_write", "whole_write", "write_from_staging", "write_into_staging", "write_runs", "write_tokens"]
+__all__ = ["notice_bytes", "packed_write", "whole_write", "write_from_staging", "write_into_staging", "write_runs", "write_tokens"]
+
+
+def notice_bytes(part: Part, checksum: int | None = None, packed_checksum: int | None = None) -> bytes:
+    """``part``'s notice as it goes on the wire, with what execution learnt of the
+    part after the room wrote it (its chunk's ``checksum``, its ``packed_checksum``)
+    appended as a second message: a parser merges the two, the later field wins.
+    The room's own record is never written outside rooms/."""
+    body = part.notice.SerializeToString()
+    if checksum is None and packed_checksum is None:
+        return body
+    return body + peer_pb2.TransferNotice(checksum=checksum, packed_checksum=packed_checksum).SerializeToString()
 
 
 def whole_write(part: Part, agent_name: str, notif: bytes) -> Callable[[Agent], Any]:

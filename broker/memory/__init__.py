@@ -2,7 +2,7 @@
 and transfer buffers, receive credits in them, and the fd socket memory arrives on.
 """
 
-from kvbroker.broker.memory._credits import Credit, CreditLedger, CreditWindow, Grant
+from kvbroker.broker.memory._credits import Credit, CreditLedger, CreditRange, CreditWindow, Grant
 from kvbroker.broker.memory._engines import Engine, EngineTable
 from kvbroker.broker.memory._fdsocket import FdConnection, FdSocketServer
 from kvbroker.broker.memory._importers import (
@@ -27,6 +27,7 @@ __all__ = [
     "DEVICE_SHARE",
     "Credit",
     "CreditLedger",
+    "CreditRange",
     "CreditWindow",
     "Engine",
     "EngineTable",

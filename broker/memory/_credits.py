@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvbroker.broker.memory._staging import FreeList, Reservation
 
-__all__ = ["Credit", "CreditLedger", "CreditWindow", "Grant"]
+__all__ = ["Credit", "CreditLedger", "CreditRange", "CreditWindow", "Grant"]
 
 #: A transfer buffer by (memory kind, device).
 PoolKey = tuple[int, int]
@@ -88,12 +88,26 @@ class CreditLedger:
 
 @dataclass(frozen=True)
 class Credit:
-    """A part's range in a grant: where it writes, and the id the receiver returns it by."""
+    """A part's range in a grant, as its sender placed it: where it writes, and
+    the id the receiver returns it by."""
 
     credit_id: int
     offset: int
     nbytes: int
     grant_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreditRange:
+    """The same range as the receiver holds it, from a part's notice until the
+    part is scattered or dropped: it belongs to ``sender``'s grant, so it goes
+    back to that sender (a ``CreditReturn`` naming ``credit_id``), never to the
+    receive buffer's free list."""
+
+    offset: int
+    nbytes: int
+    sender: str
+    credit_id: int
 
 
 @dataclass

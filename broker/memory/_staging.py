@@ -72,14 +72,12 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class Reservation:
-    """``nbytes`` at ``offset`` of one staging buffer, until released.
-    ``owner``: the sending broker whose receive credits these bytes are
-    (``credits``): they go back to it, not to the pool; "" for the pool's own."""
+    """``nbytes`` at ``offset`` of one staging buffer, until released to it.
+    (A range of a sending peer's credits is a ``CreditRange``: it goes back to
+    that peer, not to the pool.)"""
 
     offset: int
     nbytes: int
-    owner: str = ""
-    credit_id: int = 0
 
 
 class FreeList:

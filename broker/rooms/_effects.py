@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.memory import Reservation
+    from kvbroker.broker.memory import CreditRange, Reservation
     from kvbroker.broker.rooms._receiver_records import Landing, Receiver, SenderLeg
     from kvbroker.broker.rooms._sender_records import Part
     from kvbroker.broker.rooms._sides import Side
@@ -34,6 +34,7 @@ __all__ = [
     "RegisterRoom",
     "ReleaseStaging",
     "ReserveStaging",
+    "ReturnCredits",
     "RoomEnded",
     "Scatter",
     "SendReport",
@@ -143,9 +144,18 @@ class VerifyChunk:
 
 @dataclass(frozen=True)
 class ReleaseStaging:
-    """Give reservations back to their receive staging pools."""
+    """Give reservations (kind, device, reservation) back to their receive staging pools."""
 
     reservations: tuple[tuple[int, int, Reservation], ...]
+
+
+@dataclass(frozen=True)
+class ReturnCredits:
+    """Hand ranges of sending peers' credits back to their senders, with the
+    next notification to each (a ``CreditReturn``): (kind, device, range) of
+    the receive buffer they lie in."""
+
+    credits: tuple[tuple[int, int, CreditRange], ...]
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,7 @@ Effect = (
     | Scatter
     | VerifyChunk
     | ReleaseStaging
+    | ReturnCredits
     | TellSuccessor
     | RenewLeases
 )

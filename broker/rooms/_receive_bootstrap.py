@@ -119,6 +119,8 @@ class RankBootstrap:
         rank.mark("handshaken")
         rank.waiting_for = ""
         rank.legs = (SenderLeg(found, rank.sender_address),) if isinstance(found, str) else tuple(found)
+        if not rank.sender_address and rank.legs:  # found through etcd: the first leg's broker answers for the group
+            rank.sender_address = rank.legs[0].address
         if rank.terminal:
             # Failed while we looked for the sender: its engine may have
             # opened the room there already; tell it (the way a broker that

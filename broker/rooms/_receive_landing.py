@@ -28,8 +28,8 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.memory import CreditLedger, Reservation
-from kvbroker.broker.rooms._effects import ReleaseStaging, Scatter, VerifyChunk
+from kvbroker.broker.memory import CreditLedger, CreditRange, Reservation
+from kvbroker.broker.rooms._effects import ReleaseStaging, ReturnCredits, Scatter, VerifyChunk
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._receive_settling import RankSettling
 from kvbroker.broker.rooms._receiver_records import (
@@ -76,7 +76,7 @@ class RankLanding:
         # Bound once: these run for every notice.
         self._fail = settling.fail
         self._maybe_settled = settling.maybe_settled
-        self._release_staging = settling.release_staging
+        self._release_held = settling.release_held
         #: The grants this broker gave sending peers (a packed part's range must lie in one).
         self._credits = credits
         self._on_bytes = on_bytes
@@ -99,8 +99,8 @@ class RankLanding:
                 log.warning("bad_notification", agent=agent, protocol_version=notice.protocol_version, speaks=PROTOCOL_VERSION)
                 continue
             if not self._notice(notice) and notice.credit_id:
-                credit = Reservation(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
-                self._emit(ReleaseStaging(((0, 0, credit),)))
+                credit = CreditRange(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
+                self._emit(ReturnCredits(((0, 0, credit),)))
 
     def _notice(self, notice: peer_pb2.TransferNotice) -> bool:
         """Take one notice; whether its credit range (if any) is held by a rank now."""
@@ -147,7 +147,7 @@ class RankLanding:
                     landing = landing_of(rank, key, exp, notice)
                 except KvBrokerError as exc:
                     self._fail(rank, cause_of(exc, self._id))
-                    return key in rank.staging
+                    return key in rank.credits
                 rank.scattering[key] = None
                 self._emit(Scatter(rank, landing))
                 return True
@@ -166,8 +166,7 @@ class RankLanding:
             )
             self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
             return False
-        credit = Reservation(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
-        rank.staging[key] = (pool, credit)
+        rank.credits[key] = (pool, CreditRange(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id))
         return True
 
     def scattered(self, rank: Receiver, landing: Landing, error: KvBrokerError | None, handed_back: bool = False) -> None:
@@ -177,9 +176,12 @@ class RankLanding:
         ``handed_back``: its range went back to its sender already (the lane's
         thread returned it as soon as it was scattered)."""
         rank.scattering.pop(landing.key, None)
-        held = rank.staging.pop(landing.key, None)
-        if held is not None and not (handed_back and held[1].owner):
-            self._emit(ReleaseStaging(((*held[0], held[1]),)))
+        staged = rank.staging.pop(landing.key, None)
+        if staged is not None:
+            self._emit(ReleaseStaging(((*staged[0], staged[1]),)))
+        credit = rank.credits.pop(landing.key, None)
+        if credit is not None and not handed_back:
+            self._emit(ReturnCredits(((*credit[0], credit[1]),)))
         exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
         if error is not None:
             self._fail(rank, cause_of(error, self._id))
@@ -247,7 +249,7 @@ class RankLanding:
             telemetry.child_done(rank.span, "kvbroker.completion", {"kvbroker.sources": len(rank.expected)})
             if rank.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
-                self._release_staging(rank)
+                self._release_held(rank)
                 log.debug(
                     "receive_done",
                     room=rank.room,
@@ -366,9 +368,10 @@ def pool_of(rank: Receiver) -> PoolKey:
 
 def landing_of(rank: Receiver, key: StagingKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> Landing:
     """The landing of a staged or packed part ``key`` that ``notice`` says landed in
-    the staging reserved for it, to scatter into ``rank``'s pages; ``FailedPrecondition``
+    the staging reserved for it (or, packed, in the range of its sender's credits the
+    rank holds for it), to scatter into ``rank``'s pages; ``FailedPrecondition``
     if it does not match the reservation, or what it names does not add up."""
-    held = rank.staging.get(key)
+    held = rank.credits.get(key) if notice.credit_id else rank.staging.get(key)
     if held is None or held[1].offset != notice.staging_offset or notice.staging_bytes > held[1].nbytes:
         raise FailedPrecondition(f"source {key[0]} wrote a staged part this broker did not reserve")
     plan = exp.plan
@@ -390,7 +393,7 @@ def landing_of(rank: Receiver, key: StagingKey, exp: SourceExpectation, notice: 
             f"it names come to {packed_bytes(blocks)}"
         )
     return Landing(
-        key=key, pool=held[0], reservation=held[1], nbytes=notice.staging_bytes, blocks=tuple(blocks), notice=notice
+        key=key, pool=held[0], held=held[1], nbytes=notice.staging_bytes, blocks=tuple(blocks), notice=notice
     )
 
 

@@ -9,7 +9,7 @@ one that told it, or is gone), or, if one went away, whichever broker
 answers at its address next (``SuccessorNotices``, ``_successors``, given at
 construction). A failed rank's pages are settled only when nothing can land
 in them any more (:func:`nothing_in_flight`); then its staging reservations
-go back (:meth:`~RankSettling.release_staging`). It is every ``Receiver``'s
+and the ranges of its senders' credits go back (:meth:`~RankSettling.release_held`). It is every ``Receiver``'s
 listener (:meth:`~RankSettling.changed`). ``RankBootstrap``
 (``_receive_bootstrap``) and ``RankLanding`` (``_receive_landing``) fail and
 settle ranks through it.
@@ -24,6 +24,7 @@ from kvbroker.broker.rooms._effects import (
     AbortAtPeer,
     Publish,
     ReleaseStaging,
+    ReturnCredits,
     RoomEnded,
     TellSuccessor,
 )
@@ -75,7 +76,7 @@ class RankSettling:
         if not rank.fail(why, settled=nothing_in_flight(rank)):
             return
         if rank.pages_settled:
-            self.release_staging(rank)
+            self.release_held(rank)
         self._counters.rooms_failed += 1
         log.info(
             "receive_failed",
@@ -126,8 +127,8 @@ class RankSettling:
         if not rank.pages_settled and rank.state == FAILED and nothing_in_flight(rank):
             rank.mark_settled()
         if rank.pages_settled:
-            self.release_staging(rank)
-        elif rank.state == FAILED and rank.staging and rank.expected is not None:
+            self.release_held(rank)
+        elif rank.state == FAILED and (rank.staging or rank.credits) and rank.expected is not None:
             # A failed rank's sources that write no more: the slots reserved for
             # their parts go now. Another source of the same rank may be waiting
             # for one of them (ReserveStaging), and that source settles only once
@@ -135,20 +136,26 @@ class RankSettling:
             # both until the reservation's wait ran out.
             done = {source for source, exp in rank.expected.items() if exp.settled or exp.complete}
             if done:
-                self.release_staging(rank, sources=done)
+                self.release_held(rank, sources=done)
 
-    def release_staging(self, rank: Receiver, *, sources: set[RankKey] | None = None) -> None:
-        """The one release routine for a rank's staging reservations (room
-        ended, settled; or only those of ``sources``, which write no more).
-        A slot being scattered from stays until its scatter is done."""
+    def release_held(self, rank: Receiver, *, sources: set[RankKey] | None = None) -> None:
+        """The one release routine for what a rank holds in receive buffers
+        (room ended, settled; or only what ``sources``, which write no more,
+        wrote): its staging reservations go back to their pools, the ranges of
+        senders' credits to their senders. One being scattered from stays until
+        its scatter is done."""
 
         def releasable(key: StagingKey) -> bool:
             return key not in rank.scattering and (sources is None or key[0] in sources)
 
-        held = [(*pool, reservation) for key, (pool, reservation) in rank.staging.items() if releasable(key)]
-        if held:
-            self._emit(ReleaseStaging(tuple(held)))
+        staged = [(*pool, reservation) for key, (pool, reservation) in rank.staging.items() if releasable(key)]
+        if staged:
+            self._emit(ReleaseStaging(tuple(staged)))
             rank.staging = {k: v for k, v in rank.staging.items() if not releasable(k)}
+        credits = [(*pool, credit) for key, (pool, credit) in rank.credits.items() if releasable(key)]
+        if credits:
+            self._emit(ReturnCredits(tuple(credits)))
+            rank.credits = {k: v for k, v in rank.credits.items() if not releasable(k)}
 
     def tell_successor_now(self, address: str, now: float | None = None) -> None:
         """Tell the broker at ``address`` now of the rooms kept for it (unless that is under way)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbroker.broker.memory import Reservation
+from kvbroker.broker.memory import CreditRange, Reservation
 from kvbroker.broker.rooms._sides import BOOTSTRAPPING, FAILED, SUCCESS, Side
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.plan import Block, IndexArray, RankKey, SourcePlan, encode_indices
@@ -169,10 +169,14 @@ class Receiver(Side):
     legs: tuple[SenderLeg, ...] = ()
     #: When every sender broker accepted the room (the data timeout runs from here).
     registered_at: float | None = None
-    #: Staging reservations made for senders' parts: (source, chunk, part) ->
-    #: (pool, reservation) in this broker's receive staging. Released after
-    #: the part is scattered, or when the rank ends and its pages are settled.
+    #: Staging reservations made for senders' staged parts: (source, chunk,
+    #: part) -> (pool, reservation) in this broker's receive staging. Released
+    #: after the part is scattered, or when the rank ends and its pages are settled.
     staging: dict[StagingKey, tuple[PoolKey, Reservation]] = field(default_factory=dict)
+    #: Ranges of senders' credits their packed parts landed in: (source, chunk,
+    #: part) -> (receive buffer, range). Handed back to the sender after the
+    #: part is scattered, or when the rank ends and its pages are settled.
+    credits: dict[StagingKey, tuple[PoolKey, CreditRange]] = field(default_factory=dict)
     #: Staged parts being scattered into the pages right now (a dict used as
     #: a set: an empty dict is a quarter of an empty set's size).
     scattering: dict[StagingKey, None] = field(default_factory=dict)
@@ -183,7 +187,7 @@ class Receiver(Side):
     waiting_for: str = ""
 
     def holds_resources(self) -> bool:
-        return bool(self.scattering) or (bool(self.staging) and not self.pages_settled)
+        return bool(self.scattering) or ((bool(self.staging) or bool(self.credits)) and not self.pages_settled)
 
     def known_prefix(self) -> int:
         return self.prefix_pages
@@ -232,11 +236,13 @@ class Receiver(Side):
 
 @dataclass(frozen=True, slots=True)
 class Landing:
-    """A staged or packed part that landed in the receive staging buffer, to scatter."""
+    """A staged part that landed in the receive staging buffer, or a packed part
+    that landed in its sender's credits in a receive transfer buffer, to scatter."""
 
     key: StagingKey
     pool: PoolKey
-    reservation: Reservation
+    #: Where it lies in ``pool``: a staging reservation, or a range of its sender's credits.
+    held: Reservation | CreditRange
     nbytes: int
     #: Where its bytes go in the rank's memory, in packing order (``packing``).
     blocks: tuple[Block, ...]

@@ -112,6 +112,7 @@ class RoomTables:
             "receiver_ranks": len(ranks),
             "receiver_expected_sources": sum(len(r.expected or {}) for r in ranks),
             "staging_reservations": sum(len(r.staging) for r in ranks),
+            "credits_held": sum(len(r.credits) for r in ranks),
             "tombstones": len(self.tombstones),
             "successor_notices": len(self.successor_notices),
         }

@@ -167,8 +167,9 @@ class PartLedger:
         return chunk.index, source
 
     # -- transfers -------------------------------------------------------
-    def staging_reserved(self, part: Part, buffer: peer_pb2.RemoteBuffer, offset: int) -> None:
-        """The receiver reserved room for a staged part: gather and post it."""
+    def staging_reserved(self, part: Part, buffer: peer_pb2.RemoteBuffer, offset: int, credit_id: int = 0) -> None:
+        """The receiver reserved room for a staged part (or, ``credit_id``, a packed
+        part holds a range of this broker's credits there): gather and post it."""
         source, dest = part.source, part.dest
         dest.prefetch[part.key] = offset
         if source.state == FAILED:
@@ -179,11 +180,16 @@ class PartLedger:
         part.notice.staged = True
         part.notice.staging_offset = offset
         part.notice.staging_bytes = part.nbytes
+        part.notice.credit_id = credit_id
         self._emit(PostPart(part))
 
-    def part_settled(self, part: Part, state: XferState, descriptors: int | None, error: KvBrokerError | None) -> None:
-        """A part finished (DONE or ERR), or could not be posted or staged (``error``)."""
+    def part_settled(
+        self, part: Part, state: XferState, descriptors: int | None, error: KvBrokerError | None, queued_s: float = 0.0
+    ) -> None:
+        """A part finished (DONE or ERR), or could not be posted or staged
+        (``error``); ``queued_s``: how long it waited in the send window."""
         source, dest = part.source, part.dest
+        source.queued_s += queued_s
         source.inflight -= 1
         dest.inflight -= 1
         dest.prefetch.pop(part.key, None)

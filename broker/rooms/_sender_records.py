@@ -153,13 +153,12 @@ class Source(Side):
         return self.inflight > 0
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
 class ChunkChecksum:
-    """What the sender hashes of one chunk for its receiver, and, once the
-    executor has computed it, the CRC-32 (``value``)."""
+    """What the sender hashes of one chunk for its receiver: one per chunk,
+    shared by its parts (the executor computes the CRC-32 once, for them all)."""
 
     what: ChunkSum
-    value: int | None = None
 
 
 @dataclass(eq=False, slots=True)

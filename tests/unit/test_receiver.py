@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.memory import Reservation
+from kvbroker.broker.memory import CreditLedger, CreditRange, Grant, Reservation
 from kvbroker.broker.rooms import (
     Abort,
     AbortAtPeer,
@@ -20,6 +20,7 @@ from kvbroker.broker.rooms import (
     ReceiverCore,
     RegisterRoom,
     ReleaseStaging,
+    ReturnCredits,
     RoomEnded,
     RoomTables,
     Scatter,
@@ -36,7 +37,7 @@ from kvbroker.errors import (
     NotFound,
     Unavailable,
 )
-from kvbroker.plan import MAX_PARTS, RankKey
+from kvbroker.plan import MAX_PARTS, RankKey, kv_block, kv_regions, landing_blocks, packed_bytes
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
@@ -259,12 +260,92 @@ def test_a_staged_part_is_scattered_before_it_counts_and_its_reservation_goes(wo
         notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=8192, staging_bytes=nbytes),
     ])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
-    assert rank.state == TRANSFERRING and scatter.landing.reservation == reservation and scatter.landing.nbytes == nbytes
+    assert rank.state == TRANSFERRING and scatter.landing.held == reservation and scatter.landing.nbytes == nbytes
     assert rank.scattering and not expect.complete
     world.core.scattered(rank, scatter.landing, None)
     effects = world.take()
     assert rank.state == SUCCESS and rank.staging == {}
     assert any(isinstance(e, ReleaseStaging) and e.reservations == ((*pool, reservation),) for e in effects)
+
+
+# -- receive credits ----------------------------------------------------------------
+
+
+def _credited_rank(world: World) -> tuple[Receiver, tuple[int, int]]:
+    """A rank whose sender broker P holds a grant of this broker's receive buffer, 64 KiB at 0."""
+    ledger = CreditLedger()
+    pool = (common_pb2.MEMORY_KIND_DRAM, 0)
+    ledger.add(Grant("g1", P, pool, Reservation(0, 65536)))
+    world.core = ReceiverCore(broker_id="decode-broker", rooms=world.rooms, counters=world.counters, credits=ledger)
+    return world.registered(pages=i32([0, 1, 2]), aux_row=None), pool
+
+
+def _packed(rank: Receiver, offset: int, credit_id: int, part: int = 0, parts: int = 1) -> tuple[str, bytes]:
+    """A packed part of all of chunk 0's KV, written at ``offset`` in P's credits."""
+    plan, layout = rank.expected[SOURCE].plan, rank.engine.layout  # type: ignore[index]
+    items = kv_block(layout, kv_regions(layout, plan.layer_begin, plan.layer_end, "receiver"), rank.pages, None, tokens=False).items.size
+    fields: dict[str, Any] = {"packed": True, "staged": True, "packed_kv_begin": 0, "packed_kv_end": items}
+    nbytes = packed_bytes(landing_blocks(layout, plan, rank.pages, 0, None, {}, peer_pb2.TransferNotice(page_offset=0, pages=3, **fields)))
+    return notice(rank, SOURCE, part=part, parts=parts, aux=False, staging_offset=offset, staging_bytes=nbytes,
+                  credit_id=credit_id, **fields)
+
+
+def test_a_packed_part_holds_its_senders_credit_until_scattered_and_it_goes_back_as_a_credit(world: World) -> None:
+    """A packed part lands in a range of its sender's credits: the rank holds it as a credit (not a
+    staging reservation) while the part is scattered. Scattered, with the lane having handed it back,
+    nothing more is said; a scatter that failed (nothing handed back) returns it to its sender
+    (``ReturnCredits``), never to the receive pool (``ReleaseStaging``)."""
+    rank, pool = _credited_rank(world)
+    world.core.notices([_packed(rank, 8192, credit_id=7)])
+    (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
+    held = CreditRange(8192, scatter.landing.nbytes, P, 7)
+    assert scatter.landing.held == held and rank.credits == {(SOURCE, 0, 0): (pool, held)} and rank.staging == {}
+    world.core.scattered(rank, scatter.landing, None, handed_back=True)
+    effects = world.take()
+    assert rank.state == SUCCESS and rank.credits == {}
+    assert not any(isinstance(e, (ReturnCredits, ReleaseStaging)) for e in effects)
+
+    rank2 = world.registered(room=2, pages=i32([0, 1, 2]), aux_row=None)
+    world.core.notices([_packed(rank2, 0, credit_id=8)])
+    (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
+    world.core.scattered(rank2, scatter.landing, FailedPrecondition("the copy failed"))
+    effects = world.take()
+    assert rank2.state == FAILED and rank2.credits == {}
+    assert [e.credits for e in effects if isinstance(e, ReturnCredits)] == [((*pool, scatter.landing.held),)]
+    assert not any(isinstance(e, ReleaseStaging) for e in effects)
+
+
+def test_a_packed_part_for_no_room_here_or_outside_the_grants_gives_nothing_to_the_receive_pool(world: World) -> None:
+    """A packed notice for a room that is not here hands its range back to the sender at once, as a
+    credit. One written outside the sender's grants fails the rank and holds nothing."""
+    rank, _ = _credited_rank(world)
+    payload = peer_pb2.TransferNotice.FromString(_packed(rank, 4096, credit_id=9)[1])
+    payload.room = 99
+    world.core.notices([("prefill-agent", payload.SerializeToString())])
+    effects = world.take()
+    assert [e.credits for e in effects if isinstance(e, ReturnCredits)] == [((0, 0, CreditRange(4096, payload.staging_bytes, P, 9)),)]
+    world.core.notices([_packed(rank, 1 << 20, credit_id=10)])
+    effects = world.take()
+    assert rank.state == FAILED and "outside the credits" in rank.cause.message  # type: ignore[union-attr]
+    assert rank.credits == {} and not any(isinstance(e, ReleaseStaging) for e in effects)
+
+
+def test_a_failed_rank_returns_the_credits_of_its_landed_parts_once_their_scatter_is_done(world: World) -> None:
+    """Abort racing a scatter: the rank fails while its packed part is being scattered. The range
+    stays held (the scatter still reads it) and the pages unsettled; once the scatter is done, the
+    range goes back to its sender as a credit and the pages settle."""
+    rank, pool = _credited_rank(world)
+    world.core.notices([_packed(rank, 0, credit_id=11, part=0, parts=2)])
+    (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
+    world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
+    report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
+    world.core.completion_report(report)
+    assert rank.state == FAILED and not rank.pages_settled and rank.credits
+    assert not any(isinstance(e, ReturnCredits) for e in world.take())
+    world.core.scattered(rank, scatter.landing, None)
+    effects = world.take()
+    assert rank.pages_settled and rank.credits == {}
+    assert [e.credits for e in effects if isinstance(e, ReturnCredits)] == [((*pool, scatter.landing.held),)]
 
 
 def test_a_staged_notice_without_a_reservation_fails_the_room(world: World) -> None:

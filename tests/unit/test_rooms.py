@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.memory import Reservation
+from kvbroker.broker.memory import CreditRange, Reservation
 from kvbroker.broker.rooms import (
     Chunk,
     Destination,
@@ -314,6 +314,7 @@ SIZE_KEYS = {
     "successor_notices",
     "prefetch_requests",
     "staging_reservations",
+    "credits_held",
 }
 
 
@@ -383,6 +384,7 @@ def test_sizes_counts_everything() -> None:
         ),
     }
     rcv.staging[(RankKey("p", 0, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_DRAM, 0), Reservation(offset=0, nbytes=4096))
+    rcv.credits[(RankKey("p", 1, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_VRAM, 0), CreditRange(0, 4096, "pb", 7))
     rcv2 = receiver(room=2, group="d", tp=1)  # expected is None: counts 0
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv})
     tables.receiver[2] = ReceiverRoom(room=2, ranks={rcv2.key: rcv2})
@@ -402,6 +404,7 @@ def test_sizes_counts_everything() -> None:
         "successor_notices": 1,
         "prefetch_requests": 1,
         "staging_reservations": 1,
+        "credits_held": 1,
     }
     assert list(tables.all_sources()) == [src]
     assert list(tables.all_receivers()) == [rcv, rcv2]

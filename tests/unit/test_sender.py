@@ -546,8 +546,9 @@ def test_a_part_that_could_not_be_posted_fails_with_its_error(world: World) -> N
 
 def test_a_verified_chunk_leaves_its_checksum_to_the_executor_and_reads_no_memory(world: World) -> None:
     """With the receiver verifying, the sender's core only describes what to hash (the engine stand-in
-    has no memory to read): every part of the chunk shares one ChunkChecksum, not yet computed, and
-    no notice carries a value until the executor fills it in."""
+    has no memory to read): every part of the chunk shares one ChunkChecksum, which says what to hash
+    and holds no value, and no notice carries one (the executor adds it to the notice's bytes as it
+    posts; it never writes the room's record)."""
     pe, de = world.engine_stub("prefill"), world.engine_stub("decode")
     world.peers.add(D, de)
     world.core.begin(BeginSend(engine=pe, room=9, num_pages=3))
@@ -558,6 +559,6 @@ def test_a_verified_chunk_leaves_its_checksum_to_the_executor_and_reads_no_memor
     assert parts
     holders = {id(part.checksum) for part in parts}
     (holder,) = [part.checksum for part in parts[:1]]
-    assert len(holders) == 1 and holder is not None and holder.value is None
+    assert len(holders) == 1 and holder is not None and not hasattr(holder, "value")
     assert holder.what.who == "sender" and list(holder.what.pages) == [1, 2, 3] and holder.what.aux_row == 1
     assert not any(part.notice.HasField("checksum") for part in parts)
