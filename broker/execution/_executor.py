@@ -50,13 +50,13 @@ from kvbroker.broker.rooms import (
     AbortAtPeer,
     Effect,
     FindSender,
+    HandBackCredits,
     PostPart,
     Publish,
     RegisterRoom,
     ReleaseStaging,
     RenewLeases,
     ReserveStaging,
-    ReturnCredits,
     RoomEnded,
     Scatter,
     SendReport,
@@ -224,7 +224,7 @@ class Executor:
             Scatter: self._scatter,
             VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
             ReleaseStaging: self._release_staging,
-            ReturnCredits: self._return_credits,
+            HandBackCredits: self._hand_back_credits,
             TellSuccessor: lambda e: spawn(self._calls.tell_successor(e.address), name=f"tell-successor-{e.address}"),
             RenewLeases: lambda e: spawn(self._calls.renew_leases(e), name=f"renew-leases-{e.address}"),
         }
@@ -235,7 +235,7 @@ class Executor:
             if pool is not None:
                 pool.release(reservation)
 
-    def _return_credits(self, effect: ReturnCredits) -> None:
+    def _hand_back_credits(self, effect: HandBackCredits) -> None:
         for kind, device, credit in effect.credits:
             self.credits.hand_back(kind, device, credit)
 

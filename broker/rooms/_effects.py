@@ -34,7 +34,7 @@ __all__ = [
     "RegisterRoom",
     "ReleaseStaging",
     "ReserveStaging",
-    "ReturnCredits",
+    "HandBackCredits",
     "RoomEnded",
     "Scatter",
     "SendReport",
@@ -150,7 +150,7 @@ class ReleaseStaging:
 
 
 @dataclass(frozen=True)
-class ReturnCredits:
+class HandBackCredits:
     """Hand ranges of sending peers' credits back to their senders, with the
     next notification to each (a ``CreditReturn``): (kind, device, range) of
     the receive buffer they lie in."""
@@ -188,7 +188,7 @@ Effect = (
     | Scatter
     | VerifyChunk
     | ReleaseStaging
-    | ReturnCredits
+    | HandBackCredits
     | TellSuccessor
     | RenewLeases
 )

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.memory import CreditLedger, CreditRange, Reservation
-from kvbroker.broker.rooms._effects import ReleaseStaging, ReturnCredits, Scatter, VerifyChunk
+from kvbroker.broker.rooms._effects import HandBackCredits, ReleaseStaging, Scatter, VerifyChunk
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._receive_settling import RankSettling
 from kvbroker.broker.rooms._receiver_records import (
@@ -100,7 +100,7 @@ class RankLanding:
                 continue
             if not self._notice(notice) and notice.credit_id:
                 credit = CreditRange(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
-                self._emit(ReturnCredits(((0, 0, credit),)))
+                self._emit(HandBackCredits(((0, 0, credit),)))
 
     def _notice(self, notice: peer_pb2.TransferNotice) -> bool:
         """Take one notice; whether its credit range (if any) is held by a rank now."""
@@ -181,7 +181,7 @@ class RankLanding:
             self._emit(ReleaseStaging(((*staged[0], staged[1]),)))
         credit = rank.credits.pop(landing.key, None)
         if credit is not None and not handed_back:
-            self._emit(ReturnCredits(((*credit[0], credit[1]),)))
+            self._emit(HandBackCredits(((*credit[0], credit[1]),)))
         exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
         if error is not None:
             self._fail(rank, cause_of(error, self._id))

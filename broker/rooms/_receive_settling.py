@@ -22,9 +22,9 @@ import structlog
 from kvbroker.broker import telemetry
 from kvbroker.broker.rooms._effects import (
     AbortAtPeer,
+    HandBackCredits,
     Publish,
     ReleaseStaging,
-    ReturnCredits,
     RoomEnded,
     TellSuccessor,
 )
@@ -154,7 +154,7 @@ class RankSettling:
             rank.staging = {k: v for k, v in rank.staging.items() if not releasable(k)}
         credits = [(*pool, credit) for key, (pool, credit) in rank.credits.items() if releasable(key)]
         if credits:
-            self._emit(ReturnCredits(tuple(credits)))
+            self._emit(HandBackCredits(tuple(credits)))
             rank.credits = {k: v for k, v in rank.credits.items() if not releasable(k)}
 
     def tell_successor_now(self, address: str, now: float | None = None) -> None:

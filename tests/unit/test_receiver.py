@@ -15,12 +15,12 @@ from kvbroker.broker.rooms import (
     Effect,
     ExpectRoom,
     FindSender,
+    HandBackCredits,
     Publish,
     Receiver,
     ReceiverCore,
     RegisterRoom,
     ReleaseStaging,
-    ReturnCredits,
     RoomEnded,
     RoomTables,
     Scatter,
@@ -294,7 +294,7 @@ def test_a_packed_part_holds_its_senders_credit_until_scattered_and_it_goes_back
     """A packed part lands in a range of its sender's credits: the rank holds it as a credit (not a
     staging reservation) while the part is scattered. Scattered, with the lane having handed it back,
     nothing more is said; a scatter that failed (nothing handed back) returns it to its sender
-    (``ReturnCredits``), never to the receive pool (``ReleaseStaging``)."""
+    (``HandBackCredits``), never to the receive pool (``ReleaseStaging``)."""
     rank, pool = _credited_rank(world)
     world.core.notices([_packed(rank, 8192, credit_id=7)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
@@ -303,7 +303,7 @@ def test_a_packed_part_holds_its_senders_credit_until_scattered_and_it_goes_back
     world.core.scattered(rank, scatter.landing, None, handed_back=True)
     effects = world.take()
     assert rank.state == SUCCESS and rank.credits == {}
-    assert not any(isinstance(e, (ReturnCredits, ReleaseStaging)) for e in effects)
+    assert not any(isinstance(e, (HandBackCredits, ReleaseStaging)) for e in effects)
 
     rank2 = world.registered(room=2, pages=i32([0, 1, 2]), aux_row=None)
     world.core.notices([_packed(rank2, 0, credit_id=8)])
@@ -311,7 +311,7 @@ def test_a_packed_part_holds_its_senders_credit_until_scattered_and_it_goes_back
     world.core.scattered(rank2, scatter.landing, FailedPrecondition("the copy failed"))
     effects = world.take()
     assert rank2.state == FAILED and rank2.credits == {}
-    assert [e.credits for e in effects if isinstance(e, ReturnCredits)] == [((*pool, scatter.landing.held),)]
+    assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, scatter.landing.held),)]
     assert not any(isinstance(e, ReleaseStaging) for e in effects)
 
 
@@ -323,7 +323,7 @@ def test_a_packed_part_for_no_room_here_or_outside_the_grants_gives_nothing_to_t
     payload.room = 99
     world.core.notices([("prefill-agent", payload.SerializeToString())])
     effects = world.take()
-    assert [e.credits for e in effects if isinstance(e, ReturnCredits)] == [((0, 0, CreditRange(4096, payload.staging_bytes, P, 9)),)]
+    assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((0, 0, CreditRange(4096, payload.staging_bytes, P, 9)),)]
     world.core.notices([_packed(rank, 1 << 20, credit_id=10)])
     effects = world.take()
     assert rank.state == FAILED and "outside the credits" in rank.cause.message  # type: ignore[union-attr]
@@ -341,11 +341,11 @@ def test_a_failed_rank_returns_the_credits_of_its_landed_parts_once_their_scatte
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
     world.core.completion_report(report)
     assert rank.state == FAILED and not rank.pages_settled and rank.credits
-    assert not any(isinstance(e, ReturnCredits) for e in world.take())
+    assert not any(isinstance(e, HandBackCredits) for e in world.take())
     world.core.scattered(rank, scatter.landing, None)
     effects = world.take()
     assert rank.pages_settled and rank.credits == {}
-    assert [e.credits for e in effects if isinstance(e, ReturnCredits)] == [((*pool, scatter.landing.held),)]
+    assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, scatter.landing.held),)]
 
 
 def test_a_staged_notice_without_a_reservation_fails_the_room(world: World) -> None:
