@@ -25,7 +25,6 @@ the turn ends.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -33,18 +32,19 @@ from typing import Any
 import structlog
 
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import Event, LoopInbox, Notices, Settled
+from kvbroker.broker.dataplane import Event, Notices, Settled
 from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
 from kvbroker.broker.execution._calls_to_peers import CallsToPeers
-from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits, returned_credit
+from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
 from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._probes import TransportProbes
+from kvbroker.broker.execution._receiving_parts import ReceivingParts
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
-from kvbroker.broker.execution._staging_copies import Scattered, StagingCopies
+from kvbroker.broker.execution._staging_copies import StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._turn import in_turn
-from kvbroker.broker.memory import CreditLedger, CreditRange, StagingPool
+from kvbroker.broker.memory import CreditLedger
 from kvbroker.broker.peers import FleetView
 from kvbroker.broker.rooms import (
     AbortAtPeer,
@@ -65,8 +65,6 @@ from kvbroker.broker.rooms import (
     TellSuccessor,
     VerifyChunk,
 )
-from kvbroker.errors import KvBrokerError
-from kvbroker.v1 import peer_pb2
 
 __all__ = ["Executor", "transport_text"]
 
@@ -105,7 +103,6 @@ class Executor:
             priorities=config.priorities,
         )
         self._peers = transport.peers
-        self._counters = telemetry.counters
         #: When the notifications being taken now were read (a scatter's first hop).
         self._notices_at = 0.0
         #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
@@ -139,6 +136,9 @@ class Executor:
             copies=self._copies,
             tasks=tasks,
             telemetry=telemetry,
+        )
+        self._receiving = ReceivingParts(
+            machines=machines, transport=transport, copies=self._copies, credits=self.credits, counters=telemetry.counters
         )
         self._calls = CallsToPeers(
             broker_id=machines.broker_id,
@@ -221,7 +221,7 @@ class Executor:
             FindSender: lambda e: spawn(self._calls.find_sender(e.receiver), name=f"bootstrap-{e.receiver.room}"),
             RegisterRoom: lambda e: self._registrations.start(e),
             AbortAtPeer: lambda e: spawn(self._calls.abort_at_peer(e), name=f"abort-{e.room}"),
-            Scatter: self._scatter,
+            Scatter: lambda e: self._receiving.scatter(e, self._notices_at),
             VerifyChunk: lambda e: spawn(self._verify(e), name=f"verify-{e.receiver.room}"),
             ReleaseStaging: self._release_staging,
             HandBackCredits: self._hand_back_credits,
@@ -238,38 +238,6 @@ class Executor:
     def _hand_back_credits(self, effect: HandBackCredits) -> None:
         for kind, device, credit in effect.credits:
             self.credits.hand_back(kind, device, credit)
-
-    def _scatter(self, effect: Scatter) -> None:
-        """Unpack a landed staged or packed part into its rank's pages, on its lane:
-        its range goes back to its sender from the lane's thread as soon as it is
-        scattered, and the receiver hears how it went (in a batch, on the loop)."""
-        held = effect.landing.held
-        back: tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None = None
-        peer = self._peers.by_id.get(held.sender) if isinstance(held, CreditRange) else None
-        if peer is not None and peer.agent_name is not None:
-            assert isinstance(held, CreditRange)
-            kind, device = effect.landing.pool
-            back = (peer.agent_name, returned_credit(kind, device, held), self._pools.pool("receive", kind, device))
-        self._copies.scatter_then(effect, functools.partial(self._scattered, effect, back, self._dataplane.inbox), self._notices_at)
-
-    def _scattered(
-        self, effect: Scatter, back: tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None, inbox: LoopInbox, outcome: Scattered
-    ) -> None:
-        """A part's scatter is done (on its lane's thread): its range goes back now."""
-        handed_back = False
-        if outcome.error is None and back is not None:
-            try:
-                self.credits.return_now(*back)
-                handed_back = True
-            except KvBrokerError:  # the data plane is stopping: the loop hands it back (or nothing will)
-                pass
-        inbox.put(functools.partial(self._scatter_done, effect, outcome, handed_back))
-
-    def _scatter_done(self, effect: Scatter, outcome: Scattered, handed_back: bool) -> None:
-        self._counters.packed_checksums_checked += outcome.checked
-        self._counters.checksum_mismatches += outcome.mismatch
-        with self._turn:
-            self._receiver.scattered(effect.receiver, effect.landing, outcome.error, handed_back)
 
     async def _verify(self, effect: VerifyChunk) -> None:
         """Checksum a landed chunk in its rank's pages; the receiver compares."""

@@ -13,11 +13,10 @@ on the control loop.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -44,13 +43,15 @@ from kvbroker.broker.memory import (
     StagingPools,
     array_at,
 )
-from kvbroker.broker.rooms import Scatter
 from kvbroker.broker.scheduling import Ticket
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError, Unimplemented
 from kvbroker.plan import Block, ChunkSum, chunk_checksum
 from kvbroker.v1 import common_pb2
 
-__all__ = ["Scattered", "StagingCopies", "as_broker_error", "extents", "host_region", "slot_of"]
+if TYPE_CHECKING:
+    from kvbroker.broker.execution._receiving_parts import ReceivingPart
+
+__all__ = ["StagingCopies", "as_broker_error", "extents", "host_region", "slot_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -127,36 +128,21 @@ class StagingCopies:
         except Exception as exc:
             return None, as_broker_error(exc, "checksumming a chunk")
 
-    def scatter_then(self, effect: Scatter, then: Callable[[Scattered], None], notice_at: float = 0.0) -> None:
+    def scatter_then(self, part: ReceivingPart, then: Callable[[ReceivingPart], None]) -> None:
         """Unpack one landed staged or packed part into its rank's pages, as a job
         of its own on its lane; a packed part's checksum, when its sender sent one,
         first, in a job before it (a part that arrived corrupted is never
-        scattered). ``then`` hears how it went on the lane's thread as soon as
-        it is done (or here, if it could not start). ``notice_at``: when its
-        notification was read (its span's first hop time)."""
-        rank, landing = effect.receiver, effect.landing
-        if rank.span is not None and not telemetry.records_children(rank.span):
-            span = None  # an untraced room: no span (nor its attributes) to make
-        else:
-            span = telemetry.start_span(
-                "kvbroker.staging.scatter",
-                parent=rank.span,
-                attributes={"kvbroker.bytes": landing.nbytes, "kvbroker.chunk": landing.key[1], "kvbroker.source": str(landing.key[0])},
-            )
-        times = {"notice": notice_at or time.monotonic(), "scatter_asked": time.monotonic()}
+        scattered). ``then(part)`` hears of it on the lane's thread as soon as it
+        is done (or here, if it could not start), ``part`` saying how it went."""
+        rank, landing = part.rank, part.landing
 
-        def told(outcome: Scattered) -> None:
-            if span is not None:
-                for hop, at in times.items():
-                    span.set_attribute(f"kvbroker.t.{hop}", at)
-                span.set_attribute("kvbroker.credit_id", landing.notice.credit_id)
-                span.set_attribute("kvbroker.scattered_on", threading.current_thread().name)
-                span.end()
-            then(outcome)
+        def done(error: KvBrokerError | None) -> None:
+            part.done(error)
+            then(part)
 
         pool = self._pools.pool("receive", *landing.pool)
         if pool is None:
-            told(Scattered(FailedPrecondition("the receive staging pool of this part is gone")))
+            done(FailedPrecondition("the receive staging pool of this part is gone"))
             return
         slot = slot_of(pool, landing.held, landing.nbytes)
         blocks, regions = landing.blocks, [extents(rank.engine, block) for block in landing.blocks]
@@ -164,13 +150,12 @@ class StagingCopies:
         notice, views, lanes = landing.notice, self._views, self._lanes
 
         def scatter_job() -> Callable[[], None]:
-            times["scatter_start"] = time.monotonic()
+            part.scatter_started()
             scatter(views, slot, blocks, regions)
             return lambda: None
 
-        def scattered(_: None, error: BaseException | None, checked: bool = False) -> None:
-            times["scatter_end"] = time.monotonic()
-            told(Scattered(as_broker_error(error, "scattering a staged part") if error is not None else None, checked))
+        def scattered(_: None, error: BaseException | None) -> None:
+            done(as_broker_error(error, "scattering a staged part") if error is not None else None)
 
         if not notice.HasField("packed_checksum"):
             lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes))
@@ -181,27 +166,18 @@ class StagingCopies:
             return lambda: int(crc)
 
         def checked(crc: int | None, error: BaseException | None) -> None:
+            part.checked_crc(error is None and crc != notice.packed_checksum)
             if error is not None:
-                told(Scattered(as_broker_error(error, "checksumming a packed part"), True))
-            elif crc != notice.packed_checksum:
-                told(Scattered(FailedPrecondition(
+                done(as_broker_error(error, "checksumming a packed part"))
+            elif part.mismatch:
+                done(FailedPrecondition(
                     f"packed part {notice.part} of chunk {notice.chunk_index} from source {landing.key[0]} arrived "
                     f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
-                ), True, True))
+                ))
             else:  # (from the lane's thread: the scatter queues behind the check on the same lane)
-                lanes.launch(slot, scatter_job, lambda r, e: scattered(r, e, True), ticket, Work("scatter", landing.nbytes))
+                lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes))
 
         lanes.launch(slot, check_job, checked, ticket, Work("checksum", landing.nbytes))
-
-
-@dataclass(frozen=True, slots=True)
-class Scattered:
-    """How one landed part's scatter went: its error (None: its bytes are in the
-    rank's pages); whether its packed checksum was checked, and differed."""
-
-    error: KvBrokerError | None
-    checked: bool = False
-    mismatch: bool = False
 
 
 def extents(engine: Engine, block: Block) -> list[Extent]:

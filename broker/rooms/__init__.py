@@ -21,7 +21,7 @@ from kvbroker.broker.rooms._effects import (
     VerifyChunk,
 )
 from kvbroker.broker.rooms._receiver import ReceiverCore
-from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, SourceExpectation
+from kvbroker.broker.rooms._receiver_records import Landing, Receiver, SenderLeg, SourceExpectation
 from kvbroker.broker.rooms._records import ReceiverRoom, RoomTables, SenderRoom
 from kvbroker.broker.rooms._sender import SenderCore
 from kvbroker.broker.rooms._sender_records import (
@@ -57,6 +57,7 @@ __all__ = [
     "Part",
     "PostPart",
     "Publish",
+    "Landing",
     "Receiver",
     "ReceiverCore",
     "RegisterRoom",
