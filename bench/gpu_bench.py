@@ -3,34 +3,30 @@ GPU (``--fake-gpu``: no GPU needed; kvbroker.testing.gpu_model).
 
     python bench/gpu_bench.py                         # cuda:0: the whole matrix and the targets
     python bench/gpu_bench.py --device cpu --quick    # smoke test without a GPU (host memory, small)
-    python bench/gpu_bench.py --fake-gpu              # a modelled H200 (--model), 128 and 32 MiB parts
+    python bench/gpu_bench.py --fake-gpu [--gpus 8]   # a modelled H200 (--model), 128 and 32 MiB parts
 
 A sample moves ``--rooms`` rooms x ``--chunks`` chunks of ``--chunk-mib`` MiB (the same pages of 2 x
 ``--layers`` K/V regions, 8 KV heads, bfloat16, ``--page-kib`` KiB a page and region; pages random or
 contiguous, independent on each side). Per case (page size x pattern x chunk size x tp) and method: payload
 / wall seconds, best and median of ``--repeat`` samples after a warm-up, the methods of a case interleaved:
-
-1 kvbroker    two ``kvbroker serve`` per chunk size (a chunk fits ``--device-part-mib``; transfer buffers of
-              ``--buffer-parts`` parts), engines registered from this process on ``--device``; tp2->tp1: two
-              prefill ranks (half the heads each): head slices. From the first ExpectRoom to the last
-              SUCCESS the decode engine sees; per part, the brokers' CPU, device launches, peer RPCs.
-2 raw pages   bare NIXL (UCX, no progress thread) into a spawned target (the harness's ``RawPeer``), one
-              descriptor per page and region (what engines' NIXL connectors post), a transfer per chunk.
-3 raw staged  gather (index_select on its own stream) into one of ``--slots`` slots -> one WRITE with a
-              notification -> scatter (index_copy_) at the target -> the slot comes back; index tensors
-              uploaded before the clock; to the target's last scatter.
-4 raw one     one descriptor of the whole payload: the NIXL ceiling.
-5 copy        torch ``copy_`` of the payload on the device: the HBM ceiling (memcpy on a host).
+1 kvbroker: two ``kvbroker serve`` per chunk size (a chunk fits ``--device-part-mib``; transfer buffers of
+``--buffer-parts`` parts), engines registered from this process; tp2->tp1: two prefill ranks (head slices).
+From the first ExpectRoom to the last SUCCESS the decode engine sees; per part, the brokers' CPU, device
+launches, peer RPCs. 2 raw pages: bare NIXL (UCX, no progress thread) into a spawned target, a descriptor
+per page and region, a transfer per chunk. 3 raw staged: gather (index_select on its own stream) into one
+of ``--slots`` slots -> one WRITE with a notification -> scatter (index_copy_) -> the slot comes back.
+4 raw one: one descriptor of the whole payload (the NIXL ceiling). 5 copy: torch ``copy_`` on the device.
 
 Raw rows move the tp1->tp1 case's bytes. Also 1-page room latency (median, p90), KV on ``--device`` vs in
 DRAM, and each hop of a part (median us: kvbroker's from its brokers' spans, the raw loop's own). Every
-sample's bytes are checked (a difference, failed room or transfer exits 1). Read ratios within one run; the
-targets at the end, from this run's medians, are for one H100 or H200.
+sample's bytes are checked (a difference, failed room or transfer exits 1). Read ratios within one run.
 
 On a modelled GPU (``--fake-gpu``, ``--model``): brokers on fake GPUs whose copies and writes finish when a
-model of one GPU says (engines hand them fake VRAM), the raw loop on the same model, and the model's ideal
-pipeline (its limit) beside them. One real byte stands for ``--scale`` modelled ones (pages keep their
-count); GB/s are modelled bytes. The model and its calibration: docs/benchmarks.md.
+model says, the raw loop on the same model, and the model's ideal pipeline (its limit) beside them. One real
+byte stands for ``--scale`` modelled ones (pages keep their count); GB/s are modelled bytes (the model and
+its calibration: docs/benchmarks.md). ``--gpus N``: N modelled GPUs behind each broker (default model
+h200-400g: each GPU's writes on a 50 GB/s NIC of its own, the brokers on two hosts), an engine pair per GPU,
+all moving at once.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,12 +181,14 @@ class Measure:
     counted: list[tuple[int, int, int]] = field(default_factory=list)
     #: Each part's times (raw staged: what the raw loop recorded, as ``PART_HOPS`` names them).
     hops: list[dict[str, float]] = field(default_factory=list)
+    gpus: int = 1  # engine pairs, one per GPU, moving at once
 
     @property
     def case(self) -> str:
         if not self.kib:
             return "all cases (same bytes)"
-        return f"{self.kib} KiB {self.pattern} {self.chunk_mib} MiB " + (f"tp{self.tp}->tp1" if self.tp else "(tp1 bytes)")
+        return f"{self.kib} KiB {self.pattern} {self.chunk_mib} MiB " + (f"tp{self.tp}->tp1" if self.tp else "(tp1 bytes)") + (
+            f" x{self.gpus} GPUs" if self.gpus > 1 else "")
 
     def gbps(self, how: str = "median") -> float:
         return self.nbytes / (min(self.seconds) if how == "best" else statistics.median(self.seconds)) / 1e9
@@ -238,9 +237,9 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         torch.cuda.set_device(device)
     env, vram, kv_device = None, None, a.device
     if a.model:  # a modelled GPU: fake VRAM (host memory) whose copies and writes finish when the model says
-        a.model = f"{a.model},byte_scale={a.scale},host=0,timelines={held.workdir / 'gpu-timelines'}"
-        env = {**os.environ, FAKE_GPUS_ENV: "1", MODEL_ENV: a.model}
-        vram, kv_device = functools.partial(as_fake_vram, fake=FakeCudaLib(devices=1, granularity=GRANULARITY)), "cpu"
+        a.model = f"{a.model},byte_scale={a.scale},timelines={held.workdir / 'gpu-timelines'}"
+        env = {**os.environ, FAKE_GPUS_ENV: str(a.gpus), MODEL_ENV: a.model + ",host=0"}
+        vram, kv_device = functools.partial(as_fake_vram, fake=FakeCudaLib(devices=a.gpus, granularity=GRANULARITY)), "cpu"
         res["gpu_model"] = ModelSetting.parse(a.model).model
     spans = OtlpReceiver() if not a.no_hops else None  # each part's hops, from the brokers' spans
     if spans is not None:
@@ -286,8 +285,12 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
             held.say(f"  {kib} KiB pages: chunk {g.chunk_pages} pages x {g.regions} regions = {g.chunk_bytes * a.scale / h.MIB:g} "
                      f"MiB, room {g.room_pages} pages, sample {g.payload / h.MIB:g} MiB = {g.regions * g.pool_pages} page descriptors")
         payload = max(g.payload for g in geos.values())
-        brokers = held.start_brokers([f"prefill-{chunk_mib}", f"decode-{chunk_mib}"], broker_args, env) \
-            if {"broker", "latency"} & set(a.parts) else []
+        names, brokers = [f"prefill-{chunk_mib}", f"decode-{chunk_mib}"], []
+        if a.gpus > 1:  # a host of GPUs per broker: the two brokers on two modelled hosts
+            brokers = held.start_brokers(names[:1], broker_args, env) + held.start_brokers(names[1:], broker_args, {
+                **(env or {}), MODEL_ENV: a.model + ",host=1"})
+        elif {"broker", "latency"} & set(a.parts):
+            brokers = held.start_brokers(names, broker_args, env)
         for b in reversed(brokers):  # e.g. vram_transfer_at_host_speed: GPU memory moved like a host copy
             held.defer("reading the broker logs", lambda b=b: held.say(f"broker {b.name} warnings: "
                                             f"{', '.join(f'{e} x{n}' for e, n in sorted(b.warnings().items())) or 'none'}"))
@@ -302,6 +305,12 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         if chunk_mib == a.chunk_mib[0]:
             repeat(ceilings(a, raw, device, payload))
         for kib, geo in geos.items():
+            if a.gpus > 1:  # one engine pair per GPU, all moving at once
+                pairs = [Engines.register(held, brokers, model(kib), 1, geo.pool_pages, kv_device, functools.partial(vram, device=i))
+                         for i in range(a.gpus)]
+                repeat([host_measure(a, pairs, geo, kib, pattern, ids, pids, chunk_mib, counts) for pattern in a.patterns])
+                held.release(*(g for eng in pairs for g in (eng.prefill, eng.decode)))
+                continue
             engines = {tp: Engines.register(held, brokers, model(kib), tp, geo.pool_pages, kv_device, vram)
                        for tp in (a.tp if "broker" in a.parts else ())}
             for pattern in a.patterns:
@@ -383,6 +392,22 @@ def case_measures(a: argparse.Namespace, raw: h.RawPeer | None, engines: dict[in
     return out
 
 
+def host_measure(a: argparse.Namespace, pairs: list[Engines], geo: Geometry, kib: int, pattern: str, ids: Iterator[int],
+                 pids: Sequence[int], chunk_mib: int, counts: Callable[[], tuple[int, int, int]]) -> Measure:
+    """kvbroker on every GPU of a host at once: each GPU's engine pair moves ``geo``'s rooms; wall time of them all."""
+    plan = make_plan(geo, pattern, a.seed + kib)
+
+    def sample() -> float:
+        rooms = [list(itertools.islice(ids, a.rooms)) for _ in pairs]
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda e, r: e.move(r, plan, geo.chunk_pages, a.timeout), pairs, rooms))
+            return time.perf_counter() - t0
+    return Measure("kvbroker", geo.payload * geo.scale * len(pairs), lambda: [e.zero_decode() for e in pairs], sample,
+                   lambda: [h.check_kv(f"kvbroker GPU {i}", e.prefill, e.decode, plan.src, plan.dst) for i, e in enumerate(pairs)],
+                   kib, pattern, 1, pids, chunk_mib, counts, gpus=len(pairs))
+
+
 def one_page_rooms(pairs: dict[str, Engines], n: int, ids: Iterator[int], timeout: float) -> dict[str, list[float]]:
     """Seconds of ``n`` sequential 1-page rooms per engine pair, interleaved, after warm-ups."""
     rng, warm = np.random.default_rng(3), WARM_ROOMS
@@ -401,7 +426,7 @@ def one_page_rooms(pairs: dict[str, Engines], n: int, ids: Iterator[int], timeou
 def report(res: dict[str, Any]) -> None:
     a, latency, gpu = res["args"], res["latency"], res.get("gpu_model")
     done: list[Measure] = [m for m in res["done"] if m.seconds]
-    by = {(m.method, m.kib, m.pattern, m.tp, m.chunk_mib): m for m in done}
+    by, ideal = {(m.method, m.kib, m.pattern, m.tp, m.chunk_mib): m for m in done}, {}
     print(f"\n{'case':36} {'method':31} {'MiB':>6} {'best GB/s':>9} {'median GB/s':>11}  notes")
     for m in sorted(done, key=lambda m: m.kib == 0):
         note = ""
@@ -413,9 +438,10 @@ def report(res: dict[str, Any]) -> None:
         print(f"{m.case:36} {label:31} {m.nbytes / h.MIB:6.0f} {m.gbps('best'):9.2f} {m.gbps():11.2f}  {note}")
     for chunk in a.chunk_mib if gpu else ():
         part = 2 * a.layers * (chunk * h.MIB // (2 * a.layers << 10) // a.page_kib[0]) * (a.page_kib[0] << 10) // a.scale
-        gbps, bound = gpu.ideal_gbps(part, a.buffer_parts, one_gpu=True)
-        print(f"{'the model, ' + str(chunk) + ' MiB parts':36} {'0 ideal pipeline (its limit)':31} {'':6} {gbps:9.2f} "
-              f"{gbps:11.2f}  bound by {bound}")
+        gbps, bound = gpu.ideal_gbps(part, a.buffer_parts, one_gpu=a.gpus == 1)
+        ideal[chunk] = gbps * a.gpus
+        print(f"{f'the model, {chunk} MiB parts, {a.gpus} GPU(s)':36} {'0 ideal pipeline (its limit)':31} {'':6} {gbps * a.gpus:9.2f} "
+              f"{gbps * a.gpus:11.2f}  bound by {bound}" + (" of each GPU" if a.gpus > 1 else ""))
     print("raw rows move the bytes of the tp1->tp1 case; tp2->tp1 moves as many into decode")
     lat = {k: (statistics.median(v) * 1e3, h.percentile(v, 0.9) * 1e3) for k, v in latency.items()}
     for key, (med, p90) in lat.items():
@@ -447,7 +473,9 @@ def report(res: dict[str, Any]) -> None:
     if not gpu:
         target(f"kvbroker GB/s >= 150, 16 KiB random tp1->tp1, 128 MiB chunks{size}", main.gbps() if main else None, 150)
     for (method, kib, pattern, tp, chunk), m in by.items():
-        if method == "kvbroker":
+        if method == "kvbroker" and a.gpus > 1:
+            target(f"kvbroker on {a.gpus} GPUs / the modelled host's limit >= 0.9, {m.case}", m.gbps() / ideal[chunk], 0.9)
+        elif method == "kvbroker":
             target(f"kvbroker / raw gather-write-scatter >= 0.8, {m.case}", ratio(m, by.get(("raw-staged", kib, pattern, 0, chunk))), 0.8)
         if method == "kvbroker" and tp == 2:
             target(f"head slices / equal tp >= 0.7, {kib} KiB {pattern} {chunk} MiB", ratio(m, by.get((method, kib, pattern, 1, chunk))), 0.7)
@@ -461,6 +489,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add = p.add_argument
     add("--fake-gpu", action="store_true", help="on a MODELLED GPU (--model; no GPU needed): the defaults below after 'model:'")
     add("--model", help=f"the modelled GPU: {', '.join(MODELS)}[,field=value...] (default h200; kvbroker.testing.gpu_model)")
+    add("--gpus", type=int, default=1, help="on a modelled GPU: GPUs per broker, an engine pair on each (default model h200-400g)")
     add("--scale", type=int, default=1024, help="on a modelled GPU: modelled bytes per real byte (pages keep their count)")
     add("--device", default="cuda:0", help="cuda:N, or cpu: the smoke test on host memory")
     add("--quick", action="store_true", help=f"small defaults: {PROFILES['quick']}")
@@ -484,7 +513,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--no-hops", action="store_true", help="no per-hop figures (they need the brokers to export their spans)")
     add("--traced", type=float, default=0.25, help="the share of rooms whose spans give the per-hop figures")
     a = p.parse_args(argv)
-    a.model = a.model or ("h200" if a.fake_gpu else None)
+    a.model = a.model or (("h200-400g" if a.gpus > 1 else "h200") if a.fake_gpu else None)
+    if a.gpus > 1 and (not a.model or not {"raw-pages", "raw-staged", "raw-one", "copy", "latency"}.isdisjoint((a.parts or "broker").split(","))):
+        p.error("--gpus: on a modelled GPU (--fake-gpu), and --parts broker only")
+    a.parts = a.parts or ("broker" if a.gpus > 1 else None)
     for key, value in PROFILES["quick" if a.quick else "model" if a.model else "gpu"].items():
         if getattr(a, key) is None:
             setattr(a, key, value)

@@ -280,9 +280,11 @@ def test_only_rooms_write_a_rooms_records() -> None:
 #: The most lines bench/ may hold (scripts, harness and README): one harness,
 #: one script per question. (4150 until issue 40: soak.py's runs over the
 #: device path and the raw loop's per-hop times on a modelled GPU took it to
-#: 4,190, with gpu_bench.py 106 lines shorter; the raw NIXL peer, about 250
-#: lines of the harness, is the next thing to move into kvbroker.testing.)
-MAX_BENCH_LINES = 4200
+#: 4,190, with gpu_bench.py 106 lines shorter; then 4,231 with gpu_bench's
+#: host of N modelled GPUs per broker (--gpus), 26 lines. The raw NIXL peer,
+#: about 300 lines of the harness, is the next thing to move into
+#: kvbroker.testing: issue 42 takes the limit back to 4,000.)
+MAX_BENCH_LINES = 4235
 
 
 def test_bench_stays_small() -> None:
