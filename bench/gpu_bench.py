@@ -10,7 +10,7 @@ A sample moves ``--rooms`` rooms x ``--chunks`` chunks of ``--chunk-mib`` MiB (t
 contiguous, independent on each side). Per case (page size x pattern x chunk size x tp) and method: payload
 / wall seconds, best and median of ``--repeat`` samples after a warm-up, the methods of a case interleaved:
 1 kvbroker: two ``kvbroker serve`` per chunk size (a chunk fits ``--device-part-mib``; transfer buffers of
-``--buffer-parts`` parts), engines registered from this process; tp2->tp1: two prefill ranks (head slices).
+``--buffer-parts`` parts; default: the brokers' own, 1 GiB), engines registered from this process; tp2->tp1: two prefill ranks (head slices).
 From the first ExpectRoom to the last SUCCESS the decode engine sees; per part, the brokers' CPU, device
 launches, peer RPCs. 2 raw pages: bare NIXL (UCX, no progress thread) into a spawned target, a descriptor
 per page and region, a transfer per chunk. 3 raw staged: gather (index_select on its own stream) into one
@@ -53,6 +53,7 @@ import harness as h
 import numpy as np
 import torch
 
+from kvbroker.broker.config import BrokerConfig
 from kvbroker.client import ExpectSpec
 from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
@@ -231,7 +232,8 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     done: list[Measure] = []
     latency: dict[str, list[float]] = {}
     res = held.result
-    res.update(args=a, done=done, latency=latency)
+    in_flight: dict[int, int] = {}  # parts in flight per pair, by part size
+    res.update(args=a, done=done, latency=latency, in_flight=in_flight)
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -254,7 +256,7 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     held.say(f"cases: page KiB {a.page_kib} x {a.patterns} x prefill tp {a.tp} into decode tp 1, chunks of "
              f"{a.chunk_mib} MiB; parts: {', '.join(a.parts)}")
     held.say(f"model: {a.layers} layers x K,V = {2 * a.layers} regions, {h.KV_HEADS} KV heads, bfloat16; {a.rooms} rooms x "
-             f"{a.chunks} chunks; raw staged: {a.slots} slots; kvbroker: transfer buffers of {a.buffer_parts} parts; best/median of {a.repeat} "
+             f"{a.chunks} chunks; raw staged: {a.slots} slots; kvbroker: transfer buffers of {a.buffer_parts or 'a default 1 GiB of'} parts; best/median of {a.repeat} "
              f"samples after 1 warm-up; {a.latency_rooms} 1-page rooms per KV kind, {a.page_kib[0]} KiB pages"
              + (f"; 1 real byte stands for {a.scale} (pages keep their count, GB/s are modelled bytes)" if a.model else ""))
     held.say("compare within this run, as ratios; this machine is noisy\n")
@@ -276,7 +278,8 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
                               a.chunks, a.rooms, a.scale) for kib in a.page_kib}
         slot = max(g.chunk_bytes for g in geos.values())
         part = -(-slot // 4096) * 4096  # a chunk fits one part
-        broker_args = ["--device-buffer-mib", repr(a.buffer_parts * part / h.MIB), "--device-part-mib", repr(part / h.MIB),
+        in_flight[chunk_mib] = a.buffer_parts or max(2, BrokerConfig.device_send_bytes // (part * a.scale))  # as users get
+        broker_args = ["--device-buffer-mib", repr(in_flight[chunk_mib] * part / h.MIB), "--device-part-mib", repr(part / h.MIB),
                        "--log-level", "warning", *(["--verify-checksums"] if a.checksums else []),
                        # the self-test's floor in real bytes (20 GB/s of modelled bytes)
                        *(["--transport-floor-gbps", repr(20 / a.scale)] if a.model else [])]
@@ -438,7 +441,7 @@ def report(res: dict[str, Any]) -> None:
         print(f"{m.case:36} {label:31} {m.nbytes / h.MIB:6.0f} {m.gbps('best'):9.2f} {m.gbps():11.2f}  {note}")
     for chunk in a.chunk_mib if gpu else ():
         part = 2 * a.layers * (chunk * h.MIB // (2 * a.layers << 10) // a.page_kib[0]) * (a.page_kib[0] << 10) // a.scale
-        gbps, bound = gpu.ideal_gbps(part, a.buffer_parts, one_gpu=a.gpus == 1)
+        gbps, bound = gpu.ideal_gbps(part, res["in_flight"][chunk], one_gpu=a.gpus == 1)
         ideal[chunk] = gbps * a.gpus
         print(f"{f'the model, {chunk} MiB parts, {a.gpus} GPU(s)':36} {'0 ideal pipeline (its limit)':31} {'':6} {gbps * a.gpus:9.2f} "
               f"{gbps * a.gpus:11.2f}  bound by {bound}" + (" of each GPU" if a.gpus > 1 else ""))
@@ -501,7 +504,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--chunks", type=int, help="chunks per room (default 2)")
     add("--rooms", type=int, help="rooms per sample, all in flight (default 8)")
     add("--slots", type=int, default=4, help="transfer slots of the raw staged path")
-    add("--buffer-parts", type=int, default=8, help="parts each of a broker's transfer buffers holds (the default: 8 of 128 MiB)")
+    add("--buffer-parts", type=int, help="parts each of a broker's transfer buffers holds (default: as many as its default 1 GiB holds)")
     add("--head-dim", type=int, default=128)
     add("--repeat", type=int, help="timed samples per measurement, after one warm-up (default 3)")
     add("--latency-rooms", type=int, help="sequential 1-page rooms per KV kind (default 100)")
