@@ -67,6 +67,7 @@ class Admin:
             bad_notices=c.bad_notices,
             checksum_mismatches=c.checksum_mismatches,
             packed_checksums_checked=c.packed_checksums_checked,
+            packed_parts_taken_off_loop=c.parts_taken_off_loop,
             uptime_seconds=int(q.uptime_seconds()),
             draining=q.draining,
             open_rooms=q.rooms.open_rooms(),

@@ -165,6 +165,10 @@ class DataPlane:
         self._watches: list[tuple[Callable[[], bool], Callable[[BaseException | None], None]]] = []
         #: Passes over the agent (for tests and the idle-CPU benchmark).
         self.passes = 0
+        #: Set before the thread starts: ``take_notice(agent, payload)`` sees each
+        #: notification here as it is read; one it takes (True) is not delivered
+        #: to the loop, one it declines (or raises on) is.
+        self.take_notice: Callable[[str, bytes], bool] | None = None
 
     # -- lifecycle (control loop) ---------------------------------------
     def start(self) -> None:
@@ -400,7 +404,9 @@ class DataPlane:
             notices = []
         if notices:
             active = True
-            self._emit(Notices(notices))
+            notices = _untaken(self.take_notice, notices) if self.take_notice is not None else notices
+            if notices:
+                self._emit(Notices(notices))
         return active
 
     def _check_watches(self) -> bool:
@@ -467,6 +473,19 @@ class DataPlane:
 
 
 _NO_JOB: Any = object()
+
+
+def _untaken(take: Callable[[str, bytes], bool], notices: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The notifications ``take`` did not take (one it raised on, a bug, goes to the loop)."""
+    left = []
+    for agent, payload in notices:
+        try:
+            if take(agent, payload):
+                continue
+        except Exception:
+            log.exception("notice_not_taken", agent=agent)
+        left.append((agent, payload))
+    return left
 
 
 def _noop() -> None:

@@ -140,6 +140,7 @@ class Executor:
         self._receiving = ReceivingParts(
             machines=machines, transport=transport, copies=self._copies, credits=self.credits, counters=telemetry.counters
         )
+        transport.dataplane.take_notice = self._receiving.take
         self._calls = CallsToPeers(
             broker_id=machines.broker_id,
             client=transport.client,

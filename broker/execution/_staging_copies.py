@@ -13,6 +13,7 @@ on the control loop.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -187,16 +188,19 @@ def extents(engine: Engine, block: Block) -> list[Extent]:
     found = _EXTENTS.get(key)
     if found is None:
         found = [Extent(*engine.region_address(region)) for region in block.regions]
-        if len(_EXTENTS) >= _EXTENTS_KEPT:
-            _EXTENTS.pop(next(iter(_EXTENTS)))
-        _EXTENTS[key] = found
+        with _EXTENTS_LOCK:
+            if len(_EXTENTS) >= _EXTENTS_KEPT:
+                _EXTENTS.pop(next(iter(_EXTENTS)))
+            _EXTENTS[key] = found
     return found
 
 
 #: extents() of recent (engine, regions), oldest first. An engine id is never
-#: reused, so an entry can only go stale, never wrong. Control loop only.
+#: reused, so an entry can only go stale, never wrong. The loop and the
+#: data-plane thread (packed notices it takes itself) both fill it.
 _EXTENTS: dict[tuple[str, tuple[int, ...]], list[Extent]] = {}
 _EXTENTS_KEPT = 4096
+_EXTENTS_LOCK = threading.Lock()
 
 
 def host_region(engine: Engine, region: int) -> np.ndarray:

@@ -47,19 +47,23 @@ class Grant:
 
 
 class CreditLedger:
-    """The receiver's grants, by peer. Control loop only."""
+    """The receiver's grants, by peer. Changed on the control loop only; read
+    (:meth:`holds`) on the data-plane thread too: a peer's grants are replaced,
+    never changed in place, so a reader sees them before or after a change."""
 
     def __init__(self) -> None:
         self._by_peer: dict[str, dict[str, Grant]] = {}
 
     def add(self, grant: Grant) -> None:
-        self._by_peer.setdefault(grant.peer, {})[grant.grant_id] = grant
+        self._by_peer[grant.peer] = {**self._by_peer.get(grant.peer, {}), grant.grant_id: grant}
 
     def take(self, peer: str, grant_id: str) -> Grant | None:
         """Remove and return one grant of ``peer`` (None if it has no such grant)."""
-        grants = self._by_peer.get(peer, {})
+        grants = dict(self._by_peer.get(peer, {}))
         grant = grants.pop(grant_id, None)
-        if not grants:
+        if grants:
+            self._by_peer[peer] = grants
+        else:
             self._by_peer.pop(peer, None)
         return grant
 

@@ -142,6 +142,7 @@ class RankBootstrap:
             self._settling.fail(rank, cause_of(exc, self._id))
             return
         rank.expected = SmallMap((p.rank, expectation(rank, p, leg)) for p, leg in placed)
+        self._settling.open_gate(rank)
         for leg in rank.legs:
             mine = [p for p, at in placed if at is leg]
             if not mine:

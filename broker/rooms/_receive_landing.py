@@ -38,6 +38,7 @@ from kvbroker.broker.rooms._receiver_records import (
     Receiver,
     SourceExpectation,
     StagingKey,
+    receive_pool,
 )
 from kvbroker.broker.rooms._sides import FAILED, SUCCESS, TRANSFERRING, cause, cause_of
 from kvbroker.errors import FailedPrecondition, KvBrokerError, NotFound
@@ -53,12 +54,11 @@ from kvbroker.plan import (
     packed_bytes,
     rank_key,
     slice_side,
-    transfer_pool,
 )
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2
 
-__all__ = ["RankLanding", "landing_of", "pool_of", "token_problem"]
+__all__ = ["RankLanding", "landing_of", "token_problem"]
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +77,7 @@ class RankLanding:
         self._fail = settling.fail
         self._maybe_settled = settling.maybe_settled
         self._release_held = settling.release_held
+        self._close_gate = settling.close_gate
         #: The grants this broker gave sending peers (a packed part's range must lie in one).
         self._credits = credits
         self._on_bytes = on_bytes
@@ -141,6 +142,8 @@ class RankLanding:
                 # settled, but its chunk's pages did not arrive.
                 exp.unapplied = exp.unapplied | {notice.chunk_index}
             else:
+                if rank.gate is not None and not rank.gate.mark(key):
+                    return True  # the data-plane thread took it (through the gate): its range is that part's
                 if notice.credit_id and not self._hold_credit(rank, key, notice):
                     return False
                 try:
@@ -158,7 +161,7 @@ class RankLanding:
         """A packed part written into its sender's credits: the rank holds its
         range until it is scattered (or the rank ends). Fails the rank if the
         range is not the sender's to write."""
-        pool = pool_of(rank)
+        pool = receive_pool(rank)
         if not self._credits.holds(notice.sender_broker_id, pool, notice.staging_offset, notice.staging_bytes):
             problem = (
                 f"source {key[0]} wrote packed part {notice.part} of chunk {notice.chunk_index} at offset "
@@ -187,6 +190,24 @@ class RankLanding:
             self._fail(rank, cause_of(error, self._id))
         if exp is not None and error is None:
             self._landed(rank, landing.key[0], exp, landing.notice)
+        else:
+            self._maybe_settled(rank)
+
+    def taken(self, rank: Receiver, landing: Landing, error: KvBrokerError | None, handed_back: bool) -> None:
+        """A packed part the data-plane thread took through the rank's gate (it
+        checked the notice against the gate's snapshot, claimed the part and
+        scattered it, or could not): counted as one scattered on the loop's word
+        is. Its range goes back to its sender here unless the thread sent it."""
+        if rank.gate is not None:
+            rank.gate.counted()
+        if not handed_back and isinstance(landing.held, CreditRange):
+            self._emit(HandBackCredits(((*landing.pool, landing.held),)))
+        notice = landing.notice
+        exp = rank.expected.get(landing.key[0]) if rank.expected is not None else None
+        if error is not None:
+            self._fail(rank, cause_of(error, self._id))
+        if exp is not None and error is None and not exp.has_part(notice.chunk_index, notice.part):
+            self._landed(rank, landing.key[0], exp, notice)
         else:
             self._maybe_settled(rank)
 
@@ -249,6 +270,7 @@ class RankLanding:
             telemetry.child_done(rank.span, "kvbroker.completion", {"kvbroker.sources": len(rank.expected)})
             if rank.advance(SUCCESS):
                 self._counters.rooms_succeeded += 1
+                self._close_gate(rank)
                 self._release_held(rank)
                 log.debug(
                     "receive_done",
@@ -284,7 +306,7 @@ class RankLanding:
             return held
         if rank.terminal:
             raise FailedPrecondition(f"room {request.room} already ended on the receiver")
-        return pool_of(rank), None
+        return receive_pool(rank), None
 
     def staging_granted(
         self, request: peer_pb2.ReserveStagingRequest, pool: PoolKey, reservation: Reservation
@@ -359,11 +381,6 @@ class RankLanding:
             return
         self._counters.checksum_mismatches += 1
         self._fail(rank, cause(common_pb2.FAILURE_KIND_MISMATCH, problem, self._id))
-
-
-def pool_of(rank: Receiver) -> PoolKey:
-    """The receive staging pool for the rank: its KV's GPU's, or host memory."""
-    return transfer_pool(rank.engine.layout, rank.engine.table)
 
 
 def landing_of(rank: Receiver, key: StagingKey, exp: SourceExpectation, notice: peer_pb2.TransferNotice) -> Landing:

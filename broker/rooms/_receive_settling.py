@@ -29,7 +29,13 @@ from kvbroker.broker.rooms._effects import (
     TellSuccessor,
 )
 from kvbroker.broker.rooms._machine import MachineCore
-from kvbroker.broker.rooms._receiver_records import Receiver, SenderLeg, StagingKey
+from kvbroker.broker.rooms._receiver_records import (
+    LandingGate,
+    Receiver,
+    SenderLeg,
+    StagingKey,
+    receive_pool,
+)
 from kvbroker.broker.rooms._sides import FAILED, Side, cause
 from kvbroker.broker.rooms._successors import SuccessorNotices
 from kvbroker.plan import RankKey
@@ -73,6 +79,7 @@ class RankSettling:
     def fail(self, rank: Receiver, why: common_pb2.FailureCause, *, told_by: str | None = None) -> None:
         """Fail ``rank`` (first cause wins); tell its sender brokers, but
         ``told_by`` (the one that told us, or that is gone)."""
+        self.close_gate(rank)  # (first: no part is taken off the loop once the rank's pages may settle)
         if not rank.fail(why, settled=nothing_in_flight(rank)):
             return
         if rank.pages_settled:
@@ -157,6 +164,20 @@ class RankSettling:
             self._emit(HandBackCredits(tuple(credits)))
             rank.credits = {k: v for k, v in rank.credits.items() if not releasable(k)}
 
+    def open_gate(self, rank: Receiver) -> None:
+        """The rank's plan is made: its packed parts may land without the control
+        loop from now on (``LandingGate``), until it ends."""
+        if rank.gate is None and rank.expected is not None and not rank.terminal:
+            sources = {key: (exp.plan, exp.leg.broker_id) for key, exp in rank.expected.items()}
+            rank.gate = LandingGate(rank, receive_pool(rank), sources)
+            self._rooms.gates[(rank.room, rank.key)] = rank.gate
+
+    def close_gate(self, rank: Receiver) -> None:
+        """The rank ended: nothing more lands without the loop (those taken already still count)."""
+        if rank.gate is not None:
+            rank.gate.shut()
+            self._rooms.gates.pop((rank.room, rank.key), None)
+
     def tell_successor_now(self, address: str, now: float | None = None) -> None:
         """Tell the broker at ``address`` now of the rooms kept for it (unless that is under way)."""
         if self._successors.start(address, now):
@@ -196,8 +217,9 @@ class RankSettling:
 def nothing_in_flight(rank: Receiver) -> bool:
     """No source can still write into the rank's pages: the sender never had
     the room, or every source completed, settled, or owes no data; and no
-    staged part is being unpacked into them."""
-    if rank.scattering or rank.verifying:
+    staged or packed part is being unpacked into them (on the loop's word, or
+    taken off the loop through its gate)."""
+    if rank.scattering or rank.verifying or (rank.gate is not None and rank.gate.busy()):
         return False
     if rank.expected is None:
         return True

@@ -143,6 +143,7 @@ class ReceiverCore:
         self.registration_failed = bootstrap.registration_failed
         self.notices = landing.notices
         self.scattered = landing.scattered
+        self.taken = landing.taken
         self.chunk_verified = landing.chunk_verified
         self.completion_report = landing.completion_report
         self.staging_wanted = landing.staging_wanted

@@ -6,12 +6,15 @@ from one :class:`SenderLeg` per sender broker that holds some of its sources
 :class:`SourceExpectation` per source: which parts of which chunks landed,
 the aux row and state components seen, whether the source completed or
 settled. A staged or packed part that landed in the receive staging buffer,
-to be scattered into the pages, is a :class:`Landing`. The state machine
-that moves these records is ``ReceiverCore`` (``_receiver``).
+to be scattered into the pages, is a :class:`Landing`. A rank that takes
+packed parts off the control loop has a :class:`LandingGate` while it is
+open. The state machine that moves these records is ``ReceiverCore``
+(``_receiver``).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,17 +22,19 @@ import numpy as np
 from kvbroker.broker.memory import CreditRange, Reservation
 from kvbroker.broker.rooms._sides import BOOTSTRAPPING, FAILED, SUCCESS, Side
 from kvbroker.broker.rooms._smallmap import SmallMap
-from kvbroker.plan import Block, IndexArray, RankKey, SourcePlan, encode_indices
+from kvbroker.plan import Block, IndexArray, RankKey, SourcePlan, encode_indices, transfer_pool
 from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = [
     "NO_COMPONENTS",
     "Landing",
+    "LandingGate",
     "PoolKey",
     "Receiver",
     "SenderLeg",
     "SourceExpectation",
     "StagingKey",
+    "receive_pool",
 ]
 
 #: (memory kind, device) of a receive staging pool.
@@ -185,9 +190,13 @@ class Receiver(Side):
     verifying: int = 0
     #: While its sender is not found yet: why not, the last time it was looked for.
     waiting_for: str = ""
+    #: While it is open to packed parts landing without the control loop (from
+    #: its plan until it ends): what the data-plane thread reads, and what it took.
+    gate: LandingGate | None = None
 
     def holds_resources(self) -> bool:
-        return bool(self.scattering) or ((bool(self.staging) or bool(self.credits)) and not self.pages_settled)
+        busy = self.gate is not None and self.gate.busy()
+        return busy or bool(self.scattering) or ((bool(self.staging) or bool(self.credits)) and not self.pages_settled)
 
     def known_prefix(self) -> int:
         return self.prefix_pages
@@ -247,3 +256,70 @@ class Landing:
     #: Where its bytes go in the rank's memory, in packing order (``packing``).
     blocks: tuple[Block, ...]
     notice: peer_pb2.TransferNotice
+
+
+class LandingGate:
+    """A receiving rank's packed parts, taken without the control loop.
+
+    From the rank's plan until it ends, the data-plane thread that reads a
+    packed part's notice may take the part itself (``ReceivingParts.take``):
+    it checks the notice against this snapshot of the rank (its pages, the
+    sources it expects from which sender broker, its receive buffer), claims
+    the part here and starts its scatter; the loop hears the outcome
+    (``RankLanding.taken``). The snapshot never changes; the claims are
+    under the gate's lock. Once shut (the rank failed or succeeded) nothing
+    more is claimed, and the parts claimed before keep the rank's pages
+    unsettled until each is counted (:meth:`busy`). The loop claims the
+    parts it takes itself too (:meth:`mark`), so that no part is taken twice.
+    """
+
+    __slots__ = ("_claimed", "_in_flight", "_lock", "_open", "pool", "rank", "sources")
+
+    def __init__(self, rank: Receiver, pool: PoolKey, sources: dict[RankKey, tuple[SourcePlan, str]]) -> None:
+        self.rank = rank
+        #: The receive buffer its packed parts land in.
+        self.pool = pool
+        #: Each source it expects: its plan and the sender broker that writes it.
+        self.sources = sources
+        self._lock = threading.Lock()
+        self._open = True
+        self._claimed: set[StagingKey] = set()
+        self._in_flight = 0
+
+    def claim(self, key: StagingKey) -> bool:
+        """Take part ``key`` off the loop (data-plane thread): False if the gate is
+        shut or the part was taken already."""
+        with self._lock:
+            if not self._open or key in self._claimed:
+                return False
+            self._claimed.add(key)
+            self._in_flight += 1
+            return True
+
+    def mark(self, key: StagingKey) -> bool:
+        """The loop takes part ``key`` itself: False if it was taken already."""
+        with self._lock:
+            if key in self._claimed:
+                return False
+            self._claimed.add(key)
+            return True
+
+    def counted(self) -> None:
+        """A part taken off the loop was counted (loop)."""
+        with self._lock:
+            self._in_flight -= 1
+
+    def shut(self) -> None:
+        """Nothing more is taken off the loop (loop: the rank ended)."""
+        with self._lock:
+            self._open = False
+
+    def busy(self) -> bool:
+        """Whether parts taken off the loop are not counted yet (they may still write the pages)."""
+        with self._lock:
+            return self._in_flight > 0
+
+
+def receive_pool(rank: Receiver) -> PoolKey:
+    """The receive buffer the rank's staged and packed parts land in: its KV's GPU's, or host memory."""
+    return transfer_pool(rank.engine.layout, rank.engine.table)

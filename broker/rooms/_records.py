@@ -32,7 +32,7 @@ from kvbroker.plan import RankKey
 from kvbroker.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.rooms._receiver_records import Receiver
+    from kvbroker.broker.rooms._receiver_records import LandingGate, Receiver
     from kvbroker.broker.rooms._sender_records import Source, TransferInfo
     from kvbroker.broker.rooms._sides import Side
 
@@ -95,6 +95,10 @@ class RoomTables:
     #: opened there does not wait for a transfer info that will never come.
     #: Dropped when told, or after the sender-info timeout (the wait it saves).
     successor_notices: dict[tuple[str, int], tuple[common_pb2.FailureCause, float]] = field(default_factory=dict)
+    #: (room, receiver rank) -> the rank's gate while it is open to packed parts
+    #: landing without the control loop (``LandingGate``): the data-plane thread
+    #: looks it up by a notice's room and receiver; only the loop changes it.
+    gates: dict[tuple[int, RankKey], LandingGate] = field(default_factory=dict)
 
     def sizes(self) -> dict[str, int]:
         """Name -> size of every per-room table (``GetStats.per_room_state``)."""
@@ -115,6 +119,7 @@ class RoomTables:
             "credits_held": sum(len(r.credits) for r in ranks),
             "tombstones": len(self.tombstones),
             "successor_notices": len(self.successor_notices),
+            "landing_gates": len(self.gates),
         }
 
     def all_sources(self) -> Iterator[Source]:
@@ -160,6 +165,7 @@ class RoomTables:
                 for member in [k for k, p in members.items() if p.expired(now, ttl_seconds, unsettled)]:
                     if on_evict is not None:
                         on_evict(members[member])
+                    self.gates.pop((room_id, member), None)  # (a rank's is gone when it ends: this is a guard)
                     del members[member]
                     removed += 1
                 if members:

@@ -36,6 +36,8 @@ class Counters:
     checksum_mismatches: int = 0
     #: Packed parts whose checksum (sent by the sender) the receiver compared before scattering.
     packed_checksums_checked: int = 0
+    #: Packed parts whose notice the data-plane thread took itself (through its rank's gate).
+    parts_taken_off_loop: int = 0
     #: PeerBroker calls this broker answered, by method.
     peer_calls_answered: Counter[str] = field(default_factory=Counter)
     #: The queues' depth, waits and bytes by class and engine group.

@@ -16,6 +16,7 @@ from kvbroker.broker.rooms import (
     ExpectRoom,
     FindSender,
     HandBackCredits,
+    Landing,
     Publish,
     Receiver,
     ReceiverCore,
@@ -346,6 +347,58 @@ def test_a_failed_rank_returns_the_credits_of_its_landed_parts_once_their_scatte
     effects = world.take()
     assert rank.pages_settled and rank.credits == {}
     assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, scatter.landing.held),)]
+
+
+def test_a_ranks_gate_opens_with_its_plan_and_a_part_taken_through_it_counts_once(world: World) -> None:
+    """Once its plan is made, a rank is open to packed parts landing without the loop: its gate is in
+    the tables (where the data-plane thread finds it) with the sources it expects and their sender.
+    A part the thread claimed is counted when its outcome comes (``taken``), once: the same part's
+    notice reaching the loop afterwards is neither scattered again nor handed back (its range is the
+    claimed part's). Success shuts the gate and takes it out of the tables."""
+    rank, pool = _credited_rank(world)
+    gate = rank.gate
+    assert gate is not None and world.rooms.gates == {(rank.room, rank.key): gate}
+    assert gate.pool == pool and set(gate.sources) == {SOURCE} and gate.sources[SOURCE][1] == P
+    payload = _packed(rank, 0, credit_id=21)
+    notice = peer_pb2.TransferNotice.FromString(payload[1])
+    key = (SOURCE, 0, 0)
+    assert gate.claim(key) and not gate.claim(key) and gate.busy()
+    world.core.notices([payload])  # the same notice, at the loop too
+    effects = world.take()
+    assert effects == [] and rank.credits == {}  # (no Scatter, no HandBackCredits)
+    held = CreditRange(0, notice.staging_bytes, P, 21)
+    landing = Landing(key=key, pool=pool, held=held, nbytes=notice.staging_bytes, blocks=(), notice=notice)
+    world.core.taken(rank, landing, None, True)
+    effects = world.take()
+    assert rank.state == SUCCESS and not gate.busy() and world.rooms.gates == {}
+    assert not gate.claim((SOURCE, 0, 1)), "shut with the rank's end"
+    assert not any(isinstance(e, HandBackCredits) for e in effects)
+
+
+def test_a_failed_rank_with_a_part_taken_off_the_loop_keeps_its_pages_until_that_part_is_counted(world: World) -> None:
+    """Abort racing a scatter the data-plane thread started: the rank fails while a part it took is
+    being scattered. The gate shuts at once (nothing more is taken), the pages stay unsettled while
+    that part may still write them, and settle when its outcome is counted; a range the thread could
+    not hand back goes back then (``HandBackCredits``)."""
+    rank, pool = _credited_rank(world)
+    gate = rank.gate
+    assert gate is not None
+    payload = _packed(rank, 4096, credit_id=22, part=0, parts=2)
+    notice = peer_pb2.TransferNotice.FromString(payload[1])
+    key = (SOURCE, 0, 0)
+    assert gate.claim(key)
+    world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
+    report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
+    world.core.completion_report(report)
+    assert rank.state == FAILED and not rank.pages_settled and world.rooms.gates == {}
+    assert not gate.claim((SOURCE, 0, 1))
+    world.take()
+    held = CreditRange(4096, notice.staging_bytes, P, 22)
+    landing = Landing(key=key, pool=pool, held=held, nbytes=notice.staging_bytes, blocks=(), notice=notice)
+    world.core.taken(rank, landing, None, False)
+    effects = world.take()
+    assert rank.pages_settled and not gate.busy()
+    assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, held),)]
 
 
 def test_a_staged_notice_without_a_reservation_fails_the_room(world: World) -> None:

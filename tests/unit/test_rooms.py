@@ -315,6 +315,7 @@ SIZE_KEYS = {
     "prefetch_requests",
     "staging_reservations",
     "credits_held",
+    "landing_gates",
 }
 
 
@@ -405,6 +406,7 @@ def test_sizes_counts_everything() -> None:
         "prefetch_requests": 1,
         "staging_reservations": 1,
         "credits_held": 1,
+        "landing_gates": 0,
     }
     assert list(tables.all_sources()) == [src]
     assert list(tables.all_receivers()) == [rcv, rcv2]

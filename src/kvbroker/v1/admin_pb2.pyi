@@ -12,7 +12,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token", "draining", "open_rooms", "checksum_mismatches", "transfers_token_runs", "etcd", "transfers_packed", "device_launches", "peer_calls_answered", "packed_checksums_checked", "queues")
+    __slots__ = ("broker_id", "per_room_state", "engines", "peers", "rooms_succeeded", "rooms_failed", "bytes_sent", "bytes_received", "transfers_posted", "uptime_seconds", "descriptors_transferred", "late_notices", "bad_notices", "staging_send_bytes_in_use", "staging_receive_bytes_in_use", "transfers_staged", "transfers_per_token", "draining", "open_rooms", "checksum_mismatches", "transfers_token_runs", "etcd", "transfers_packed", "device_launches", "peer_calls_answered", "packed_checksums_checked", "queues", "packed_parts_taken_off_loop")
     class PerRoomStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Stats(_message.Message):
     PEER_CALLS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     PACKED_CHECKSUMS_CHECKED_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PARTS_TAKEN_OFF_LOOP_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     per_room_state: _containers.ScalarMap[str, int]
     engines: int
@@ -81,7 +82,8 @@ class Stats(_message.Message):
     peer_calls_answered: _containers.ScalarMap[str, int]
     packed_checksums_checked: int
     queues: _containers.RepeatedCompositeFieldContainer[QueueStats]
-    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ..., draining: _Optional[bool] = ..., open_rooms: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., transfers_token_runs: _Optional[int] = ..., etcd: _Optional[str] = ..., transfers_packed: _Optional[int] = ..., device_launches: _Optional[int] = ..., peer_calls_answered: _Optional[_Mapping[str, int]] = ..., packed_checksums_checked: _Optional[int] = ..., queues: _Optional[_Iterable[_Union[QueueStats, _Mapping]]] = ...) -> None: ...
+    packed_parts_taken_off_loop: int
+    def __init__(self, broker_id: _Optional[str] = ..., per_room_state: _Optional[_Mapping[str, int]] = ..., engines: _Optional[int] = ..., peers: _Optional[int] = ..., rooms_succeeded: _Optional[int] = ..., rooms_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_posted: _Optional[int] = ..., uptime_seconds: _Optional[int] = ..., descriptors_transferred: _Optional[int] = ..., late_notices: _Optional[int] = ..., bad_notices: _Optional[int] = ..., staging_send_bytes_in_use: _Optional[int] = ..., staging_receive_bytes_in_use: _Optional[int] = ..., transfers_staged: _Optional[int] = ..., transfers_per_token: _Optional[int] = ..., draining: _Optional[bool] = ..., open_rooms: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., transfers_token_runs: _Optional[int] = ..., etcd: _Optional[str] = ..., transfers_packed: _Optional[int] = ..., device_launches: _Optional[int] = ..., peer_calls_answered: _Optional[_Mapping[str, int]] = ..., packed_checksums_checked: _Optional[int] = ..., queues: _Optional[_Iterable[_Union[QueueStats, _Mapping]]] = ..., packed_parts_taken_off_loop: _Optional[int] = ...) -> None: ...
 
 class QueueStats(_message.Message):
     __slots__ = ("queue", "priority", "engine", "waiting", "served", "bytes", "waited_seconds")
