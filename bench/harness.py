@@ -260,7 +260,7 @@ def release(engine: Any = None, client: Any = None, memory: Any = None) -> Excep
 #: A broker's threads by role: its control loop (the main thread), the NIXL data plane (kvb-nixl),
 #: the copy thread (kvb-copy: staging gather and scatter), the memory thread (kvb-memory: mapping and
 #: faulting in engine buffers), and every other thread (gRPC's pollers, exporters).
-THREAD_ROLES = ("loop", "nixl", "copy", "memory", "other")
+THREAD_ROLES = ("loop", "nixl", "copy", "memory", "other", "fake-gpu")  # fake-gpu: a modelled GPU's copies (not the broker's)
 _BY_NAME = {"kvb-nixl": "nixl", "kvb-copy": "copy", "kvb-memory": "memory"}
 
 
@@ -281,7 +281,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
                 ns, name = int(fh.read().split()[0]), comm.read().strip()
         except (OSError, ValueError, IndexError):
             continue  # the thread ended
-        out["loop" if int(tid) == pid else _BY_NAME.get(name, "other")] += ns / 1e9
+        out["loop" if int(tid) == pid else "fake-gpu" if name.startswith("kvb-fakegpu") else _BY_NAME.get(name, "other")] += ns / 1e9
     return out
 
 

@@ -101,8 +101,10 @@ def test_a_modelled_write_is_not_seen_before_it_could_have_landed() -> None:
 
 
 def test_a_lane_on_a_modelled_gpu_finishes_its_job_when_the_model_says() -> None:
-    """A job on a modelled GPU's lane runs its copies at once on the data-plane thread, and its outcome
-    comes from there once its engine time is over: jobs on one engine queue behind each other."""
+    """A job on a modelled GPU's lane is launched from the data-plane thread, its copies run on the
+    modelled GPUs' own thread (the launching thread is free at once, as a GPU's is), and its outcome
+    comes from the data-plane thread once its engine time is over: jobs on one engine queue behind
+    each other."""
     timelines = Timelines(history=True)
     streams = ModelledStreams(ModelSetting(GpuModel(launch_us=40_000)), timelines)
     workers = Workers()
@@ -133,7 +135,7 @@ def test_a_lane_on_a_modelled_gpu_finishes_its_job_when_the_model_says() -> None
     finally:
         workers.shutdown()
     assert got == ["a read on kvbroker-nixl", "b read on kvbroker-nixl"]
-    assert ran == ["kvbroker-nixl", "kvbroker-nixl"]
+    assert ran == ["kvb-fakegpu_0", "kvb-fakegpu_0"]
     assert seconds >= 0.08, "two jobs of 40 ms on one engine, one after the other"
     assert [i.what for i in timelines.history or []] == ["gather", "scatter"]
 

@@ -162,18 +162,27 @@ class Lanes:
         self.launch(slot, job, settle_later(future), ticket, work)
         return await future
 
-    def launch(self, slot: Extent, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
+    def launch(
+        self, slot: Extent, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK,
+        started: Callable[[], None] = lambda: None,
+    ) -> None:
         """Run ``job`` on the lane of ``slot``'s memory, and tell ``then`` its outcome
         on the lane's own thread (the copy thread for host memory, the data-plane
         thread for a GPU) as soon as it is done: nothing comes back to the loop, so
         what follows a copy (a write, a credit's return) can go at once. (A GPU
-        whose lane is not open yet is opened first, from the loop.)"""
+        whose lane is not open yet is opened first, from the loop.) ``started``
+        hears, on that thread, when the job is launched."""
         if self._on_host(slot):
-            self._workers.copy_detached(lambda: _tell(then, lambda: job()()), ticket)
+
+            def run() -> None:
+                started()
+                _tell(then, lambda: job()())
+
+            self._workers.copy_detached(run, ticket)
             return
         made = self._gpus.get(slot.device)
         if made is not None and made.done() and not made.cancelled() and made.exception() is None:
-            made.result().launch(self._workers, job, then, ticket, work)
+            made.result().launch(self._workers, job, then, ticket, work, started)
             return
 
         async def opening() -> None:
@@ -182,7 +191,7 @@ class Lanes:
             except Exception as exc:
                 then(None, exc)
                 return
-            lane.launch(self._workers, job, then, ticket, work)
+            lane.launch(self._workers, job, then, ticket, work, started)
 
         asyncio.ensure_future(opening())
 
@@ -215,13 +224,17 @@ class _GpuLane:
         self._dataplane = dataplane
         self.stream = streams.open(device)
 
-    def launch(self, workers: Workers, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK) -> None:
+    def launch(
+        self, workers: Workers, job: Job[T], then: Then, ticket: Ticket | None = None, work: Work = NO_WORK,
+        started: Callable[[], None] = lambda: None,
+    ) -> None:
         """Launch ``job`` on the data-plane thread (in its ``ticket``'s turn among
         the posts and launches queued with it); ``then`` hears its outcome there,
         in the pass that sees its event complete (or at once, if the launch raised)."""
         streams, stream = self._streams, self.stream
 
         def launch() -> None:
+            started()
             try:
                 read, event = streams.launch(stream, job, work)
             except BaseException as exc:  # the job's error: there is nothing to watch

@@ -109,8 +109,6 @@ class StagingCopies:
         views = self._views
 
         def job() -> Callable[[], int | None]:
-            if times is not None:
-                times["gather_start"] = time.monotonic()
             gather(views, blocks, regions, slot)
             crc = checksum(views, slot) if with_checksum else None
             return lambda: None if crc is None else int(crc)
@@ -119,7 +117,11 @@ class StagingCopies:
             span.end()
             then(result, error)
 
-        self._lanes.launch(slot, job, done, ticket if self._priorities else None, Work("gather", slot.nbytes))
+        def started() -> None:
+            if times is not None:
+                times["gather_start"] = time.monotonic()
+
+        self._lanes.launch(slot, job, done, ticket if self._priorities else None, Work("gather", slot.nbytes), started)
 
     async def chunk_checksum(self, engine: Engine, what: ChunkSum) -> tuple[int | None, KvBrokerError | None]:
         """The CRC-32 of ``what`` in ``engine``'s pages, read on the copy
@@ -151,7 +153,6 @@ class StagingCopies:
         notice, views, lanes = landing.notice, self._views, self._lanes
 
         def scatter_job() -> Callable[[], None]:
-            part.scatter_started()
             scatter(views, slot, blocks, regions)
             return lambda: None
 
@@ -159,7 +160,7 @@ class StagingCopies:
             done(as_broker_error(error, "scattering a staged part") if error is not None else None)
 
         if not notice.HasField("packed_checksum"):
-            lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes))
+            lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes), part.scatter_started)
             return
 
         def check_job() -> Callable[[], int]:
@@ -176,7 +177,7 @@ class StagingCopies:
                     f"with checksum {crc:08x}, the sender wrote {notice.packed_checksum:08x}: the transport corrupted it"
                 ))
             else:  # (from the lane's thread: the scatter queues behind the check on the same lane)
-                lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes))
+                lanes.launch(slot, scatter_job, scattered, ticket, Work("scatter", landing.nbytes), part.scatter_started)
 
         lanes.launch(slot, check_job, checked, ticket, Work("checksum", landing.nbytes))
 

@@ -3,8 +3,10 @@
 The fake CUDA driver (``fake_cuda``) makes "device memory" of host memory,
 and a broker on it copies that memory on its copy thread at once, at CPU
 speed: it shows what the device path does, not when. With a
-:class:`GpuModel` the copies still happen at once (the bytes are real, and
-checked), but when each one *finishes* follows the model:
+:class:`GpuModel` the copies still happen (the bytes are real, and
+checked), on a thread of the modelled GPU's own (so the broker's thread
+that launched them is free at once, as it is on a GPU), but when each one
+*finishes* follows the model:
 
 - **A GPU is one engine.** Every copy job launched on it (a batch of
   gathers, of scatters, a checksum), by any process, runs in the order
@@ -13,9 +15,9 @@ checked), but when each one *finishes* follows the model:
   the decode broker's scatters on one GPU take turns. A job ends
   ``launch_us`` + its bytes over its op's rate after the engine is free
   (``gather_gbps``, ``scatter_gbps``, ``checksum_gbps``, ``copy_gbps``).
-- **A job's event completes then**, and the broker's data-plane thread,
-  which launched it, sees it complete in its next pass (:class:`ModelledStreams`,
-  the broker's ``device.Streams``).
+- **A job's event completes then** (and not before its copies are done),
+  and the broker's data-plane thread, which launched it, sees it complete
+  in its next pass (:class:`ModelledStreams`, the broker's ``device.Streams``).
 - **A GPU's writes cross one link**, first posted first: a write from its
   transfer buffer is DONE ``write_us`` + its bytes over ``write_gbps`` after
   the link is free (CUDA IPC through a copy engine on one host; the GPU's
@@ -50,9 +52,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
+from kvbroker.broker.dataplane import name_thread
 from kvbroker.broker.device import Work
 
 __all__ = [
@@ -267,15 +271,20 @@ class _Stream:
 
 
 class ModelledStreams:
-    """The broker's ``device.Streams`` on a modelled GPU: a job's copies run at
-    once where it is launched (CPU tensors over the fake driver's memory), and
-    its event completes when the model's engine would have finished it."""
+    """The broker's ``device.Streams`` on a modelled GPU: a job's copies run on a
+    thread of their own (one for every modelled GPU of the process: the
+    broker's array views and launch count are one thread's), in the order
+    launched (CPU tensors over the fake driver's memory), so the launching
+    thread is free at once, as a GPU's would be; its event completes when the
+    model's engine would have finished it, and not before the copies are done."""
 
     def __init__(self, setting: ModelSetting, timelines: Timelines | None = None) -> None:
         self.setting = setting
         self.model = setting.model
         self.host = setting.host
         self.timelines = timelines or Timelines(setting.timelines)
+        self._copies: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def clock(self) -> WriteClock:
         """The writes of the same modelled host (its links on the same timelines)."""
@@ -287,15 +296,19 @@ class ModelledStreams:
         torch_for_copies()
         return _Stream(device)
 
-    def launch(self, stream: _Stream, job: Callable[[], Callable[[], T]], work: Work) -> tuple[Callable[[], T], float]:
-        read = job()
-        return read, self.timelines.take(work.op, self.host, stream.device, self.model.job_seconds(work), work.nbytes)
+    def launch(self, stream: _Stream, job: Callable[[], Callable[[], T]], work: Work) -> tuple[Future[Callable[[], T]], tuple[Future[Any], float]]:
+        with self._lock:
+            if self._copies is None:
+                self._copies = ThreadPoolExecutor(1, "kvb-fakegpu", initializer=name_thread, initargs=("kvb-fakegpu",))
+        end = self.timelines.take(work.op, self.host, stream.device, self.model.job_seconds(work), work.nbytes)
+        copies = self._copies.submit(job)
+        return copies, (copies, end)
 
-    def query(self, stream: _Stream, event: float) -> bool:
-        return time.monotonic() >= event
+    def query(self, stream: _Stream, event: tuple[Future[Any], float]) -> bool:
+        return time.monotonic() >= event[1] and event[0].done()
 
-    def finish(self, stream: _Stream, read: Callable[[], T]) -> T:
-        return read()
+    def finish(self, stream: _Stream, read: Future[Callable[[], T]]) -> T:
+        return read.result()()
 
 
 @dataclass
