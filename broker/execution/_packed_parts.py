@@ -91,7 +91,7 @@ class SendingPart:
         "part",
         "poster",
         "pool",
-        "reservation",
+        "slot",
         "span",
         "times",
     )
@@ -100,7 +100,7 @@ class SendingPart:
         self,
         part: Part,
         pool: StagingPool,
-        reservation: Reservation,
+        slot: Reservation,
         credit: Credit,
         buffer: peer_pb2.RemoteBuffer,
         span: Span,
@@ -108,7 +108,8 @@ class SendingPart:
     ) -> None:
         self.part = part
         self.pool = pool
-        self.reservation = reservation
+        #: Its send slot: its range of the local send buffer, until its write is DONE.
+        self.slot = slot
         self.credit = credit
         self.buffer = buffer
         self.span = span
@@ -228,7 +229,7 @@ class PackedParts:
 
         def make() -> Posting:
             notif = notice_bytes(part, chunk_sum, sending.checksum)
-            write = packed_write(part, sending.pool.buffer, sending.reservation.offset, agent_name, notif)
+            write = packed_write(part, sending.pool.buffer, sending.slot.offset, agent_name, notif)
             return Posting(part, write, agent_name, part.nbytes, ticket)
 
         posting = sending.clear(agent_name, make)
@@ -246,9 +247,9 @@ class PackedParts:
             # It never reached the receiver: its range is free (a DONE one the receiver hands back).
             self._credits.release(sending.credit)
             if sending.abandon():
-                sending.pool.release(sending.reservation)
+                sending.pool.release(sending.slot)
             return False
-        sending.pool.release(sending.reservation)
+        sending.pool.release(sending.slot)
         sending.times["done"] = settled_at
         if span is None or not span.is_recording() or not self._credits.is_placed(sending.credit.credit_id):
             return False
@@ -409,14 +410,14 @@ class PackedParts:
             except KvBrokerError as exc:  # the broker is stopping
                 self._dataplane.inbox.put(functools.partial(self._not_posted, sending, exc))
         elif abandoned:
-            self._dataplane.inbox.put(lambda: sending.pool.release(sending.reservation))
+            self._dataplane.inbox.put(lambda: sending.pool.release(sending.slot))
 
     def _not_posted(self, sending: SendingPart, error: BaseException) -> None:
         """A part whose gather failed, or whose room failed before its write: it settles as failed."""
         if self._sending.get(sending.part) is sending:
             self._held.fail(sending.part, as_broker_error(error, "gathering a packed part"))
         elif sending.abandoned:
-            sending.pool.release(sending.reservation)
+            sending.pool.release(sending.slot)
 
     # -- credits back ---------------------------------------------------------------------
     def _credit_back(self, credit_ids: list[int]) -> None:

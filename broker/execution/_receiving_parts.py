@@ -13,7 +13,8 @@ for the scatter (``Scatter``). Either way the part is a
 :class:`ReceivingPart` from then on, which owns its span, its hops' times,
 where its range goes back, and how it went. It moves through:
 
-- **noticed**: taken by the state machine, its copies handed to its lane;
+- **noticed**: taken at its rank's gate or by the state machine, its copies
+  handed to its lane;
 - **checked**: a packed part that carries a CRC-32 (``packed_checksum``) is
   checked in a job of its own, before its scatter: a part that arrived
   corrupted is never scattered;
@@ -182,11 +183,13 @@ class ReceivingParts:
         if packed_bytes(blocks) != notice.staging_bytes:
             return False
         key = (source, notice.chunk_index, notice.part)
-        if not gate.claim(key):
-            return False
         held = CreditRange(notice.staging_offset, notice.staging_bytes, notice.sender_broker_id, notice.credit_id)
         landing = Landing(key=key, pool=gate.pool, held=held, nbytes=notice.staging_bytes, blocks=tuple(blocks), notice=notice)
-        self._start(ReceivingPart(rank, landing, time.monotonic(), self._back(landing), off_loop=True))
+        back = self._back(landing)
+        if not gate.claim(key):
+            return False
+        # (Claimed: from here on the part is this thread's, and its outcome reaches the loop whatever happens.)
+        self._start(ReceivingPart(rank, landing, time.monotonic(), back, off_loop=True))
         return True
 
     def _back(self, landing: Landing) -> tuple[str, peer_pb2.ReturnedCredit, StagingPool | None] | None:
