@@ -158,7 +158,7 @@ class ReceivingParts:
         whose rank's gate is open, and everything it says checks out against the
         gate, claim the part and start its scatter here. False (the notice goes to
         the loop) for anything else, and for anything unusual."""
-        if payload[:1] == CREDIT_RETURN:
+        if payload[:1] == CREDIT_RETURN or not self._gates:  # (no rank open: nothing to parse twice)
             return False
         try:
             notice = peer_pb2.TransferNotice.FromString(payload)
