@@ -1,8 +1,9 @@
 """The broker's own copies: blocks gathered into slots and scattered from them.
 
 A :class:`~kvbroker.plan.Block` names items of an engine's
-regions; a slot is a reservation in one of this broker's staging or
-transfer buffers. :func:`gather` packs blocks into a slot, :func:`scatter`
+regions; a slot is a range of one of this broker's host staging or GPU
+transfer buffers (a ``StagingReservation`` or a ``TransferSlot``), or a
+sender's credits in one. :func:`gather` packs blocks into a slot, :func:`scatter`
 unpacks a slot into blocks. Two ways, by where the memory is:
 
 - host memory only (DRAM staging of head slices): numpy, one strided copy

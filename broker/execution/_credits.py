@@ -329,7 +329,7 @@ class Credits:
         pool = self._pools.pool("receive", *key)
         if pool is None:
             raise FailedPrecondition(f"this broker has no receive buffer for {pool_name(key)}")
-        reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds)
+        reservation = await pool.reserve_slot(request.bytes, self._config.staging_wait_seconds)
         if request.sender_broker_id not in self._peers.by_id:  # lost while it waited
             pool.release(reservation)
             raise Unavailable(f"broker {request.sender_broker_id} was dropped while it waited for credits")
@@ -381,7 +381,7 @@ class Credits:
     def _release(self, grant: Grant) -> None:
         pool = self._pools.pool("receive", *grant.pool)
         if pool is not None:
-            pool.release(grant.reservation)
+            pool.release(grant.slot)
 
     # -- peers ----------------------------------------------------------------------------
     def has_business(self, peer_id: str) -> bool:

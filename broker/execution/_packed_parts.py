@@ -40,7 +40,7 @@ from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.execution._writes import notice_bytes, packed_write
-from kvbroker.broker.memory import Credit, Reservation, StagingPool
+from kvbroker.broker.memory import Credit, StagingPool, TransferSlot
 from kvbroker.broker.peers import TransportVerdict
 from kvbroker.broker.rooms import FAILED, Part
 from kvbroker.broker.telemetry import Counters
@@ -100,7 +100,7 @@ class SendingPart:
         self,
         part: Part,
         pool: StagingPool,
-        slot: Reservation,
+        slot: TransferSlot,
         credit: Credit,
         buffer: peer_pb2.RemoteBuffer,
         span: Span,
@@ -275,7 +275,7 @@ class PackedParts:
         if verdict is None and VRAM in (local[0], remote[0]):
             return False
         ticket = part_ticket(part, self._config.priorities)
-        reservation = pool.try_reserve(part.nbytes, ticket)
+        reservation = pool.try_reserve_slot(part.nbytes, ticket)
         if reservation is None:
             return False
         got = self._credits.try_acquire(peer, remote, part.nbytes, ticket)
@@ -302,7 +302,7 @@ class PackedParts:
             await self._transport(part)
             if pool is None:
                 raise FailedPrecondition(f"this broker has no send transfer buffer for {pool_text(spec.pools[0])}")
-            reservation = await pool.reserve(
+            reservation = await pool.reserve_slot(
                 part.nbytes, self._config.staging_wait_seconds, ticket=part_ticket(part, self._config.priorities)
             )
         except Exception as exc:
@@ -355,7 +355,7 @@ class PackedParts:
         part: Part,
         span: Span,
         pool: StagingPool,
-        reservation: Reservation,
+        reservation: TransferSlot,
         buffer: peer_pb2.RemoteBuffer,
         credit: Credit,
         times: dict[str, float],

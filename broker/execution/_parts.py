@@ -49,7 +49,7 @@ from kvbroker.broker.execution._writes import (
     write_runs,
     write_tokens,
 )
-from kvbroker.broker.memory import Reservation, StagingPool
+from kvbroker.broker.memory import StagingPool, StagingReservation
 from kvbroker.broker.rooms import FAILED, ChunkChecksum, Part, Source
 from kvbroker.errors import FailedPrecondition, Internal, KvBrokerError
 from kvbroker.plan import PartKind, kv_block
@@ -96,8 +96,8 @@ class PartsInFlight:
         self._metrics = telemetry.metrics
         #: Parts handed on and not settled: their span and when they started.
         self._parts: dict[Part, tuple[Span, float]] = {}
-        #: Staged parts' reservations in the local send pool, until they settle.
-        self._sending: dict[Part, tuple[StagingPool, Reservation]] = {}
+        #: GATHERED parts' reservations in the host send staging buffer, until they settle.
+        self._sending: dict[Part, tuple[StagingPool, StagingReservation]] = {}
         #: Direct and staged writes posted and not settled, bounded; the rest queue by ticket.
         self._window = SendWindow(
             config.send_window_bytes,
@@ -268,7 +268,7 @@ class PartsInFlight:
         assert spec.slice is not None and spec.src_pages is not None and spec.dst_pages is not None
         device = engine.table.region_device[spec.pairs[0][0]]
         pool = self._pools.pool("send", spec.local_kind, device)
-        reservation: Reservation | None = None
+        reservation: StagingReservation | None = None
         try:
             if pool is None:
                 raise FailedPrecondition("this broker has no send staging buffer for that memory")

@@ -204,7 +204,7 @@ class TransportProbes:
         if nbytes <= 0:
             raise FailedPrecondition("the transfer buffers are too small to probe")
         wait = self._config.staging_wait_seconds
-        mine = await pool.reserve(nbytes, wait)
+        mine = await pool.reserve_slot(nbytes, wait)
         try:
             request = peer_pb2.ReserveProbeRequest(
                 protocol_version=PROTOCOL_VERSION, sender_broker_id=self._id, kind=remote[0], device_id=remote[1], bytes=nbytes  # type: ignore[arg-type]

@@ -36,9 +36,9 @@ from kvbroker.broker.device import (
 )
 from kvbroker.broker.execution._tickets import side_ticket
 from kvbroker.broker.memory import (
+    BufferRange,
     CreditRange,
     Engine,
-    Reservation,
     StagingBuffer,
     StagingPool,
     StagingPools,
@@ -214,8 +214,9 @@ def host_region(engine: Engine, region: int) -> np.ndarray:
     return array_at(address, length)
 
 
-def slot_of(pool: StagingPool, held: Reservation | CreditRange, nbytes: int) -> Extent:
-    """The first ``nbytes`` of ``held`` (a reservation, or a range of a sender's credits) in ``pool``'s buffer."""
+def slot_of(pool: StagingPool, held: BufferRange | CreditRange, nbytes: int) -> Extent:
+    """The first ``nbytes`` of ``held`` (a staging reservation or transfer slot of
+    ``pool``, or a range of a sender's credits in it) in ``pool``'s buffer."""
     buffer = pool.buffer
     return Extent(buffer.address + held.offset, nbytes, buffer.kind, buffer.device_id)
 

@@ -15,16 +15,19 @@ from kvbroker.broker.memory._importers import (
 )
 from kvbroker.broker.memory._staging import (
     DEVICE_SHARE,
+    BufferRange,
     FreeList,
-    Reservation,
     StagingBuffer,
     StagingPool,
     StagingPools,
+    StagingReservation,
+    TransferSlot,
     kept_for_classes,
 )
 
 __all__ = [
     "DEVICE_SHARE",
+    "BufferRange",
     "Credit",
     "CreditLedger",
     "CreditRange",
@@ -35,10 +38,11 @@ __all__ = [
     "FdSocketServer",
     "FreeList",
     "Grant",
-    "Reservation",
     "StagingBuffer",
     "StagingPool",
     "StagingPools",
+    "StagingReservation",
+    "TransferSlot",
     "kept_for_classes",
     "VramImporter",
     "array_at",

@@ -26,7 +26,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from kvbroker.broker.memory._staging import FreeList, Reservation
+from kvbroker.broker.memory._staging import FreeList, TransferSlot
 
 __all__ = ["Credit", "CreditLedger", "CreditRange", "CreditWindow", "Grant"]
 
@@ -43,7 +43,7 @@ class Grant:
     grant_id: str
     peer: str
     pool: PoolKey
-    reservation: Reservation
+    slot: TransferSlot
 
 
 class CreditLedger:
@@ -74,7 +74,7 @@ class CreditLedger:
     def holds(self, peer: str, pool: PoolKey, offset: int, nbytes: int) -> bool:
         """Whether ``nbytes`` at ``offset`` of receive buffer ``pool`` lie in one of ``peer``'s grants."""
         return any(
-            g.pool == pool and g.reservation.offset <= offset and offset + nbytes <= g.reservation.offset + g.reservation.nbytes
+            g.pool == pool and g.slot.offset <= offset and offset + nbytes <= g.slot.offset + g.slot.nbytes
             for g in self._by_peer.get(peer, {}).values()
         )
 
@@ -87,7 +87,7 @@ class CreditLedger:
         return any(self._by_peer.values())
 
     def granted_bytes(self) -> int:
-        return sum(g.reservation.nbytes for grants in self._by_peer.values() for g in grants.values())
+        return sum(g.slot.nbytes for grants in self._by_peer.values() for g in grants.values())
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,24 @@ receive **transfer buffer** (``--device-buffer-mib`` each, at most
 legacy, CUDA-IPC capable memory; never a VMM allocation, which a NIXL write
 reaches only through a host fallback) and registers them with NIXL as VRAM,
 once: they are the only device memory that touches NIXL. The device path
-(``packing``) gathers whatever of a chunk lies in VRAM into a reservation
-of the send buffer, writes it in one descriptor into a reservation of the
-peer's receive buffer on the target GPU, which scatters it. A GPU's pair is
-made when the first engine with KV on it registers (its registration fails
-if the pair cannot be made: without it nothing of that engine could move)
-and freed when the last one goes.
+(``packing``) gathers whatever of a chunk lies in VRAM into a slot of the
+send buffer, writes it in one descriptor into a slot of the peer's receive
+buffer on the target GPU, which scatters it (a side whose KV is in host
+memory uses its host staging buffer instead). A GPU's pair is made when the
+first engine with KV on it registers (its registration fails if the pair
+cannot be made: without it nothing of that engine could move) and freed
+when the last one goes.
 
-Reservations (:class:`StagingPool`) are first-fit, 4 KiB aligned; one that
-does not fit waits until another is released: reservations are the credits
-that bound how many parts are in flight. Pools belong to the control loop;
-buffers are allocated on the memory thread and registered on the data-plane
-thread. The copies themselves are ``execution._staging_copies``, on ``device``'s
+A pool (:class:`StagingPool`) hands out two things, named by what they
+hold: a :class:`StagingReservation` a head-sliced part in host staging, a
+:class:`TransferSlot` packed parts (a send slot, a peer's credits, a
+probe), in a GPU's transfer buffer or in host staging. Both are first-fit,
+4 KiB aligned; one that does not fit waits until another is released:
+they bound how many parts are in flight. (A range of a sending peer's
+credits, as the receiver holds it, is a ``CreditRange``: it goes back to
+that peer, not to the pool.) Pools belong to the control loop; buffers are
+allocated on the memory thread and registered on the data-plane thread.
+The copies themselves are ``execution._staging_copies``, on ``device``'s
 lanes.
 """
 
@@ -37,10 +43,8 @@ import bisect
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import numpy as np
-import numpy.typing as npt
 import structlog
 
 from kvbroker import cudavmm
@@ -53,11 +57,13 @@ from kvbroker.v1 import common_pb2, peer_pb2
 
 __all__ = [
     "DEVICE_SHARE",
+    "BufferRange",
     "FreeList",
-    "Reservation",
     "StagingBuffer",
     "StagingPool",
     "StagingPools",
+    "StagingReservation",
+    "TransferSlot",
     "kept_for_classes",
 ]
 
@@ -71,13 +77,35 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """``nbytes`` at ``offset`` of one staging buffer, until released to it.
-    (A range of a sending peer's credits is a ``CreditRange``: it goes back to
-    that peer, not to the pool.)"""
+class StagingReservation:
+    """Room for one head-sliced part (GATHERED, STAGED) in a host staging
+    buffer: ``nbytes`` at ``offset``, until released to its pool."""
 
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferSlot:
+    """Room for packed parts (the device path) in a transfer buffer: a part's
+    send slot, a range granted to a sending peer as credits, or a transport
+    probe's slot: ``nbytes`` at ``offset``, until released to its pool. It lies
+    in a GPU's transfer buffer, or in host staging where that side's KV is in
+    host memory."""
+
+    offset: int
+    nbytes: int
+
+
+#: Either: what a pool takes back.
+BufferRange = StagingReservation | TransferSlot
+R = TypeVar("R", bound=BufferRange)
+
+
+@dataclass(eq=False)
+class _RangeWaiter(Waiter[BufferRange]):
+    #: What the waiter is granted: a staging reservation or a transfer slot.
+    kind: Callable[..., BufferRange] = StagingReservation
 
 
 class FreeList:
@@ -167,10 +195,6 @@ class StagingBuffer:
             address=self.address, size_bytes=self.size_bytes, kind=self.kind, device_id=self.device_id  # type: ignore[arg-type]
         )
 
-    def descriptor_row(self, reservation: Reservation, nbytes: int) -> npt.NDArray[np.uint64]:
-        """One N x 3 descriptor row for the first ``nbytes`` of ``reservation``."""
-        return np.array([[self.address + reservation.offset, nbytes, self.device_id]], dtype=np.uint64)
-
 
 def kept_for_classes(part_bytes: int, buffer_bytes: int) -> int:
     """The room a GPU's send buffer, or a credit window in a peer's receive buffer
@@ -180,12 +204,11 @@ def kept_for_classes(part_bytes: int, buffer_bytes: int) -> int:
 
 
 class StagingPool:
-    """Reservations over one staging buffer, served in the order of their
-    tickets (``scheduling.FairQueue``: class, deadline, fair shares between
-    engines, arrival). ``bulk_keep``: the bytes a BULK reservation must leave
-    free (a GPU's send transfer buffer keeps a part's slot for the classes
-    above bulk, so that an interactive part never waits behind bulk parts
-    that hold every slot). Control loop only."""
+    """Room in one buffer (staging reservations and transfer slots), served in the order of their tickets (``scheduling.FairQueue``: class,
+    deadline, fair shares between engines, arrival). ``bulk_keep``: the bytes
+    a BULK reservation must leave free (a GPU's send transfer buffer keeps a
+    part's slot for the classes above bulk, so that an interactive part never
+    waits behind bulk parts that hold every slot). Control loop only."""
 
     def __init__(self, buffer: StagingBuffer, observer: QueueObserver | None = None, bulk_keep: int = 0) -> None:
         self.buffer = buffer
@@ -193,7 +216,7 @@ class StagingPool:
         self.bulk_keep = bulk_keep
         self._free = FreeList([(0, buffer.size_bytes)])
         #: Reservations waiting for room, in the order they will be served.
-        self._waiting: FairQueue[Waiter[Reservation]] = FairQueue(observer=observer)
+        self._waiting: FairQueue[_RangeWaiter] = FairQueue(observer=observer)
         self.in_use_bytes = 0
         self.reservations = 0
 
@@ -201,9 +224,16 @@ class StagingPool:
         """The bytes a reservation with ``ticket`` must leave free."""
         return self.bulk_keep if ticket is not None and ticket.priority == Priority.BULK else 0
 
-    def try_reserve(self, nbytes: int, ticket: Ticket | None = None) -> Reservation | None:
-        """A reservation of ``nbytes`` now, or None if no free span fits (or, for a
-        BULK ``ticket``, if it would leave less than ``bulk_keep`` free)."""
+    def try_reserve(self, nbytes: int, ticket: Ticket | None = None) -> StagingReservation | None:
+        """A staging reservation of ``nbytes`` now, or None if no free span fits (or,
+        for a BULK ``ticket``, if it would leave less than ``bulk_keep`` free)."""
+        return self._take(nbytes, ticket, StagingReservation)
+
+    def try_reserve_slot(self, nbytes: int, ticket: Ticket | None = None) -> TransferSlot | None:
+        """:meth:`try_reserve`, for a transfer slot."""
+        return self._take(nbytes, ticket, TransferSlot)
+
+    def _take(self, nbytes: int, ticket: Ticket | None, kind: Callable[..., R]) -> R | None:
         size = FreeList.aligned(nbytes)
         if self.size_bytes - self.in_use_bytes - size < self.keep(ticket):
             return None
@@ -212,12 +242,22 @@ class StagingPool:
             return None
         self.in_use_bytes += size
         self.reservations += 1
-        return Reservation(offset=offset, nbytes=size)
+        return kind(offset=offset, nbytes=size)
 
     async def reserve(
         self, nbytes: int, timeout_seconds: float, *, owner: object = None, ticket: Ticket | None = None
-    ) -> Reservation:
-        """A reservation of ``nbytes``, waiting for releases up to the timeout.
+    ) -> StagingReservation:
+        """A staging reservation of ``nbytes``, waiting for releases up to the timeout (:meth:`_wait`)."""
+        return await self._wait(nbytes, timeout_seconds, owner, ticket, StagingReservation)
+
+    async def reserve_slot(
+        self, nbytes: int, timeout_seconds: float, *, owner: object = None, ticket: Ticket | None = None
+    ) -> TransferSlot:
+        """:meth:`reserve`, for a transfer slot."""
+        return await self._wait(nbytes, timeout_seconds, owner, ticket, TransferSlot)
+
+    async def _wait(self, nbytes: int, timeout_seconds: float, owner: object, ticket: Ticket | None, kind: type[R]) -> R:
+        """``kind`` of ``nbytes``, waiting for releases up to the timeout.
 
         Waiters are served in the order of their ``ticket`` (none: STANDARD,
         one engine, so first come first served): the next one waits until it
@@ -230,11 +270,11 @@ class StagingPool:
         if nbytes > self.size_bytes:
             raise ResourceExhausted(f"{nbytes} bytes can never fit in the {self.size_bytes}-byte staging buffer")
         if not self._waiting:
-            reservation = self.try_reserve(nbytes, ticket)
+            reservation = self._take(nbytes, ticket, kind)
             if reservation is not None:
                 return reservation
-        future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        waiter = Waiter(nbytes, future, owner)
+        future: asyncio.Future[BufferRange] = asyncio.get_running_loop().create_future()
+        waiter = _RangeWaiter(nbytes, future, owner, kind)
         self._waiting.push(waiter, ticket or Ticket(Priority.STANDARD, "", nbytes))
         self._grant()  # it may come before those waiting now, and fit
         granted = await await_grant(future, timeout_seconds, give_up=lambda: self._give_up(waiter), undo=self.release)
@@ -243,6 +283,7 @@ class StagingPool:
                 f"the staging buffer stayed full for {timeout_seconds:g} s "
                 f"({self.in_use_bytes} of {self.size_bytes} bytes reserved)"
             )
+        assert isinstance(granted, kind)
         return granted
 
     @property
@@ -262,14 +303,15 @@ class StagingPool:
         if abandoned:
             self._grant()  # the ones behind them may fit now
 
-    def _give_up(self, waiter: Waiter[Reservation]) -> None:
+    def _give_up(self, waiter: _RangeWaiter) -> None:
         if not self._waiting.remove(waiter):
             return
         waiter.future.cancel()
         self._grant()  # the ones behind it may fit now
 
-    def release(self, reservation: Reservation) -> None:
-        """Give ``reservation`` back (merging free neighbours), and serve the waiters it lets in."""
+    def release(self, reservation: BufferRange) -> None:
+        """Give ``reservation`` (one of this pool's) back, merging free neighbours,
+        and serve the waiters it lets in."""
         self._free.give(reservation.offset, reservation.nbytes)
         self.in_use_bytes -= reservation.nbytes
         self.reservations -= 1
@@ -280,10 +322,10 @@ class StagingPool:
         that only the kept room would fit lets a waiter of a class above it have it)."""
         while (waiter := self._waiting.peek()) is not None:
             ticket = self._waiting.ticket(waiter)
-            reservation = self.try_reserve(waiter.nbytes, ticket)
+            reservation: BufferRange | None = self._take(waiter.nbytes, ticket, waiter.kind)
             if reservation is None and self.keep(ticket):
                 above = next((w for w in self._waiting if not self.keep(self._waiting.ticket(w))), None)
-                if above is not None and (reservation := self.try_reserve(above.nbytes)) is not None:
+                if above is not None and (reservation := self._take(above.nbytes, None, above.kind)) is not None:
                     self._waiting.remove(above)
                     above.future.set_result(reservation)
                     continue

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvbroker.v1 import common_pb2, peer_pb2
 
 if TYPE_CHECKING:
-    from kvbroker.broker.memory import CreditRange, Reservation
+    from kvbroker.broker.memory import CreditRange, StagingReservation
     from kvbroker.broker.rooms._receiver_records import Landing, Receiver, SenderLeg
     from kvbroker.broker.rooms._sender_records import Part
     from kvbroker.broker.rooms._sides import Side
@@ -144,9 +144,9 @@ class VerifyChunk:
 
 @dataclass(frozen=True)
 class ReleaseStaging:
-    """Give reservations (kind, device, reservation) back to their receive staging pools."""
+    """Give staging reservations (kind, device, reservation) back to their receive pools."""
 
-    reservations: tuple[tuple[int, int, Reservation], ...]
+    reservations: tuple[tuple[int, int, StagingReservation], ...]
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.memory import CreditLedger, CreditRange, Reservation
+from kvbroker.broker.memory import CreditLedger, CreditRange, StagingReservation
 from kvbroker.broker.rooms._effects import HandBackCredits, ReleaseStaging, Scatter, VerifyChunk
 from kvbroker.broker.rooms._machine import MachineCore
 from kvbroker.broker.rooms._receive_settling import RankSettling
@@ -296,7 +296,7 @@ class RankLanding:
         self._maybe_settled(rank)
 
     # -- staging -------------------------------------------------------------
-    def staging_wanted(self, request: peer_pb2.ReserveStagingRequest) -> tuple[PoolKey, Reservation | None]:
+    def staging_wanted(self, request: peer_pb2.ReserveStagingRequest) -> tuple[PoolKey, StagingReservation | None]:
         """A sender's prefetch for one staged part: which receive pool to reserve
         in, and the reservation already made for it (idempotent) or None."""
         rank = self._staging_rank(request)
@@ -309,8 +309,8 @@ class RankLanding:
         return receive_pool(rank), None
 
     def staging_granted(
-        self, request: peer_pb2.ReserveStagingRequest, pool: PoolKey, reservation: Reservation
-    ) -> Reservation:
+        self, request: peer_pb2.ReserveStagingRequest, pool: PoolKey, reservation: StagingReservation
+    ) -> StagingReservation:
         """Record a reservation made for ``request``. ``FailedPrecondition`` if the
         room ended while it waited for room (the caller releases it then)."""
         rank = self._staging_rank(request)

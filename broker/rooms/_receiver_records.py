@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbroker.broker.memory import CreditRange, Reservation
+from kvbroker.broker.memory import CreditRange, StagingReservation
 from kvbroker.broker.rooms._sides import BOOTSTRAPPING, FAILED, SUCCESS, Side
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.plan import Block, IndexArray, RankKey, SourcePlan, encode_indices, transfer_pool
@@ -177,7 +177,7 @@ class Receiver(Side):
     #: Staging reservations made for senders' staged parts: (source, chunk,
     #: part) -> (pool, reservation) in this broker's receive staging. Released
     #: after the part is scattered, or when the rank ends and its pages are settled.
-    staging: dict[StagingKey, tuple[PoolKey, Reservation]] = field(default_factory=dict)
+    staging: dict[StagingKey, tuple[PoolKey, StagingReservation]] = field(default_factory=dict)
     #: Ranges of senders' credits their packed parts landed in: (source, chunk,
     #: part) -> (receive buffer, range). Handed back to the sender after the
     #: part is scattered, or when the rank ends and its pages are settled.
@@ -251,7 +251,7 @@ class Landing:
     key: StagingKey
     pool: PoolKey
     #: Where it lies in ``pool``: a staging reservation, or a range of its sender's credits.
-    held: Reservation | CreditRange
+    held: StagingReservation | CreditRange
     nbytes: int
     #: Where its bytes go in the rank's memory, in packing order (``packing``).
     blocks: tuple[Block, ...]

@@ -28,7 +28,7 @@ from kvbroker.broker.execution import (
     receive_wait_owner,
     side_ticket,
 )
-from kvbroker.broker.memory import EngineTable, Reservation, StagingPool, StagingPools
+from kvbroker.broker.memory import EngineTable, StagingPool, StagingPools, TransferSlot
 from kvbroker.broker.peers import HandshakeMessage, pool_name, reach_back
 from kvbroker.broker.rooms import TransferInfo, cause
 from kvbroker.broker.runtime._commands import checked_priority
@@ -78,7 +78,7 @@ class PeerRequests:
         self._credits = credits
         self._operators = operators
         #: Probe slots held for peers' transport self-tests, by probe id.
-        self._probes: dict[str, tuple[StagingPool, Reservation, asyncio.TimerHandle]] = {}
+        self._probes: dict[str, tuple[StagingPool, TransferSlot, asyncio.TimerHandle]] = {}
 
     async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
         """A peer introduces itself (its agent, its engines); the answer introduces this broker,
@@ -168,7 +168,7 @@ class PeerRequests:
         pool = self._pools.pool("receive", request.kind, request.device_id)
         if pool is None:
             raise FailedPrecondition(f"this broker has no receive buffer for {pool_name((request.kind, request.device_id))}")
-        reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds)
+        reservation = await pool.reserve_slot(request.bytes, self._config.staging_wait_seconds)
         probe_id = secrets.token_hex(8)
         # Past the sender's transfer timeout nothing of its probe can still be
         # landing (it cancels its writes by then).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvbroker.broker.memory import CreditLedger, CreditWindow, Grant, Reservation
+from kvbroker.broker.memory import CreditLedger, CreditWindow, Grant, TransferSlot
 
 
 def test_a_window_places_parts_in_its_grants_and_ignores_a_stale_return() -> None:
@@ -56,9 +56,9 @@ def test_a_grant_goes_back_after_being_idle() -> None:
 
 def test_the_ledger_knows_each_peers_grants() -> None:
     ledger = CreditLedger()
-    ledger.add(Grant("a", "p1", (2, 0), Reservation(0, 8192)))
-    ledger.add(Grant("b", "p1", (2, 1), Reservation(0, 8192)))
-    ledger.add(Grant("c", "p2", (2, 0), Reservation(8192, 8192)))
+    ledger.add(Grant("a", "p1", (2, 0), TransferSlot(0, 8192)))
+    ledger.add(Grant("b", "p1", (2, 1), TransferSlot(0, 8192)))
+    ledger.add(Grant("c", "p2", (2, 0), TransferSlot(8192, 8192)))
     assert ledger.holds("p1", (2, 0), 4096, 4096) and not ledger.holds("p1", (2, 0), 4096, 8192)
     assert not ledger.holds("p2", (2, 0), 0, 4096), "another peer's grant"
     assert not ledger.holds("p1", (2, 0), 8192, 4096)

@@ -8,7 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.memory import CreditLedger, CreditRange, Grant, Reservation
+from kvbroker.broker.memory import (
+    CreditLedger,
+    CreditRange,
+    Grant,
+    StagingReservation,
+    TransferSlot,
+)
 from kvbroker.broker.rooms import (
     Abort,
     AbortAtPeer,
@@ -251,7 +257,7 @@ def test_a_staged_part_is_scattered_before_it_counts_and_its_reservation_goes(wo
     rank, request = _staged_rank(world)
     pool, held = world.core.staging_wanted(request)
     assert held is None and pool == (common_pb2.MEMORY_KIND_DRAM, 0)
-    reservation = Reservation(offset=8192, nbytes=8192)
+    reservation = StagingReservation(offset=8192, nbytes=8192)
     assert world.core.staging_granted(request, pool, reservation) == reservation
     assert world.core.staging_wanted(request) == (pool, reservation)
     expect = rank.expected[SOURCE]  # type: ignore[index]
@@ -276,7 +282,7 @@ def _credited_rank(world: World) -> tuple[Receiver, tuple[int, int]]:
     """A rank whose sender broker P holds a grant of this broker's receive buffer, 64 KiB at 0."""
     ledger = CreditLedger()
     pool = (common_pb2.MEMORY_KIND_DRAM, 0)
-    ledger.add(Grant("g1", P, pool, Reservation(0, 65536)))
+    ledger.add(Grant("g1", P, pool, TransferSlot(0, 65536)))
     world.core = ReceiverCore(broker_id="decode-broker", rooms=world.rooms, counters=world.counters, credits=ledger)
     return world.registered(pages=i32([0, 1, 2]), aux_row=None), pool
 
@@ -700,7 +706,7 @@ def test_a_settled_report_while_a_staged_part_is_scattered_settles_only_after_th
     ``nothing_in_flight`` that ignored a rank still scattering let them go while it ran)."""
     rank, request = _staged_rank(world)
     pool, _ = world.core.staging_wanted(request)
-    reservation = Reservation(offset=0, nbytes=8192)
+    reservation = StagingReservation(offset=0, nbytes=8192)
     world.core.staging_granted(request, pool, reservation)
     nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2
     world.core.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=nbytes)])
@@ -723,7 +729,7 @@ def test_a_failed_ranks_staging_goes_source_by_source_as_each_writes_no_more(wor
     senders = [world.engine_stub("prefill", tp_size=2, tp_rank=r) for r in range(2)]
     rank = world.registered(senders=senders, pages=i32([0, 1]))
     sources = [s.key for s in senders]
-    reservation = Reservation(offset=0, nbytes=4096)
+    reservation = StagingReservation(offset=0, nbytes=4096)
     request = peer_pb2.ReserveStagingRequest(
         protocol_version=PROTOCOL_VERSION, room=rank.room, sender_broker_id=P, source=sources[0].to_proto(),
         receiver=rank.key.to_proto(), chunk_index=0, part=0, bytes=4096,

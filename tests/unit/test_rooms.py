@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbroker.broker.memory import CreditRange, Reservation
+from kvbroker.broker.memory import CreditRange, StagingReservation
 from kvbroker.broker.rooms import (
     Chunk,
     Destination,
@@ -384,7 +384,7 @@ def test_sizes_counts_everything() -> None:
             plan=_plan(1), leg=LEG, expects_aux=False, expected_components=frozenset()
         ),
     }
-    rcv.staging[(RankKey("p", 0, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_DRAM, 0), Reservation(offset=0, nbytes=4096))
+    rcv.staging[(RankKey("p", 0, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_DRAM, 0), StagingReservation(offset=0, nbytes=4096))
     rcv.credits[(RankKey("p", 1, 0), 0, 0)] = ((common_pb2.MEMORY_KIND_VRAM, 0), CreditRange(0, 4096, "pb", 7))
     rcv2 = receiver(room=2, group="d", tp=1)  # expected is None: counts 0
     tables.receiver[1] = ReceiverRoom(room=1, ranks={rcv.key: rcv})

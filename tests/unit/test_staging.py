@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from kvbroker import cudavmm
-from kvbroker.broker.memory import Reservation, StagingBuffer, StagingPool, StagingPools
+from kvbroker.broker.memory import (
+    StagingBuffer,
+    StagingPool,
+    StagingPools,
+    StagingReservation,
+    TransferSlot,
+)
 from kvbroker.broker.scheduling import Priority, Ticket
 from kvbroker.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from kvbroker.plan import BufferPlacement, Layout, build_descriptor_table, page_blocks
@@ -134,15 +140,44 @@ def test_pool_reservations_are_first_fit_aligned_and_merge_back() -> None:
         pool = StagingPool(StagingBuffer(address=0, size_bytes=16384, kind=1, device_id=0))
         a = pool.try_reserve(100)
         b = pool.try_reserve(5000)
-        assert a == Reservation(0, 4096) and b == Reservation(4096, 8192)
+        assert a == StagingReservation(0, 4096) and b == StagingReservation(4096, 8192)
         assert pool.try_reserve(8192) is None and pool.in_use_bytes == 12288
         pool.release(a)
         pool.release(b)
-        assert pool.try_reserve(16384) == Reservation(0, 16384)
+        assert pool.try_reserve(16384) == StagingReservation(0, 16384)
         with pytest.raises(DeadlineExceeded):
             await pool.reserve(4096, 0.05)
         with pytest.raises(ResourceExhausted):
             await pool.reserve(1 << 20, 1.0)
+
+    asyncio.run(run())
+
+
+def test_a_pool_hands_out_what_it_is_asked_for_and_serves_waiters_in_turn_whatever_they_asked() -> None:
+    """One pool, two things by role: a staging reservation (a head-sliced part)
+    and a transfer slot (a packed part's send slot, credits, a probe), never
+    equal; a waiter gets the kind it asked for, in its turn; either goes back
+    alike (the pool never touches the memory)."""
+
+    async def run() -> None:
+        pool = StagingPool(StagingBuffer(address=1 << 20, size_bytes=16384, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0))
+        staged, slot = pool.try_reserve(100), await pool.reserve_slot(5000, 1.0)
+        assert type(staged) is StagingReservation and staged == StagingReservation(0, 4096)
+        assert type(slot) is TransferSlot and slot == TransferSlot(4096, 8192)
+        assert StagingReservation(0, 4096) != TransferSlot(0, 4096), "two kinds of range, never equal"
+        first = asyncio.create_task(pool.reserve_slot(8192, 5.0))
+        second = asyncio.create_task(pool.reserve(4096, 5.0))
+        await asyncio.sleep(0)
+        assert not second.done(), "it would fit, but it does not pass the slot waiting before it"
+        pool.release(slot)
+        granted_first = await first
+        assert type(granted_first) is TransferSlot
+        pool.release(staged)
+        granted_second = await second
+        assert type(granted_second) is StagingReservation
+        pool.release(granted_first)
+        pool.release(granted_second)
+        assert pool.in_use_bytes == 0 and pool.reservations == 0
 
     asyncio.run(run())
 
