@@ -258,10 +258,10 @@ def release(engine: Any = None, client: Any = None, memory: Any = None) -> Excep
 # -- /proc (Linux) -----------------------------------------------------------------------
 
 #: A broker's threads by role: its control loop (the main thread), the NIXL data plane (kvb-nixl),
-#: the copy thread (kvb-copy: staging gather and scatter), the memory thread (kvb-memory: mapping and
-#: faulting in engine buffers), and every other thread (gRPC's pollers, exporters).
+#: the copy thread (kvb-copy: staging gather and scatter), the memory threads (kvb-memory, kvb-warm: mapping
+#: and faulting in engine buffers), and every other thread (gRPC's pollers, exporters).
 THREAD_ROLES = ("loop", "nixl", "copy", "memory", "other", "fake-gpu")  # fake-gpu: a modelled GPU's copies (not the broker's)
-_BY_NAME = {"kvb-nixl": "nixl", "kvb-copy": "copy", "kvb-memory": "memory"}
+_BY_NAME = {"kvb-nixl": "nixl", "kvb-copy": "copy", "kvb-memory": "memory", "kvb-warm": "memory"}
 
 
 def cpu_seconds(pid: int) -> float:

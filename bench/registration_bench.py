@@ -36,6 +36,7 @@ from kvbroker.broker.memory import importer_for
 from kvbroker.client import BrokerClient, RankSpec
 from kvbroker.testing.fake_cuda import FakeCudaLib
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
+from kvbroker.testing.idle import wait_until_warm
 from kvbroker.v1 import common_pb2
 
 #: Shared memory left over after a buffer was freed that counts as not released.
@@ -45,14 +46,11 @@ LOG_EVENTS = ("engine_registered", "engine_memory_warmed", "engine_released", "e
 
 def registered(broker: Any, client: BrokerClient, rank: RankSpec, memory: Any, warms: bool) -> tuple[Any, float]:
     """Register ``memory``; the engine and the seconds it took, once the broker has faulted its memory in (``warms``)."""
-    t0, deadline = time.perf_counter(), time.monotonic() + 300
+    t0 = time.perf_counter()
     engine = client.register_engine(rank, memory)
     took = time.perf_counter() - t0
-    while warms and not any(r.get("event") == "engine_memory_warmed" and r.get("engine", "").startswith(rank.group + "/")
-                            for r in broker.log_records()):
-        if time.monotonic() > deadline:
-            raise h.BenchFailed(f"{rank.group}: the broker never logged engine_memory_warmed")
-        time.sleep(0.5)
+    if warms:
+        wait_until_warm(broker, timeout_seconds=300)
     return engine, took
 
 

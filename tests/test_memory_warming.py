@@ -1,6 +1,6 @@
 """An engine's host memory is faulted in after its registration, in the background: a
 registration costs what NIXL's own does, an engine let go while its memory warms is released
-cleanly (a helper process still faulting it in is stopped), and one whose memory the host cannot
+cleanly, and one whose memory the host cannot
 back is unregistered, its rooms failed. What faults the memory in maps every page, writable,
 and changes no byte."""
 
@@ -15,12 +15,14 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from kvbroker import errors
+from kvbroker.broker.dataplane import WARM_NICE
 from kvbroker.client import RoomState, SenderRef
 from kvbroker.testing import eventually
-from kvbroker.v1 import common_pb2
+from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 #: Where the engine table finds ``populate`` (patched by string: no private import).
 POPULATE = "kvbroker.broker.memory._engines.populate"
@@ -65,6 +67,12 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Gate]]:
         g.open.set()
 
 
+def _listed(broker: Any) -> list[admin_pb2.EngineInfo]:
+    """The broker's engines as ``Admin.ListEngines`` lists them."""
+    with grpc.insecure_channel(broker.address) as channel:
+        return list(admin_pb2_grpc.AdminStub(channel).ListEngines(admin_pb2.ListEnginesRequest(), timeout=10).engines)
+
+
 def _engine_record(broker: Any, engine_id: str) -> Any:
     return broker.loop.call(lambda: broker.broker.queries.engine(engine_id))
 
@@ -77,10 +85,12 @@ def test_registration_does_not_wait_for_the_memory_to_fault_in(fake_brokers, mak
     assert g.entered.wait(10) and not g.calls
     record = _engine_record(d, engine.handle.engine_id)
     assert record.warming is not None
+    assert [e.memory_warming for e in _listed(d)] == [True]
     receiver = engine.handle.receiver(5, SenderRef("127.0.0.1:1", "prefill-group"))
     receiver.init([0, 1])
     g.open.set()
     eventually(lambda: record.warming is None, 10)
+    assert [e.memory_warming for e in _listed(d)] == [False]
     # Every byte of every host buffer was faulted in, each once.
     for buf in record.buffers:
         covered = sorted((a, n) for a, n in g.calls if buf.address <= a < buf.address + buf.size_bytes)
@@ -204,74 +214,22 @@ def test_populate_says_when_the_file_cannot_be_allocated(memfd: Callable[[int], 
     assert raised.value.errno == errno.EBADF
 
 
-def _progress(fd: int) -> bytes:
-    """What the helper wrote on its progress pipe until it ended."""
-    os.set_blocking(fd, True)
-    out = b""
-    while chunk := os.read(fd, 64):
-        out += chunk
-    return out
-
-
-def test_the_prefault_helper_allocates_the_pages_in_the_file_at_idle_priority(
-    memfd: Callable[[int], Memfd], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A helper process faults the buffer in through a mapping of its own, a step at a time
-    (a byte on its pipe each): the file's pages are allocated (every mapping of it sees them)
-    and no byte changes; it runs SCHED_IDLE."""
-    m = memfd(512)
-    buf = IMPORTERS.ImportedBuffer(address=m.address, size_bytes=m.size, kind=common_pb2.MEMORY_KIND_DRAM, device_id=0,
-                                   _unmap=lambda: None, fd=m.fd)
-    progress = IMPORTERS.spawn_prefault(buf, 200 * PAGE)
-    assert progress is not None and buf.helper is not None
-    assert _progress(progress) == b"..."  # 200 + 200 + 112 pages
-    assert buf.helper.wait(30) == 0
-    assert m.allocated_bytes() == m.size
-    m.assert_unchanged()
-    buf.release()
-    # Its priority: the same helper, held once it has faulted the pages in.
-    monkeypatch.setattr(IMPORTERS, "_PREFAULT", IMPORTERS._PREFAULT + "\nimport time;time.sleep(60)")
-    buf._released = False
-    progress = IMPORTERS.spawn_prefault(buf, m.size)
-    try:
-        eventually(lambda: os.sched_getscheduler(buf.helper.pid) == os.SCHED_IDLE, 10)
-    finally:
-        buf.release()  # kills it
-    assert buf.helper.returncode == -9
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this process's own is untouched
-
-
-def test_releasing_an_engine_stops_its_prefault_helper(fake_brokers, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine let go while a helper faults its memory in: the helper is killed, not waited for."""
-    monkeypatch.setattr(IMPORTERS, "_PREFAULT", "import time; time.sleep(120)")
+def test_memory_warms_on_a_thread_of_lower_priority_never_an_idle_one(fake_brokers, make_engine, gate) -> None:
+    """The fault-in runs on the broker's ``kvb-warm`` thread at nice ``WARM_NICE``, under
+    the normal policy: at idle priority (``SCHED_IDLE``) a busy host gave it no CPU, and
+    every transfer that touched a page it was filling waited for it (issue 41)."""
+    g = gate()
     d = fake_brokers("d")
-    engine = make_engine(d.address, "decode")
-    record = _engine_record(d, engine.handle.engine_id)
-    eventually(lambda: record.buffers[0].helper is not None, 10)
-    helper = record.buffers[0].helper
-    assert helper.poll() is None
-    engine.close()
-    eventually(lambda: not d.loop.call(d.broker.queries.engine_keys), 10)
-    assert helper.wait(10) == -9
-
-
-@pytest.mark.parametrize("helper", ["raise SystemExit(3)", "import time; time.sleep(120)"], ids=["exits-at-once", "never-steps"])
-def test_a_helper_that_fails_or_stalls_leaves_the_work_to_the_broker(
-    fake_brokers, make_engine, monkeypatch: pytest.MonkeyPatch, helper: str
-) -> None:
-    """The helper is advisory: one that exits at once, or takes longer than the broker's
-    patience over a step (a host with no idle CPU; then it is stopped), changes nothing but
-    who allocates the pages: every page of the engine's buffer is mapped in the broker all
-    the same."""
-    monkeypatch.setattr(IMPORTERS, "_PREFAULT", helper)
-    monkeypatch.setattr(importlib.import_module("kvbroker.broker.memory._engines"), "_HELPER_STEP_PATIENCE_S", 0.2)
-    d = fake_brokers("d")
-    engine = make_engine(d.address, "decode", num_pages=64)
-    record = _engine_record(d, engine.handle.engine_id)
-    eventually(lambda: record.warming is None, 10)
-    assert record.buffers[0].helper.returncode == (3 if "SystemExit" in helper else -9)
-    with open("/proc/self/pagemap", "rb") as f:  # the in-process broker's mapping is this process's
-        buf = record.buffers[0]
-        f.seek(buf.address // PAGE * 8)
-        entries = struct.unpack(f"{buf.size_bytes // PAGE}Q", f.read(buf.size_bytes // PAGE * 8))
-    assert all(e >> 63 for e in entries)
+    make_engine(d.address, "decode", num_pages=64)
+    assert g.entered.wait(10)  # the warming thread is in its first job
+    tasks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            tasks[int(tid)] = comm.read().strip()
+    warm = [tid for tid, name in tasks.items() if name == "kvb-warm"]
+    assert warm, f"no kvb-warm thread among {sorted(set(tasks.values()))}"
+    nice = WARM_NICE
+    for tid in warm:
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, tid) == nice > os.getpriority(os.PRIO_PROCESS, os.getpid())
+    g.open.set()

@@ -105,6 +105,7 @@ class Admin:
                         bootstrap=config.bootstrap_timeout_seconds,
                         receiver_data=config.receiver_data_timeout_seconds,
                     ),
+                    memory_warming=engine.warming is not None,
                 )
             )
         return out

@@ -3,11 +3,19 @@
 from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState
 from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, Pacing
 from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
-from kvbroker.broker.dataplane._workers import LoopInbox, Workers, name_thread, settle, settle_later
+from kvbroker.broker.dataplane._workers import (
+    WARM_NICE,
+    LoopInbox,
+    Workers,
+    name_thread,
+    settle,
+    settle_later,
+)
 
 __all__ = [
     "MAX_WAIT_S",
     "MIN_WAIT_S",
+    "WARM_NICE",
     "Agent",
     "AgentConfig",
     "DataPlane",

@@ -2,9 +2,15 @@
 
 - ``copy``: staging gather and scatter (numpy or torch copies, which release
   the GIL while they copy);
-- ``memory``: mapping engine buffers and faulting their pages in
-  (``memory.populate``: gigabytes take seconds), unmapping them, allocating
-  staging buffers.
+- ``memory``: mapping engine buffers, unmapping them, allocating staging
+  buffers;
+- ``warm``: faulting engines' host memory in after their registration
+  (``memory.populate``: about 0.7 s of CPU per GiB of fresh pages), at a
+  lower CPU priority (nice ``WARM_NICE``): where the CPUs are busy it takes
+  a tenth of a core's share beside the broker's other threads, and all of
+  an idle one. Not idle priority (``SCHED_IDLE``): a fault that waits for a
+  page this thread is filling would wait for it to get a CPU, which a busy
+  host may not give it for seconds.
 
 One thread each, so a long mapping never delays a scatter. NIXL calls do
 not run here: they belong to the data-plane thread (``dataplane``).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -33,13 +40,15 @@ import structlog
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket
 from kvbroker.broker.telemetry import QueueObserver, QueueStats
 
-__all__ = ["IN_ORDER", "LoopInbox", "Workers", "name_thread", "settle", "settle_later"]
+__all__ = ["IN_ORDER", "WARM_NICE", "LoopInbox", "Workers", "name_thread", "settle", "settle_later"]
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
 _PR_SET_NAME = 15
+#: The nice value of the warming thread (the broker's others run at its own).
+WARM_NICE = 10
 #: A job without a ticket: STANDARD, one engine: the order of arrival.
 IN_ORDER = Ticket(Priority.STANDARD, "", 0)
 #: Within a batch of jobs, outcomes are told to the loop at least this often.
@@ -135,7 +144,8 @@ class _Worker:
     their scatters over once, where one hand-over each made the copy thread
     and the loop trade the GIL per part (issue 28)."""
 
-    def __init__(self, name: str, os_name: str, observer: QueueObserver | None = None) -> None:
+    def __init__(self, name: str, os_name: str, observer: QueueObserver | None = None, nice: int = 0) -> None:
+        self._nice = nice
         #: Jobs handed over, waiting for the thread (under ``_ready``).
         self._jobs: FairQueue[_Job] = FairQueue(observer=observer)
         self._ready = threading.Condition(threading.Lock())
@@ -189,6 +199,11 @@ class _Worker:
 
     def _run(self) -> None:
         name_thread(self._os_name)
+        if self._nice:
+            try:  # this thread only (a thread is a task to setpriority)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except OSError as exc:
+                log.warning("worker_priority_unchanged", thread=self._os_name, nice=self._nice, error=str(exc))
         told = time.monotonic()
         while True:
             job, last = self._next()
@@ -237,11 +252,12 @@ class _Worker:
 
 
 class Workers:
-    """The copy and memory threads. Await their work from the control loop."""
+    """The copy, memory and warming threads. Await their work from the control loop."""
 
     def __init__(self, queues: QueueStats | None = None) -> None:
         self._copy = _Worker("kvbroker-copy", "kvb-copy", queues.observer("copy") if queues is not None else None)
         self._memory = _Worker("kvbroker-memory", "kvb-memory")
+        self._warm = _Worker("kvbroker-warm", "kvb-warm", nice=WARM_NICE)
 
     async def copy(self, fn: Callable[[], T], ticket: Ticket | None = None) -> T:
         """Run ``fn`` on the copy thread (``ticket``: its place among the copies waiting)."""
@@ -260,7 +276,22 @@ class Workers:
         """Run ``fn`` on the memory thread."""
         return await self._memory.submit(fn)
 
+    async def warm(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the warming thread. Cancelled, the call still waits
+        until ``fn`` has ended (what it touches may be unmapped once it returns)."""
+        job = self._warm.submit(fn)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            while not job.done():
+                try:
+                    await asyncio.wait([job])
+                except asyncio.CancelledError:  # cancelled again: the job still runs
+                    continue
+            raise
+
     def shutdown(self) -> None:
-        """Finish queued work, then stop both threads."""
+        """Finish queued work, then stop the threads."""
         self._copy.shutdown()
         self._memory.shutdown()
+        self._warm.shutdown()

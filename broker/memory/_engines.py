@@ -4,9 +4,9 @@ Registration maps every buffer (on the memory thread). Host buffers are
 registered with NIXL and get one local descriptor list (on the data-plane
 thread, docs/design.md section 10); that is all a registration waits for.
 Then the engine's host memory is faulted in, in the background
-(:meth:`EngineTable._warm`: a helper process at idle priority, then the
-memory thread; about a second per gigabyte of fresh pages), so its first
-transfers seldom pay page faults; an engine whose memory the host
+(:meth:`EngineTable._warm`, on the warming thread at a lower priority;
+about 0.7 s of CPU per gigabyte of fresh pages), so its transfers after
+the first seconds pay no page faults; an engine whose memory the host
 cannot back is reported to ``on_unbacked`` (the runtime unregisters it and
 fails its rooms). VRAM buffers never are: the broker maps
 them only for its own copy kernels, and what lies in them moves through its
@@ -24,7 +24,6 @@ import functools
 import itertools
 import os
 import secrets
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -34,8 +33,8 @@ import structlog
 
 from kvbroker import cudavmm
 from kvbroker.broker.aio import cancel_and_wait
-from kvbroker.broker.dataplane import Agent, Workers, settle
-from kvbroker.broker.memory._importers import ImportedBuffer, importer_for, populate, spawn_prefault
+from kvbroker.broker.dataplane import Agent, Workers
+from kvbroker.broker.memory._importers import ImportedBuffer, importer_for, populate
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -60,14 +59,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-#: Bytes of an engine's host memory faulted in per job (a helper process,
-#: then ``populate`` on the memory thread): big enough to cost little, small
-#: enough that a registration's mappings queue behind a job briefly.
-_WARM_JOB_BYTES = 256 << 20
-#: Seconds the prefault helper may take over a step (about 0.1 s of CPU)
-#: before it is stopped and the memory thread does the rest itself: on a
-#: host with no idle CPU the helper would wait for one indefinitely.
-_HELPER_STEP_PATIENCE_S = 1.0
+#: Bytes of an engine's host memory faulted in per warming job (``populate``,
+#: about 0.7 s/GiB of CPU for fresh pages): about 20 ms each on an idle core,
+#: which is as long as an engine let go meanwhile waits to be unmapped.
+_WARM_JOB_BYTES = 32 << 20
 
 
 @dataclass
@@ -127,40 +122,6 @@ class Engine:
             ],
             generation=self.generation,
         )
-
-
-async def _readable(fd: int) -> None:
-    """Wait until ``fd`` is readable, without blocking the loop."""
-    loop = asyncio.get_running_loop()
-    readable: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, settle, readable, None, None)
-    try:
-        await readable
-    finally:
-        loop.remove_reader(fd)
-
-
-async def _stepped(progress: int) -> bool:
-    """The prefault helper's next step (True) or its end (False), on its
-    ``progress`` pipe (non-blocking)."""
-    while True:
-        try:
-            return bool(os.read(progress, 1))
-        except BlockingIOError:
-            await _readable(progress)
-
-
-async def _reaped(helper: subprocess.Popen[bytes]) -> None:
-    """Reap a helper once it has exited (its pidfd), without blocking the loop."""
-    try:
-        pidfd = os.pidfd_open(helper.pid)
-    except OSError:  # reaped already, or before Linux 5.3: released with its buffer
-        return
-    try:
-        await _readable(pidfd)
-        helper.poll()
-    finally:
-        os.close(pidfd)
 
 
 class EngineTable:
@@ -315,33 +276,23 @@ class EngineTable:
         return engine
 
     async def _warm(self, engine: Engine) -> None:
-        """Fault in ``engine``'s host buffers, ``_WARM_JOB_BYTES`` at a time: a
-        helper process at the lowest CPU priority allocates and zeroes the
-        pages (:func:`spawn_prefault`, one per buffer), and after each of its
-        steps the memory thread maps them (``populate``; other mappings go
-        between the jobs); a helper that ends early or takes longer than
-        ``_HELPER_STEP_PATIENCE_S`` over a step leaves the rest to
-        ``populate`` (the log's ``helper_steps``: the steps it did). Stopped
-        by :meth:`release`; the unmapping queues behind the memory thread's
-        job and stops a helper that runs."""
-        started, helped = time.monotonic(), 0
+        """Fault in ``engine``'s host buffers on the warming thread
+        (``Workers.warm``, nice ``WARM_NICE``), ``_WARM_JOB_BYTES`` a job
+        (``populate``: the file's pages allocated, then each mapped). It runs
+        in the broker's own process, at a lower priority but never an idle
+        one: a helper process at ``SCHED_IDLE`` did the zeroing before, and a
+        busy host gave it no CPU while transfers ran, so they faulted every
+        page themselves for seconds, at a fifth of their speed (issue 41).
+        Stopped by :meth:`release`, which unmaps once the job that runs has
+        ended."""
+        started = time.monotonic()
         for buf in engine.buffers:
             if buf.kind != common_pb2.MEMORY_KIND_DRAM:
                 continue
-            progress = await self._workers.memory(functools.partial(spawn_prefault, buf, _WARM_JOB_BYTES))
             for offset in range(0, buf.size_bytes, _WARM_JOB_BYTES):
                 length = min(_WARM_JOB_BYTES, buf.size_bytes - offset)
-                if progress is not None:
-                    try:
-                        stepped = await asyncio.wait_for(_stepped(progress), _HELPER_STEP_PATIENCE_S)
-                    except asyncio.TimeoutError:
-                        stepped = False
-                        buf.helper.kill()  # type: ignore[union-attr]
-                    helped += stepped
-                    if not stepped:  # it ended early, or was stopped: populate does the rest
-                        progress = None
                 try:
-                    await self._workers.memory(functools.partial(populate, buf.address + offset, length, buf.fd, offset))
+                    await self._workers.warm(functools.partial(populate, buf.address + offset, length, buf.fd, offset))
                 except OSError as exc:
                     why = f"this host cannot back its {buf.size_bytes}-byte buffer with memory ({exc.strerror})"
                     log.error("engine_memory_unbacked", engine=engine.label, error=why)
@@ -353,12 +304,8 @@ class EngineTable:
             "engine_memory_warmed",
             engine=engine.label,
             bytes=engine.registered_bytes,
-            helper_steps=helped,
             warm_s=round(time.monotonic() - started, 6),
         )
-        for buf in engine.buffers:  # then the helpers, once they end (a stopped one at idle priority may take a while)
-            if buf.helper is not None:
-                await _reaped(buf.helper)
         engine.warming = None
 
     async def release(self, engine: Engine) -> None:

@@ -9,11 +9,11 @@ their buffers over as file descriptors and the broker maps them:
   access into SIGBUS and take the whole broker down. Import only maps it
   (and keeps the fd): the engine table faults every page in once the engine
   is registered, in the background, so registration costs what NIXL's own
-  does. Pages the engine never touched are allocated and zeroed then, by a
-  helper process at the lowest CPU priority (:func:`spawn_prefault`), and
-  mapped into the broker by :func:`populate`, which never holds the
-  process's memory-map lock (about 0.4 s/GiB of CPU for fresh pages, most of
-  it the helper's, under 0.1 s/GiB the mapping's).
+  does. :func:`populate` allocates the pages in the file (where the host
+  cannot back them, that is an error then, not a SIGBUS later) and maps
+  each, zeroing those the engine never touched, without holding the
+  process's memory-map lock (about 0.3 s/GiB to allocate and 0.4 s/GiB to
+  map fresh pages, on the memory thread).
 - VRAM: a CUDA VMM POSIX-fd export (``cuMemCreate`` with
   ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``). :class:`VramImporter`
   imports it (``cuMemImportFromShareableHandle``), maps it into the broker
@@ -36,8 +36,6 @@ import errno
 import fcntl
 import mmap
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,7 +57,6 @@ __all__ = [
     "map_anonymous",
     "map_memory",
     "populate",
-    "spawn_prefault",
     "unmap",
 ]
 
@@ -86,17 +83,11 @@ class ImportedBuffer:
     _released: bool = field(default=False, repr=False)
     #: The memfd a DRAM buffer maps (held until ``release``; -1 for VRAM).
     fd: int = -1
-    #: The last helper :func:`spawn_prefault` started for it (memory thread).
-    helper: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        if self.helper is not None:  # stopped if it still faults in pages no one will use
-            self.helper.kill()
-            self.helper.wait()
-            self.helper.stdout.close()  # type: ignore[union-attr]
         self._unmap()
 
 
@@ -246,41 +237,6 @@ def populate(address: int, size_bytes: int, fd: int = -1, offset: int = 0) -> No
                 return
             raise OSError(err, os.strerror(err))
         step += length
-
-
-#: The helper :func:`spawn_prefault` starts: stdin is the memfd; arguments the offset, length and step; a byte on
-#: stdout after each step.
-_PREFAULT = (
-    "import mmap,os,sys;os.sched_setscheduler(0,os.SCHED_IDLE,os.sched_param(0));off,n,step=map(int,sys.argv[1:]);"
-    "m=mmap.mmap(0,n,offset=off)\n"
-    f"for i in range(0,n,step):m.madvise({_MADV_POPULATE_WRITE},i,min(step,n-i));os.write(1,b'.')"
-)
-
-
-def spawn_prefault(buffer: ImportedBuffer, step_bytes: int) -> int | None:
-    """Start a process that faults in a DRAM ``buffer``'s memfd (allocated and
-    zeroed in the file, shared with every mapping of it) through a mapping of
-    its own, ``step_bytes`` at a time, at the lowest CPU priority
-    (``SCHED_IDLE``): this process's threads, the control loop's included,
-    never wait for a CPU or a lock behind that work, and what is left to
-    :func:`populate` here is mapping the pages. The process is
-    ``buffer.helper`` (``release`` stops it); returned, the non-blocking read
-    end of a pipe that gets a byte after each step and ends when the process
-    does. None where it cannot start. Advisory: ``populate`` runs after it
-    whatever it did, and says whether the host can back the memory."""
-    if not sys.executable or buffer.fd < 0:
-        return None
-    try:
-        buffer.helper = subprocess.Popen(  # close_fds: no other fd of the broker's goes with it
-            [sys.executable, "-I", "-S", "-c", _PREFAULT, "0", str(buffer.size_bytes), str(step_bytes)],
-            stdin=buffer.fd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        )
-    except OSError:
-        return None
-    assert buffer.helper.stdout is not None
-    progress = buffer.helper.stdout.fileno()
-    os.set_blocking(progress, False)
-    return progress
 
 
 def _read_every_page(address: int, size_bytes: int) -> None:

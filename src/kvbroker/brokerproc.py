@@ -166,6 +166,14 @@ class BrokerProcess:
             )
             return stats
 
+    def engines(self, timeout_seconds: float = 10.0) -> list[admin_pb2.EngineInfo]:
+        """``Admin.ListEngines`` of this broker: its engines."""
+        with grpc.insecure_channel(self.local_address) as channel:
+            listed: admin_pb2.ListEnginesResponse = admin_pb2_grpc.AdminStub(channel).ListEngines(
+                admin_pb2.ListEnginesRequest(), timeout=timeout_seconds
+            )
+            return list(listed.engines)
+
     def stop(self, timeout_seconds: float = 20.0) -> int:
         """SIGTERM, then SIGKILL after the timeout; the exit status."""
         if self.process.poll() is None:

@@ -7,6 +7,7 @@
 - :class:`~kvbroker.brokerproc.BrokerProcess` — ``kvbroker serve`` as a child;
 - :func:`eventually` — wait until a condition holds (the one polling helper);
 - :func:`wait_until_idle` — brokers back to idle: no rooms, no buffer reserved;
+- :func:`wait_until_warm` — no engine's memory still being faulted in;
 - :class:`Cleanup` — teardown steps that all run and whose errors all surface;
 - :func:`scratch_dir` — a short working directory, removed afterwards;
 - :class:`TcpGate` — a TCP forwarder that cuts a client off its broker and lets it back.
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from kvbroker.testing.cleanup import Cleanup
     from kvbroker.testing.fake_nixl import FakeAgent, FakeFabric, XferScript
     from kvbroker.testing.gate import TcpGate
-    from kvbroker.testing.idle import wait_until_idle
+    from kvbroker.testing.idle import wait_until_idle, wait_until_warm
     from kvbroker.testing.inprocess import FakeBroker, start_fake_broker
     from kvbroker.testing.loop import LoopThread
     from kvbroker.testing.scratch import scratch_dir
@@ -49,6 +50,7 @@ __all__ = [
     "scratch_dir",
     "start_fake_broker",
     "wait_until_idle",
+    "wait_until_warm",
 ]
 
 #: The module each name of ``__all__`` lives in.
@@ -65,6 +67,7 @@ _HOMES = {
     "scratch_dir": "kvbroker.testing.scratch",
     "start_fake_broker": "kvbroker.testing.inprocess",
     "wait_until_idle": "kvbroker.testing.idle",
+    "wait_until_warm": "kvbroker.testing.idle",
 }
 
 

@@ -108,7 +108,7 @@ class ListEnginesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_label", "rank", "role", "buffers", "registered_bytes", "regions", "open_rooms", "timeouts")
+    __slots__ = ("engine_label", "rank", "role", "buffers", "registered_bytes", "regions", "open_rooms", "timeouts", "memory_warming")
     ENGINE_LABEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class EngineInfo(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROOMS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_WARMING_FIELD_NUMBER: _ClassVar[int]
     engine_label: str
     rank: _common_pb2.EngineRankId
     role: _common_pb2.Role
@@ -125,7 +126,8 @@ class EngineInfo(_message.Message):
     regions: int
     open_rooms: int
     timeouts: _common_pb2.RoomTimeouts
-    def __init__(self, engine_label: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., open_rooms: _Optional[int] = ..., timeouts: _Optional[_Union[_common_pb2.RoomTimeouts, _Mapping]] = ...) -> None: ...
+    memory_warming: bool
+    def __init__(self, engine_label: _Optional[str] = ..., rank: _Optional[_Union[_common_pb2.EngineRankId, _Mapping]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., buffers: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., open_rooms: _Optional[int] = ..., timeouts: _Optional[_Union[_common_pb2.RoomTimeouts, _Mapping]] = ..., memory_warming: _Optional[bool] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines", "fleet_groups")
