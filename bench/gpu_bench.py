@@ -59,6 +59,7 @@ from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 from kvbroker.testing.gpu_model import MODEL_ENV, MODELS, ModelSetting
 from kvbroker.testing.otlp import PART_HOPS, OtlpReceiver, part_times
+from kvbroker.testing.rawpeer import RawPeer, Shape, differs, pattern_bytes
 
 PARTS = ("broker", "raw-pages", "raw-staged", "raw-one", "copy", "latency")
 _CASES = dict(page_kib="16,4", patterns="random,contiguous", tp="1,2", parts=",".join(PARTS))
@@ -88,7 +89,7 @@ class Geometry:
         self.pool_pages = self.room_pages * self.rooms  # every page of a pool moves once
         self.chunk_bytes = self.regions * self.chunk_pages * self.page_bytes
         self.payload = self.chunk_bytes * self.chunks * self.rooms
-        self.shape: h.Shape = (self.regions, self.pool_pages, self.page_bytes)
+        self.shape: Shape = (self.regions, self.pool_pages, self.page_bytes)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def make_plan(geo: Geometry, pattern: str, seed: int) -> Plan:
     return Plan(*(rng.permutation(geo.rooms)[:, None] * geo.room_pages + runs for _ in range(2)))
 
 
-def page_descs(base: int, shape: h.Shape, pages: np.ndarray, dev: int) -> np.ndarray:
+def page_descs(base: int, shape: Shape, pages: np.ndarray, dev: int) -> np.ndarray:
     """N x 3 (address, bytes, device): one descriptor per page of every region, region-major."""
     regions, pool, page = shape
     rows = np.arange(regions, dtype=np.uint64)[:, None] * np.uint64(pool) + pages.astype(np.uint64)
@@ -303,7 +304,7 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
             stats = [b.stats() for b in brokers]
             return (stats[0].transfers_packed, sum(s.device_launches for s in stats),
                     sum(n for s in stats for m, n in s.peer_calls_answered.items() if m != "Ping"))
-        raw = h.RawPeer(held, device, payload, slot_bytes=slot, slots=a.slots, seed=a.seed, model=a.model) \
+        raw = RawPeer(held, device, payload, slot_bytes=slot, slots=a.slots, seed=a.seed, model=a.model) \
             if {"raw-pages", "raw-staged", "raw-one"} & set(a.parts) else None
         if chunk_mib == a.chunk_mib[0]:
             repeat(ceilings(a, raw, device, payload))
@@ -349,11 +350,11 @@ def report_hops(res: dict[str, Any]) -> None:
         print(f"  {hop:44}" + "".join(f"{statistics.median(c):20.0f}" if c else f"{'-':>20}" for c in cells))
 
 
-def ceilings(a: argparse.Namespace, raw: h.RawPeer | None, device: Any, payload: int) -> list[Measure]:
+def ceilings(a: argparse.Namespace, raw: RawPeer | None, device: Any, payload: int) -> list[Measure]:
     """The ceilings of ``payload`` bytes: a device copy, one NIXL write of it all."""
     out = []
     if "copy" in a.parts:
-        src = raw.src if raw else h.pattern_bytes(a.seed, payload, device)
+        src = raw.src if raw else pattern_bytes(a.seed, payload, device)
         dst = torch.empty_like(src)
 
         def copy() -> float:
@@ -361,7 +362,7 @@ def ceilings(a: argparse.Namespace, raw: h.RawPeer | None, device: Any, payload:
             dst.copy_(src)
             h.sync(device)
             return time.perf_counter() - t0
-        out.append(Measure("copy", payload, dst.zero_, copy, lambda: h.require("copy", h.differs(dst, src, (1, payload, 1), None))))
+        out.append(Measure("copy", payload, dst.zero_, copy, lambda: h.require("copy", differs(dst, src, (1, payload, 1), None))))
     if raw and "raw-one" in a.parts:
         work = [(raw.one(raw.src.data_ptr(), payload), raw.one(raw.dst_ptr, payload))]
         out.append(Measure("raw-one", payload * a.scale, lambda: raw.call("zero"), lambda: raw.post_all(work, "raw one", a.timeout)[0],
@@ -369,7 +370,7 @@ def ceilings(a: argparse.Namespace, raw: h.RawPeer | None, device: Any, payload:
     return out
 
 
-def case_measures(a: argparse.Namespace, raw: h.RawPeer | None, engines: dict[int, Engines], geo: Geometry, kib: int,
+def case_measures(a: argparse.Namespace, raw: RawPeer | None, engines: dict[int, Engines], geo: Geometry, kib: int,
                   pattern: str, ids: Iterator[int], pids: Sequence[int], chunk_mib: int,
                   counts: Callable[[], tuple[int, int, int]]) -> list[Measure]:
     """kvbroker for each tp and the raw paths, of one page size, pattern and chunk size (indices uploaded)."""

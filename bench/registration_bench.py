@@ -37,6 +37,7 @@ from kvbroker.client import BrokerClient, RankSpec
 from kvbroker.testing.fake_cuda import FakeCudaLib
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 from kvbroker.testing.idle import wait_until_warm
+from kvbroker.testing.rawpeer import bare_agent
 from kvbroker.v1 import common_pb2
 
 #: Shared memory left over after a buffer was freed that counts as not released.
@@ -99,7 +100,7 @@ def bare_figures(raw: Any, memory: Any, vram: bool, driver: Any) -> tuple[float,
 def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, page, tag = h.model_spec(args.layers), h.page_bytes(args.layers), secrets.token_hex(3)
-    raw = h.bare_agent(f"regbench-raw-{tag}")
+    raw = bare_agent(f"regbench-raw-{tag}")
     sides: dict[str, dict[str, Any]] = {}
     for kind in ["DRAM"] + ["VRAM"] * args.vram:
         broker = held.start_brokers([f"broker-{kind.lower()}"], ["--log-level", "info", *args.broker_arg],

@@ -28,6 +28,7 @@ import torch
 from kvbroker.plan import BufferPlacement, Layout, RankKey, build_descriptor_table
 from kvbroker.plan._descriptors import coalesce_runs, count_runs  # not exported by kvbroker.plan
 from kvbroker.testing.idle import wait_until_warm
+from kvbroker.testing.rawpeer import RawPeer
 from kvbroker.testing.scenario import Scenario, run_scenario
 from kvbroker.v1 import common_pb2
 
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     just = broker.run(fresh)
     check("broker right after registration", decode_np, [*warm, *fresh])
     warmed_after = wait_until_warm(*broker.brokers)
-    raw = h.RawPeer(held, torch.device("cpu"), src.size, src=memory.raw, ucx_error_mode=args.ucx_error_mode, telemetry=True)
+    raw = RawPeer(held, torch.device("cpu"), src.size, src=memory.raw, ucx_error_mode=args.ucx_error_mode, telemetry=True)
     assert raw.dst is not None
     agent, dram = raw.agent, common_pb2.MEMORY_KIND_DRAM
     # The broker's own form for "prepped": strided rows of every page, one per region, prepared once.
@@ -386,7 +387,7 @@ def run_hetero(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         if len(rates) == 2:
             nbytes = counts["staging"][0]
             part = 2 * args.layers * (args.pages_per_room // args.chunks) * args.page_size * (8 // max(ps, pd)) * args.head_dim * 2
-            raw = h.RawPeer(held, torch.device("cpu"), nbytes)
+            raw = RawPeer(held, torch.device("cpu"), nbytes)
             work = [(raw.one(raw.src.data_ptr() + o, min(part, nbytes - o)), raw.one(raw.dst_ptr + o, min(part, nbytes - o)))
                     for o in range(0, nbytes, part)]
             samples = [raw.post_all(work, "raw NIXL", 60, notify=True)[0] for _ in range(args.repeat + 1)][1:]

@@ -15,7 +15,8 @@
 The reference workload, imported by module (``kvbroker demo`` and the soak
 benchmark use it too): ``pattern``, the reference bytes of every element
 from the model's coordinates alone; ``room_plan``, which pages each room uses
-on each side.
+on each side. ``rawpeer``, the benchmarks' baseline (a bare NIXL agent
+pair), is imported by module too.
 
 Each name above loads on first use, so importing one module of the package
 (the demo's engine processes import ``pattern``) does not load the broker.
