@@ -1,4 +1,4 @@
-"""Small rooms through one broker pair: rooms/s, single-room latency, what the engine pays; ``--scale``: the
+"""Small rooms through one broker pair: rooms/s, single-room latency hop by hop, what the engine pays; ``--scale``: the
 room tables with 10,000 rooms open.
 
     python bench/rooms_bench.py [--shapes small large] [--windows 1 16 200]
@@ -101,11 +101,14 @@ def engine_main(conn: Any, peer: Any, role: str, address: str, prefill_address: 
             conn.send(("verify", _digest(memory, shape, arg)))
         elif cmd == "latency" and role == "prefill":
             base, count = arg
+            walls = []  # wall clock when this engine heard of the room, and when its send() returned
             for _ in range(count):
                 index = peer.recv()
+                wall = time.time()
                 send(base + index, index)
+                walls.append((wall, wall + blocked[-1]))
             engine.wait([base + i for i in range(count)], timeout_seconds=60)
-            conn.send(("done", None))
+            conn.send(("done", walls))
         elif cmd == "latency":
             base, count = arg
             latencies, walls, bad = [], [], []  # walls: (wall clock at init, at SUCCESS seen), placed on the brokers' timelines
@@ -141,7 +144,7 @@ class Pair:
     """Two brokers and two engine processes for one room shape."""
 
     def __init__(self, held: h.Held, shape: Shape, slots: int, broker_args: Sequence[str]) -> None:
-        self.held = held
+        self.held, self.prefill_said = held, None
         self.brokers = held.start_brokers([f"{shape.pages}p-prefill", f"{shape.pages}p-decode"], ["--log-level", "warning", *broker_args])
         p_peer, d_peer = multiprocessing.get_context("spawn").Pipe()
         address = self.brokers[0].address
@@ -156,10 +159,10 @@ class Pair:
         return self.next_room - count
 
     def both(self, cmd: str, arg: Any) -> Any:
-        """``cmd`` on both engines; the decode engine's answer."""
+        """``cmd`` on both engines; the decode engine's answer (and the prefill's, ``self.prefill_said``)."""
         self.prefill.conn.send((cmd, arg))
         answer = self.decode.ask(cmd, arg)[1]
-        self.prefill.recv(600)
+        self.prefill_said = self.prefill.recv(600)[1]
         return answer
 
     def pids(self) -> dict[str, int]:
@@ -199,7 +202,7 @@ def measure(name: str, args: argparse.Namespace, held: h.Held) -> dict[str, Any]
     lat = h.us_stats(latencies, 0.9, 0.99)
     out["latency"] = {k: lat[k] for k in ("median_us", "p90_us", "p99_us")}
     out["latency"] |= {f"{k[:-3]}_rtts": lat[k] / 1e6 / poll_rtt for k in ("median_us", "p90_us", "p99_us")}
-    out["latency"]["timeline_ms"] = _timelines(pair, base, walls)
+    out["latency"]["timeline_ms"] = _timelines(pair, base, walls, pair.prefill_said)
     out["windows"] = {}
     for window in args.windows:
         count = args.rooms if shape.pages == 1 else max(window * 4, args.rooms // 8)
@@ -223,17 +226,18 @@ def measure(name: str, args: argparse.Namespace, held: h.Held) -> dict[str, Any]
     return out
 
 
-def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]]) -> dict[str, float]:
-    """Median time of each event of the latency rooms' GetRoom timelines on both brokers ("decode.registered",
-    "prefill.ready", ...), and of the decode engine's init call and its seeing SUCCESS ("engine.init",
-    "engine.success"; one host, one wall clock), in ms after the decode broker opened the room: where a single
-    room's time goes."""
+def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]], sent: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """Each event of the latency rooms' GetRoom timelines on both brokers ("decode.registered", "prefill.ready", ...),
+    the decode engine's init call and its seeing SUCCESS ("engine.init", "engine.success"), and the prefill engine's
+    hearing of the room and its send() returning ("prefill engine.told", "prefill engine.sent"; one host, one wall
+    clock), in ms after the decode broker opened the room, by room, in the order of their medians: where a single
+    room's time goes, hop by hop."""
     offsets: dict[str, list[float]] = {}
     channels = {b.name.split("-")[1]: grpc.insecure_channel(b.address) for b in pair.brokers}
     try:
         stubs = {name: admin_pb2_grpc.AdminStub(channel) for name, channel in channels.items()}
-        for room, (init, seen) in zip(range(base, base + len(walls)), walls):
-            events = {"engine.init": init, "engine.success": seen}
+        for room, (init, seen), (told, done) in zip(range(base, base + len(walls)), walls, sent):
+            events = {"engine.init": init, "engine.success": seen, "prefill engine.told": told, "prefill engine.sent": done}
             events |= {f"{name}.{event.event}": event.at for name, stub in stubs.items()
                        for side in stub.GetRoom(admin_pb2.GetRoomRequest(room=room), timeout=10).sides for event in side.timeline}
             opened = events.get("decode.opened")
@@ -242,7 +246,7 @@ def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]]) -> dict[
     finally:
         for channel in channels.values():
             channel.close()
-    return dict(sorted(((name, statistics.median(v)) for name, v in offsets.items()), key=lambda kv: kv[1]))
+    return dict(sorted(offsets.items(), key=lambda kv: statistics.median(kv[1])))
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -252,8 +256,13 @@ def print_report(result: dict[str, Any]) -> None:
         lat = shape["latency"]
         print(f"  single-room latency: median {lat['median_us']:.0f} us ({lat['median_rtts']:.1f} Poll RTTs), "
               f"p90 {lat['p90_us']:.0f} us ({lat['p90_rtts']:.1f}), p99 {lat['p99_us']:.0f} us ({lat['p99_rtts']:.1f})")
-        steps = ", ".join(f"{name} {ms:.2f}" for name, ms in lat["timeline_ms"].items() if name != "decode.opened")
-        print(f"  where it goes (median ms after the decode broker opened the room, GetRoom timelines): {steps}")
+        print("  where it goes, hop by hop (GetRoom timelines of both brokers, both engines' calls; ms after the decode broker\n"
+              "  opened the room, and each hop from the event before it: median, p90 over the rooms)")
+        last = None
+        for name, ms in lat["timeline_ms"].items():
+            hop = [b - a for a, b in zip(lat["timeline_ms"][last], ms)] if last else [0.0]
+            print(f"    {name:<28} at {statistics.median(ms):6.2f}   hop {statistics.median(hop):5.2f} p90 {h.percentile(hop, 0.9):5.2f}")
+            last = name
         blocked = shape["send_blocked"]
         print(f"  KVSender.send blocked the caller: median {blocked['median_us']:.0f} us, p99 {blocked['p99_us']:.0f} us ({blocked['calls']} calls)")
         print("  W     rooms   rooms/s   CPU ms per room: prefill broker / decode broker / prefill engine / decode engine")
