@@ -1,6 +1,6 @@
 """The NIXL data plane: the agent, the one thread that drives it, and the worker threads."""
 
-from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState
+from kvbroker.broker.dataplane._agent import Agent, AgentConfig, UcxAgent, XferState, import_nixl
 from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, Pacing
 from kvbroker.broker.dataplane._thread import DataPlane, Event, Notices, Posting, Settled
 from kvbroker.broker.dataplane._workers import (
@@ -28,6 +28,7 @@ __all__ = [
     "UcxAgent",
     "Workers",
     "XferState",
+    "import_nixl",
     "name_thread",
     "settle",
     "settle_later",

@@ -118,7 +118,7 @@ def differs(dst: Any, ref: Any, shape: Shape, pages: Pages | None) -> str:
 def bare_agent(name: str, *, ucx_error_mode: str = "peer", telemetry: bool = False) -> Any:
     """A bare NIXL agent made like the broker's: no progress thread, the UCX backend with the broker's error mode
     (``telemetry``: per-transfer telemetry on)."""
-    from kvbroker.broker.dataplane._agent import import_nixl
+    from kvbroker.broker.dataplane import import_nixl
     api = import_nixl()
     # After the import: NIXL's logging setup (dictConfig, on first import) sets its logger to INFO on
     # stdout, which would break --json.
