@@ -77,6 +77,10 @@ STREAM_CALLS: dict[str, str] = {
 #: How long a stream that could not open waits before it tries again for
 #: the calls that wait for one (``wait_for_ready``).
 _REOPEN_DELAY_SECONDS = 0.1
+#: Tries to open a stream whose opening write failed inside gRPC: grpc.aio then
+#: ends the call INTERNAL ("Internal error from Core") and loses the status the
+#: callee sent, such as UNIMPLEMENTED from a broker without the stream.
+_OPEN_TRIES = 3
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -208,7 +212,20 @@ class PeerStream:
                 self._runner = None
 
     async def _open(self) -> _Opened:
-        """A stream whose callee answered our ``StreamOpen`` with its own."""
+        """A stream whose callee answered our ``StreamOpen`` with its own. An
+        opening that ended INTERNAL is tried again (``_OPEN_TRIES``): its write
+        raced the callee's status, which grpc.aio then loses (seen in CI: a
+        broker without the stream taken for one that would not answer)."""
+        for tries_left in range(_OPEN_TRIES - 1, -1, -1):
+            try:
+                return await self._open_once()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.INTERNAL or not tries_left:
+                    raise
+                log.debug("peer_stream_open_again", peer=self._address, error=exc.details())
+        raise AssertionError("unreachable")
+
+    async def _open_once(self) -> _Opened:
         call = self._stub.Stream()
         try:
             await call.write(peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION, broker_id=self._own_id())))

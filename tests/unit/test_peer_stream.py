@@ -284,3 +284,45 @@ def test_a_callee_that_stops_ends_its_streams_and_their_unanswered_calls_fail() 
             assert callee.streams == 2
 
     _run(body)
+
+
+class _LostStatusCall:
+    """A stream call whose opening write fails inside gRPC: grpc.aio ends it INTERNAL, losing the status the callee sent."""
+
+    async def write(self, frame: Any) -> None:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core")
+
+    def cancel(self) -> bool:
+        return False
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INTERNAL
+
+    async def details(self) -> str:
+        return "Internal error from Core"
+
+
+def test_an_opening_whose_status_grpc_lost_is_tried_again() -> None:
+    """The StreamOpen write raced an old callee's UNIMPLEMENTED (CI saw the call refused
+    UNAVAILABLE, "Internal error from Core"): the opening is tried again, and the next
+    try hears UNIMPLEMENTED, so the call fails FAILED_PRECONDITION, naming the protocol."""
+
+    async def body() -> None:
+        async with _serving(_Old()) as address, grpc.aio.insecure_channel(address) as channel:
+            real = peer_pb2_grpc.PeerBrokerStub(channel)
+            opened: list[str] = []
+
+            class Stub:
+                def Stream(self) -> Any:
+                    opened.append("lost" if not opened else "real")
+                    return _LostStatusCall() if len(opened) == 1 else real.Stream()
+
+            stream = PeerStream(Stub(), address, lambda: "caller")  # type: ignore[arg-type]
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stream.call("Ping", peer_pb2.PingRequest(), timeout=10)
+            stream.close()
+            assert opened == ["lost", "real"]
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"older than {PROTOCOL_VERSION}" in (caught.value.details() or "")
+
+    _run(body)
