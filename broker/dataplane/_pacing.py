@@ -6,9 +6,11 @@
   it polls, sleeping between passes with a backoff that starts at
   ``MIN_WAIT_S`` and doubles up to ``MAX_WAIT_S`` while nothing happens (up
   to ``_INFLIGHT_WAIT_S`` while a transfer younger than ``_SLOW_AFTER_S`` is
-  in flight: its slots are held until it is seen DONE) (at most
-  ``_HURRY_WAIT_S`` for a moment after a room registered with its sender,
-  :meth:`Pacing.hurry`: its data is due within milliseconds)
+  in flight: its slots are held until it is seen DONE; every ``MIN_WAIT_S``
+  for its first ``_PROMPT_S``) (at most ``_HURRY_WAIT_S`` for a moment after
+  a room's registration went out to its sender, :meth:`Pacing.hurry`, every
+  ``MIN_WAIT_S`` for its first ``_PROMPT_S``: its data is due within
+  milliseconds)
   (``_SLOW_WAIT_S`` once every transfer in flight is older than
   ``_SLOW_AFTER_S``: a hung transfer costs a few hundred cheap checks a
   second, not a core, until the transfer timeout cancels it). Any result or
@@ -36,9 +38,14 @@ _SLOW_WAIT_S = 5e-3
 _SLOW_AFTER_S = 0.1
 _IDLE_WAIT_S = 1.0
 #: After a room registers its data comes within milliseconds: poll at most
-#: this far apart for ``_HURRY_S`` (the backoff would have grown to 1 ms).
+#: this far apart for ``_HURRY_S`` (the backoff would have grown to 1 ms)...
 _HURRY_WAIT_S = 200e-6
 _HURRY_S = 0.05
+#: ...and, for the first ``_PROMPT_S`` of that (and of a transfer's flight),
+#: every ``MIN_WAIT_S`` with no backoff: a small room's write and notice come
+#: within a millisecond or two, and a wait that grew to 200 us was a tenth of
+#: such a room.
+_PROMPT_S = 0.005
 #: While a young transfer is in flight: poll at most this far apart.
 _INFLIGHT_WAIT_S = 200e-6
 #: While packed parts are in flight (``busy``) or a device copy is watched:
@@ -97,7 +104,12 @@ class Pacing:
             # A part holds its slots until its write is seen DONE: a 1 ms
             # backoff would add up to 1 ms to every part (a 128 MiB part
             # moves in under 1 ms on a GPU).
+            if any(now - t.posted_at < _PROMPT_S for t in inflight):
+                return MIN_WAIT_S
             return min(backoff, _INFLIGHT_WAIT_S)
         if not self._listening:
             return _IDLE_WAIT_S
-        return min(backoff, _HURRY_WAIT_S) if time.monotonic() < self._hurry_until else backoff
+        left = self._hurry_until - time.monotonic()
+        if left <= 0:
+            return backoff
+        return MIN_WAIT_S if left > _HURRY_S - _PROMPT_S else min(backoff, _HURRY_WAIT_S)

@@ -2,9 +2,10 @@
 
 Once a receiving rank's plan is made, the room is registered with each
 sender broker that holds some of its sources (the ``RegisterRoom`` effect).
-An attempt goes out in that peer's next RegisterRooms batch
+An attempt goes out on that peer's stream in the next frame
 (``PeerClient.submit_registration``, the transport: it waits for the peer's
-address to answer up to the peer RPC timeout, ``wait_for_ready``). What
+address to answer up to the peer RPC timeout, ``wait_for_ready``), and the
+data plane looks for the room's notices promptly from then (``hurry``). What
 follows each attempt is :data:`POLICY`'s, keyed by the status the attempt
 ended with; :class:`Registrations` walks it and tells the receiver's state
 machine (``ReceiverCore``) where the registration ended:
@@ -30,7 +31,7 @@ before the room was planned (``CallsToPeers.find_sender``).
 
 The first attempt of a room takes no task: a task (and its frames) per room
 was most of a broker's memory while a burst of rooms registered
-(scale_rooms); it waits in the peer's queue as a request and a future, and
+(scale_rooms); it waits on the peer's stream as a call and a future, and
 its outcome is taken in the future's callback. Only a handshake takes a task.
 """
 
@@ -139,10 +140,13 @@ class Registrations:
         self._attempt(effect, peer, retried=False)
 
     def _attempt(self, effect: RegisterRoom, peer: Peer, *, retried: bool) -> None:
-        """One attempt, queued for ``peer``'s next RegisterRooms batch (with the
+        """One attempt, written on ``peer``'s stream in the next frame (with the
         room's trace context); its outcome goes to :meth:`_answered`."""
         with in_span(effect.receiver.span):
             outcome = self._client.submit_registration(peer, effect.request)
+        # The sender may write as soon as it reads the registration, before
+        # its answer is back here: look for the notice promptly from now.
+        self._dataplane.pacing.hurry()
         outcome.add_done_callback(lambda done: self._answered(effect, peer, done, retried=retried))
 
     @in_turn

@@ -18,13 +18,14 @@ read the same either way.
 | ``Ping`` | heartbeat (``liveness``), only while the peer's stream was idle for a heartbeat (an answer on it is the heartbeat) | none: the next heartbeat is the retry |
 | ``RenewLeases`` | rooms this broker's decode engines announced, per sender broker when due | none: the next renewal pass is the retry |
 
-Room registrations and aborts are batched per peer (:class:`PerPeerBatches`):
-while one RegisterRooms (AbortRooms) call to a peer is in flight, the next
-ones for it queue, and the following call carries them all (at most
-``_MAX_BATCH``); a lone one goes at once. Each registration carries its
-room's trace context, so the sender's room spans join the room's trace as
-with a call of its own. (A burst of thousands of single calls would queue at
-the peer until they time out.)
+Room registrations and aborts go on the peer's stream as they are made, one
+room per RegisterRooms (AbortRooms) call: the stream writes the calls made in
+one loop pass in one frame (at most 512 calls a frame), and the callee
+answers a frame's registrations and aborts in one pass of its loop, so a
+burst of thousands of rooms costs a few frames, not thousands of calls. A
+registration takes no task (``submit_registration``). Each registration
+carries its room's trace context, so the sender's room spans join the room's
+trace as with a call of its own.
 
 Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 120 s, which would keep a restarted peer unreachable long after it is back).
@@ -33,10 +34,9 @@ Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -44,7 +44,6 @@ from opentelemetry import propagate
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.peers._stream import PeerStream, StreamStub
 from kvbroker.broker.peers._table import Peer, PeerTable, announced_staging
@@ -63,7 +62,7 @@ from kvbroker.plan import Layout, RoomTimeouts
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-__all__ = ["HandshakeMessage", "PeerClient", "PerPeerBatches", "channel_options", "reach_back", "server_options"]
+__all__ = ["HandshakeMessage", "PeerClient", "channel_options", "reach_back", "server_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -71,10 +70,6 @@ T = TypeVar("T")
 
 #: Our side of a handshake: (NIXL metadata, engines, receive staging buffers, engine epoch).
 HandshakeMessage = tuple[bytes, list[peer_pb2.EngineDescriptor], list[peer_pb2.RemoteBuffer], int]
-
-#: Registrations per RegisterRooms call.
-_MAX_BATCH = 512
-
 
 def server_options(config: BrokerConfig) -> list[tuple[str, int]]:
     """The server's gRPC options: :func:`channel_options`, and keepalive pings
@@ -124,13 +119,6 @@ class PeerClient:
         #: Our engine epoch now (``EngineTable.epoch``): a peer that saw an
         #: older one does not know all our engines yet.
         self._epoch = epoch
-        #: Registrations and aborts, batched per peer (see the module docstring).
-        self._registrations: PerPeerBatches[peer_pb2.RegisterRoomRequest, None] = PerPeerBatches(
-            "RegisterRooms", self._send_registrations
-        )
-        self._aborts: PerPeerBatches[peer_pb2.PeerAbortRequest, peer_pb2.PeerAbortResponse] = PerPeerBatches(
-            "AbortRooms", self._send_aborts
-        )
 
     @property
     def timeout(self) -> float:
@@ -252,32 +240,32 @@ class PeerClient:
 
     # -- room calls -----------------------------------------------------------
     def submit_registration(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> asyncio.Future[None]:
-        """Queue ``request`` (with the sender's broker id as we know it, and the
-        current trace context) for the next RegisterRooms call to ``peer``; the
-        future of its outcome (its own error). No task per room: a burst of
-        rooms waits in the peer's queue as a request and a future each."""
+        """Register a room with ``peer`` (with the sender's broker id as we know
+        it, and the current trace context), written on its stream with the
+        calls made in the same loop pass; the future of its outcome (its own
+        error, typed). No task per room: a burst of rooms waits on the stream
+        as a call and a future each. Cancelling the future gives the call up."""
         request.sender_broker_id = peer.broker_id or ""
         request.trace_context.clear()
         propagate.inject(request.trace_context)
-        return self._registrations.submit_nowait(peer, request)
-
-    async def _send_registrations(self, peer: Peer, batch: list[peer_pb2.RegisterRoomRequest]) -> list[None | KvBrokerError]:
-        request = peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=batch)
         # wait_for_ready: while the address does not answer (a broker
         # restarting there, or the channel still backing off from the old
         # process), wait for it up to the timeout instead of failing the
         # rooms at once; they are still bootstrapping.
-        response = await self.stub(peer).RegisterRooms(request, timeout=self._timeout, wait_for_ready=True)
-        return [from_status(r.code, r.message) if r.code else None for r in response.results]
+        call = self.stub(peer).submit(
+            "RegisterRooms",
+            peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=[request]),
+            timeout=self._timeout,
+            wait_for_ready=True,
+        )
+        return _one_outcome(call, "RegisterRooms", lambda _result: None)
 
-    async def _send_aborts(
-        self, peer: Peer, batch: list[peer_pb2.PeerAbortRequest]
-    ) -> list[peer_pb2.PeerAbortResponse | KvBrokerError]:
-        request = peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=batch)
-        response = await self.stub(peer).AbortRooms(request, timeout=self._timeout)
-        return [
-            from_status(r.code, r.message) if r.code else peer_pb2.PeerAbortResponse(settled=r.settled) for r in response.results
-        ]
+    async def _abort_one(self, peer: Peer, request: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:
+        """One room's abort, on the peer's stream (with the calls made in the same loop pass)."""
+        call = self.stub(peer).submit(
+            "AbortRooms", peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=[request]), timeout=self._timeout
+        )
+        return await _one_outcome(call, "AbortRooms", lambda result: peer_pb2.PeerAbortResponse(settled=result.settled))
 
     async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """The prefetch: room for one staged part in the receiver's staging buffer."""
@@ -332,7 +320,7 @@ class PeerClient:
         response: peer_pb2.PeerAbortResponse | None = await self.deliver(
             broker_id,
             f"AbortRoom(room {request.room})",
-            lambda peer: self._aborts.submit(peer, request),
+            lambda peer: self._abort_one(peer, request),
             on_unreachable=on_unreachable,
         )
         return response
@@ -415,7 +403,7 @@ class PeerClient:
         if peer.stub is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
-            # The unary calls get RPC spans (not a batch of registrations:
+            # The unary calls get RPC spans (registrations go on the stream:
             # each carries its room's trace context).
             untraced = filters.negate(filters.method_name("RegisterRooms"))
             peer.channel = _channel(peer.address, self._credentials, self._options, aio_client_interceptors(filter_=untraced))
@@ -432,8 +420,6 @@ class PeerClient:
         return peer.stub
 
     async def close(self) -> None:
-        await self._registrations.close()
-        await self._aborts.close()
         for peer in self._peers.peers():
             if peer.stream is not None:
                 peer.stream.close()
@@ -443,74 +429,6 @@ class PeerClient:
                     await channel.close()
             peer.channel = peer.stream_channel = None
             peer.stub = None
-
-
-Item = TypeVar("Item")
-Result = TypeVar("Result")
-
-
-class PerPeerBatches(Generic[Item, Result]):
-    """One kind of peer call, batched per peer: a call waits in its peer's
-    queue while that peer's previous batch is in flight; the next batch takes
-    everything queued (at most ``_MAX_BATCH``). ``send(peer, items)`` makes the
-    batched call and returns one result (or typed error) per item; a failure
-    of the call itself is every item's error. A lone call goes at once."""
-
-    def __init__(self, name: str, send: Callable[[Peer, list[Item]], Awaitable[list[Result | KvBrokerError]]]) -> None:
-        self._name = name
-        self._send = send
-        self._queues: dict[str, list[tuple[Peer, Item, asyncio.Future[Result]]]] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-
-    async def submit(self, peer: Peer, item: Item) -> Result:
-        """Queue ``item`` for ``peer``'s next batch; its result (or its error, raised)."""
-        return await self.submit_nowait(peer, item)
-
-    def submit_nowait(self, peer: Peer, item: Item) -> asyncio.Future[Result]:
-        """Queue ``item`` for ``peer``'s next batch; the future of its result (or error)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[Result] = loop.create_future()
-        self._queues.setdefault(peer.address, []).append((peer, item, done))
-        if peer.address not in self._tasks:
-            # The batch call's own span belongs to no caller: an empty context.
-            task = contextvars.Context().run(loop.create_task, self._flush(peer.address), name=f"{self._name}-{peer.address}")
-            self._tasks[peer.address] = task
-        return done
-
-    async def _flush(self, address: str) -> None:
-        try:
-            while queue := self._queues.get(address):
-                batch, self._queues[address] = queue[:_MAX_BATCH], queue[_MAX_BATCH:]
-                results: list[Result | KvBrokerError]
-                try:
-                    results = await self._send(batch[-1][0], [item for _, item, _ in batch])
-                except grpc.RpcError as exc:
-                    err = from_rpc_error(exc)
-                    results = [type(err)(err.message) for _ in batch]
-                except KvBrokerError as err:
-                    results = [type(err)(err.message) for _ in batch]
-                missing = len(batch) - len(results)
-                results += [Internal(f"the peer answered {len(results)} of {len(batch)} items of {self._name}")] * missing
-                for (_, _, done), result in zip(batch, results):
-                    if done.done():
-                        continue
-                    if isinstance(result, KvBrokerError):
-                        done.set_exception(result)
-                    else:
-                        done.set_result(result)
-        finally:
-            del self._tasks[address]
-            if not self._queues.get(address):
-                self._queues.pop(address, None)
-
-    async def close(self) -> None:
-        """Cancel the batches in flight; every waiting call fails UNAVAILABLE."""
-        await cancel_and_wait(list(self._tasks.values()))
-        for queue in self._queues.values():
-            for _, _, done in queue:
-                if not done.done():
-                    done.set_exception(Unavailable("the broker is shutting down"))
-        self._queues.clear()
 
 
 async def reach_back(client: PeerClient, caller: peer_pb2.BrokerIdentity) -> None:
@@ -555,3 +473,35 @@ def _channel(
 
 def _host(staging: list[peer_pb2.RemoteBuffer]) -> peer_pb2.RemoteBuffer | None:
     return next((b for b in staging if b.kind == common_pb2.MEMORY_KIND_DRAM), None)
+
+
+def _one_outcome(call: asyncio.Future[Any], name: str, convert: Callable[[Any], T]) -> asyncio.Future[T]:
+    """The outcome of a call of ``name`` made for one item (RegisterRooms,
+    AbortRooms): its item's result, converted, or the call's failure or the
+    item's, as a typed ``KvBrokerError``. Cancelling it gives the call up."""
+    outcome: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    def answered(call: asyncio.Future[Any]) -> None:
+        if outcome.done():
+            return
+        if call.cancelled():
+            outcome.cancel()
+            return
+        try:
+            try:
+                response = call.result()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+            if len(response.results) != 1:
+                raise Internal(f"the peer answered {len(response.results)} items of {name} for one")
+            (result,) = response.results
+            if result.code:
+                raise from_status(result.code, result.message)
+        except KvBrokerError as err:
+            outcome.set_exception(err)
+            return
+        outcome.set_result(convert(result))
+
+    call.add_done_callback(answered)
+    outcome.add_done_callback(lambda _o: call.cancel())
+    return outcome

@@ -81,6 +81,9 @@ _REOPEN_DELAY_SECONDS = 0.1
 #: ends the call INTERNAL ("Internal error from Core") and loses the status the
 #: callee sent, such as UNIMPLEMENTED from a broker without the stream.
 _OPEN_TRIES = 3
+#: Calls per frame at most (a burst of rooms goes in frames of this many: the
+#: callee answers a frame's calls in one pass of its loop).
+_FRAME_CALLS = 512
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -148,30 +151,55 @@ class PeerStream:
         self._closed = False
         self._start()
 
-    async def call(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> Any:
-        """Make call ``name`` (a :data:`STREAM_CALLS` key) on the stream: its
-        answer, or the ``grpc.RpcError`` a unary call would raise."""
+    def submit(
+        self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False
+    ) -> asyncio.Future[Any]:
+        """Make call ``name`` (a :data:`STREAM_CALLS` key) on the stream, with no
+        task of its own: the future of its answer, or of the ``grpc.RpcError`` a
+        unary call would raise (DEADLINE_EXCEEDED once ``timeout`` passes).
+        Cancelling the future gives the call up. Calls made in the same loop
+        pass go out in one frame."""
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)
         message = peer_pb2.PeerCall(id=call_id)
         getattr(message, STREAM_CALLS[name]).CopyFrom(request)
         propagate.inject(message.trace_context)
-        pending = _Pending(name, loop.create_future(), wait_for_ready)
-        self._pending[call_id] = pending
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending[call_id] = _Pending(name, future, wait_for_ready)
         self._queue.append(message)
         self._closed = False
         self._start()
         self._wake.set()
-        try:
-            return await asyncio.wait_for(pending.future, timeout)
-        except asyncio.TimeoutError:
-            raise rpc_error(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"{name} to the broker at {self._address}: no answer within {timeout:g} s"
-            ) from None
-        finally:
-            self._pending.pop(call_id, None)
-            if not pending.written:
-                self._queue = [m for m in self._queue if m.id != call_id]
+        deadline = loop.call_later(timeout, self._expire, call_id, timeout) if timeout is not None else None
+        future.add_done_callback(lambda _f: self._forget(call_id, deadline))
+        return future
+
+    async def call(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> Any:
+        """:meth:`submit`, awaited: the answer, or the ``grpc.RpcError`` raised."""
+        return await self.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def _expire(self, call_id: int, timeout: float) -> None:
+        pending = self._pending.get(call_id)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(
+                rpc_error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{pending.name} to the broker at {self._address}: no answer within {timeout:g} s",
+                )
+            )
+
+    def _forget(self, call_id: int, deadline: asyncio.TimerHandle | None) -> None:
+        """A call is over (answered, failed, expired or given up): its record goes;
+        if it was not written, the writer skips it (``_unwritten``)."""
+        if deadline is not None:
+            deadline.cancel()
+        self._pending.pop(call_id, None)
+
+    def _unwritten(self) -> list[peer_pb2.PeerCall]:
+        """The queued calls still waiting to be written (those given up meanwhile dropped)."""
+        pending = self._pending
+        self._queue = [m for m in self._queue if m.id in pending and not pending[m.id].future.done()]
+        return self._queue
 
     def close(self) -> None:
         """End the stream (its peer is dropped, or this broker stops): calls on it fail UNAVAILABLE."""
@@ -199,12 +227,12 @@ class PeerStream:
                     error = self._refusal(exc)
                     log.debug("peer_stream_unopened", peer=self._address, error=error.details())
                     self._fail_waiting(error, all_calls=error.code() != grpc.StatusCode.UNAVAILABLE)
-                    if not self._queue:
+                    if not self._unwritten():
                         return
                     await asyncio.sleep(_REOPEN_DELAY_SECONDS)
                     continue
                 await self._write(opened)
-                if not self._queue:
+                if not self._unwritten():
                     return  # the next call opens another
                 await asyncio.sleep(_REOPEN_DELAY_SECONDS)  # calls not written yet: on a new stream
         finally:
@@ -267,11 +295,11 @@ class PeerStream:
         """Write the queued calls, a frame at a time, until the stream breaks or closes."""
         try:
             while opened.broken is None:
-                if not self._queue:
+                if not self._unwritten():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                batch, self._queue = self._queue, []
+                batch, self._queue = self._queue[:_FRAME_CALLS], self._queue[_FRAME_CALLS:]
                 for message in batch:
                     pending = self._pending.get(message.id)
                     if pending is not None:
@@ -332,7 +360,7 @@ class PeerStream:
         }
         for call_id in failed:
             self._pending[call_id].future.set_exception(error)
-        self._queue = [m for m in self._queue if m.id not in failed]
+        self._unwritten()
 
 
 #: google.rpc.Code number -> grpc.StatusCode value.
@@ -347,6 +375,10 @@ class StreamStub:
     def __init__(self, unary: peer_pb2_grpc.PeerBrokerStub, stream: PeerStream) -> None:
         self._unary = unary
         self.stream = stream
+
+    def submit(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> asyncio.Future[Any]:
+        """Stream call ``name`` with no task of its own (:meth:`PeerStream.submit`)."""
+        return self.stream.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
 
     def __getattr__(self, name: str) -> Any:
         if name in STREAM_CALLS:

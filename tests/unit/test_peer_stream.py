@@ -140,6 +140,27 @@ def test_calls_made_together_go_in_fewer_frames_and_errors_keep_their_status() -
     _run(body)
 
 
+def test_calls_made_in_one_pass_go_in_one_frame_of_at_most_512_and_one_given_up_unwritten_is_not_sent() -> None:
+    """600 reports submitted in one pass of the loop on an open stream (no task each): two frames, 512
+    calls and the rest; one given up before the frame went out is not written, nor answered."""
+
+    async def body() -> None:
+        rooms: list[int] = []
+        callee = _Callee(lambda name, request: rooms.append(request.room) or peer_pb2.CompletionAck())
+        async with _serving(callee) as address, _caller(address) as stub:
+            await stub.ReportCompletion(peer_pb2.CompletionReport(room=0), timeout=10)  # the stream is open
+            calls, frames = stub.stream.calls_written, stub.stream.frames_written
+            submitted = [stub.submit("ReportCompletion", peer_pb2.CompletionReport(room=r), timeout=10) for r in range(1, 601)]
+            submitted[5].cancel()
+            answers = await asyncio.gather(*submitted, return_exceptions=True)
+            assert isinstance(answers[5], asyncio.CancelledError)
+            assert all(isinstance(a, peer_pb2.CompletionAck) for i, a in enumerate(answers) if i != 5)
+            assert stub.stream.calls_written - calls == 599 and stub.stream.frames_written - frames == 2
+            assert rooms == [r for r in range(601) if r != 6]
+
+    _run(body)
+
+
 def test_a_broker_without_the_stream_is_refused_by_name() -> None:
     """A protocol-8 callee answers Stream UNIMPLEMENTED: the call fails FAILED_PRECONDITION, naming the protocol."""
 

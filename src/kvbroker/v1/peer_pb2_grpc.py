@@ -110,9 +110,9 @@ class PeerBrokerServicer:
 
     def RegisterRooms(self, request, context):
         """Receiver's broker -> sender's broker: the transfer info of receiving
-        engine ranks for their rooms, one RegisterRoomRequest each (the
-        registrations for one peer that queued while its previous call was in
-        flight). Each registration succeeds or fails on its own and is
+        engine ranks for their rooms, one RegisterRoomRequest each (a broker
+        of this version sends one a call, on the peer stream, as the room's
+        plan is made). Each registration succeeds or fails on its own and is
         idempotent for the same (room, receiver); a failure of the call itself
         concerns them all.
         """
@@ -140,7 +140,7 @@ class PeerBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortRooms(self, request, context):
-        """Either side: rooms are aborted (batched per peer, as RegisterRooms);
+        """Either side: rooms are aborted (one or more a call, as RegisterRooms);
         the callee fails its sides of each with the cause. Each abort succeeds
         or fails on its own, and is idempotent.
         """
