@@ -25,14 +25,16 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
 from kvbroker.brokerproc import BrokerProcess
 from kvbroker.client import BrokerClient, EngineMemory, ModelSpec, RankSpec, RoomState, SenderRef
 from kvbroker.errors import KvBrokerError
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing.rawpeer import PeerFailed, sync
-from kvbroker.v1 import transfer_pb2
+from kvbroker.v1 import peer_pb2, peer_pb2_grpc, transfer_pb2
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -350,6 +352,45 @@ def poll_round_trips(engine: Any, room: int, calls: int) -> list[float]:
     client = engine.client
     request = transfer_pb2.PollRequest(engine_id=engine.engine_id, rooms=[room])
     return timed_calls(calls, lambda: client.call(client.stub.Poll, request))
+
+def stream_round_trips(address: str, calls: int) -> dict[str, list[float]]:
+    """Seconds of ``calls`` Ping round trips, one after another, on a bare peer stream (``PeerBroker.Stream``) to the
+    broker at ``address``, answered by its loop: ``sync``, a grpc stream fed by a request iterator, as an engine's
+    session is; ``aio``, a grpc.aio stream. The floor under a session hop, in the same processes."""
+    import asyncio
+    import queue
+    opening = peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION, broker_id="rtt-probe"))
+
+    def ping(i: int) -> peer_pb2.PeerFrame:
+        return peer_pb2.PeerFrame(calls=[peer_pb2.PeerCall(id=i, ping=peer_pb2.PingRequest(from_broker_id="rtt-probe"))])
+
+    def answered(frame: Any) -> None:
+        if len(frame.answers) != 1 or frame.answers[0].code:
+            raise BenchFailed(f"a bare stream's Ping was answered {frame}")
+
+    requests: Any = queue.SimpleQueue()
+    requests.put(opening)
+    with grpc.insecure_channel(address) as channel:
+        frames = peer_pb2_grpc.PeerBrokerStub(channel).Stream(iter(requests.get, None))
+        next(frames)
+        sync_took = timed_calls(calls, lambda: (requests.put(ping(1)), answered(next(frames))))
+        requests.put(None)
+
+    async def aio() -> list[float]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = peer_pb2_grpc.PeerBrokerStub(channel).Stream()
+            await call.write(opening)
+            await call.read()
+            took = []
+            for i in range(calls):
+                t = time.perf_counter()
+                await call.write(ping(i + 1))
+                answered(await call.read())
+                took.append(time.perf_counter() - t)
+            await call.done_writing()
+            return took
+
+    return {"sync": sync_took, "aio": asyncio.run(aio())}
 
 # -- child processes -------------------------------------------------------------------
 

@@ -62,7 +62,6 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
                 built, total = built + t1 - t0, total + time.perf_counter() - t0
                 if state != "DONE":
                     held.problems.append(f"{mode} post of {descs} x {item} B ended {state}")
-            b.get_new_notifs()
             moved = np.unique(np.concatenate(picks))
             if not all(np.array_equal(src[i * item:(i + 1) * item], dst[i * item:(i + 1) * item]) for i in moved[:256]):
                 held.problems.append(f"{mode} posts of {descs} x {item} B: destination differs from the source")
@@ -72,11 +71,10 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
 
 
 def print_report(r: dict[str, Any]) -> None:
-    print(f"one WRITE at a time, best of 2 ({r['posts']} posts a case; 1 MiB items: an eighth), microseconds a post:")
-    print(f"{'descriptors x bytes':>22} | {'fresh: build':>12} {'post+wait':>10} | {'prepared: build':>15} {'post+wait':>10} | saved")
+    print(f"one WRITE at a time, best of 2 ({r['posts']} posts a case; 1 MiB items: an eighth), us a post: build / post+wait")
     for case, m in r["rows"].items():
         (fb, ft), (pb, pt) = m["fresh"], m["prepared"]
-        print(f"{case:>22} | {fb * 1e6:12.1f} {ft * 1e6:10.1f} | {pb * 1e6:15.1f} {pt * 1e6:10.1f} | {(ft - pt) * 1e6:5.1f}")
+        print(f"{case:>13} B: fresh {fb * 1e6:5.1f} / {ft * 1e6:7.1f}, prepared {pb * 1e6:5.1f} / {pt * 1e6:7.1f}; saved {(ft - pt) * 1e6:5.1f}")
 
 
 def main() -> int:

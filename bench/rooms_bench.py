@@ -95,8 +95,13 @@ def engine_main(conn: Any, peer: Any, role: str, address: str, prefill_address: 
         if cmd == "blocked":
             conn.send(("blocked", blocked))
             blocked = []
-        elif cmd == "rtt":
-            conn.send(("rtt", h.poll_round_trips(engine, *arg)))
+        elif cmd == "rtt":  # (arg: a finished room, calls) the engine's round trips, and bare streams' to its broker
+            def session_rtt(room: int = arg[0]) -> None:  # an abort of the finished room, applied
+                engine.receiver(room, ref).abort("round trip")
+                engine.flush()
+
+            conn.send(("rtt", {"poll": h.poll_round_trips(engine, *arg), "session": h.timed_calls(arg[1], session_rtt),
+                               **h.stream_round_trips(address, arg[1])}))
         elif cmd == "verify":
             conn.send(("verify", _digest(memory, shape, arg)))
         elif cmd == "latency" and role == "prefill":
@@ -193,8 +198,9 @@ def measure(name: str, args: argparse.Namespace, held: h.Held) -> dict[str, Any]
     _, memory = _memory("prefill", shape, slots)  # the prefill pool, made here from the same seed
     expected = _digest(memory, shape, slots)
     memory.close()
-    poll_rtt = statistics.median(pair.decode.ask("rtt", (base, args.rtt_calls))[1])
-    out["poll_rtt_us"] = poll_rtt * 1e6
+    rtts = {k: statistics.median(v) * 1e6 for k, v in pair.decode.ask("rtt", (base, args.rtt_calls))[1].items()}
+    poll_rtt = rtts["poll"] / 1e6
+    out["poll_rtt_us"], out["rtt_us"] = rtts["poll"], rtts
     base = pair.rooms(args.latency_rooms)
     latencies, walls, bad = pair.both("latency", (base, args.latency_rooms))
     problems.extend(f"{shape.name} latency: {b}" for b in bad[:3])
@@ -252,7 +258,10 @@ def _timelines(pair: Pair, base: int, walls: list[tuple[float, float]], sent: li
 def print_report(result: dict[str, Any]) -> None:
     for shape in result["shapes"]:
         print(f"\n{shape['shape']} ({shape['bytes_per_room'] / 1024:.0f} KiB per room)")
-        print(f"  bare Poll round trip (decode engine -> its broker): {shape['poll_rtt_us']:.0f} us")
+        rtt = shape["rtt_us"]
+        print(f"  round trips, decode engine -> its broker (median): unary Poll {rtt['poll']:.0f} us; session (a command to\n"
+              f"  applied) {rtt['session']:.0f} us; bare peer-stream Ping: sync grpc, as the session {rtt['sync']:.0f} us, "
+              f"grpc.aio {rtt['aio']:.0f} us")
         lat = shape["latency"]
         print(f"  single-room latency: median {lat['median_us']:.0f} us ({lat['median_rtts']:.1f} Poll RTTs), "
               f"p90 {lat['p90_us']:.0f} us ({lat['p90_rtts']:.1f}), p99 {lat['p99_us']:.0f} us ({lat['p99_rtts']:.1f})")
