@@ -895,9 +895,9 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        def submit(self, name, request, **kwargs):  # type: ignore[no-untyped-def]
+        def submit_item(self, name, request, items, **kwargs):  # type: ignore[no-untyped-def]
             if name != "RegisterRooms" or raced:
-                return self._stub.submit(name, request, **kwargs)
+                return self._stub.submit_item(name, request, items, **kwargs)
             raced.append(request.rooms[0].sender_broker_id)
 
             async def racing():  # type: ignore[no-untyped-def]
@@ -910,9 +910,11 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
                         break
                     except errors.Unavailable:
                         await asyncio.sleep(0.05)
-                return await self._stub.submit(name, request, **kwargs)
+                call, index = self._stub.submit_item(name, request, items, **kwargs)
+                assert index == 0
+                return await call
 
-            return asyncio.ensure_future(racing())
+            return asyncio.ensure_future(racing()), 0
 
     monkeypatch.setattr(client, "stub", lambda peer: RacingStub(real_stub(peer)))
     _move_room(pe2, de, p1.address, 99)
@@ -964,12 +966,12 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        def submit(self, name, request, **kwargs):  # type: ignore[no-untyped-def]
-            answer = self._stub.submit(name, request, **kwargs)
+        def submit_item(self, name, request, items, **kwargs):  # type: ignore[no-untyped-def]
+            answer, index = self._stub.submit_item(name, request, items, **kwargs)
             if name == "RegisterRooms":
                 # Lost once the answer is in, before the broker handles it.
                 answer.add_done_callback(lambda _a: d.broker.internals.routes.peer_loss.peer_lost(self._peer, "stopped answering (test)"))
-            return answer
+            return answer, index
 
     monkeypatch.setattr(client, "stub", lambda peer: LosingStub(real_stub(peer), peer))
     receiver = de.handle.receiver(100, SenderRef(p.address, "prefill-group"))

@@ -31,13 +31,12 @@ before the room was planned (``CallsToPeers.find_sender``).
 
 The first attempt of a room takes no task: a task (and its frames) per room
 was most of a broker's memory while a burst of rooms registered
-(scale_rooms); it waits on the peer's stream as a call and a future, and
-its outcome is taken in the future's callback. Only a handshake takes a task.
+(scale_rooms); it waits on the peer's stream as an item of a call, and
+its outcome is taken in the call's callback. Only a handshake takes a task.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,22 +142,14 @@ class Registrations:
         """One attempt, written on ``peer``'s stream in the next frame (with the
         room's trace context); its outcome goes to :meth:`_answered`."""
         with in_span(effect.receiver.span):
-            outcome = self._client.submit_registration(peer, effect.request)
+            self._client.submit_registration(peer, effect.request, lambda error: self._answered(effect, peer, error, retried=retried))
         # The sender may write as soon as it reads the registration, before
         # its answer is back here: look for the notice promptly from now.
-        self._dataplane.pacing.hurry()
-        outcome.add_done_callback(lambda done: self._answered(effect, peer, done, retried=retried))
+        self._dataplane.pacing.hurry(self._receiver.ranks_awaiting_data())
 
     @in_turn
-    def _answered(self, effect: RegisterRoom, peer: Peer, done: asyncio.Future[None], *, retried: bool) -> None:
+    def _answered(self, effect: RegisterRoom, peer: Peer, error: KvBrokerError | None, *, retried: bool) -> None:
         """An attempt's outcome: take the step :data:`POLICY` says."""
-        if done.cancelled():
-            return
-        error = done.exception()
-        if error is not None and not isinstance(error, KvBrokerError):
-            # The batches set typed errors only: anything else is a bug here.
-            log.error("registration_outcome_not_understood", room=effect.receiver.room, error=repr(error), exc_info=error)
-            return
         step = next_step(error, retried=retried)
         if step is Step.HANDSHAKE_AND_RETRY:
             self._tasks.spawn(self._handshake_and_retry(effect, peer), name=f"register-{effect.receiver.room}")
@@ -168,7 +159,7 @@ class Registrations:
             # The process that took the room: the one the request was addressed to.
             took = effect.request.sender_broker_id
             self._receiver.room_registered(rank, leg, took, still_known=took in self._peers.by_id)
-            self._dataplane.pacing.hurry()
+            self._dataplane.pacing.hurry(self._receiver.ranks_awaiting_data())
         else:
             assert error is not None
             self._receiver.registration_failed(rank, leg, error, maybe_delivered=step is Step.FAIL_MAYBE_DELIVERED)

@@ -18,12 +18,12 @@ read the same either way.
 | ``Ping`` | heartbeat (``liveness``), only while the peer's stream was idle for a heartbeat (an answer on it is the heartbeat) | none: the next heartbeat is the retry |
 | ``RenewLeases`` | rooms this broker's decode engines announced, per sender broker when due | none: the next renewal pass is the retry |
 
-Room registrations and aborts go on the peer's stream as they are made, one
-room per RegisterRooms (AbortRooms) call: the stream writes the calls made in
-one loop pass in one frame (at most 512 calls a frame), and the callee
-answers a frame's registrations and aborts in one pass of its loop, so a
-burst of thousands of rooms costs a few frames, not thousands of calls. A
-registration takes no task (``submit_registration``). Each registration
+Room registrations and aborts go on the peer's stream as they are made:
+each joins the RegisterRooms (AbortRooms) call whose frame is not written
+yet, or makes one (``PeerStream.submit_item``), so the rooms of one loop
+pass go in one call of at most 512 rooms, written in the stream writer's
+next pass, and a burst of thousands of rooms costs a few calls and frames.
+A registration takes no task and no future (``submit_registration``). Each registration
 carries its room's trace context, so the sender's room spans join the room's
 trace as with a call of its own.
 
@@ -34,6 +34,7 @@ Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeVar
@@ -239,12 +240,16 @@ class PeerClient:
             delay = min(delay * 2, 1.0)
 
     # -- room calls -----------------------------------------------------------
-    def submit_registration(self, peer: Peer, request: peer_pb2.RegisterRoomRequest) -> asyncio.Future[None]:
+    def submit_registration(
+        self, peer: Peer, request: peer_pb2.RegisterRoomRequest, then: Callable[[KvBrokerError | None], None]
+    ) -> None:
         """Register a room with ``peer`` (with the sender's broker id as we know
-        it, and the current trace context), written on its stream with the
-        calls made in the same loop pass; the future of its outcome (its own
-        error, typed). No task per room: a burst of rooms waits on the stream
-        as a call and a future each. Cancelling the future gives the call up."""
+        it, and the current trace context): it goes on the peer's stream in
+        the RegisterRooms call not written yet, or in a new one, so the rooms
+        registered in one loop pass go in one call and one frame. ``then``
+        hears its outcome: None, or its own error, typed. No task and no
+        future per room: a burst of rooms waits on the stream as items of a
+        call."""
         request.sender_broker_id = peer.broker_id or ""
         request.trace_context.clear()
         propagate.inject(request.trace_context)
@@ -252,20 +257,29 @@ class PeerClient:
         # restarting there, or the channel still backing off from the old
         # process), wait for it up to the timeout instead of failing the
         # rooms at once; they are still bootstrapping.
-        call = self.stub(peer).submit(
+        call, index = self.stub(peer).submit_item(
             "RegisterRooms",
             peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=[request]),
+            "rooms",
             timeout=self._timeout,
             wait_for_ready=True,
         )
-        return _one_outcome(call, "RegisterRooms", lambda _result: None)
+        call.add_done_callback(lambda call: then(_item_error(call, index, "RegisterRooms")))
 
     async def _abort_one(self, peer: Peer, request: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:
-        """One room's abort, on the peer's stream (with the calls made in the same loop pass)."""
-        call = self.stub(peer).submit(
-            "AbortRooms", peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=[request]), timeout=self._timeout
+        """One room's abort, on the peer's stream, in the AbortRooms call not written yet or a new one."""
+        call, index = self.stub(peer).submit_item(
+            "AbortRooms",
+            peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=[request]),
+            "aborts",
+            timeout=self._timeout,
         )
-        return await _one_outcome(call, "AbortRooms", lambda result: peer_pb2.PeerAbortResponse(settled=result.settled))
+        with contextlib.suppress(grpc.RpcError):  # raised again, typed, below
+            await asyncio.shield(call)  # (shared with the other rooms' aborts: never cancelled for one)
+        error = _item_error(call, index, "AbortRooms")
+        if error is not None:
+            raise error
+        return peer_pb2.PeerAbortResponse(settled=call.result().results[index].settled)
 
     async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """The prefetch: room for one staged part in the receiver's staging buffer."""
@@ -475,33 +489,16 @@ def _host(staging: list[peer_pb2.RemoteBuffer]) -> peer_pb2.RemoteBuffer | None:
     return next((b for b in staging if b.kind == common_pb2.MEMORY_KIND_DRAM), None)
 
 
-def _one_outcome(call: asyncio.Future[Any], name: str, convert: Callable[[Any], T]) -> asyncio.Future[T]:
-    """The outcome of a call of ``name`` made for one item (RegisterRooms,
-    AbortRooms): its item's result, converted, or the call's failure or the
-    item's, as a typed ``KvBrokerError``. Cancelling it gives the call up."""
-    outcome: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-
-    def answered(call: asyncio.Future[Any]) -> None:
-        if outcome.done():
-            return
-        if call.cancelled():
-            outcome.cancel()
-            return
-        try:
-            try:
-                response = call.result()
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from exc
-            if len(response.results) != 1:
-                raise Internal(f"the peer answered {len(response.results)} items of {name} for one")
-            (result,) = response.results
-            if result.code:
-                raise from_status(result.code, result.message)
-        except KvBrokerError as err:
-            outcome.set_exception(err)
-            return
-        outcome.set_result(convert(result))
-
-    call.add_done_callback(answered)
-    outcome.add_done_callback(lambda _o: call.cancel())
-    return outcome
+def _item_error(call: asyncio.Future[Any], index: int, name: str) -> KvBrokerError | None:
+    """Item ``index`` of a finished call of ``name`` (RegisterRooms, AbortRooms):
+    None if it succeeded, else the call's failure or the item's, typed."""
+    if call.cancelled():
+        return Unavailable(f"{name} was given up (the broker is stopping)")
+    try:
+        response = call.result()
+    except grpc.RpcError as exc:
+        return from_rpc_error(exc)
+    if index >= len(response.results):
+        return Internal(f"the peer answered {len(response.results)} items of {name}, not item {index}")
+    result = response.results[index]
+    return from_status(result.code, result.message) if result.code else None

@@ -125,6 +125,8 @@ class PeerStream:
         self._pending: dict[int, _Pending] = {}
         #: Calls made and not yet written (the next frame's).
         self._queue: list[peer_pb2.PeerCall] = []
+        #: The last call of each name made by ``submit_item``: (its id, its request in the queue).
+        self._joining: dict[str, tuple[int, Message]] = {}
         self._wake = asyncio.Event()
         #: The task that opens the stream and writes its frames (None: none runs).
         self._runner: asyncio.Task[None] | None = None
@@ -173,6 +175,29 @@ class PeerStream:
         deadline = loop.call_later(timeout, self._expire, call_id, timeout) if timeout is not None else None
         future.add_done_callback(lambda _f: self._forget(call_id, deadline))
         return future
+
+    def submit_item(
+        self, name: str, request: Message, items: str, *, timeout: float | None, wait_for_ready: bool = False
+    ) -> tuple[asyncio.Future[Any], int]:
+        """Add the items of ``request`` (its repeated field ``items``: one, for
+        RegisterRooms and AbortRooms) to the last call ``name`` made on this
+        stream if its frame is not written yet (up to ``_FRAME_CALLS`` items),
+        else make the call (:meth:`submit`; the timeout and ``wait_for_ready``
+        are its first item's): the call's future, shared by its items (never
+        cancel it), and the index of the first item in its request and
+        answer. Items made in one loop pass go in one call."""
+        joining = self._joining.get(name)
+        if joining is not None:
+            call_id, embedded = joining
+            pending, joined = self._pending.get(call_id), getattr(embedded, items)
+            if pending is not None and not pending.written and not pending.future.done() and len(joined) < _FRAME_CALLS:
+                index = len(joined)
+                joined.extend(getattr(request, items))
+                return pending.future, index
+        future = self.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
+        made = self._queue[-1]
+        self._joining[name] = (made.id, getattr(made, STREAM_CALLS[name]))
+        return future, 0
 
     async def call(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> Any:
         """:meth:`submit`, awaited: the answer, or the ``grpc.RpcError`` raised."""
@@ -379,6 +404,12 @@ class StreamStub:
     def submit(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> asyncio.Future[Any]:
         """Stream call ``name`` with no task of its own (:meth:`PeerStream.submit`)."""
         return self.stream.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
+
+    def submit_item(
+        self, name: str, request: Message, items: str, *, timeout: float | None, wait_for_ready: bool = False
+    ) -> tuple[asyncio.Future[Any], int]:
+        """An item of stream call ``name``, joined to the call not written yet (:meth:`PeerStream.submit_item`)."""
+        return self.stream.submit_item(name, request, items, timeout=timeout, wait_for_ready=wait_for_ready)
 
     def __getattr__(self, name: str) -> Any:
         if name in STREAM_CALLS:

@@ -71,6 +71,10 @@ class RankSettling:
         this is called after every batch of events and must not scan."""
         return bool(self._open)
 
+    def ranks_awaiting_data(self) -> int:
+        """How many ranks wait for notices (as :meth:`awaiting_data`)."""
+        return len(self._open)
+
     def _recorded(self, rank: Receiver) -> bool:
         """Whether ``rank`` is still in the room table (not evicted)."""
         room = self._rooms.receiver.get(rank.room)

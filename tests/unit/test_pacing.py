@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvbroker.broker.dataplane import _pacing
-from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, Pacing
+from kvbroker.broker.dataplane._pacing import MAX_WAIT_S, MIN_WAIT_S, PROMPT_MAX, Pacing
 
 
 class Clock:
@@ -44,6 +44,8 @@ def test_a_young_write_is_checked_with_no_backoff_then_at_most_200_us_then_slowl
     young, older, old = _posted(clock, 0.001), _posted(clock, 0.02), _posted(clock, 1.0)
     assert pacing.wait(MAX_WAIT_S, [young], False) == MIN_WAIT_S
     assert pacing.wait(MAX_WAIT_S, [older, young], False) == MIN_WAIT_S  # any young one
+    many = [_posted(clock, 0.001) for _ in range(PROMPT_MAX + 1)]
+    assert pacing.wait(MAX_WAIT_S, many, False) == _pacing._INFLIGHT_WAIT_S  # many: their results reset the backoff
     assert pacing.wait(MAX_WAIT_S, [older], False) == _pacing._INFLIGHT_WAIT_S
     assert pacing.wait(MIN_WAIT_S * 2, [older], False) == MIN_WAIT_S * 2
     assert pacing.wait(MAX_WAIT_S, [old], False) == _pacing._SLOW_WAIT_S  # a hung write: cheap checks
@@ -60,6 +62,15 @@ def test_after_a_registration_notices_are_looked_for_at_once_then_closely_then_a
     assert pacing.wait(MAX_WAIT_S, [], False) == _pacing._HURRY_WAIT_S
     clock.now += _pacing._HURRY_S
     assert pacing.wait(MAX_WAIT_S, [], False) == MAX_WAIT_S
+
+
+def test_with_many_rooms_waiting_a_registration_hurries_without_the_prompt_phase(clock: Clock) -> None:
+    pacing = Pacing(lambda: None)
+    pacing.listening = True
+    pacing.hurry(waiting=PROMPT_MAX + 1)
+    assert pacing.wait(MAX_WAIT_S, [], False) == _pacing._HURRY_WAIT_S
+    pacing.hurry(waiting=1)
+    assert pacing.wait(MAX_WAIT_S, [], False) == MIN_WAIT_S
 
 
 def test_packed_parts_or_watched_copies_poll_closely_with_no_backoff(clock: Clock) -> None:

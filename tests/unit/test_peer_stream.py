@@ -161,6 +161,34 @@ def test_calls_made_in_one_pass_go_in_one_frame_of_at_most_512_and_one_given_up_
     _run(body)
 
 
+def test_items_made_in_one_pass_join_one_call_and_an_item_after_its_frame_makes_another() -> None:
+    """Three registrations in one pass: one RegisterRooms call of three rooms, each with its index
+    in the answer; one made once that call's frame is written goes in a call of its own."""
+
+    async def body() -> None:
+        def answer(name: str, request: Any) -> Any:
+            sizes.append(len(request.rooms))
+            return peer_pb2.RegisterRoomsResponse(results=[peer_pb2.RegistrationResult(code=r.room) for r in request.rooms])
+
+        sizes: list[int] = []
+        async with _serving(_Callee(answer)) as address, _caller(address) as stub:
+            made = [
+                stub.submit_item("RegisterRooms", peer_pb2.RegisterRoomsRequest(rooms=[peer_pb2.RegisterRoomRequest(room=r)]),
+                                 "rooms", timeout=10)
+                for r in (5, 6, 7)
+            ]
+            assert [index for _, index in made] == [0, 1, 2] and len({id(call) for call, _ in made}) == 1
+            response = await made[0][0]
+            assert [r.code for r in response.results] == [5, 6, 7] and sizes == [3]
+            call, index = stub.submit_item(
+                "RegisterRooms", peer_pb2.RegisterRoomsRequest(rooms=[peer_pb2.RegisterRoomRequest(room=8)]), "rooms", timeout=10
+            )
+            assert index == 0 and call is not made[0][0]
+            assert [r.code for r in (await call).results] == [8] and sizes == [3, 1]
+
+    _run(body)
+
+
 def test_a_broker_without_the_stream_is_refused_by_name() -> None:
     """A protocol-8 callee answers Stream UNIMPLEMENTED: the call fails FAILED_PRECONDITION, naming the protocol."""
 
