@@ -149,6 +149,23 @@ def test_a_hung_transfer_is_cancelled_at_the_timeout_without_burning_a_core(plan
     assert plane.plane.passes - before < 2000 * event.elapsed_s, "the thread spun"
 
 
+def test_a_held_peers_hung_transfer_outlives_the_timeout_and_times_out_once_let_go(plane: Plane) -> None:
+    """A silent peer's transfers are held (``DataPlane.hold``): a write queued in a cut link lands
+    when the link returns, so the transfer timeout cancels none of them. A hung one is still in
+    flight after three timeouts; let go, it gets a whole timeout from then, and settles ERR."""
+    plane.sender.script(XferScript(outcome="HANG"))
+    plane.loop.call_soon_threadsafe(plane.plane.hold, "dp_receiver", True)
+    plane.post("held")
+    time.sleep(0.9)
+    assert "held" not in plane.settled() and plane.plane.inflight == 1
+    let_go = time.monotonic()
+    plane.loop.call_soon_threadsafe(plane.plane.hold, "dp_receiver", False)
+    _wait(lambda: "held" in plane.settled())
+    assert time.monotonic() - let_go >= 0.3
+    event = plane.settled()["held"]
+    assert event.state is XferState.ERR and isinstance(event.error, TransferTimeout)
+
+
 def test_an_idle_plane_sleeps(plane: Plane) -> None:
     """Nothing in flight, no room waiting for data: the thread wakes about once a second."""
     time.sleep(0.2)

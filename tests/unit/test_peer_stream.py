@@ -256,6 +256,35 @@ def test_a_broken_stream_fails_the_calls_written_on_it_and_the_next_call_opens_a
     _run(body)
 
 
+def test_a_call_not_yet_written_when_its_stream_breaks_goes_on_the_next_stream() -> None:
+    """A stream breaks in the loop pass in which a ping was made, before its frame is written (here the
+    break is made by hand, in that pass): the written grant fails UNAVAILABLE, as a unary call that
+    broke; the ping, which the callee never saw, goes on the next stream and is answered."""
+
+    async def body() -> None:
+        never = asyncio.Event()
+
+        def answer(name: str, request: Any) -> Any:
+            return never.wait() if name == "GrantCredits" else _pong(name, request)
+
+        callee = _Callee(answer)
+        async with _serving(callee) as address, _caller(address) as stub:
+            grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
+            await stub.Ping(peer_pb2.PingRequest(), timeout=10)  # the grant is written, and waits at the callee
+            ping = stub.submit("Ping", peer_pb2.PingRequest(), timeout=10)
+            stream = stub.stream
+            assert stream._opened is not None
+            broken = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "broken by the test")
+            stream._break(stream._opened, broken)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await grant
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (await ping).broker_id == "callee"
+            assert callee.streams == 2 and sorted(callee.calls) == ["GrantCredits", "Ping", "Ping"]
+
+    _run(body)
+
+
 def test_a_registration_waits_for_a_stream_and_other_calls_do_not() -> None:
     """Nothing answers at the address: a ping fails UNAVAILABLE at once; a registration made
     wait_for_ready waits, and is answered by the broker that comes up there within its deadline."""
