@@ -19,8 +19,17 @@ import pytest
 
 from kvbroker import errors
 from kvbroker.client import RoomState, RoomTimeouts, SenderRef
+from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.testing import eventually
-from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2, transfer_pb2, transfer_pb2_grpc
+from kvbroker.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    peer_pb2,
+    peer_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
 
 from .test_service import DST, SRC, _assert_moved, _wait_tables_empty
 
@@ -165,3 +174,24 @@ def test_a_sender_broker_that_forgot_the_decodes_broker_is_introduced_again(fake
     assert sender.wait(10).state == RoomState.SUCCESS, sender.status()
     _assert_moved(pe, de, SRC, DST)
     _wait_tables_empty(p, d)
+
+
+def test_a_renewal_answers_the_shortest_lease_of_the_groups_ranks(fake_brokers, make_engine) -> None:
+    """The prefill group's two ranks have leases of 1 s and 3 s: a renewal answers 1 s, so the
+    decode renews often enough for the rank that gives up first (the longest would let it lapse)."""
+    p, d = fake_brokers("p", **FAST), fake_brokers("d", **FAST)
+    make_engine(p.address, "prefill", tp_size=2, tp_rank=0, timeouts=RoomTimeouts(sender_info_seconds=3 * LEASE))
+    make_engine(p.address, "prefill", tp_size=2, tp_rank=1, timeouts=RoomTimeouts(sender_info_seconds=LEASE))
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(4, SenderRef(p.address, "prefill-group"))
+    receiver.announce()  # d handshakes with p, and renews
+    eventually(lambda: _renewals(p) >= 1)
+    request = peer_pb2.RenewLeasesRequest(
+        protocol_version=PROTOCOL_VERSION,
+        receiver_broker_id=d.broker.broker_id,
+        rooms=[peer_pb2.LeasedRoom(room=4, sender_group="prefill-group")],
+    )
+    with grpc.insecure_channel(p.address) as channel:
+        answer = peer_pb2_grpc.PeerBrokerStub(channel).RenewLeases(request, timeout=10)
+    assert answer.lease_seconds == pytest.approx(LEASE)
+    receiver.abort("done")
