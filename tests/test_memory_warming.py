@@ -41,14 +41,34 @@ class Gate:
         self.open = threading.Event()
         self.entered = threading.Event()
         self.calls: list[tuple[int, int]] = []
+        #: The ranges a job was let run on after they had been unmapped.
+        self.unmapped: list[tuple[int, int]] = []
 
     def __call__(self, address: int, length: int, fd: int = -1, offset: int = 0) -> None:
         self.entered.set()
         assert self.open.wait(20), "the test never opened the gate"
+        if not _mapped(address, length):
+            self.unmapped.append((address, length))
         if self.fail is not None:
             raise self.fail
         self.calls.append((address, length))
         self.real(address, length, fd, offset)
+
+
+def _mapped(address: int, length: int) -> bool:
+    """Whether this process maps every byte of ``[address, address + length)`` now."""
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            spans.append((start, end))
+    at = address
+    for start, end in sorted(spans):
+        if start <= at < end:
+            at = end
+        if at >= address + length:
+            return True
+    return False
 
 
 @pytest.fixture
@@ -101,7 +121,8 @@ def test_registration_does_not_wait_for_the_memory_to_fault_in(fake_brokers, mak
 
 
 def test_an_engine_let_go_while_its_memory_warms_is_released(fake_brokers, make_engine, gate) -> None:
-    """Its unmapping waits for the fault-in job that runs (the memory thread runs jobs in order)."""
+    """Its unmapping waits for the fault-in job that runs: the job, held at its start until the
+    engine is being let go, still finds its range mapped when it runs."""
     g = gate()
     d = fake_brokers("d")
     engine = make_engine(d.address, "decode")
@@ -113,6 +134,7 @@ def test_an_engine_let_go_while_its_memory_warms_is_released(fake_brokers, make_
     g.open.set()
     closing.join(10)
     assert not closing.is_alive()
+    assert not g.unmapped, "a fault-in job ran on memory already unmapped"
     eventually(lambda: not d.loop.call(d.broker.queries.engine_keys), 10)
 
 
