@@ -158,6 +158,29 @@ def test_an_interactive_room_passes_a_bulk_backlog_and_fifo_brokers_do_not(fake_
     assert set(rows[False]) == {(common_pb2.ROOM_PRIORITY_STANDARD, "")}, "--no-priorities: no classes, no engines"
 
 
+def test_an_interactive_room_passes_a_bulk_backlog_of_its_own_engine(fake_brokers) -> None:  # type: ignore[no-untyped-def]
+    """One engine pair's own interactive 1-page rooms behind its own bulk backlog: they take a
+    fraction of what they take with --no-priorities. Fair shares between engines cannot give
+    this (there is one engine): only the classes can."""
+    medians = {}
+    for priorities in (True, False):
+        p, d = fake_brokers("p", **SMALL_WINDOW, priorities=priorities), fake_brokers("d", priorities=priorities)
+        p.agent.wire_bps = WIRE_BPS
+        bulk = RoomLoad.register(p.address, d.address, name="one", model=MODEL, room_pages=256, slots=3,
+                                 priority="bulk", spare_pages=6)
+        chat = bulk.alongside(priority="interactive", room_pages=1, slots=6)
+        try:
+            busy = Saturate(bulk, 3).start()
+            time.sleep(0.3)
+            latencies = sorted(timed_rooms(chat, 20, 0.02))
+            busy.stop()
+            medians[priorities] = latencies[len(latencies) // 2]
+        finally:
+            chat.close()
+            bulk.close()
+    assert medians[True] * 2 < medians[False], medians
+
+
 def test_the_copy_thread_takes_a_scatter_of_a_higher_class_first() -> None:
     """Jobs waiting for the copy thread (gathers, scatters, GPU launches) go by ticket: an
     interactive room's scatter queued behind bulk ones runs first; jobs without a ticket keep

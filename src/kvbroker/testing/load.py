@@ -61,15 +61,20 @@ class RoomLoad:
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(secrets.randbits(40) << 20))
     #: Rooms open: their slot.
     slot_of: dict[int, int] = field(default_factory=dict)
+    #: The first page of slot 0 (a load sharing another's engines uses pages after its).
+    first_page: int = 0
+    #: Whether :meth:`close` lets the engines go (a load made by :meth:`alongside` does not).
+    owns_engines: bool = True
 
     @classmethod
     def register(
         cls, prefill_address: str, decode_address: str, *, name: str, model: ModelSpec, room_pages: int, slots: int,
-        priority: Priority = None, prepare: Callable[[EngineMemory], None] | None = None,
+        priority: Priority = None, prepare: Callable[[EngineMemory], None] | None = None, spare_pages: int = 0,
     ) -> RoomLoad:
-        """``prepare(memory)``: run on both ranks' memory before they register (``as_fake_vram``)."""
+        """``prepare(memory)``: run on both ranks' memory before they register (``as_fake_vram``);
+        ``spare_pages``: pages beyond the slots, for loads :meth:`alongside` this one."""
         ranks = (RankSpec(f"{name}-prefill", "prefill"), RankSpec(f"{name}-decode", "decode"))
-        memories = tuple(EngineMemory.allocate(rank, model, num_pages=room_pages * slots) for rank in ranks)
+        memories = tuple(EngineMemory.allocate(rank, model, num_pages=room_pages * slots + spare_pages) for rank in ranks)
         fill_rank(memories[0], model, ranks[0])
         if prepare is not None:
             for memory in memories:
@@ -78,12 +83,20 @@ class RoomLoad:
         engines = [client.register_engine(rank, memory) for client, rank, memory in zip(clients, ranks, memories, strict=True)]
         return cls(model, room_pages, slots, priority, engines[0], engines[1], ranks, memories, clients)  # type: ignore[arg-type]
 
+    def alongside(self, *, priority: Priority, room_pages: int, slots: int) -> RoomLoad:
+        """Rooms of another class and size on this load's own engines, in the pages after its slots
+        (registered with ``spare_pages`` enough for them): one engine's rooms of two classes."""
+        first = self.first_page + self.room_pages * self.slots
+        return RoomLoad(self.model, room_pages, slots, priority, self.prefill, self.decode, self.ranks, self.memories,
+                        self.clients, first_page=first, owns_engines=False)
+
     @property
     def bytes_per_room(self) -> int:
         return room_bytes(self.model, self.room_pages)
 
     def pages(self, slot: int) -> np.ndarray:
-        return np.arange(slot * self.room_pages, (slot + 1) * self.room_pages, dtype=np.int32)
+        first = self.first_page + slot * self.room_pages
+        return np.arange(first, first + self.room_pages, dtype=np.int32)
 
     def open(self, slot: int, *, deadline_seconds: float | None = None) -> int:
         """Open a room in ``slot`` on both sides and send its pages in one chunk; its id."""
@@ -111,6 +124,8 @@ class RoomLoad:
         return slot
 
     def close(self) -> None:
+        if not self.owns_engines:
+            return
         for engine in (self.prefill, self.decode):
             engine.close()
         for client in self.clients:
