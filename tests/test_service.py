@@ -983,6 +983,29 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     _wait_tables_empty(d)
 
 
+def test_a_silent_peer_that_answers_again_is_asked_about_the_rooms_whose_pages_wait_for_it(fake_brokers, make_engine) -> None:
+    """The decode broker takes the prefill broker for silent (it may still be writing): the room fails
+    PEER with its pages not settled. The peer answers again: the decode broker asks it about that
+    room (an abort, answered with whether anything is still in flight), and the pages are settled
+    within moments. (Heartbeats of a minute: no liveness pass or successor notice does it instead.)"""
+    p = fake_brokers("p")
+    d = fake_brokers("d", peer_heartbeat_seconds=60)
+    make_engine(p.address, "prefill")
+    de = make_engine(d.address, "decode")
+    receiver = de.handle.receiver(121, SenderRef(p.address, "prefill-group"))
+    receiver.init(DST, aux_row=2)
+    eventually(lambda: receiver.poll() == RoomState.WAITING_FOR_INPUT)
+    peer = d.broker.internals.transport.peers.by_address[p.address]
+    loss = d.broker.internals.routes.peer_loss
+    d.loop.call(lambda: loss.peer_lost(peer, "stopped answering (test)", True))
+    status = receiver.wait(10)
+    assert status.state == RoomState.FAILED and status.cause.kind == common_pb2.FAILURE_KIND_PEER
+    time.sleep(0.5)
+    assert not receiver.status().pages_settled, "settled while the peer might still write"
+    d.loop.call(lambda: loss.peer_back(peer))
+    eventually(lambda: receiver.status().pages_settled, 5)
+
+
 def test_a_restarted_prefill_broker_learns_the_rooms_its_predecessor_lost(fake_brokers, make_engine) -> None:
     """A decode room registered with a prefill broker process that then died fails PEER, and the decode
     broker tells the broker that next answers at that address: a source the re-registered prefill engine
