@@ -44,6 +44,16 @@ def _loads(
                               prepare=prepare) for name, priority, pages in specs]
 
 
+def _median_behind_backlog(bulk: RoomLoad, chat: RoomLoad) -> float:
+    """The median seconds of 20 rooms of ``chat``, one opened every 20 ms, while ``bulk`` keeps
+    three rooms in flight."""
+    busy = Saturate(bulk, 3).start()
+    time.sleep(0.3)
+    latencies = sorted(timed_rooms(chat, 20, 0.02))
+    busy.stop()
+    return latencies[len(latencies) // 2]
+
+
 def test_two_saturating_bulk_engines_share_the_bytes_equally(fake_brokers) -> None:  # type: ignore[no-untyped-def]
     """Two bulk engines through one send window, one keeping six rooms in flight and the other two
     (first come first served would give the first three times the bytes): over the same seconds
@@ -94,11 +104,7 @@ def test_on_the_device_path_an_interactive_room_passes_a_bulk_backlog(fake_broke
         bulk, chat = _loads(fake_brokers, ("bulk", "bulk", 256), ("chat", "interactive", 1), cuda=cuda, priorities=priorities,
                             **device)
         try:
-            busy = Saturate(bulk, 3).start()
-            time.sleep(0.3)
-            latencies = sorted(timed_rooms(chat, 20, 0.02))
-            busy.stop()
-            medians[priorities] = latencies[len(latencies) // 2]
+            medians[priorities] = _median_behind_backlog(bulk, chat)
         finally:
             bulk.close()
             chat.close()
@@ -138,11 +144,7 @@ def test_an_interactive_room_passes_a_bulk_backlog_and_fifo_brokers_do_not(fake_
     for priorities in (True, False):
         bulk, chat = _loads(fake_brokers, ("bulk", "bulk", 256), ("chat", "interactive", 1), priorities=priorities)
         try:
-            busy = Saturate(bulk, 3).start()
-            time.sleep(0.3)
-            latencies = sorted(timed_rooms(chat, 20, 0.02))
-            busy.stop()
-            medians[priorities] = latencies[len(latencies) // 2]
+            medians[priorities] = _median_behind_backlog(bulk, chat)
             with grpc.insecure_channel(bulk.clients[0].address) as channel:
                 stats = admin_pb2_grpc.AdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
             rows[priorities] = {(q.priority, q.engine): q for q in stats.queues if q.queue == "send_window"}
@@ -170,11 +172,7 @@ def test_an_interactive_room_passes_a_bulk_backlog_of_its_own_engine(fake_broker
                                  priority="bulk", spare_pages=6)
         chat = bulk.alongside(priority="interactive", room_pages=1, slots=6)
         try:
-            busy = Saturate(bulk, 3).start()
-            time.sleep(0.3)
-            latencies = sorted(timed_rooms(chat, 20, 0.02))
-            busy.stop()
-            medians[priorities] = latencies[len(latencies) // 2]
+            medians[priorities] = _median_behind_backlog(bulk, chat)
         finally:
             chat.close()
             bulk.close()
