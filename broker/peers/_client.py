@@ -23,9 +23,9 @@ each joins the RegisterRooms (AbortRooms) call whose frame is not written
 yet, or makes one (``PeerStream.submit_item``), so the rooms of one loop
 pass go in one call of at most 512 rooms, written in the stream writer's
 next pass, and a burst of thousands of rooms costs a few calls and frames.
-A registration takes no task and no future (``submit_registration``). Each registration
-carries its room's trace context, so the sender's room spans join the room's
-trace as with a call of its own.
+A registration takes no task and no future (``submit_registration``). Each
+registration carries its room's trace context, so the sender's room spans
+join the room's trace as with a call of its own.
 
 Channels reconnect at least once per heartbeat (gRPC's own backoff grows to
 120 s, which would keep a restarted peer unreachable long after it is back).

@@ -269,14 +269,15 @@ class PeerStream:
         opening that ended INTERNAL is tried again (``_OPEN_TRIES``): its write
         raced the callee's status, which grpc.aio then loses (seen in CI: a
         broker without the stream taken for one that would not answer)."""
-        for tries_left in range(_OPEN_TRIES - 1, -1, -1):
+        tries = 1
+        while True:
             try:
                 return await self._open_once()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.INTERNAL or not tries_left:
+                if exc.code() != grpc.StatusCode.INTERNAL or tries >= _OPEN_TRIES:
                     raise
+                tries += 1
                 log.debug("peer_stream_open_again", peer=self._address, error=exc.details())
-        raise AssertionError("unreachable")
 
     async def _open_once(self) -> _Opened:
         call = self._stub.Stream()

@@ -2,9 +2,9 @@
 handshake, a receiver's room registrations (RegisterRooms), room in a receive
 staging buffer (ReserveStaging), a source's completion report, aborts
 (AbortRooms), and lease renewals for rooms a decode announced
-(RenewLeases). A registration or abort call may carry several rooms (a
-broker of this version sends one a call, on its peer stream, where calls
-made together share a frame); each item succeeds or fails on its own.
+(RenewLeases). A registration or abort call carries the rooms its caller
+made in one loop pass (on the peer stream, up to 512); each item succeeds or
+fails on its own.
 
 (Ping is answered by the servicer with the broker id alone.)
 """

@@ -87,6 +87,15 @@ def _pong(name: str, request: Any) -> Any:
     return peer_pb2.PingResponse(broker_id="callee")
 
 
+def _grants_never_answered(never: asyncio.Event) -> Callable[[str, Any], Any]:
+    """Answers: a GrantCredits waits for ``never``; anything else is a pong."""
+
+    def answer(name: str, request: Any) -> Any:
+        return never.wait() if name == "GrantCredits" else _pong(name, request)
+
+    return answer
+
+
 def test_calls_are_answered_by_id_and_a_waiting_call_holds_up_nothing() -> None:
     """A ReserveStaging that waits for room does not hold up a ping made after it; each gets its own answer."""
 
@@ -262,12 +271,7 @@ def test_a_call_not_yet_written_when_its_stream_breaks_goes_on_the_next_stream()
     broke; the ping, which the callee never saw, goes on the next stream and is answered."""
 
     async def body() -> None:
-        never = asyncio.Event()
-
-        def answer(name: str, request: Any) -> Any:
-            return never.wait() if name == "GrantCredits" else _pong(name, request)
-
-        callee = _Callee(answer)
+        callee = _Callee(_grants_never_answered(asyncio.Event()))
         async with _serving(callee) as address, _caller(address) as stub:
             grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
             await stub.Ping(peer_pb2.PingRequest(), timeout=10)  # the grant is written, and waits at the callee
@@ -345,12 +349,7 @@ def test_a_callee_that_stops_ends_its_streams_and_their_unanswered_calls_fail() 
     unanswered fails UNAVAILABLE at the caller, and the caller's next call opens a new stream."""
 
     async def body() -> None:
-        never = asyncio.Event()
-
-        def answer(name: str, request: Any) -> Any:
-            return never.wait() if name == "GrantCredits" else _pong(name, request)
-
-        callee = _Callee(answer)
+        callee = _Callee(_grants_never_answered(asyncio.Event()))
         async with _serving(callee) as address, _caller(address) as stub:
             grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
             await stub.Ping(peer_pb2.PingRequest(), timeout=10)

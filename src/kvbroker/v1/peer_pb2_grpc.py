@@ -110,9 +110,9 @@ class PeerBrokerServicer:
 
     def RegisterRooms(self, request, context):
         """Receiver's broker -> sender's broker: the transfer info of receiving
-        engine ranks for their rooms, one RegisterRoomRequest each (a broker
-        of this version sends one a call, on the peer stream, as the room's
-        plan is made). Each registration succeeds or fails on its own and is
+        engine ranks for their rooms, one RegisterRoomRequest each (those the
+        caller made in one loop pass, sent on the peer stream as they are
+        made). Each registration succeeds or fails on its own and is
         idempotent for the same (room, receiver); a failure of the call itself
         concerns them all.
         """
