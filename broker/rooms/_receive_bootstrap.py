@@ -101,7 +101,7 @@ class RankBootstrap:
             # Lesson 1: a component listed with no indices is not expected.
             state_indices={name: indices for name, indices in state.items() if indices.size},
         )
-        room.ranks[engine.key] = rank
+        self._rooms.add_receiver(room, rank)
         self._settling.track(rank)
         # The room span continues the engine's trace (the context its
         # ExpectRoom came with) or starts one; the bootstrap runs in it, so

@@ -251,7 +251,8 @@ class ReceiverCore:
     def has_business(self, broker_id: str) -> bool:
         """Whether a rank still waits on (or may still be written by) ``broker_id``."""
         return any(
-            r.leg(broker_id) is not None and (not r.terminal or not r.pages_settled) for r in self._rooms.all_receivers()
+            r.leg(broker_id) is not None and (not r.terminal or not r.pages_settled)
+            for r in self._rooms.unfinished_receivers()
         )
 
     # -- timers ----------------------------------------------------------------

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvbroker.broker.rooms._sides import StateTally
 from kvbroker.broker.rooms._smallmap import SmallMap
 from kvbroker.plan import RankKey
 from kvbroker.v1 import common_pb2
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
     from kvbroker.broker.rooms._sides import Side
 
 __all__ = ["ReceiverRoom", "RoomTables", "SenderRoom"]
+
+#: What a room record holds (its sides, its transfer infos) is made at most
+#: this long before the room: a scan by creation time looks this much further.
+_MADE_BEFORE_ROOM_S = 1.0
 
 
 @dataclass(eq=False, slots=True)
@@ -99,6 +104,22 @@ class RoomTables:
     #: landing without the control loop (``LandingGate``): the data-plane thread
     #: looks it up by a notice's room and receiver; only the loop changes it.
     gates: dict[tuple[int, RankKey], LandingGate] = field(default_factory=dict)
+    #: Sides held, by state, kept as they change (the room gauges read them
+    #: without scanning every record).
+    tallies: dict[str, StateTally] = field(default_factory=lambda: {"sender": StateTally(), "receiver": StateTally()})
+
+    def add_source(self, room: SenderRoom, source: Source) -> None:
+        room.sources[source.key] = source
+        self.tallies["sender"].hold(source)
+
+    def add_receiver(self, room: ReceiverRoom, rank: Receiver) -> None:
+        room.ranks[rank.key] = rank
+        self.tallies["receiver"].hold(rank)
+
+    def sender_rooms_made_by(self, at: float) -> list[SenderRoom]:
+        """The sender rooms made by monotonic time ``at`` (and a few made just after it),
+        oldest first, without looking at younger ones."""
+        return [room for _, room in _made_by(self.sender, at + _MADE_BEFORE_ROOM_S)]
 
     def sizes(self) -> dict[str, int]:
         """Name -> size of every per-room table (``GetStats.per_room_state``)."""
@@ -130,6 +151,14 @@ class RoomTables:
         for room in self.receiver.values():
             yield from room.ranks.values()
 
+    def unfinished_sources(self) -> list[Source]:
+        """The sources held that are not over (terminal with their pages settled)."""
+        return list(self.tallies["sender"].unfinished)  # type: ignore[arg-type]
+
+    def unfinished_receivers(self) -> list[Receiver]:
+        """The receivers held that are not over."""
+        return list(self.tallies["receiver"].unfinished)  # type: ignore[arg-type]
+
     def is_tombstoned(self, side: str, room: int) -> bool:
         return (side, room) in self.tombstones
 
@@ -158,15 +187,17 @@ class RoomTables:
         """
         unsettled = ttl_seconds if unsettled_ttl_seconds is None else unsettled_ttl_seconds
         removed = 0
+        # Nothing younger than the shortest wait can go: the scan stops at the
+        # first room made after it (rooms are kept in the order they were made).
         for side, table in (("sender", self.sender), ("receiver", self.receiver)):
-            for room_id in list(table):
-                room = table[room_id]
+            for room_id, room in _made_by(table, now - min(ttl_seconds, orphan_seconds)):
                 members: MutableMapping[RankKey, Any] = room.sources if isinstance(room, SenderRoom) else room.ranks
                 for member in [k for k, p in members.items() if p.expired(now, ttl_seconds, unsettled)]:
+                    gone = members.pop(member)
+                    self.tallies[side].drop(gone)
                     if on_evict is not None:
-                        on_evict(members[member])
+                        on_evict(gone)
                     self.gates.pop((room_id, member), None)  # (a rank's is gone when it ends: this is a guard)
-                    del members[member]
                     removed += 1
                 if members:
                     continue
@@ -185,9 +216,35 @@ class RoomTables:
                 del table[room_id]
                 self.tombstones[(side, room_id)] = now + tombstone_ttl_seconds
                 removed += 1
-        for tomb in [k for k, expiry in self.tombstones.items() if expiry <= now]:
+        # Tombstones expire in the order they were made (one TTL), but for
+        # those made with a TTL of 0 (tests): those are looked for everywhere.
+        expired = []
+        for tomb, expiry in self.tombstones.items():
+            if expiry > now:
+                if tombstone_ttl_seconds > 0:
+                    break
+                continue
+            expired.append(tomb)
+        for tomb in expired:
             del self.tombstones[tomb]
         notice_ttl = tombstone_ttl_seconds if notice_ttl_seconds is None else notice_ttl_seconds
         for notice in [k for k, (_, at) in self.successor_notices.items() if now - at >= notice_ttl]:
             del self.successor_notices[notice]
         return removed
+
+
+def _made_by(table: dict[int, Any], at: float) -> list[tuple[int, Any]]:
+    """(room id, room) of ``table``'s rooms made by ``at``, oldest first.
+
+    A table's rooms are in the order they were made (a room is added once,
+    when made, and never again), so the walk stops at the first one made
+    after ``at``: its cost is the rooms old enough, not every room. A room
+    whose ``created_at`` is out of that order is only seen once those made
+    before it are old enough too.
+    """
+    found = []
+    for room_id, room in table.items():
+        if room.created_at > at:
+            break
+        found.append((room_id, room))
+    return found

@@ -82,7 +82,7 @@ class SourceBootstrap:
         if source.engine_traced:
             # The engine passed its request's trace: the room joins it.
             self._outcomes.open_span(source, source.begin_context)
-        room.sources[engine.key] = source
+        self._rooms.add_source(room, source)
         self._open.add(source)
         log.debug("send_opened", room=room_id, engine=engine.label, num_pages=num_pages)
         if room.aborted is not None:
@@ -148,7 +148,8 @@ class SourceBootstrap:
         received before that time. Returns how many receivers were told.
         """
         told = 0
-        for room in self._rooms.sender.values():
+        rooms = self._rooms.sender.values() if older_than is None else self._rooms.sender_rooms_made_by(older_than)
+        for room in rooms:
             if source_key in room.opened:
                 continue
             for info in room.infos.values():
@@ -211,11 +212,12 @@ class SourceBootstrap:
 
     def answer_orphans(self, now: float, orphan_timeout_seconds: float, every: float) -> None:
         """Answer every transfer info whose source did not open the room within
-        the orphan timeout (that scan of every room at most every ``every`` s)."""
+        the orphan timeout (that scan of the rooms older than it at most every
+        ``every`` s)."""
         if now - self._orphans_checked_at < every:
             return
         self._orphans_checked_at = now
-        for room in list(self._rooms.sender.values()):
+        for room in self._rooms.sender_rooms_made_by(now - orphan_timeout_seconds):
             for info, rank in list(room.unserved()):
                 if now - info.received_at <= orphan_timeout_seconds:
                     continue

@@ -198,5 +198,5 @@ class SenderCore:
         """Whether a source still serves (or writes to) a receiver at ``broker_id``."""
         return any(
             (not s.terminal or s.inflight) and any(d.info.receiver_broker_id == broker_id for d in s.destinations.values())
-            for s in self._rooms.all_sources()
+            for s in self._rooms.unfinished_sources()
         )

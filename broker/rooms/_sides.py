@@ -46,6 +46,7 @@ __all__ = [
     "TRANSFERRING",
     "WAITING_FOR_INPUT",
     "Side",
+    "StateTally",
     "cause",
     "cause_of",
 ]
@@ -82,6 +83,43 @@ _EVENT_INDEX = {name: i for i, name in enumerate(EVENTS)}
 
 def _no_marks() -> array[float]:
     return array("d", (math.nan,) * len(EVENTS))
+
+
+class StateTally:
+    """The sides of one kind a broker holds, by state, and those not over yet,
+    kept as they change: the room gauges and the searches for a peer's rooms
+    read it instead of scanning every record (a broker holds every room of
+    the finished-room TTL, tens of thousands at speed)."""
+
+    __slots__ = ("counts", "unfinished")
+
+    def __init__(self) -> None:
+        #: State -> sides held in it.
+        self.counts: dict[int, int] = {}
+        #: The sides held that are not ``over`` (an ordered set).
+        self.unfinished: dict[Side, None] = {}
+
+    def hold(self, side: Side) -> None:
+        """``side`` is held from now on (counted, and its changes with it)."""
+        side.tally = self
+        self.counts[side.state] = self.counts.get(side.state, 0) + 1
+        if not side.over:
+            self.unfinished[side] = None
+
+    def drop(self, side: Side) -> None:
+        """``side`` is no longer held."""
+        if side.tally is self:
+            side.tally = None
+            self.counts[side.state] -= 1
+            self.unfinished.pop(side, None)
+
+    def changed(self, side: Side, old_state: int) -> None:
+        """``side`` changed (it was in ``old_state``)."""
+        if side.state != old_state:
+            self.counts[old_state] -= 1
+            self.counts[side.state] = self.counts.get(side.state, 0) + 1
+        if side.over:
+            self.unfinished.pop(side, None)
 
 
 # Per-room records use __slots__ (slots=True) and compact fields: a broker
@@ -128,6 +166,8 @@ class Side:
     deadline: float | None = None
     #: Seconds its work waited in the broker's ordered queues (the send window), all parts together.
     queued_s: float = 0.0
+    #: The tally that counts it while the broker holds it (``RoomTables``).
+    tally: StateTally | None = None
 
     def __post_init__(self) -> None:
         self.marks[0] = self.opened_ns / 1e9
@@ -139,6 +179,13 @@ class Side:
     @property
     def terminal(self) -> bool:
         return self.state in (FAILED, SUCCESS)
+
+    @property
+    def over(self) -> bool:
+        """Terminal, with its pages settled: nothing of it changes or touches
+        its pages any more (a source posts nothing once terminal, so it has
+        nothing in flight either)."""
+        return self.state in (FAILED, SUCCESS) and self.pages_settled
 
     def mark(self, event: str) -> None:
         """Note ``event`` on the timeline (the first time only)."""
@@ -158,12 +205,15 @@ class Side:
         """Move forward to ``state``; False (no change) if not forward or terminal."""
         if self.terminal or state <= self.state or state == FAILED:
             return False
+        old = self.state
         self.state = state
         if state == SUCCESS:
             self.finished_at = self.settled_at = time.monotonic()
             self.pages_settled = True
             self.mark("success")
             self.mark("settled")
+        if self.tally is not None:
+            self.tally.changed(self, old)
         self.listener(self)
         return True
 
@@ -175,6 +225,7 @@ class Side:
         """
         if self.terminal:
             return False
+        old = self.state
         self.state = FAILED
         self.cause = why
         self.finished_at = time.monotonic()
@@ -183,6 +234,8 @@ class Side:
         if settled:
             self.settled_at = self.finished_at
             self.mark("settled")
+        if self.tally is not None:
+            self.tally.changed(self, old)
         self.listener(self)
         return True
 
@@ -191,6 +244,8 @@ class Side:
             self.pages_settled = True
             self.settled_at = time.monotonic()
             self.mark("settled")
+            if self.tally is not None:
+                self.tally.changed(self, self.state)
             self.listener(self)
 
     def status(self) -> common_pb2.RoomStatus:

@@ -2,13 +2,14 @@
 rooms and the lease renewals of announced rooms that are due every
 housekeeping interval; eviction of finished rooms and
 tombstones, orphaned transfer infos and the metric gauges every
-``_SLOW_PASSES`` intervals (they scan every record)."""
+``_SLOW_PASSES`` intervals. None of them scans every record: eviction and
+the orphans look only at rooms old enough (``RoomTables`` keeps rooms in
+the order they were made), the gauges read tallies kept as states change."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
 
 import structlog
 
@@ -16,7 +17,6 @@ from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.execution import Machines, Transport, transport_text
 from kvbroker.broker.memory import EngineTable
-from kvbroker.broker.rooms import Side
 from kvbroker.broker.telemetry import BrokerMetrics, GaugeSnapshot, child_done
 from kvbroker.v1 import common_pb2
 
@@ -24,7 +24,7 @@ __all__ = ["Housekeeping"]
 
 log = structlog.get_logger(__name__)
 
-#: Housekeeping passes per pass that scans every record (eviction, gauges).
+#: Housekeeping passes per pass that evicts, answers orphans and refreshes the gauges.
 _SLOW_PASSES = 4
 
 
@@ -59,9 +59,8 @@ class Housekeeping:
             await cancel_and_wait([self._task])
 
     async def _run(self) -> None:
-        """Timeouts of open rooms every housekeeping interval; what scans every
-        record (eviction, orphaned transfer infos, the gauges) every
-        ``_SLOW_PASSES`` intervals, so its cost does not grow with the rate."""
+        """Timeouts of open rooms every housekeeping interval; eviction, orphaned
+        transfer infos and the gauges every ``_SLOW_PASSES`` intervals."""
         cfg = self._config
         slow_every = cfg.housekeeping_interval_seconds * _SLOW_PASSES
         slow_at = 0.0
@@ -104,12 +103,12 @@ class Housekeeping:
 
     def _refresh_gauges(self) -> None:
         """The snapshot the metric gauges read (scrapes run on another thread)."""
-        rooms: dict[tuple[str, str], int] = {}
-        sides: list[tuple[str, Iterable[Side]]] = [("sender", self._rooms.all_sources()), ("receiver", self._rooms.all_receivers())]
-        for name, records in sides:
-            for side in records:
-                key = (name, common_pb2.RoomState.Name(side.state))
-                rooms[key] = rooms.get(key, 0) + 1
+        rooms = {
+            (name, common_pb2.RoomState.Name(state)): n
+            for name, tally in self._rooms.tallies.items()
+            for state, n in tally.counts.items()
+            if n
+        }
         peers = [p for p in self._peers.peers() if not p.is_self and p.broker_id]
         transport = transport_text(self._config)
         self._metrics.snapshot = GaugeSnapshot(

@@ -463,7 +463,7 @@ def test_evict_only_expired_members() -> None:
     done = receiver(room=3, tp=0)
     busy = receiver(room=3, tp=1)
     _finish(done, at=0.0)
-    tables.receiver[3] = ReceiverRoom(room=3, ranks={done.key: done, busy.key: busy})
+    tables.receiver[3] = ReceiverRoom(room=3, ranks={done.key: done, busy.key: busy}, created_at=0.0)
     assert tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN) == 1
     assert tables.receiver[3].ranks == {busy.key: busy}
     assert not tables.is_tombstoned("receiver", 3)
@@ -503,10 +503,12 @@ def test_evict_sender_room_takes_its_infos() -> None:
 
 
 def test_empty_receiver_room_removed_and_tombstoned() -> None:
-    """A receiver room with no ranks is removed and tombstoned."""
+    """A receiver room with no ranks is removed and tombstoned once it is as
+    old as the shortest wait (eviction looks at no room younger)."""
     tables = RoomTables()
     tables.receiver[8] = ReceiverRoom(room=8, created_at=50.0)
-    assert tables.evict(50.0, TTL, TOMBSTONE_TTL, ORPHAN) == 1
+    assert tables.evict(50.0 + TTL - 0.1, TTL, TOMBSTONE_TTL, ORPHAN) == 0
+    assert tables.evict(50.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN) == 1
     assert tables.receiver == {}
     assert tables.is_tombstoned("receiver", 8)
 
@@ -515,10 +517,11 @@ def test_tombstones_expire() -> None:
     """Tombstones are dropped once their TTL has passed, and not before."""
     tables = RoomTables()
     tables.receiver[8] = ReceiverRoom(room=8, created_at=0.0)
-    tables.evict(0.0, TTL, TOMBSTONE_TTL, ORPHAN)
-    assert tables.evict(TOMBSTONE_TTL - 0.1, TTL, TOMBSTONE_TTL, ORPHAN) == 0
+    tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert tables.is_tombstoned("receiver", 8)
-    tables.evict(TOMBSTONE_TTL, TTL, TOMBSTONE_TTL, ORPHAN)
+    assert tables.evict(TTL + TOMBSTONE_TTL - 0.1, TTL, TOMBSTONE_TTL, ORPHAN) == 0
+    assert tables.is_tombstoned("receiver", 8)
+    tables.evict(TTL + TOMBSTONE_TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert not tables.is_tombstoned("receiver", 8)
     assert tables.sizes()["tombstones"] == 0
 
@@ -603,6 +606,72 @@ def test_evict_idle_tables_return_to_zero() -> None:
     assert tables.sizes()["tombstones"] == 6
     tables.evict(TTL + TOMBSTONE_TTL, TTL, TOMBSTONE_TTL, ORPHAN)
     assert set(tables.sizes().values()) == {0}
+
+
+def test_evict_looks_at_no_room_younger_than_the_shortest_wait() -> None:
+    """Eviction walks the rooms in the order they were made and stops at the
+    first one younger than the shortest wait (the TTL here): a room behind it
+    is not looked at, even one whose rank would be expired (a room made out
+    of that order), until the rooms before it are old enough too."""
+    tables = RoomTables()
+    old, young, behind = receiver(room=1), receiver(room=2), receiver(room=3)
+    for rank in (old, young, behind):
+        _finish(rank, at=0.0)
+    tables.receiver[1] = ReceiverRoom(room=1, ranks={old.key: old}, created_at=0.0)
+    tables.receiver[2] = ReceiverRoom(room=2, ranks={young.key: young}, created_at=5.0)
+    tables.receiver[3] = ReceiverRoom(room=3, ranks={behind.key: behind}, created_at=0.0)
+    assert tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN) == 2  # room 1 and its rank
+    assert list(tables.receiver) == [2, 3]
+    assert tables.evict(5.0 + TTL, TTL, TOMBSTONE_TTL, ORPHAN) == 4
+    assert tables.receiver == {}
+
+
+def test_tallies_count_the_sides_held_by_state_as_they_change() -> None:
+    """The room gauges' tallies equal a count over every record, and their
+    unfinished sides the records not over, through opening, every change of
+    state, settling and eviction (no scan needed)."""
+    tables = RoomTables()
+
+    def counted() -> dict[tuple[str, int], int]:
+        return {(kind, state): n for kind, tally in tables.tallies.items() for state, n in tally.counts.items() if n}
+
+    def scanned() -> dict[tuple[str, int], int]:
+        found: dict[tuple[str, int], int] = {}
+        for kind, sides in (("sender", tables.all_sources()), ("receiver", tables.all_receivers())):
+            for side in sides:
+                found[(kind, side.state)] = found.get((kind, side.state), 0) + 1
+        # ... and the sides not over are those the tallies list.
+        assert set(tables.unfinished_sources()) == {s for s in tables.all_sources() if not s.over}
+        assert set(tables.unfinished_receivers()) == {r for r in tables.all_receivers() if not r.over}
+        return found
+
+    sources = [source(room=r) for r in range(4)]
+    ranks = [receiver(room=r) for r in range(4)]
+    sources[3].fail(failure())  # failed before it was held: counted as it is
+    for src, rank in zip(sources, ranks, strict=True):
+        tables.add_source(tables.sender.setdefault(src.room, SenderRoom(src.room, created_at=0.0, opened=(src.key,))), src)
+        tables.add_receiver(tables.receiver.setdefault(rank.room, ReceiverRoom(rank.room, created_at=0.0)), rank)
+    assert counted() == scanned() == {("sender", BOOTSTRAPPING): 3, ("sender", FAILED): 1, ("receiver", BOOTSTRAPPING): 4}
+    sources[0].advance(TRANSFERRING)
+    _finish(sources[1], at=0.0)
+    _finish(ranks[0], at=0.0, ok=False)
+    _finish(ranks[1], at=0.0)
+    ranks[2].advance(WAITING)
+    ranks[2].advance(WAITING)  # no change, not counted twice
+    assert counted() == scanned()
+    assert sources[3] in tables.unfinished_sources() and ranks[0] in tables.unfinished_receivers()  # failed, unsettled
+    sources[3].mark_settled()
+    assert counted() == scanned() and sources[3] not in tables.unfinished_sources()
+    assert counted()[("receiver", WAITING)] == 1
+    sources[3].settled_at = sources[3].finished_at = 0.0
+    assert ranks[1] not in tables.unfinished_receivers()
+    tables.evict(TTL, TTL, TOMBSTONE_TTL, ORPHAN)
+    assert counted() == scanned() == {
+        ("sender", TRANSFERRING): 1,
+        ("sender", BOOTSTRAPPING): 1,
+        ("receiver", WAITING): 1,
+        ("receiver", BOOTSTRAPPING): 1,
+    }
 
 
 def test_source_ready() -> None:
