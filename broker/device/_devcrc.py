@@ -60,6 +60,8 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from kvbroker.broker.device._gf2 import MASK, bits, byte_table, conditioning, matrix, zero_bytes
+
 __all__ = [
     "LANE_BYTES",
     "MAX_BYTES",
@@ -94,102 +96,9 @@ _log = logging.getLogger(__name__)
 if sys.byteorder != "little":  # the torch path writes bytes into int32 indices
     raise ImportError("kvbroker's device CRC-32 needs a little-endian host")
 
-_POLY = 0xEDB88320  # the reflected CRC-32 polynomial of zlib
-_MASK = 0xFFFFFFFF
-_U8 = npt.NDArray[np.uint8]
-_U32 = npt.NDArray[np.uint32]
-
-
-# -- GF(2) on the host -----------------------------------------------------------------
-
-
-@functools.cache
-def _byte_table() -> _U32:
-    """The classic table: entry v is the raw CRC of the one byte v."""
-    table = np.arange(256, dtype=np.uint32)
-    for _ in range(8):
-        table = np.where(
-            table & 1, (table >> np.uint32(1)) ^ np.uint32(_POLY), table >> np.uint32(1)
-        )
-    return table.astype(np.uint32)
-
-
-def _zero_bytes(values: _U32, count: int) -> _U32:
-    """``values`` (raw registers) advanced over ``count`` zero bytes, one byte at a time."""
-    table = _byte_table()
-    for _ in range(count):
-        values = table[values & np.uint32(0xFF)] ^ (values >> np.uint32(8))
-    return values
-
-
-def _bits(values: _U32) -> _U8:
-    """(len, 32) 0/1: bit j of each value in column j."""
-    return ((values.reshape(-1, 1) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(
-        np.uint8
-    )
-
-
-@functools.cache
-def _power_matrix(log2_bytes: int) -> _U8:
-    """shift_k for k = 2**log2_bytes, in rows: row i holds the bits of shift_k(1 << i)."""
-    if log2_bytes == 0:
-        return _bits(_zero_bytes(np.uint32(1) << np.arange(32, dtype=np.uint32), 1))
-    half = _power_matrix(log2_bytes - 1).astype(np.int64)
-    return ((half @ half) & 1).astype(np.uint8)
-
-
-def _matrix(nbytes: int) -> _U8:
-    """shift_nbytes in rows (``x @ matrix`` advances the row of bits x)."""
-    out = np.eye(32, dtype=np.int64)
-    k = 0
-    while nbytes:
-        if nbytes & 1:
-            out = (out @ _power_matrix(k).astype(np.int64)) & 1
-        nbytes >>= 1
-        k += 1
-    return out.astype(np.uint8)
-
-
-@functools.cache
-def _power_bytes(log2_bytes: int) -> tuple[tuple[int, ...], ...]:
-    """shift_k (k = 2**log2_bytes) as 4 tables of 256 ints: one per byte of the register."""
-    rows = [sum(int(b) << j for j, b in enumerate(row)) for row in _power_matrix(log2_bytes)]
-    return tuple(tuple(_xor_of(rows[8 * j : 8 * j + 8], v) for v in range(256)) for j in range(4))
-
-
-def _xor_of(rows: list[int], v: int) -> int:
-    out = 0
-    for bit, row in enumerate(rows):
-        if v >> bit & 1:
-            out ^= row
-    return out
-
-
-def _shift(vector: int, nbytes: int) -> int:
-    """shift_nbytes(vector), on the host: one 4-lookup product per set bit of nbytes."""
-    k = 0
-    while nbytes:
-        if nbytes & 1:
-            t = _power_bytes(k)
-            vector = (
-                t[0][vector & 0xFF]
-                ^ t[1][vector >> 8 & 0xFF]
-                ^ t[2][vector >> 16 & 0xFF]
-                ^ t[3][vector >> 24]
-            )
-        nbytes >>= 1
-        k += 1
-    return vector
-
-
-def _conditioning(value: int, nbytes: int) -> int:
-    """What zlib's pre/post conditioning adds to the raw CRC: shift_n(~value) ^ ~0."""
-    return _shift(value ^ _MASK, nbytes) ^ _MASK
-
-
 def _stacked(distances: range) -> npt.NDArray[np.float32]:
     """The matrices of ``distances`` (bytes) stacked: (len * 32, 32) float32."""
-    return np.concatenate([_matrix(d) for d in distances]).astype(np.float32)
+    return np.concatenate([matrix(d) for d in distances]).astype(np.float32)
 
 
 @functools.cache
@@ -197,9 +106,9 @@ def _host_tables() -> dict[str, npt.NDArray[np.generic]]:
     s, k = STEP_BYTES, STEPS
     # Row e * 256 + v: the bits of the raw CRC of byte v followed by e zero bytes.
     rows = np.empty((s, 256), dtype=np.uint32)
-    rows[0] = _byte_table()
+    rows[0] = byte_table()
     for e in range(1, s):
-        rows[e] = _zero_bytes(rows[e - 1], 1)
+        rows[e] = zero_bytes(rows[e - 1], 1)
     levels = {}
     unit = LANE_BYTES
     for i, fan_in in enumerate(FAN_IN):
@@ -209,8 +118,8 @@ def _host_tables() -> dict[str, npt.NDArray[np.generic]]:
     starts = np.arange(s)[:, None] + s * np.arange(-1, k - 1)[None, :]
     starts[:, 0] = 0
     return {
-        "step": _bits(rows.reshape(-1)),
-        "advance": _matrix(s),
+        "step": bits(rows.reshape(-1)),
+        "advance": matrix(s),
         "head": _stacked(range((k - 1) * s, -1, -s)).astype(np.uint8),
         "head_index": ((LANE_BYTES - 1 - j) % s * 256).astype(np.int32),
         "head_offsets": starts.astype(np.int32),
@@ -353,15 +262,15 @@ def crc32_tensor(data: torch.Tensor, value: int = 0) -> torch.Tensor:
     uploads the lookup tables (about 4 MiB) synchronously, unless :func:`prepare` did.
     """
     _check(data)
-    value &= _MASK
+    value &= MASK
     n = data.numel()
     if n == 0:
         return torch.full((), value, dtype=torch.int64, device=data.device)
     if backend(data.device) == "triton":
         from kvbroker.broker.device._devcrc_triton import crc32_triton
 
-        return crc32_triton(data, _conditioning(value, n))
-    return _crc32_torch(data, _conditioning(value, n))
+        return crc32_triton(data, conditioning(value, n))
+    return _crc32_torch(data, conditioning(value, n))
 
 
 def crc32(data: torch.Tensor, value: int = 0) -> int:

@@ -33,6 +33,8 @@ import torch
 import triton  # type: ignore[import-not-found, import-untyped, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
+from kvbroker.broker.device._gf2 import byte_table, matrix, zero_bytes
+
 __all__ = ["LAUNCHES", "crc32_triton"]
 
 LANES = 256
@@ -146,20 +148,18 @@ def _kernel() -> Any:
 def _host_tables() -> tuple[npt.NDArray[np.int32], ...]:
     """(steps, lanes, chunks): WIDTH * 256 rows; LANES and CHUNK_BITS advances as
     4 tables of 256 entries each (one per byte of the register)."""
-    from kvbroker.broker.device._devcrc import _byte_table, _matrix, _zero_bytes
-
     rows = np.empty((WIDTH, 256), dtype=np.uint32)
-    rows[0] = _byte_table()
+    rows[0] = byte_table()
     for e in range(1, WIDTH):
-        rows[e] = _zero_bytes(rows[e - 1], 1)
-    lanes = [_byte_tables(_matrix((LANES - 1 - t) * LANE)) for t in range(LANES)]
-    chunks = [_byte_tables(_matrix(CHUNK << b)) for b in range(CHUNK_BITS)]
+        rows[e] = zero_bytes(rows[e - 1], 1)
+    lanes = [_byte_tables(matrix((LANES - 1 - t) * LANE)) for t in range(LANES)]
+    chunks = [_byte_tables(matrix(CHUNK << b)) for b in range(CHUNK_BITS)]
     return tuple(np.stack(list(t)).reshape(-1).view(np.int32) for t in (rows, lanes, chunks))
 
 
 def _byte_tables(matrix: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint32]:
     """(4, 256): entry j, v is ``matrix`` applied to ``v << 8j`` (rows of bits in, as
-    ``_devcrc._matrix`` makes them)."""
+    ``_gf2.matrix`` makes them)."""
     values = np.arange(256, dtype=np.uint32)
     bits = ((values[:, None] >> np.arange(8, dtype=np.uint32)) & 1).astype(np.int64)
     weights = np.uint32(1) << np.arange(32, dtype=np.uint32)

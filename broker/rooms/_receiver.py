@@ -115,14 +115,14 @@ class ReceiverCore:
         broker_id: str,
         rooms: RoomTables,
         counters: Counters,
+        credits: CreditLedger,
         on_bytes: Callable[[int], None] = lambda _n: None,
-        credits: CreditLedger | None = None,
     ) -> None:
         core = MachineCore(broker_id=broker_id, rooms=rooms, counters=counters)
         successors = SuccessorNotices(rooms)
         settling = RankSettling(core, successors)
         bootstrap = RankBootstrap(core, settling, successors)
-        landing = RankLanding(core, settling, credits=credits if credits is not None else CreditLedger(), on_bytes=on_bytes)
+        landing = RankLanding(core, settling, credits=credits, on_bytes=on_bytes)
         self._id = broker_id
         self._rooms = rooms
         self._settling = settling

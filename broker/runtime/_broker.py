@@ -195,7 +195,7 @@ class Broker:
         await cancel_and_wait(self._running)
         for engine in list(svc.engines.by_id.values()):
             m.hub.close(engine.engine_id)
-            await self._routes.engine_calls.release_engine(engine)
+            await svc.engines.release(engine)
         await t.pools.close()
         for peer in t.peers.peers():
             t.peers.drop(peer)

@@ -124,7 +124,7 @@ class EngineCalls:
         # The failed records stay until eviction: a transfer info that arrives
         # later for one of them is answered with the failure, not left waiting.
         self._hub.close(engine_id)
-        await self.release_engine(engine)
+        await self._engines.release(engine)
         log.info("engine_unregistered", engine=engine.label, lost=lost, rooms_failed=failed)
         return failed
 
@@ -142,10 +142,6 @@ class EngineCalls:
         if engine_id and engine_id in self._engines.by_id:
             log.warning("engine_connection_lost", engine=self._engines.by_id[engine_id].label, pid=connection.pid)
             self._tasks.spawn(self.unregister_engine(engine_id, lost=True), name=f"lost-{engine_id}")
-
-    async def release_engine(self, engine: Engine) -> None:
-        """Release an engine (its GPUs' transfer buffers stay: ``StagingPools.ensure_device``)."""
-        await self._engines.release(engine)
 
     # -- room commands ---------------------------------------------------------------
     @in_turn

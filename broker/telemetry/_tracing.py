@@ -23,7 +23,6 @@ is exported.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
@@ -129,10 +128,6 @@ def add_trace_ids(_logger: Any, _method: str, event: MutableMapping[str, Any]) -
     if "trace_id" not in event:
         event.update(span_ids(trace.get_current_span()))
     return event
-
-
-def now_ns() -> int:
-    return time.time_ns()
 
 
 def current_span() -> Span:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbroker.broker.memory import CreditLedger
 from kvbroker.broker.rooms import (
     Abort,
     AnnounceRoom,
@@ -31,7 +32,7 @@ Builder = Callable[..., Any]
 class World:
     def __init__(self, engine_stub: Builder) -> None:
         self.engine_stub = engine_stub
-        self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters())
+        self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters(), credits=CreditLedger())
 
     def announce(self, engine: Any, room: int, address: str = A, group: str = "prefill-group") -> None:
         self.core.announce(AnnounceRoom(engine=engine, room=room, sender_address=address, sender_group=group))

@@ -68,7 +68,7 @@ class World:
         self.engine_stub = engine_stub
         self.rooms = RoomTables()
         self.counters = Counters()
-        self.core = ReceiverCore(broker_id="decode-broker", rooms=self.rooms, counters=self.counters)
+        self.core = ReceiverCore(broker_id="decode-broker", rooms=self.rooms, counters=self.counters, credits=CreditLedger())
 
     def take(self) -> list[Effect]:
         return self.core.take()
