@@ -217,7 +217,7 @@ class Executor:
             Publish: lambda e: self._hub.publish(e.engine_id, e.status),
             RoomEnded: lambda e: self._room_ended(e.side),
             PostPart: lambda e: self._parts.post(e.part),
-            ReserveStaging: lambda e: self._parts.reserve_staging(e.part),
+            ReserveStaging: lambda e: self._parts.reserve_slots(e.part),
             SendReport: lambda e: spawn(self._calls.report(e), name=f"report-{e.report.room}"),
             FindSender: lambda e: spawn(self._calls.find_sender(e.receiver), name=f"bootstrap-{e.receiver.room}"),
             RegisterRoom: lambda e: self._registrations.start(e),

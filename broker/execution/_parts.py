@@ -158,7 +158,7 @@ class PartsInFlight:
         self._parts[part] = (span, time.monotonic())
         return span
 
-    def reserve_staging(self, part: Part) -> None:
+    def reserve_slots(self, part: Part) -> None:
         """Room for a staged or packed part before it is posted: a packed one
         takes our slot first, then the receiver's (asked for while we gather)."""
         self.start(part)
