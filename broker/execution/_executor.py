@@ -177,7 +177,7 @@ class Executor:
         # Poll for notifications while rooms wait for data, or credits for their return;
         # closely while packed parts are in flight (ours in a peer's credits, a peer's in ours).
         pacing, returns = self._dataplane.pacing, self.credits.awaiting_returns()
-        pacing.listening = returns or self._receiver.awaiting_data()
+        pacing.listening = returns or self._receiver.ranks_awaiting_data() > 0
         pacing.busy = returns or self.credits.ledger.any_granted()
 
     @in_turn

@@ -2,7 +2,7 @@
 
 :class:`RankSettling` holds the ranks that may still be written (open, or
 failed with writes in flight; the data plane polls for notices while there
-are any, :meth:`~RankSettling.awaiting_data`, and their data timeout runs,
+are any, :meth:`~RankSettling.ranks_awaiting_data`, and their data timeout runs,
 :meth:`~RankSettling.time_out`). Failing a rank (:meth:`~RankSettling.fail`)
 keeps the first cause and tells its sender brokers (``AbortAtPeer``; not the
 one that told it, or is gone), or, if one went away, whichever broker
@@ -63,16 +63,12 @@ class RankSettling:
         """``rank`` just opened: it waits for data from now on."""
         self._open.add(rank)
 
-    def awaiting_data(self) -> bool:
-        """Whether a rank still waits for notices (the data plane polls for them
-        then): an open one, or a failed one whose pages may still be written
-        (the notice of a write in flight settles them). Ranks leave ``_open``
-        as they settle (``changed``), or in ``time_out`` once evicted unsettled:
-        this is called after every batch of events and must not scan."""
-        return bool(self._open)
-
     def ranks_awaiting_data(self) -> int:
-        """How many ranks wait for notices (as :meth:`awaiting_data`)."""
+        """How many ranks still wait for notices (the data plane polls for them
+        while any do): open ones, and failed ones whose pages may still be
+        written (the notice of a write in flight settles them). Ranks leave
+        ``_open`` as they settle (``changed``), or in ``time_out`` once evicted
+        unsettled: this is called after every batch of events and must not scan."""
         return len(self._open)
 
     def _recorded(self, rank: Receiver) -> bool:

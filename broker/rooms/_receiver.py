@@ -91,7 +91,7 @@ class ReceiverCore:
     """Every receiver rank of this broker. No I/O: calls leave effects (:meth:`take`).
 
     The facade over the receiver's collaborators: ``take`` is the shared
-    outbox's; ``fail``, ``awaiting_data`` and ``ranks_awaiting_data`` are
+    outbox's; ``fail`` and ``ranks_awaiting_data`` are
     :class:`~kvbroker.broker.rooms._receive_settling.RankSettling`'s;
     ``sender_found``, ``still_looking``, ``bootstrap_failed`` and
     the registration outcomes (``registration_stale``, ``register_again``,
@@ -132,7 +132,6 @@ class ReceiverCore:
         # -- the calls one collaborator answers, bound (no hop) --------------
         self.take = core.take
         self.fail = settling.fail
-        self.awaiting_data = settling.awaiting_data
         self.ranks_awaiting_data = settling.ranks_awaiting_data
         self.sender_found = bootstrap.sender_found
         self.still_looking = bootstrap.still_looking

@@ -534,11 +534,11 @@ def test_the_data_plane_listens_until_a_failed_ranks_pages_settle(world: World) 
     notices: the notice of that write is what settles the pages (it was left for
     the once-a-second drain, so an aborted room's pages settled up to 1 s late)."""
     rank = world.registered()
-    assert world.core.awaiting_data()
+    assert world.core.ranks_awaiting_data() == 1
     world.core.abort(Abort(engine=rank.engine, room=rank.room))
-    assert rank.state == FAILED and world.core.awaiting_data()
+    assert rank.state == FAILED and world.core.ranks_awaiting_data() == 1
     world.core.notices([notice(rank, SOURCE)])
-    assert rank.pages_settled and not world.core.awaiting_data()
+    assert rank.pages_settled and world.core.ranks_awaiting_data() == 0
 
 
 def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_handshake(world: World) -> None:
