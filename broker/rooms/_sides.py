@@ -185,7 +185,7 @@ class Side:
         """Terminal, with its pages settled: nothing of it changes or touches
         its pages any more (a source posts nothing once terminal, so it has
         nothing in flight either)."""
-        return self.state in (FAILED, SUCCESS) and self.pages_settled
+        return self.terminal and self.pages_settled
 
     def mark(self, event: str) -> None:
         """Note ``event`` on the timeline (the first time only)."""
