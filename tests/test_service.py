@@ -885,7 +885,7 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
     p2 = fake_brokers("p2", listen_address=p1.address)
     pe2 = make_engine(p2.address, "prefill")
     peers, client = d.broker.internals.transport.peers, d.broker.internals.transport.client
-    real_stub = client.stub
+    real_stub = client.caller
     raced: list[str] = []
 
     class RacingStub:
@@ -895,9 +895,9 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        def submit_item(self, name, request, items, **kwargs):  # type: ignore[no-untyped-def]
-            if name != "RegisterRooms" or raced:
-                return self._stub.submit_item(name, request, items, **kwargs)
+        def submit_item(self, method, request, items, **kwargs):  # type: ignore[no-untyped-def]
+            if method.name != "RegisterRooms" or raced:
+                return self._stub.submit_item(method, request, items, **kwargs)
             raced.append(request.rooms[0].sender_broker_id)
 
             async def racing():  # type: ignore[no-untyped-def]
@@ -910,13 +910,13 @@ def test_registration_out_when_a_restart_is_detected_lands_in_the_new_process(fa
                         break
                     except errors.Unavailable:
                         await asyncio.sleep(0.05)
-                call, index = self._stub.submit_item(name, request, items, **kwargs)
+                call, index = self._stub.submit_item(method, request, items, **kwargs)
                 assert index == 0
                 return await call
 
             return asyncio.ensure_future(racing()), 0
 
-    monkeypatch.setattr(client, "stub", lambda peer: RacingStub(real_stub(peer)))
+    monkeypatch.setattr(client, "caller", lambda peer: RacingStub(real_stub(peer)))
     _move_room(pe2, de, p1.address, 99)
     assert raced == [p1.broker.broker_id] and peers.by_address[p1.address].broker_id == p2.broker.broker_id
     _assert_moved(pe2, de, SRC, DST)
@@ -963,7 +963,7 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
     of waiting for data that will never come."""
     p, d, _pe, de = _pair(fake_brokers, make_engine)
     client = d.broker.internals.transport.client
-    real_stub = client.stub
+    real_stub = client.caller
 
     class LosingStub:
         def __init__(self, stub: object, peer: object) -> None:
@@ -972,14 +972,14 @@ def test_registration_accepted_by_a_process_lost_meanwhile_fails_the_room_settle
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        def submit_item(self, name, request, items, **kwargs):  # type: ignore[no-untyped-def]
-            answer, index = self._stub.submit_item(name, request, items, **kwargs)
-            if name == "RegisterRooms":
+        def submit_item(self, method, request, items, **kwargs):  # type: ignore[no-untyped-def]
+            answer, index = self._stub.submit_item(method, request, items, **kwargs)
+            if method.name == "RegisterRooms":
                 # Lost once the answer is in, before the broker handles it.
                 answer.add_done_callback(lambda _a: d.broker.internals.routes.peer_loss.peer_lost(self._peer, "stopped answering (test)"))
             return answer, index
 
-    monkeypatch.setattr(client, "stub", lambda peer: LosingStub(real_stub(peer), peer))
+    monkeypatch.setattr(client, "caller", lambda peer: LosingStub(real_stub(peer), peer))
     receiver = de.handle.receiver(100, SenderRef(p.address, "prefill-group"))
     receiver.init(DST, aux_row=2)
     status = receiver.wait(10)

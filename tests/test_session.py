@@ -251,7 +251,7 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
     calls: set[int] = set()
     rooms_sent: list[int] = []
     written: dict[str, Any] = {}
-    real_stub = d.broker.internals.transport.client.stub
+    real_stub = d.broker.internals.transport.client.caller
 
     class CountingStub:
         def __init__(self, stub: object) -> None:
@@ -260,9 +260,9 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
         def __getattr__(self, name: str) -> object:
             return getattr(self._stub, name)
 
-        def submit_item(self, name, request, items, **kwargs):  # type: ignore[no-untyped-def]
-            call, index = self._stub.submit_item(name, request, items, **kwargs)
-            if name == "RegisterRooms":
+        def submit_item(self, method, request, items, **kwargs):  # type: ignore[no-untyped-def]
+            call, index = self._stub.submit_item(method, request, items, **kwargs)
+            if method.name == "RegisterRooms":
                 stream = self._stub.stream
                 written.setdefault("before", (stream.calls_written, stream.frames_written))
                 written["stream"] = stream
@@ -270,7 +270,7 @@ def test_batch_calls_open_and_send_many_rooms(fake_brokers, make_engine, monkeyp
                 rooms_sent.append(index)
             return call, index
 
-    monkeypatch.setattr(d.broker.internals.transport.client, "stub", lambda peer: CountingStub(real_stub(peer)))
+    monkeypatch.setattr(d.broker.internals.transport.client, "caller", lambda peer: CountingStub(real_stub(peer)))
     with pytest.raises(errors.InvalidArgument, match="out of range"):
         de.handle.expect([ExpectSpec(90, ref, DST, aux_row=2), ExpectSpec(91, ref, [0, 99], aux_row=2)])
     assert not de.handle.session.is_tracked(90)

@@ -129,7 +129,7 @@ def test_a_probe_that_cannot_run_is_a_failed_verdict_and_the_rooms_move(
     async def refuse(request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
         raise Unimplemented("no ReserveProbe here")
 
-    monkeypatch.setattr(d.broker.internals.routes.peer_requests, "reserve_probe", refuse)
+    monkeypatch.setitem(d.server._peer_service.answers.handlers, "ReserveProbe", refuse)
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     with capture_logs() as logs:
         _room(pe, de, p, 1)

@@ -1,8 +1,9 @@
 """The callee's side of the peer stream (``PeerBroker.Stream``; the caller's
 and the lifecycle: ``peers._stream``).
 
-Each call on the stream is answered by the same code as its unary form
-(``PeerService``'s table of answers). A call answered at once (a
+Each call on the stream is answered through the same chain as its unary
+form (``api._peer_calls``), found by its field in the table of peer calls
+(``peers.BY_FIELD``). A call answered at once (a
 registration, a report, an abort, a ping, a renewal) is answered as its
 frame is read, in the order the caller made them; one that may wait for
 room (ReserveStaging, GrantCredits) answers from a task of its own, so it
@@ -15,31 +16,23 @@ cancelled, as gRPC cancels a unary call whose caller went away.
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import functools
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
 import structlog
 from google.protobuf.message import Message
-from opentelemetry import context as otel_context
-from opentelemetry import propagate
 
-from kvbroker.broker.peers import STREAM_CALLS
+from kvbroker.broker.api._peer_calls import PeerAnswers, typed
+from kvbroker.broker.peers import BY_FIELD, PeerMethod
 from kvbroker.errors import FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import peer_pb2
 
-__all__ = ["AnswerCall", "ServedStreams", "serve_stream"]
+__all__ = ["ServedStreams", "serve_stream"]
 
 log = structlog.get_logger(__name__)
-
-#: Answers call ``name`` (a ``STREAM_CALLS`` key) with ``request``: the
-#: answer, or an awaitable of it; raises ``KvBrokerError`` for a status.
-AnswerCall = Callable[[str, Message], "Message | Awaitable[Message]"]
-
-#: ``PeerCall.call`` field -> the unary call's name.
-_NAMES = {fieldname: name for name, fieldname in STREAM_CALLS.items()}
 
 
 class ServedStreams:
@@ -58,7 +51,7 @@ async def serve_stream(
     requests: AsyncIterator[peer_pb2.PeerFrame],
     context: grpc.aio.ServicerContext[Any, Any],
     broker_id: str,
-    answer: AnswerCall,
+    answers: PeerAnswers,
     served: ServedStreams,
 ) -> AsyncIterator[peer_pb2.PeerFrame]:
     """Answer a peer's stream: its ``StreamOpen`` (refused if it speaks
@@ -73,16 +66,16 @@ async def serve_stream(
     except KvBrokerError as exc:
         await context.abort(exc.code, exc.message)
     yield peer_pb2.PeerFrame(open=peer_pb2.StreamOpen(protocol_version=PROTOCOL_VERSION, broker_id=broker_id))
-    answers = _Answers(answer)
-    served._live.add(answers)
-    reader = asyncio.get_running_loop().create_task(answers.take_all(first.calls, requests), name="peer-stream-reader")
+    stream = _Answers(answers)
+    served._live.add(stream)
+    reader = asyncio.get_running_loop().create_task(stream.take_all(first.calls, requests), name="peer-stream-reader")
     try:
-        while (frame := await answers.next_frame()) is not None:
+        while (frame := await stream.next_frame()) is not None:
             yield frame
     finally:
-        served._live.discard(answers)
+        served._live.discard(stream)
         reader.cancel()
-        answers.cancel()
+        stream.cancel()
 
 
 def _check_open(first: peer_pb2.PeerFrame) -> None:
@@ -98,12 +91,12 @@ def _check_open(first: peer_pb2.PeerFrame) -> None:
 class _Answers:
     """The answers of one stream, until they are written. Control loop only."""
 
-    def __init__(self, answer: AnswerCall) -> None:
-        self._answer = answer
+    def __init__(self, answers: PeerAnswers) -> None:
+        self._answers = answers
         self._ready: list[peer_pb2.PeerAnswer] = []
         self._wake = asyncio.Event()
         #: Calls that wait (for room) in tasks of their own.
-        self._waiting: set[asyncio.Task[None]] = set()
+        self._waiting: set[asyncio.Future[Message]] = set()
         self._reading = True
         self._ended = False
 
@@ -125,37 +118,32 @@ class _Answers:
 
     def take(self, calls: Iterable[peer_pb2.PeerCall]) -> None:
         for call in calls:
-            fieldname = call.WhichOneof("call")
-            name = _NAMES.get(fieldname or "")
-            if name is None:
+            method = BY_FIELD.get(call.WhichOneof("call") or "")
+            if method is None:
                 self._put(peer_pb2.PeerAnswer(id=call.id, code=grpc.StatusCode.UNIMPLEMENTED.value[0], message="an unknown peer call"))
                 continue
-            token = otel_context.attach(propagate.extract(call.trace_context)) if call.trace_context else None
             try:
-                result = self._answer(name, getattr(call, fieldname))
-                if inspect.isawaitable(result):
-                    task = asyncio.get_running_loop().create_task(self._later(call.id, name, fieldname, result))
-                    self._waiting.add(task)
-                    task.add_done_callback(self._answered)
-                else:
-                    self._put(_answer(call.id, fieldname, result))
-            except Exception as exc:
-                self._put(_failed(call.id, name, exc))
-            finally:
-                if token is not None:
-                    otel_context.detach(token)
+                result = self._answers.answer(method, getattr(call, str(method.field)), call.trace_context)
+            except KvBrokerError as exc:
+                self._put(_failed(call.id, exc))
+                continue
+            if isinstance(result, asyncio.Future):
+                self._waiting.add(result)
+                result.add_done_callback(functools.partial(self._answered, call.id, method))
+            else:
+                self._put(_answer(call.id, method, result))
 
-    async def _later(self, call_id: int, name: str, fieldname: str, result: Awaitable[Message]) -> None:
-        try:
-            self._put(_answer(call_id, fieldname, await result))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._put(_failed(call_id, name, exc))
-
-    def _answered(self, task: asyncio.Task[None]) -> None:
+    def _answered(self, call_id: int, method: PeerMethod[Any, Any], task: asyncio.Future[Message]) -> None:
+        """A call that waited is answered (or failed; cancelled: the stream ended)."""
         self._waiting.discard(task)
         self._wake.set()
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            self._put(_answer(call_id, method, task.result()))
+        else:
+            self._put(_failed(call_id, typed(method, error) if isinstance(error, Exception) else KvBrokerError(repr(error))))
 
     def _put(self, answer: peer_pb2.PeerAnswer) -> None:
         self._ready.append(answer)
@@ -183,17 +171,12 @@ class _Answers:
             task.cancel()
 
 
-def _answer(call_id: int, fieldname: str, result: Message) -> peer_pb2.PeerAnswer:
+def _answer(call_id: int, method: PeerMethod[Any, Any], result: Message) -> peer_pb2.PeerAnswer:
     answer = peer_pb2.PeerAnswer(id=call_id)
-    getattr(answer, fieldname).CopyFrom(result)
+    getattr(answer, str(method.field)).CopyFrom(result)
     return answer
 
 
-def _failed(call_id: int, name: str, exc: Exception) -> peer_pb2.PeerAnswer:
-    """A call's error as its answer: a ``KvBrokerError``'s own status; anything else INTERNAL (logged)."""
-    if isinstance(exc, KvBrokerError):
-        return peer_pb2.PeerAnswer(id=call_id, code=exc.status_number, message=exc.message)
-    log.error("rpc_failed", rpc=name, exc_info=exc)
-    return peer_pb2.PeerAnswer(
-        id=call_id, code=grpc.StatusCode.INTERNAL.value[0], message=f"{name} failed inside the broker; see its log"
-    )
+def _failed(call_id: int, error: KvBrokerError) -> peer_pb2.PeerAnswer:
+    """A call's error as its answer: its own status."""
+    return peer_pb2.PeerAnswer(id=call_id, code=error.status_number, message=error.message)

@@ -26,11 +26,12 @@ from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from kvbroker import cudavmm
 from kvbroker.broker.aio import cancel_and_wait
 from kvbroker.broker.api._admin import Admin
+from kvbroker.broker.api._peer_calls import PeerAnswers
 from kvbroker.broker.api._servicers import AdminService, PeerService, TransferService
 from kvbroker.broker.config import BrokerConfig, default_socket_dir
 from kvbroker.broker.dataplane import Agent, AgentConfig, UcxAgent
 from kvbroker.broker.device import Streams
-from kvbroker.broker.peers import server_options
+from kvbroker.broker.peers import handlers_of, server_options
 from kvbroker.broker.runtime import Broker, Endpoints, build_broker
 from kvbroker.broker.tls import server_credentials
 from kvbroker.errors import InvalidArgument, Unavailable
@@ -172,7 +173,8 @@ class BrokerServer:
         transfer_pb2_grpc.add_TransferBrokerServicer_to_server(
             TransferService(routes.engine_calls, routes.sessions, broker.broker_info), server
         )
-        self._peer_service = PeerService(routes.peer_requests, broker.broker_id, queries.counters)
+        answers = PeerAnswers(handlers_of(routes.peer_requests), queries.counters)
+        self._peer_service = PeerService(answers, broker.broker_id, queries.counters)
         peer_pb2_grpc.add_PeerBrokerServicer_to_server(self._peer_service, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(Admin(queries, routes.operators, routes.probes, routes.peer_loss)), server)
         self._health = health_aio.HealthServicer()

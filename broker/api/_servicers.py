@@ -16,8 +16,10 @@ import grpc
 import structlog
 
 from kvbroker.broker.api._admin import Admin
+from kvbroker.broker.api._peer_calls import PeerAnswers, unary_method
 from kvbroker.broker.api._peer_stream import ServedStreams, serve_stream
-from kvbroker.broker.runtime import EngineCalls, PeerRequests, Sessions, SessionStream
+from kvbroker.broker.peers import PEER_METHODS
+from kvbroker.broker.runtime import EngineCalls, Sessions, SessionStream
 from kvbroker.broker.telemetry import Counters
 from kvbroker.errors import Internal, InvalidArgument, KvBrokerError
 from kvbroker.v1 import (
@@ -176,108 +178,33 @@ class TransferService(transfer_pb2_grpc.TransferBrokerServicer):
         stream.end()
 
 
-def _peer(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
-    """A ``PeerBroker`` call: counted in ``Stats.peer_calls_answered``, then :func:`_unary`."""
-    inner = _unary(fn)
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    async def wrapper(self: PeerService, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
-        self._counters.peer_calls_answered[name] += 1
-        return await inner(self, request, context)
-
-    return wrapper
-
-
 class PeerService(peer_pb2_grpc.PeerBrokerServicer):
-    """``kvbroker.v1.PeerBroker``: other brokers."""
+    """``kvbroker.v1.PeerBroker``: other brokers. Every call is a row of the
+    table of peer calls (``peers.PEER_METHODS``), answered by its handler
+    through one chain (``api._peer_calls``); the unary methods below are
+    made from the table, and the stream carries those with a stream field."""
 
-    def __init__(self, peer_requests: PeerRequests, broker_id: str, counters: Counters) -> None:
-        self._requests = peer_requests
+    def __init__(self, answers: PeerAnswers, broker_id: str, counters: Counters) -> None:
+        self.answers = answers
         self._broker_id = broker_id
         self._counters = counters
         #: The peer streams answered now (ended by :meth:`end_streams` when the broker stops).
         self._streams = ServedStreams()
-        requests = peer_requests
-        #: The calls the peer stream carries, answered as their unary forms are.
-        self._answers: dict[str, Callable[[Any], Any]] = {
-            "RegisterRooms": requests.register_rooms,
-            "ReserveStaging": requests.reserve_staging,
-            "ReportCompletion": requests.completion_report,
-            "AbortRooms": requests.peer_aborts,
-            "Ping": self._ping,
-            "GrantCredits": requests.grant_credits,
-            "ReturnCredits": requests.return_credits,
-            "RenewLeases": requests.renew_leases,
-        }
-
-    def _ping(self, request: peer_pb2.PingRequest) -> peer_pb2.PingResponse:
-        return peer_pb2.PingResponse(broker_id=self._broker_id)
-
-    def _answer(self, name: str, request: Any) -> Any:
-        """Answer a call that came on a peer stream (counted as its unary form is)."""
-        self._counters.peer_calls_answered[name] += 1
-        return self._answers[name](request)
 
     async def Stream(
         self, requests: AsyncIterator[peer_pb2.PeerFrame], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[peer_pb2.PeerFrame]:
         self._counters.peer_calls_answered["Stream"] += 1
-        async for frame in serve_stream(requests, context, self._broker_id, self._answer, self._streams):
+        async for frame in serve_stream(requests, context, self._broker_id, self.answers, self._streams):
             yield frame
 
     def end_streams(self) -> None:
         """End the peer streams answered now (the broker stops)."""
         self._streams.end_all()
 
-    @_peer
-    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Any) -> peer_pb2.HandshakeResponse:
-        return await self._requests.handshake(request)
 
-    @_peer
-    async def RegisterRooms(self, request: peer_pb2.RegisterRoomsRequest, context: Any) -> peer_pb2.RegisterRoomsResponse:
-        return self._requests.register_rooms(request)
-
-    @_peer
-    async def ReserveStaging(
-        self, request: peer_pb2.ReserveStagingRequest, context: Any
-    ) -> peer_pb2.ReserveStagingResponse:
-        return await self._requests.reserve_staging(request)
-
-    @_peer
-    async def ReportCompletion(self, request: peer_pb2.CompletionReport, context: Any) -> peer_pb2.CompletionAck:
-        return self._requests.completion_report(request)
-
-    @_peer
-    async def AbortRooms(self, request: peer_pb2.PeerAbortRoomsRequest, context: Any) -> peer_pb2.PeerAbortRoomsResponse:
-        return self._requests.peer_aborts(request)
-
-    @_peer
-    async def RenewLeases(self, request: peer_pb2.RenewLeasesRequest, context: Any) -> peer_pb2.RenewLeasesResponse:
-        return self._requests.renew_leases(request)
-
-    @_peer
-    async def Ping(self, request: peer_pb2.PingRequest, context: Any) -> peer_pb2.PingResponse:
-        return self._ping(request)
-
-    @_peer
-    async def ReserveProbe(self, request: peer_pb2.ReserveProbeRequest, context: Any) -> peer_pb2.ReserveProbeResponse:
-        return await self._requests.reserve_probe(request)
-
-    @_peer
-    async def ReleaseProbe(self, request: peer_pb2.ReleaseProbeRequest, context: Any) -> peer_pb2.ReleaseProbeResponse:
-        self._requests.release_probe(request)
-        return peer_pb2.ReleaseProbeResponse()
-
-    @_peer
-    async def GrantCredits(self, request: peer_pb2.GrantCreditsRequest, context: Any) -> peer_pb2.GrantCreditsResponse:
-        return await self._requests.grant_credits(request)
-
-    @_peer
-    async def ReturnCredits(self, request: peer_pb2.ReturnCreditsRequest, context: Any) -> peer_pb2.ReturnCreditsResponse:
-        return self._requests.return_credits(request)
+for _name in PEER_METHODS:
+    setattr(PeerService, _name, unary_method(_name))
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

@@ -1,5 +1,7 @@
 """Other brokers: the peer table, the peer client, liveness, and the fleet in etcd."""
 
+from kvbroker.broker.peers._caller import PeerCaller, call_unary
+from kvbroker.broker.peers._calls import BY_FIELD, PEER_METHODS, PeerMethod, answers, handlers_of
 from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, reach_back, server_options
 from kvbroker.broker.peers._discovery import FleetView, Member, find_in_fleet
 from kvbroker.broker.peers._fleet import (
@@ -10,7 +12,7 @@ from kvbroker.broker.peers._fleet import (
     read_fleet,
 )
 from kvbroker.broker.peers._liveness import PeerMonitor
-from kvbroker.broker.peers._stream import STREAM_CALLS, PeerStream, StreamStub
+from kvbroker.broker.peers._stream import PeerStream
 from kvbroker.broker.peers._table import (
     DEVICE_SPEED,
     HOST_FALLBACK,
@@ -36,9 +38,14 @@ __all__ = [
     "PeerTable",
     "PoolKey",
     "RemoteEngine",
-    "STREAM_CALLS",
+    "BY_FIELD",
+    "PEER_METHODS",
+    "PeerCaller",
+    "PeerMethod",
     "PeerStream",
-    "StreamStub",
+    "answers",
+    "call_unary",
+    "handlers_of",
     "TransportVerdict",
     "etcd_client",
     "find_in_fleet",

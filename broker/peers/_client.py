@@ -1,11 +1,12 @@
 """Every call this broker makes to other brokers, with its retry policy (room
 registration's is the receiver's: ``execution._registration``).
 
-It mirrors the ``PeerBroker`` service (``api.PeerService`` answers the
-same calls). Every call but ``Handshake`` and the probes goes on the peer's
-stream (``peers._stream``: one per peer, opened by the handshake, calls
-batched per frame); its errors are the unary call's, so the policies below
-read the same either way.
+Each call is a method of the table of peer calls (``peers._calls``), made
+with the peer's :class:`~kvbroker.broker.peers.PeerCaller`: every one but
+``Handshake`` and the probes goes on the peer's stream (``peers._stream``:
+one per peer, opened by the handshake, calls batched per frame). Failures
+come as the project's errors (``kvbroker.errors``) whichever way a call
+went, and the policies below read those.
 
 | call | when | retry policy |
 | --- | --- | --- |
@@ -46,7 +47,22 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
 from kvbroker.broker import telemetry
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.peers._stream import PeerStream, StreamStub
+from kvbroker.broker.peers._caller import PeerCaller, call_unary
+from kvbroker.broker.peers._calls import (
+    ABORT_ROOMS,
+    GRANT_CREDITS,
+    HANDSHAKE,
+    PING,
+    REGISTER_ROOMS,
+    RELEASE_PROBE,
+    RENEW_LEASES,
+    REPORT_COMPLETION,
+    RESERVE_PROBE,
+    RESERVE_STAGING,
+    RETURN_CREDITS,
+    PeerMethod,
+)
+from kvbroker.broker.peers._stream import Ans, PeerStream, Req
 from kvbroker.broker.peers._table import Peer, PeerTable, announced_staging
 from kvbroker.errors import (
     Aborted,
@@ -56,7 +72,6 @@ from kvbroker.errors import (
     Internal,
     KvBrokerError,
     Unavailable,
-    from_rpc_error,
     from_status,
 )
 from kvbroker.plan import Layout, RoomTimeouts
@@ -154,10 +169,9 @@ class PeerClient:
                     receive_staging=staging,
                 )
                 try:
-                    response = await self.stub(peer).Handshake(request, timeout=self._timeout)
-                except grpc.RpcError as exc:
-                    err = from_rpc_error(exc)
-                    raise Unavailable(f"handshake with the broker at {peer.address} failed: {err.message}") from exc
+                    response = await self.caller(peer).call(HANDSHAKE, request, timeout=self._timeout)
+                except KvBrokerError as exc:
+                    raise Unavailable(f"handshake with the broker at {peer.address} failed: {exc.message}") from exc
                 if response.protocol_version != PROTOCOL_VERSION:
                     raise FailedPrecondition(
                         f"the broker at {peer.address} speaks protocol {response.protocol_version}, we speak {PROTOCOL_VERSION}"
@@ -166,7 +180,7 @@ class PeerClient:
                     peer, response.callee, response.nixl_agent_metadata, response.engines, announced_staging(response)
                 )
                 peer.announced_epoch = epoch
-                self.stub(peer).stream.open()  # the room calls' stream, opened now rather than by the first room
+                self.caller(peer).stream.open()  # the room calls' stream, opened now rather than by the first room
         log.info("peer_handshaken", peer=peer.address, broker=peer.broker_id, engines=len(peer.engines), side="caller")
 
     async def find_sender(
@@ -257,8 +271,8 @@ class PeerClient:
         # restarting there, or the channel still backing off from the old
         # process), wait for it up to the timeout instead of failing the
         # rooms at once; they are still bootstrapping.
-        call, index = self.stub(peer).submit_item(
-            "RegisterRooms",
+        call, index = self.caller(peer).submit_item(
+            REGISTER_ROOMS,
             peer_pb2.RegisterRoomsRequest(protocol_version=PROTOCOL_VERSION, rooms=[request]),
             "rooms",
             timeout=self._timeout,
@@ -268,13 +282,13 @@ class PeerClient:
 
     async def _abort_one(self, peer: Peer, request: peer_pb2.PeerAbortRequest) -> peer_pb2.PeerAbortResponse:
         """One room's abort, on the peer's stream, in the AbortRooms call not written yet or a new one."""
-        call, index = self.stub(peer).submit_item(
-            "AbortRooms",
+        call, index = self.caller(peer).submit_item(
+            ABORT_ROOMS,
             peer_pb2.PeerAbortRoomsRequest(protocol_version=PROTOCOL_VERSION, aborts=[request]),
             "aborts",
             timeout=self._timeout,
         )
-        with contextlib.suppress(grpc.RpcError):  # raised again, typed, below
+        with contextlib.suppress(KvBrokerError):  # raised again, for this item, below
             await asyncio.shield(call)  # (shared with the other rooms' aborts: never cancelled for one)
         error = _item_error(call, index, "AbortRooms")
         if error is not None:
@@ -283,48 +297,40 @@ class PeerClient:
 
     async def reserve_staging(self, broker_id: str, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """The prefetch: room for one staged part in the receiver's staging buffer."""
-        return await self._room_call(broker_id, "reserve staging", lambda stub, timeout: stub.ReserveStaging(request, timeout=timeout))
+        return await self._room_call(broker_id, "reserve staging", RESERVE_STAGING, request)
 
     async def reserve_probe(self, broker_id: str, request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
         """A slot of the peer's receive buffer for the transport self-test."""
-        return await self._room_call(broker_id, "reserve a probe slot", lambda stub, timeout: stub.ReserveProbe(request, timeout=timeout))
+        return await self._room_call(broker_id, "reserve a probe slot", RESERVE_PROBE, request)
 
     async def grant_credits(self, broker_id: str, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
         """Room in the peer's receive buffer for our packed parts (waits while it is full)."""
-        return await self._room_call(broker_id, "grant credits", lambda stub, timeout: stub.GrantCredits(request, timeout=timeout))
+        return await self._room_call(broker_id, "grant credits", GRANT_CREDITS, request)
 
-    async def _room_call(self, broker_id: str, what: str, call: Callable[[StreamStub, float], Awaitable[T]]) -> T:
+    async def _room_call(self, broker_id: str, what: str, method: PeerMethod[Req, Ans], request: Req) -> Ans:
         """A call for room in the peer's buffers: it may wait there up to the
         staging wait; its failure says what could not be had."""
-        stub = self.stub(self._peers.get(broker_id))
+        caller = self.caller(self._peers.get(broker_id))
         try:
-            return await call(stub, self._staging_wait + self._timeout)
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-            raise type(err)(f"the receiver could not {what}: {err.message}") from exc
+            return await caller.call(method, request, timeout=self._staging_wait + self._timeout)
+        except KvBrokerError as exc:
+            raise type(exc)(f"the receiver could not {what}: {exc.message}") from exc
 
     async def return_credits(self, broker_id: str, grant_ids: list[str]) -> None:
         """Give whole grants back to the peer."""
         request = peer_pb2.ReturnCreditsRequest(protocol_version=PROTOCOL_VERSION, sender_broker_id=self._peers.broker_id, grant_ids=grant_ids)
-        await self._plain_call(broker_id, lambda stub: stub.ReturnCredits(request, timeout=self._timeout))
+        await self.caller(self._peers.get(broker_id)).call(RETURN_CREDITS, request, timeout=self._timeout)
 
     async def release_probe(self, broker_id: str, probe_id: str) -> None:
         """Give back a probe slot (the peer's lease frees it anyway)."""
         request = peer_pb2.ReleaseProbeRequest(protocol_version=PROTOCOL_VERSION, probe_id=probe_id)
-        await self._plain_call(broker_id, lambda stub: stub.ReleaseProbe(request, timeout=self._timeout))
-
-    async def _plain_call(self, broker_id: str, call: Callable[[StreamStub], Awaitable[Any]]) -> None:
-        stub = self.stub(self._peers.get(broker_id))
-        try:
-            await call(stub)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        await self.caller(self._peers.get(broker_id)).call(RELEASE_PROBE, request, timeout=self._timeout)
 
     async def report_completion(self, broker_id: str, report: peer_pb2.CompletionReport) -> None:
         await self.deliver(
             broker_id,
             f"ReportCompletion(room {report.room})",
-            lambda peer: self.stub(peer).ReportCompletion(report, timeout=self._timeout),
+            lambda peer: self.caller(peer).call(REPORT_COMPLETION, report, timeout=self._timeout),
         )
 
     async def abort_room(
@@ -347,20 +353,16 @@ class PeerClient:
             receiver_broker_id=self._peers.broker_id,
             rooms=[peer_pb2.LeasedRoom(room=room, sender_group=group) for room, group in rooms],
         )
-        try:
-            response: peer_pb2.RenewLeasesResponse = await self.stub(peer).RenewLeases(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
-        return response
+        return await self.caller(peer).call(RENEW_LEASES, request, timeout=self._timeout)
 
     async def ping(self, peer: Peer, timeout_seconds: float) -> str:
-        """The broker id that answers at ``peer``'s address (raises ``grpc.RpcError``):
+        """The broker id that answers at ``peer``'s address (raises ``KvBrokerError``):
         the one at the other end of our stream if it answered there within
         ``timeout_seconds`` (a ping only while the stream is idle)."""
-        stream = self.stub(peer).stream
-        if stream.heard_within(timeout_seconds) and stream.broker_id:
-            return stream.broker_id
-        reply = await self.stub(peer).Ping(peer_pb2.PingRequest(from_broker_id=self._peers.broker_id), timeout=timeout_seconds)
+        caller = self.caller(peer)
+        if caller.stream.heard_within(timeout_seconds) and caller.stream.broker_id:
+            return caller.stream.broker_id
+        reply = await caller.call(PING, peer_pb2.PingRequest(from_broker_id=self._peers.broker_id), timeout=timeout_seconds)
         return str(reply.broker_id)
 
     async def deliver(
@@ -387,8 +389,6 @@ class PeerClient:
                 break
             try:
                 return await call(peer)
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
             except KvBrokerError as exc:
                 err = exc
             if isinstance(err, Aborted) and not introduced:
@@ -411,10 +411,10 @@ class PeerClient:
         return None
 
     # -- channels ---------------------------------------------------------------
-    def stub(self, peer: Peer) -> StreamStub:
-        """A stub for calls to ``peer`` (made once per peer record): the room
-        calls go on its stream (``peers._stream``), the others are unary."""
-        if peer.stub is None:
+    def caller(self, peer: Peer) -> PeerCaller:
+        """The calls to ``peer`` (made once per peer record): the room calls go
+        on its stream (``peers._stream``), the others are unary."""
+        if peer.caller is None:
             if not peer.address:
                 raise Unavailable(f"broker {peer.broker_id} did not say where it listens")
             # The unary calls get RPC spans (registrations go on the stream:
@@ -428,10 +428,9 @@ class PeerClient:
             # (Channels to one address with the same options share the
             # connection.)
             peer.stream_channel = _channel(peer.address, self._credentials, self._options, None)
-            unary = peer_pb2_grpc.PeerBrokerStub(peer.channel)
             peer.stream = PeerStream(peer_pb2_grpc.PeerBrokerStub(peer.stream_channel), peer.address, lambda: self._peers.broker_id)
-            peer.stub = StreamStub(unary, peer.stream)
-        return peer.stub
+            peer.caller = PeerCaller(peer.channel, peer.stream)
+        return peer.caller
 
     async def close(self) -> None:
         for peer in self._peers.peers():
@@ -442,7 +441,7 @@ class PeerClient:
                 if channel is not None:
                     await channel.close()
             peer.channel = peer.stream_channel = None
-            peer.stub = None
+            peer.caller = None
 
 
 async def reach_back(client: PeerClient, caller: peer_pb2.BrokerIdentity) -> None:
@@ -460,13 +459,11 @@ async def reach_back(client: PeerClient, caller: peer_pb2.BrokerIdentity) -> Non
     here = client._peers.address
     channel = _channel(caller.address, client._credentials, client._options, None)
     try:
-        reply = await peer_pb2_grpc.PeerBrokerStub(channel).Ping(
-            peer_pb2.PingRequest(from_broker_id=client._peers.broker_id), timeout=client._timeout / 2
-        )
-    except grpc.RpcError as exc:
+        reply = await call_unary(channel, PING, peer_pb2.PingRequest(from_broker_id=client._peers.broker_id), timeout=client._timeout / 2)
+    except KvBrokerError as exc:
         raise FailedPrecondition(
             f"broker {caller.broker_id} says it listens at {caller.address} (its --advertise or --listen), "
-            f"but the broker at {here} cannot reach it there: {from_rpc_error(exc).message}"
+            f"but the broker at {here} cannot reach it there: {exc.message}"
         ) from exc
     finally:
         await channel.close()
@@ -496,8 +493,8 @@ def _item_error(call: asyncio.Future[Any], index: int, name: str) -> KvBrokerErr
         return Unavailable(f"{name} was given up (the broker is stopping)")
     try:
         response = call.result()
-    except grpc.RpcError as exc:
-        return from_rpc_error(exc)
+    except KvBrokerError as exc:
+        return exc
     if index >= len(response.results):
         return Internal(f"the peer answered {len(response.results)} items of {name}, not item {index}")
     result = response.results[index]

@@ -23,12 +23,11 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import grpc
 import structlog
 
 from kvbroker.broker.peers._client import PeerClient
 from kvbroker.broker.peers._table import Peer, PeerTable
-from kvbroker.errors import from_rpc_error
+from kvbroker.errors import KvBrokerError, Unavailable
 
 __all__ = ["PeerMonitor"]
 
@@ -72,12 +71,12 @@ class PeerMonitor:
         known = peer.broker_id
         try:
             answered_by = await self._client.ping(peer, timeout_seconds=self._interval)
-        except grpc.RpcError as exc:
+        except KvBrokerError as exc:
             quiet = time.monotonic() - peer.last_seen
             if peer.broker_id == known and (quiet > self._dead_after or peer.lease_lapsed or (peer.silent and _refused(exc))):
                 # Refused: nothing listens at its address, so its process is gone. Anything else
                 # (no answer in time) may be a partition: it may still be writing.
-                why = f"has not answered for {quiet:.1f} s ({from_rpc_error(exc).message})"
+                why = f"has not answered for {quiet:.1f} s ({exc.message})"
                 if peer.lease_lapsed:
                     why = f"left the fleet: its etcd lease expired or was revoked, and it {why}"
                 self._on_lost(peer, why, not _refused(exc))
@@ -96,8 +95,6 @@ class PeerMonitor:
             self._on_back(peer)
 
 
-def _refused(exc: grpc.RpcError) -> bool:
+def _refused(exc: KvBrokerError) -> bool:
     """Whether a call failed because the peer's host refused the connection (nothing listens)."""
-    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) else None
-    details = (exc.details() if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) else str(exc)) or ""
-    return code == grpc.StatusCode.UNAVAILABLE and "connection refused" in details.lower()
+    return isinstance(exc, Unavailable) and "connection refused" in exc.message.lower()

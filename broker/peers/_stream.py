@@ -7,13 +7,13 @@ room made two or three of them between brokers. On the stream a call is one
 ``PeerCall`` in a frame, its answer one ``PeerAnswer`` (same id) in a frame
 back; calls queued while a frame is written go together in the next one.
 
-The calls it carries (:data:`STREAM_CALLS`) keep their unary names,
-requests, answers and status codes: :class:`StreamStub` answers the same
-methods as ``peer_pb2_grpc.PeerBrokerStub`` and raises the same
-``grpc.RpcError`` (an ``AioRpcError`` with the call's code), so the callers'
-retry policies (``PeerClient``, ``execution._registration``) read it as
-they read a unary call. Handshake and the transport self-test's probe calls
-stay unary.
+The calls it carries are those of the table of peer calls
+(``peers._calls``) with a stream field; they keep their unary names,
+requests, answers and status codes. A call fails with the project's error
+for its status (``kvbroker.errors``), as the unary call's would through
+:class:`~kvbroker.broker.peers.PeerCaller`, so the callers' retry policies
+(``PeerClient``, ``execution._registration``) read one kind of error either
+way. Handshake and the transport self-test's probe calls stay unary.
 
 Lifecycle:
 
@@ -21,19 +21,20 @@ Lifecycle:
   first call; each side's first frame is a ``StreamOpen`` naming its
   protocol version and broker id. No call is written before the callee's
   ``StreamOpen`` arrives, so a stream that never opened delivered nothing.
-- a stream that cannot open fails its waiting calls UNAVAILABLE at once,
+- a stream that cannot open fails its waiting calls ``Unavailable`` at once,
   except those made ``wait_for_ready`` (room registrations: a broker may be
   restarting at the address), which wait for a stream up to their own
   deadline, as a unary call with ``wait_for_ready`` waits for its channel.
   A callee without ``Stream`` (protocol 8 or older) fails them
-  FAILED_PRECONDITION, naming both versions.
-- a stream that breaks fails every call written on it UNAVAILABLE (it may
+  ``FailedPrecondition``, naming both versions.
+- a stream that breaks fails every call written on it ``Unavailable`` (it may
   have been delivered, as a unary call that broke); calls not yet written
   go on the next stream as above.
-- each call has its own deadline: past it, DEADLINE_EXCEEDED, and a late
+- each call has its own deadline: past it, ``DeadlineExceeded``, and a late
   answer is dropped.
 - ``close`` (the peer is dropped: lost or restarted; the broker stops)
-  cancels the stream; a later call opens a new one.
+  cancels the stream (its calls fail ``Unavailable``); a later call opens
+  a new one.
 
 Liveness: a stream that answered within the heartbeat is the peer's
 heartbeat (``heard_within``); the monitor pings only a peer whose stream
@@ -47,32 +48,31 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
 from google.protobuf.message import Message
 from opentelemetry import propagate
 
+from kvbroker.broker.peers._calls import PeerMethod
+from kvbroker.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KvBrokerError,
+    Unavailable,
+    from_rpc_error,
+    from_status,
+)
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 
-__all__ = ["STREAM_CALLS", "PeerStream", "StreamStub", "rpc_error"]
+__all__ = ["PeerStream", "Req", "Ans"]
 
 log = structlog.get_logger(__name__)
 
-#: The calls the stream carries: unary method name -> the field of
-#: ``PeerCall.call`` and ``PeerAnswer.answer`` that holds its request and answer.
-STREAM_CALLS: dict[str, str] = {
-    "RegisterRooms": "register_rooms",
-    "ReserveStaging": "reserve_staging",
-    "ReportCompletion": "report_completion",
-    "AbortRooms": "abort_rooms",
-    "Ping": "ping",
-    "GrantCredits": "grant_credits",
-    "ReturnCredits": "return_credits",
-    "RenewLeases": "renew_leases",
-}
+Req = TypeVar("Req", bound=Message)
+Ans = TypeVar("Ans", bound=Message)
 
 #: How long a stream that could not open waits before it tries again for
 #: the calls that wait for one (``wait_for_ready``).
@@ -86,16 +86,11 @@ _OPEN_TRIES = 3
 _FRAME_CALLS = 512
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a unary call with this status would have raised."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
-
-
 @dataclass
 class _Pending:
     """A call made on the stream, until it is answered, fails or times out."""
 
-    name: str
+    method: PeerMethod[Any, Any]
     future: asyncio.Future[Any]
     wait_for_ready: bool
     written: bool = False
@@ -108,7 +103,7 @@ class _Opened:
     call: Any
     broker_id: str
     #: Why it broke (None while it holds).
-    broken: grpc.aio.AioRpcError | None = None
+    broken: KvBrokerError | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -125,7 +120,7 @@ class PeerStream:
         self._pending: dict[int, _Pending] = {}
         #: Calls made and not yet written (the next frame's).
         self._queue: list[peer_pb2.PeerCall] = []
-        #: The last call of each name made by ``submit_item``: (its id, its request in the queue).
+        #: The last call of each method made by ``submit_item``: (its id, its request in the queue).
         self._joining: dict[str, tuple[int, Message]] = {}
         self._wake = asyncio.Event()
         #: The task that opens the stream and writes its frames (None: none runs).
@@ -154,20 +149,22 @@ class PeerStream:
         self._start()
 
     def submit(
-        self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False
-    ) -> asyncio.Future[Any]:
-        """Make call ``name`` (a :data:`STREAM_CALLS` key) on the stream, with no
-        task of its own: the future of its answer, or of the ``grpc.RpcError`` a
-        unary call would raise (DEADLINE_EXCEEDED once ``timeout`` passes).
+        self, method: PeerMethod[Req, Ans], request: Req, *, timeout: float | None, wait_for_ready: bool = False
+    ) -> asyncio.Future[Ans]:
+        """Make ``method`` (one the stream carries) on the stream, with no task
+        of its own: the future of its answer, or of its error
+        (``KvBrokerError``; ``DeadlineExceeded`` once ``timeout`` passes).
         Cancelling the future gives the call up. Calls made in the same loop
         pass go out in one frame."""
+        if method.field is None:
+            raise TypeError(f"{method.name} does not ride the peer stream")
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)
         message = peer_pb2.PeerCall(id=call_id)
-        getattr(message, STREAM_CALLS[name]).CopyFrom(request)
+        getattr(message, method.field).CopyFrom(request)
         propagate.inject(message.trace_context)
-        future: asyncio.Future[Any] = loop.create_future()
-        self._pending[call_id] = _Pending(name, future, wait_for_ready)
+        future: asyncio.Future[Ans] = loop.create_future()
+        self._pending[call_id] = _Pending(method, future, wait_for_ready)
         self._queue.append(message)
         self._closed = False
         self._start()
@@ -177,16 +174,16 @@ class PeerStream:
         return future
 
     def submit_item(
-        self, name: str, request: Message, items: str, *, timeout: float | None, wait_for_ready: bool = False
-    ) -> tuple[asyncio.Future[Any], int]:
+        self, method: PeerMethod[Req, Ans], request: Req, items: str, *, timeout: float | None, wait_for_ready: bool = False
+    ) -> tuple[asyncio.Future[Ans], int]:
         """Add the items of ``request`` (its repeated field ``items``: one, for
-        RegisterRooms and AbortRooms) to the last call ``name`` made on this
+        RegisterRooms and AbortRooms) to the last call of ``method`` made on this
         stream if its frame is not written yet (up to ``_FRAME_CALLS`` items),
         else make the call (:meth:`submit`; the timeout and ``wait_for_ready``
         are its first item's): the call's future, shared by its items (never
         cancel it), and the index of the first item in its request and
         answer. Items made in one loop pass go in one call."""
-        joining = self._joining.get(name)
+        joining = self._joining.get(method.name)
         if joining is not None:
             call_id, embedded = joining
             pending, joined = self._pending.get(call_id), getattr(embedded, items)
@@ -194,23 +191,16 @@ class PeerStream:
                 index = len(joined)
                 joined.extend(getattr(request, items))
                 return pending.future, index
-        future = self.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
+        future = self.submit(method, request, timeout=timeout, wait_for_ready=wait_for_ready)
         made = self._queue[-1]
-        self._joining[name] = (made.id, getattr(made, STREAM_CALLS[name]))
+        self._joining[method.name] = (made.id, getattr(made, str(method.field)))
         return future, 0
-
-    async def call(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> Any:
-        """:meth:`submit`, awaited: the answer, or the ``grpc.RpcError`` raised."""
-        return await self.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
 
     def _expire(self, call_id: int, timeout: float) -> None:
         pending = self._pending.get(call_id)
         if pending is not None and not pending.future.done():
             pending.future.set_exception(
-                rpc_error(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{pending.name} to the broker at {self._address}: no answer within {timeout:g} s",
-                )
+                DeadlineExceeded(f"{pending.method.name} to the broker at {self._address}: no answer within {timeout:g} s")
             )
 
     def _forget(self, call_id: int, deadline: asyncio.TimerHandle | None) -> None:
@@ -227,12 +217,12 @@ class PeerStream:
         return self._queue
 
     def close(self) -> None:
-        """End the stream (its peer is dropped, or this broker stops): calls on it fail UNAVAILABLE."""
+        """End the stream (its peer is dropped, or this broker stops): calls on it fail ``Unavailable``."""
         self._closed = True
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.cancel()
-        closed = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed")
+        closed = Unavailable(f"the stream to the broker at {self._address} was closed")
         if self._opened is not None:
             self._break(self._opened, closed)
         self._fail_waiting(closed, all_calls=True)
@@ -250,8 +240,8 @@ class PeerStream:
                     opened = await self._open()
                 except grpc.RpcError as exc:
                     error = self._refusal(exc)
-                    log.debug("peer_stream_unopened", peer=self._address, error=error.details())
-                    self._fail_waiting(error, all_calls=error.code() != grpc.StatusCode.UNAVAILABLE)
+                    log.debug("peer_stream_unopened", peer=self._address, error=error.message)
+                    self._fail_waiting(error, all_calls=not isinstance(error, Unavailable))
                     if not self._unwritten():
                         return
                     await asyncio.sleep(_REOPEN_DELAY_SECONDS)
@@ -292,10 +282,15 @@ class PeerStream:
             # there, ...): its status says why (a write to an ended call only
             # says that it ended). Cancelling a call that ended changes nothing.
             call.cancel()
-            raise rpc_error(await call.code(), await call.details() or "") from None
+            raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details()) from None
         if first is grpc.aio.EOF or not first.HasField("open"):
             call.cancel()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the broker at {self._address} ended the peer stream as it opened")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"the broker at {self._address} ended the peer stream as it opened",
+            )
         opened = _Opened(call, first.open.broker_id)
         self._opened = opened
         self._heard_at = time.monotonic()
@@ -303,19 +298,17 @@ class PeerStream:
         log.debug("peer_stream_opened", peer=self._address, broker=opened.broker_id)
         return opened
 
-    def _refusal(self, exc: grpc.RpcError) -> grpc.aio.AioRpcError:
+    def _refusal(self, exc: grpc.RpcError) -> KvBrokerError:
         """What a stream that would not open tells its calls."""
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-        details = (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else None) or str(exc)
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            return rpc_error(
-                grpc.StatusCode.FAILED_PRECONDITION,
+        error = from_rpc_error(exc)
+        if error.code == grpc.StatusCode.UNIMPLEMENTED:
+            return FailedPrecondition(
                 f"the broker at {self._address} has no peer stream: it speaks a kvbroker protocol older than "
-                f"{PROTOCOL_VERSION}, which this broker needs (run one version across the fleet)",
+                f"{PROTOCOL_VERSION}, which this broker needs (run one version across the fleet)"
             )
-        if code == grpc.StatusCode.FAILED_PRECONDITION:
-            return rpc_error(code, details)
-        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"no peer stream to the broker at {self._address}: {details}")
+        if isinstance(error, FailedPrecondition):
+            return error
+        return Unavailable(f"no peer stream to the broker at {self._address}: {error.message}")
 
     async def _write(self, opened: _Opened) -> None:
         """Write the queued calls, a frame at a time, until the stream breaks or closes."""
@@ -334,11 +327,10 @@ class PeerStream:
                 self.calls_written += len(batch)
                 self.frames_written += 1
         except Exception as exc:  # a write to a broken or cancelled call: RpcError, or grpc's usage errors
-            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-            self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} broke: {details}"))
+            self._break(opened, Unavailable(f"the stream to the broker at {self._address} broke: {_why(exc)}"))
         finally:
             if opened.broken is None:  # cancelled (closed)
-                self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} was closed"))
+                self._break(opened, Unavailable(f"the stream to the broker at {self._address} was closed"))
 
     async def _read(self, opened: _Opened) -> None:
         """Hand each answer to its call, until the stream ends."""
@@ -346,21 +338,20 @@ class PeerStream:
             while True:
                 frame = await opened.call.read()
                 if frame is grpc.aio.EOF:
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, "it ended the stream")
+                    raise Unavailable("it ended the stream")
                 self._heard_at = time.monotonic()
                 for answer in frame.answers:
                     pending = self._pending.get(answer.id)
                     if pending is None or pending.future.done():
                         continue  # its caller gave up (deadline, cancelled)
                     if answer.code:
-                        pending.future.set_exception(rpc_error(_STATUS.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message))
+                        pending.future.set_exception(from_status(answer.code, answer.message))
                     else:
-                        pending.future.set_result(getattr(answer, STREAM_CALLS[pending.name]))
+                        pending.future.set_result(getattr(answer, str(pending.method.field)))
         except Exception as exc:  # RpcError, or anything else: a reader that stopped must not leave the stream looking open
-            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-            self._break(opened, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to the broker at {self._address} broke: {details}"))
+            self._break(opened, Unavailable(f"the stream to the broker at {self._address} broke: {_why(exc)}"))
 
-    def _break(self, opened: _Opened, error: grpc.aio.AioRpcError) -> None:
+    def _break(self, opened: _Opened, error: KvBrokerError) -> None:
         """``opened`` is over: the calls written on it fail with ``error``."""
         if opened.broken is not None:
             return
@@ -375,9 +366,9 @@ class PeerStream:
         for pending in list(self._pending.values()):
             if pending.written and not pending.future.done():
                 pending.future.set_exception(error)
-        log.debug("peer_stream_broken", peer=self._address, broker=opened.broker_id, error=error.details())
+        log.debug("peer_stream_broken", peer=self._address, broker=opened.broker_id, error=error.message)
 
-    def _fail_waiting(self, error: grpc.aio.AioRpcError, *, all_calls: bool) -> None:
+    def _fail_waiting(self, error: KvBrokerError, *, all_calls: bool) -> None:
         """Fail the calls not written yet, but those that wait for a stream (unless ``all_calls``)."""
         failed = {
             call_id
@@ -389,35 +380,10 @@ class PeerStream:
         self._unwritten()
 
 
-#: google.rpc.Code number -> grpc.StatusCode value.
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class StreamStub:
-    """``peer_pb2_grpc.PeerBrokerStub``'s surface for one peer: the calls of
-    :data:`STREAM_CALLS` go on its :class:`PeerStream`, the others are the
-    unary stub's."""
-
-    def __init__(self, unary: peer_pb2_grpc.PeerBrokerStub, stream: PeerStream) -> None:
-        self._unary = unary
-        self.stream = stream
-
-    def submit(self, name: str, request: Message, *, timeout: float | None, wait_for_ready: bool = False) -> asyncio.Future[Any]:
-        """Stream call ``name`` with no task of its own (:meth:`PeerStream.submit`)."""
-        return self.stream.submit(name, request, timeout=timeout, wait_for_ready=wait_for_ready)
-
-    def submit_item(
-        self, name: str, request: Message, items: str, *, timeout: float | None, wait_for_ready: bool = False
-    ) -> tuple[asyncio.Future[Any], int]:
-        """An item of stream call ``name``, joined to the call not written yet (:meth:`PeerStream.submit_item`)."""
-        return self.stream.submit_item(name, request, items, timeout=timeout, wait_for_ready=wait_for_ready)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in STREAM_CALLS:
-            stream = self.stream
-
-            async def call(request: Message, timeout: float | None = None, wait_for_ready: bool | None = None, **_: Any) -> Any:
-                return await stream.call(name, request, timeout=timeout, wait_for_ready=bool(wait_for_ready))
-
-            return call
-        return getattr(self._unary, name)
+def _why(exc: BaseException) -> str:
+    """What broke a stream, in words."""
+    if isinstance(exc, KvBrokerError):
+        return exc.message
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.details() or exc.code().name
+    return repr(exc)

@@ -28,7 +28,8 @@ import grpc
 import structlog
 
 from kvbroker.broker.dataplane import Agent, DataPlane
-from kvbroker.broker.peers._stream import PeerStream, StreamStub
+from kvbroker.broker.peers._caller import PeerCaller
+from kvbroker.broker.peers._stream import PeerStream
 from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (
     BufferPlacement,
@@ -157,7 +158,7 @@ class Peer:
     #: The channel of ``stream`` (no interceptors).
     stream_channel: grpc.aio.Channel | None = None
     #: The calls to the peer: the room calls on ``stream``, the others unary.
-    stub: StreamStub | None = None
+    caller: PeerCaller | None = None
     #: This broker's stream to the peer (``peers._stream``).
     stream: PeerStream | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

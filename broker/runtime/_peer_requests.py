@@ -2,11 +2,14 @@
 handshake, a receiver's room registrations (RegisterRooms), room in a receive
 staging buffer (ReserveStaging), a source's completion report, aborts
 (AbortRooms), and lease renewals for rooms a decode announced
-(RenewLeases). A registration or abort call carries the rooms its caller
-made in one loop pass (on the peer stream, up to 512); each item succeeds or
-fails on its own.
+(RenewLeases), the transport self-test's probe slots, credits, and pings.
+A registration or abort call carries the rooms its caller made in one loop
+pass (on the peer stream, up to 512); each item succeeds or fails on its own.
 
-(Ping is answered by the servicer with the broker id alone.)
+Each handler is marked with the peer call it answers (``peers.answers``);
+the servicer answers every call through one chain (``api._peer_calls``)
+that counts it, checks the request's protocol version and types its
+errors, so a handler checks only what is its own (a batch's items).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kvbroker.broker.execution import (
     side_ticket,
 )
 from kvbroker.broker.memory import EngineTable, StagingPool, StagingPools, TransferSlot
-from kvbroker.broker.peers import HandshakeMessage, pool_name, reach_back
+from kvbroker.broker.peers import HandshakeMessage, answers, pool_name, reach_back
 from kvbroker.broker.rooms import TransferInfo, cause
 from kvbroker.broker.runtime._commands import checked_priority
 from kvbroker.broker.runtime._operators import Operators
@@ -81,17 +84,23 @@ class PeerRequests:
         #: Probe slots held for peers' transport self-tests, by probe id.
         self._probes: dict[str, tuple[StagingPool, TransferSlot, asyncio.TimerHandle]] = {}
 
+    @answers("Handshake")
     async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
         """A peer introduces itself (its agent, its engines); the answer introduces this broker,
         once this broker reached the peer where it says it listens."""
         await reach_back(self._client, request.caller)
         return await self._peers.answer(request, await handshake_message(self._engines, self._dataplane, self._pools))
 
+    @answers("Ping")
+    def ping(self, request: peer_pb2.PingRequest) -> peer_pb2.PingResponse:
+        """Who answers at this address (a peer's heartbeat, or its check that we listen where we say)."""
+        return peer_pb2.PingResponse(broker_id=self._broker_id)
+
     # -- a receiver registers rooms ---------------------------------------------------
+    @answers("RegisterRooms")
     def register_rooms(self, request: peer_pb2.RegisterRoomsRequest) -> peer_pb2.RegisterRoomsResponse:
         """A receiver's broker registers rooms with this sender's broker: each
         succeeds or fails on its own, in its room's trace."""
-        check_version(request.protocol_version, "RegisterRooms")
         response = peer_pb2.RegisterRoomsResponse()
         for item in request.rooms:
             item.protocol_version = item.protocol_version or request.protocol_version
@@ -141,9 +150,9 @@ class PeerRequests:
         self._sender.transfer_info(info)
 
     # -- while data moves ---------------------------------------------------------------
+    @answers("ReserveStaging")
     async def reserve_staging(self, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """Room in a receive staging buffer for one staged part (the prefetch). Idempotent."""
-        check_version(request.protocol_version, "ReserveStaging")
         pool_key, held = self._receiver.staging_wanted(request)
         pool = self._pools.pool("receive", *pool_key)
         if pool is None:
@@ -161,10 +170,10 @@ class PeerRequests:
                     raise
         return peer_pb2.ReserveStagingResponse(offset=held.offset, bytes=held.nbytes, buffer=pool.buffer.descriptor())
 
+    @answers("ReserveProbe")
     async def reserve_probe(self, request: peer_pb2.ReserveProbeRequest) -> peer_pb2.ReserveProbeResponse:
         """A slot of a receive transfer buffer for a peer's transport self-test,
         tied to no room: held until ReleaseProbe, or the lease's end."""
-        check_version(request.protocol_version, "ReserveProbe")
         self._peers.get(request.sender_broker_id)
         pool = self._pools.pool("receive", request.kind, request.device_id)
         if pool is None:
@@ -180,10 +189,11 @@ class PeerRequests:
             probe_id=probe_id, offset=reservation.offset, bytes=reservation.nbytes, buffer=pool.buffer.descriptor(), lease_seconds=lease
         )
 
-    def release_probe(self, request: peer_pb2.ReleaseProbeRequest) -> None:
+    @answers("ReleaseProbe")
+    def release_probe(self, request: peer_pb2.ReleaseProbeRequest) -> peer_pb2.ReleaseProbeResponse:
         """The sender's probe writes settled: the slot goes back. Idempotent."""
-        check_version(request.protocol_version, "ReleaseProbe")
         self._end_probe(request.probe_id)
+        return peer_pb2.ReleaseProbeResponse()
 
     def _end_probe(self, probe_id: str) -> None:
         held = self._probes.pop(probe_id, None)
@@ -192,32 +202,32 @@ class PeerRequests:
             timer.cancel()
             pool.release(reservation)
 
+    @answers("GrantCredits")
     async def grant_credits(self, request: peer_pb2.GrantCreditsRequest) -> peer_pb2.GrantCreditsResponse:
         """Room in a receive buffer for a sending peer's packed parts (its credits)."""
-        check_version(request.protocol_version, "GrantCredits")
         return await self._credits.grant(request)
 
+    @answers("ReturnCredits")
     def return_credits(self, request: peer_pb2.ReturnCreditsRequest) -> peer_pb2.ReturnCreditsResponse:
         """A sending peer gives whole grants back."""
-        check_version(request.protocol_version, "ReturnCredits")
         self._credits.take_back(request)
         return peer_pb2.ReturnCreditsResponse()
 
+    @answers("ReportCompletion")
     @in_turn
     def completion_report(self, request: peer_pb2.CompletionReport) -> peer_pb2.CompletionAck:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""
-        check_version(request.protocol_version, "ReportCompletion")
         self._receiver.completion_report(request)
         return peer_pb2.CompletionAck()
 
     # -- leases -------------------------------------------------------------------------
+    @answers("RenewLeases")
     @in_turn
     def renew_leases(self, request: peer_pb2.RenewLeasesRequest) -> peer_pb2.RenewLeasesResponse:
         """A receiver's broker renews the leases of rooms its decode engines
         announced: each listed room's sources in its group that still wait
         for transfer infos wait from now again (rooms not here: nothing).
         Answers the shortest lease of the listed groups' ranks here."""
-        check_version(request.protocol_version, "RenewLeases")
         self._peers.get(request.receiver_broker_id)  # a handshaken peer (else ABORTED: handshake again)
         now = time.monotonic()
         renewed = sum(len(self._sender.renew_lease(item.room, item.sender_group, now)) for item in request.rooms)
@@ -231,9 +241,9 @@ class PeerRequests:
         return peer_pb2.RenewLeasesResponse(lease_seconds=min(leases, default=flag), renewed=renewed)
 
     # -- aborts ---------------------------------------------------------------------------
+    @answers("AbortRooms")
     def peer_aborts(self, request: peer_pb2.PeerAbortRoomsRequest) -> peer_pb2.PeerAbortRoomsResponse:
         """A peer aborts rooms: each succeeds or fails on its own."""
-        check_version(request.protocol_version, "AbortRooms")
         response = peer_pb2.PeerAbortRoomsResponse()
         for item in request.aborts:
             item.protocol_version = item.protocol_version or request.protocol_version

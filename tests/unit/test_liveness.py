@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 import grpc
 
-from kvbroker.broker.peers import Peer, PeerMonitor
-from kvbroker.v1 import peer_pb2, peer_pb2_grpc
+from kvbroker.broker.peers import PEER_METHODS, Peer, PeerMonitor, call_unary
+from kvbroker.v1 import peer_pb2
+
+PING = PEER_METHODS["Ping"]
 
 
 class _Client:
@@ -17,7 +19,7 @@ class _Client:
 
     async def ping(self, peer: Peer, timeout_seconds: float) -> str:
         async with grpc.aio.insecure_channel(peer.address) as channel:
-            reply = await peer_pb2_grpc.PeerBrokerStub(channel).Ping(peer_pb2.PingRequest(), timeout=timeout_seconds)
+            reply = await call_unary(channel, PING, peer_pb2.PingRequest(), timeout=timeout_seconds)
         return str(reply.broker_id)
 
 

@@ -1,11 +1,13 @@
 """The peer stream, both ends in one process over loopback gRPC: calls answered by id (a waiting one
 holds up nothing), batched per frame, refused by name across protocol versions, failed as unary calls
-fail when the stream breaks or a deadline passes, and a registration that waits for a stream."""
+fail when the stream breaks or a deadline passes (as the project's errors), and a registration that waits
+for a stream; and the one answering chain that both the stream and the unary calls go through."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -13,21 +15,43 @@ from typing import Any
 import grpc
 import pytest
 
-from kvbroker.broker.api._peer_stream import ServedStreams, serve_stream
-from kvbroker.broker.peers import PeerStream, StreamStub
-from kvbroker.errors import ResourceExhausted
+from kvbroker.broker.api import PeerAnswers, PeerService, ServedStreams, serve_stream
+from kvbroker.broker.peers import (
+    PEER_METHODS,
+    PeerCaller,
+    PeerStream,
+    answers,
+    call_unary,
+    handlers_of,
+)
+from kvbroker.broker.telemetry import Counters
+from kvbroker.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import peer_pb2, peer_pb2_grpc
 
+V = PROTOCOL_VERSION
+GRANT_CREDITS, PING, REGISTER_ROOMS, REPORT_COMPLETION, RESERVE_STAGING = (
+    PEER_METHODS[name] for name in ("GrantCredits", "Ping", "RegisterRooms", "ReportCompletion", "ReserveStaging")
+)
 
-class _Callee(peer_pb2_grpc.PeerBrokerServicer):
-    """A callee that answers stream calls with ``answer`` and records what it was asked."""
+
+class _Callee(PeerService):
+    """A broker's PeerService whose every handler is ``answer``: it records what it was asked
+    (both ways: the unary methods are the service's own, made from the table)."""
 
     def __init__(self, answer: Callable[[str, Any], Any]) -> None:
         self.answer = answer
         self.calls: list[str] = []
         self.streams = 0
         self.served = ServedStreams()
+        self.counters = Counters()
+        super().__init__(PeerAnswers({name: functools.partial(self._answer, name) for name in PEER_METHODS}, self.counters), "callee", self.counters)
 
     def _answer(self, name: str, request: Any) -> Any:
         self.calls.append(name)
@@ -35,7 +59,7 @@ class _Callee(peer_pb2_grpc.PeerBrokerServicer):
 
     async def Stream(self, requests: AsyncIterator[peer_pb2.PeerFrame], context: Any) -> AsyncIterator[peer_pb2.PeerFrame]:
         self.streams += 1
-        async for frame in serve_stream(requests, context, "callee", self._answer, self.served):
+        async for frame in serve_stream(requests, context, "callee", self.answers, self.served):
             yield frame
 
 
@@ -72,11 +96,10 @@ async def _serving(servicer: peer_pb2_grpc.PeerBrokerServicer) -> AsyncIterator[
 
 
 @contextlib.asynccontextmanager
-async def _caller(address: str) -> AsyncIterator[StreamStub]:
-    """A caller's stub for ``address``, its stream closed after."""
+async def _caller(address: str) -> AsyncIterator[PeerCaller]:
+    """A caller for ``address``, its stream closed after."""
     async with grpc.aio.insecure_channel(address) as channel:
-        unary = peer_pb2_grpc.PeerBrokerStub(channel)
-        stub = StreamStub(unary, PeerStream(unary, address, lambda: "caller"))
+        stub = PeerCaller(channel, PeerStream(peer_pb2_grpc.PeerBrokerStub(channel), address, lambda: "caller"))
         try:
             yield stub
         finally:
@@ -113,8 +136,8 @@ def test_calls_are_answered_by_id_and_a_waiting_call_holds_up_nothing() -> None:
             return _pong(name, request)
 
         async with _serving(_Callee(answer)) as address, _caller(address) as stub:
-            reserve = asyncio.ensure_future(stub.ReserveStaging(peer_pb2.ReserveStagingRequest(bytes=4096), timeout=10))
-            pong = await stub.Ping(peer_pb2.PingRequest(from_broker_id="caller"), timeout=10)
+            reserve = asyncio.ensure_future(stub.call(RESERVE_STAGING, peer_pb2.ReserveStagingRequest(protocol_version=V, bytes=4096), timeout=10))
+            pong = await stub.call(PING, peer_pb2.PingRequest(from_broker_id="caller"), timeout=10)
             assert pong.broker_id == "callee" and not reserve.done()
             room.set()
             assert (await reserve).offset == 4096
@@ -137,12 +160,11 @@ def test_calls_made_together_go_in_fewer_frames_and_errors_keep_their_status() -
         async with _serving(callee) as address, _caller(address) as stub:
             stub.stream.open()
             results = await asyncio.gather(
-                *(stub.ReportCompletion(peer_pb2.CompletionReport(room=r), timeout=10) for r in range(200)), return_exceptions=True
+                *(stub.call(REPORT_COMPLETION, peer_pb2.CompletionReport(protocol_version=V, room=r), timeout=10) for r in range(200)), return_exceptions=True
             )
             errors = {r: e for r, e in enumerate(results) if isinstance(e, BaseException)}
             assert list(errors) == [13]
-            assert isinstance(errors[13], grpc.aio.AioRpcError) and errors[13].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert errors[13].details() == "no room for room 13"
+            assert isinstance(errors[13], ResourceExhausted) and errors[13].message == "no room for room 13"
             assert callee.calls == ["ReportCompletion"] * 200 and callee.streams == 1
             assert stub.stream.calls_written == 200 and stub.stream.frames_written < 200
 
@@ -157,9 +179,9 @@ def test_calls_made_in_one_pass_go_in_one_frame_of_at_most_512_and_one_given_up_
         rooms: list[int] = []
         callee = _Callee(lambda name, request: rooms.append(request.room) or peer_pb2.CompletionAck())
         async with _serving(callee) as address, _caller(address) as stub:
-            await stub.ReportCompletion(peer_pb2.CompletionReport(room=0), timeout=10)  # the stream is open
+            await stub.call(REPORT_COMPLETION, peer_pb2.CompletionReport(protocol_version=V, room=0), timeout=10)  # the stream is open
             calls, frames = stub.stream.calls_written, stub.stream.frames_written
-            submitted = [stub.submit("ReportCompletion", peer_pb2.CompletionReport(room=r), timeout=10) for r in range(1, 601)]
+            submitted = [stub.submit(REPORT_COMPLETION, peer_pb2.CompletionReport(protocol_version=V, room=r), timeout=10) for r in range(1, 601)]
             submitted[5].cancel()
             answers = await asyncio.gather(*submitted, return_exceptions=True)
             assert isinstance(answers[5], asyncio.CancelledError)
@@ -182,7 +204,7 @@ def test_items_made_in_one_pass_join_one_call_and_an_item_after_its_frame_makes_
         sizes: list[int] = []
         async with _serving(_Callee(answer)) as address, _caller(address) as stub:
             made = [
-                stub.submit_item("RegisterRooms", peer_pb2.RegisterRoomsRequest(rooms=[peer_pb2.RegisterRoomRequest(room=r)]),
+                stub.submit_item(REGISTER_ROOMS, peer_pb2.RegisterRoomsRequest(protocol_version=V, rooms=[peer_pb2.RegisterRoomRequest(room=r)]),
                                  "rooms", timeout=10)
                 for r in (5, 6, 7)
             ]
@@ -190,7 +212,7 @@ def test_items_made_in_one_pass_join_one_call_and_an_item_after_its_frame_makes_
             response = await made[0][0]
             assert [r.code for r in response.results] == [5, 6, 7] and sizes == [3]
             call, index = stub.submit_item(
-                "RegisterRooms", peer_pb2.RegisterRoomsRequest(rooms=[peer_pb2.RegisterRoomRequest(room=8)]), "rooms", timeout=10
+                REGISTER_ROOMS, peer_pb2.RegisterRoomsRequest(protocol_version=V, rooms=[peer_pb2.RegisterRoomRequest(room=8)]), "rooms", timeout=10
             )
             assert index == 0 and call is not made[0][0]
             assert [r.code for r in (await call).results] == [8] and sizes == [3, 1]
@@ -203,10 +225,9 @@ def test_a_broker_without_the_stream_is_refused_by_name() -> None:
 
     async def body() -> None:
         async with _serving(_Old()) as address, _caller(address) as stub:
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Ping(peer_pb2.PingRequest(), timeout=10)
-            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert f"older than {PROTOCOL_VERSION}" in (caught.value.details() or "")
+            with pytest.raises(FailedPrecondition) as caught:
+                await stub.call(PING, peer_pb2.PingRequest(), timeout=10)
+            assert f"older than {PROTOCOL_VERSION}" in caught.value.message
 
     _run(body)
 
@@ -243,20 +264,18 @@ def test_a_broken_stream_fails_the_calls_written_on_it_and_the_next_call_opens_a
         server, address = await _serve(_Callee(answer), port)
         try:
             async with _caller(address) as stub:
-                grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
-                await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+                grant = asyncio.ensure_future(stub.call(GRANT_CREDITS, peer_pb2.GrantCreditsRequest(protocol_version=V), timeout=20))
+                await stub.call(PING, peer_pb2.PingRequest(), timeout=10)
                 await server.stop(None)
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                with pytest.raises(Unavailable) as caught:
                     await grant
-                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "broke" in (caught.value.details() or "") or "closed" in (caught.value.details() or "")
+                assert "broke" in caught.value.message or "closed" in caught.value.message
                 server, _ = await _serve(_Callee(_pong), port)
                 for _ in range(100):  # the channel reconnects with backoff
                     try:
-                        pong = await stub.Ping(peer_pb2.PingRequest(), timeout=2)
+                        pong = await stub.call(PING, peer_pb2.PingRequest(), timeout=2)
                         break
-                    except grpc.aio.AioRpcError as exc:
-                        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    except Unavailable:
                         await asyncio.sleep(0.1)
                 assert pong.broker_id == "callee"
         finally:
@@ -273,16 +292,14 @@ def test_a_call_not_yet_written_when_its_stream_breaks_goes_on_the_next_stream()
     async def body() -> None:
         callee = _Callee(_grants_never_answered(asyncio.Event()))
         async with _serving(callee) as address, _caller(address) as stub:
-            grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
-            await stub.Ping(peer_pb2.PingRequest(), timeout=10)  # the grant is written, and waits at the callee
-            ping = stub.submit("Ping", peer_pb2.PingRequest(), timeout=10)
+            grant = asyncio.ensure_future(stub.call(GRANT_CREDITS, peer_pb2.GrantCreditsRequest(protocol_version=V), timeout=20))
+            await stub.call(PING, peer_pb2.PingRequest(), timeout=10)  # the grant is written, and waits at the callee
+            ping = stub.submit(PING, peer_pb2.PingRequest(), timeout=10)
             stream = stub.stream
             assert stream._opened is not None
-            broken = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "broken by the test")
-            stream._break(stream._opened, broken)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
+            stream._break(stream._opened, Unavailable("broken by the test"))
+            with pytest.raises(Unavailable):
                 await grant
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert (await ping).broker_id == "callee"
             assert callee.streams == 2 and sorted(callee.calls) == ["GrantCredits", "Ping", "Ping"]
 
@@ -300,11 +317,11 @@ def test_a_registration_waits_for_a_stream_and_other_calls_do_not() -> None:
             async with _caller(f"127.0.0.1:{port}") as stub:
                 loop = asyncio.get_running_loop()
                 started = loop.time()
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await stub.Ping(peer_pb2.PingRequest(), timeout=10)
-                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and loop.time() - started < 5
+                with pytest.raises(Unavailable):
+                    await stub.call(PING, peer_pb2.PingRequest(), timeout=10)
+                assert loop.time() - started < 5
                 registration = asyncio.ensure_future(
-                    stub.RegisterRooms(peer_pb2.RegisterRoomsRequest(), timeout=20, wait_for_ready=True)
+                    stub.call(REGISTER_ROOMS, peer_pb2.RegisterRoomsRequest(protocol_version=V), timeout=20, wait_for_ready=True)
                 )
                 await asyncio.sleep(0.5)
                 assert not registration.done()
@@ -334,11 +351,10 @@ def test_a_call_past_its_deadline_fails_and_its_late_answer_is_dropped() -> None
             return _pong(name, request)
 
         async with _serving(_Callee(answer)) as address, _caller(address) as stub:
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=0.3)
-            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with pytest.raises(DeadlineExceeded):
+                await stub.call(GRANT_CREDITS, peer_pb2.GrantCreditsRequest(protocol_version=V), timeout=0.3)
             slow.set()
-            assert (await stub.Ping(peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
+            assert (await stub.call(PING, peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
 
     _run(body)
 
@@ -351,13 +367,12 @@ def test_a_callee_that_stops_ends_its_streams_and_their_unanswered_calls_fail() 
     async def body() -> None:
         callee = _Callee(_grants_never_answered(asyncio.Event()))
         async with _serving(callee) as address, _caller(address) as stub:
-            grant = asyncio.ensure_future(stub.GrantCredits(peer_pb2.GrantCreditsRequest(), timeout=20))
-            await stub.Ping(peer_pb2.PingRequest(), timeout=10)
+            grant = asyncio.ensure_future(stub.call(GRANT_CREDITS, peer_pb2.GrantCreditsRequest(protocol_version=V), timeout=20))
+            await stub.call(PING, peer_pb2.PingRequest(), timeout=10)
             callee.served.end_all()
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
+            with pytest.raises(Unavailable):
                 await grant
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert (await stub.Ping(peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
+            assert (await stub.call(PING, peer_pb2.PingRequest(), timeout=10)).broker_id == "callee"
             assert callee.streams == 2
 
     _run(body)
@@ -395,11 +410,58 @@ def test_an_opening_whose_status_grpc_lost_is_tried_again() -> None:
                     return _LostStatusCall() if len(opened) == 1 else real.Stream()
 
             stream = PeerStream(Stub(), address, lambda: "caller")  # type: ignore[arg-type]
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stream.call("Ping", peer_pb2.PingRequest(), timeout=10)
+            with pytest.raises(FailedPrecondition) as caught:
+                await stream.submit(PING, peer_pb2.PingRequest(), timeout=10)
             stream.close()
             assert opened == ["lost", "real"]
-            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert f"older than {PROTOCOL_VERSION}" in (caught.value.details() or "")
+            assert f"older than {PROTOCOL_VERSION}" in caught.value.message
 
     _run(body)
+
+
+def test_the_stream_and_the_unary_calls_answer_through_one_chain() -> None:
+    """A handler that breaks (not a project error) fails INTERNAL, naming the call and not the trace; a
+    request of another protocol version is refused FAILED_PRECONDITION before its handler runs; both the
+    same whether the call came on the stream or unary, and every call is counted under its method."""
+
+    async def body() -> None:
+        def answer(name: str, request: Any) -> Any:
+            raise ZeroDivisionError("a bug")
+
+        callee = _Callee(answer)
+        async with _serving(callee) as address, _caller(address) as stub:
+            channel = stub._channel
+            for way in ("stream", "unary"):
+                report = peer_pb2.CompletionReport(room=1, protocol_version=PROTOCOL_VERSION)
+                make = stub.call if way == "stream" else functools.partial(call_unary, channel)
+                with pytest.raises(Internal) as broke:
+                    await make(REPORT_COMPLETION, report, timeout=10)
+                assert broke.value.message == "ReportCompletion failed inside the broker; see its log", way
+                report.protocol_version = PROTOCOL_VERSION - 1
+                with pytest.raises(FailedPrecondition) as refused:
+                    await make(REPORT_COMPLETION, report, timeout=10)
+                assert f"protocol version {PROTOCOL_VERSION - 1}" in refused.value.message, way
+            assert callee.calls == ["ReportCompletion", "ReportCompletion"]  # the refused ones never reached it
+            assert callee.counters.peer_calls_answered["ReportCompletion"] == 4
+
+    _run(body)
+
+
+def test_the_table_is_the_proto_and_every_call_has_exactly_one_handler() -> None:
+    """Every PeerBroker method but Stream is a row, with its stream field where PeerCall carries it;
+    handlers are found by their mark, and a missing or doubled one is refused by name at build."""
+    assert set(PEER_METHODS) | {"Stream"} == {m.name for m in peer_pb2.DESCRIPTOR.services_by_name["PeerBroker"].methods}
+    assert {m.name for m in PEER_METHODS.values() if m.field is None} == {"Handshake", "ReserveProbe", "ReleaseProbe"}
+    assert PEER_METHODS["RegisterRooms"].field == "register_rooms" and PEER_METHODS["Ping"].versioned is False
+
+    class Some:
+        @answers("Ping")
+        def ping(self, request: Any) -> Any:
+            return peer_pb2.PingResponse()
+
+    with pytest.raises(TypeError, match="no handler answers PeerBroker.AbortRooms"):
+        handlers_of(Some())
+    with pytest.raises(TypeError, match="two handlers answer PeerBroker.Ping"):
+        handlers_of(Some(), Some())
+    with pytest.raises(KeyError, match="no method 'Pong'"):
+        answers("Pong")
