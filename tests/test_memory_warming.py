@@ -7,7 +7,6 @@ and changes no byte."""
 from __future__ import annotations
 
 import errno
-import importlib
 import mmap
 import os
 import struct
@@ -20,14 +19,13 @@ import pytest
 
 from kvbroker import errors
 from kvbroker.broker.dataplane import WARM_NICE
+from kvbroker.broker.memory import array_at, map_memory, populate, unmap
 from kvbroker.client import RoomState, SenderRef
 from kvbroker.testing import eventually
 from kvbroker.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
-#: Where the engine table finds ``populate`` (patched by string: no private import).
+#: Where the engine table finds ``populate`` (patched there, by string: the one private name).
 POPULATE = "kvbroker.broker.memory._engines.populate"
-#: The module that faults memory in (its functions are private to the broker's memory package).
-IMPORTERS = importlib.import_module("kvbroker.broker.memory._importers")
 PAGE = mmap.PAGESIZE
 
 
@@ -76,7 +74,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Gate]]:
     made: list[Gate] = []
 
     def make(fail: OSError | None = None) -> Gate:
-        real = importlib.import_module("kvbroker.broker.memory._engines").populate
+        real = populate
         g = Gate(real, fail)
         monkeypatch.setattr(POPULATE, g)
         made.append(g)
@@ -177,8 +175,8 @@ class Memfd:
         self.size = pages * PAGE
         self.fd = os.memfd_create("warming-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.size)
-        self.address = IMPORTERS.map_memory(self.size, mmap.MAP_SHARED, self.fd)
-        self.view = IMPORTERS.array_at(self.address, self.size)
+        self.address = map_memory(self.size, mmap.MAP_SHARED, self.fd)
+        self.view = array_at(self.address, self.size)
         self.written = {3: 0x5A, pages // 2: 0xA5, pages - 1: 0x3C}
         for page, value in self.written.items():
             self.view[page * PAGE : (page + 1) * PAGE] = value
@@ -199,7 +197,7 @@ class Memfd:
 
     def close(self) -> None:
         del self.view
-        IMPORTERS.unmap(self.address, self.size)
+        unmap(self.address, self.size)
         os.close(self.fd)
 
 
@@ -222,9 +220,9 @@ def test_populate_maps_every_page_and_changes_no_byte(memfd: Callable[[int], Mem
     without: MADV_POPULATE_WRITE. From an offset, only that range."""
     m = memfd(600)
     half = 300 * PAGE
-    IMPORTERS.populate(m.address + half, m.size - half, m.fd if with_file else -1, half)
+    populate(m.address + half, m.size - half, m.fd if with_file else -1, half)
     assert m.mapped_pages() >= 300 and m.allocated_bytes() >= m.size - half
-    IMPORTERS.populate(m.address, half, m.fd if with_file else -1, 0)
+    populate(m.address, half, m.fd if with_file else -1, 0)
     assert m.mapped_pages() == 600 and m.allocated_bytes() == m.size
     m.assert_unchanged()
 
@@ -232,7 +230,7 @@ def test_populate_maps_every_page_and_changes_no_byte(memfd: Callable[[int], Mem
 def test_populate_says_when_the_file_cannot_be_allocated(memfd: Callable[[int], Memfd]) -> None:
     m = memfd(4)
     with pytest.raises(OSError) as raised:
-        IMPORTERS.populate(m.address, m.size, 10_000, 0)  # no such fd: fallocate fails
+        populate(m.address, m.size, 10_000, 0)  # no such fd: fallocate fails
     assert raised.value.errno == errno.EBADF
 
 

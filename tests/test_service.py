@@ -1210,15 +1210,27 @@ def test_indices_wider_than_int32_are_refused_not_wrapped(fake_brokers, make_eng
     assert d.tables() == before[1]
 
 
-def test_the_client_refuses_a_broker_of_another_protocol_version(fake_brokers, monkeypatch) -> None:
-    """A client checks the broker's protocol_version (GetBrokerInfo) before anything else."""
-    from kvbroker.broker.runtime import _broker as dispatcher
-    from kvbroker.client import BrokerClient
+def test_the_client_refuses_a_broker_of_another_protocol_version() -> None:
+    """A client checks the broker's protocol_version (GetBrokerInfo) before anything else: a server
+    that answers GetBrokerInfo with the next version, and nothing more, is refused."""
+    from concurrent import futures
 
-    p = fake_brokers("p")
-    monkeypatch.setattr(dispatcher, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
-    with pytest.raises(errors.FailedPrecondition, match=f"speaks protocol version {PROTOCOL_VERSION + 1}"):
-        BrokerClient(p.address)
+    from kvbroker.client import BrokerClient
+    from kvbroker.v1 import transfer_pb2_grpc
+
+    class NextVersion(transfer_pb2_grpc.TransferBrokerServicer):
+        def GetBrokerInfo(self, request: transfer_pb2.GetBrokerInfoRequest, context: Any) -> transfer_pb2.BrokerInfo:
+            return transfer_pb2.BrokerInfo(broker_id="next", protocol_version=PROTOCOL_VERSION + 1)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    transfer_pb2_grpc.add_TransferBrokerServicer_to_server(NextVersion(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(errors.FailedPrecondition, match=f"speaks protocol version {PROTOCOL_VERSION + 1}"):
+            BrokerClient(f"127.0.0.1:{port}")
+    finally:
+        server.stop(None)
 
 
 def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_brokers) -> None:

@@ -73,7 +73,7 @@ class CallsToPeers:
 
         def missed(error: KvBrokerError) -> None:
             with self._turn:
-                self._receiver.still_looking(rank, error.message)
+                self._receiver.bootstrap.still_looking(rank, error.message)
 
         try:
             found: str | list[SenderLeg]
@@ -98,10 +98,10 @@ class CallsToPeers:
                     found = [SenderLeg(p.broker_id or "", p.address, ranks) for p, ranks in placed]
         except KvBrokerError as exc:
             with self._turn:
-                self._receiver.bootstrap_failed(rank, exc)
+                self._receiver.bootstrap.bootstrap_failed(rank, exc)
         else:
             with self._turn:
-                self._receiver.sender_found(rank, found, layouts)
+                self._receiver.bootstrap.sender_found(rank, found, layouts)
 
     async def report(self, effect: SendReport) -> None:
         """A source's completion report to its receiver's broker (delivered or logged)."""
@@ -147,7 +147,7 @@ class CallsToPeers:
             log.info("lease_renewal_failed", peer=effect.address, rooms=len(effect.rooms), error=exc.message)
         finally:
             with self._turn:
-                self._receiver.leases_renewed(effect.address, lease)
+                self._receiver.announcements.renewed(effect.address, lease)
 
     async def tell_successor(self, address: str) -> None:
         """Tell the broker now at ``address`` which rooms of its predecessor failed here."""
@@ -164,7 +164,7 @@ class CallsToPeers:
                 log.debug("successor_unreachable", peer=address, error=exc.message)
                 return
             broker_id = peer.broker_id or ""
-            for room, why in self._receiver.successor_notices(address):
+            for room, why in self._receiver.successors.take(address):
                 told = cause(
                     common_pb2.FAILURE_KIND_PEER, f"the receiving broker {self._id} failed the room: {why.message}", self._id
                 )
@@ -175,7 +175,7 @@ class CallsToPeers:
                 log.info("successor_told", room=room, peer=address, broker=broker_id)
         finally:
             with self._turn:
-                self._receiver.successor_done(address)
+                self._receiver.successors.done(address)
 
 
 def in_span(span: trace.Span | None) -> contextlib.AbstractContextManager[object]:

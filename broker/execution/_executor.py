@@ -9,7 +9,7 @@ this package that carries it out, without blocking the control loop:
   is reserved and they are gathered where they need it; each settles there
   and comes back through :meth:`Executor.on_events` as
   ``SenderCore.part_settled``; notifications come back the same way, as
-  ``ReceiverCore.notices``;
+  ``ReceiverCore.landing.notices``;
 - staging copies (``_staging_copies``): a staged part is gathered on its
   memory's lane before it is posted, a landed one scattered before it counts;
 - calls to other brokers (``_calls_to_peers``; room registration and its
@@ -195,7 +195,7 @@ class Executor:
                         notices.append((agent, payload))
                 if notices:
                     self._notices_at = event.at
-                    self._receiver.notices(notices)
+                    self._receiver.landing.notices(notices)
 
     def _run(self, effect: Effect) -> None:
         handler = self._handlers.get(type(effect))
@@ -244,7 +244,7 @@ class Executor:
         """Checksum a landed chunk in its rank's pages; the receiver compares."""
         got, error = await self._copies.chunk_checksum(effect.receiver.engine, effect.what)
         with self._turn:
-            self._receiver.chunk_verified(effect, got, error)
+            self._receiver.landing.chunk_verified(effect, got, error)
 
 
 def transport_text(config: BrokerConfig) -> str:

@@ -24,7 +24,7 @@ where its range goes back, and how it went. It moves through:
   complete (a ``CreditReturn`` notification), not through the loop.
 
 The loop hears only the outcome, in a batch (the data plane's inbox): the
-counters, and ``ReceiverCore.scattered`` (or ``taken``, for a part the
+counters, and ``ReceiverCore.landing.scattered`` (or ``taken``, for a part the
 thread took), in a turn. A part whose copy
 failed, or whose range could not go back from the lane (the data plane is
 stopping), has its range handed back by the state machine instead.
@@ -222,6 +222,6 @@ class ReceivingParts:
         self._counters.parts_taken_off_loop += part.off_loop
         with self._turn:
             if part.off_loop:
-                self._receiver.taken(part.rank, part.landing, part.error, part.handed_back)
+                self._receiver.landing.taken(part.rank, part.landing, part.error, part.handed_back)
             else:
-                self._receiver.scattered(part.rank, part.landing, part.error, part.handed_back)
+                self._receiver.landing.scattered(part.rank, part.landing, part.error, part.handed_back)

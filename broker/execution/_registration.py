@@ -134,7 +134,7 @@ class Registrations:
             peer = self._peers.get(effect.broker_id)
         except KvBrokerError as exc:
             with self._turn:
-                self._receiver.registration_error(effect.receiver, effect.leg, exc)
+                self._receiver.bootstrap.registration_error(effect.receiver, effect.leg, exc)
             return
         self._attempt(effect, peer, retried=False)
 
@@ -158,11 +158,11 @@ class Registrations:
         if step is Step.DONE:
             # The process that took the room: the one the request was addressed to.
             took = effect.request.sender_broker_id
-            self._receiver.room_registered(rank, leg, took, still_known=took in self._peers.by_id)
+            self._receiver.bootstrap.room_registered(rank, leg, took, still_known=took in self._peers.by_id)
             self._dataplane.pacing.hurry(self._receiver.ranks_awaiting_data())
         else:
             assert error is not None
-            self._receiver.registration_failed(rank, leg, error, maybe_delivered=step is Step.FAIL_MAYBE_DELIVERED)
+            self._receiver.bootstrap.registration_failed(rank, leg, error, maybe_delivered=step is Step.FAIL_MAYBE_DELIVERED)
 
     async def _handshake_and_retry(self, effect: RegisterRoom, peer: Peer) -> None:
         """The peer refused the room as stale: handshake afresh (``peer`` is the
@@ -171,14 +171,14 @@ class Registrations:
         process found there, unless the rank ended meanwhile."""
         rank, leg = effect.receiver, effect.leg
         with self._turn:
-            self._receiver.registration_stale(rank, leg)
+            self._receiver.bootstrap.registration_stale(rank, leg)
         try:
             with in_span(rank.span):
                 await self._client.handshake(peer)
         except KvBrokerError as exc:
             with self._turn:
-                self._receiver.registration_error(rank, leg, exc)
+                self._receiver.bootstrap.registration_error(rank, leg, exc)
         else:
             with self._turn:
-                if self._receiver.register_again(rank, leg, peer.broker_id or ""):
+                if self._receiver.bootstrap.register_again(rank, leg, peer.broker_id or ""):
                     self._attempt(effect, peer, retried=True)

@@ -11,6 +11,7 @@ from kvbroker.broker.memory._importers import (
     importer_for,
     map_anonymous,
     map_memory,
+    populate,
     unmap,
 )
 from kvbroker.broker.memory._staging import (
@@ -49,5 +50,6 @@ __all__ = [
     "importer_for",
     "map_anonymous",
     "map_memory",
+    "populate",
     "unmap",
 ]

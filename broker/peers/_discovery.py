@@ -311,7 +311,7 @@ async def _resolve(
     try:
         plans = plan_sources(GroupShape.of(layouts[0]), group, GroupShape.of(receiver), key.tp_rank, key.pp_rank)
     except KvBrokerError:
-        return [(first, None)], layouts  # the room fails on the plan, with its reason (ReceiverCore.sender_found)
+        return [(first, None)], layouts  # the room fails on the plan, with its reason (ReceiverCore.bootstrap.sender_found)
     owners: dict[str, set[tuple[int, int]]] = {}
     for plan in plans:
         rank = (plan.rank.tp_rank, plan.rank.pp_rank)

@@ -5,7 +5,7 @@ unary calls and the session stream alike) and handed to one machine method:
 :class:`ExpectRoom` to ``ReceiverCore.expect``, :class:`BeginSend` to
 ``SenderCore.begin``, :class:`SendChunk` to ``SenderCore.chunk`` and
 :class:`Abort` to either side's ``abort``, :class:`AnnounceRoom` to
-``ReceiverCore.announce``.
+``ReceiverCore.announcements.announce``.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class SendReport:
 @dataclass(frozen=True)
 class FindSender:
     """Handshake with the sender's broker and find the sender group there
-    (retrying up to the bootstrap timeout); then ``ReceiverCore.sender_found``."""
+    (retrying up to the bootstrap timeout); then ``ReceiverCore.bootstrap.sender_found``."""
 
     receiver: Receiver
 
@@ -133,7 +133,7 @@ class Scatter:
 class VerifyChunk:
     """Compute the CRC-32 of a chunk all of whose parts landed in the rank's
     pages (``what``), off the control loop, and compare it with the sender's
-    (``expected``): ``ReceiverCore.chunk_verified``."""
+    (``expected``): ``ReceiverCore.landing.chunk_verified``."""
 
     receiver: Receiver
     source: RankKey
@@ -162,7 +162,7 @@ class HandBackCredits:
 class RenewLeases:
     """Renew, at the sender's broker at ``address``, the leases of the sources
     of ``rooms`` ((room, sender group) pairs) that announced rooms wait for
-    (``PeerBroker.RenewLeases``); the answer goes to ``ReceiverCore.leases_renewed``."""
+    (``PeerBroker.RenewLeases``); the answer goes to ``ReceiverCore.announcements.renewed``."""
 
     address: str
     rooms: tuple[tuple[int, str], ...]

@@ -36,7 +36,7 @@ create a room (lesson 6).
 
 Before step 1, a decode rank may announce a room it still wants but cannot
 open yet (``announce``): each ``tick`` renews the sources' leases at the
-sender's broker (``RenewLeases`` -> ``leases_renewed``; ``_announcements``)
+sender's broker (``RenewLeases`` -> ``announcements.renewed``; ``_announcements``)
 until ExpectRoom, an abort or the engine going away ends the announcement.
 
 :class:`ReceiverCore` is a facade over collaborators that each own their
@@ -53,12 +53,16 @@ broker id, outbox):
   completion reports, staging grants, the credits granted to senders.
 - ``SuccessorNotices`` (``_successors``): rooms to tell the next broker at
   a lost sender's address.
+- ``Announcements`` (``_announcements``): rooms announced before ExpectRoom
+  and their leases.
 
-The calls that only one collaborator answers are that collaborator's bound
-methods (no extra hop); the facade's own methods are the events that cross
-them (aborts, lost engines and peers, timers). Every call leaves effects
-(``_effects``) in the outbox; :meth:`ReceiverCore.take` hands them to the
-executor. The records are in ``_receiver_records``.
+The calls that only one collaborator answers are made on it
+(``receiver.bootstrap.sender_found(...)``, ``receiver.landing.notices(...)``);
+the facade's own methods are the events that cross them (aborts, lost engines
+and peers, timers), and it binds the few calls many callers make (``take``,
+``fail``). Every call leaves effects (``_effects``) in the outbox;
+:meth:`ReceiverCore.take` hands them to the executor. The records are in
+``_receiver_records``.
 """
 
 from __future__ import annotations
@@ -90,23 +94,21 @@ __all__ = ["ReceiverCore"]
 class ReceiverCore:
     """Every receiver rank of this broker. No I/O: calls leave effects (:meth:`take`).
 
-    The facade over the receiver's collaborators: ``take`` is the shared
-    outbox's; ``fail`` and ``ranks_awaiting_data`` are
-    :class:`~kvbroker.broker.rooms._receive_settling.RankSettling`'s;
-    ``sender_found``, ``still_looking``, ``bootstrap_failed`` and
-    the registration outcomes (``registration_stale``, ``register_again``,
-    ``registration_error``, ``room_registered``, ``registration_failed``) are
-    :class:`~kvbroker.broker.rooms._receive_bootstrap.RankBootstrap`'s;
-    ``notices``, ``scattered``, ``chunk_verified``, ``completion_report``,
-    ``staging_wanted``, ``staging_granted`` and ``staging_rank`` are
-    :class:`~kvbroker.broker.rooms._receive_landing.RankLanding`'s;
-    ``successor_notices`` and ``successor_done`` are
-    :class:`~kvbroker.broker.rooms._successors.SuccessorNotices`' ``take``
-    and ``done``; ``announce``, ``announced`` and ``leases_renewed`` are
-    :class:`~kvbroker.broker.rooms._announcements.Announcements`'
-    ``announce``, ``announced`` and ``renewed`` (each bound here at
-    construction). ``expect`` is the bootstrap's, ending the room's
-    announcement first.
+    The facade over the receiver's collaborators, which callers reach by name
+    for the calls only one of them answers: ``bootstrap``
+    (:class:`~kvbroker.broker.rooms._receive_bootstrap.RankBootstrap`: the sender
+    found or not, the registrations' outcomes), ``landing``
+    (:class:`~kvbroker.broker.rooms._receive_landing.RankLanding`: notices,
+    scatters, checksums, staging, completion reports), ``successors``
+    (:class:`~kvbroker.broker.rooms._successors.SuccessorNotices`: ``take`` and
+    ``done``) and ``announcements``
+    (:class:`~kvbroker.broker.rooms._announcements.Announcements`: ``announce``,
+    ``announced``, ``renewed``). Bound here: ``take``, the shared outbox's;
+    ``fail`` and ``ranks_awaiting_data``,
+    :class:`~kvbroker.broker.rooms._receive_settling.RankSettling`'s; and the
+    landing's calls the peer requests make (``staging_wanted``,
+    ``staging_granted``, ``staging_rank``, ``completion_report``). ``expect`` is
+    the bootstrap's, ending the room's announcement first.
     """
 
     def __init__(
@@ -126,47 +128,33 @@ class ReceiverCore:
         self._id = broker_id
         self._rooms = rooms
         self._settling = settling
-        self._successors = successors
-        self._bootstrap = bootstrap
-        self._announcements = announcements = Announcements(core)
-        # -- the calls one collaborator answers, bound (no hop) --------------
+        # -- the collaborators whose calls only they answer ------------------
+        self.bootstrap = bootstrap
+        self.landing = landing
+        self.successors = successors
+        self.announcements = Announcements(core)
+        # -- the calls bound here (no hop) -----------------------------------
         self.take = core.take
         self.fail = settling.fail
         self.ranks_awaiting_data = settling.ranks_awaiting_data
-        self.sender_found = bootstrap.sender_found
-        self.still_looking = bootstrap.still_looking
-        self.bootstrap_failed = bootstrap.bootstrap_failed
-        self.registration_stale = bootstrap.registration_stale
-        self.register_again = bootstrap.register_again
-        self.registration_error = bootstrap.registration_error
-        self.room_registered = bootstrap.room_registered
-        self.registration_failed = bootstrap.registration_failed
-        self.notices = landing.notices
-        self.scattered = landing.scattered
-        self.taken = landing.taken
-        self.chunk_verified = landing.chunk_verified
-        self.completion_report = landing.completion_report
+        # The peer requests' calls, until their surface calls ``landing`` itself.
         self.staging_wanted = landing.staging_wanted
         self.staging_granted = landing.staging_granted
         self.staging_rank = landing.staging_rank
-        self.successor_notices = successors.take
-        self.successor_done = successors.done
-        self.announce = announcements.announce
-        self.announced = announcements.announced
-        self.leases_renewed = announcements.renewed
+        self.completion_report = landing.completion_report
 
     # -- engine calls ----------------------------------------------------
     def expect(self, command: ExpectRoom) -> Receiver:
         """Open a receiving room (ExpectRoom); it ends the room's announcement
         (its own registration holds the sender's lease from now on)."""
-        self._announcements.withdraw(command.engine, command.room)
-        return self._bootstrap.expect(command)
+        self.announcements.withdraw(command.engine, command.room)
+        return self.bootstrap.expect(command)
 
     def abort(self, command: Abort) -> Receiver | None:
         """Fail the engine's side of the room and tell the sender's broker
         (an announced room is no longer wanted). Idempotent."""
         engine, room_id, reason, by = command.engine, command.room, command.reason, command.by
-        self._announcements.withdraw(engine, room_id)
+        self.announcements.withdraw(engine, room_id)
         room = self._rooms.receiver.get(room_id)
         rank = room.ranks.get(engine.key) if room is not None else None
         if rank is not None:
@@ -177,7 +165,7 @@ class ReceiverCore:
 
     def engine_gone(self, engine: Engine, why: common_pb2.FailureCause) -> int:
         """``engine`` unregistered or died: fail its ranks, end its announcements. Returns how many failed."""
-        self._announcements.engine_gone(engine)
+        self.announcements.engine_gone(engine)
         ranks = [r for r in self._rooms.all_receivers() if r.engine is engine]
         for rank in ranks:
             self._settling.fail(rank, why)
@@ -210,7 +198,7 @@ class ReceiverCore:
         for rank in room.ranks.values() if room is not None else ():
             leg = rank.leg(broker_id)
             if leg is not None:
-                self._successors.remember(leg.address, room_id, why)
+                self.successors.remember(leg.address, room_id, why)
 
     def peer_lost(self, broker_id: str, why: common_pb2.FailureCause, *, settled: bool = True) -> int:
         """The sender's broker ``broker_id`` is lost: fail our ranks it feeds.
@@ -261,7 +249,7 @@ class ReceiverCore:
         ``retry_seconds``); renew the leases of announced rooms that are due
         (at most every ``lease_renew_max_seconds``)."""
         self._settling.time_out(now, data_timeout_seconds)
-        self._announcements.renew(now, lease_renew_max_seconds)
-        for address in self._successors.due(now, retry_seconds):
+        self.announcements.renew(now, lease_renew_max_seconds)
+        for address in self.successors.due(now, retry_seconds):
             self._settling.tell_successor_now(address, now)
-        self._successors.forget_old_tries(now, retry_seconds)
+        self.successors.forget_old_tries(now, retry_seconds)

@@ -164,7 +164,7 @@ class EngineCalls:
         if not request.sender.group:
             raise InvalidArgument("AnnounceRoom needs the sender's engine group")
         if side_of(self._rooms, engine, request.room) is None and not self._rooms.is_tombstoned("receiver", request.room):
-            self._receiver.announce(decode_announce_room(request, engine))
+            self._receiver.announcements.announce(decode_announce_room(request, engine))
 
     @in_turn
     def begin_send(self, request: transfer_pb2.BeginSendRequest) -> Source:

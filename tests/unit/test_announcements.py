@@ -1,5 +1,5 @@
 """Rooms a decode rank announced before opening them, and the lease renewals its
-broker owes them (``ReceiverCore.announce``, ``tick``, ``leases_renewed``:
+broker owes them (``ReceiverCore.announcements``, ``tick``:
 ``kvbroker.broker.rooms._announcements``), without gRPC."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class World:
         self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters(), credits=CreditLedger())
 
     def announce(self, engine: Any, room: int, address: str = A, group: str = "prefill-group") -> None:
-        self.core.announce(AnnounceRoom(engine=engine, room=room, sender_address=address, sender_group=group))
+        self.core.announcements.announce(AnnounceRoom(engine=engine, room=room, sender_address=address, sender_group=group))
 
     def renewals(self, now: float, max_every: float = 5.0) -> list[RenewLeases]:
         self.core.tick(now, data_timeout_seconds=300, retry_seconds=1, lease_renew_max_seconds=max_every)
@@ -58,7 +58,7 @@ def test_one_renewal_per_sender_broker_lists_its_rooms_at_once(world: World) -> 
     world.announce(d1, 3, address=B)
     renewals = {r.address: r.rooms for r in world.renewals(100.0)}
     assert renewals == {A: ((1, "prefill-group"), (2, "other")), B: ((3, "prefill-group"),)}
-    assert world.core.announced(d0) == {1: (A, "prefill-group")}
+    assert world.core.announcements.announced(d0) == {1: (A, "prefill-group")}
 
 
 def test_one_call_at_a_time_then_a_third_of_the_lease_at_most_max_every(world: World) -> None:
@@ -69,19 +69,19 @@ def test_one_call_at_a_time_then_a_third_of_the_lease_at_most_max_every(world: W
     world.announce(de, 1)
     assert len(world.renewals(100.0)) == 1
     assert world.renewals(100.1) == []  # in flight
-    world.core.leases_renewed(A, 3.0)
+    world.core.announcements.renewed(A, 3.0)
     assert world.renewals(100.9) == []
     assert len(world.renewals(101.0)) == 1  # 3.0 / 3
-    world.core.leases_renewed(A, 120.0)
+    world.core.announcements.renewed(A, 120.0)
     assert world.renewals(105.9, max_every=5.0) == []
     assert len(world.renewals(106.0, max_every=5.0)) == 1
-    world.core.leases_renewed(A, None)  # failed: the lease known stays
+    world.core.announcements.renewed(A, None)  # failed: the lease known stays
     assert world.renewals(110.0) == [] and len(world.renewals(111.0)) == 1
 
     other = World(world.engine_stub)
     other.announce(de, 5, address=B)
     assert len(other.renewals(1.0)) == 1
-    other.core.leases_renewed(B, None)  # unreachable, no lease known yet: again a second later
+    other.core.announcements.renewed(B, None)  # unreachable, no lease known yet: again a second later
     assert other.renewals(1.9) == [] and len(other.renewals(2.0)) == 1
 
 
@@ -95,7 +95,7 @@ def test_expect_room_abort_and_the_engine_going_away_end_announcements(world: Wo
     world.core.abort(Abort(engine=de, room=2))
     (renewal,) = world.renewals(1.0)
     assert renewal.rooms == ((3, "prefill-group"),)
-    world.core.leases_renewed(A, 1.0)
+    world.core.announcements.renewed(A, 1.0)
     world.core.engine_gone(de, cause(common_pb2.FAILURE_KIND_ENGINE_LOST, "gone", "decode-broker"))
-    assert world.core.announced(de) == {}
+    assert world.core.announcements.announced(de) == {}
     assert world.renewals(100.0) == []

@@ -79,8 +79,8 @@ class World:
         senders = senders or [self.engine_stub("prefill")]
         args: dict[str, Any] = {"pages": i32([0, 1, 2]), "aux_row": 1, "state": {}, **expect}
         rank = self.core.expect(ExpectRoom(engine=de, room=room, sender_address=ADDRESS, sender_group=senders[0].key.group, **args))
-        self.core.sender_found(rank, P, [s.layout for s in senders])
-        self.core.room_registered(rank, rank.legs[0], P, still_known=True)
+        self.core.bootstrap.sender_found(rank, P, [s.layout for s in senders])
+        self.core.bootstrap.room_registered(rank, rank.legs[0], P, still_known=True)
         self.take()
         return rank
 
@@ -125,18 +125,18 @@ def test_a_receiver_bootstraps_registers_and_succeeds_on_its_notices(world: Worl
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([4, 5, 6]), aux_row=2))
     (find,) = world.take()
     assert isinstance(find, FindSender) and find.receiver is rank and rank.state == BOOTSTRAPPING
-    world.core.sender_found(rank, P, [pe.layout])
+    world.core.bootstrap.sender_found(rank, P, [pe.layout])
     (register,) = world.take()
     assert isinstance(register, RegisterRoom) and register.broker_id == P
     request = register.request
     assert request.protocol_version == PROTOCOL_VERSION and request.sender_broker_id == P and request.aux_row == 2
     assert [s.rank.group for s in request.sources] == ["prefill-group"]
     assert rank.registered_with_sender and rank.registering
-    world.core.room_registered(rank, rank.legs[0], P, still_known=True)
+    world.core.bootstrap.room_registered(rank, rank.legs[0], P, still_known=True)
     assert rank.state == WAITING and [type(e) for e in world.take()] == [Publish]
-    world.core.notices([notice(rank, SOURCE, last=False, pages=2, aux=False)])
+    world.core.landing.notices([notice(rank, SOURCE, last=False, pages=2, aux=False)])
     assert rank.state == TRANSFERRING
-    world.core.notices([notice(rank, SOURCE, chunk=1, total=2, pages=1)])
+    world.core.landing.notices([notice(rank, SOURCE, chunk=1, total=2, pages=1)])
     effects = world.take()
     assert rank.state == SUCCESS and rank.pages_settled and rank.chunks == 2
     assert [type(e) for e in effects] == [Publish, Publish, RoomEnded]
@@ -147,9 +147,9 @@ def test_lesson2_completion_counts_unique_sources(world: World) -> None:
     senders = [world.engine_stub("prefill", tp_size=2, tp_rank=r) for r in (0, 1)]
     rank = world.registered(senders=senders)
     assert rank.expected is not None and len(rank.expected) == 2
-    world.core.notices([notice(rank, RankKey("prefill-group", 0, 0))])
+    world.core.landing.notices([notice(rank, RankKey("prefill-group", 0, 0))])
     assert rank.state == TRANSFERRING
-    world.core.notices([notice(rank, RankKey("prefill-group", 1, 0), aux=False)])
+    world.core.landing.notices([notice(rank, RankKey("prefill-group", 1, 0), aux=False)])
     assert rank.state == SUCCESS
 
 
@@ -159,7 +159,7 @@ def test_lesson1_an_empty_state_list_is_not_expected(world: World, state_spec: A
     de, pe = world.engine_stub("decode", state=(spec,)), world.engine_stub("prefill", state=(spec,))
     rank = world.registered(senders=[pe], decode=de, state={"swa": i32([])})
     assert rank.state_indices == {}
-    world.core.notices([notice(rank, SOURCE)])
+    world.core.landing.notices([notice(rank, SOURCE)])
     assert rank.state == SUCCESS
 
 
@@ -168,16 +168,16 @@ def test_a_source_that_forgets_a_component_fails_the_room_naming_it(world: World
     spec = state_spec("swa", common_pb2.STATE_TYPE_SWA, items=8, item_bytes=32, regions=1)
     de, pe = world.engine_stub("decode", state=(spec,)), world.engine_stub("prefill", state=(spec,))
     rank = world.registered(senders=[pe], decode=de, state={"swa": i32([1])})
-    world.core.notices([notice(rank, SOURCE)])
+    world.core.landing.notices([notice(rank, SOURCE)])
     assert rank.state == FAILED and rank.cause is not None and "['swa']" in rank.cause.message
 
 
 def test_a_chunk_of_several_parts_lands_when_all_its_parts_did(world: World) -> None:
     """Parts of one chunk (e.g. VRAM KV and DRAM aux) each carry a notice; duplicates count once."""
     rank = world.registered()
-    world.core.notices([notice(rank, SOURCE, part=0, parts=2)] * 2)
+    world.core.landing.notices([notice(rank, SOURCE, part=0, parts=2)] * 2)
     assert rank.state == TRANSFERRING
-    world.core.notices([notice(rank, SOURCE, part=1, parts=2)])
+    world.core.landing.notices([notice(rank, SOURCE, part=1, parts=2)])
     assert rank.state == SUCCESS
 
 
@@ -187,7 +187,7 @@ def test_a_notice_for_a_part_beyond_its_count_fails_the_room(world: World, part:
     count beyond MAX_PARTS, is a MISMATCH (a hostile peer cannot make the broker allocate a
     4-Gbit mask), and nothing of it counts as landed."""
     rank = world.registered()
-    world.core.notices([notice(rank, SOURCE, part=part, parts=parts)])
+    world.core.landing.notices([notice(rank, SOURCE, part=part, parts=parts)])
     assert rank.state == FAILED and rank.cause is not None and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
     assert "at most" in rank.cause.message
     assert rank.expected is not None and all(not e.parts_received for e in rank.expected.values())
@@ -207,7 +207,7 @@ def test_a_token_run_notice_outside_the_ranks_pages_fails_the_room(world: World,
     pages it does not have, is a MISMATCH naming both, and nothing of it counts as landed (its
     range would index the pages when the checksum or the landed pages are worked out)."""
     rank = world.registered()
-    world.core.notices([notice(rank, SOURCE, **{"pages": 3, **extra})])
+    world.core.landing.notices([notice(rank, SOURCE, **{"pages": 3, **extra})])
     assert rank.state == FAILED and rank.cause is not None and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
     assert message in rank.cause.message, rank.cause.message
     assert rank.expected is not None and all(not e.parts_received for e in rank.expected.values())
@@ -221,7 +221,7 @@ def test_lesson6_notices_for_unknown_rooms_are_counted_and_dropped(world: World)
     rank = world.registered()
     stray = peer_pb2.TransferNotice(protocol_version=PROTOCOL_VERSION, room=999, receiver=rank.key.to_proto(), parts=1)
     old = peer_pb2.TransferNotice(protocol_version=PROTOCOL_VERSION - 1, room=rank.room, receiver=rank.key.to_proto(), parts=1)
-    world.core.notices([("a", stray.SerializeToString()), ("a", b"\xff\xffnot a notice"), ("a", old.SerializeToString())])
+    world.core.landing.notices([("a", stray.SerializeToString()), ("a", b"\xff\xffnot a notice"), ("a", old.SerializeToString())])
     assert list(world.rooms.receiver) == [1] and rank.state == WAITING
     assert world.counters.late_notices == 1 and world.counters.bad_notices == 2
 
@@ -229,7 +229,7 @@ def test_lesson6_notices_for_unknown_rooms_are_counted_and_dropped(world: World)
 def test_a_notice_from_an_unexpected_source_fails_the_room(world: World) -> None:
     """Only planned sources may write: anything else is a MISMATCH."""
     rank = world.registered()
-    world.core.notices([notice(rank, RankKey("prefill-group", 5, 0))])
+    world.core.landing.notices([notice(rank, RankKey("prefill-group", 5, 0))])
     assert rank.state == FAILED and rank.cause is not None and rank.cause.kind == common_pb2.FAILURE_KIND_MISMATCH
 
 
@@ -262,14 +262,14 @@ def test_a_staged_part_is_scattered_before_it_counts_and_its_reservation_goes(wo
     assert world.core.staging_wanted(request) == (pool, reservation)
     expect = rank.expected[SOURCE]  # type: ignore[index]
     nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2  # layers x K,V x pages x page size x heads x head_dim x fp16
-    world.core.notices([
+    world.core.landing.notices([
         notice(rank, SOURCE, part=0, parts=2, pages=2),
         notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=8192, staging_bytes=nbytes),
     ])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
     assert rank.state == TRANSFERRING and scatter.landing.held == reservation and scatter.landing.nbytes == nbytes
     assert rank.scattering and not expect.complete
-    world.core.scattered(rank, scatter.landing, None)
+    world.core.landing.scattered(rank, scatter.landing, None)
     effects = world.take()
     assert rank.state == SUCCESS and rank.staging == {}
     assert any(isinstance(e, ReleaseStaging) and e.reservations == ((*pool, reservation),) for e in effects)
@@ -303,19 +303,19 @@ def test_a_packed_part_holds_its_senders_credit_until_scattered_and_it_goes_back
     nothing more is said; a scatter that failed (nothing handed back) returns it to its sender
     (``HandBackCredits``), never to the receive pool (``ReleaseStaging``)."""
     rank, pool = _credited_rank(world)
-    world.core.notices([_packed(rank, 8192, credit_id=7)])
+    world.core.landing.notices([_packed(rank, 8192, credit_id=7)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
     held = CreditRange(8192, scatter.landing.nbytes, P, 7)
     assert scatter.landing.held == held and rank.credits == {(SOURCE, 0, 0): (pool, held)} and rank.staging == {}
-    world.core.scattered(rank, scatter.landing, None, handed_back=True)
+    world.core.landing.scattered(rank, scatter.landing, None, handed_back=True)
     effects = world.take()
     assert rank.state == SUCCESS and rank.credits == {}
     assert not any(isinstance(e, (HandBackCredits, ReleaseStaging)) for e in effects)
 
     rank2 = world.registered(room=2, pages=i32([0, 1, 2]), aux_row=None)
-    world.core.notices([_packed(rank2, 0, credit_id=8)])
+    world.core.landing.notices([_packed(rank2, 0, credit_id=8)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
-    world.core.scattered(rank2, scatter.landing, FailedPrecondition("the copy failed"))
+    world.core.landing.scattered(rank2, scatter.landing, FailedPrecondition("the copy failed"))
     effects = world.take()
     assert rank2.state == FAILED and rank2.credits == {}
     assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, scatter.landing.held),)]
@@ -328,10 +328,10 @@ def test_a_packed_part_for_no_room_here_or_outside_the_grants_gives_nothing_to_t
     rank, _ = _credited_rank(world)
     payload = peer_pb2.TransferNotice.FromString(_packed(rank, 4096, credit_id=9)[1])
     payload.room = 99
-    world.core.notices([("prefill-agent", payload.SerializeToString())])
+    world.core.landing.notices([("prefill-agent", payload.SerializeToString())])
     effects = world.take()
     assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((0, 0, CreditRange(4096, payload.staging_bytes, P, 9)),)]
-    world.core.notices([_packed(rank, 1 << 20, credit_id=10)])
+    world.core.landing.notices([_packed(rank, 1 << 20, credit_id=10)])
     effects = world.take()
     assert rank.state == FAILED and "outside the credits" in rank.cause.message  # type: ignore[union-attr]
     assert rank.credits == {} and not any(isinstance(e, ReleaseStaging) for e in effects)
@@ -342,14 +342,14 @@ def test_a_failed_rank_returns_the_credits_of_its_landed_parts_once_their_scatte
     stays held (the scatter still reads it) and the pages unsettled; once the scatter is done, the
     range goes back to its sender as a credit and the pages settle."""
     rank, pool = _credited_rank(world)
-    world.core.notices([_packed(rank, 0, credit_id=11, part=0, parts=2)])
+    world.core.landing.notices([_packed(rank, 0, credit_id=11, part=0, parts=2)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
     world.core.completion_report(report)
     assert rank.state == FAILED and not rank.pages_settled and rank.credits
     assert not any(isinstance(e, HandBackCredits) for e in world.take())
-    world.core.scattered(rank, scatter.landing, None)
+    world.core.landing.scattered(rank, scatter.landing, None)
     effects = world.take()
     assert rank.pages_settled and rank.credits == {}
     assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, scatter.landing.held),)]
@@ -369,12 +369,12 @@ def test_a_ranks_gate_opens_with_its_plan_and_a_part_taken_through_it_counts_onc
     notice = peer_pb2.TransferNotice.FromString(payload[1])
     key = (SOURCE, 0, 0)
     assert gate.claim(key) and not gate.claim(key) and gate.busy()
-    world.core.notices([payload])  # the same notice, at the loop too
+    world.core.landing.notices([payload])  # the same notice, at the loop too
     effects = world.take()
     assert effects == [] and rank.credits == {}  # (no Scatter, no HandBackCredits)
     held = CreditRange(0, notice.staging_bytes, P, 21)
     landing = Landing(key=key, pool=pool, held=held, nbytes=notice.staging_bytes, blocks=(), notice=notice)
-    world.core.taken(rank, landing, None, True)
+    world.core.landing.taken(rank, landing, None, True)
     effects = world.take()
     assert rank.state == SUCCESS and not gate.busy() and world.rooms.gates == {}
     assert not gate.claim((SOURCE, 0, 1)), "shut with the rank's end"
@@ -401,7 +401,7 @@ def test_a_failed_rank_with_a_part_taken_off_the_loop_keeps_its_pages_until_that
     world.take()
     held = CreditRange(4096, notice.staging_bytes, P, 22)
     landing = Landing(key=key, pool=pool, held=held, nbytes=notice.staging_bytes, blocks=(), notice=notice)
-    world.core.taken(rank, landing, None, False)
+    world.core.landing.taken(rank, landing, None, False)
     effects = world.take()
     assert rank.pages_settled and not gate.busy()
     assert [e.credits for e in effects if isinstance(e, HandBackCredits)] == [((*pool, held),)]
@@ -410,7 +410,7 @@ def test_a_failed_rank_with_a_part_taken_off_the_loop_keeps_its_pages_until_that
 def test_a_staged_notice_without_a_reservation_fails_the_room(world: World) -> None:
     """A staged part this broker never reserved is refused (it could be anywhere in the buffer)."""
     rank, _ = _staged_rank(world)
-    world.core.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=64)])
+    world.core.landing.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=64)])
     assert rank.state == FAILED and rank.cause is not None and "did not reserve" in rank.cause.message
 
 
@@ -461,7 +461,7 @@ def test_a_lost_sender_broker_fails_and_settles_and_its_successor_is_told(world:
     assert (ADDRESS, 1) in world.rooms.successor_notices
     world.core.tick(rank.opened_at + 1, data_timeout_seconds=100, retry_seconds=1)
     assert [e for e in world.take() if isinstance(e, TellSuccessor)] == [TellSuccessor(ADDRESS)]
-    assert world.core.successor_notices(ADDRESS) == [(1, why)] and world.rooms.successor_notices == {}
+    assert world.core.successors.take(ADDRESS) == [(1, why)] and world.rooms.successor_notices == {}
 
 
 def test_a_silent_sender_broker_fails_the_rank_unsettled_until_it_says_so_once_back(world: World) -> None:
@@ -487,9 +487,9 @@ def test_a_rank_registering_when_its_peer_is_lost_learns_where_its_room_landed(w
     took it is gone, so the room fails PEER, settled."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
-    world.core.sender_found(rank, P, [pe.layout])
+    world.core.bootstrap.sender_found(rank, P, [pe.layout])
     assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "gone", "decode-broker")) == 0
-    world.core.room_registered(rank, rank.legs[0], P, still_known=False)
+    world.core.bootstrap.room_registered(rank, rank.legs[0], P, still_known=False)
     assert rank.state == FAILED and rank.pages_settled and "went away while room 1 registered" in rank.cause.message  # type: ignore[union-attr]
 
 
@@ -498,8 +498,8 @@ def test_a_failed_registration_settles_unless_it_may_have_reached_the_sender(wor
     """A timeout may have delivered the room (the sender may write); a refusal did not."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
-    world.core.sender_found(rank, P, [pe.layout])
-    world.core.registration_failed(rank, rank.legs[0], Unavailable("deadline"), maybe_delivered=maybe_delivered)
+    world.core.bootstrap.sender_found(rank, P, [pe.layout])
+    world.core.bootstrap.registration_failed(rank, rank.legs[0], Unavailable("deadline"), maybe_delivered=maybe_delivered)
     assert rank.state == FAILED and rank.pages_settled is not maybe_delivered
 
 
@@ -507,7 +507,7 @@ def test_a_sender_that_cannot_be_reached_fails_the_room_and_is_remembered(world:
     """Bootstrapping gave up: the room fails, and the broker that answers at that address next is told."""
     de = world.engine_stub("decode")
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
-    world.core.bootstrap_failed(rank, Unavailable("nobody home (gave up after 30 s)"))
+    world.core.bootstrap.bootstrap_failed(rank, Unavailable("nobody home (gave up after 30 s)"))
     assert rank.state == FAILED and rank.pages_settled and rank.cause.kind == common_pb2.FAILURE_KIND_PEER  # type: ignore[union-attr]
     assert (ADDRESS, 1) in world.rooms.successor_notices
 
@@ -525,7 +525,7 @@ def test_data_still_landing_after_an_abort_settles_the_pages(world: World) -> No
     rank = world.registered()
     world.core.abort(Abort(engine=rank.engine, room=rank.room))
     assert not rank.pages_settled
-    world.core.notices([notice(rank, SOURCE)])
+    world.core.landing.notices([notice(rank, SOURCE)])
     assert rank.pages_settled and rank.state == FAILED
 
 
@@ -537,7 +537,7 @@ def test_the_data_plane_listens_until_a_failed_ranks_pages_settle(world: World) 
     assert world.core.ranks_awaiting_data() == 1
     world.core.abort(Abort(engine=rank.engine, room=rank.room))
     assert rank.state == FAILED and world.core.ranks_awaiting_data() == 1
-    world.core.notices([notice(rank, SOURCE)])
+    world.core.landing.notices([notice(rank, SOURCE)])
     assert rank.pages_settled and world.core.ranks_awaiting_data() == 0
 
 
@@ -546,13 +546,13 @@ def test_a_stale_registration_is_sent_again_to_the_process_found_by_a_fresh_hand
     written by anyone; after a fresh handshake it registers with whichever process answers now."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
-    world.core.sender_found(rank, P, [pe.layout])
-    world.core.registration_stale(rank, rank.legs[0])
+    world.core.bootstrap.sender_found(rank, P, [pe.layout])
+    world.core.bootstrap.registration_stale(rank, rank.legs[0])
     assert not rank.registered_with_sender and not rank.registering
     # A loss found by that handshake does not touch the rank: the old process never had the room.
     assert world.core.peer_lost(P, cause(common_pb2.FAILURE_KIND_PEER, "restarted", "decode-broker")) == 0
-    assert world.core.register_again(rank, rank.legs[0], "prefill-broker-2")
-    world.core.room_registered(rank, rank.legs[0], "prefill-broker-2", still_known=True)
+    assert world.core.bootstrap.register_again(rank, rank.legs[0], "prefill-broker-2")
+    world.core.bootstrap.room_registered(rank, rank.legs[0], "prefill-broker-2", still_known=True)
     assert rank.state == WAITING and rank.peer_broker_id == "prefill-broker-2"
 
 
@@ -560,10 +560,10 @@ def test_a_rank_that_ended_meanwhile_does_not_register_again(world: World) -> No
     """Aborted while the registration was being retried: the retry is dropped."""
     de, pe = world.engine_stub("decode"), world.engine_stub("prefill")
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address=ADDRESS, sender_group="prefill-group", pages=i32([0])))
-    world.core.sender_found(rank, P, [pe.layout])
-    world.core.registration_stale(rank, rank.legs[0])
+    world.core.bootstrap.sender_found(rank, P, [pe.layout])
+    world.core.bootstrap.registration_stale(rank, rank.legs[0])
     world.core.abort(Abort(engine=de, room=1, reason="cancelled"))
-    assert not world.core.register_again(rank, rank.legs[0], "prefill-broker-2")
+    assert not world.core.bootstrap.register_again(rank, rank.legs[0], "prefill-broker-2")
 
 
 def test_the_senders_abort_fails_its_ranks_without_aborting_back(world: World) -> None:
@@ -600,7 +600,7 @@ def test_a_rank_that_failed_before_its_sender_was_reachable_tells_the_broker_fou
     world.core.abort(Abort(engine=de, room=1, reason="cancelled"))
     assert (ADDRESS, 1) in world.rooms.successor_notices
     world.take()
-    world.core.sender_found(rank, P, [pe.layout])
+    world.core.bootstrap.sender_found(rank, P, [pe.layout])
     assert world.take() == [TellSuccessor(ADDRESS)]
     world.core.tick(rank.opened_at, data_timeout_seconds=100, retry_seconds=1)
     assert world.take() == []  # already being told
@@ -618,7 +618,7 @@ def _two_legs(world: World) -> tuple[Receiver, list[RegisterRoom]]:
     rank = world.core.expect(ExpectRoom(engine=de, room=1, sender_address="", sender_group="prefill-group", pages=i32([0, 1, 2]), aux_row=1))
     world.take()
     legs = [SenderLeg(P, ADDRESS, frozenset({(0, 0)})), SenderLeg(Q, "host-b:50051", frozenset({(0, 1)}))]
-    world.core.sender_found(rank, legs, [pe.layout])
+    world.core.bootstrap.sender_found(rank, legs, [pe.layout])
     registrations = [e for e in world.take() if isinstance(e, RegisterRoom)]
     return rank, registrations
 
@@ -629,26 +629,26 @@ def test_a_rank_registers_with_each_sender_broker_for_its_sources_and_waits_for_
         (P, [(0, 0)]),
         (Q, [(0, 1)]),
     ]
-    world.core.room_registered(rank, rank.legs[0], P, still_known=True)
+    world.core.bootstrap.room_registered(rank, rank.legs[0], P, still_known=True)
     assert rank.state == BOOTSTRAPPING, "one sender broker has not taken the room yet"
-    world.core.room_registered(rank, rank.legs[1], Q, still_known=True)
+    world.core.bootstrap.room_registered(rank, rank.legs[1], Q, still_known=True)
     assert rank.state == WAITING and rank.peer_broker_id == f"{P},{Q}"
 
 
 def test_a_source_is_accepted_only_from_the_broker_that_holds_it(world: World) -> None:
     rank, _ = _two_legs(world)
     for leg, broker in zip(rank.legs, (P, Q), strict=True):
-        world.core.room_registered(rank, leg, broker, still_known=True)
+        world.core.bootstrap.room_registered(rank, leg, broker, still_known=True)
     pp1 = RankKey("prefill-group", 0, 1)
     stray = peer_pb2.TransferNotice.FromString(notice(rank, pp1)[1])  # pp1's notice, but from P
-    world.core.notices([("prefill-agent", stray.SerializeToString())])
+    world.core.landing.notices([("prefill-agent", stray.SerializeToString())])
     assert rank.state == FAILED and "unexpected source" in rank.cause.message  # type: ignore[union-attr]
 
 
 def test_losing_one_sender_broker_fails_the_rank_tells_the_other_and_settles_when_it_has(world: World) -> None:
     rank, _ = _two_legs(world)
     for leg, broker in zip(rank.legs, (P, Q), strict=True):
-        world.core.room_registered(rank, leg, broker, still_known=True)
+        world.core.bootstrap.room_registered(rank, leg, broker, still_known=True)
     world.take()
     why = cause(common_pb2.FAILURE_KIND_PEER, "peer broker host-b:50051 went away", "decode-broker")
     assert world.core.peer_lost(Q, why) == 1
@@ -663,7 +663,7 @@ def test_losing_one_sender_broker_fails_the_rank_tells_the_other_and_settles_whe
 def test_an_abort_from_one_sender_broker_is_passed_to_the_other(world: World) -> None:
     rank, _ = _two_legs(world)
     for leg, broker in zip(rank.legs, (P, Q), strict=True):
-        world.core.room_registered(rank, leg, broker, still_known=True)
+        world.core.bootstrap.room_registered(rank, leg, broker, still_known=True)
     world.take()
     world.core.peer_abort(1, cause(common_pb2.FAILURE_KIND_ABORTED, "the prefill engine aborted", P), P)
     assert rank.state == FAILED and [a.broker_id for a in world.take() if isinstance(a, AbortAtPeer)] == [Q]
@@ -675,12 +675,12 @@ def test_a_verified_chunk_is_hashed_by_the_executor_and_the_rank_succeeds_only_a
     stand-in has none); the rank is not SUCCESS, nor its pages settled, until the executor's answer;
     a different checksum fails it with MISMATCH naming the chunk."""
     rank = world.registered(verify_checksum=True)
-    world.core.notices([notice(rank, SOURCE, checksum=0x1234)])
+    world.core.landing.notices([notice(rank, SOURCE, checksum=0x1234)])
     (verify,) = [e for e in world.take() if isinstance(e, VerifyChunk)]
     assert verify.receiver is rank and verify.expected == 0x1234 and verify.chunk_index == 0
     assert verify.what.who == "receiver" and list(verify.what.pages) == [0, 1, 2] and verify.what.aux_row == 1
     assert rank.state == TRANSFERRING and rank.verifying == 1 and not rank.pages_settled
-    world.core.chunk_verified(verify, 0x1234 if matches else 0x4321, None)
+    world.core.landing.chunk_verified(verify, 0x1234 if matches else 0x4321, None)
     if matches:
         assert rank.state == SUCCESS and rank.pages_settled and rank.verifying == 0
     else:
@@ -692,11 +692,11 @@ def test_a_verified_chunk_is_hashed_by_the_executor_and_the_rank_succeeds_only_a
 def test_an_abort_while_a_chunk_is_verified_settles_once_the_hashing_is_done(world: World) -> None:
     """The executor reads the rank's pages while it verifies: the pages settle only after."""
     rank = world.registered(verify_checksum=True)
-    world.core.notices([notice(rank, SOURCE, checksum=7)])
+    world.core.landing.notices([notice(rank, SOURCE, checksum=7)])
     (verify,) = [e for e in world.take() if isinstance(e, VerifyChunk)]
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     assert rank.state == FAILED and not rank.pages_settled
-    world.core.chunk_verified(verify, 7, None)
+    world.core.landing.chunk_verified(verify, 7, None)
     assert rank.pages_settled and rank.state == FAILED
 
 
@@ -709,14 +709,14 @@ def test_a_settled_report_while_a_staged_part_is_scattered_settles_only_after_th
     reservation = StagingReservation(offset=0, nbytes=8192)
     world.core.staging_granted(request, pool, reservation)
     nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2
-    world.core.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=nbytes)])
+    world.core.landing.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=nbytes)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
     world.core.completion_report(report)
     assert rank.state == FAILED and rank.scattering and not rank.pages_settled
     assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # the scatter still reads the slot
-    world.core.scattered(rank, scatter.landing, None)
+    world.core.landing.scattered(rank, scatter.landing, None)
     effects = world.take()
     assert rank.pages_settled and rank.staging == {}
     assert any(isinstance(e, ReleaseStaging) and e.reservations == ((*pool, reservation),) for e in effects)

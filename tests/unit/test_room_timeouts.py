@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.adapters._timeouts import sglang_timeouts
-from kvbroker.adapters._vllm_config import room_timeouts_of
+from kvbroker.adapters import room_timeouts_of, sglang_timeouts
 from kvbroker.errors import InvalidArgument
 from kvbroker.plan import RoomTimeouts
 from kvbroker.v1 import common_pb2
