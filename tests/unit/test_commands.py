@@ -99,3 +99,22 @@ def test_a_rooms_priority_and_deadline_decode_and_an_unknown_class_is_refused_by
     assert (begin.priority, begin.deadline) == (common_pb2.ROOM_PRIORITY_UNSPECIFIED, None)
     with pytest.raises(InvalidArgument, match="not a RoomPriority.*interactive"):
         decode_begin_send(transfer_pb2.BeginSendRequest(room=1, num_pages=1, priority=7), ENGINE)  # type: ignore[arg-type]
+
+
+def test_a_commands_indices_are_read_only_however_they_came() -> None:
+    """A command's page and state indices cannot be written, packed or listed on the wire or
+    built by hand, and its state is a mapping of its own that cannot be changed."""
+    packed = decode_send_chunk(transfer_pb2.SendChunkRequest(room=1, pages=common_pb2.PageIndices(packed=b"\1\0\0\0")), ENGINE)  # type: ignore[arg-type]
+    listed = decode_expect_room(
+        transfer_pb2.ExpectRoomRequest(room=1, pages=_indices(3), state=[common_pb2.StateIndices(component="c", indices=_indices(1))]),
+        ENGINE,  # type: ignore[arg-type]
+    )
+    state = {"c": np.array([2], dtype=np.int32)}
+    by_hand = SendChunk(engine=ENGINE, room=1, pages=np.array([4], dtype=np.int32), state=state)  # type: ignore[arg-type]
+    state["d"] = np.array([5], dtype=np.int32)
+    assert list(by_hand.state) == ["c"]
+    for indices in (packed.pages, listed.pages, listed.state["c"], by_hand.pages, by_hand.state["c"]):
+        with pytest.raises(ValueError, match="read-only"):
+            indices[0] = 9
+    with pytest.raises(TypeError):
+        by_hand.state["e"] = state["d"]  # type: ignore[index]
