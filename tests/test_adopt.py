@@ -75,6 +75,8 @@ def test_other_views_of_the_memory_are_refused_before_anything_moves() -> None:
     ids=["one-tensor", "dtype", "strided", "partial-page"],
 )
 def test_tensors_the_broker_cannot_address_are_refused(kv: dict[int, list[torch.Tensor]], message: str) -> None:
+    """KV tensors the broker cannot address are INVALID_ARGUMENT, by what is wrong: too few tensors for the layers,
+    a dtype other than the model's, a strided view, part of a page."""
     with pytest.raises(errors.InvalidArgument, match=message):
         EngineMemory.adopt(RankSpec("g", "decode"), SMALL_MODEL, kv=kv)
 
@@ -205,6 +207,8 @@ def test_adopted_state_moves_by_slot_with_the_kv(fake_brokers) -> None:
     ids=["no-layers", "outside", "uneven", "items", "type"],
 )
 def test_state_the_broker_cannot_address_is_refused(state: dict[str, StateTensors], message: str) -> None:
+    """State tensors adopt refuses by name: no layers, a layer outside the rank's, uneven tensor counts or item
+    counts, an unknown type."""
     _, kv = _engine_kv(9)
     with pytest.raises(errors.InvalidArgument, match=message):
         EngineMemory.adopt(RankSpec("g", "prefill"), SMALL_MODEL, kv=kv, state=state)

@@ -127,6 +127,33 @@ def test_tests_import_from_package_faces() -> None:
     assert not unused, f"PRIVATE_IMPORTS_ALLOWED lists what no test imports any more (take it out): {unused}"
 
 
+def _undocumented_tests(tree: Any) -> list[tuple[int, str]]:
+    """(line, name) of each test in ``tree`` without a docstring: every function or
+    method, async ones too, named as pytest collects them (``test`` first)."""
+    import ast
+
+    return sorted(
+        (node.lineno, node.name)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test") and ast.get_docstring(node) is None
+    )
+
+
+def test_every_test_says_what_it_shows() -> None:
+    """Every test function of tests/ (methods of test classes and async ones included)
+    has a docstring saying what it shows; the failure names those that do not."""
+    import ast
+
+    probe = 'def test_a():\n    """Shown."""\nclass TestB:\n    def test_c(self): pass\nasync def test_d(): pass\ndef helper(): pass'
+    assert _undocumented_tests(ast.parse(probe)) == [(4, "test_c"), (5, "test_d")]
+    bare = [
+        f"{path.relative_to(ROOT)}:{line} {name}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for line, name in _undocumented_tests(ast.parse(path.read_text()))
+    ]
+    assert not bare, f"tests without a docstring saying what they show: {bare}"
+
+
 # -- the shape of broker/'s classes ------------------------------------------------------
 #: The most entry points (methods, properties, and collaborators' methods or
 #: attributes bound as its own) and lines a class of broker/ may have, counting

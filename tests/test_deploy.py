@@ -54,6 +54,7 @@ def _manifests() -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_every_manifest_is_a_valid_kubernetes_object() -> None:
+    """deploy/'s manifests are a ConfigMap and a DaemonSet, each valid against its Kubernetes API model."""
     docs = _manifests()
     assert {doc["kind"] for _, doc in docs} == {"ConfigMap", "DaemonSet"}
     for name, doc in docs:
@@ -83,6 +84,8 @@ def test_the_daemonset_runs_kvbroker_serve_with_flags_it_has() -> None:
 
 
 def test_the_dockerfile_is_multi_stage_non_root_with_a_healthcheck() -> None:
+    """The Dockerfile builds in stages; its final stage runs as a non-root user, checks grpc_health and installs no
+    build tools."""
     text = (DEPLOY / "Dockerfile").read_text()
     stages = re.split(r"^FROM ", text, flags=re.M)[1:]
     assert len(stages) >= 2, "multi-stage"

@@ -106,6 +106,8 @@ def _broker(tmp_path: Path, etcd: Etcd, name: str, ttl: float = 2) -> BrokerProc
 
 
 def test_a_broker_keeps_its_record_with_its_groups_and_removes_it_on_stop(tmp_path: Path, etcd: Etcd) -> None:
+    """A broker keeps its etcd record, with the groups registered on it (as ``kvbroker fleet`` lists them), and a
+    clean stop removes it at once."""
     broker = _broker(tmp_path, etcd, "a")
     try:
         eventually(lambda: [r["broker_id"] for r in _records(etcd)] == [broker.broker_id], 10)
@@ -132,6 +134,7 @@ def test_a_broker_keeps_its_record_with_its_groups_and_removes_it_on_stop(tmp_pa
 
 
 def test_a_killed_brokers_record_goes_within_the_ttl(tmp_path: Path, etcd: Etcd) -> None:
+    """A SIGKILLed broker's etcd record goes when its lease expires, about its TTL after the kill."""
     broker = _broker(tmp_path, etcd, "b", ttl=2)
     try:
         eventually(lambda: len(_records(etcd)) == 1, 10)
@@ -144,6 +147,7 @@ def test_a_killed_brokers_record_goes_within_the_ttl(tmp_path: Path, etcd: Etcd)
 
 
 def test_etcd_down_then_back_the_broker_serves_and_registers_again(tmp_path: Path, etcd: Etcd) -> None:
+    """With etcd down the broker serves on and says etcd is unreachable; once etcd is back it registers again."""
     broker = _broker(tmp_path, etcd, "c", ttl=2)
     try:
         eventually(lambda: len(_records(etcd)) == 1, 10)
@@ -237,6 +241,9 @@ def _rooms(prefill: list[Any], decode: list[Any], ref: SenderRef, scenario: Scen
 
 
 def test_a_killed_prefill_brokers_rooms_fail_by_its_lease_and_a_new_broker_takes_the_group(tmp_path: Path, etcd: Etcd) -> None:
+    """A SIGKILLed prefill broker's open room fails PEER on the decode side when its etcd lease expires (long before
+    the heartbeat would tell), naming the lease; the group registered on a new broker takes the next rooms, nothing
+    changed on the decode side."""
     # The decode broker's heartbeat would call the prefill broker dead after 120 s only: the lease tells it first.
     old, decode_broker = _brokers(tmp_path, etcd, ["old", "d"], "--peer-dead-after", "120")
     group, ref = "prefill-moving", SenderRef(group="prefill-moving")
@@ -328,6 +335,8 @@ def test_a_broker_etcd_still_lists_but_that_does_not_answer_is_passed_over(tmp_p
 
 
 def test_a_broker_of_another_protocol_version_is_not_used(tmp_path: Path, etcd: Etcd) -> None:
+    """A broker in etcd that speaks another protocol version is skipped though it is newer: rooms go to the one that
+    speaks ours, and with only it left a room fails, naming its address."""
     prefill_broker, decode_broker = _brokers(tmp_path, etcd, ["p", "d"], "--bootstrap-timeout", "3")
     group, ref = "prefill-proto", SenderRef(group="prefill-proto")
     # A newer broker of another protocol version that claims the group (nothing listens at its address).
@@ -360,6 +369,9 @@ def test_a_broker_of_another_protocol_version_is_not_used(tmp_path: Path, etcd: 
 
 
 def test_etcd_stopped_and_restarted_rooms_go_on_and_brokers_register_again(tmp_path: Path, etcd: Etcd) -> None:
+    """The fleet as operators see it (the fleet CLI, ListPeers, ListEngines, the etcd health service); with etcd
+    stopped the brokers say so and rooms between known peers go on, by group and by address; once etcd is back they
+    register again."""
     brokers = _brokers(tmp_path, etcd, ["p", "d"])
     prefill_broker, decode_broker = brokers
     group = "prefill-etcd"

@@ -76,6 +76,8 @@ def test_head_slices_of_the_attention_layers_between_tp_sizes(fake_brokers, make
 
 
 def test_sides_that_hold_kv_on_different_layers_fail_by_name(fake_brokers, make_engine) -> None:
+    """A hybrid room whose two sides hold KV on different layers fails on the decode side, naming both sets of
+    layers."""
     p, d = fake_brokers("p"), fake_brokers("d")
     pe = make_engine(p.address, "prefill", model=HYBRID, state=MAMBA)
     de = make_engine(d.address, "decode", model=dataclasses.replace(HYBRID, kv_layers=(0, 1, 2, 3)), state=MAMBA)
@@ -91,6 +93,8 @@ def test_sides_that_hold_kv_on_different_layers_fail_by_name(fake_brokers, make_
 
 
 def test_layouts_with_kv_where_kv_layers_says_none_are_refused() -> None:
+    """A layout whose kv_layers miss a KV region, name a layer without KV, or do not increase is INVALID_ARGUMENT, by
+    name."""
     rank = RankSpec("g", "prefill")
     memory = EngineMemory.allocate(rank, HYBRID, num_pages=4, state=MAMBA)
     try:

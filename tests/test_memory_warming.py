@@ -96,6 +96,8 @@ def _engine_record(broker: Any, engine_id: str) -> Any:
 
 
 def test_registration_does_not_wait_for_the_memory_to_fault_in(fake_brokers, make_engine, gate) -> None:
+    """An engine registers and opens rooms while its memory is still faulting in (listed as warming); then every byte
+    of every host buffer is faulted in, once."""
     g = gate()
     d = fake_brokers("d")
     engine = make_engine(d.address, "decode", num_pages=64)
@@ -228,6 +230,7 @@ def test_populate_maps_every_page_and_changes_no_byte(memfd: Callable[[int], Mem
 
 
 def test_populate_says_when_the_file_cannot_be_allocated(memfd: Callable[[int], Memfd]) -> None:
+    """populate raises the OSError of a failed fallocate (EBADF for no such fd) rather than going on."""
     m = memfd(4)
     with pytest.raises(OSError) as raised:
         populate(m.address, m.size, 10_000, 0)  # no such fd: fallocate fails

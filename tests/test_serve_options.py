@@ -45,6 +45,8 @@ def _run(argv: list[str], *, without: str | None = None, env: dict[str, str] | N
     ids=["etcd", "fleet-etcd", "prometheus", "otlp"],
 )
 def test_an_option_whose_package_is_missing_fails_at_start(argv: list[str], without: str, env: dict[str, str], message: str) -> None:
+    """An option whose package is not installed (etcd, Prometheus, OTLP) fails the command at start, exit 2, naming
+    the pip install."""
     result = _run([*argv, "--listen", "127.0.0.1:0"] if argv[0] == "serve" else argv, without=without, env=env)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"kvbroker {argv[0]}: error: ")
@@ -53,6 +55,7 @@ def test_an_option_whose_package_is_missing_fails_at_start(argv: list[str], with
 
 
 def test_tls_files_must_come_together_and_be_readable(tmp_path: Path) -> None:
+    """serve refuses, exit 2, a TLS certificate without its key and CA, and a TLS file it cannot read, naming it."""
     cert = tmp_path / "cert.pem"
     cert.write_text("x")
     partial = _run(["serve", "--listen", "127.0.0.1:0", "--tls-cert", str(cert)])

@@ -448,12 +448,14 @@ def test_a_broker_that_cannot_serve_vram_refuses_the_engine_and_keeps_nothing(fa
 
 @pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver")
 def test_engine_memory_on_a_cuda_device_needs_cuda() -> None:
+    """Engine memory on a CUDA device, on a host without a CUDA driver, is FAILED_PRECONDITION: no CUDA device."""
     rank = RankSpec(group="g", role="prefill")
     with pytest.raises(FailedPrecondition, match="no CUDA device"):
         EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8, device="cuda:0")
 
 
 def test_engine_memory_lives_on_the_host_or_a_cuda_device() -> None:
+    """Engine memory on a device that is neither the host nor CUDA (meta) is INVALID_ARGUMENT."""
     rank = RankSpec(group="g", role="prefill")
     with pytest.raises(InvalidArgument, match="host"):
         EngineMemory.allocate(rank, SMALL_MODEL, num_pages=8, device="meta")

@@ -6,16 +6,45 @@ unary calls and the session stream alike) and handed to one machine method:
 ``SenderCore.begin``, :class:`SendChunk` to ``SenderCore.chunk`` and
 :class:`Abort` to either side's ``abort``, :class:`AnnounceRoom` to
 ``ReceiverCore.announcements.announce``.
+
+Frozen all through: no field can be set again, and the index arrays a
+command holds (``pages``, each of ``state``'s) are made read-only and
+``state`` a read-only mapping when it is built. The machine validates a
+command's indices once and its records keep the very arrays (a receiver
+rank's pages, a sent chunk's), so nothing may write them afterwards. It
+costs no copy (packed indices decode read-only already, ``np.frombuffer``
+over the request's bytes; the rest get their flag turned off): about 0.25 us
+a command, where a chunk costs the broker some 100 us.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvbroker.broker.memory import Engine
 from kvbroker.plan import IndexArray
 
 __all__ = ["Abort", "AnnounceRoom", "BeginSend", "ExpectRoom", "SendChunk"]
+
+#: No state indices (shared: read-only).
+NO_STATE: Mapping[str, IndexArray] = MappingProxyType({})
+
+
+def _no_state() -> Mapping[str, IndexArray]:
+    return NO_STATE
+
+
+def _read_only(pages: IndexArray, state: Mapping[str, IndexArray]) -> Mapping[str, IndexArray]:
+    """Turn off the write flag of ``pages`` and of ``state``'s arrays; ``state``
+    as a read-only mapping of its own (the caller's dict may change after)."""
+    pages.setflags(write=False)
+    if not state:
+        return NO_STATE
+    for indices in state.values():
+        indices.setflags(write=False)
+    return MappingProxyType(dict(state))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,7 +60,7 @@ class ExpectRoom:
     pages: IndexArray
     aux_row: int | None = None
     #: State components' indices, by component.
-    state: dict[str, IndexArray] = field(default_factory=dict)
+    state: Mapping[str, IndexArray] = field(default_factory=_no_state)
     #: The leading pages of the room the rank holds already (not sent).
     prefix_pages: int = 0
     #: Checksum every chunk where it landed, against the sender's.
@@ -39,6 +68,9 @@ class ExpectRoom:
     #: The room's class (``common_pb2.RoomPriority``; 0: unspecified) and deadline (monotonic s).
     priority: int = 0
     deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", _read_only(self.pages, self.state))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,9 +94,12 @@ class SendChunk:
     pages: IndexArray
     is_last: bool = False
     aux_row: int | None = None
-    state: dict[str, IndexArray] = field(default_factory=dict)
+    state: Mapping[str, IndexArray] = field(default_factory=_no_state)
     #: The room page the chunk starts at (only the first chunk may move it).
     room_page: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", _read_only(self.pages, self.state))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

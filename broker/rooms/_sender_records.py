@@ -13,6 +13,7 @@ table. The state machine that moves these records is ``SenderCore``
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,14 +39,15 @@ __all__ = ["Chunk", "Destination", "Part", "PeerView", "Source", "TransferInfo"]
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One SendChunk of a source: pages fill the receiver's pages from ``page_offset``."""
+    """One SendChunk of a source: pages fill the receiver's pages from ``page_offset``.
+    ``pages`` and ``state`` are the command's, read-only."""
 
     index: int
     pages: IndexArray
     page_offset: int
     is_last: bool
     aux_row: int | None
-    state: dict[str, IndexArray]
+    state: Mapping[str, IndexArray]
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,8 @@ def test_a_loop_that_swallowed_the_cancel_still_ends() -> None:
 
 
 def test_ended_and_ordinary_tasks_end_at_once() -> None:
+    """cancel_and_wait over a task already done, a sleeping one and a quick one returns at once, the sleeper
+    cancelled."""
     async def main() -> None:
         done = asyncio.create_task(asyncio.sleep(0))
         await done

@@ -30,6 +30,8 @@ def server() -> Iterator[BootstrapServer]:
 
 
 def test_the_record_is_complete_once_every_rank_registered(server: BootstrapServer) -> None:
+    """The registry has no record until a rank publishes; the record is complete once every rank of tp_size has (a
+    rank publishing again is the same rank)."""
     assert fetch_record(server.address) is None  # 404 until a rank registers
     publish_rank(server.address, _rank(1))
     record = fetch_record(server.address)
@@ -42,6 +44,8 @@ def test_the_record_is_complete_once_every_rank_registered(server: BootstrapServ
 
 
 def test_ranks_that_disagree_or_lie_are_refused_by_name(server: BootstrapServer) -> None:
+    """A rank that names another broker than earlier ranks, a rank outside tp_size or a record without a group is
+    FAILED_PRECONDITION, by name, and the record keeps what it had."""
     publish_rank(server.address, _rank(0))
     with pytest.raises(FailedPrecondition, match="earlier ranks said"):
         publish_rank(server.address, _rank(1, broker="10.0.0.6:50051"))
@@ -54,6 +58,8 @@ def test_ranks_that_disagree_or_lie_are_refused_by_name(server: BootstrapServer)
 
 
 def test_malformed_requests_get_a_clear_answer(server: BootstrapServer) -> None:
+    """The registry answers a body that is not JSON with 400 and an unknown path with 404 saying so; /health answers
+    ok; a malformed record is INVALID_ARGUMENT."""
     request = urllib.request.Request(f"http://{server.address}/kvbroker/ranks", data=b"not json", method="PUT")
     with pytest.raises(urllib.error.HTTPError) as raised:
         urllib.request.urlopen(request, timeout=5)
@@ -96,6 +102,7 @@ def test_a_rank_waits_for_a_registry_that_starts_after_it() -> None:
 
 
 def test_an_absent_registry_is_named() -> None:
+    """Publishing to or fetching from a registry nothing listens at is UNAVAILABLE, naming its address."""
     address = f"127.0.0.1:{_free_port()}"
     with pytest.raises(Unavailable, match=address):
         publish_rank(address, _rank(0), timeout_seconds=0.3)

@@ -29,6 +29,8 @@ def test_a_window_places_parts_in_its_grants_and_ignores_a_stale_return() -> Non
 
 
 def test_a_draining_window_places_nothing_more_and_gives_each_grant_back_once_empty() -> None:
+    """A draining window places no new part; each grant goes back once it is wholly free (an empty one at once); a
+    grant added after is not draining."""
     window = CreditWindow()
     window.add_grant("g1", 0, 8192)
     window.add_grant("g2", 8192, 8192)
@@ -47,6 +49,7 @@ def test_a_draining_window_places_nothing_more_and_gives_each_grant_back_once_em
 
 
 def test_a_grant_goes_back_after_being_idle() -> None:
+    """A free grant goes back once it has been idle longer than the bound, not before."""
     window = CreditWindow()
     window.add_grant("g", 0, 4096)
     assert window.free_grants(0.05) == []
@@ -55,6 +58,8 @@ def test_a_grant_goes_back_after_being_idle() -> None:
 
 
 def test_the_ledger_knows_each_peers_grants() -> None:
+    """The credit ledger says whether a peer holds a range of a pool through its grants (not another peer's, not past
+    a grant), hands each grant out once, and drops a peer's grants with it."""
     ledger = CreditLedger()
     ledger.add(Grant("a", "p1", (2, 0), TransferSlot(0, 8192)))
     ledger.add(Grant("b", "p1", (2, 1), TransferSlot(0, 8192)))

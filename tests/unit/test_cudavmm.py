@@ -40,6 +40,8 @@ def test_structures_match_cuda_h() -> None:
 
 
 def test_export_then_import_maps_the_same_allocation_and_releases_everything(fake: FakeCudaLib) -> None:
+    """An exported VMM buffer (rounded up to the granularity, RDMA-capable, read-write) imports as the same allocation
+    at another address; each side releases its own (idempotently) and nothing leaks; cuInit runs once."""
     driver = cudavmm.Driver(fake)
     exported, fd = cudavmm.export_buffer(1, 3 * MiB, driver)
     try:
@@ -63,6 +65,7 @@ def test_export_then_import_maps_the_same_allocation_and_releases_everything(fak
 
 
 def test_no_rdma_flag_when_the_device_cannot(fake: FakeCudaLib) -> None:
+    """On a device without GPUDirect RDMA the allocation is made without the RDMA flag."""
     fake.rdma = False
     mapping, fd = cudavmm.export_buffer(0, MiB, cudavmm.Driver(fake))
     os.close(fd)
@@ -76,6 +79,8 @@ def test_no_rdma_flag_when_the_device_cannot(fake: FakeCudaLib) -> None:
     ["cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemExportToShareableHandle", "cuCtxSetCurrent"],
 )
 def test_a_failed_export_step_releases_what_came_before(fake: FakeCudaLib, step: str) -> None:
+    """An export that fails at any step raises CudaError naming the step and the CUDA error, and leaks nothing of the
+    steps before."""
     fake.fail[step] = 2
     with pytest.raises(cudavmm.CudaError, match=f"{step} failed: CUDA_ERROR_OUT_OF_MEMORY"):
         cudavmm.export_buffer(0, MiB, cudavmm.Driver(fake))
@@ -84,6 +89,7 @@ def test_a_failed_export_step_releases_what_came_before(fake: FakeCudaLib, step:
 
 @pytest.mark.parametrize("step", ["cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
 def test_a_failed_import_step_releases_what_came_before(fake: FakeCudaLib, step: str) -> None:
+    """An import that fails at any step raises CudaError naming the step and leaks nothing of the steps before."""
     driver = cudavmm.Driver(fake)
     exported, fd = cudavmm.export_buffer(0, 2 * MiB, driver)
     fake.fail[step] = 2
@@ -97,6 +103,8 @@ def test_a_failed_import_step_releases_what_came_before(fake: FakeCudaLib, step:
 
 
 def test_import_refuses_a_size_the_allocation_does_not_hold(fake: FakeCudaLib) -> None:
+    """An import of a size off the granularity, larger than the allocation, or on a device that does not exist is
+    INVALID_ARGUMENT, and leaks nothing."""
     driver = cudavmm.Driver(fake)
     exported, fd = cudavmm.export_buffer(0, 2 * MiB, driver)
     try:
@@ -113,6 +121,7 @@ def test_import_refuses_a_size_the_allocation_does_not_hold(fake: FakeCudaLib) -
 
 
 def test_devices_are_found_by_uuid(fake: FakeCudaLib) -> None:
+    """A device's UUID names it back; an unknown UUID is FAILED_PRECONDITION pointing at CUDA_VISIBLE_DEVICES."""
     driver = cudavmm.Driver(fake)
     assert cudavmm.device_uuid(1, driver) == fake.uuid_of(1)
     assert cudavmm.device_for_uuid(fake.uuid_of(1), driver) == 1
@@ -125,6 +134,8 @@ def _spec(size: int, uuid: bytes = b"", device_id: int = 0) -> common_pb2.Buffer
 
 
 def test_broker_importer_maps_on_the_device_named_by_uuid_and_closes_the_fd(fake: FakeCudaLib) -> None:
+    """The broker's VRAM importer maps on the device the UUID names, not the engine's device number, and closes the
+    fd."""
     driver = cudavmm.Driver(fake)
     exported, fd = cudavmm.export_buffer(1, 2 * MiB, driver)
     # The engine calls the device 0 (its CUDA_VISIBLE_DEVICES), the UUID says 1.
@@ -139,6 +150,7 @@ def test_broker_importer_maps_on_the_device_named_by_uuid_and_closes_the_fd(fake
 
 
 def test_broker_importer_closes_the_fd_on_refusal(fake: FakeCudaLib) -> None:
+    """The broker's VRAM importer closes the fd when it refuses the buffer (a UUID that is not 16 bytes)."""
     driver = cudavmm.Driver(fake)
     exported, fd = cudavmm.export_buffer(0, 2 * MiB, driver)
     with pytest.raises(InvalidArgument, match="16 bytes"):
@@ -151,6 +163,8 @@ def test_broker_importer_closes_the_fd_on_refusal(fake: FakeCudaLib) -> None:
 
 @pytest.mark.skipif(cudavmm.driver_present(), reason="this host has a CUDA driver")
 def test_without_a_driver_vram_is_refused_clearly() -> None:
+    """Without a CUDA driver, importing VRAM is FAILED_PRECONDITION saying libcuda cannot be loaded, and the fd is
+    closed."""
     r, w = os.pipe()
     os.close(w)
     with pytest.raises(FailedPrecondition, match="libcuda.so.1 cannot be loaded"):
@@ -160,6 +174,7 @@ def test_without_a_driver_vram_is_refused_clearly() -> None:
 
 
 def test_a_failed_cuinit_is_reported_and_retried(fake: FakeCudaLib) -> None:
+    """A failed cuInit raises CudaError naming the error, and the next call tries cuInit again."""
     driver = cudavmm.Driver(fake)
     fake.fail["cuInit"] = 101
     with pytest.raises(cudavmm.CudaError, match="cuInit failed: CUDA_ERROR_INVALID_DEVICE"):
@@ -178,6 +193,7 @@ def _cuda_malloc(fake: FakeCudaLib, size: int, device: int = 0) -> int:
 
 
 def test_structures_of_ipc_are_cuda_h_sized() -> None:
+    """The CUDA IPC memory handle structure is 64 bytes, as in cuda.h."""
     assert ctypes.sizeof(cudavmm.IpcMemHandle) == 64
 
 
@@ -202,6 +218,8 @@ def test_an_engines_allocation_exports_whole_from_any_pointer_inside(fake: FakeC
 
 
 def test_opening_an_ipc_handle_checks_it_and_releases_on_every_path(fake: FakeCudaLib) -> None:
+    """Opening an IPC handle refuses one of the wrong length, one that does not open and a size the allocation does
+    not hold; an opened one maps the same bytes; release is idempotent and nothing leaks."""
     driver = cudavmm.Driver(fake)
     base = _cuda_malloc(fake, 4096)
     handle = cudavmm.export_allocation(base, driver).ipc_handle
@@ -223,6 +241,7 @@ def test_opening_an_ipc_handle_checks_it_and_releases_on_every_path(fake: FakeCu
 
 
 def test_the_broker_importer_opens_ipc_buffers_without_an_fd(fake: FakeCudaLib) -> None:
+    """The broker's VRAM importer opens a buffer by its CUDA IPC handle, with no fd, on the device its UUID names."""
     driver = cudavmm.Driver(fake)
     base = _cuda_malloc(fake, 4096, device=1)
     export = cudavmm.export_allocation(base, driver)

@@ -68,6 +68,8 @@ SIZES = sorted(
 
 @pytest.mark.parametrize("n", SIZES)
 def test_matches_zlib_around_step_lane_and_group_boundaries(torch_path: None, n: int) -> None:
+    """The torch path's CRC-32 equals zlib's for short inputs and lengths around the step, lane and first-level group
+    boundaries."""
     data = _bytes(n, seed=n)
     tensor = _tensor(data)
     for value in VALUES:
@@ -75,6 +77,8 @@ def test_matches_zlib_around_step_lane_and_group_boundaries(torch_path: None, n:
 
 
 def test_matches_zlib_across_the_second_and_third_levels(torch_path: None) -> None:
+    """The torch path's CRC-32 equals zlib's for lengths that spill into the second and third levels of the
+    combine."""
     # 256 * 128 items fill the second level's first group: one more lane spills into a
     # second group there, and so into the third level.
     for n in (255 * 128 * L + 17, 256 * 128 * L - 1, 256 * 128 * L + 3 * L + 5):
@@ -83,6 +87,7 @@ def test_matches_zlib_across_the_second_and_third_levels(torch_path: None) -> No
 
 
 def test_matches_zlib_for_random_lengths_and_values(torch_path: None) -> None:
+    """The torch path's CRC-32 equals zlib's for random lengths up to 3 MiB and random starting values."""
     rng = np.random.default_rng(7)
     lengths = [int(x) for x in rng.integers(1, 3 * MIB, 6)] + [3 * MIB, 3 * MIB + L - 1]
     for i, n in enumerate(lengths):
@@ -93,6 +98,7 @@ def test_matches_zlib_for_random_lengths_and_values(torch_path: None) -> None:
 
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x5A])
 def test_constant_data(torch_path: None, fill: int) -> None:
+    """The torch path's CRC-32 equals zlib's for data of one repeated byte (zeros, ones, a pattern)."""
     data = bytes([fill]) * (37 * L + 3 * S + 11)
     for value in VALUES:
         assert crc32(_tensor(data), value) == zlib.crc32(data, value)
@@ -101,6 +107,7 @@ def test_constant_data(torch_path: None, fill: int) -> None:
 @pytest.mark.parametrize("offset", [1, 2, 3, 4, 5, 7, L + 9])
 @pytest.mark.parametrize("n", [3, S - 1, L - 1, L + 1, 10 * L + 13, 70_001])
 def test_slice_of_a_larger_tensor_at_any_alignment(torch_path: None, offset: int, n: int) -> None:
+    """A slice of a larger tensor at any byte offset hashes as its own bytes do."""
     data = _bytes(offset + n + 9, seed=offset * 31 + n)
     view = _tensor(data)[offset : offset + n]
     assert view.storage_offset() == offset and view.is_contiguous()
@@ -108,6 +115,7 @@ def test_slice_of_a_larger_tensor_at_any_alignment(torch_path: None, offset: int
 
 
 def test_chaining(torch_path: None) -> None:
+    """CRCs chain as zlib's do: a tensor hashed in pieces, each from the last one's value, gives the whole's CRC."""
     data = _bytes(50 * L + 77, seed=11)
     tensor = _tensor(data)
     for cut in (0, 1, S - 1, L, 17 * L + 3, len(data) - 1, len(data)):
@@ -120,12 +128,15 @@ def test_chaining(torch_path: None) -> None:
 
 @pytest.mark.parametrize("value", [0, 1, 0xFFFFFFFF, -1, (1 << 40) + 5])
 def test_empty_input_returns_value_as_zlib_does(torch_path: None, value: int) -> None:
+    """An empty input gives back the starting value, reduced to 32 bits as zlib does (negative and wider values
+    included)."""
     empty = torch.empty(0, dtype=torch.uint8)
     assert crc32(empty, value) == zlib.crc32(b"", value)
     assert crc32(_tensor(b"xyz"), value) == zlib.crc32(b"xyz", value)
 
 
 def test_tensor_result_is_a_0_dim_int64_on_the_data_device(torch_path: None) -> None:
+    """crc32_tensor answers a 0-dim int64 tensor on the data's device (the starting value for no data)."""
     data = _bytes(3 * L + 1, seed=3)
     out = crc32_tensor(_tensor(data), 42)
     assert out.shape == () and out.dtype == torch.int64 and out.device == torch.device("cpu")
@@ -135,6 +146,7 @@ def test_tensor_result_is_a_0_dim_int64_on_the_data_device(torch_path: None) -> 
 
 
 def test_rejects_what_it_cannot_hash() -> None:
+    """crc32 refuses anything but a contiguous 1-D uint8 tensor, and sizes past MAX_BYTES (at least 4 GiB - 1)."""
     with pytest.raises(TypeError):
         crc32(torch.zeros(8, dtype=torch.int8))
     with pytest.raises(ValueError):
@@ -217,6 +229,8 @@ def _count(n: int) -> int:
 
 
 def test_launches_do_not_depend_on_the_size(torch_path: None) -> None:
+    """The torch path makes the same number of launches (under 50) whatever the size, and launches_for says how
+    many."""
     counts = {n: _count(n) for n in (1, S + 1, L, 3 * L + 7, MIB, 256 * MIB)}
     assert set(counts.values()) == {TORCH_LAUNCHES}, counts
     assert TORCH_LAUNCHES == launches_for(MIB) == launches_for(256 * MIB) == launches_for(1)
@@ -225,6 +239,8 @@ def test_launches_do_not_depend_on_the_size(torch_path: None) -> None:
 
 
 def test_data_stays_on_its_device(torch_path: None) -> None:
+    """crc32_tensor reads nothing back to the host, makes no tensor of host data and copies nothing to another
+    device."""
     tensor = _tensor(_bytes(20 * L + 5, seed=9))
     crc32(tensor)
     with _counting() as launches:
@@ -236,6 +252,7 @@ def test_data_stays_on_its_device(torch_path: None) -> None:
 
 
 def test_prepare_uploads_and_says_which_path(torch_path: None) -> None:
+    """prepare uploads the device's tables and says which path it will hash with (torch on CPU)."""
     assert prepare("cpu") == "torch"
     assert torch.device("cpu") in _devcrc._device_tables
 
@@ -243,6 +260,7 @@ def test_prepare_uploads_and_says_which_path(torch_path: None) -> None:
 def test_prepare_falls_back_to_torch_where_the_kernel_is_wrong(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Where the Triton kernel answers wrong, prepare turns the device to the torch path, which hashes correctly."""
     # A stand-in Triton path that answers wrong: prepare() turns the device to torch.
     fake = types.ModuleType("kvbroker.broker.device._devcrc_triton")
     fake.crc32_triton = lambda data, conditioning: torch.tensor(12345)  # type: ignore[attr-defined]
@@ -277,6 +295,8 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 @needs_triton
 def test_triton_kernel_matches_zlib(interpreted: Any) -> None:
+    """The Triton kernel (interpreted) equals zlib around lanes and chunks, for views at any offset and several
+    starting values."""
     chunk = interpreted.CHUNK
     lane = interpreted.LANE
     # One chunk, partly or wholly; around lanes and chunks; and 9 chunks (4 bits of
@@ -304,6 +324,8 @@ def test_triton_kernel_matches_zlib(interpreted: Any) -> None:
 
 @needs_triton
 def test_triton_kernel_chains_and_handles_empty_and_constant_data(interpreted: Any) -> None:
+    """The Triton kernel (interpreted) chains, gives back the starting value for no data, and hashes constant data as
+    zlib does."""
     data = _bytes(interpreted.CHUNK + 999, seed=4)
     tensor = _tensor(data)
     cut = interpreted.CHUNK // 2 + 1
@@ -315,12 +337,14 @@ def test_triton_kernel_chains_and_handles_empty_and_constant_data(interpreted: A
 
 @needs_triton
 def test_triton_launches_do_not_depend_on_the_size(interpreted: Any) -> None:
+    """The Triton kernel makes two launches whatever the size."""
     counts = {n: _count(n) for n in (1, interpreted.CHUNK + 1, 5 * interpreted.CHUNK)}
     assert set(counts.values()) == {interpreted.LAUNCHES} == {launches_for(1)} == {2}, counts
 
 
 @needs_triton
 def test_prepare_keeps_a_correct_kernel(interpreted: Any) -> None:
+    """Where the Triton kernel answers right, prepare keeps it."""
     assert prepare("cpu") == "triton"
     assert backend("cpu") == "triton"
 

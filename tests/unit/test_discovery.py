@@ -32,6 +32,8 @@ def _view(left: list[str]) -> FleetView:
 
 
 def test_the_newest_usable_broker_holding_a_rank_is_chosen() -> None:
+    """Of the brokers in etcd serving a group, the newest that holds the rank, speaks our protocol and is not draining
+    owns it."""
     view = _view([])
     view._event(_event("PUT", "old", _record("old", 1.0, ["tp0/pp0", "tp1/pp0"])))
     view._event(_event("PUT", "new", _record("new", 2.0, ["tp1/pp0"])))
@@ -44,6 +46,8 @@ def test_the_newest_usable_broker_holding_a_rank_is_chosen() -> None:
 
 
 def test_why_none_names_the_brokers_it_will_not_use() -> None:
+    """When no broker serves a group, why_none says so, or names the draining brokers and those of another protocol
+    version."""
     view = _view([])
     assert "no broker in etcd under /kvbroker/brokers/ serves engine group 'prefill-0'" in view.why_none("prefill-0")
     view._event(_event("PUT", "drain", _record("drain", 1.0, ["tp0/pp0"], draining=True)))
@@ -53,6 +57,7 @@ def test_why_none_names_the_brokers_it_will_not_use() -> None:
 
 
 def test_a_deleted_key_is_a_broker_that_left_but_never_this_one() -> None:
+    """A deleted etcd key is a broker that left (once it was seen), never this broker itself."""
     left: list[str] = []
     view = _view(left)
     for broker_id in ("a", "me"):
@@ -64,6 +69,7 @@ def test_a_deleted_key_is_a_broker_that_left_but_never_this_one() -> None:
 
 
 def test_a_bad_record_is_skipped() -> None:
+    """A record that is not JSON is skipped, and a rank that does not parse is left out of a broker's ranks."""
     view = _view([])
     view._event(_event("PUT", "bad", b"{not json"))
     assert view.members == {}

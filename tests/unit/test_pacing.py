@@ -31,6 +31,8 @@ def _posted(clock: Clock, ago: float) -> SimpleNamespace:
 
 
 def test_an_idle_thread_sleeps_and_a_listening_one_backs_off(clock: Clock) -> None:
+    """A data-plane thread with nothing to watch sleeps long; once listening it is woken and waits as its backoff
+    grew."""
     woken: list[int] = []
     pacing = Pacing(lambda: woken.append(1))
     assert pacing.wait(MIN_WAIT_S, [], False) == _pacing._IDLE_WAIT_S
@@ -40,6 +42,8 @@ def test_an_idle_thread_sleeps_and_a_listening_one_backs_off(clock: Clock) -> No
 
 
 def test_a_young_write_is_checked_with_no_backoff_then_at_most_200_us_then_slowly(clock: Clock) -> None:
+    """A young write is checked with no backoff (unless there are many), an older one at most every 200 us, a hung one
+    slowly."""
     pacing = Pacing(lambda: None)
     young, older, old = _posted(clock, 0.001), _posted(clock, 0.02), _posted(clock, 1.0)
     assert pacing.wait(MAX_WAIT_S, [young], False) == MIN_WAIT_S
@@ -52,6 +56,8 @@ def test_a_young_write_is_checked_with_no_backoff_then_at_most_200_us_then_slowl
 
 
 def test_after_a_registration_notices_are_looked_for_at_once_then_closely_then_as_before(clock: Clock) -> None:
+    """After a registration the thread is woken and looks for notices at once, then closely for a while, then as
+    before."""
     woken: list[int] = []
     pacing = Pacing(lambda: woken.append(1))
     pacing.listening = True
@@ -65,6 +71,7 @@ def test_after_a_registration_notices_are_looked_for_at_once_then_closely_then_a
 
 
 def test_with_many_rooms_waiting_a_registration_hurries_without_the_prompt_phase(clock: Clock) -> None:
+    """With many rooms waiting, a registration hurries the thread without the prompt phase; with one it has it."""
     pacing = Pacing(lambda: None)
     pacing.listening = True
     pacing.hurry(waiting=PROMPT_MAX + 1)
@@ -74,6 +81,7 @@ def test_with_many_rooms_waiting_a_registration_hurries_without_the_prompt_phase
 
 
 def test_packed_parts_or_watched_copies_poll_closely_with_no_backoff(clock: Clock) -> None:
+    """Packed parts in flight, or copies being watched, keep the thread polling closely with no backoff."""
     pacing = Pacing(lambda: None)
     assert pacing.wait(MAX_WAIT_S, [], True) == _pacing._BUSY_WAIT_S
     pacing.busy = True

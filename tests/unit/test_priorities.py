@@ -24,6 +24,8 @@ INTERACTIVE = common_pb2.ROOM_PRIORITY_INTERACTIVE
 
 
 def test_unconfigured_engines_leave_every_room_unspecified() -> None:
+    """An engine configured with no priority thresholds leaves every room's class unspecified, whatever its request's
+    priority."""
     for rule in (vllm_priority_rule({}), vllm_priority_rule({"broker": "x", "kvbroker_bulk_at_least": None}), sglang_priority_rule({}, False)):
         assert not rule.configured
         assert [rule.classify(p) for p in (-(2**63), -1, 0, 1, 2**63 - 1, None)] == [UNSPECIFIED] * 6
@@ -32,6 +34,8 @@ def test_unconfigured_engines_leave_every_room_unspecified() -> None:
 
 
 def test_vllm_lower_priorities_are_more_urgent_and_the_thresholds_are_inclusive() -> None:
+    """For vLLM a lower priority is more urgent and both thresholds are inclusive; with one threshold alone the rest
+    is standard."""
     rule = vllm_priority_rule({"kvbroker_interactive_at_most": -1, "kvbroker_bulk_at_least": 5})
     assert rule == PriorityRule(interactive=-1, bulk=5, lower_is_more_urgent=True)
     assert [rule.classify(p) for p in (-10, -1, 0, 4, 5, 100)] == [INTERACTIVE, INTERACTIVE, STANDARD, STANDARD, BULK, BULK]
@@ -54,6 +58,8 @@ def test_sglang_follows_its_own_direction() -> None:
 
 
 def test_a_requests_own_kv_transfer_params_win_over_its_vllm_priority() -> None:
+    """A request's kvbroker_priority (a name, any case, or a number; 0 unspecified) wins over its vLLM priority; a
+    kvbroker_deadline_ms gives the room a deadline in seconds."""
     rule = vllm_priority_rule({"kvbroker_interactive_at_most": -1, "kvbroker_bulk_at_least": 5})
     assert room_class_of({"do_remote_decode": True}, -1, rule) == RoomClass(INTERACTIVE)
     assert room_class_of({"kvbroker_priority": "bulk"}, -1, rule) == RoomClass(BULK)
@@ -68,17 +74,22 @@ def test_a_requests_own_kv_transfer_params_win_over_its_vllm_priority() -> None:
 
 @pytest.mark.parametrize("value", ["urgent", 4, -1, True, 1.5, [3], "3"])
 def test_a_class_the_broker_does_not_take_is_refused_naming_the_request_and_key(value: object) -> None:
+    """A kvbroker_priority that is not a room class is INVALID_ARGUMENT naming the request and key and saying what it
+    takes."""
     with pytest.raises(InvalidArgument, match=r"request r-7's kv_transfer_params kvbroker_priority .* is not a room class: it takes \"interactive\""):
         room_class_of({"kvbroker_priority": value}, 0, PriorityRule(), "r-7")
 
 
 @pytest.mark.parametrize("value", [0, -5, "soon", True, float("nan"), float("inf")])
 def test_a_deadline_that_is_not_positive_milliseconds_is_refused_by_key(value: object) -> None:
+    """A kvbroker_deadline_ms that is not a finite number of milliseconds above 0 is INVALID_ARGUMENT, by key."""
     with pytest.raises(InvalidArgument, match="kv_transfer_params kvbroker_deadline_ms .* is not a deadline: it takes milliseconds above 0"):
         room_class_of({"kvbroker_deadline_ms": value}, 0, PriorityRule())
 
 
 def test_thresholds_that_are_not_integers_or_that_overlap_are_refused_where_they_were_set() -> None:
+    """Thresholds that are not integers, or that overlap (in the engine's direction of urgency), are INVALID_ARGUMENT
+    naming where they were set (vLLM's connector config, SGLang's environment)."""
     for bad in ("high", 1.5, True, [1]):
         with pytest.raises(InvalidArgument, match="kv_connector_extra_config kvbroker_interactive_at_most .* is not an integer"):
             vllm_priority_rule({"kvbroker_interactive_at_most": bad})

@@ -624,6 +624,8 @@ def _two_legs(world: World) -> tuple[Receiver, list[RegisterRoom]]:
 
 
 def test_a_rank_registers_with_each_sender_broker_for_its_sources_and_waits_for_both(world: World) -> None:
+    """A rank whose sources live on two sender brokers registers with each for its own sources, and waits until both
+    took the room."""
     rank, registrations = _two_legs(world)
     assert [(r.broker_id, [(s.rank.tp_rank, s.rank.pp_rank) for s in r.request.sources]) for r in registrations] == [
         (P, [(0, 0)]),
@@ -636,6 +638,8 @@ def test_a_rank_registers_with_each_sender_broker_for_its_sources_and_waits_for_
 
 
 def test_a_source_is_accepted_only_from_the_broker_that_holds_it(world: World) -> None:
+    """A source's notice from a sender broker that does not hold that source fails the rank, naming an unexpected
+    source."""
     rank, _ = _two_legs(world)
     for leg, broker in zip(rank.legs, (P, Q), strict=True):
         world.core.bootstrap.room_registered(rank, leg, broker, still_known=True)
@@ -646,6 +650,8 @@ def test_a_source_is_accepted_only_from_the_broker_that_holds_it(world: World) -
 
 
 def test_losing_one_sender_broker_fails_the_rank_tells_the_other_and_settles_when_it_has(world: World) -> None:
+    """Losing one of a rank's two sender brokers fails it and tells the other (not the lost one); its pages settle
+    only once the living one says it settled."""
     rank, _ = _two_legs(world)
     for leg, broker in zip(rank.legs, (P, Q), strict=True):
         world.core.bootstrap.room_registered(rank, leg, broker, still_known=True)
@@ -661,6 +667,7 @@ def test_losing_one_sender_broker_fails_the_rank_tells_the_other_and_settles_whe
 
 
 def test_an_abort_from_one_sender_broker_is_passed_to_the_other(world: World) -> None:
+    """An abort from one of a rank's two sender brokers fails the rank and is passed to the other."""
     rank, _ = _two_legs(world)
     for leg, broker in zip(rank.legs, (P, Q), strict=True):
         world.core.bootstrap.room_registered(rank, leg, broker, still_known=True)

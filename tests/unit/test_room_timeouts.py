@@ -12,6 +12,8 @@ from kvbroker.v1 import common_pb2
 
 
 def test_unset_fields_are_the_brokers_flags_and_set_ones_the_engines() -> None:
+    """A room's timeout the engine set is its own, one it left unset the broker's flag, and each limit says which it
+    is."""
     timeouts = RoomTimeouts(sender_info_seconds=4)
     assert timeouts.limit("sender_info_seconds", 120).seconds == 4.0
     assert str(timeouts.limit("sender_info_seconds", 120)) == "4 s (the engine's RoomTimeouts.sender_info_seconds)"
@@ -21,6 +23,8 @@ def test_unset_fields_are_the_brokers_flags_and_set_ones_the_engines() -> None:
 
 
 def test_the_wire_form_goes_there_and_back_with_zero_as_unset() -> None:
+    """RoomTimeouts goes to the wire and back with 0 meaning unset; a negative one from the wire is INVALID_ARGUMENT,
+    by field."""
     timeouts = RoomTimeouts(bootstrap_seconds=2.5, receiver_data_seconds=60)
     wire = timeouts.to_proto()
     assert wire.sender_info_seconds == 0.0
@@ -31,6 +35,8 @@ def test_the_wire_form_goes_there_and_back_with_zero_as_unset() -> None:
 
 
 def test_vllm_reads_its_connector_config_keys_and_nixls_lease_and_refuses_by_key() -> None:
+    """vLLM's timeouts come from its connector config keys and NixlConnector's kv_lease_duration (kvbroker's own key
+    wins); a bad value is INVALID_ARGUMENT naming the key."""
     extra = {"broker": "x", "sender_info_timeout": 480, "bootstrap_timeout": "15", "receiver_data_timeout": None}
     assert room_timeouts_of(extra) == RoomTimeouts(sender_info_seconds=480, bootstrap_seconds=15)
     # NixlConnector's name for the prefill's lease sets it too; kvbroker's own name wins where both are set.
@@ -44,6 +50,8 @@ def test_vllm_reads_its_connector_config_keys_and_nixls_lease_and_refuses_by_key
 
 
 def test_sglang_reads_kvbrokers_variables_then_its_own_disaggregation_timeouts() -> None:
+    """SGLang's timeouts come from kvbroker's environment variables, then SGLang's disaggregation timeouts; a blank
+    one is unset, a bad one INVALID_ARGUMENT naming the variable."""
     env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "600", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "300"}
     assert sglang_timeouts(env) == RoomTimeouts(sender_info_seconds=600, receiver_data_seconds=300)
     env |= {"KVBROKER_SENDER_INFO_TIMEOUT": "45", "KVBROKER_BOOTSTRAP_TIMEOUT": "12"}

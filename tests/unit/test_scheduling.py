@@ -190,6 +190,7 @@ def test_a_lower_class_gets_its_floor_share_under_a_sustained_higher_load() -> N
 
 
 def test_with_no_floor_share_a_lower_class_waits_until_the_higher_one_is_empty() -> None:
+    """With no floor share a lower class is served only once the higher one is empty."""
     served = floor_run(0.0, bulk_items=5)
     assert served == ["i"] * 2000
     queue: FairQueue[str] = FairQueue(floor_share=0.0)
@@ -213,6 +214,8 @@ def test_two_lower_classes_each_get_their_floor_share() -> None:
 
 
 def test_remove_frees_the_items_place() -> None:
+    """Removing an item takes it out of the queue and its counts (the head too, so the next changes); removing one not
+    queued answers False."""
     queue: FairQueue[str] = FairQueue()
     queue.push("a", Ticket(Priority.STANDARD, "e", 100))
     queue.push("b", Ticket(Priority.STANDARD, "e", 200))
@@ -231,6 +234,7 @@ def test_remove_frees_the_items_place() -> None:
 
 
 def test_a_removed_item_may_be_queued_again_but_never_twice_at_once() -> None:
+    """An item may not be queued twice at once; removed, it may be queued again, and only its new ticket counts."""
     queue: FairQueue[str] = FairQueue()
     queue.push("a", Ticket(Priority.BULK, "e", 1, deadline=1.0))
     with pytest.raises(ValueError):
@@ -245,6 +249,7 @@ def test_a_removed_item_may_be_queued_again_but_never_twice_at_once() -> None:
 
 
 def test_many_removed_deadline_items_leave_nothing_behind() -> None:
+    """Many removed deadline items leave nothing behind: the rest come out in deadline order."""
     queue: FairQueue[str] = FairQueue()
     for i in range(500):
         queue.push(f"d-{i}", Ticket(Priority.STANDARD, "e", 1, deadline=float(i)))
@@ -270,6 +275,7 @@ def test_peek_is_stable_and_pop_returns_what_peek_said() -> None:
 
 
 def test_waiting_reports_items_and_bytes_per_class_and_engine() -> None:
+    """waiting reports the items and bytes queued per class and engine, as a copy the caller may change."""
     queue: FairQueue[str] = FairQueue()
     queue.push("a", Ticket(Priority.STANDARD, "e1", 100))
     queue.push("b", Ticket(Priority.STANDARD, "e1", 50, deadline=1.0))

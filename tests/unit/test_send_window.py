@@ -81,6 +81,7 @@ def test_a_rooms_end_takes_its_queued_parts_out_and_a_failed_room_is_never_poste
 
 
 def test_no_window_posts_everything_at_once() -> None:
+    """With no send window (0) every part is posted at once and none waits."""
     window, posted, _ = _window(0)
     source = _Source()
     for i in range(5):

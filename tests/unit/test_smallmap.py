@@ -33,6 +33,7 @@ def test_smallmap_matches_a_dict(steps: list[tuple[str, int, int]]) -> None:
 
 
 def test_one_entry_is_smaller_than_a_dict() -> None:
+    """A SmallMap of one entry takes under a third of a dict's size, and reads like one."""
     import sys
 
     assert sys.getsizeof(SmallMap({1: 2})) < sys.getsizeof({1: 2}) // 3

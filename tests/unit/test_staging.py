@@ -233,6 +233,8 @@ def test_a_gpus_transfer_buffers_are_cudamalloc_memory_registered_once() -> None
 
 
 def test_a_gpu_without_room_for_its_buffers_is_refused_by_name_and_keeps_nothing() -> None:
+    """A GPU without memory for its transfer buffers is FAILED_PRECONDITION naming the GPU and the CUDA error, with
+    nothing registered or leaked; with device buffers off (0) it names --device-buffer-mib 0."""
     fake = FakeCudaLib(devices=1, granularity=4096)
     fake.fail["cuMemAlloc_v2"] = 2  # CUDA_ERROR_OUT_OF_MEMORY
     plane = _Plane()

@@ -23,6 +23,8 @@ def test_a_child_of_an_unsampled_parent_is_the_parent_itself() -> None:
 
 
 def test_a_child_of_a_sampled_or_recording_parent_is_a_new_span() -> None:
+    """A span started under a sampled remote parent, or under a recording span, is a new recording span of the same
+    trace."""
     sampled = _remote(TraceFlags.SAMPLED)
     child = telemetry.start_span("kvbroker.room", parent=sampled)
     try:

@@ -21,6 +21,8 @@ from kvbroker.plan._tokens import (
 
 
 def test_same_token_count_is_the_definition() -> None:
+    """same_token_count(a, sa, b, sb) is true exactly when some token count fills a pages of sa tokens and b pages of
+    sb."""
     for a in range(0, 8):
         for sa in range(1, 7):
             for b in range(0, 8):
@@ -30,6 +32,7 @@ def test_same_token_count_is_the_definition() -> None:
 
 
 def test_held_pages_are_the_whole_ones() -> None:
+    """held_pages counts the whole pages of the other page size that a number of pages' tokens fill."""
     assert held_pages(3, 8, 4) == 6 and held_pages(3, 4, 8) == 1 and held_pages(2, 6, 4) == 3 and held_pages(0, 4, 8) == 0
 
 
@@ -39,6 +42,8 @@ def test_held_pages_are_the_whole_ones() -> None:
     data=st.data(),
 )
 def test_runs_move_every_token_to_where_the_receiver_holds_it(ps: int, pd: int, data: st.DataObject) -> None:
+    """token_runs moves every token of the range from its sender page and offset to its receiver page and offset, in
+    maximal runs."""
     tokens = data.draw(st.integers(1, 60))
     src_first = data.draw(st.integers(0, (tokens - 1) // ps))
     dst_first = data.draw(st.integers(0, (tokens - 1) // pd))
@@ -60,6 +65,7 @@ def test_runs_move_every_token_to_where_the_receiver_holds_it(ps: int, pd: int, 
 
 
 def test_runs_refuse_tokens_outside_the_pages() -> None:
+    """token_runs refuses, FAILED_PRECONDITION, tokens past the sender's pages or the receiver's, naming which."""
     pages = np.arange(2, dtype=np.int32)
     with pytest.raises(FailedPrecondition, match="sender's pages"):
         token_runs(pages, 0, 4, np.arange(4, dtype=np.int32), 0, 4, 0, 9)
@@ -71,6 +77,8 @@ def test_runs_refuse_tokens_outside_the_pages() -> None:
 def test_each_receiver_page_is_completed_once_by_the_chunk_that_writes_its_last_token(
     ps: int, pd: int, tokens: int, prefix: int, data: st.DataObject
 ) -> None:
+    """However a room is cut into chunks, each receiver page is completed once, in order, by the chunk that writes its
+    last token."""
     dst_end = -(-tokens // pd)
     prefix = min(prefix, dst_end - 1)
     count = dst_end - prefix

@@ -17,6 +17,7 @@ def _turn() -> tuple[Turn, list[str]]:
 
 
 def test_the_effects_run_once_when_the_outermost_turn_ends() -> None:
+    """Nested turns run the effects once, when the outermost ends."""
     turn, ran = _turn()
     with turn:
         with turn:
@@ -52,6 +53,7 @@ def test_an_entry_made_while_the_effects_run_is_a_turn_of_its_own() -> None:
 
 
 def test_a_method_in_turn_runs_its_effects_before_it_returns() -> None:
+    """A method marked in_turn runs its effects before it returns its result."""
     class Route:
         def __init__(self, turn: Turn, ran: list[str]) -> None:
             self._turn = turn
@@ -68,6 +70,7 @@ def test_a_method_in_turn_runs_its_effects_before_it_returns() -> None:
 
 
 def test_a_coroutine_cannot_be_a_turn() -> None:
+    """in_turn refuses a coroutine function: a turn never spans an await."""
     with pytest.raises(TypeError, match="never spans an await"):
 
         class Route:
@@ -79,6 +82,7 @@ def test_a_coroutine_cannot_be_a_turn() -> None:
 
 
 def test_a_turn_held_across_an_await_is_refused() -> None:
+    """Entering a turn that another task holds across an await raises RuntimeError saying so."""
     turn, _ = _turn()
 
     async def main() -> None:
@@ -101,6 +105,7 @@ def test_a_turn_held_across_an_await_is_refused() -> None:
 
 
 def test_the_effect_loop_is_bound_once() -> None:
+    """A turn's effect loop is bound once; a second bind raises RuntimeError."""
     turn, _ = _turn()
     with pytest.raises(RuntimeError, match="bound once"):
         turn.bind(lambda: None)

@@ -62,6 +62,7 @@ def allocator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
 
 
 def test_the_library_is_built_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native allocator library is built once per source, in KVBROKER_NATIVE_CACHE, and found there after."""
     monkeypatch.setenv("KVBROKER_NATIVE_CACHE", str(tmp_path))
     first = vmmpool.library_path()
     assert first.exists() and first.parent == tmp_path
@@ -69,6 +70,9 @@ def test_the_library_is_built_once_per_source(tmp_path: Path, monkeypatch: pytes
 
 
 def test_an_allocation_is_a_vmm_allocation_the_broker_can_import(allocator: tuple[ctypes.CDLL, FakeCudaLib]) -> None:
+    """The allocator's memory is a VMM allocation (rounded to the granularity, RDMA-capable) that exports as
+    EngineMemory.adopt does and imports in the broker to the same bytes, which outlive the engine's free while the
+    broker holds them."""
     lib, fake = allocator
     driver = cudavmm.Driver(fake)
     address = lib.kvbroker_vmm_malloc(5000, 1, None)
@@ -92,6 +96,8 @@ def test_an_allocation_is_a_vmm_allocation_the_broker_can_import(allocator: tupl
 
 @pytest.mark.parametrize("step", ["cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
 def test_a_failed_step_returns_null_and_releases_what_came_before(allocator: tuple[ctypes.CDLL, FakeCudaLib], step: str) -> None:
+    """An allocation that fails at any step returns NULL and leaks nothing; the next one succeeds; freeing an address
+    not the allocator's is ignored."""
     lib, fake = allocator
     fake.fail[step] = 2
     assert lib.kvbroker_vmm_malloc(4096, 1, None) is None
