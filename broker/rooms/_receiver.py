@@ -137,11 +137,6 @@ class ReceiverCore:
         self.take = core.take
         self.fail = settling.fail
         self.ranks_awaiting_data = settling.ranks_awaiting_data
-        # The peer requests' calls, until their surface calls ``landing`` itself.
-        self.staging_wanted = landing.staging_wanted
-        self.staging_granted = landing.staging_granted
-        self.staging_rank = landing.staging_rank
-        self.completion_report = landing.completion_report
 
     # -- engine calls ----------------------------------------------------
     def expect(self, command: ExpectRoom) -> Receiver:

@@ -153,18 +153,18 @@ class PeerRequests:
     @answers("ReserveStaging")
     async def reserve_staging(self, request: peer_pb2.ReserveStagingRequest) -> peer_pb2.ReserveStagingResponse:
         """Room in a receive staging buffer for one staged part (the prefetch). Idempotent."""
-        pool_key, held = self._receiver.staging_wanted(request)
+        pool_key, held = self._receiver.landing.staging_wanted(request)
         pool = self._pools.pool("receive", *pool_key)
         if pool is None:
             raise FailedPrecondition("this broker has no receive staging buffer for that memory (--no-staging?)")
         if held is None:
             # Its wait ends early if the room ends meanwhile (RoomEnded: the executor abandons it).
             owner = receive_wait_owner(request.room, rank_key(request.receiver))
-            ticket = side_ticket(self._receiver.staging_rank(request), request.bytes, self._config.priorities)
+            ticket = side_ticket(self._receiver.landing.staging_rank(request), request.bytes, self._config.priorities)
             reservation = await pool.reserve(request.bytes, self._config.staging_wait_seconds, owner=owner, ticket=ticket)
             with self._turn:
                 try:
-                    held = self._receiver.staging_granted(request, pool_key, reservation)
+                    held = self._receiver.landing.staging_granted(request, pool_key, reservation)
                 except BaseException:
                     pool.release(reservation)
                     raise
@@ -217,7 +217,7 @@ class PeerRequests:
     @in_turn
     def completion_report(self, request: peer_pb2.CompletionReport) -> peer_pb2.CompletionAck:
         """A source finished without a transfer to carry the news (it failed, or owed no data)."""
-        self._receiver.completion_report(request)
+        self._receiver.landing.completion_report(request)
         return peer_pb2.CompletionAck()
 
     # -- leases -------------------------------------------------------------------------

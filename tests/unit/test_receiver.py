@@ -255,11 +255,11 @@ def test_a_staged_part_is_scattered_before_it_counts_and_its_reservation_goes(wo
     """The prefetch is recorded (idempotently); the staged notice asks for a scatter; only when the
     scatter is done does the part count, and the reservation is given back."""
     rank, request = _staged_rank(world)
-    pool, held = world.core.staging_wanted(request)
+    pool, held = world.core.landing.staging_wanted(request)
     assert held is None and pool == (common_pb2.MEMORY_KIND_DRAM, 0)
     reservation = StagingReservation(offset=8192, nbytes=8192)
-    assert world.core.staging_granted(request, pool, reservation) == reservation
-    assert world.core.staging_wanted(request) == (pool, reservation)
+    assert world.core.landing.staging_granted(request, pool, reservation) == reservation
+    assert world.core.landing.staging_wanted(request) == (pool, reservation)
     expect = rank.expected[SOURCE]  # type: ignore[index]
     nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2  # layers x K,V x pages x page size x heads x head_dim x fp16
     world.core.landing.notices([
@@ -346,7 +346,7 @@ def test_a_failed_rank_returns_the_credits_of_its_landed_parts_once_their_scatte
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
-    world.core.completion_report(report)
+    world.core.landing.completion_report(report)
     assert rank.state == FAILED and not rank.pages_settled and rank.credits
     assert not any(isinstance(e, HandBackCredits) for e in world.take())
     world.core.landing.scattered(rank, scatter.landing, None)
@@ -395,7 +395,7 @@ def test_a_failed_rank_with_a_part_taken_off_the_loop_keeps_its_pages_until_that
     assert gate.claim(key)
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
-    world.core.completion_report(report)
+    world.core.landing.completion_report(report)
     assert rank.state == FAILED and not rank.pages_settled and world.rooms.gates == {}
     assert not gate.claim((SOURCE, 0, 1))
     world.take()
@@ -419,10 +419,10 @@ def test_staging_requests_for_ended_or_unknown_rooms_are_refused(world: World) -
     rank, request = _staged_rank(world)
     world.core.abort(Abort(engine=rank.engine, room=rank.room))
     with pytest.raises(FailedPrecondition):
-        world.core.staging_wanted(request)
+        world.core.landing.staging_wanted(request)
     request.room = 999
     with pytest.raises(NotFound):
-        world.core.staging_wanted(request)
+        world.core.landing.staging_wanted(request)
 
 
 # -- failures and settling -------------------------------------------------------------
@@ -438,7 +438,7 @@ def test_an_abort_tells_the_sender_and_settles_only_when_it_says_so(world: World
     assert abort.broker_id == P and abort.cause.message == "client went away"
     assert rank.state == FAILED and not rank.pages_settled
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
-    world.core.completion_report(report)
+    world.core.landing.completion_report(report)
     assert rank.pages_settled
 
 
@@ -447,7 +447,7 @@ def test_a_sources_failure_report_fails_the_room_without_aborting_back(world: Wo
     rank = world.registered()
     why = cause(common_pb2.FAILURE_KIND_TRANSFER, "a NIXL write failed", P)
     report = peer_pb2.CompletionReport(room=1, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), failure=why, settled=True)
-    world.core.completion_report(report)
+    world.core.landing.completion_report(report)
     assert rank.state == FAILED and rank.pages_settled and rank.cause == why
     assert not any(isinstance(e, AbortAtPeer) for e in world.take())
 
@@ -712,15 +712,15 @@ def test_a_settled_report_while_a_staged_part_is_scattered_settles_only_after_th
     rank's pages: those pages are not free until the scatter is done (seed #27011's kind: a
     ``nothing_in_flight`` that ignored a rank still scattering let them go while it ran)."""
     rank, request = _staged_rank(world)
-    pool, _ = world.core.staging_wanted(request)
+    pool, _ = world.core.landing.staging_wanted(request)
     reservation = StagingReservation(offset=0, nbytes=8192)
-    world.core.staging_granted(request, pool, reservation)
+    world.core.landing.staging_granted(request, pool, reservation)
     nbytes = 2 * 4 * 2 * 4 * 4 * 8 * 2
     world.core.landing.notices([notice(rank, SOURCE, part=1, parts=2, pages=2, staged=True, staging_offset=0, staging_bytes=nbytes)])
     (scatter,) = [e for e in world.take() if isinstance(e, Scatter)]
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     report = peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=SOURCE.to_proto(), receiver=rank.key.to_proto(), settled=True)
-    world.core.completion_report(report)
+    world.core.landing.completion_report(report)
     assert rank.state == FAILED and rank.scattering and not rank.pages_settled
     assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # the scatter still reads the slot
     world.core.landing.scattered(rank, scatter.landing, None)
@@ -741,17 +741,17 @@ def test_a_failed_ranks_staging_goes_source_by_source_as_each_writes_no_more(wor
         protocol_version=PROTOCOL_VERSION, room=rank.room, sender_broker_id=P, source=sources[0].to_proto(),
         receiver=rank.key.to_proto(), chunk_index=0, part=0, bytes=4096,
     )
-    pool, _ = world.core.staging_wanted(request)
-    world.core.staging_granted(request, pool, reservation)
+    pool, _ = world.core.landing.staging_wanted(request)
+    world.core.landing.staging_granted(request, pool, reservation)
     world.core.abort(Abort(engine=rank.engine, room=rank.room, reason="the engine gave up"))
     assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # source 0 may still write into it
 
     def settled(source: RankKey) -> peer_pb2.CompletionReport:
         return peer_pb2.CompletionReport(room=rank.room, sender_broker_id=P, source=source.to_proto(), receiver=rank.key.to_proto(), settled=True)
 
-    world.core.completion_report(settled(sources[0]))
+    world.core.landing.completion_report(settled(sources[0]))
     assert not rank.pages_settled
     assert [e.reservations for e in world.take() if isinstance(e, ReleaseStaging)] == [((*pool, reservation),)]
-    world.core.completion_report(settled(sources[1]))
+    world.core.landing.completion_report(settled(sources[1]))
     assert rank.pages_settled and rank.staging == {}
     assert not any(isinstance(e, ReleaseStaging) for e in world.take())  # nothing released twice
