@@ -1,4 +1,4 @@
-"""Other brokers: the peer table, the peer client, liveness, and the fleet in etcd."""
+"""Other brokers: the peer table, a peer's life (its states), the peer client, liveness, and the fleet in etcd."""
 
 from kvbroker.broker.peers._client import HandshakeMessage, PeerClient, reach_back, server_options
 from kvbroker.broker.peers._discovery import FleetView, Member, find_in_fleet
@@ -9,6 +9,7 @@ from kvbroker.broker.peers._fleet import (
     parse_endpoint,
     read_fleet,
 )
+from kvbroker.broker.peers._life import TRANSITIONS, PeerState, transition
 from kvbroker.broker.peers._liveness import PeerMonitor
 from kvbroker.broker.peers._stream import STREAM_CALLS, PeerStream, StreamStub
 from kvbroker.broker.peers._table import (
@@ -33,12 +34,14 @@ __all__ = [
     "PeerClient",
     "reach_back",
     "PeerMonitor",
+    "PeerState",
     "PeerTable",
     "PoolKey",
     "RemoteEngine",
     "STREAM_CALLS",
     "PeerStream",
     "StreamStub",
+    "TRANSITIONS",
     "TransportVerdict",
     "etcd_client",
     "find_in_fleet",
@@ -47,4 +50,5 @@ __all__ = [
     "pool_name",
     "read_fleet",
     "server_options",
+    "transition",
 ]
