@@ -179,8 +179,9 @@ def test_abort_room_and_drain(rooms) -> None:
 
 def test_forget_peer_drops_a_peer_and_names_an_unknown_one(rooms) -> None:
     """ForgetPeer (last here: it drops the pair's handshake): an unknown peer is NOT_FOUND, by name;
-    a known one, named by its address, goes (ListPeers no longer shows it handshaken, nor silent),
-    and the next room between the pair handshakes again and moves."""
+    a known one, named by its address, goes (ListPeers no longer shows it handshaken, nor silent:
+    its state is "forgotten"), and the next room between the pair handshakes again and moves (the
+    peer "live" again)."""
     from kvbroker.client import RoomState, SenderRef
 
     d, p = rooms["d"], rooms["p"]
@@ -190,13 +191,16 @@ def test_forget_peer_drops_a_peer_and_names_an_unknown_one(rooms) -> None:
     )  # fmt: skip
     assert out.returncode != 0 and "NotFound" in out.stderr and "no handshaken peer broker '10.0.0.9:1'" in out.stderr, out.stderr
     (peer,) = [x for x in _call(d.address, "ListPeers")["peers"] if x["address"] == p.address]
-    assert peer["handshaken"] and not peer["silent"]
+    assert peer["handshaken"] and not peer["silent"] and peer["state"] == "live"
     forgotten = _call(d.address, "ForgetPeer", {"peer": p.address, "reason": "host fenced"})
     assert forgotten == {"address": p.address, "broker_id": p.broker_id}
-    assert not any(x["handshaken"] for x in _call(d.address, "ListPeers")["peers"] if x["address"] == p.address)
+    (peer,) = [x for x in _call(d.address, "ListPeers")["peers"] if x["address"] == p.address]
+    assert not peer["handshaken"] and peer["state"] == "forgotten"
     receiver = rooms["decode"].receiver(14, SenderRef(p.address, "ops-prefill"))
     receiver.init([7], aux_row=0)
     sender = rooms["prefill"].sender(14)
     sender.init(1, aux_row=0)
     sender.send([2], is_last=True)
     assert receiver.wait(20).state == RoomState.SUCCESS
+    (peer,) = [x for x in _call(d.address, "ListPeers")["peers"] if x["address"] == p.address]
+    assert peer["handshaken"] and peer["state"] == "live"

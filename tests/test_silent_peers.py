@@ -59,7 +59,7 @@ def _silent_pair(
     fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Engine], **config: object
 ) -> tuple[FakeBroker, FakeBroker, Engine, Engine, Any, Any]:
     """A room half landed, then the decode's broker takes the prefill's for silent: its room
-    fails PEER naming it, its pages do not settle, ListPeers says silent. (Only that side: here
+    fails PEER naming it, its pages do not settle, ListPeers says silent (its state by name too). (Only that side: here
     the prefill's broker is in fact reachable, and its own word, once its side failed, would
     settle the room as it should.)"""
     p, d = fake_brokers("p", **QUIET, **config), fake_brokers("d", **QUIET, **config)
@@ -72,6 +72,7 @@ def _silent_pair(
     assert not receiver.status().pages_settled, "settled while the sender may still write"
     assert sender.status().state != RoomState.FAILED, "the prefill's broker was told (it is silent)"
     assert _peer_info(d, p).silent and not _peer_info(p, d).silent
+    assert (_peer_info(d, p).state, _peer_info(p, d).state) == ("silent", "live")
     return p, d, pe, de, receiver, sender
 
 
@@ -80,13 +81,13 @@ def test_a_silent_peer_that_answers_again_settles_the_rooms_it_fed(
 ) -> None:
     """The silent sender answers the receiver's heartbeat again, as the same process: the receiver
     asks it about the room (an abort, which fails the sender's side), it says nothing is in
-    flight, and the pages settle; the peer is no longer silent and a new room moves, with no new
-    handshake needed."""
+    flight, and the pages settle; the peer is no longer silent (live again) and a new room moves,
+    with no new handshake needed."""
     p, d, pe, de, receiver, sender = _silent_pair(fake_brokers, make_engine)
     d.loop.call(lambda: d.broker.internals.routes.peer_loss.peer_back(d.broker.internals.transport.peers.by_id[p.broker.broker_id]))
     eventually(lambda: receiver.status().pages_settled, 10)
     assert sender.wait(10).state == RoomState.FAILED
-    assert not _peer_info(d, p).silent
+    assert not _peer_info(d, p).silent and _peer_info(d, p).state == "live"
     receiver2 = de.handle.receiver(2, SenderRef(p.address, "prefill-group"))
     receiver2.init(DST, aux_row=0)
     sender2 = pe.handle.sender(2)
@@ -112,8 +113,9 @@ def test_the_heartbeat_finds_a_silent_peer_back_by_itself(
 def test_an_operator_forgets_a_silent_peer_and_its_rooms_settle(
     fake_brokers: Callable[..., FakeBroker], make_engine: Callable[..., Engine]
 ) -> None:
-    """ForgetPeer, by broker id: the silent peer is dropped as a restarted one would be, the
-    receiving room's pages settle at once, grants to it go; an unknown peer is NOT_FOUND."""
+    """ForgetPeer, by broker id: the silent peer is dropped as a restarted one would be (ListPeers
+    says forgotten), the receiving room's pages settle at once, grants to it go; an unknown peer is
+    NOT_FOUND."""
     p, d, _pe, _de, receiver, sender = _silent_pair(fake_brokers, make_engine)
     with grpc.insecure_channel(d.address) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
@@ -126,7 +128,7 @@ def test_an_operator_forgets_a_silent_peer_and_its_rooms_settle(
             assert exc.code() == grpc.StatusCode.NOT_FOUND and "'nobody'" in (exc.details() or "")
     # Settled in the ForgetPeer call; the engine hears it on its session stream, a moment later.
     eventually(lambda: receiver.status().pages_settled, 2)
-    assert not _peer_info(d, p).handshaken
+    assert not _peer_info(d, p).handshaken and _peer_info(d, p).state == "forgotten"
     assert d.loop.call(lambda: d.broker.queries.traffic.granted_credit_bytes()) == 0
     # The sender's side, which heard nothing, ends as its operator forgets the receiver's broker.
     p.loop.call(lambda: p.broker.internals.routes.peer_loss.forget(d.broker.broker_id, "test over"))

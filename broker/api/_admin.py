@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvbroker.broker import telemetry
-from kvbroker.broker.peers import Peer, pool_name
+from kvbroker.broker.peers import Peer, PeerState, pool_name
 from kvbroker.broker.rooms import Receiver, Side, Source
 from kvbroker.errors import NotFound
 from kvbroker.v1 import admin_pb2, peer_pb2
@@ -132,7 +132,8 @@ class Admin:
                     stream_open=peer.stream is not None and peer.stream.broker_id is not None,
                     stream_calls=peer.stream.calls_written if peer.stream is not None else 0,
                     stream_frames=peer.stream.frames_written if peer.stream is not None else 0,
-                    silent=peer.silent,
+                    silent=peer.state is PeerState.SILENT,
+                    state=peer.state.value,
                 )
             )
         return out

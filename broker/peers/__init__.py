@@ -1,4 +1,4 @@
-"""Other brokers: the peer table, the peer client, liveness, and the fleet in etcd."""
+"""Other brokers: the peer table, a peer's life (its states), the peer client, liveness, and the fleet in etcd."""
 
 from kvbroker.broker.peers._caller import PeerCaller, call_unary
 from kvbroker.broker.peers._calls import BY_FIELD, PEER_METHODS, PeerMethod, answers, handlers_of
@@ -11,6 +11,7 @@ from kvbroker.broker.peers._fleet import (
     parse_endpoint,
     read_fleet,
 )
+from kvbroker.broker.peers._life import TRANSITIONS, PeerState, transition
 from kvbroker.broker.peers._liveness import PeerMonitor
 from kvbroker.broker.peers._stream import PeerStream
 from kvbroker.broker.peers._table import (
@@ -35,6 +36,7 @@ __all__ = [
     "PeerClient",
     "reach_back",
     "PeerMonitor",
+    "PeerState",
     "PeerTable",
     "PoolKey",
     "RemoteEngine",
@@ -43,6 +45,7 @@ __all__ = [
     "PeerCaller",
     "PeerMethod",
     "PeerStream",
+    "TRANSITIONS",
     "answers",
     "call_unary",
     "handlers_of",
@@ -54,4 +57,5 @@ __all__ = [
     "pool_name",
     "read_fleet",
     "server_options",
+    "transition",
 ]

@@ -29,6 +29,7 @@ import structlog
 
 from kvbroker.broker.dataplane import Agent, DataPlane
 from kvbroker.broker.peers._caller import PeerCaller
+from kvbroker.broker.peers._life import PeerState, transition
 from kvbroker.broker.peers._stream import PeerStream
 from kvbroker.errors import Aborted, FailedPrecondition, InvalidArgument, KvBrokerError
 from kvbroker.plan import (
@@ -137,14 +138,8 @@ class Peer:
     receive_staging: dict[tuple[int, int], peer_pb2.RemoteBuffer] = field(default_factory=dict)
     #: When the peer last answered (or called) us: liveness.
     last_seen: float = field(default_factory=time.monotonic)
-    #: Lost by silence (no answer, no reset: partitioned, stopped, or dead
-    #: with its host): its rooms here failed, but it may still be writing,
-    #: so its transfers, grants and remote agent stay until it answers again
-    #: or is found gone (``runtime.PeerLoss``).
-    silent: bool = False
-    #: Its etcd lease lapsed (``FleetView``): lost at the next heartbeat unless
-    #: it answers then (etcd, or this broker's way to it, may have been away).
-    lease_lapsed: bool = False
+    #: Where it is in its life (``peers._life``); changed only by ``transition``.
+    state: PeerState = PeerState.HANDSHAKING
     #: Bytes this broker wrote to the peer, and the moving average of the
     #: observed write throughput (bytes/s; 0 until measured).
     bytes_sent: int = 0
@@ -307,6 +302,8 @@ class PeerTable:
                     f"names {agent_name!r}"
                 )
         peer.broker_id = identity.broker_id
+        if not peer.state.handshaken:
+            transition(peer, PeerState.LIVE, f"handshaken as broker {identity.broker_id}")
         peer.agent_name = agent_name
         peer.is_self = is_self
         peer.receive_staging = {(b.kind, b.device_id): b for b in staging if b.size_bytes}
@@ -352,7 +349,8 @@ class PeerTable:
         return await self._dataplane.call(lambda agent: agent.add_remote(metadata))
 
     def drop(self, peer: Peer) -> None:
-        """Forget ``peer``: its remote agent, engines and descriptor lists."""
+        """Forget ``peer``: its remote agent, engines and descriptor lists. Its
+        state is the caller's to move (``PeerLoss`` makes it GONE or FORGOTTEN first)."""
         for engine in peer.engines.values():
             self._release(engine)
         peer.engines.clear()
@@ -364,7 +362,6 @@ class PeerTable:
         if peer.stream is not None:
             peer.stream.close()  # calls on it fail UNAVAILABLE; the next call opens a new one
         peer.broker_id = None
-        peer.silent = peer.lease_lapsed = False
         peer.agent_name = None
         peer.metadata = b""
         peer.announced_epoch = -1

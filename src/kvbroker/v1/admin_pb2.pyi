@@ -186,7 +186,7 @@ class ListPeersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms", "transport", "memory", "bytes_sent", "throughput_gbps", "last_seen_seconds", "transports", "stream_open", "stream_calls", "stream_frames", "silent")
+    __slots__ = ("address", "broker_id", "nixl_agent_name", "handshaken", "engines", "open_rooms", "transport", "memory", "bytes_sent", "throughput_gbps", "last_seen_seconds", "transports", "stream_open", "stream_calls", "stream_frames", "silent", "state")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class PeerInfo(_message.Message):
     STREAM_CALLS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     SILENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     address: str
     broker_id: str
     nixl_agent_name: str
@@ -219,7 +220,8 @@ class PeerInfo(_message.Message):
     stream_calls: int
     stream_frames: int
     silent: bool
-    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ..., transport: _Optional[str] = ..., memory: _Optional[_Iterable[str]] = ..., bytes_sent: _Optional[int] = ..., throughput_gbps: _Optional[float] = ..., last_seen_seconds: _Optional[float] = ..., transports: _Optional[_Iterable[_Union[TransportProbe, _Mapping]]] = ..., stream_open: _Optional[bool] = ..., stream_calls: _Optional[int] = ..., stream_frames: _Optional[int] = ..., silent: _Optional[bool] = ...) -> None: ...
+    state: str
+    def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., nixl_agent_name: _Optional[str] = ..., handshaken: _Optional[bool] = ..., engines: _Optional[int] = ..., open_rooms: _Optional[int] = ..., transport: _Optional[str] = ..., memory: _Optional[_Iterable[str]] = ..., bytes_sent: _Optional[int] = ..., throughput_gbps: _Optional[float] = ..., last_seen_seconds: _Optional[float] = ..., transports: _Optional[_Iterable[_Union[TransportProbe, _Mapping]]] = ..., stream_open: _Optional[bool] = ..., stream_calls: _Optional[int] = ..., stream_frames: _Optional[int] = ..., silent: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class TransportProbe(_message.Message):
     __slots__ = ("local", "remote", "verdict", "gbps", "floor_gbps", "bytes", "writes", "age_seconds")
