@@ -109,7 +109,7 @@ class SendingRoom:
 
 class PrefillEngine:
     """One prefill rank that sends the rooms the soak orders, and survives its broker. Messages to the soak: ("ready",
-    reason, attempts, seconds, last refusal), ("final", room, state, cause, message, bytes), ("error", room,
+    reason, attempts, last refusal), ("final", room, state, cause, message), ("error", room,
     message), ("lost", rooms, reason), ("note", room, text), ("crash", traceback), ("stopped", unfinished rooms)."""
 
     def __init__(self, address: str, group: str, slots: int, kv: str, conn: Any) -> None:
@@ -125,7 +125,7 @@ class PrefillEngine:
         self.seq, self.stopping_since = 0, None
 
     def connect(self, reason: str) -> None:
-        started, attempts, last = time.monotonic(), 0, ""
+        attempts, last = 0, ""
         while True:
             attempts += 1
             client = None
@@ -138,7 +138,7 @@ class PrefillEngine:
                 time.sleep(0.2)
                 continue
             self.client, self.engine = client, engine
-            self.conn.send(("ready", reason, attempts, round(time.monotonic() - started, 3), last[:300]))
+            self.conn.send(("ready", reason, attempts, last[:300]))
             return
 
     def disconnect(self) -> None:
@@ -209,7 +209,7 @@ class PrefillEngine:
             if status.state in FINAL and room in self.open:
                 del self.open[room]
                 cause = kind_name(status.cause.kind) if status.state == RoomState.FAILED else ""
-                self.conn.send(("final", room, RoomState(status.state).name, cause, status.cause.message[:400], status.bytes))
+                self.conn.send(("final", room, RoomState(status.state).name, cause, status.cause.message[:400]))
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "room":
@@ -570,14 +570,14 @@ class Soak:
     def on_child(self, child: Child, msg: tuple[Any, ...]) -> None:
         what = msg[0]
         if what == "ready":
-            _, reason, attempts, _took, last = msg
+            _, reason, attempts, last = msg
             child.ready = True
             waited = time.monotonic() - child.since
             key = "after broker restart" if reason != "start" else "after engine kill" if child.incarnation > 1 else "first start"
             self.tally.reregister[key].append(waited)
             self.event(f"{child.name} #{child.incarnation} registered ({key}; {attempts} attempts, {waited:.1f} s; last refusal: {last or '-'})")
         elif what == "final":
-            _, rid, state, cause, message, _bytes = msg
+            _, rid, state, cause, message = msg
             self.tally.sender(self.rooms.get(rid), state if state == "SUCCESS" else f"FAILED {cause}", message)
         elif what == "error":
             _, rid, message = msg
