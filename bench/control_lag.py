@@ -218,10 +218,8 @@ def print_report(res: dict[str, Any]) -> None:
     print("load: " + "; ".join(load))
     print(f"\n{'phase':11} {'seconds':>8} {'count':>8} {'p50 us':>10} {'p99 us':>10} {'max us':>12} {'>10ms':>6}")
     for name, s in res["phases"].items():
-        if not s["count"]:
-            print(f"{name:11} {s['seconds']:8.2f} {0:8d}")
-            continue
-        print(f"{name:11} {s['seconds']:8.2f} {s['count']:8d} {s['p50_us']:10.0f} {s['p99_us']:10.0f} {s['max_us']:12.0f} {s['over_10ms']:6d}")
+        print(f"{name:11} {s['seconds']:8.2f} {s['count']:8d}" + (
+            f" {s['p50_us']:10.0f} {s['p99_us']:10.0f} {s['max_us']:12.0f} {s['over_10ms']:6d}" if s["count"] else ""))
     ra = res["ratios_loaded_over_idle"]
     print("loaded/idle: " + ", ".join(f"{k} {'n/a' if ra[k] is None else f'{ra[k]:.1f}x'}" for k in ("p50", "p99", "max")))
     print()

@@ -142,9 +142,8 @@ class Engines:
                 t.zero_()
         h.sync(memory.raw.device)
 
-    def move(self, ids: list[int], plan: Plan, cp: int, timeout: float, both: bool = False) -> float:
-        """The rooms of ``plan``, ``cp`` pages a chunk: first ExpectRoom to last SUCCESS (of the decode side), s;
-        ``both``: the prefill side must succeed too."""
+    def move(self, ids: list[int], plan: Plan, cp: int, timeout: float) -> float:
+        """The rooms of ``plan``, ``cp`` pages a chunk: first ExpectRoom to last SUCCESS (of the decode side), s."""
         ref, decode, room_pages = self.prefill.ref(), self.decode.engines[0], plan.src.shape[1]
         t0 = time.perf_counter()
         decode.expect([ExpectSpec(room, ref, plan.dst[i]) for i, room in enumerate(ids)])
@@ -157,8 +156,6 @@ class Engines:
         statuses = decode.wait(ids, timeout_seconds=timeout)
         seconds = time.perf_counter() - t0
         h.failed_rooms("kvbroker", statuses)
-        for engine in self.prefill.engines if both else ():
-            h.failed_rooms("kvbroker, the prefill side", engine.wait(ids, timeout_seconds=timeout))
         return seconds
 
 
@@ -213,10 +210,7 @@ class Measure:
 
     def roles(self) -> Counter[str]:
         """CPU seconds of the brokers' threads so far, by role (to the nanosecond)."""
-        out: Counter[str] = Counter()
-        for pid in self.pids:
-            out.update(h.thread_cpu_seconds(pid))
-        return out
+        return sum((Counter(h.thread_cpu_seconds(pid)) for pid in self.pids), Counter())
 
     def per_part(self) -> str:
         """The brokers' CPU, device launches and peer RPCs per part (medians), as a note."""
@@ -238,11 +232,12 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    env, vram, kv_device = None, None, a.device
+    env, vram, kv_device = None, [None] * a.gpus, a.device  # vram[i]: makes an engine's memory fake VRAM of GPU i
     if a.model:  # a modelled GPU: fake VRAM (host memory) whose copies and writes finish when the model says
         a.model = f"{a.model},byte_scale={a.scale},timelines={held.workdir / 'gpu-timelines'}"
         env = {**os.environ, FAKE_GPUS_ENV: str(a.gpus), MODEL_ENV: a.model + ",host=0"}
-        vram, kv_device = functools.partial(as_fake_vram, fake=FakeCudaLib(devices=a.gpus, granularity=GRANULARITY)), "cpu"
+        fake = FakeCudaLib(devices=a.gpus, granularity=GRANULARITY)
+        vram, kv_device = [functools.partial(as_fake_vram, fake=fake, device=i) for i in range(a.gpus)], "cpu"
         res["gpu_model"] = ModelSetting.parse(a.model).model
     spans = OtlpReceiver() if not a.no_hops else None  # each part's hops, from the brokers' spans
     if spans is not None:
@@ -309,21 +304,15 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         if chunk_mib == a.chunk_mib[0]:
             repeat(ceilings(a, raw, device, payload))
         for kib, geo in geos.items():
-            if a.gpus > 1:  # one engine pair per GPU, all moving at once
-                pairs = [Engines.register(held, brokers, model(kib), 1, geo.pool_pages, kv_device, functools.partial(vram, device=i))
-                         for i in range(a.gpus)]
-                repeat([host_measure(a, pairs, geo, kib, pattern, ids, pids, chunk_mib, counts) for pattern in a.patterns])
-                held.release(*(g for eng in pairs for g in (eng.prefill, eng.decode)))
-                continue
-            engines = {tp: Engines.register(held, brokers, model(kib), tp, geo.pool_pages, kv_device, vram)
-                       for tp in (a.tp if "broker" in a.parts else ())}
+            engines = {tp: [Engines.register(held, brokers, model(kib), tp, geo.pool_pages, kv_device, vram[i])
+                            for i in range(a.gpus)] for tp in (a.tp if "broker" in a.parts else ())}  # an engine pair per GPU
             for pattern in a.patterns:
                 repeat(case_measures(a, raw, engines, geo, kib, pattern, ids, pids, chunk_mib, counts))
                 held.say(f"  measured: {kib} KiB {pattern}, {chunk_mib} MiB chunks")
-            held.release(*(g for eng in engines.values() for g in (eng.prefill, eng.decode)))
+            held.release(*(g for pairs in engines.values() for eng in pairs for g in (eng.prefill, eng.decode)))
         if "latency" in a.parts and chunk_mib == a.chunk_mib[0]:
             kinds = ((f"on {a.device}", a.device, None), ("in DRAM", "cpu", None)) if not a.model else \
-                (("on the modelled GPU", "cpu", vram), ("in DRAM", "cpu", None))
+                (("on the modelled GPU", "cpu", vram[0]), ("in DRAM", "cpu", None))
             pairs = {key: Engines.register(held, brokers, model(a.page_kib[0]), 1, a.latency_rooms + WARM_ROOMS, dev, prep)
                      for key, dev, prep in kinds}
             latency.update(one_page_rooms(pairs, a.latency_rooms, ids, a.timeout))
@@ -335,11 +324,9 @@ def run(a: argparse.Namespace, held: h.Held) -> dict[str, Any]:
 
 def report_hops(res: dict[str, Any]) -> None:
     """One line per hop: the median in us, kvbroker's and the raw loop's, per part size."""
-    a, cols = res["args"], []
-    for size, parts in sorted(res.get("hops", {}).items(), reverse=True):
-        cols.append((f"kvbroker {size * a.scale / h.MIB:g} MiB", parts))
-    for m in (m for m in res["done"] if m.method == "raw-staged" and m.hops):
-        cols.append((f"raw {m.chunk_mib} MiB", m.hops))
+    a = res["args"]
+    cols = [(f"kvbroker {size * a.scale / h.MIB:g} MiB", parts) for size, parts in sorted(res.get("hops", {}).items(), reverse=True)]
+    cols += [(f"raw {m.chunk_mib} MiB", m.hops) for m in res["done"] if m.method == "raw-staged" and m.hops]
     if not cols:
         return
     print(f"\nper hop, median us (parts: {', '.join(f'{n} {len(p)}' for n, p in cols)}, kvbroker's of the {a.traced:.0%} of rooms "
@@ -362,7 +349,11 @@ def ceilings(a: argparse.Namespace, raw: RawPeer | None, device: Any, payload: i
             dst.copy_(src)
             h.sync(device)
             return time.perf_counter() - t0
-        out.append(Measure("copy", payload, dst.zero_, copy, lambda: h.require("copy", differs(dst, src, (1, payload, 1), None))))
+
+        def check() -> None:
+            if wrong := differs(dst, src, (1, payload, 1), None):
+                raise h.BenchFailed(f"copy: byte mismatch: {wrong}")
+        out.append(Measure("copy", payload, dst.zero_, copy, check))
     if raw and "raw-one" in a.parts:
         work = [(raw.one(raw.src.data_ptr(), payload), raw.one(raw.dst_ptr, payload))]
         out.append(Measure("raw-one", payload * a.scale, lambda: raw.call("zero"), lambda: raw.post_all(work, "raw one", a.timeout)[0],
@@ -370,17 +361,35 @@ def ceilings(a: argparse.Namespace, raw: RawPeer | None, device: Any, payload: i
     return out
 
 
-def case_measures(a: argparse.Namespace, raw: RawPeer | None, engines: dict[int, Engines], geo: Geometry, kib: int,
+def broker_measure(a: argparse.Namespace, pairs: Sequence[Engines], plan: Plan, geo: Geometry, case: tuple[int, str, int],
+                   ids: Iterator[int], pids: Sequence[int], chunk_mib: int, counts: Callable[[], tuple[int, int, int]]) -> Measure:
+    """kvbroker on ``pairs``, one engine pair per GPU, each moving ``plan``'s rooms, all at once; ``case``: (page KiB,
+    pattern, tp). A sample: one pair's own clock (:meth:`Engines.move`), or the wall time of them all."""
+    (kib, pattern, tp), pages = case, (plan.src, plan.dst)
+
+    def sample() -> float:
+        rooms = [list(itertools.islice(ids, a.rooms)) for _ in pairs]
+        if len(pairs) == 1:
+            return pairs[0].move(rooms[0], plan, geo.chunk_pages, a.timeout)
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda e, r: e.move(r, plan, geo.chunk_pages, a.timeout), pairs, rooms))
+            return time.perf_counter() - t0
+
+    def check() -> None:
+        for i, e in enumerate(pairs):
+            h.check_kv(f"kvbroker {kib} KiB {pattern} tp{tp}" + (f" GPU {i}" if len(pairs) > 1 else ""), e.prefill, e.decode, *pages)
+    return Measure("kvbroker", geo.payload * geo.scale * len(pairs), lambda: [e.zero_decode() for e in pairs], sample, check,
+                   *case, pids, chunk_mib, counts, gpus=len(pairs))
+
+
+def case_measures(a: argparse.Namespace, raw: RawPeer | None, engines: dict[int, list[Engines]], geo: Geometry, kib: int,
                   pattern: str, ids: Iterator[int], pids: Sequence[int], chunk_mib: int,
                   counts: Callable[[], tuple[int, int, int]]) -> list[Measure]:
-    """kvbroker for each tp and the raw paths, of one page size, pattern and chunk size (indices uploaded)."""
+    """kvbroker for each tp (a pair per GPU) and the raw paths, of one page size, pattern and chunk size (indices uploaded)."""
     plan = make_plan(geo, pattern, a.seed + kib)
     chunks, pages, case, nbytes = plan.chunks(geo.chunk_pages), (plan.src, plan.dst), (kib, pattern), geo.payload * geo.scale
-    out = [Measure("kvbroker", nbytes, eng.zero_decode,
-                   lambda e=eng: e.move(list(itertools.islice(ids, a.rooms)), plan, geo.chunk_pages, a.timeout),
-                   lambda e=eng, t=tp: h.check_kv(f"kvbroker {kib} KiB {pattern} tp{t}", e.prefill, e.decode, *pages),
-                   *case, tp, pids, chunk_mib, counts)
-           for tp, eng in engines.items()]
+    out = [broker_measure(a, pairs, plan, geo, (*case, tp), ids, pids, chunk_mib, counts) for tp, pairs in engines.items()]
     if raw and "raw-pages" in a.parts:
         work = [(raw.descs(page_descs(raw.src.data_ptr(), geo.shape, s, raw.dev)),
                  raw.descs(page_descs(raw.dst_ptr, geo.shape, d, raw.dev))) for s, d in chunks]
@@ -394,22 +403,6 @@ def case_measures(a: argparse.Namespace, raw: RawPeer | None, engines: dict[int,
                     lambda: raw.check("raw staged", geo.shape, pages), *case, chunk_mib=chunk_mib)
         out.append(m)
     return out
-
-
-def host_measure(a: argparse.Namespace, pairs: list[Engines], geo: Geometry, kib: int, pattern: str, ids: Iterator[int],
-                 pids: Sequence[int], chunk_mib: int, counts: Callable[[], tuple[int, int, int]]) -> Measure:
-    """kvbroker on every GPU of a host at once: each GPU's engine pair moves ``geo``'s rooms; wall time of them all."""
-    plan = make_plan(geo, pattern, a.seed + kib)
-
-    def sample() -> float:
-        rooms = [list(itertools.islice(ids, a.rooms)) for _ in pairs]
-        with ThreadPoolExecutor(len(pairs)) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(lambda e, r: e.move(r, plan, geo.chunk_pages, a.timeout), pairs, rooms))
-            return time.perf_counter() - t0
-    return Measure("kvbroker", geo.payload * geo.scale * len(pairs), lambda: [e.zero_decode() for e in pairs], sample,
-                   lambda: [h.check_kv(f"kvbroker GPU {i}", e.prefill, e.decode, plan.src, plan.dst) for i, e in enumerate(pairs)],
-                   kib, pattern, 1, pids, chunk_mib, counts, gpus=len(pairs))
 
 
 def one_page_rooms(pairs: dict[str, Engines], n: int, ids: Iterator[int], timeout: float) -> dict[str, list[float]]:

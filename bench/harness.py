@@ -50,9 +50,9 @@ def model_spec(layers: int, *, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DI
     return ModelSpec(num_layers=layers, total_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16, page_size=page_size)
 
 
-def page_bytes(layers: int, *, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, page_size: int = PAGE_SIZE) -> int:
-    """Bytes of one page of every layer's K and V of the whole model."""
-    return layers * 2 * page_size * kv_heads * head_dim * DTYPE_BYTES
+def page_bytes(layers: int) -> int:
+    """Bytes of one page of every layer's K and V of the default model."""
+    return layers * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
 # -- a run: what it holds, how it ends --------------------------------------------------
 
@@ -249,10 +249,9 @@ def release(engine: Any = None, client: Any = None, memory: Any = None) -> Excep
     except Exception as exc:
         error = exc
     finally:
-        if client is not None:
-            client.close()
-        if memory is not None:
-            memory.close()
+        for other in (client, memory):
+            if other is not None:
+                other.close()
     return error
 
 # -- /proc (Linux) -----------------------------------------------------------------------
@@ -299,11 +298,11 @@ def cpu_delta(before: Mapping[str, float], after: Mapping[str, float], scale: fl
     return {name: (v - before[name]) * scale for name, v in after.items()}
 
 
-def proc_status(pid: int, name: str) -> int | None:
-    """The number of field ``name`` of /proc/PID/status (kB for memory, a count for Threads), or None if the process is
-    gone."""
+def proc_status(pid: int | None, name: str) -> int | None:
+    """The number of field ``name`` of /proc/PID/status, or of /proc/meminfo (the host's) when ``pid`` is None (kB for
+    memory, a count for Threads); None if the process is gone."""
     try:
-        with open(f"/proc/{pid}/status") as fh:
+        with open("/proc/meminfo" if pid is None else f"/proc/{pid}/status") as fh:
             return next((int(line.split()[1]) for line in fh if line.startswith(name + ":")), None)
     except OSError:
         return None
@@ -313,12 +312,6 @@ def rss(pid: int, unit: int = 1) -> int | None:
     """Resident memory of process ``pid`` (VmRSS) in units of ``unit`` bytes, or None if it is gone."""
     kib = proc_status(pid, "VmRSS")
     return None if kib is None else kib * 1024 // unit
-
-
-def meminfo_bytes(name: str) -> int:
-    """Field ``name`` of /proc/meminfo, in bytes."""
-    with open("/proc/meminfo") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(name + ":"))
 
 # -- statistics ------------------------------------------------------------------------
 
@@ -581,8 +574,3 @@ def check_kv(what: str, prefill: Group, decode: Group, src: Any, dst: Any) -> No
     wrong = kv_mismatches(what, prefill.memories, decode.memories, src, dst)
     if wrong:
         raise BenchFailed(wrong[0])
-
-
-def require(what: str, problem: str) -> None:
-    if problem:
-        raise BenchFailed(f"{what}: byte mismatch: {problem}")

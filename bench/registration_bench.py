@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     steps = step_timings([s["broker"] for s in sides.values()], groups)
     return {"config": {"sizes_gib": args.sizes_gib, "repeat": args.repeat, "layers": args.layers, "page_bytes": page,
                        "engine_touch": args.engine_touch, "broker_args": args.broker_arg, "cpus": os.cpu_count(),
-                       "mem_total_gib": h.meminfo_bytes("MemTotal") / h.GIB, "load_average": os.getloadavg()[0]},
+                       "mem_total_gib": (h.proc_status(None, "MemTotal") or 0) * 1024 / h.GIB, "load_average": os.getloadavg()[0]},
             "brokers": {k: {n: v for n, v in s.items() if n.endswith("_s") or n == "rss_start"} for k, s in sides.items()},
             "rows": [{**{key: float(statistics.median(s[key] for s in ss)) for key in ss[0]}, "kind": kind, "size_gib": size,
                       "samples": ss, "broker_steps": steps.get((kind, size), {})} for (kind, size), ss in samples.items()]}
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1 or args.layers < 1 or not args.sizes_gib or min(args.sizes_gib) <= 0:
         p.error("--repeat and --layers must be at least 1, --sizes-gib positive")
-    total = h.meminfo_bytes("MemAvailable")
+    total = (h.proc_status(None, "MemAvailable") or 0) * 1024
     if max(args.sizes_gib) * h.GIB > 0.8 * total:
         print(f"registration_bench: {max(args.sizes_gib):g} GiB is more than 80% of the available {total / h.GIB:.1f} GiB", file=sys.stderr)
         return 1

@@ -303,8 +303,11 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
         receiver.abort("scale: round trip")
         receiver.wait(30)
 
-    def rss() -> dict[str, int | None]:
-        return {b.name: h.rss(b.process.pid) for b in brokers}
+    def looks() -> dict[str, Any]:
+        """Each broker's RSS (bytes), the median Poll and session round trips (s)."""
+        return {"rss": {b.name: h.rss(b.process.pid) for b in brokers},
+                "poll": statistics.median(h.poll_round_trips(de, base, args.rtt_calls)),
+                "session": statistics.median(h.timed_calls(args.rtt_calls // 5, session_rtt))}
 
     # Warm-up: handshakes, first descriptors, the streams; then evicted.
     warm = [next(ids) for _ in range(200)]
@@ -316,9 +319,7 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     de.wait(warm, timeout_seconds=60)
     h.timed_calls(50, session_rtt)
     time.sleep(float(TTL) * 2 + 1.5)
-    idle_rss = rss()
-    idle_poll = statistics.median(h.poll_round_trips(de, base, args.rtt_calls))
-    idle_session = statistics.median(h.timed_calls(args.rtt_calls // 5, session_rtt))
+    idle = looks()
     rooms = [next(ids) for _ in range(n)]
     half = n // 2
     t0 = time.perf_counter()
@@ -334,9 +335,7 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     h.wait_open(de, rooms, 120, interval=0.1)
     open_s = time.perf_counter() - t0
     open_counts = {b.name: dict(b.stats().per_room_state) for b in brokers}
-    open_rss = rss()
-    open_poll = statistics.median(h.poll_round_trips(de, base, args.rtt_calls))
-    open_session = statistics.median(h.timed_calls(args.rtt_calls // 5, session_rtt))
+    opened = looks()
     # Finish: the first half complete, the second half are aborted.
     pe.send([(senders[i], [2 * i + 1]) for i in range(half)])
     for room in rooms[half:]:
@@ -354,12 +353,12 @@ def run_scale(args: argparse.Namespace, held: h.Held) -> dict[str, Any]:
     except AssertionError as exc:
         problems.append(f"per-room tables not empty after the TTLs: {exc}")
     left = {b.name: {k: v for k, v in b.stats().per_room_state.items() if v} for b in brokers}
+    idle_rss, open_rss = idle["rss"], opened["rss"]
     return {"rooms": n, "open_seconds": open_s, "rss_idle_mib": {k: v / 2**20 for k, v in idle_rss.items() if v},
             "rss_open_mib": {k: v / 2**20 for k, v in open_rss.items() if v},
             "rss_per_open_room_kib": {k: (open_rss[k] - idle_rss[k]) / n / 1024 for k in idle_rss if open_rss[k] and idle_rss[k]},
             "open_tables": open_counts, "tables_after": left,
-            "poll_rtt_us": {"idle": idle_poll * 1e6, "open": open_poll * 1e6, "ratio": open_poll / idle_poll},
-            "session_rtt_us": {"idle": idle_session * 1e6, "open": open_session * 1e6, "ratio": open_session / idle_session}}
+            **{f"{k}_rtt_us": {"idle": idle[k] * 1e6, "open": opened[k] * 1e6, "ratio": opened[k] / idle[k]} for k in ("poll", "session")}}
 
 
 def print_scale(res: dict[str, Any]) -> None:

@@ -37,7 +37,7 @@ from kvbroker.testing.fake_cuda import FakeCudaLib, as_fake_vram
 from kvbroker.testing.fake_gpu import FAKE_GPUS_ENV, GRANULARITY
 from kvbroker.testing.gpu_model import MODEL_ENV
 from kvbroker.testing.pattern import fill_rank, verify_room, write_aux
-from kvbroker.testing.room_plan import pool_pages
+from kvbroker.testing.room_plan import plan_room, pool_pages
 from kvbroker.v1 import common_pb2
 
 MODEL = h.model_spec(4, kv_heads=4, head_dim=32)
@@ -72,18 +72,6 @@ def written(memory: EngineMemory) -> None:
 
 def kind_name(kind: int) -> str:
     return common_pb2.FailureKind.Name(kind).removeprefix("FAILURE_KIND_")
-
-
-def pick_pages(rng: random.Random, pages: int, base: int) -> list[int]:
-    """``pages`` distinct pages from [base, base + ``pool_pages(pages, 1)``): contiguous runs in shuffled order."""
-    runs: list[list[int]] = []
-    for page in sorted(rng.sample(range(pool_pages(pages, 1)), pages)):
-        if runs and runs[-1][-1] == page - 1:
-            runs[-1].append(page)
-        else:
-            runs.append([page])
-    rng.shuffle(runs)
-    return [base + p for run in runs for p in run]
 
 
 def mib(kib: int | None) -> str:
@@ -121,7 +109,7 @@ class SendingRoom:
 
 class PrefillEngine:
     """One prefill rank that sends the rooms the soak orders, and survives its broker. Messages to the soak: ("ready",
-    reason, attempts, seconds, last refusal), ("final", room, state, cause, message, bytes), ("error", room,
+    reason, attempts, last refusal), ("final", room, state, cause, message), ("error", room,
     message), ("lost", rooms, reason), ("note", room, text), ("crash", traceback), ("stopped", unfinished rooms)."""
 
     def __init__(self, address: str, group: str, slots: int, kv: str, conn: Any) -> None:
@@ -137,7 +125,7 @@ class PrefillEngine:
         self.seq, self.stopping_since = 0, None
 
     def connect(self, reason: str) -> None:
-        started, attempts, last = time.monotonic(), 0, ""
+        attempts, last = 0, ""
         while True:
             attempts += 1
             client = None
@@ -150,7 +138,7 @@ class PrefillEngine:
                 time.sleep(0.2)
                 continue
             self.client, self.engine = client, engine
-            self.conn.send(("ready", reason, attempts, round(time.monotonic() - started, 3), last[:300]))
+            self.conn.send(("ready", reason, attempts, last[:300]))
             return
 
     def disconnect(self) -> None:
@@ -221,7 +209,7 @@ class PrefillEngine:
             if status.state in FINAL and room in self.open:
                 del self.open[room]
                 cause = kind_name(status.cause.kind) if status.state == RoomState.FAILED else ""
-                self.conn.send(("final", room, RoomState(status.state).name, cause, status.cause.message[:400], status.bytes))
+                self.conn.send(("final", room, RoomState(status.state).name, cause, status.cause.message[:400]))
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "room":
@@ -582,14 +570,14 @@ class Soak:
     def on_child(self, child: Child, msg: tuple[Any, ...]) -> None:
         what = msg[0]
         if what == "ready":
-            _, reason, attempts, _took, last = msg
+            _, reason, attempts, last = msg
             child.ready = True
             waited = time.monotonic() - child.since
             key = "after broker restart" if reason != "start" else "after engine kill" if child.incarnation > 1 else "first start"
             self.tally.reregister[key].append(waited)
             self.event(f"{child.name} #{child.incarnation} registered ({key}; {attempts} attempts, {waited:.1f} s; last refusal: {last or '-'})")
         elif what == "final":
-            _, rid, state, cause, message, _bytes = msg
+            _, rid, state, cause, message = msg
             self.tally.sender(self.rooms.get(rid), state if state == "SUCCESS" else f"FAILED {cause}", message)
         elif what == "error":
             _, rid, message = msg
@@ -616,8 +604,10 @@ class Soak:
         args, rng = self.args, self.rng
         slot = self.free_slots.pop(0)
         n = rng.randint(args.min_pages, args.max_pages)
-        src = pick_pages(rng, n, rng.randrange(0, PREFILL_POOL_PAGES - pool_pages(n, 1) + 1))
-        dst = pick_pages(rng, n, slot * pool_pages(args.max_pages, 1))
+        # Each side's pages: runs in shuffled order, within pool_pages(n, 1) pages from a random base (src) or the slot's.
+        plan = plan_room(seed=args.seed, index=self.counts["rooms_started"], room_base=0, pages=n, chunks=1, window=1)
+        src = (plan.src_pages + rng.randrange(0, PREFILL_POOL_PAGES - pool_pages(n, 1) + 1)).tolist()
+        dst = (plan.dst_pages + slot * pool_pages(args.max_pages, 1)).tolist()
         nchunks = rng.randint(1, min(4, n))
         edges = [0, *(sorted(rng.sample(range(1, n), nchunks - 1)) if nchunks > 1 else []), n]
         fault = rng.choice(["abort-decode", "abort-prefill"]) if faults and rng.random() < args.fault_rate else None
@@ -770,19 +760,17 @@ class Soak:
         self.next_kill = self.t0 + args.warmup + args.kill_every * self.rng.uniform(0.3, 1.0)
         self.next_restart = self.t0 + args.warmup + args.restart_every * self.rng.uniform(0.5, 1.0)
         next_progress, next_check, next_poll = self.t0 + 30, self.t0, self.t0
-        warm_done, decode_alive = False, True
+        decode_alive = True
         while time.monotonic() < self.t0 + self.duration:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.5
                 if not (decode_alive := self.check_brokers()):
                     break
-                if not warm_done and now - self.t0 >= args.warmup:
-                    warm_done = True
+                if "start" not in self.rss_decode and now - self.t0 >= args.warmup:
                     self.rss_decode["start"] = h.rss(self.decode_broker.process.pid, 1024)
-                    self.incarnations[0].rss_warm_kib = h.rss(self.incarnations[0].broker.process.pid, 1024)
-                for inc in self.incarnations[1:]:
-                    if inc.rss_warm_kib is None and inc.ended == "running" and now - inc.started_at >= args.warmup:
+                for inc in self.incarnations:  # the first one's warm-up: from the start of the load
+                    if inc.rss_warm_kib is None and inc.ended == "running" and now - max(inc.started_at, self.t0) >= args.warmup:
                         inc.rss_warm_kib = h.rss(inc.broker.process.pid, 1024)
             self.maybe_fault()
             self.read_children()
@@ -864,15 +852,12 @@ class Soak:
         # 3. Wait for eviction; read the per-room tables.
         wait = args.finished_room_ttl + args.tombstone_ttl + 5
         drained_at = time.monotonic()
+        time.sleep(wait)
         tables: dict[str, dict[str, int]] = {}
-        while True:
-            try:
-                tables = self.tables(brokers)
-            except Exception as exc:  # a dead broker
-                self.event(f"GetStats failed: {exc}")
-            if time.monotonic() >= drained_at + wait:
-                break
-            time.sleep(0.5)
+        try:
+            tables = self.tables(brokers)
+        except Exception as exc:  # a broker that does not answer
+            self.event(f"GetStats failed: {exc}")
         leaked = {f"{name}.{k}": v for name, table in tables.items() for k, v in table.items() if v}
         late_drain = None
         while leaked and time.monotonic() < drained_at + wait + 60:  # not a pass, but say whether they go later or stay

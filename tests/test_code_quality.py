@@ -384,21 +384,16 @@ def test_only_rooms_write_a_rooms_records() -> None:
     assert not writes, f"room records written outside broker/rooms/: {writes}"
 
 
-#: The most lines bench/ may hold (scripts, harness and README): one harness,
-#: one script per question. (4150 until issue 40: soak.py's runs over the
-#: device path and the raw loop's per-hop times on a modelled GPU took it to
-#: 4,190, with gpu_bench.py 106 lines shorter; then 4,231 with gpu_bench's
-#: host of N modelled GPUs per broker (--gpus), 26 lines. Issue 42 moved the
-#: raw NIXL peer, about 340 lines of the harness with its byte helpers, into
-#: kvbroker.testing.rawpeer: 4,235 became 3,905; then issue 41's post_cost.py
-#: (what a prepared post saves against a fresh one, 89 lines) and rooms_bench's
-#: bare-stream round trips (harness.stream_round_trips, 52 lines with the
-#: report): 4,043, over issue 42's bound of 4,000, which issue 42 brings back.)
-MAX_BENCH_LINES = 4043
+#: The most lines bench/ may hold, over every file under it (scripts, harness, README, any other file, at any
+#: depth): one harness, one script per question. The bound is 4,000 and is not to be raised: a benchmark that
+#: needs more lines makes room for them in bench/. (It was raised from 4,000 to 4,150 and past that while it
+#: counted top-level .py and .md files only; issue 42 set it back to 4,000 over every file.)
+MAX_BENCH_LINES = 4000
 
 
 def test_bench_stays_small() -> None:
-    """bench/ stays under MAX_BENCH_LINES lines: what benchmarks share goes in its harness."""
-    files = [p for p in (ROOT / "bench").iterdir() if p.is_file() and p.suffix in (".py", ".md")]
-    total = sum(len(p.read_text().splitlines()) for p in files)
+    """Every file under bench/ (whatever its suffix, at any depth; Python's bytecode caches aside) holds at most
+    MAX_BENCH_LINES lines in all: what benchmarks share goes in its harness."""
+    files = [p for p in (ROOT / "bench").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    total = sum(len(p.read_bytes().splitlines()) for p in files)
     assert total <= MAX_BENCH_LINES, f"bench/ holds {total} lines (at most {MAX_BENCH_LINES})"
