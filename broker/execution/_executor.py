@@ -10,7 +10,7 @@ this package that carries it out, without blocking the control loop:
   and comes back through :meth:`Executor.on_events` as
   ``SenderCore.part_settled``; notifications come back the same way, as
   ``ReceiverCore.notices``;
-- staging copies (``_staging_copies``): a staged part is gathered on its
+- device copies (``_device_copies``): a staged part is gathered on its
   memory's lane before it is posted, a landed one scattered before it counts;
 - calls to other brokers (``_calls_to_peers``; room registration and its
   retry policy: ``_registration``), each in a task of its own; their answers
@@ -36,12 +36,12 @@ from kvbroker.broker.dataplane import Event, Notices, Settled
 from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
 from kvbroker.broker.execution._calls_to_peers import CallsToPeers
 from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
+from kvbroker.broker.execution._device_copies import DeviceCopies
 from kvbroker.broker.execution._parts import PartsInFlight
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._receiving_parts import ReceivingParts
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
-from kvbroker.broker.execution._staging_copies import StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._turn import in_turn
 from kvbroker.broker.memory import CreditLedger
@@ -95,7 +95,7 @@ class Executor:
         self._pools = transport.pools
         self._tasks = tasks
         self._metrics = telemetry.metrics
-        self._copies = StagingCopies(
+        self._copies = DeviceCopies(
             pools=transport.pools,
             views=copying.views,
             lanes=copying.lanes,

@@ -26,8 +26,8 @@ ends, before the route answers:
 
 Threads (docs/architecture.md): everything here runs on the control loop
 (the asyncio thread that serves gRPC). NIXL runs on the data-plane thread,
-staging copies and buffer mappings on the worker threads; the loop awaits
-them and never blocks on them.
+device copies on their lanes (GPU streams, the copy thread), buffer mappings
+on the worker threads; the loop awaits them and never blocks on them.
 """
 
 from __future__ import annotations
