@@ -6,8 +6,8 @@ when draining starts or stops), and hands it its parts in frozen bundles
 (``Machines``, ``Transport``, ``Copying``, ``Telemetry``, ``Routes``,
 ``Services``). Every part is made here and handed what it uses: no part
 makes a collaborator that another part then takes out of it, and no
-constructor makes one that was not handed in. Nothing is set on a broker
-afterwards.
+constructor fills in one left out (where None stands for CUDA's own driver
+or streams, the caller says so). Nothing is set on a broker afterwards.
 
 In order: the queue statistics, counters and metrics; the data plane, copy
 lanes, engine table, transfer buffers, peer table and peer client; the room
@@ -79,7 +79,7 @@ from kvbroker.broker.peers import (
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub
 from kvbroker.broker.runtime._broker import Broker, Endpoints
 from kvbroker.broker.runtime._bundles import Routes, Services
-from kvbroker.broker.runtime._engine_calls import EngineCalls
+from kvbroker.broker.runtime._engine_calls import EngineCalls, open_gpus
 from kvbroker.broker.runtime._housekeeping import Housekeeping
 from kvbroker.broker.runtime._late import Late, LateCalls
 from kvbroker.broker.runtime._operators import Operators
@@ -243,8 +243,7 @@ def build_broker(
         machines=machines,
         engines=engines,
         fd_server=fd_server,
-        pools=pools,
-        lanes=lanes,
+        open_gpus=functools.partial(open_gpus, pools, lanes, cuda_driver),
         tasks=tasks,
         operators=operators,
     )
