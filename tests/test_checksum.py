@@ -135,16 +135,16 @@ def test_checksums_are_computed_on_the_copy_thread_never_on_the_control_loop(
     control loop (which serves every engine's calls) never hashes engine memory."""
     import threading
 
-    from kvbroker.broker.execution import _staging_copies
+    from kvbroker.broker.execution import _device_copies
 
     threads: list[str] = []
-    real = _staging_copies.chunk_checksum
+    real = _device_copies.chunk_checksum
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_staging_copies, "chunk_checksum", recording)
+    monkeypatch.setattr(_device_copies, "chunk_checksum", recording)
     p, d = fake_brokers("p"), fake_brokers("d")
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     receiver, _ = _room(pe, de, p, 73, verify=True)

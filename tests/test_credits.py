@@ -162,11 +162,11 @@ def test_a_part_written_outside_its_senders_credits_fails_its_room(
     p, d = fake_brokers("p"), fake_brokers("d")
     pe, de = make_engine(p.address, "prefill"), make_engine(d.address, "decode")
     if not inside:
-        holds = d.broker.internals.services.executor.credits.ledger.holds
-        d.broker.internals.services.executor.credits.ledger.holds = lambda *args: False  # type: ignore[method-assign]
+        holds = d.broker.internals.services.credits.ledger.holds
+        d.broker.internals.services.credits.ledger.holds = lambda *args: False  # type: ignore[method-assign]
     status = _room(pe, de, p, 1, [3], [4]).wait(10)
     if inside:
         assert status.state == RoomState.SUCCESS
     else:
         assert status.state == RoomState.FAILED and "outside the credits this broker granted it" in status.cause.message
-        d.broker.internals.services.executor.credits.ledger.holds = holds  # type: ignore[method-assign]
+        d.broker.internals.services.credits.ledger.holds = holds  # type: ignore[method-assign]

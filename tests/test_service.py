@@ -1235,8 +1235,8 @@ def test_the_client_refuses_a_broker_of_another_protocol_version() -> None:
 
 def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_brokers) -> None:
     """build_broker makes every part from what the server knows once it listens (the fd socket at its
-    path, the peer table at its address, no fleet without --etcd); the broker's state is private and
-    final, and its parts (``internals``) are frozen bundles."""
+    path, the peer table at its address, no fleet without --etcd) and sets every late callback; the
+    broker's state is private and final, and its parts (``internals``) are frozen bundles."""
     import dataclasses
 
     b = fake_brokers("w")
@@ -1247,6 +1247,7 @@ def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_broker
     assert info.engine_socket_path == broker.endpoints.engine_socket_path and info.listen_address == b.address
     assert parts.transport.peers.address == b.address
     assert parts.services.fleet_record is None and parts.services.fleet_view is None and broker.queries.fleet is None
+    assert parts.services.late.unset() == []  # every late callback bound to its part
     with pytest.raises(dataclasses.FrozenInstanceError):
         parts.services.fd_server = parts.services.fd_server  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -1255,6 +1256,30 @@ def test_a_broker_is_built_whole_and_nothing_is_set_on_it_afterwards(fake_broker
         broker.internals = parts  # type: ignore[misc]
     with pytest.raises(AttributeError):
         broker.fd_server = parts.services.fd_server  # type: ignore[attr-defined]
+
+
+def test_a_broker_with_a_late_callback_not_set_refuses_to_start(fake_brokers) -> None:
+    """Broker.start checks every late callback is bound before it starts anything: a broker wired
+    with one left unset is refused with the callback's name, not left to fail when it is first called."""
+    import dataclasses
+
+    from kvbroker.broker.runtime import Broker, Late
+
+    b = fake_brokers("w")
+    parts = b.broker.internals
+    late = dataclasses.replace(parts.services.late, fd_closed=Late("EngineCalls.fd_connection_closed"))
+    miswired = Broker(
+        config=b.broker.config,
+        endpoints=b.broker.endpoints,
+        machines=parts.machines,
+        transport=parts.transport,
+        copying=parts.copying,
+        telemetry=parts.telemetry,
+        routes=parts.routes,
+        services=dataclasses.replace(parts.services, late=late),
+    )
+    with pytest.raises(errors.Internal, match="late callbacks not set: EngineCalls.fd_connection_closed"):
+        b.loop.run(miswired.start())
 
 
 def test_peers_register_and_abort_rooms_only_in_batches() -> None:

@@ -134,7 +134,7 @@ class Lanes:
     of the loop near ``--peer-dead-after``).
     """
 
-    def __init__(self, workers: Workers, views: ArrayViews, dataplane: DataPlane, streams: Streams | None = None) -> None:
+    def __init__(self, workers: Workers, views: ArrayViews, dataplane: DataPlane, streams: Streams | None) -> None:
         self._workers = workers
         self._views = views
         #: Where GPU lanes launch their copies and check their events.

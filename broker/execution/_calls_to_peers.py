@@ -57,7 +57,7 @@ class CallsToPeers:
         peers: PeerTable,
         receiver: ReceiverCore,
         turn: Turn,
-        fleet: FleetView | None = None,
+        fleet: FleetView | None,
     ) -> None:
         self._id = broker_id
         self._client = client
@@ -65,7 +65,7 @@ class CallsToPeers:
         self._receiver = receiver
         #: Each answer to the receiver's state machine is a turn.
         self._turn = turn
-        #: The fleet in etcd (``serve --etcd``): resolves senders named by group alone.
+        #: The fleet in etcd (``serve --etcd``; None without): resolves senders named by group alone.
         self._fleet = fleet
 
     async def find_sender(self, rank: Receiver) -> None:

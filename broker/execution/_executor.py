@@ -10,7 +10,7 @@ this package that carries it out, without blocking the control loop:
   and comes back through :meth:`Executor.on_events` as
   ``SenderCore.part_settled``; notifications come back the same way, as
   ``ReceiverCore.landing.notices``;
-- staging copies (``_staging_copies``): a staged part is gathered on its
+- device copies (``_device_copies``): a staged part is gathered on its
   memory's lane before it is posted, a landed one scattered before it counts;
 - calls to other brokers (``_calls_to_peers``; room registration and its
   retry policy: ``_registration``), each in a task of its own; their answers
@@ -21,31 +21,33 @@ this package that carries it out, without blocking the control loop:
 Every answer that reaches a state machine (a data-plane event, a task's
 outcome) is given in a turn, so the effects it causes are carried out when
 the turn ends.
+
+The executor makes none of these parts: ``runtime/_build.py`` makes them,
+hands them in (:class:`Handlers`), and hands the receive credits to the
+parts that share them (peer requests, peer loss, the queries) itself.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Event, Notices, Settled
-from kvbroker.broker.execution._bundles import Copying, Machines, Telemetry, Transport
+from kvbroker.broker.execution._bundles import Machines, Telemetry, Transport
 from kvbroker.broker.execution._calls_to_peers import CallsToPeers
 from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits
+from kvbroker.broker.execution._device_copies import DeviceCopies
 from kvbroker.broker.execution._parts import PartsInFlight
-from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._receiving_parts import ReceivingParts
 from kvbroker.broker.execution._registration import Registrations
 from kvbroker.broker.execution._room_end import end_receive_waits, record_room_end
-from kvbroker.broker.execution._staging_copies import StagingCopies
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._turn import in_turn
-from kvbroker.broker.memory import CreditLedger
-from kvbroker.broker.peers import FleetView
 from kvbroker.broker.rooms import (
     AbortAtPeer,
     Effect,
@@ -66,27 +68,34 @@ from kvbroker.broker.rooms import (
     VerifyChunk,
 )
 
-__all__ = ["Executor", "transport_text"]
+__all__ = ["Executor", "Handlers", "transport_text"]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Handlers:
+    """The parts that carry out the effects the executor hands on (made by
+    ``runtime/_build.py``, which hands some of them to other parts too)."""
+
+    #: Parts in flight: reserving room, posting, settling.
+    parts: PartsInFlight
+    #: Landed parts: noticed, checked, scattered.
+    receiving: ReceivingParts
+    #: The device copies (a chunk's checksum, for ``VerifyChunk``).
+    copies: DeviceCopies
+    #: Receive credits, both sides (returned ones come in the data plane's notices).
+    credits: Credits
+    #: The calls this broker makes to peers.
+    calls: CallsToPeers
+    #: Receiving rooms registered with their sender brokers.
+    registrations: Registrations
 
 
 class Executor:
     """Carries out effects. Control loop only."""
 
-    def __init__(
-        self,
-        *,
-        config: BrokerConfig,
-        machines: Machines,
-        transport: Transport,
-        copying: Copying,
-        telemetry: Telemetry,
-        tasks: TaskSet,
-        ledger: CreditLedger,
-        fleet: FleetView | None = None,
-    ) -> None:
-        self._config = config
+    def __init__(self, *, machines: Machines, transport: Transport, telemetry: Telemetry, tasks: TaskSet, handlers: Handlers) -> None:
         self._turn = machines.turn
         self._sender = machines.sender
         self._receiver = machines.receiver
@@ -95,68 +104,14 @@ class Executor:
         self._pools = transport.pools
         self._tasks = tasks
         self._metrics = telemetry.metrics
-        self._copies = StagingCopies(
-            pools=transport.pools,
-            views=copying.views,
-            lanes=copying.lanes,
-            workers=copying.workers,
-            priorities=config.priorities,
-        )
-        self._peers = transport.peers
+        self._parts = handlers.parts
+        self._receiving = handlers.receiving
+        self._copies = handlers.copies
+        self._credits = handlers.credits
+        self._calls = handlers.calls
+        self._registrations = handlers.registrations
         #: When the notifications being taken now were read (a scatter's first hop).
         self._notices_at = 0.0
-        #: The transport self-test of pairs of transfer buffers (``Admin.ProbeTransport`` too).
-        self.probes = TransportProbes(
-            broker_id=machines.broker_id,
-            config=config,
-            dataplane=transport.dataplane,
-            peers=transport.peers,
-            client=transport.client,
-            pools=transport.pools,
-            tasks=tasks,
-            metrics=telemetry.metrics,
-        )
-        #: Receive credits, both sides (the receiver's ledger is shared with its state machine).
-        self.credits = Credits(
-            broker_id=machines.broker_id,
-            config=config,
-            dataplane=transport.dataplane,
-            peers=transport.peers,
-            client=transport.client,
-            pools=transport.pools,
-            tasks=tasks,
-            ledger=ledger,
-        )
-        self._parts = PartsInFlight(
-            config=config,
-            machines=machines,
-            transport=transport,
-            credits=self.credits,
-            probes=self.probes,
-            copies=self._copies,
-            tasks=tasks,
-            telemetry=telemetry,
-        )
-        self._receiving = ReceivingParts(
-            machines=machines, transport=transport, copies=self._copies, credits=self.credits, counters=telemetry.counters
-        )
-        transport.dataplane.take_notice = self._receiving.take
-        self._calls = CallsToPeers(
-            broker_id=machines.broker_id,
-            client=transport.client,
-            peers=transport.peers,
-            receiver=machines.receiver,
-            turn=machines.turn,
-            fleet=fleet,
-        )
-        self._registrations = Registrations(
-            peers=transport.peers,
-            client=transport.client,
-            receiver=machines.receiver,
-            dataplane=transport.dataplane,
-            tasks=tasks,
-            turn=machines.turn,
-        )
         self._handlers = self._effect_handlers()
         machines.turn.bind(self._run_effects)
 
@@ -176,9 +131,9 @@ class Executor:
                     log.exception("effect_failed", effect=type(effect).__name__)
         # Poll for notifications while rooms wait for data, or credits for their return;
         # closely while packed parts are in flight (ours in a peer's credits, a peer's in ours).
-        pacing, returns = self._dataplane.pacing, self.credits.awaiting_returns()
+        pacing, returns = self._dataplane.pacing, self._credits.awaiting_returns()
         pacing.listening = returns or self._receiver.ranks_awaiting_data() > 0
-        pacing.busy = returns or self.credits.ledger.any_granted()
+        pacing.busy = returns or self._credits.ledger.any_granted()
 
     @in_turn
     def on_events(self, events: list[Event]) -> None:
@@ -190,7 +145,7 @@ class Executor:
                 notices = []
                 for agent, payload in event.items:
                     if payload[:1] == CREDIT_RETURN:
-                        self.credits.returned(agent, payload)
+                        self._credits.returned(agent, payload)
                     else:
                         notices.append((agent, payload))
                 if notices:
@@ -238,7 +193,7 @@ class Executor:
 
     def _hand_back_credits(self, effect: HandBackCredits) -> None:
         for kind, device, credit in effect.credits:
-            self.credits.hand_back(kind, device, credit)
+            self._credits.hand_back(kind, device, credit)
 
     async def _verify(self, effect: VerifyChunk) -> None:
         """Checksum a landed chunk in its rank's pages; the receiver compares."""

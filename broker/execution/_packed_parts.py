@@ -34,8 +34,8 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Posting
 from kvbroker.broker.execution._bundles import Machines, Transport
 from kvbroker.broker.execution._credits import Credits
+from kvbroker.broker.execution._device_copies import DeviceCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._probes import TransportProbes
-from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
@@ -189,7 +189,7 @@ class PackedParts:
         transport: Transport,
         credits: Credits,
         probes: TransportProbes,
-        copies: StagingCopies,
+        copies: DeviceCopies,
         tasks: TaskSet,
         held: PartsHeld,
     ) -> None:

@@ -34,10 +34,10 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.dataplane import Posting, Settled, XferState
 from kvbroker.broker.execution._bundles import Machines, Telemetry, Transport
 from kvbroker.broker.execution._credits import Credits
+from kvbroker.broker.execution._device_copies import DeviceCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._packed_parts import PackedParts, PartsHeld
 from kvbroker.broker.execution._probes import TransportProbes
 from kvbroker.broker.execution._send_window import SendWindow
-from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error, slot_of
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.execution._tickets import part_ticket
 from kvbroker.broker.execution._turn import in_turn
@@ -77,7 +77,7 @@ class PartsInFlight:
         transport: Transport,
         credits: Credits,
         probes: TransportProbes,
-        copies: StagingCopies,
+        copies: DeviceCopies,
         tasks: TaskSet,
         telemetry: Telemetry,
     ) -> None:

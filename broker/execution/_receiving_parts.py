@@ -43,7 +43,7 @@ from kvbroker.broker import telemetry
 from kvbroker.broker.dataplane import LoopInbox
 from kvbroker.broker.execution._bundles import Machines, Transport
 from kvbroker.broker.execution._credits import CREDIT_RETURN, Credits, returned_credit
-from kvbroker.broker.execution._staging_copies import StagingCopies, as_broker_error
+from kvbroker.broker.execution._device_copies import DeviceCopies, as_broker_error
 from kvbroker.broker.memory import CreditRange, StagingPool
 from kvbroker.broker.rooms import Landing, Receiver, Scatter
 from kvbroker.broker.telemetry import Counters
@@ -135,7 +135,7 @@ class ReceivingParts:
     but for what runs on the data-plane and lanes' threads (:meth:`take`, :meth:`_on_lane`)."""
 
     def __init__(
-        self, *, machines: Machines, transport: Transport, copies: StagingCopies, credits: Credits, counters: Counters
+        self, *, machines: Machines, transport: Transport, copies: DeviceCopies, credits: Credits, counters: Counters
     ) -> None:
         self._receiver = machines.receiver
         self._turn = machines.turn

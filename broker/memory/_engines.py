@@ -127,7 +127,7 @@ class Engine:
 class EngineTable:
     """Engines of this broker, by id and by rank. Control loop only."""
 
-    def __init__(self, dataplane: DataPlane, workers: Workers, cuda_driver: cudavmm.Driver | None = None) -> None:
+    def __init__(self, dataplane: DataPlane, workers: Workers, cuda_driver: cudavmm.Driver | None) -> None:
         self._dataplane = dataplane
         self._workers = workers
         #: The CUDA driver VRAM imports use (None: libcuda.so.1, loaded on first use).

@@ -139,9 +139,10 @@ class DramImporter:
 
 
 class VramImporter:
-    """Imports CUDA VMM POSIX-fd exports and CUDA IPC handles, on their device."""
+    """Imports CUDA VMM POSIX-fd exports and CUDA IPC handles, on their device
+    (``driver``: the CUDA driver; None: libcuda.so.1, loaded at the first import)."""
 
-    def __init__(self, driver: cudavmm.Driver | None = None) -> None:
+    def __init__(self, driver: cudavmm.Driver | None) -> None:
         self._driver = driver
 
     def import_buffer(self, fd: int, spec: common_pb2.BufferSpec) -> ImportedBuffer:
@@ -171,7 +172,7 @@ class VramImporter:
         )
 
 
-def importer_for(kind: int, cuda_driver: cudavmm.Driver | None = None) -> MemoryImporter:
+def importer_for(kind: int, cuda_driver: cudavmm.Driver | None) -> MemoryImporter:
     """The importer for a ``MemoryKind`` (``cuda_driver``: the driver VRAM imports use)."""
     if kind == common_pb2.MEMORY_KIND_DRAM:
         return DramImporter()

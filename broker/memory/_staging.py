@@ -32,7 +32,7 @@ they bound how many parts are in flight. (A range of a sending peer's
 credits, as the receiver holds it, is a ``CreditRange``: it goes back to
 that peer, not to the pool.) Pools belong to the control loop; buffers are
 allocated on the memory thread and registered on the data-plane thread.
-The copies themselves are ``execution._staging_copies``, on ``device``'s
+The copies themselves are ``execution._device_copies``, on ``device``'s
 lanes.
 """
 

@@ -7,6 +7,7 @@ from kvbroker.broker.runtime._broker import Broker, Endpoints
 from kvbroker.broker.runtime._build import build_broker
 from kvbroker.broker.runtime._bundles import Internals, Routes, Services
 from kvbroker.broker.runtime._engine_calls import EngineCalls
+from kvbroker.broker.runtime._late import Late, LateCalls
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._peer_loss import PeerLoss
 from kvbroker.broker.runtime._peer_requests import PeerRequests
@@ -18,6 +19,8 @@ __all__ = [
     "Endpoints",
     "EngineCalls",
     "Internals",
+    "Late",
+    "LateCalls",
     "Operators",
     "PeerLoss",
     "PeerRequests",

@@ -26,8 +26,8 @@ ends, before the route answers:
 
 Threads (docs/architecture.md): everything here runs on the control loop
 (the asyncio thread that serves gRPC). NIXL runs on the data-plane thread,
-staging copies and buffer mappings on the worker threads; the loop awaits
-them and never blocks on them.
+device copies on their lanes (GPU streams, the copy thread), buffer mappings
+on the worker threads; the loop awaits them and never blocks on them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kvbroker.broker.rooms import cause
 from kvbroker.broker.runtime._bundles import Internals, Routes, Services
 from kvbroker.broker.runtime._queries import Queries
 from kvbroker.broker.runtime._room_sides import wait_settled
-from kvbroker.errors import Unavailable
+from kvbroker.errors import Internal, Unavailable
 from kvbroker.protocol import PROTOCOL_VERSION
 from kvbroker.v1 import common_pb2, transfer_pb2
 
@@ -158,8 +158,12 @@ class Broker:
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
-        """Open the fd socket; start the data plane, staging, housekeeping, the peer monitor; join the fleet."""
+        """Open the fd socket; start the data plane, staging, housekeeping, the peer monitor; join the fleet.
+        Refused (:class:`~kvbroker.errors.Internal`) while a late callback is not set: a wiring mistake."""
         svc = self._services
+        unset = svc.late.unset()
+        if unset:
+            raise Internal(f"the broker is not wired whole: late callbacks not set: {', '.join(unset)}")
         svc.fd_server.start()
         self._transport.dataplane.start()
         await self._transport.pools.start()

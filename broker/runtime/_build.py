@@ -4,16 +4,40 @@
 NIXL agent and what only the server knows (where it listens, and what to do
 when draining starts or stops), and hands it its parts in frozen bundles
 (``Machines``, ``Transport``, ``Copying``, ``Telemetry``, ``Routes``,
-``Services``). Nothing is set on a broker afterwards.
+``Services``). Every part is made here and handed what it uses: no part
+makes a collaborator that another part then takes out of it, and no
+constructor fills in one left out (where None stands for CUDA's own driver
+or streams, the caller says so). Nothing is set on a broker afterwards.
 
-A few parts call back into parts made after them (the data plane reports
-events to the executor, the peer table and the fleet view report lost peers,
-the fd socket reports closed connections): those callbacks are closures over
-the later part, which exists by the time anything calls them (nothing runs
-before :meth:`Broker.start`). Bundling does not remove them: each is a real
-cycle (the executor needs the data plane that reports to it, the peer loss
-route the peer table that reports to it, the engine calls the fd socket that
-reports to them, the fleet record the operators whose draining it reports).
+In order: the queue statistics, counters and metrics; the data plane, copy
+lanes, engine table, transfer buffers, peer table and peer client; the room
+state machines (the receiver's credit ledger is the one ``Credits`` keeps)
+and the bundles; receive credits and the transport probes; the peer loss
+route, the fleet in etcd (with ``--etcd``) and the peer monitor; what
+carries out each kind of effect (``execution.Handlers``: parts in flight,
+landed parts, the device copies, calls to peers, registrations) and the
+executor they are handed to; then the operators, the fd socket, the engine
+calls and the other routes.
+
+Four callbacks close a cycle: the part that calls one is needed to make the
+part it calls, so it is handed a :class:`~kvbroker.broker.runtime.Late`
+(``_late``), set once the called part exists; :meth:`Broker.start` refuses
+to start while one is not set (nothing runs before it):
+
+- ``on_events``: the data plane reports settled transfers and notifications
+  to the executor, whose handlers post to the data plane;
+- ``peer_restarted``: the peer table reports a peer that came back as
+  another process to the peer loss route, which drops peers from the table;
+- ``fd_closed``: the fd socket reports an engine's closed connection to the
+  engine calls, which claim the fds uploaded on it;
+- ``draining``: the fleet record reads the operators' draining flag, and the
+  operators tell the fleet record when they change it.
+
+The fleet view's departures need no late callback: the peer loss route is
+made before it. Two observer lists are appended to once their listener
+exists (the engine table's ``on_change`` and ``on_unbacked``), and the data
+plane is given its ``take_notice`` (the receiving parts, which post to it)
+before it starts.
 """
 
 from __future__ import annotations
@@ -24,29 +48,29 @@ from collections.abc import Awaitable, Callable
 
 from kvbroker import cudavmm
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import Agent, DataPlane, Event, Workers
+from kvbroker.broker.dataplane import Agent, DataPlane, Workers
 from kvbroker.broker.device import ArrayViews, Lanes, Streams
 from kvbroker.broker.execution import (
+    CallsToPeers,
     Copying,
+    Credits,
+    DeviceCopies,
     Executor,
+    Handlers,
     Machines,
+    PartsInFlight,
+    ReceivingParts,
+    Registrations,
     TaskSet,
     Telemetry,
     Transport,
+    TransportProbes,
     Turn,
 )
-from kvbroker.broker.memory import (
-    CreditLedger,
-    EngineTable,
-    FdConnection,
-    FdSocketServer,
-    StagingPools,
-)
+from kvbroker.broker.memory import CreditLedger, EngineTable, FdSocketServer, StagingPools
 from kvbroker.broker.peers import (
     FleetRecord,
     FleetView,
-    Member,
-    Peer,
     PeerClient,
     PeerMonitor,
     PeerTable,
@@ -55,13 +79,14 @@ from kvbroker.broker.peers import (
 from kvbroker.broker.rooms import ReceiverCore, RoomTables, SenderCore, WatchHub
 from kvbroker.broker.runtime._broker import Broker, Endpoints
 from kvbroker.broker.runtime._bundles import Routes, Services
-from kvbroker.broker.runtime._engine_calls import EngineCalls
+from kvbroker.broker.runtime._engine_calls import EngineCalls, open_gpus
 from kvbroker.broker.runtime._housekeeping import Housekeeping
+from kvbroker.broker.runtime._late import Late, LateCalls
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._peer_loss import PeerLoss
 from kvbroker.broker.runtime._peer_requests import PeerRequests, handshake_message
 from kvbroker.broker.runtime._sessions import Sessions
-from kvbroker.broker.telemetry import BrokerMetrics, Counters
+from kvbroker.broker.telemetry import BrokerMetrics, Counters, QueueStats
 from kvbroker.broker.tls import channel_credentials
 
 __all__ = ["build_broker"]
@@ -89,30 +114,22 @@ def build_broker(
     a modelled GPU's, ``kvbroker.testing.gpu_model``).
     """
     broker_id = broker_id or uuid.uuid4().hex
-    counters = Counters()
-    metrics = BrokerMetrics()
-    metrics.queues = counters.queues
-    rooms = RoomTables()
+    queues = QueueStats()
+    counters = Counters(queues=queues)
+    metrics = BrokerMetrics(queues)
     tasks = TaskSet()
-    hub = WatchHub()
-    workers = Workers(queues=counters.queues)
+    workers = Workers(queues=queues)
     views = ArrayViews(device_as_host=device_as_host)
-
-    def on_events(events: list[Event]) -> None:
-        executor.on_events(events)
-
-    def peer_lost(peer: Peer, what: str, silent: bool = False) -> None:
-        peer_loss.peer_lost(peer, what, silent)
-
-    def broker_left(member: Member) -> None:
-        peer_loss.broker_left(member)
-
-    def fd_connection_closed(connection: FdConnection) -> None:
-        engine_calls.fd_connection_closed(connection)
-
-    dataplane = DataPlane(
-        agent, on_events=on_events, transfer_timeout_seconds=config.transfer_timeout_seconds, queues=counters.queues
+    late = LateCalls(
+        on_events=Late("Executor.on_events"),
+        peer_restarted=Late("PeerLoss.peer_lost"),
+        fd_closed=Late("EngineCalls.fd_connection_closed"),
+        draining=Late("Operators.draining"),
     )
+
+    # The data path, and the peers: nothing here needs a part made below but
+    # through the late callbacks (the data plane's events, a restarted peer).
+    dataplane = DataPlane(agent, on_events=late.on_events, transfer_timeout_seconds=config.transfer_timeout_seconds, queues=queues)
     lanes = Lanes(workers, views, dataplane, device_streams)
     engines = EngineTable(dataplane, workers, cuda_driver)
     pools = StagingPools(
@@ -122,11 +139,11 @@ def build_broker(
         workers=workers,
         device_send_bytes=config.device_send_bytes,
         device_receive_bytes=config.device_receive_bytes,
-        queues=counters.queues,
+        queues=queues,
         bulk_keep=config.device_part_bytes if config.priorities else 0,
     )
     peers = PeerTable(
-        broker_id=broker_id, agent_name=agent.name, address=endpoints.address, dataplane=dataplane, on_restart=peer_lost
+        broker_id=broker_id, agent_name=agent.name, address=endpoints.address, dataplane=dataplane, on_restart=late.peer_restarted
     )
     peer_client = PeerClient(
         peers=peers,
@@ -135,6 +152,9 @@ def build_broker(
         epoch=lambda: engines.epoch,
         credentials=channel_credentials(config) if config.tls else None,
     )
+
+    # The room state machines; the receiver's credit ledger is the one ``Credits`` keeps.
+    rooms = RoomTables()
     sender = SenderCore(
         broker_id=broker_id,
         rooms=rooms,
@@ -152,6 +172,34 @@ def build_broker(
         credits=ledger,
         on_bytes=functools.partial(metrics.count_bytes, "received"),
     )
+    machines = Machines(broker_id=broker_id, rooms=rooms, sender=sender, receiver=receiver, hub=WatchHub(), turn=Turn())
+    transport = Transport(dataplane=dataplane, peers=peers, client=peer_client, pools=pools)
+    telemetry = Telemetry(counters=counters, metrics=metrics)
+    copying = Copying(workers=workers, views=views, lanes=lanes)
+    credits = Credits(
+        broker_id=broker_id,
+        config=config,
+        dataplane=dataplane,
+        peers=peers,
+        client=peer_client,
+        pools=pools,
+        tasks=tasks,
+        ledger=ledger,
+    )
+    probes = TransportProbes(
+        broker_id=broker_id,
+        config=config,
+        dataplane=dataplane,
+        peers=peers,
+        client=peer_client,
+        pools=pools,
+        tasks=tasks,
+        metrics=metrics,
+    )
+
+    # A lost peer: the peer table's restarts (late), the fleet's departures, the monitor's silences.
+    peer_loss = PeerLoss(machines=machines, transport=transport, credits=credits)
+    late.peer_restarted.set(peer_loss.peer_lost)
     fleet_record: FleetRecord | None = None
     fleet_view: FleetView | None = None
     if config.etcd_url:
@@ -162,39 +210,10 @@ def build_broker(
             broker_id=broker_id,
             address=endpoints.address,
             groups=lambda: groups_of(engines),
-            draining=lambda: operators.draining,
+            draining=late.draining,
         )
         engines.on_change.append(fleet_record.changed)
-        fleet_view = FleetView(config.etcd_url, config.etcd_prefix, self_id=broker_id, on_left=broker_left)
-    turn = Turn()
-    machines = Machines(broker_id=broker_id, rooms=rooms, sender=sender, receiver=receiver, hub=hub, turn=turn)
-    transport = Transport(dataplane=dataplane, peers=peers, client=peer_client, pools=pools)
-    telemetry = Telemetry(counters=counters, metrics=metrics)
-    copying = Copying(workers=workers, views=views, lanes=lanes)
-    executor = Executor(
-        config=config,
-        machines=machines,
-        transport=transport,
-        copying=copying,
-        telemetry=telemetry,
-        tasks=tasks,
-        ledger=ledger,
-        fleet=fleet_view,
-    )
-    operators = Operators(machines=machines, fleet_record=fleet_record, fleet_view=fleet_view, on_draining=on_draining)
-    fd_server = FdSocketServer(endpoints.fd_socket_path, on_close=fd_connection_closed)
-    engine_calls = EngineCalls(
-        config=config,
-        machines=machines,
-        engines=engines,
-        fd_server=fd_server,
-        pools=pools,
-        lanes=lanes,
-        tasks=tasks,
-        operators=operators,
-    )
-    engines.on_unbacked.append(engine_calls.memory_unbacked)
-    peer_loss = PeerLoss(machines=machines, transport=transport, credits=executor.credits)
+        fleet_view = FleetView(config.etcd_url, config.etcd_prefix, self_id=broker_id, on_left=peer_loss.broker_left)
     monitor = PeerMonitor(
         peers,
         peer_client,
@@ -204,31 +223,54 @@ def build_broker(
         on_lost=peer_loss.peer_lost,
         on_back=peer_loss.peer_back,
     )
+
+    # The executor, handed what carries out each effect (the data plane's events to it: late).
+    executor = Executor(
+        machines=machines,
+        transport=transport,
+        telemetry=telemetry,
+        tasks=tasks,
+        handlers=_handlers(config, machines, transport, copying, telemetry, tasks, credits, probes, fleet_view),
+    )
+    late.on_events.set(executor.on_events)
+
+    # The routes (the fd socket's closed connections to the engine calls, the draining flag to the fleet: late).
+    operators = Operators(machines=machines, fleet_record=fleet_record, fleet_view=fleet_view, on_draining=on_draining)
+    late.draining.set(lambda: operators.draining)
+    fd_server = FdSocketServer(endpoints.fd_socket_path, on_close=late.fd_closed)
+    engine_calls = EngineCalls(
+        config=config,
+        machines=machines,
+        engines=engines,
+        fd_server=fd_server,
+        open_gpus=functools.partial(open_gpus, pools, lanes, cuda_driver),
+        tasks=tasks,
+        operators=operators,
+    )
+    late.fd_closed.set(engine_calls.fd_connection_closed)
+    engines.on_unbacked.append(engine_calls.memory_unbacked)
     routes = Routes(
         engine_calls=engine_calls,
         sessions=Sessions(machines=machines, engines=engines, engine_calls=engine_calls),
         peer_requests=PeerRequests(
-            config=config,
-            machines=machines,
-            engines=engines,
-            transport=transport,
-            credits=executor.credits,
-            operators=operators,
+            config=config, machines=machines, engines=engines, transport=transport, credits=credits, operators=operators
         ),
         peer_loss=peer_loss,
         operators=operators,
         housekeeping=Housekeeping(config=config, machines=machines, engines=engines, transport=transport, metrics=metrics),
-        probes=executor.probes,
+        probes=probes,
     )
     services = Services(
         agent=agent,
         engines=engines,
         tasks=tasks,
         executor=executor,
+        credits=credits,
         monitor=monitor,
         fd_server=fd_server,
         fleet_record=fleet_record,
         fleet_view=fleet_view,
+        late=late,
     )
     return Broker(
         config=config,
@@ -239,4 +281,53 @@ def build_broker(
         telemetry=telemetry,
         routes=routes,
         services=services,
+    )
+
+
+def _handlers(
+    config: BrokerConfig,
+    machines: Machines,
+    transport: Transport,
+    copying: Copying,
+    telemetry: Telemetry,
+    tasks: TaskSet,
+    credits: Credits,
+    probes: TransportProbes,
+    fleet_view: FleetView | None,
+) -> Handlers:
+    """What carries out each effect the executor hands on; the data plane's
+    thread takes the notices of packed parts through the receiving parts."""
+    copies = DeviceCopies(
+        pools=transport.pools, views=copying.views, lanes=copying.lanes, workers=copying.workers, priorities=config.priorities
+    )
+    parts = PartsInFlight(
+        config=config,
+        machines=machines,
+        transport=transport,
+        credits=credits,
+        probes=probes,
+        copies=copies,
+        tasks=tasks,
+        telemetry=telemetry,
+    )
+    receiving = ReceivingParts(machines=machines, transport=transport, copies=copies, credits=credits, counters=telemetry.counters)
+    transport.dataplane.take_notice = receiving.take
+    calls = CallsToPeers(
+        broker_id=machines.broker_id,
+        client=transport.client,
+        peers=transport.peers,
+        receiver=machines.receiver,
+        turn=machines.turn,
+        fleet=fleet_view,
+    )
+    registrations = Registrations(
+        peers=transport.peers,
+        client=transport.client,
+        receiver=machines.receiver,
+        dataplane=transport.dataplane,
+        tasks=tasks,
+        turn=machines.turn,
+    )
+    return Handlers(
+        parts=parts, receiving=receiving, copies=copies, credits=credits, calls=calls, registrations=registrations
     )

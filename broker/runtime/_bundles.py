@@ -3,9 +3,10 @@
 
 - :class:`Routes`: the call routes the servicers and the server hand calls to;
 - :class:`Services`: what runs beside the routes (the NIXL agent, the engine
-  table, background tasks, the executor, the peer monitor, the fd socket,
-  the fleet in etcd), which :class:`~kvbroker.broker.runtime.Broker` starts
-  and stops;
+  table, background tasks, the executor and the receive credits, the peer
+  monitor, the fd socket, the fleet in etcd), which
+  :class:`~kvbroker.broker.runtime.Broker` starts and stops, and the late
+  callbacks it checks are set before it starts;
 - :class:`Internals`: every part, for tests that inject faults (the one
   deliberate seam: ``Broker.internals``; broker code never reads it).
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from kvbroker.broker.dataplane import Agent
 from kvbroker.broker.execution import (
     Copying,
+    Credits,
     Executor,
     Machines,
     TaskSet,
@@ -28,6 +30,7 @@ from kvbroker.broker.memory import EngineTable, FdSocketServer
 from kvbroker.broker.peers import FleetRecord, FleetView, PeerMonitor
 from kvbroker.broker.runtime._engine_calls import EngineCalls
 from kvbroker.broker.runtime._housekeeping import Housekeeping
+from kvbroker.broker.runtime._late import LateCalls
 from kvbroker.broker.runtime._operators import Operators
 from kvbroker.broker.runtime._peer_loss import PeerLoss
 from kvbroker.broker.runtime._peer_requests import PeerRequests
@@ -64,12 +67,16 @@ class Services:
     engines: EngineTable
     tasks: TaskSet
     executor: Executor
+    #: Receive credits, both sides (Admin and metrics read them).
+    credits: Credits
     monitor: PeerMonitor
     fd_server: FdSocketServer
     #: The fleet in etcd (``serve --etcd``; None without): this broker's
     #: record, and its view of every broker's.
     fleet_record: FleetRecord | None
     fleet_view: FleetView | None
+    #: The callbacks into parts made after the parts that call them (``_late``).
+    late: LateCalls
 
 
 @dataclass(frozen=True, eq=False)

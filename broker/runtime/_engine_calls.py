@@ -7,15 +7,17 @@ sender or receiver state machine in a turn (``execution.Turn``): the
 effects it leaves are carried out when the turn ends, before it answers. The engine's session stream
 (``_sessions``) carries the same room commands. The GPUs an engine's memory
 is on (:func:`table_vram_devices`) are those whose transfer buffers and copy
-lanes its registration opens; they stay until the broker stops.
+lanes its registration opens (:func:`open_gpus`, bound to them when the
+broker is built); they stay until the broker stops.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 
+from kvbroker import cudavmm
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.device import Lanes
 from kvbroker.broker.execution import Machines, TaskSet, in_turn
@@ -38,7 +40,7 @@ from kvbroker.errors import InvalidArgument, NotFound
 from kvbroker.plan import DescriptorTable, RoomTimeouts
 from kvbroker.v1 import common_pb2, transfer_pb2
 
-__all__ = ["EngineCalls"]
+__all__ = ["EngineCalls", "open_gpus"]
 
 log = structlog.get_logger(__name__)
 
@@ -53,8 +55,7 @@ class EngineCalls:
         machines: Machines,
         engines: EngineTable,
         fd_server: FdSocketServer,
-        pools: StagingPools,
-        lanes: Lanes,
+        open_gpus: Callable[[DescriptorTable], Awaitable[None]],
         tasks: TaskSet,
         operators: Operators,
     ) -> None:
@@ -62,7 +63,8 @@ class EngineCalls:
         self._config = config
         self._engines = engines
         self._fd_server = fd_server
-        self._pools = pools
+        #: Opens the transfer buffers and copy lanes of the GPUs a registering rank's memory is on.
+        self._open_gpus = open_gpus
         self._rooms = machines.rooms
         self._sender = machines.sender
         self._receiver = machines.receiver
@@ -70,7 +72,6 @@ class EngineCalls:
         self._hub = machines.hub
         self._tasks = tasks
         self._operators = operators
-        self._lanes = lanes
 
     # -- an engine arrives and leaves -----------------------------------------------
     async def register_engine(self, request: transfer_pb2.RegisterEngineRequest) -> Engine:
@@ -80,16 +81,6 @@ class EngineCalls:
         if claimed is None:
             raise NotFound("unknown or already used session_token: upload the buffers over the fd socket first")
         connection, fds = claimed
-
-        async def open_devices(table: DescriptorTable) -> None:
-            # The engine's VRAM moves only through this broker's transfer
-            # buffers on its GPUs (without them, refuse the engine), copied by
-            # each GPU's lane: both exist before peers can learn of the engine,
-            # and stay until the broker stops (StagingPools.ensure_device).
-            for device in sorted(table_vram_devices(table)):
-                await self._pools.ensure_device(device, self._engines.cuda_driver)
-                await self._lanes.open(device)
-
         try:
             engine = await self._engines.register(
                 rank=request.rank,
@@ -99,7 +90,7 @@ class EngineCalls:
                 session_token=connection.token,
                 pid=connection.pid,
                 timeouts=timeouts,
-                before_publish=open_devices,
+                before_publish=self._open_gpus,
             )
         except BaseException:
             connection.engine_id = None
@@ -236,6 +227,19 @@ class EngineCalls:
 
 
 # -- the GPUs an engine's memory is on -----------------------------------------------
+async def open_gpus(pools: StagingPools, lanes: Lanes, cuda_driver: cudavmm.Driver | None, table: DescriptorTable) -> None:
+    """Open the transfer buffers and the copy lane of each GPU a rank with this
+    descriptor table has memory on, before its registration is published.
+
+    The engine's VRAM moves only through this broker's transfer buffers on its
+    GPUs (without them, the engine is refused), copied by each GPU's lane: both
+    exist before peers can learn of the engine, and stay until the broker stops
+    (``StagingPools.ensure_device``)."""
+    for device in sorted(table_vram_devices(table)):
+        await pools.ensure_device(device, cuda_driver)
+        await lanes.open(device)
+
+
 def table_vram_devices(table: DescriptorTable) -> set[int]:
     """The GPUs holding some of the regions of a rank with this descriptor table."""
     return {device for kind, device in zip(table.region_kind, table.region_device) if kind == common_pb2.MEMORY_KIND_VRAM}

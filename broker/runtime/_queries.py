@@ -185,18 +185,18 @@ class TrafficQueries:
 
     def parts_waiting_for_credits(self) -> int:
         """Parts waiting for receive credits from their peer (the device path)."""
-        return self._services.executor.credits.waiting_parts()
+        return self._services.credits.waiting_parts()
 
     def background_tasks(self) -> int:
         return len(self._services.tasks)
 
     def granted_credit_bytes(self) -> int:
         """Receive credits this broker granted its senders and holds now."""
-        return self._services.executor.credits.ledger.granted_bytes()
+        return self._services.credits.ledger.granted_bytes()
 
     def awaiting_credit_returns(self) -> bool:
-        return self._services.executor.credits.awaiting_returns()
+        return self._services.credits.awaiting_returns()
 
     def credit_business_with(self, peer_id: str) -> bool:
         """Whether credits are granted to or held from ``peer_id``."""
-        return self._services.executor.credits.has_business(peer_id)
+        return self._services.credits.has_business(peer_id)

@@ -14,6 +14,9 @@ __all__ = ["Counters"]
 class Counters:
     """Monotonic counters since the broker started."""
 
+    #: The queues' depth, waits and bytes by class and engine group (the
+    #: broker's one ``QueueStats``, which its queues report to).
+    queues: QueueStats
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     bytes_sent: int = 0
@@ -40,5 +43,3 @@ class Counters:
     parts_taken_off_loop: int = 0
     #: PeerBroker calls this broker answered, by method.
     peer_calls_answered: Counter[str] = field(default_factory=Counter)
-    #: The queues' depth, waits and bytes by class and engine group.
-    queues: QueueStats = field(default_factory=QueueStats)

@@ -61,7 +61,7 @@ class GaugeSnapshot:
 class BrokerMetrics:
     """The broker's instruments, on the global meter provider."""
 
-    def __init__(self) -> None:
+    def __init__(self, queues: QueueStats) -> None:
         meter = metrics.get_meter("kvbroker")
         self.snapshot = GaugeSnapshot()
         #: direction -> bytes; (path, result) -> transfers: totals since start (loop only; a scrape copies them).
@@ -87,8 +87,8 @@ class BrokerMetrics:
             "kvbroker.staging.bytes_in_use", unit="By", callbacks=[self._staging], description="staging reserved"
         )
         meter.create_observable_gauge("kvbroker.sessions", callbacks=[self._sessions], description="engine ranks registered")
-        #: The queues' rows (``Counters.queues``), set when the broker is built.
-        self.queues: QueueStats | None = None
+        #: The queues' rows (the broker's one ``QueueStats``, ``Counters.queues`` too).
+        self._queues = queues
         meter.create_observable_gauge(
             "kvbroker.queue.waiting", callbacks=[self._queue_waiting], description="work waiting, by queue, class and engine group"
         )
@@ -133,7 +133,7 @@ class BrokerMetrics:
         return [Observation(n, {"direction": d}) for d, n in self.snapshot.staging.items()]
 
     def _queue_rows(self, value: str) -> Iterable[Observation]:
-        rows = self.queues.rows() if self.queues is not None else []
+        rows = self._queues.rows()
         return [
             Observation(max(0, getattr(r, value)), {"queue": r.queue, "class": _CLASSES.get(r.priority, str(r.priority)), "engine": r.engine})
             for r in rows

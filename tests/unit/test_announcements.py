@@ -21,7 +21,7 @@ from kvbroker.broker.rooms import (
     RoomTables,
     cause,
 )
-from kvbroker.broker.telemetry import Counters
+from kvbroker.broker.telemetry import Counters, QueueStats
 from kvbroker.v1 import common_pb2
 
 A = "host-a:50051"
@@ -32,7 +32,7 @@ Builder = Callable[..., Any]
 class World:
     def __init__(self, engine_stub: Builder) -> None:
         self.engine_stub = engine_stub
-        self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters(), credits=CreditLedger())
+        self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters(queues=QueueStats()), credits=CreditLedger())
 
     def announce(self, engine: Any, room: int, address: str = A, group: str = "prefill-group") -> None:
         self.core.announcements.announce(AnnounceRoom(engine=engine, room=room, sender_address=address, sender_group=group))

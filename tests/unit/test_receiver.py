@@ -36,7 +36,7 @@ from kvbroker.broker.rooms import (
     VerifyChunk,
     cause,
 )
-from kvbroker.broker.telemetry import Counters
+from kvbroker.broker.telemetry import Counters, QueueStats
 from kvbroker.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -67,7 +67,7 @@ class World:
     def __init__(self, engine_stub: Builder) -> None:
         self.engine_stub = engine_stub
         self.rooms = RoomTables()
-        self.counters = Counters()
+        self.counters = Counters(queues=QueueStats())
         self.core = ReceiverCore(broker_id="decode-broker", rooms=self.rooms, counters=self.counters, credits=CreditLedger())
 
     def take(self) -> list[Effect]:

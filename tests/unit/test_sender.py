@@ -28,7 +28,7 @@ from kvbroker.broker.rooms import (
     TransferInfo,
     cause,
 )
-from kvbroker.broker.telemetry import Counters
+from kvbroker.broker.telemetry import Counters, QueueStats
 from kvbroker.errors import (
     Aborted,
     AlreadyExists,
@@ -86,7 +86,7 @@ class World:
     def __init__(self, engine_stub: Builder, *, send_staging: int = 0) -> None:
         self.engine_stub = engine_stub
         self.rooms = RoomTables()
-        self.counters = Counters()
+        self.counters = Counters(queues=QueueStats())
         self.peers = Peers()
         self.core = SenderCore(
             broker_id="prefill-broker",

@@ -1,4 +1,5 @@
-"""Staging copies: between engines' pages and staging slots, on the device lanes.
+"""Device copies: between engines' pages (VRAM, or host memory) and the slots
+of the transfer buffers, each on its memory's lane.
 
 A chunk's checksum (when its receiver verifies) is computed over the
 engine's pages on the copy thread, on both sides. A staged or packed part is gathered from the source's pages into its slot of
@@ -52,13 +53,14 @@ from kvbroker.v1 import common_pb2
 if TYPE_CHECKING:
     from kvbroker.broker.execution._receiving_parts import ReceivingPart
 
-__all__ = ["StagingCopies", "as_broker_error", "extents", "host_region", "slot_of"]
+__all__ = ["DeviceCopies", "as_broker_error", "extents", "host_region", "slot_of"]
 
 log = structlog.get_logger(__name__)
 
 
-class StagingCopies:
-    """Gathers parts into send slots and scatters landed ones into pages. Control loop only."""
+class DeviceCopies:
+    """The device copies: gathers parts from engines' pages into send slots, scatters
+    landed ones into pages, checksums chunks. Control loop only."""
 
     def __init__(
         self, *, pools: StagingPools, views: ArrayViews, lanes: Lanes, workers: Workers, priorities: bool = True
