@@ -24,7 +24,7 @@ from kvbroker.broker.peers import (
     call_unary,
     handlers_of,
 )
-from kvbroker.broker.telemetry import Counters
+from kvbroker.broker.telemetry import Counters, QueueStats
 from kvbroker.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -50,7 +50,7 @@ class _Callee(PeerService):
         self.calls: list[str] = []
         self.streams = 0
         self.served = ServedStreams()
-        self.counters = Counters()
+        self.counters = Counters(QueueStats())
         super().__init__(PeerAnswers({name: functools.partial(self._answer, name) for name in PEER_METHODS}, self.counters), "callee", self.counters)
 
     def _answer(self, name: str, request: Any) -> Any:
