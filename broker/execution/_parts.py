@@ -103,8 +103,8 @@ class PartsInFlight:
             config.send_window_bytes,
             self._dataplane.post,
             self.fail,
-            telemetry.counters.queues.observer("send_window"),
-            self._waited,
+            waited=self._waited,
+            observer=telemetry.counters.queues.observer("send_window"),
         )
         #: The packed path (``_packed_parts``): it reads the spans and adds to what is sending.
         self._packed = PackedParts(

@@ -28,8 +28,9 @@ class SendWindow:
         limit_bytes: int,
         post: Callable[[Posting], None],
         fail: Callable[[Part, KvBrokerError], None],
+        *,
+        waited: Callable[[Part, float, str], None],
         observer: QueueObserver | None = None,
-        waited: Callable[[Part, float, str], None] = lambda _p, _s, _b: None,
     ) -> None:
         self._limit = limit_bytes
         self._post = post

@@ -97,7 +97,7 @@ class FleetRecord:
         broker_id: str,
         address: str,
         groups: Callable[[], dict[str, Any]],
-        draining: Callable[[], bool] = lambda: False,
+        draining: Callable[[], bool],
     ) -> None:
         self.host, self.port = parse_endpoint(url)
         self.prefix = prefix

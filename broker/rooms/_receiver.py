@@ -118,7 +118,7 @@ class ReceiverCore:
         rooms: RoomTables,
         counters: Counters,
         credits: CreditLedger,
-        on_bytes: Callable[[int], None] = lambda _n: None,
+        on_bytes: Callable[[int], None],
     ) -> None:
         core = MachineCore(broker_id=broker_id, rooms=rooms, counters=counters)
         successors = SuccessorNotices(rooms)

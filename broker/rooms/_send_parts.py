@@ -81,7 +81,6 @@ class PartLedger:
         *,
         peers: PeerView,
         send_staging_bytes: Callable[[int, int], int],
-        on_bytes: Callable[[int], None],
         part_bytes: int,
         host_part_bytes: int = 0,
     ) -> None:
@@ -101,7 +100,6 @@ class PartLedger:
         self._host_part_bytes = host_part_bytes
         #: KV pairings by (engine, its generation, receiver broker, rank, its generation, layers).
         self._kv_plans: collections.OrderedDict[tuple[Any, ...], KvPairs] = collections.OrderedDict()
-        self._on_bytes = on_bytes
 
     # -- chunks ------------------------------------------------------------
     def chunk(self, command: SendChunk) -> tuple[int, Source]:
@@ -197,7 +195,6 @@ class PartLedger:
         if state is XferState.DONE:
             source.bytes += part.nbytes
             self._counters.bytes_sent += part.nbytes
-            self._on_bytes(part.nbytes)
             source.mark("first_byte")
         elif error is not None:
             self._fail(source, cause_of(error, self._id))

@@ -94,14 +94,13 @@ class SenderCore:
         counters: Counters,
         peers: PeerView,
         send_staging_bytes: Callable[[int, int], int],
-        on_bytes: Callable[[int], None] = lambda _n: None,
         part_bytes: int = 64 << 20,
         host_part_bytes: int = 0,
     ) -> None:
         core = MachineCore(broker_id=broker_id, rooms=rooms, counters=counters)
         outcomes = SourceOutcomes(core)
         ledger = PartLedger(
-            core, outcomes, peers=peers, send_staging_bytes=send_staging_bytes, on_bytes=on_bytes, part_bytes=part_bytes,
+            core, outcomes, peers=peers, send_staging_bytes=send_staging_bytes, part_bytes=part_bytes,
             host_part_bytes=host_part_bytes,
         )
         bootstrap = SourceBootstrap(core, outcomes, ledger, peers=peers)

@@ -32,7 +32,7 @@ Builder = Callable[..., Any]
 class World:
     def __init__(self, engine_stub: Builder) -> None:
         self.engine_stub = engine_stub
-        self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters(queues=QueueStats()), credits=CreditLedger())
+        self.core = ReceiverCore(broker_id="decode-broker", rooms=RoomTables(), counters=Counters(queues=QueueStats()), credits=CreditLedger(), on_bytes=lambda _n: None)
 
     def announce(self, engine: Any, room: int, address: str = A, group: str = "prefill-group") -> None:
         self.core.announcements.announce(AnnounceRoom(engine=engine, room=room, sender_address=address, sender_group=group))

@@ -68,7 +68,7 @@ class World:
         self.engine_stub = engine_stub
         self.rooms = RoomTables()
         self.counters = Counters(queues=QueueStats())
-        self.core = ReceiverCore(broker_id="decode-broker", rooms=self.rooms, counters=self.counters, credits=CreditLedger())
+        self.core = ReceiverCore(broker_id="decode-broker", rooms=self.rooms, counters=self.counters, credits=CreditLedger(), on_bytes=lambda _n: None)
 
     def take(self) -> list[Effect]:
         return self.core.take()
@@ -283,7 +283,7 @@ def _credited_rank(world: World) -> tuple[Receiver, tuple[int, int]]:
     ledger = CreditLedger()
     pool = (common_pb2.MEMORY_KIND_DRAM, 0)
     ledger.add(Grant("g1", P, pool, TransferSlot(0, 65536)))
-    world.core = ReceiverCore(broker_id="decode-broker", rooms=world.rooms, counters=world.counters, credits=ledger)
+    world.core = ReceiverCore(broker_id="decode-broker", rooms=world.rooms, counters=world.counters, credits=ledger, on_bytes=lambda _n: None)
     return world.registered(pages=i32([0, 1, 2]), aux_row=None), pool
 
 

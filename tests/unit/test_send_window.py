@@ -30,7 +30,7 @@ def _window(limit: int) -> tuple[SendWindow, list[str], list[tuple[str, str]]]:
     def fail(part: Any, error: KvBrokerError) -> None:
         failed.append((part.name, error.message))
 
-    return SendWindow(limit, lambda p: posted.append(p.token.name), fail), posted, failed
+    return SendWindow(limit, lambda p: posted.append(p.token.name), fail, waited=lambda _p, _s, _b: None), posted, failed
 
 
 def _posting(part: _Part, nbytes: int, priority: Priority | None = None, engine: str = "a") -> Posting:
