@@ -36,7 +36,7 @@ class Plane:
         #: The tokens in the order the thread posted them.
         self.posted: list[str] = []
         self.loop = asyncio.new_event_loop()
-        self.plane = DataPlane(self.sender, on_events=self.events.extend, transfer_timeout_seconds=transfer_timeout_seconds)
+        self.plane = DataPlane(self.sender, on_events=self.events.extend, take_notice=None, transfer_timeout_seconds=transfer_timeout_seconds)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.run(self._start())

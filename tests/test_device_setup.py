@@ -197,7 +197,7 @@ def test_a_lane_asked_for_before_registration_made_it_is_made_once_off_the_loop(
     views = ArrayViews()
 
     async def run() -> list[int]:
-        dataplane = DataPlane(FakeAgent("lanes-test"), on_events=lambda events: None, transfer_timeout_seconds=10)
+        dataplane = DataPlane(FakeAgent("lanes-test"), on_events=lambda events: None, take_notice=None, transfer_timeout_seconds=10)
         dataplane.start()
         lanes = Lanes(workers, views, dataplane, streams)
         slot = Extent(0, 0, VRAM, 3)

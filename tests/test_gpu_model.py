@@ -117,7 +117,7 @@ def test_a_lane_on_a_modelled_gpu_finishes_its_job_when_the_model_says() -> None
         return copies
 
     async def go() -> tuple[list[str], float]:
-        dataplane = DataPlane(FakeAgent("lane-test"), on_events=lambda events: None, transfer_timeout_seconds=10)
+        dataplane = DataPlane(FakeAgent("lane-test"), on_events=lambda events: None, take_notice=None, transfer_timeout_seconds=10)
         dataplane.start()
         lanes = Lanes(workers, ArrayViews(device_as_host=True), dataplane, streams)
         try:

@@ -137,11 +137,16 @@ class DataPlane:
         agent: Agent,
         *,
         on_events: Callable[[list[Event]], None],
+        take_notice: Callable[[str, bytes], bool] | None,
         transfer_timeout_seconds: float,
         queues: QueueStats | None = None,
     ) -> None:
         self._agent = agent
         self._on_events = on_events
+        #: ``take_notice(agent, payload)`` sees each notification here as it is
+        #: read; one it takes (True) is not delivered to the loop, one it
+        #: declines (or raises on) is. None: every one goes to the loop.
+        self.take_notice = take_notice
         self._timeout_s = transfer_timeout_seconds
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         #: Posts queued together, reordered by ticket (``queues``: their waits in GetStats).
@@ -165,10 +170,6 @@ class DataPlane:
         self._watches: list[tuple[Callable[[], bool], Callable[[BaseException | None], None]]] = []
         #: Passes over the agent (for tests and the idle-CPU benchmark).
         self.passes = 0
-        #: Set before the thread starts: ``take_notice(agent, payload)`` sees each
-        #: notification here as it is read; one it takes (True) is not delivered
-        #: to the loop, one it declines (or raises on) is.
-        self.take_notice: Callable[[str, bytes], bool] | None = None
 
     # -- lifecycle (control loop) ---------------------------------------
     def start(self) -> None:

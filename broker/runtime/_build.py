@@ -19,13 +19,16 @@ landed parts, the device copies, calls to peers, registrations) and the
 executor they are handed to; then the operators, the fd socket, the engine
 calls and the other routes.
 
-Four callbacks close a cycle: the part that calls one is needed to make the
+Five callbacks close a cycle: the part that calls one is needed to make the
 part it calls, so it is handed a :class:`~kvbroker.broker.runtime.Late`
 (``_late``), set once the called part exists; :meth:`Broker.start` refuses
 to start while one is not set (nothing runs before it):
 
 - ``on_events``: the data plane reports settled transfers and notifications
   to the executor, whose handlers post to the data plane;
+- ``take_notice``: the data plane hands each notification it reads to the
+  receiving parts first (a packed part's is taken off the loop), which
+  post to the data plane;
 - ``peer_restarted``: the peer table reports a peer that came back as
   another process to the peer loss route, which drops peers from the table;
 - ``fd_closed``: the fd socket reports an engine's closed connection to the
@@ -35,9 +38,7 @@ to start while one is not set (nothing runs before it):
 
 The fleet view's departures need no late callback: the peer loss route is
 made before it. Two observer lists are appended to once their listener
-exists (the engine table's ``on_change`` and ``on_unbacked``), and the data
-plane is given its ``take_notice`` (the receiving parts, which post to it)
-before it starts.
+exists (the engine table's ``on_change`` and ``on_unbacked``).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def build_broker(
     views = ArrayViews(device_as_host=device_as_host)
     late = LateCalls(
         on_events=Late("Executor.on_events"),
+        take_notice=Late("ReceivingParts.take"),
         peer_restarted=Late("PeerLoss.peer_lost"),
         fd_closed=Late("EngineCalls.fd_connection_closed"),
         draining=Late("Operators.draining"),
@@ -129,7 +131,13 @@ def build_broker(
 
     # The data path, and the peers: nothing here needs a part made below but
     # through the late callbacks (the data plane's events, a restarted peer).
-    dataplane = DataPlane(agent, on_events=late.on_events, transfer_timeout_seconds=config.transfer_timeout_seconds, queues=queues)
+    dataplane = DataPlane(
+        agent,
+        on_events=late.on_events,
+        take_notice=late.take_notice,
+        transfer_timeout_seconds=config.transfer_timeout_seconds,
+        queues=queues,
+    )
     lanes = Lanes(workers, views, dataplane, device_streams)
     engines = EngineTable(dataplane, workers, cuda_driver)
     pools = StagingPools(
@@ -225,14 +233,10 @@ def build_broker(
     )
 
     # The executor, handed what carries out each effect (the data plane's events to it: late).
-    executor = Executor(
-        machines=machines,
-        transport=transport,
-        telemetry=telemetry,
-        tasks=tasks,
-        handlers=_handlers(config, machines, transport, copying, telemetry, tasks, credits, probes, fleet_view),
-    )
+    handlers = _handlers(config, machines, transport, copying, telemetry, tasks, credits, probes, fleet_view)
+    executor = Executor(machines=machines, transport=transport, telemetry=telemetry, tasks=tasks, handlers=handlers)
     late.on_events.set(executor.on_events)
+    late.take_notice.set(handlers.receiving.take)
 
     # The routes (the fd socket's closed connections to the engine calls, the draining flag to the fleet: late).
     operators = Operators(machines=machines, fleet_record=fleet_record, fleet_view=fleet_view, on_draining=on_draining)
@@ -295,8 +299,8 @@ def _handlers(
     probes: TransportProbes,
     fleet_view: FleetView | None,
 ) -> Handlers:
-    """What carries out each effect the executor hands on; the data plane's
-    thread takes the notices of packed parts through the receiving parts."""
+    """What carries out each effect the executor hands on (the data plane's
+    thread hands the notices it reads to the receiving parts first: late)."""
     copies = DeviceCopies(
         pools=transport.pools, views=copying.views, lanes=copying.lanes, workers=copying.workers, priorities=config.priorities
     )
@@ -311,7 +315,6 @@ def _handlers(
         telemetry=telemetry,
     )
     receiving = ReceivingParts(machines=machines, transport=transport, copies=copies, credits=credits, counters=telemetry.counters)
-    transport.dataplane.take_notice = receiving.take
     calls = CallsToPeers(
         broker_id=machines.broker_id,
         client=transport.client,

@@ -59,6 +59,8 @@ class LateCalls:
 
     #: The data plane's events, to the executor (which posts to the data plane).
     on_events: Late[[list[Event]], None]
+    #: The notifications the data plane reads, to the receiving parts (which post to it).
+    take_notice: Late[[str, bytes], bool]
     #: A peer that restarted, from the peer table to the peer loss route (which drops peers from it).
     peer_restarted: Late[[Peer, str], None]
     #: An engine's fd connection closed, from the fd socket to the engine calls (which claim its uploads).

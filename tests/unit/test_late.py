@@ -33,8 +33,9 @@ def test_a_late_callback_is_set_only_once() -> None:
 
 def test_late_calls_list_what_is_not_set() -> None:
     """``LateCalls.unset`` names every callback not set yet (what Broker.start refuses to start with)."""
-    late = LateCalls(on_events=Late("a"), peer_restarted=Late("b"), fd_closed=Late("c"), draining=Late("d"))
-    assert late.unset() == ["a", "b", "c", "d"]
+    late = LateCalls(on_events=Late("a"), take_notice=Late("e"), peer_restarted=Late("b"), fd_closed=Late("c"), draining=Late("d"))
+    assert late.unset() == ["a", "e", "b", "c", "d"]
     late.on_events.set(lambda events: None)
     late.draining.set(lambda: False)
+    late.take_notice.set(lambda agent, payload: False)
     assert late.unset() == ["b", "c"]
