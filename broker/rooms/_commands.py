@@ -21,30 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from kvbroker.broker.memory import Engine
-from kvbroker.plan import IndexArray
+from kvbroker.plan import NO_STATE, IndexArray, read_only
 
 __all__ = ["Abort", "AnnounceRoom", "BeginSend", "ExpectRoom", "SendChunk"]
-
-#: No state indices (shared: read-only).
-NO_STATE: Mapping[str, IndexArray] = MappingProxyType({})
 
 
 def _no_state() -> Mapping[str, IndexArray]:
     return NO_STATE
-
-
-def _read_only(pages: IndexArray, state: Mapping[str, IndexArray]) -> Mapping[str, IndexArray]:
-    """Turn off the write flag of ``pages`` and of ``state``'s arrays; ``state``
-    as a read-only mapping of its own (the caller's dict may change after)."""
-    pages.setflags(write=False)
-    if not state:
-        return NO_STATE
-    for indices in state.values():
-        indices.setflags(write=False)
-    return MappingProxyType(dict(state))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,7 +55,7 @@ class ExpectRoom:
     deadline: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "state", _read_only(self.pages, self.state))
+        object.__setattr__(self, "state", read_only(self.pages, self.state))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,7 +84,7 @@ class SendChunk:
     room_page: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "state", _read_only(self.pages, self.state))
+        object.__setattr__(self, "state", read_only(self.pages, self.state))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

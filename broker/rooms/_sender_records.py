@@ -28,6 +28,7 @@ from kvbroker.plan import (
     RankKey,
     SourcePlan,
     held_pages,
+    read_only,
 )
 from kvbroker.v1 import peer_pb2
 
@@ -59,9 +60,11 @@ class TransferInfo:
     receiver: RankKey
     receiver_generation: int
     sender_group: str
+    #: The receiver's pages and state indices, read-only once built (the
+    #: destinations keep and read them; nothing may change them afterwards).
     pages: IndexArray
     aux_row: int | None
-    state: dict[str, IndexArray]
+    state: Mapping[str, IndexArray]
     sources: tuple[SourcePlan, ...]
     #: The leading pages of the room the receiver already holds: ``pages``
     #: are the room's pages after them (incremental transfer).
@@ -79,6 +82,9 @@ class TransferInfo:
     #: The span current in the RegisterRoom call (the receiver's room span
     #: is its ancestor): the sender's room span joins that trace.
     trace_context: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", read_only(self.pages, self.state))
 
     def plan_for(self, source: RankKey) -> SourcePlan | None:
         for plan in self.sources:

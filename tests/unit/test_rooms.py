@@ -712,3 +712,27 @@ def test_source_expectation_counts() -> None:
     assert exp.part_landed(1, 0, 3) is False and exp.part_landed(1, 2, 3) is True and exp.chunks_landed() == 2
     exp.total_chunks = 2
     assert exp.all_parts_landed()
+
+
+def test_a_transfer_infos_indices_are_read_only_once_built() -> None:
+    """A receiver's registration (TransferInfo), kept by every destination it feeds, holds its page
+    and state indices read-only and its state as a mapping of its own: nothing can change them later."""
+    state = {"c": np.array([1], dtype=np.int32)}
+    info = TransferInfo(
+        room=1,
+        receiver_broker_id="rb",
+        receiver=RankKey("d", 0, 0),
+        receiver_generation=1,
+        sender_group="p",
+        pages=np.arange(3, dtype=np.int32),
+        aux_row=0,
+        state=state,
+        sources=(_plan(),),
+    )
+    state["d"] = np.array([2], dtype=np.int32)
+    assert list(info.state) == ["c"]
+    for indices in (info.pages, info.state["c"]):
+        with pytest.raises(ValueError, match="read-only"):
+            indices[0] = 9
+    with pytest.raises(TypeError):
+        info.state["e"] = state["d"]  # type: ignore[index]

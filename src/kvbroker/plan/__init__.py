@@ -14,11 +14,13 @@ from kvbroker.plan._descriptors import (
 )
 from kvbroker.plan._indices import (
     NO_INDICES,
+    NO_STATE,
     IndexArray,
     as_index,
     as_indices,
     decode_indices,
     encode_indices,
+    read_only,
 )
 from kvbroker.plan._layout import DTYPE_BYTES, Layout, RankKey, kv_kinds_of, rank_key
 from kvbroker.plan._mapping import (
@@ -73,9 +75,11 @@ __all__ = [
     # Page-index lists on the wire (_indices).
     "IndexArray",
     "NO_INDICES",
+    "NO_STATE",
     "as_index",
     "as_indices",
     "decode_indices",
+    "read_only",
     "encode_indices",
     # The check of every index a room or chunk names (_validation).
     "check_chunk",

@@ -8,7 +8,8 @@ decode to the same numpy int32 array. Indices stay numpy arrays end to end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
@@ -16,13 +17,16 @@ import numpy.typing as npt
 from kvbroker.errors import InvalidArgument
 from kvbroker.v1 import common_pb2
 
-__all__ = ["NO_INDICES", "IndexArray", "as_index", "as_indices", "decode_indices", "encode_indices"]
+__all__ = ["NO_INDICES", "NO_STATE", "IndexArray", "as_index", "as_indices", "decode_indices", "encode_indices", "read_only"]
 
 IndexArray = npt.NDArray[np.int32]
 
 #: No indices (an empty int32 array; shared, never written).
 NO_INDICES: IndexArray = np.zeros(0, dtype=np.int32)
 NO_INDICES.flags.writeable = False
+
+#: No state indices (a read-only mapping; shared).
+NO_STATE: Mapping[str, IndexArray] = MappingProxyType({})
 
 _LE_INT32 = np.dtype("<i4")
 
@@ -80,3 +84,16 @@ def decode_indices(message: common_pb2.PageIndices, *, what: str = "pages") -> I
             raise InvalidArgument(f"{what}: packed indices must be a multiple of 4 bytes, got {len(message.packed)}")
         return np.frombuffer(message.packed, dtype=_LE_INT32).astype(np.int32, copy=False)
     return as_indices(np.fromiter(message.values, dtype=np.int64, count=len(message.values)), what)
+
+
+def read_only(pages: IndexArray, state: Mapping[str, IndexArray]) -> Mapping[str, IndexArray]:
+    """Turn off the write flag of ``pages`` and of ``state``'s arrays (no copy;
+    packed indices decode read-only already); ``state`` as a read-only mapping
+    of its own (the caller's dict may change after). For the records and
+    commands that keep the very arrays once they were validated."""
+    pages.setflags(write=False)
+    if not state:
+        return NO_STATE
+    for indices in state.values():
+        indices.setflags(write=False)
+    return MappingProxyType(dict(state))
