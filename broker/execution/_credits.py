@@ -36,7 +36,7 @@ import structlog
 
 from kvbroker.broker.aio import await_grant
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import DataPlane
+from kvbroker.broker.execution._bundles import Transport
 from kvbroker.broker.execution._tasks import TaskSet
 from kvbroker.broker.memory import (
     Credit,
@@ -46,10 +46,9 @@ from kvbroker.broker.memory import (
     FreeList,
     Grant,
     StagingPool,
-    StagingPools,
     kept_for_classes,
 )
-from kvbroker.broker.peers import Peer, PeerClient, PeerTable, PoolKey, pool_name
+from kvbroker.broker.peers import Peer, PoolKey, pool_name
 from kvbroker.broker.scheduling import FairQueue, Priority, Ticket, Waiter
 from kvbroker.errors import (
     DeadlineExceeded,
@@ -81,19 +80,16 @@ class Credits:
         *,
         broker_id: str,
         config: BrokerConfig,
-        dataplane: DataPlane,
-        peers: PeerTable,
-        client: PeerClient,
-        pools: StagingPools,
+        transport: Transport,
         tasks: TaskSet,
         ledger: CreditLedger,
     ) -> None:
         self._id = broker_id
         self._config = config
-        self._dataplane = dataplane
-        self._peers = peers
-        self._client = client
-        self._pools = pools
+        self._dataplane = transport.dataplane
+        self._peers = transport.peers
+        self._client = transport.client
+        self._pools = transport.pools
         self._tasks = tasks
         #: The receiver's book (shared with the receiver's state machine, which checks ranges).
         self.ledger = ledger
@@ -101,7 +97,7 @@ class Credits:
         #: Parts waiting for room in a window, in the order they will be placed.
         self._waiting: dict[_WindowKey, FairQueue[Waiter[Credit]]] = {}
         self._asking: set[_WindowKey] = set()
-        self._observer = pools.queue_observer("credits")
+        self._observer = self._pools.queue_observer("credits")
         #: Placed credits by id: their window (a return names the id).
         self._placed: dict[int, _WindowKey] = {}
         self._idle_checks: dict[_WindowKey, asyncio.TimerHandle] = {}

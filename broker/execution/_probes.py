@@ -40,15 +40,14 @@ import numpy as np
 import structlog
 
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.dataplane import Agent, DataPlane, XferState
+from kvbroker.broker.dataplane import Agent, XferState
+from kvbroker.broker.execution._bundles import Transport
 from kvbroker.broker.execution._tasks import TaskSet
-from kvbroker.broker.memory import StagingBuffer, StagingPools
+from kvbroker.broker.memory import StagingBuffer
 from kvbroker.broker.peers import (
     DEVICE_SPEED,
     HOST_FALLBACK,
     Peer,
-    PeerClient,
-    PeerTable,
     PoolKey,
     TransportVerdict,
     pool_name,
@@ -78,19 +77,16 @@ class TransportProbes:
         *,
         broker_id: str,
         config: BrokerConfig,
-        dataplane: DataPlane,
-        peers: PeerTable,
-        client: PeerClient,
-        pools: StagingPools,
+        transport: Transport,
         tasks: TaskSet,
         metrics: BrokerMetrics,
     ) -> None:
         self._id = broker_id
         self._config = config
-        self._dataplane = dataplane
-        self._peers = peers
-        self._client = client
-        self._pools = pools
+        self._dataplane = transport.dataplane
+        self._peers = transport.peers
+        self._client = transport.client
+        self._pools = transport.pools
         self._tasks = tasks
         self._metrics = metrics
         self._floor_bps = config.transport_floor_gbps * 1e9

@@ -46,10 +46,6 @@ class PeerCaller:
             return await call_unary(self._channel, method, request, timeout=timeout, wait_for_ready=wait_for_ready)
         return await self.stream.submit(method, request, timeout=timeout, wait_for_ready=wait_for_ready)
 
-    def submit(self, method: PeerMethod[Req, Ans], request: Req, *, timeout: float | None, wait_for_ready: bool = False) -> asyncio.Future[Ans]:
-        """A stream call with no task of its own (:meth:`PeerStream.submit`)."""
-        return self.stream.submit(method, request, timeout=timeout, wait_for_ready=wait_for_ready)
-
     def submit_item(
         self, method: PeerMethod[Req, Ans], request: Req, items: str, *, timeout: float | None, wait_for_ready: bool = False
     ) -> tuple[asyncio.Future[Ans], int]:

@@ -184,26 +184,8 @@ def build_broker(
     transport = Transport(dataplane=dataplane, peers=peers, client=peer_client, pools=pools)
     telemetry = Telemetry(counters=counters, metrics=metrics)
     copying = Copying(workers=workers, views=views, lanes=lanes)
-    credits = Credits(
-        broker_id=broker_id,
-        config=config,
-        dataplane=dataplane,
-        peers=peers,
-        client=peer_client,
-        pools=pools,
-        tasks=tasks,
-        ledger=ledger,
-    )
-    probes = TransportProbes(
-        broker_id=broker_id,
-        config=config,
-        dataplane=dataplane,
-        peers=peers,
-        client=peer_client,
-        pools=pools,
-        tasks=tasks,
-        metrics=metrics,
-    )
+    credits = Credits(broker_id=broker_id, config=config, transport=transport, tasks=tasks, ledger=ledger)
+    probes = TransportProbes(broker_id=broker_id, config=config, transport=transport, tasks=tasks, metrics=metrics)
 
     # A lost peer: the peer table's restarts (late), the fleet's departures, the monitor's silences.
     peer_loss = PeerLoss(machines=machines, transport=transport, credits=credits)

@@ -44,7 +44,6 @@ class PeerLoss:
         self._turn = machines.turn
         self._credits = credits
 
-    @in_turn
     def peer_lost(self, peer: Peer, what: str, silent: bool = False) -> None:
         """``peer`` is lost: fail its rooms. Known gone (not ``silent``): GONE, its
         transfers cancelled, its rooms' pages settled and it dropped. Silent:
@@ -53,7 +52,7 @@ class PeerLoss:
 
     @in_turn
     def _lose(self, peer: Peer, what: str, to: PeerState) -> None:
-        """Lose ``peer`` into state ``to``: SILENT, GONE or FORGOTTEN."""
+        """Lose ``peer`` into state ``to``: SILENT, GONE or FORGOTTEN (in a turn: its rooms' effects run as it ends)."""
         broker_id = peer.broker_id
         if broker_id is None or peer.is_self:
             return

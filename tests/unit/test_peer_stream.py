@@ -181,7 +181,7 @@ def test_calls_made_in_one_pass_go_in_one_frame_of_at_most_512_and_one_given_up_
         async with _serving(callee) as address, _caller(address) as stub:
             await stub.call(REPORT_COMPLETION, peer_pb2.CompletionReport(protocol_version=V, room=0), timeout=10)  # the stream is open
             calls, frames = stub.stream.calls_written, stub.stream.frames_written
-            submitted = [stub.submit(REPORT_COMPLETION, peer_pb2.CompletionReport(protocol_version=V, room=r), timeout=10) for r in range(1, 601)]
+            submitted = [stub.stream.submit(REPORT_COMPLETION, peer_pb2.CompletionReport(protocol_version=V, room=r), timeout=10) for r in range(1, 601)]
             submitted[5].cancel()
             answers = await asyncio.gather(*submitted, return_exceptions=True)
             assert isinstance(answers[5], asyncio.CancelledError)
@@ -294,7 +294,7 @@ def test_a_call_not_yet_written_when_its_stream_breaks_goes_on_the_next_stream()
         async with _serving(callee) as address, _caller(address) as stub:
             grant = asyncio.ensure_future(stub.call(GRANT_CREDITS, peer_pb2.GrantCreditsRequest(protocol_version=V), timeout=20))
             await stub.call(PING, peer_pb2.PingRequest(), timeout=10)  # the grant is written, and waits at the callee
-            ping = stub.submit(PING, peer_pb2.PingRequest(), timeout=10)
+            ping = stub.stream.submit(PING, peer_pb2.PingRequest(), timeout=10)
             stream = stub.stream
             assert stream._opened is not None
             stream._break(stream._opened, Unavailable("broken by the test"))
